@@ -1,0 +1,485 @@
+#include "comm/collectives.h"
+
+#include <algorithm>
+#include <bit>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ddpkit::comm {
+namespace {
+
+using WorkList = std::vector<c10::intrusive_ptr<c10d::Work>>;
+
+// Balanced split of `numel` elements into `parts` chunks: the first numel % parts chunks get one more.
+struct Chunks {
+  int64_t numel;
+  int64_t parts;
+  int64_t start(int64_t i) const { return i * (numel / parts) + std::min(i, numel % parts); }
+  int64_t length(int64_t i) const { return start(i + 1) - start(i); }
+  int64_t max_length() const { return (numel + parts - 1) / parts; }
+};
+
+at::Tensor slice(const at::Tensor& flat, int64_t begin, int64_t end) { return flat.narrow(0, begin, end - begin); }
+
+// The reason `tensor` cannot take part in a ddpkit collective, or "" when it can. Collectives that
+// only move data (no `op`) take any dtype; reductions take the dtypes of collectives.h.
+std::string tensor_error(const at::Tensor& tensor, std::string_view what, std::optional<ReduceOp> op) {
+  if (!tensor.defined()) return c10::str("ddpkit.", what, ": expected a tensor, got None");
+  if (tensor.layout() != at::kStrided) return c10::str("ddpkit.", what, ": expected a dense tensor, got layout ", tensor.layout());
+  if (!tensor.is_contiguous()) {
+    return c10::str("ddpkit.", what, ": expected a contiguous tensor (strides ", tensor.strides(),
+                    " for shape ", tensor.sizes(), "); call .contiguous() first");
+  }
+  if (!op) return {};
+  const auto dtype = tensor.scalar_type();
+  const bool floating = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
+  const bool integral = dtype == at::kInt || dtype == at::kLong;
+  if (!floating && !integral) {
+    return c10::str("ddpkit.", what, ": unsupported dtype ", dtype,
+                    "; supported: float32, float64, float16, bfloat16, int32, int64");
+  }
+  if (integral && op == ReduceOp::kMean) {
+    return c10::str("ddpkit.", what, ": op 'mean' needs a floating-point tensor, got ", dtype);
+  }
+  return {};
+}
+
+std::string root_error(int root, int size, std::string_view what, std::string_view role) {
+  if (root >= 0 && root < size) return {};
+  return c10::str("ddpkit.", what, ": ", role, "=", root, " is not a rank of this group (size ", size, ")");
+}
+
+CollectiveHeader make_header(CollectiveKind kind, const at::Tensor& tensor, std::optional<ReduceOp> op,
+                             std::optional<Algorithm> algorithm, int root) {
+  CollectiveHeader header;
+  header.kind = static_cast<int64_t>(kind);
+  header.numel = tensor.defined() ? tensor.numel() : -1;
+  header.dtype = tensor.defined() ? static_cast<int64_t>(tensor.scalar_type()) : -1;
+  header.op = op ? static_cast<int64_t>(*op) : -1;
+  header.algorithm = algorithm ? static_cast<int64_t>(*algorithm) : -1;
+  header.root = root;
+  return header;
+}
+
+// float16/bfloat16 are reduced in float32; everything else in place.
+at::Tensor working_copy(const at::Tensor& tensor) {
+  const auto dtype = tensor.scalar_type();
+  if (dtype == at::kHalf || dtype == at::kBFloat16) return tensor.to(at::kFloat);
+  return tensor;
+}
+
+void write_back(at::Tensor& tensor, const at::Tensor& work) {
+  if (!work.is_same(tensor)) tensor.copy_(work);
+}
+
+// One round of a schedule: this rank's sends and receives, then local work on what arrived.
+// Messages of round k carry round tag `tag` (default k); sender and receiver must agree on it.
+struct Transfer {
+  at::Tensor tensor;
+  int peer;
+};
+struct Round {
+  std::vector<Transfer> sends;
+  std::vector<Transfer> recvs;
+  std::function<void()> then;
+  int tag = -1;
+};
+using Schedule = std::vector<Round>;
+
+// Runs `schedule` with the receives of round k+1 posted before round k is waited on
+// (Note [Pre-posted receives]), or round by round in groups where the backend needs that.
+void run_schedule(Communicator& comm, Schedule& schedule) {
+  const bool look_ahead = comm.independent_messages();
+  auto tag_of = [&](size_t k) { return schedule[k].tag >= 0 ? schedule[k].tag : static_cast<int>(k); };
+  auto post_recvs = [&](size_t k, WorkList& into) {
+    for (auto& t : schedule[k].recvs) {
+      if (t.tensor.numel() > 0) into.push_back(comm.irecv(t.tensor, t.peer, tag_of(k)));
+    }
+  };
+  WorkList current, ahead;
+  if (look_ahead && !schedule.empty()) post_recvs(0, current);
+  for (size_t k = 0; k < schedule.size(); ++k) {
+    if (!look_ahead) {
+      comm.start_group();
+      post_recvs(k, current);
+    }
+    for (auto& t : schedule[k].sends) {
+      if (t.tensor.numel() > 0) current.push_back(comm.isend(t.tensor, t.peer, tag_of(k)));
+    }
+    if (look_ahead && k + 1 < schedule.size()) post_recvs(k + 1, ahead);
+    if (!look_ahead) {
+      auto grouped = comm.end_group();
+      current.clear();
+      if (grouped) current.push_back(grouped);
+    }
+    comm.wait(current, &ahead);
+    if (schedule[k].then) schedule[k].then();
+    std::swap(current, ahead);
+  }
+  comm.finish();
+}
+
+Schedule ring_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
+  const int right = (r + 1) % n;
+  const int left = (r + n - 1) % n;
+  const Chunks chunks{flat.numel(), n};
+  auto chunk = [=](int64_t i) { return flat.narrow(0, chunks.start(i), chunks.length(i)); };
+  // Two scratch chunks: round k+1 receives into one while round k's arrival is combined from the other.
+  at::Tensor scratch = at::empty({2, chunks.max_length()}, flat.options());
+  Schedule schedule;
+  for (int step = 0; step < n - 1; ++step) {
+    const int send_index = (r - step + n) % n;
+    const int recv_index = (r - step - 1 + 2 * n) % n;
+    at::Tensor incoming = scratch[step % 2].narrow(0, 0, chunks.length(recv_index));
+    at::Tensor target = chunk(recv_index);
+    const bool last = step == n - 2;
+    schedule.push_back(Round{{{chunk(send_index), right}}, {{incoming, left}}, [=]() mutable {
+                               combine_(target, incoming, op);
+                               if (last) finish_reduction_(target, op, n);  // target is now the owned chunk r+1
+                             }});
+  }
+  for (int step = 0; step < n - 1; ++step) {
+    schedule.push_back(Round{{{chunk((r + 1 - step + n) % n), right}}, {{chunk((r - step + n) % n), left}}, {}});
+  }
+  return schedule;
+}
+
+Schedule butterfly_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
+  const Chunks chunks{flat.numel(), n};
+  auto chunk = [=](int64_t i) { return flat.narrow(0, chunks.start(i), chunks.length(i)); };
+  at::Tensor owned = chunk(r);
+  at::Tensor received = at::empty({n, chunks.length(r)}, flat.options());
+  Round scatter_reduce, all_gather;
+  for (int peer = 0; peer < n; ++peer) {
+    if (peer == r) continue;
+    scatter_reduce.sends.push_back({chunk(peer), peer});
+    scatter_reduce.recvs.push_back({received[peer], peer});
+    all_gather.sends.push_back({owned, peer});
+    all_gather.recvs.push_back({chunk(peer), peer});
+  }
+  scatter_reduce.then = [=]() mutable {
+    for (int peer = 0; peer < n; ++peer) {
+      if (peer != r) combine_(owned, received[peer], op);
+    }
+    finish_reduction_(owned, op, n);
+  };
+  return {scatter_reduce, all_gather};
+}
+
+// kStar and kGatherScatter: everything through rank 0, which reduces with `reduce_on_root`.
+Schedule rooted_schedule(const at::Tensor& flat, int n, int r, std::function<void(const at::Tensor&)> reduce_on_root) {
+  constexpr int kRoot = 0;
+  if (r != kRoot) return {Round{{{flat, kRoot}}, {}, {}}, Round{{}, {{flat, kRoot}}, {}}};
+  at::Tensor gathered = at::empty({n, flat.numel()}, flat.options());
+  Round gather_round, send_round;
+  for (int peer = 1; peer < n; ++peer) {
+    gather_round.recvs.push_back({gathered[peer], peer});
+    send_round.sends.push_back({flat, peer});
+  }
+  gather_round.then = [=]() { reduce_on_root(gathered); };
+  return {gather_round, send_round};
+}
+
+Schedule star_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
+  return rooted_schedule(flat, n, r, [=](const at::Tensor& gathered) mutable {
+    for (int peer = 1; peer < n; ++peer) combine_(flat, gathered[peer], op);
+    finish_reduction_(flat, op, n);
+  });
+}
+
+Schedule gather_scatter_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
+  return rooted_schedule(flat, n, r, [=](const at::Tensor& gathered) mutable {
+    gathered[0].copy_(flat);
+    switch (op) {
+      case ReduceOp::kSum: flat.copy_(gathered.sum(0)); break;
+      case ReduceOp::kMean: flat.copy_(gathered.mean(0)); break;
+      case ReduceOp::kMax: flat.copy_(gathered.amax(0)); break;
+      case ReduceOp::kMin: flat.copy_(gathered.amin(0)); break;
+    }
+  });
+}
+
+// Note [Folding to a power of two]
+// With p the largest power of two <= n and extra = n - p, each even rank r < 2·extra hands its
+// vector to r+1 and sits out; the p remaining ranks run the power-of-two algorithm under the
+// folded rank q (r/2 for the odd ranks of the folded region, r - extra above it), then every odd
+// rank of the folded region returns the result to r-1. Fold and unfold are the first and last
+// rounds of every rank's schedule (empty where a rank has no part in them), so round tags agree.
+struct Fold {
+  int rank;
+  int extra;
+  int p;
+  bool sits_out() const { return rank < 2 * extra && rank % 2 == 0; }
+  bool in_pair() const { return rank < 2 * extra; }
+  int folded_rank() const { return in_pair() ? rank / 2 : rank - extra; }
+  int real_rank(int q) const { return q < extra ? 2 * q + 1 : q + extra; }
+};
+
+Fold make_fold(int n, int r) {
+  return Fold{r, n - static_cast<int>(std::bit_floor(static_cast<unsigned>(n))),
+              static_cast<int>(std::bit_floor(static_cast<unsigned>(n)))};
+}
+
+// Wraps `core` (the rounds of the power-of-two algorithm, run by every rank that does not sit out)
+// with the fold and unfold rounds; `rounds_in_core` keeps every rank's round numbering aligned.
+// The fold receives into `scratch`, so core round i (schedule round i+1) must receive elsewhere:
+// the schedules alternate scratch[(i + 1) % 2] and pass scratch[0] here.
+Schedule folded_schedule(const at::Tensor& flat, ReduceOp op, const Fold& f, at::Tensor scratch, Schedule core,
+                         size_t rounds_in_core) {
+  Round fold_round, unfold_round;
+  if (f.sits_out()) {
+    fold_round.sends.push_back({flat, f.rank + 1});
+    unfold_round.recvs.push_back({flat, f.rank + 1});
+  } else if (f.in_pair()) {
+    at::Tensor incoming = scratch.narrow(0, 0, flat.numel());
+    fold_round.recvs.push_back({incoming, f.rank - 1});
+    fold_round.then = [=]() mutable { combine_(flat, incoming, op); };
+    unfold_round.sends.push_back({flat, f.rank - 1});
+  }
+  Schedule schedule{fold_round};
+  if (f.sits_out()) {
+    schedule.resize(1 + rounds_in_core);
+  } else {
+    TORCH_INTERNAL_ASSERT(core.size() == rounds_in_core);
+    schedule.insert(schedule.end(), core.begin(), core.end());
+  }
+  schedule.push_back(unfold_round);
+  return schedule;
+}
+
+size_t log2_of(int p) { return static_cast<size_t>(std::countr_zero(static_cast<unsigned>(p))); }
+
+Schedule recursive_doubling_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
+  const Fold f = make_fold(n, r);
+  at::Tensor scratch = at::empty({2, flat.numel()}, flat.options());
+  Schedule core;
+  if (!f.sits_out()) {
+    const int q = f.folded_rank();
+    for (int mask = 1; mask < f.p; mask <<= 1) {
+      const int partner = f.real_rank(q ^ mask);
+      at::Tensor incoming = scratch[(core.size() + 1) % 2];
+      const bool last = (mask << 1) >= f.p;
+      core.push_back(Round{{{flat, partner}}, {{incoming, partner}}, [=]() mutable {
+                             combine_(flat, incoming, op);
+                             if (last) finish_reduction_(flat, op, n);
+                           }});
+    }
+    if (core.empty()) core.push_back(Round{{}, {}, [=]() mutable { finish_reduction_(flat, op, n); }});
+  }
+  return folded_schedule(flat, op, f, scratch[0], std::move(core), std::max<size_t>(1, log2_of(f.p)));
+}
+
+Schedule halving_doubling_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
+  const Fold f = make_fold(n, r);
+  at::Tensor scratch = at::empty({2, flat.numel()}, flat.options());
+  Schedule core;
+  if (!f.sits_out()) {
+    const int q = f.folded_rank();
+    const Chunks chunks{flat.numel(), f.p};
+    auto range = [=](int lo, int hi) { return slice(flat, chunks.start(lo), chunks.start(hi)); };
+    int lo = 0, hi = f.p;
+    // Reduce-scatter by recursive halving: keep the half holding chunk q, hand the other half over.
+    for (int mask = f.p / 2; mask >= 1; mask /= 2) {
+      const int partner = f.real_rank(q ^ mask);
+      const int mid = lo + mask;
+      const bool keep_low = q < mid;
+      at::Tensor kept = keep_low ? range(lo, mid) : range(mid, hi);
+      at::Tensor given = keep_low ? range(mid, hi) : range(lo, mid);
+      at::Tensor incoming = scratch[(core.size() + 1) % 2].narrow(0, 0, kept.numel());
+      const bool last = mask == 1;
+      core.push_back(Round{{{given, partner}}, {{incoming, partner}}, [=]() mutable {
+                             combine_(kept, incoming, op);
+                             if (last) finish_reduction_(kept, op, n);  // kept is now chunk q
+                           }});
+      if (keep_low) hi = mid; else lo = mid;
+    }
+    // All-gather by recursive doubling: swap the block held so far with the partner's adjacent one.
+    for (int mask = 1; mask < f.p; mask <<= 1) {
+      const int partner = f.real_rank(q ^ mask);
+      const bool partner_below = (q & mask) != 0;
+      const int their_lo = partner_below ? lo - mask : hi;
+      const int their_hi = partner_below ? lo : hi + mask;
+      core.push_back(Round{{{range(lo, hi), partner}}, {{range(their_lo, their_hi), partner}}, {}});
+      lo = std::min(lo, their_lo);
+      hi = std::max(hi, their_hi);
+    }
+    if (core.empty()) core.push_back(Round{{}, {}, [=]() mutable { finish_reduction_(flat, op, n); }});
+  }
+  return folded_schedule(flat, op, f, scratch[0], std::move(core), std::max<size_t>(1, 2 * log2_of(f.p)));
+}
+
+}  // namespace
+
+Algorithm parse_algorithm(std::string_view name) {
+  if (name == "ring") return Algorithm::kRing;
+  if (name == "butterfly") return Algorithm::kButterfly;
+  if (name == "star") return Algorithm::kStar;
+  if (name == "gather_scatter") return Algorithm::kGatherScatter;
+  if (name == "recursive_doubling") return Algorithm::kRecursiveDoubling;
+  if (name == "halving_doubling") return Algorithm::kHalvingDoubling;
+  if (name == "auto") return Algorithm::kAuto;
+  TORCH_CHECK(false, "ddpkit: unknown all-reduce algorithm '", name,
+              "'; expected one of ring, butterfly, star, gather_scatter, recursive_doubling, halving_doubling, auto");
+}
+
+std::string_view algorithm_name(Algorithm algorithm) {
+  switch (algorithm) {
+    case Algorithm::kRing: return "ring";
+    case Algorithm::kButterfly: return "butterfly";
+    case Algorithm::kStar: return "star";
+    case Algorithm::kGatherScatter: return "gather_scatter";
+    case Algorithm::kRecursiveDoubling: return "recursive_doubling";
+    case Algorithm::kHalvingDoubling: return "halving_doubling";
+    case Algorithm::kAuto: return "auto";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unreachable algorithm");
+}
+
+Algorithm choose_algorithm(int64_t bytes, int world_size) {
+  constexpr int64_t kSmallMessageBytes = 64 * 1024;
+  if (world_size <= 2) return Algorithm::kRing;
+  if (bytes <= kSmallMessageBytes) return Algorithm::kRecursiveDoubling;
+  return Algorithm::kHalvingDoubling;
+}
+
+void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm, uint64_t sequence) {
+  const std::string error = tensor_error(tensor, "all_reduce", op);
+  comm.begin(sequence, make_header(CollectiveKind::kAllReduce, tensor, op, algorithm, -1), error);
+  const int n = comm.size();
+  const int r = comm.rank();
+  if (tensor.numel() == 0 || n == 1) {
+    comm.finish();
+    return;
+  }
+  at::Tensor work = working_copy(tensor);
+  at::Tensor flat = work.view(-1);
+  if (algorithm == Algorithm::kAuto) algorithm = choose_algorithm(flat.numel() * flat.element_size(), n);
+  Schedule schedule;
+  switch (algorithm) {
+    case Algorithm::kRing: schedule = ring_schedule(flat, op, n, r); break;
+    case Algorithm::kButterfly: schedule = butterfly_schedule(flat, op, n, r); break;
+    case Algorithm::kStar: schedule = star_schedule(flat, op, n, r); break;
+    case Algorithm::kGatherScatter: schedule = gather_scatter_schedule(flat, op, n, r); break;
+    case Algorithm::kRecursiveDoubling: schedule = recursive_doubling_schedule(flat, op, n, r); break;
+    case Algorithm::kHalvingDoubling: schedule = halving_doubling_schedule(flat, op, n, r); break;
+    case Algorithm::kAuto: TORCH_INTERNAL_ASSERT(false, "kAuto was resolved above");
+  }
+  run_schedule(comm, schedule);
+  write_back(tensor, work);
+}
+
+void broadcast_(at::Tensor& tensor, int src, Communicator& comm, uint64_t sequence) {
+  const int n = comm.size();
+  std::string error = tensor_error(tensor, "broadcast", std::nullopt);
+  if (error.empty()) error = root_error(src, n, "broadcast", "src");
+  comm.begin(sequence, make_header(CollectiveKind::kBroadcast, tensor, std::nullopt, std::nullopt, src), error);
+  if (n == 1 || tensor.numel() == 0) {
+    comm.finish();
+    return;
+  }
+  // Binomial tree over ranks relative to src: receive from the parent, then send to the children.
+  const int relative = (comm.rank() - src + n) % n;
+  auto real = [&](int rel) { return (rel + src) % n; };
+  Round from_parent{{}, {}, {}, 0}, to_children{{}, {}, {}, 0};
+  int mask = 1;
+  for (; mask < n; mask <<= 1) {
+    if (relative & mask) {
+      from_parent.recvs.push_back({tensor, real(relative - mask)});
+      break;
+    }
+  }
+  for (mask >>= 1; mask > 0; mask >>= 1) {
+    if (relative + mask < n) to_children.sends.push_back({tensor, real(relative + mask)});
+  }
+  Schedule schedule{from_parent, to_children};
+  run_schedule(comm, schedule);
+}
+
+void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm, uint64_t sequence) {
+  const int n = comm.size();
+  std::string error = tensor_error(tensor, "reduce", op);
+  if (error.empty()) error = root_error(dst, n, "reduce", "dst");
+  comm.begin(sequence, make_header(CollectiveKind::kReduce, tensor, op, std::nullopt, dst), error);
+  if (tensor.numel() == 0) {
+    comm.finish();
+    return;
+  }
+  at::Tensor work = working_copy(tensor);
+  at::Tensor flat = work.view(-1);
+  const int relative = (comm.rank() - dst + n) % n;
+  auto real = [&](int rel) { return (rel + dst) % n; };
+  // Binomial tree towards dst: combine every child's partial result, then pass ours to the parent.
+  at::Tensor scratch;
+  Schedule schedule;
+  for (int mask = 1; mask < n; mask <<= 1) {
+    if (relative & mask) {
+      schedule.push_back(Round{{{flat, real(relative - mask)}}, {}, {}, 0});
+      break;
+    }
+    if (relative + mask < n) {
+      if (!scratch.defined()) scratch = at::empty({2, flat.numel()}, flat.options());
+      at::Tensor incoming = scratch[schedule.size() % 2];
+      schedule.push_back(Round{{}, {{incoming, real(relative + mask)}}, [=]() mutable { combine_(flat, incoming, op); }, 0});
+    }
+  }
+  run_schedule(comm, schedule);
+  if (relative == 0) finish_reduction_(flat, op, n);
+  write_back(tensor, work);
+}
+
+at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm, uint64_t sequence) {
+  const int n = comm.size();
+  std::string error = tensor_error(tensor, "gather", std::nullopt);
+  if (error.empty()) error = root_error(dst, n, "gather", "dst");
+  comm.begin(sequence, make_header(CollectiveKind::kGather, tensor, std::nullopt, std::nullopt, dst), error);
+  at::Tensor gathered;
+  Round round;
+  if (comm.rank() == dst) {
+    std::vector<int64_t> shape{n};
+    shape.insert(shape.end(), tensor.sizes().begin(), tensor.sizes().end());
+    gathered = at::empty(shape, tensor.options());
+    gathered[dst].copy_(tensor);
+    for (int peer = 0; peer < n; ++peer) {
+      if (peer != dst) round.recvs.push_back({gathered[peer], peer});
+    }
+  } else {
+    gathered = at::empty({0}, tensor.options());
+    round.sends.push_back({tensor, dst});
+  }
+  Schedule schedule{round};
+  run_schedule(comm, schedule);
+  return gathered;
+}
+
+void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm, uint64_t sequence) {
+  const int n = comm.size();
+  std::string error = tensor_error(output, "scatter", std::nullopt);
+  if (error.empty()) error = root_error(src, n, "scatter", "src");
+  if (error.empty() && comm.rank() == src) {
+    std::vector<int64_t> expected{n};
+    expected.insert(expected.end(), output.sizes().begin(), output.sizes().end());
+    if (!chunks.defined() || chunks.sizes() != c10::IntArrayRef(expected) ||
+        chunks.scalar_type() != output.scalar_type() || chunks.device() != output.device()) {
+      error = c10::str("ddpkit.scatter: on src the chunks must have shape ", c10::IntArrayRef(expected),
+                       ", dtype ", output.scalar_type(), " and device ", output.device());
+    }
+  }
+  comm.begin(sequence, make_header(CollectiveKind::kScatter, output, std::nullopt, std::nullopt, src), error);
+  Round round;
+  at::Tensor rows;
+  if (comm.rank() == src) {
+    rows = chunks.contiguous();
+    for (int peer = 0; peer < n; ++peer) {
+      if (peer != src) round.sends.push_back({rows[peer], peer});
+    }
+    output.copy_(rows[src]);
+  } else {
+    round.recvs.push_back({output, src});
+  }
+  Schedule schedule{round};
+  run_schedule(comm, schedule);
+}
+
+}  // namespace ddpkit::comm

@@ -1,0 +1,78 @@
+#pragma once
+// Collectives built only from the point-to-point messages of comm::Communicator.
+//
+// Contract shared by every function here:
+//  - `tensor` is contiguous and dense, on the device of the communicator's backend, with the same
+//    numel and dtype on every rank (checked when Note [Collective checks] is on);
+//  - dtypes float32 and float64 are reduced as they are; float16 and bfloat16 are reduced in a
+//    float32 copy and written back once; int32 and int64 are reduced exactly (not with kMean);
+//  - the call is synchronous: it returns when this rank's part is done and its buffers are free;
+//  - `sequence` comes from Communicator::next_sequence() on the issuing thread (Note [Tags]).
+
+#include "comm/communicator.h"
+#include "comm/reduce_op.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string_view>
+
+namespace ddpkit::comm {
+
+// Note [All-reduce algorithms]
+// n ranks, a vector of N elements, α the latency of one message round, β the time per byte.
+//  kRing              reduce-scatter then all-gather around the ring, n chunks:
+//                     2(n-1) rounds, 2(n-1)/n·N bytes sent per rank. Bandwidth-optimal.
+//  kButterfly         the week-4 template: rank i owns chunk i, receives it from every peer,
+//                     reduces it and sends it back to every peer: 2 rounds of n-1 concurrent
+//                     messages each, 2(n-1)/n·N bytes per rank.
+//  kStar              linear reduce to rank 0 and linear broadcast back (the tutorial's naive one):
+//                     rank 0 sends and receives (n-1)·N.
+//  kGatherScatter     rank 0 gathers all n vectors into one [n, N] buffer, reduces it along the first
+//                     dimension and sends the result back (CS744 gradient sync, Task 2a).
+//  kRecursiveDoubling log2(n) rounds exchanging the whole vector with rank^2^k: the fewest rounds,
+//                     N·log2(n) bytes per rank; wins for small messages.
+//  kHalvingDoubling   Rabenseifner: reduce-scatter by recursive halving, all-gather by recursive
+//                     doubling: 2·log2(n) rounds and the ring's byte count.
+// For n not a power of two, the recursive algorithms first fold the 2·(n-p) lowest ranks pairwise
+// (p the largest power of two below n) and unfold at the end: two more rounds of the whole vector.
+// kAuto picks by message size and n (choose_algorithm); the thresholds come from
+// benchmarks/bench_allreduce.py on gloo over loopback.
+enum class Algorithm : int64_t {
+  kRing = 0,
+  kButterfly = 1,
+  kStar = 2,
+  kGatherScatter = 3,
+  kRecursiveDoubling = 4,
+  kHalvingDoubling = 5,
+  kAuto = 6,
+};
+
+// Parses "ring" | "butterfly" | "star" | "gather_scatter" | "recursive_doubling" |
+// "halving_doubling" | "auto"; TORCH_CHECK-fails otherwise.
+Algorithm parse_algorithm(std::string_view name);
+std::string_view algorithm_name(Algorithm algorithm);
+
+// What kAuto runs for a message of `bytes` bytes on `world_size` ranks (never kAuto).
+Algorithm choose_algorithm(int64_t bytes, int world_size);
+
+// All-reduce `tensor` in place: on return every rank holds op(tensor of rank 0, ..., rank n-1),
+// bitwise identical on all ranks.
+void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm, uint64_t sequence);
+
+// Copies `tensor` of rank `src` into `tensor` of every rank (binomial tree, ceil(log2 n) rounds).
+void broadcast_(at::Tensor& tensor, int src, Communicator& comm, uint64_t sequence);
+
+// Leaves op(tensor of all ranks) in `tensor` of rank `dst` (binomial tree). Like
+// torch.distributed.reduce, the tensors of the other ranks hold partial results afterwards.
+void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm, uint64_t sequence);
+
+// Returns, on rank `dst`, a new tensor of shape [n, *tensor.shape] whose row i is rank i's tensor;
+// an empty tensor on the other ranks.
+at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm, uint64_t sequence);
+
+// Writes row i of `chunks` (rank `src`'s, shape [n, *output.shape]) into `output` of rank i.
+// `chunks` is ignored on the other ranks.
+void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm, uint64_t sequence);
+
+}  // namespace ddpkit::comm

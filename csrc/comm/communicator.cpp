@@ -1,0 +1,254 @@
+#include "comm/communicator.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <unordered_map>
+
+namespace ddpkit::comm {
+namespace {
+
+constexpr int64_t kHeaderMagic = 0x64647070;    // "ddpp"
+constexpr int64_t kRejectedMagic = 0x64647078;  // this rank rejected its own arguments
+constexpr int64_t kHeaderWords = 8;
+constexpr uint64_t kHeaderRoundTag = 63;
+
+std::atomic<bool> checked{true};
+std::atomic<int64_t> collective_count{0};
+std::atomic<int64_t> message_count{0};
+std::atomic<int64_t> byte_count{0};
+
+// The sequence counter of each live process group (Note [Tags]). Keyed by the group object, with a
+// weak reference so that a group destroyed and re-created at the same address starts from zero.
+struct GroupSequence {
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
+  uint64_t next = 0;
+};
+std::mutex sequences_mutex;
+std::unordered_map<const c10d::ProcessGroup*, GroupSequence> sequences;
+
+std::string_view dtype_name(int64_t dtype) {
+  return c10::toString(static_cast<c10::ScalarType>(dtype));
+}
+
+// Describes how `theirs` (from rank `their_rank`) differs from rank 0's `reference`.
+std::string describe_mismatch(const int64_t* reference, const int64_t* theirs, int their_rank) {
+  const char* names[] = {"magic", "sequence", "collective", "elements", "dtype", "op", "algorithm", "root"};
+  for (int64_t w = 0; w < kHeaderWords; ++w) {
+    if (reference[w] == theirs[w]) continue;
+    std::string mine_value, their_value;
+    switch (w) {
+      case 2:
+        mine_value = collective_name(static_cast<CollectiveKind>(reference[w]));
+        their_value = collective_name(static_cast<CollectiveKind>(theirs[w]));
+        break;
+      case 4:
+        mine_value = dtype_name(reference[w]);
+        their_value = dtype_name(theirs[w]);
+        break;
+      default:
+        mine_value = std::to_string(reference[w]);
+        their_value = std::to_string(theirs[w]);
+    }
+    return c10::str("rank ", their_rank, " passed ", names[w], " ", their_value, ", rank 0 passed ", names[w], " ",
+                    mine_value);
+  }
+  TORCH_INTERNAL_ASSERT(false, "describe_mismatch called on equal headers");
+}
+
+}  // namespace
+
+std::string_view collective_name(CollectiveKind kind) {
+  switch (kind) {
+    case CollectiveKind::kAllReduce: return "all_reduce";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kReduce: return "reduce";
+    case CollectiveKind::kGather: return "gather";
+    case CollectiveKind::kScatter: return "scatter";
+  }
+  return "unknown collective";
+}
+
+void set_checked(bool value) { checked.store(value); }
+bool is_checked() { return checked.load(); }
+
+CommCounters counters() {
+  return CommCounters{collective_count.load(), message_count.load(), byte_count.load()};
+}
+
+void reset_counters() {
+  collective_count.store(0);
+  message_count.store(0);
+  byte_count.store(0);
+}
+
+Communicator::Communicator(const std::string& group_name, c10::DeviceType device_type)
+    : device_type_(device_type) {
+  try {
+    group_ = c10d::resolve_process_group(group_name);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ddpkit: no process group named '", group_name,
+                "' is registered; call torch.distributed.init_process_group (or ddpkit.init_distributed) first");
+  }
+  rank_ = group_->getRank();
+  size_ = group_->getSize();
+  backend_ = group_->getBackend(device_type);
+  independent_messages_ = !(device_type != c10::kCPU && backend_->supportsCoalescing());
+}
+
+uint64_t Communicator::next_sequence() {
+  std::lock_guard<std::mutex> lock(sequences_mutex);
+  auto it = sequences.find(group_.get());
+  if (it == sequences.end() || it->second.group.expired()) {
+    if (it != sequences.end()) sequences.erase(it);
+    it = sequences.emplace(group_.get(), GroupSequence{c10::weak_intrusive_ptr<c10d::ProcessGroup>(group_), 0}).first;
+  }
+  return it->second.next++;
+}
+
+int Communicator::tag(int round, bool header) const {
+  // Gloo wants a non-negative int32: 12 bits of sequence, 13 of header hash, 6 of round. Rounds
+  // wrap modulo 63 (later rounds of one collective are ordered by their waits); 63 is the header's.
+  TORCH_INTERNAL_ASSERT(round >= 0);
+  const uint64_t round_bits = header ? kHeaderRoundTag : static_cast<uint64_t>(round % kHeaderRoundTag);
+  const uint64_t hash_bits = header ? 0 : static_cast<uint64_t>(header_hash_);
+  return static_cast<int>(((sequence_ & 0xFFF) << 19) | (hash_bits << 6) | round_bits);
+}
+
+void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, const std::string& local_error) {
+  sequence_ = sequence;
+  what_ = collective_name(static_cast<CollectiveKind>(header.kind));
+  local_error_ = local_error;
+  collective_count.fetch_add(1, std::memory_order_relaxed);
+
+  const int64_t words[kHeaderWords] = {local_error.empty() ? kHeaderMagic : kRejectedMagic,
+                                       static_cast<int64_t>(sequence & 0x7FFFFF),
+                                       header.kind,
+                                       header.numel,
+                                       header.dtype,
+                                       header.op,
+                                       header.algorithm,
+                                       header.root};
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the words that must agree
+  for (int64_t w = 2; w < kHeaderWords; ++w) {
+    hash = (hash ^ static_cast<uint64_t>(words[w])) * 1099511628211ull;
+  }
+  header_hash_ = static_cast<int64_t>((hash ^ (hash >> 29)) & 0x1FFF);
+
+  if (size_ == 1 || !is_checked()) {
+    TORCH_CHECK(local_error.empty(), local_error);
+    return;
+  }
+  const auto device_options = at::TensorOptions().dtype(at::kLong).device(device_type_);
+  at::Tensor mine = at::from_blob(const_cast<int64_t*>(words), {kHeaderWords}, at::kLong).to(device_options, false, true);
+  headers_ = at::empty({size_, kHeaderWords}, device_options);
+  headers_[rank_].copy_(mine);
+  header_works_.clear();
+  header_works_.reserve(2 * (size_ - 1));
+  if (!independent_messages_) start_group();
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    std::vector<at::Tensor> incoming{headers_[peer]};
+    header_works_.push_back(backend_->recv(incoming, peer, tag(0, true)));
+    std::vector<at::Tensor> outgoing{mine};
+    header_works_.push_back(backend_->send(outgoing, peer, tag(0, true)));
+  }
+  if (!independent_messages_) {
+    auto grouped = end_group();
+    header_works_.clear();
+    if (grouped) header_works_.push_back(grouped);
+  }
+  header_pending_ = true;
+  // A rejecting rank, and backends whose payloads could match a disagreeing peer's, settle now.
+  if (!local_error.empty() || !independent_messages_) settle_header(nullptr);
+}
+
+void Communicator::settle_header(std::vector<c10::intrusive_ptr<c10d::Work>>* in_flight) {
+  if (!header_pending_) return;
+  header_pending_ = false;
+  try {
+    for (size_t i = 0; i < header_works_.size(); ++i) {
+      try {
+        header_works_[i]->wait();
+      } catch (...) {
+        for (size_t j = i + 1; j < header_works_.size(); ++j) header_works_[j]->abort();
+        throw;
+      }
+    }
+    header_works_.clear();
+    TORCH_CHECK(local_error_.empty(), local_error_);
+    const std::string mismatch = header_mismatch();
+    TORCH_CHECK(mismatch.empty(), mismatch);
+  } catch (...) {
+    if (in_flight) abort_all(*in_flight);
+    throw;
+  }
+}
+
+std::string Communicator::header_mismatch() const {
+  at::Tensor headers = headers_.cpu();
+  const int64_t* reference = headers.data_ptr<int64_t>();
+  for (int peer = 0; peer < size_; ++peer) {
+    if (reference[peer * kHeaderWords] == kRejectedMagic) {
+      return c10::str("ddpkit.", what_, ": rank ", peer, " rejected its arguments (its own error says why)");
+    }
+  }
+  for (int peer = 1; peer < size_; ++peer) {
+    const int64_t* theirs = reference + peer * kHeaderWords;
+    if (!std::equal(reference, reference + kHeaderWords, theirs)) {
+      return c10::str("ddpkit.", what_, ": ranks called mismatched collectives: ",
+                      describe_mismatch(reference, theirs, peer));
+    }
+  }
+  return {};
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::isend(const at::Tensor& tensor, int dst, int round) {
+  TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
+  std::vector<at::Tensor> tensors{tensor};
+  message_count.fetch_add(1, std::memory_order_relaxed);
+  byte_count.fetch_add(tensor.numel() * tensor.element_size(), std::memory_order_relaxed);
+  return backend_->send(tensors, dst, tag(round));
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::irecv(const at::Tensor& tensor, int src, int round) {
+  TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
+  std::vector<at::Tensor> tensors{tensor};
+  return backend_->recv(tensors, src, tag(round));
+}
+
+void Communicator::wait(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
+                        std::vector<c10::intrusive_ptr<c10d::Work>>* also_abort) {
+  if (works.empty()) return;  // a round with nothing to wait for leaves the header to a later wait
+  try {
+    settle_header(&works);
+    for (size_t i = 0; i < works.size(); ++i) {
+      try {
+        works[i]->wait();
+      } catch (...) {
+        for (size_t j = i + 1; j < works.size(); ++j) works[j]->abort();
+        throw;
+      }
+    }
+  } catch (...) {
+    works.clear();
+    if (also_abort) abort_all(*also_abort);
+    throw;
+  }
+  works.clear();
+}
+
+void Communicator::finish() { settle_header(nullptr); }
+
+void Communicator::start_group() { backend_->startCoalescing(); }
+
+c10::intrusive_ptr<c10d::Work> Communicator::end_group() { return backend_->endCoalescing(); }
+
+void abort_all(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
+  for (auto& work : works) work->abort();
+  works.clear();
+}
+
+}  // namespace ddpkit::comm

@@ -1,0 +1,144 @@
+#pragma once
+// Point-to-point messaging over a torch.distributed process group, the only transport ddpkit's
+// collectives use. A Communicator is cheap: it is made per call from the group's name.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace ddpkit::comm {
+
+// Note [Tags]
+// Every ddpkit collective takes the next sequence number of its process group when it is *issued*
+// (on the issuing thread, in program order, which is identical on all ranks) and tags each of its
+// messages with (sequence, header hash, round). Messages of two collectives therefore never match
+// each other, even when they run at the same time on different threads (a DDP bucket on the
+// reducer's communication thread while SyncBatchNorm's backward reduces on the autograd thread),
+// and payloads of ranks that disagree about the collective (different hash) never match either.
+// A rank that issues an extra collective shifts its sequence; its peers then see no matching
+// message and fail at the group's timeout instead of exchanging wrong data.
+
+// Note [Collective checks]
+// torch's TORCH_DISTRIBUTED_DEBUG does not fingerprint point-to-point traffic, so ddpkit does its
+// own: in checked mode (the default) every collective also sends a small header
+// (kind, numel, dtype, op, algorithm, root) to every peer. On gloo, whose point-to-point messages
+// are matched by tag, the headers travel during the first round of the algorithm (its payloads
+// carry the header hash in their tag, so a disagreeing peer's payload cannot match), and the first
+// wait of the collective settles them before any received data is used. On other backends (NCCL
+// ignores tags) the headers are settled before any payload is posted. Either way every rank holds
+// every rank's header and raises the same error naming the first rank that disagrees with rank 0.
+// A rank that rejects its own arguments still sends a header marked "rejected", so its peers fail
+// at once instead of waiting for the timeout. See set_checked().
+
+// Note [Pre-posted receives]
+// Gloo's point-to-point is a rendezvous: a send leaves at once only if the receiver's "ready"
+// notice has already arrived, otherwise it waits for a round trip through both event loops.
+// run_rounds() therefore posts round k+1's receives before waiting for round k. That is safe when
+// round k+1's receive buffers are not touched by round k, or when they are only read by a round-k
+// send to the very peer whose round-k+1 message lands there (that peer sends only after it has
+// received ours). Every schedule in collectives.cpp keeps to this; NCCL, whose grouped sends and
+// receives would deadlock with a look-ahead, runs round by round.
+
+// What a rank believes the collective is; identical on all ranks for a well-formed program.
+struct CollectiveHeader {
+  int64_t kind = 0;       // CollectiveKind
+  int64_t numel = 0;
+  int64_t dtype = 0;      // c10::ScalarType
+  int64_t op = 0;         // ReduceOp, or -1 where there is none
+  int64_t algorithm = 0;  // Algorithm, or -1 where there is none
+  int64_t root = -1;      // src/dst rank, or -1
+};
+
+enum class CollectiveKind : int64_t {
+  kAllReduce = 1,
+  kBroadcast = 2,
+  kReduce = 3,
+  kGather = 4,
+  kScatter = 5,
+};
+std::string_view collective_name(CollectiveKind kind);
+
+// Turns checked mode (Note [Collective checks]) on or off for this process; on by default.
+// All ranks must agree: a checked rank waits for headers an unchecked peer never sends.
+void set_checked(bool checked);
+bool is_checked();
+
+// Per-process counters of what ddpkit sent, for tests and benchmarks.
+struct CommCounters {
+  int64_t collectives = 0;
+  int64_t messages_sent = 0;
+  int64_t bytes_sent = 0;
+};
+CommCounters counters();
+void reset_counters();
+
+class Communicator {
+ public:
+  // Resolves `group_name` (a torch.distributed group's `group_name`) and the group's backend for
+  // `device_type`. Fails with a clear error when no such group is registered.
+  Communicator(const std::string& group_name, c10::DeviceType device_type);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  c10::DeviceType device_type() const { return device_type_; }
+
+  // Reserves the group's next sequence number (Note [Tags]). Call it on the issuing thread.
+  uint64_t next_sequence();
+
+  // Binds this communicator to the collective `sequence` described by `header`; in checked mode
+  // exchanges headers with every peer and throws on disagreement (Note [Collective checks]).
+  // A non-empty `local_error` means this rank rejected its own arguments: it still takes part in
+  // the header exchange, so that its peers fail at once naming it, then throws `local_error`.
+  void begin(uint64_t sequence, const CollectiveHeader& header, const std::string& local_error = {});
+
+  // Asynchronous send/recv of a contiguous tensor in round `round` of the current collective.
+  // The tensor must stay alive and untouched until the returned work is waited on.
+  c10::intrusive_ptr<c10d::Work> isend(const at::Tensor& tensor, int dst, int round);
+  c10::intrusive_ptr<c10d::Work> irecv(const at::Tensor& tensor, int src, int round);
+
+  // Waits for `works` (after settling the header exchange, Note [Collective checks]; an empty
+  // `works` leaves the header to a later wait). On any failure it aborts `works` and `also_abort`
+  // before rethrowing, so nothing waits twice.
+  void wait(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
+            std::vector<c10::intrusive_ptr<c10d::Work>>* also_abort = nullptr);
+
+  // Ends the collective: settles a header exchange that no wait has settled yet.
+  void finish();
+
+  // True when sends and receives complete independently of each other (gloo): receives can be
+  // posted ahead (Note [Pre-posted receives]). False for backends that must group each round's
+  // sends and receives (NCCL); those rounds go through start_group()/end_group().
+  bool independent_messages() const { return independent_messages_; }
+  void start_group();
+  c10::intrusive_ptr<c10d::Work> end_group();
+
+ private:
+  int tag(int round, bool header = false) const;
+  void settle_header(std::vector<c10::intrusive_ptr<c10d::Work>>* in_flight);
+  std::string header_mismatch() const;
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  c10::DeviceType device_type_;
+  int rank_ = 0;
+  int size_ = 1;
+  bool independent_messages_ = true;
+  uint64_t sequence_ = 0;
+  int64_t header_hash_ = 0;
+  std::string_view what_ = "collective";
+  std::string local_error_;
+  bool header_pending_ = false;
+  at::Tensor headers_;  // [size, kHeaderWords] int64, filled by the header exchange
+  std::vector<c10::intrusive_ptr<c10d::Work>> header_works_;
+};
+
+// Aborts every work in `works` (a failed peer will never complete them) and clears the list.
+void abort_all(std::vector<c10::intrusive_ptr<c10d::Work>>& works);
+
+}  // namespace ddpkit::comm

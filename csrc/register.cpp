@@ -1,0 +1,42 @@
+// Every ddpkit custom op: one TORCH_LIBRARY with the schemas, then one TORCH_LIBRARY_IMPL per
+// dispatch key. Importing ddpkit._C (this module) runs these registrations; Python reaches the ops
+// as torch.ops.ddpkit.<name> through thin wrappers in python/ddpkit/.
+
+#include <Python.h>
+
+#include <torch/library.h>
+
+#include "comm/ops.h"
+
+TORCH_LIBRARY(ddpkit, m) {
+  // Collectives from point-to-point messages (csrc/comm). `group_name` is a torch.distributed
+  // group's .group_name; the tensor's device picks the group's backend.
+  m.def("all_reduce_(Tensor(a!) tensor, str op, str algorithm, str group_name) -> Tensor(a!)");
+  m.def("broadcast_(Tensor(a!) tensor, int src, str group_name) -> Tensor(a!)");
+  m.def("reduce_(Tensor(a!) tensor, int dst, str op, str group_name) -> Tensor(a!)");
+  m.def("gather(Tensor tensor, int dst, str group_name) -> Tensor");
+  m.def("scatter_(Tensor(a!) output, Tensor? chunks, int src, str group_name) -> Tensor(a!)");
+  m.def("set_collective_checks(bool enabled) -> ()", &ddpkit::comm::set_collective_checks_op);
+  m.def("collective_checks_enabled() -> bool", &ddpkit::comm::collective_checks_enabled_op);
+  m.def("comm_counters() -> int[]", &ddpkit::comm::comm_counters_op);
+  m.def("reset_comm_counters() -> ()", &ddpkit::comm::reset_comm_counters_op);
+  m.def("choose_algorithm(int bytes, int world_size) -> str", &ddpkit::comm::choose_algorithm_op);
+}
+
+// Collectives only move and add tensors through ATen and the process group: one kernel for every
+// device (gloo on CPU, NCCL on CUDA).
+TORCH_LIBRARY_IMPL(ddpkit, CompositeExplicitAutograd, m) {
+  m.impl("all_reduce_", &ddpkit::comm::all_reduce_op);
+  m.impl("broadcast_", &ddpkit::comm::broadcast_op);
+  m.impl("reduce_", &ddpkit::comm::reduce_op);
+  m.impl("gather", &ddpkit::comm::gather_op);
+  m.impl("scatter_", &ddpkit::comm::scatter_op);
+}
+
+// A Python module with no functions of its own: importing it loads the library and runs the
+// static registrations above, with no pybind11 and no link to libtorch_python.
+extern "C" PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", "ddpkit native ops (torch.ops.ddpkit)", -1, nullptr, nullptr, nullptr, nullptr, nullptr};
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,34 @@
+"""ddpkit: data-parallel training for PyTorch, built from point-to-point messages.
+
+Importing ddpkit loads its C++ extension, which registers the ``torch.ops.ddpkit`` custom ops.
+"""
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.ddpkit.*)
+from .comm import (
+    all_reduce,
+    broadcast,
+    collective_checks_enabled,
+    comm_counters,
+    gather,
+    reduce,
+    reset_comm_counters,
+    scatter,
+    set_collective_checks,
+)
+from .launch import init_distributed, spawn
+
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "collective_checks_enabled",
+    "comm_counters",
+    "gather",
+    "init_distributed",
+    "reduce",
+    "reset_comm_counters",
+    "scatter",
+    "set_collective_checks",
+    "spawn",
+]

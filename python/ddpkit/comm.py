@@ -1,0 +1,95 @@
+"""Collectives built from point-to-point messages, as thin wrappers over ``torch.ops.ddpkit``.
+
+Every function works in place (or returns a new tensor for ``gather``), takes the process group as
+``group`` (``None``: the default group) and runs the C++ algorithm of ``csrc/comm/collectives.h``
+with the GIL released. See Note [All-reduce algorithms] there for what each ``algorithm`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+ALGORITHMS = ("ring", "butterfly", "star", "gather_scatter", "recursive_doubling", "halving_doubling", "auto")
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+_TORCH_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+
+
+def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
+    """The registered name of ``group`` (default: the world group), which the C++ ops resolve."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "ddpkit: torch.distributed is not initialized; call ddpkit.init_distributed() "
+            "(or torch.distributed.init_process_group) first"
+        )
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _op_name(op: Union[str, dist.ReduceOp]) -> str:
+    if isinstance(op, str):
+        return op
+    try:
+        return _TORCH_OPS[op]
+    except (KeyError, TypeError):
+        raise ValueError(f"ddpkit: unsupported reduce op {op!r}; expected one of {REDUCE_OPS}") from None
+
+
+def all_reduce(tensor: Tensor, op: Union[str, dist.ReduceOp] = "sum", algorithm: str = "ring",
+               group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Reduces ``tensor`` across all ranks in place; every rank ends with the same bits."""
+    return torch.ops.ddpkit.all_reduce_(tensor, _op_name(op), algorithm, group_name(group))
+
+
+def broadcast(tensor: Tensor, src: int = 0, group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank (binomial tree)."""
+    return torch.ops.ddpkit.broadcast_(tensor, src, group_name(group))
+
+
+def reduce(tensor: Tensor, dst: int = 0, op: Union[str, dist.ReduceOp] = "sum",
+           group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Leaves the reduction in rank ``dst``'s ``tensor``; other ranks' tensors hold partial results."""
+    return torch.ops.ddpkit.reduce_(tensor, dst, _op_name(op), group_name(group))
+
+
+def gather(tensor: Tensor, dst: int = 0, group: Optional[dist.ProcessGroup] = None) -> Optional[Tensor]:
+    """On rank ``dst``: a ``[world_size, *tensor.shape]`` tensor of every rank's ``tensor``; elsewhere None."""
+    name = group_name(group)
+    gathered = torch.ops.ddpkit.gather(tensor, dst, name)
+    return gathered if dist.get_rank(group) == dst else None
+
+
+def scatter(output: Tensor, chunks: Optional[Tensor] = None, src: int = 0,
+            group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Writes row ``i`` of rank ``src``'s ``chunks`` (shape ``[world_size, *output.shape]``) into rank i's ``output``."""
+    return torch.ops.ddpkit.scatter_(output, chunks, src, group_name(group))
+
+
+def set_collective_checks(enabled: bool) -> None:
+    """Turns the header exchange that detects mismatched collectives on or off (on by default).
+
+    All ranks must use the same setting. See Note [Collective checks] in csrc/comm/communicator.h.
+    """
+    torch.ops.ddpkit.set_collective_checks(enabled)
+
+
+def collective_checks_enabled() -> bool:
+    return torch.ops.ddpkit.collective_checks_enabled()
+
+
+def comm_counters() -> dict:
+    """What this process's ddpkit collectives did since the last reset."""
+    collectives, messages, nbytes = torch.ops.ddpkit.comm_counters()
+    return {"collectives": collectives, "messages_sent": messages, "bytes_sent": nbytes}
+
+
+def reset_comm_counters() -> None:
+    torch.ops.ddpkit.reset_comm_counters()
+
+
+def choose_algorithm(nbytes: int, world_size: int) -> str:
+    """The algorithm ``algorithm="auto"`` runs for a message of ``nbytes`` on ``world_size`` ranks."""
+    return torch.ops.ddpkit.choose_algorithm(nbytes, world_size)
