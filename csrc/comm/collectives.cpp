@@ -320,8 +320,10 @@ Algorithm parse_algorithm(std::string_view name) {
   if (name == "recursive_doubling") return Algorithm::kRecursiveDoubling;
   if (name == "halving_doubling") return Algorithm::kHalvingDoubling;
   if (name == "auto") return Algorithm::kAuto;
+  if (name == "process_group") return Algorithm::kProcessGroup;
   TORCH_CHECK(false, "ddpkit: unknown all-reduce algorithm '", name,
-              "'; expected one of ring, butterfly, star, gather_scatter, recursive_doubling, halving_doubling, auto");
+              "'; expected one of ring, butterfly, star, gather_scatter, recursive_doubling, halving_doubling, auto, "
+              "process_group");
 }
 
 std::string_view algorithm_name(Algorithm algorithm) {
@@ -333,6 +335,7 @@ std::string_view algorithm_name(Algorithm algorithm) {
     case Algorithm::kRecursiveDoubling: return "recursive_doubling";
     case Algorithm::kHalvingDoubling: return "halving_doubling";
     case Algorithm::kAuto: return "auto";
+    case Algorithm::kProcessGroup: return "process_group";
   }
   TORCH_INTERNAL_ASSERT(false, "unreachable algorithm");
 }
@@ -346,7 +349,8 @@ Algorithm choose_algorithm(int64_t bytes, int world_size) {
 
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm, uint64_t sequence) {
   const std::string error = tensor_error(tensor, "all_reduce", op);
-  comm.begin(sequence, make_header(CollectiveKind::kAllReduce, tensor, op, algorithm, -1), error);
+  comm.begin(sequence, make_header(CollectiveKind::kAllReduce, tensor, op, algorithm, -1), error,
+             /*exchange_header=*/algorithm != Algorithm::kProcessGroup);
   const int n = comm.size();
   const int r = comm.rank();
   if (tensor.numel() == 0 || n == 1) {
@@ -356,6 +360,12 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   at::Tensor work = working_copy(tensor);
   at::Tensor flat = work.view(-1);
   if (algorithm == Algorithm::kAuto) algorithm = choose_algorithm(flat.numel() * flat.element_size(), n);
+  if (algorithm == Algorithm::kProcessGroup) {
+    comm.process_group_all_reduce(work, op)->wait();
+    finish_reduction_(work, op, n);
+    write_back(tensor, work);
+    return;
+  }
   Schedule schedule;
   switch (algorithm) {
     case Algorithm::kRing: schedule = ring_schedule(flat, op, n, r); break;
@@ -364,7 +374,8 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
     case Algorithm::kGatherScatter: schedule = gather_scatter_schedule(flat, op, n, r); break;
     case Algorithm::kRecursiveDoubling: schedule = recursive_doubling_schedule(flat, op, n, r); break;
     case Algorithm::kHalvingDoubling: schedule = halving_doubling_schedule(flat, op, n, r); break;
-    case Algorithm::kAuto: TORCH_INTERNAL_ASSERT(false, "kAuto was resolved above");
+    case Algorithm::kAuto:
+    case Algorithm::kProcessGroup: TORCH_INTERNAL_ASSERT(false, "resolved above");
   }
   run_schedule(comm, schedule);
   write_back(tensor, work);

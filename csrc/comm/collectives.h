@@ -38,6 +38,8 @@ namespace ddpkit::comm {
 // (p the largest power of two below n) and unfold at the end: two more rounds of the whole vector.
 // kAuto picks by message size and n (choose_algorithm); the thresholds come from
 // benchmarks/bench_allreduce.py on gloo over loopback.
+//  kProcessGroup      not ddpkit's: the group's own all-reduce (gloo's pipelined ring, NCCL), the
+//                     baseline every benchmark compares against and the choice for GPUs.
 enum class Algorithm : int64_t {
   kRing = 0,
   kButterfly = 1,
@@ -46,10 +48,11 @@ enum class Algorithm : int64_t {
   kRecursiveDoubling = 4,
   kHalvingDoubling = 5,
   kAuto = 6,
+  kProcessGroup = 7,
 };
 
 // Parses "ring" | "butterfly" | "star" | "gather_scatter" | "recursive_doubling" |
-// "halving_doubling" | "auto"; TORCH_CHECK-fails otherwise.
+// "halving_doubling" | "auto" | "process_group"; TORCH_CHECK-fails otherwise.
 Algorithm parse_algorithm(std::string_view name);
 std::string_view algorithm_name(Algorithm algorithm);
 

@@ -117,7 +117,8 @@ int Communicator::tag(int round, bool header) const {
   return static_cast<int>(((sequence_ & 0xFFF) << 19) | (hash_bits << 6) | round_bits);
 }
 
-void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, const std::string& local_error) {
+void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, const std::string& local_error,
+                         bool exchange_header) {
   sequence_ = sequence;
   what_ = collective_name(static_cast<CollectiveKind>(header.kind));
   local_error_ = local_error;
@@ -137,7 +138,7 @@ void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, cons
   }
   header_hash_ = static_cast<int64_t>((hash ^ (hash >> 29)) & 0x1FFF);
 
-  if (size_ == 1 || !is_checked()) {
+  if (size_ == 1 || !is_checked() || !exchange_header) {
     TORCH_CHECK(local_error.empty(), local_error);
     return;
   }
@@ -238,6 +239,18 @@ void Communicator::wait(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
     throw;
   }
   works.clear();
+}
+
+c10::intrusive_ptr<c10d::Work> Communicator::process_group_all_reduce(at::Tensor& tensor, ReduceOp op) {
+  c10d::AllreduceOptions options;
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kMean: options.reduceOp = c10d::ReduceOp::SUM; break;
+    case ReduceOp::kMax: options.reduceOp = c10d::ReduceOp::MAX; break;
+    case ReduceOp::kMin: options.reduceOp = c10d::ReduceOp::MIN; break;
+  }
+  std::vector<at::Tensor> tensors{tensor};
+  return backend_->allreduce(tensors, options);
 }
 
 void Communicator::finish() { settle_header(nullptr); }

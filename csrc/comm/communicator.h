@@ -3,6 +3,7 @@
 // collectives use. A Communicator is cheap: it is made per call from the group's name.
 
 #include <ATen/ATen.h>
+#include "comm/reduce_op.h"
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -95,7 +96,12 @@ class Communicator {
   // exchanges headers with every peer and throws on disagreement (Note [Collective checks]).
   // A non-empty `local_error` means this rank rejected its own arguments: it still takes part in
   // the header exchange, so that its peers fail at once naming it, then throws `local_error`.
-  void begin(uint64_t sequence, const CollectiveHeader& header, const std::string& local_error = {});
+  // `exchange_header=false` skips the exchange (for the group's own collectives, which torch checks).
+  void begin(uint64_t sequence, const CollectiveHeader& header, const std::string& local_error = {},
+             bool exchange_header = true);
+
+  // The group's own all-reduce (kSum/kMean as a sum, kMax, kMin) of `tensor`, asynchronous.
+  c10::intrusive_ptr<c10d::Work> process_group_all_reduce(at::Tensor& tensor, ReduceOp op);
 
   // Asynchronous send/recv of a contiguous tensor in round `round` of the current collective.
   // The tensor must stay alive and untouched until the returned work is waited on.

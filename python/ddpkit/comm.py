@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-ALGORITHMS = ("ring", "butterfly", "star", "gather_scatter", "recursive_doubling", "halving_doubling", "auto")
+ALGORITHMS = (
+    "ring", "butterfly", "star", "gather_scatter", "recursive_doubling", "halving_doubling", "auto", "process_group",
+)
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 _TORCH_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
