@@ -1,0 +1,122 @@
+"""What every ddpkit benchmark shares: the results schema, the recorded context, and timing helpers.
+
+A benchmark measures ddpkit against its PyTorch baseline *in the same run*: repetitions of the
+candidates are interleaved (A B A B ...) so that the machine's noise hits both alike, and the
+figure reported is the median. Results go to ``benchmarks/results/<name>.json`` in the schema of
+``benchmarks/README.md``; ``write_results`` adds the context (command, commit, machine, torch).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+SCHEMA_VERSION = 1
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(backend: str, device_type: str) -> dict:
+    """The context a reader needs to reproduce or judge a result."""
+    gpu = {}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {"gpu_name": props.name, "gpu_count": torch.cuda.device_count(),
+               "cuda_version": torch.version.cuda, "gpu_driver": _nvidia_driver()}
+    return {
+        "command": " ".join(shlex.quote(arg) for arg in [Path(sys.executable).name, *sys.argv]),
+        "git_commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "backend": backend,
+        "device_type": device_type,
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu or None,
+    }
+
+
+def _nvidia_driver() -> Optional[str]:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def write_results(name: str, *, backend: str, device_type: str, settings: dict, records: list[dict],
+                  summary: Optional[dict] = None) -> Path:
+    """Writes ``results/<name>.json`` atomically and returns its path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    document = {
+        "schema_version": SCHEMA_VERSION,
+        "benchmark": name,
+        "environment": environment(backend, device_type),
+        "settings": settings,
+        "records": records,
+        "summary": summary or {},
+    }
+    path = RESULTS_DIR / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(document, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(list(values))
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """A plain fixed-width table on stdout."""
+    cells = [[_format(row.get(col)) for col in columns] for row in rows]
+    widths = [max(len(col), *(len(c[i]) for c in cells)) if cells else len(col) for i, col in enumerate(columns)]
+    print("  ".join(col.rjust(w) for col, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
