@@ -100,6 +100,7 @@ void run_schedule(Communicator& comm, Schedule& schedule) {
   };
   WorkList current, ahead;
   if (look_ahead && !schedule.empty()) post_recvs(0, current);
+  comm.settle_header(&current);  // no payload leaves before every rank agreed (Note [Collective checks])
   for (size_t k = 0; k < schedule.size(); ++k) {
     if (!look_ahead) {
       comm.start_group();
@@ -118,7 +119,6 @@ void run_schedule(Communicator& comm, Schedule& schedule) {
     if (schedule[k].then) schedule[k].then();
     std::swap(current, ahead);
   }
-  comm.finish();
 }
 
 Schedule ring_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
@@ -354,13 +354,14 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   const int n = comm.size();
   const int r = comm.rank();
   if (tensor.numel() == 0 || n == 1) {
-    comm.finish();
+    comm.settle_header();
     return;
   }
   at::Tensor work = working_copy(tensor);
   at::Tensor flat = work.view(-1);
   if (algorithm == Algorithm::kAuto) algorithm = choose_algorithm(flat.numel() * flat.element_size(), n);
   if (algorithm == Algorithm::kProcessGroup) {
+    comm.settle_header();
     comm.process_group_all_reduce(work, op)->wait();
     finish_reduction_(work, op, n);
     write_back(tensor, work);
@@ -387,7 +388,7 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm, uint64_t sequen
   if (error.empty()) error = root_error(src, n, "broadcast", "src");
   comm.begin(sequence, make_header(CollectiveKind::kBroadcast, tensor, std::nullopt, std::nullopt, src), error);
   if (n == 1 || tensor.numel() == 0) {
-    comm.finish();
+    comm.settle_header();
     return;
   }
   // Binomial tree over ranks relative to src: receive from the parent, then send to the children.
@@ -414,7 +415,7 @@ void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm, uint6
   if (error.empty()) error = root_error(dst, n, "reduce", "dst");
   comm.begin(sequence, make_header(CollectiveKind::kReduce, tensor, op, std::nullopt, dst), error);
   if (tensor.numel() == 0) {
-    comm.finish();
+    comm.settle_header();
     return;
   }
   at::Tensor work = working_copy(tensor);

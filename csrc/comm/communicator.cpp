@@ -13,7 +13,6 @@ namespace {
 constexpr int64_t kHeaderMagic = 0x64647070;    // "ddpp"
 constexpr int64_t kRejectedMagic = 0x64647078;  // this rank rejected its own arguments
 constexpr int64_t kHeaderWords = 8;
-constexpr uint64_t kHeaderRoundTag = 63;
 
 std::atomic<bool> checked{true};
 std::atomic<int64_t> collective_count{0};
@@ -108,13 +107,12 @@ uint64_t Communicator::next_sequence() {
   return it->second.next++;
 }
 
-int Communicator::tag(int round, bool header) const {
-  // Gloo wants a non-negative int32: 12 bits of sequence, 13 of header hash, 6 of round. Rounds
-  // wrap modulo 63 (later rounds of one collective are ordered by their waits); 63 is the header's.
-  TORCH_INTERNAL_ASSERT(round >= 0);
-  const uint64_t round_bits = header ? kHeaderRoundTag : static_cast<uint64_t>(round % kHeaderRoundTag);
-  const uint64_t hash_bits = header ? 0 : static_cast<uint64_t>(header_hash_);
-  return static_cast<int>(((sequence_ & 0xFFF) << 19) | (hash_bits << 6) | round_bits);
+int Communicator::tag(int round) const {
+  // Gloo wants a non-negative int32: 23 bits of sequence, 8 of round. Rounds past 254 wrap (the
+  // rounds of one collective are ordered by their waits); 255 is the header's.
+  TORCH_INTERNAL_ASSERT(round >= 0 && round <= kHeaderRound);
+  const uint64_t round_bits = round == kHeaderRound ? kHeaderRound : static_cast<uint64_t>(round % kHeaderRound);
+  return static_cast<int>(((sequence_ & 0x7FFFFF) << 8) | round_bits);
 }
 
 void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, const std::string& local_error,
@@ -132,12 +130,6 @@ void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, cons
                                        header.op,
                                        header.algorithm,
                                        header.root};
-  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the words that must agree
-  for (int64_t w = 2; w < kHeaderWords; ++w) {
-    hash = (hash ^ static_cast<uint64_t>(words[w])) * 1099511628211ull;
-  }
-  header_hash_ = static_cast<int64_t>((hash ^ (hash >> 29)) & 0x1FFF);
-
   if (size_ == 1 || !is_checked() || !exchange_header) {
     TORCH_CHECK(local_error.empty(), local_error);
     return;
@@ -152,9 +144,9 @@ void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, cons
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
     std::vector<at::Tensor> incoming{headers_[peer]};
-    header_works_.push_back(backend_->recv(incoming, peer, tag(0, true)));
+    header_works_.push_back(backend_->recv(incoming, peer, tag(kHeaderRound)));
     std::vector<at::Tensor> outgoing{mine};
-    header_works_.push_back(backend_->send(outgoing, peer, tag(0, true)));
+    header_works_.push_back(backend_->send(outgoing, peer, tag(kHeaderRound)));
   }
   if (!independent_messages_) {
     auto grouped = end_group();
@@ -162,11 +154,10 @@ void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, cons
     if (grouped) header_works_.push_back(grouped);
   }
   header_pending_ = true;
-  // A rejecting rank, and backends whose payloads could match a disagreeing peer's, settle now.
-  if (!local_error.empty() || !independent_messages_) settle_header(nullptr);
+  if (!local_error.empty()) settle_header();
 }
 
-void Communicator::settle_header(std::vector<c10::intrusive_ptr<c10d::Work>>* in_flight) {
+void Communicator::settle_header(std::vector<c10::intrusive_ptr<c10d::Work>>* posted_recvs) {
   if (!header_pending_) return;
   header_pending_ = false;
   try {
@@ -183,7 +174,7 @@ void Communicator::settle_header(std::vector<c10::intrusive_ptr<c10d::Work>>* in
     const std::string mismatch = header_mismatch();
     TORCH_CHECK(mismatch.empty(), mismatch);
   } catch (...) {
-    if (in_flight) abort_all(*in_flight);
+    if (posted_recvs) abort_all(*posted_recvs);
     throw;
   }
 }
@@ -222,9 +213,7 @@ c10::intrusive_ptr<c10d::Work> Communicator::irecv(const at::Tensor& tensor, int
 
 void Communicator::wait(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
                         std::vector<c10::intrusive_ptr<c10d::Work>>* also_abort) {
-  if (works.empty()) return;  // a round with nothing to wait for leaves the header to a later wait
   try {
-    settle_header(&works);
     for (size_t i = 0; i < works.size(); ++i) {
       try {
         works[i]->wait();
@@ -252,8 +241,6 @@ c10::intrusive_ptr<c10d::Work> Communicator::process_group_all_reduce(at::Tensor
   std::vector<at::Tensor> tensors{tensor};
   return backend_->allreduce(tensors, options);
 }
-
-void Communicator::finish() { settle_header(nullptr); }
 
 void Communicator::start_group() { backend_->startCoalescing(); }
 

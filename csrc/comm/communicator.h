@@ -18,29 +18,28 @@ namespace ddpkit::comm {
 // Note [Tags]
 // Every ddpkit collective takes the next sequence number of its process group when it is *issued*
 // (on the issuing thread, in program order, which is identical on all ranks) and tags each of its
-// messages with (sequence, header hash, round). Messages of two collectives therefore never match
-// each other, even when they run at the same time on different threads (a DDP bucket on the
-// reducer's communication thread while SyncBatchNorm's backward reduces on the autograd thread),
-// and payloads of ranks that disagree about the collective (different hash) never match either.
+// messages with (sequence, round). Messages of two collectives therefore never match each other,
+// even when they run at the same time on different threads (a DDP bucket on the reducer's
+// communication thread while SyncBatchNorm's backward reduces on the autograd thread).
 // A rank that issues an extra collective shifts its sequence; its peers then see no matching
 // message and fail at the group's timeout instead of exchanging wrong data.
 
 // Note [Collective checks]
 // torch's TORCH_DISTRIBUTED_DEBUG does not fingerprint point-to-point traffic, so ddpkit does its
-// own: in checked mode (the default) every collective also sends a small header
-// (kind, numel, dtype, op, algorithm, root) to every peer. On gloo, whose point-to-point messages
-// are matched by tag, the headers travel during the first round of the algorithm (its payloads
-// carry the header hash in their tag, so a disagreeing peer's payload cannot match), and the first
-// wait of the collective settles them before any received data is used. On other backends (NCCL
-// ignores tags) the headers are settled before any payload is posted. Either way every rank holds
-// every rank's header and raises the same error naming the first rank that disagrees with rank 0.
-// A rank that rejects its own arguments still sends a header marked "rejected", so its peers fail
-// at once instead of waiting for the timeout. See set_checked().
+// own: in checked mode (the default) every collective sends a small header
+// (kind, numel, dtype, op, algorithm, root) to every peer, and no rank sends any payload before it
+// holds every peer's header and has found them equal (settle_header). Receives for the first round
+// are posted while the headers travel, so that the first payload still leaves at once when the
+// check passes (Note [Pre-posted receives]). On disagreement every rank raises the same error,
+// naming the first rank that differs from rank 0; since no payload was sent anywhere, the pending
+// receives are aborted safely and the group stays usable. A rank that rejects its own arguments
+// still sends a header marked "rejected", so its peers fail at once instead of at the timeout.
+// See set_checked().
 
 // Note [Pre-posted receives]
 // Gloo's point-to-point is a rendezvous: a send leaves at once only if the receiver's "ready"
 // notice has already arrived, otherwise it waits for a round trip through both event loops.
-// run_rounds() therefore posts round k+1's receives before waiting for round k. That is safe when
+// run_schedule() therefore posts round k+1's receives before waiting for round k. That is safe when
 // round k+1's receive buffers are not touched by round k, or when they are only read by a round-k
 // send to the very peer whose round-k+1 message lands there (that peer sends only after it has
 // received ours). Every schedule in collectives.cpp keeps to this; NCCL, whose grouped sends and
@@ -103,19 +102,20 @@ class Communicator {
   // The group's own all-reduce (kSum/kMean as a sum, kMax, kMin) of `tensor`, asynchronous.
   c10::intrusive_ptr<c10d::Work> process_group_all_reduce(at::Tensor& tensor, ReduceOp op);
 
-  // Asynchronous send/recv of a contiguous tensor in round `round` of the current collective.
-  // The tensor must stay alive and untouched until the returned work is waited on.
+  // Asynchronous send/recv of a contiguous tensor in round `round` (< kHeaderRound) of the current
+  // collective. The tensor must stay alive and untouched until the returned work is waited on.
   c10::intrusive_ptr<c10d::Work> isend(const at::Tensor& tensor, int dst, int round);
   c10::intrusive_ptr<c10d::Work> irecv(const at::Tensor& tensor, int src, int round);
 
-  // Waits for `works` (after settling the header exchange, Note [Collective checks]; an empty
-  // `works` leaves the header to a later wait). On any failure it aborts `works` and `also_abort`
-  // before rethrowing, so nothing waits twice.
+  // Waits for the header exchange begun by begin() and checks it (Note [Collective checks]); a
+  // no-op when there is none. Call it before the first send of the collective. On failure it
+  // aborts `posted_recvs` (receives posted meanwhile, which no peer will ever match) and throws.
+  void settle_header(std::vector<c10::intrusive_ptr<c10d::Work>>* posted_recvs = nullptr);
+
+  // Waits for `works`. On any failure it aborts `works` and `also_abort` before rethrowing, so
+  // that nothing waits out a second timeout.
   void wait(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
             std::vector<c10::intrusive_ptr<c10d::Work>>* also_abort = nullptr);
-
-  // Ends the collective: settles a header exchange that no wait has settled yet.
-  void finish();
 
   // True when sends and receives complete independently of each other (gloo): receives can be
   // posted ahead (Note [Pre-posted receives]). False for backends that must group each round's
@@ -124,9 +124,10 @@ class Communicator {
   void start_group();
   c10::intrusive_ptr<c10d::Work> end_group();
 
+  static constexpr int kHeaderRound = 255;
+
  private:
-  int tag(int round, bool header = false) const;
-  void settle_header(std::vector<c10::intrusive_ptr<c10d::Work>>* in_flight);
+  int tag(int round) const;
   std::string header_mismatch() const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
@@ -136,7 +137,6 @@ class Communicator {
   int size_ = 1;
   bool independent_messages_ = true;
   uint64_t sequence_ = 0;
-  int64_t header_hash_ = 0;
   std::string_view what_ = "collective";
   std::string local_error_;
   bool header_pending_ = false;

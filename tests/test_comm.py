@@ -1,0 +1,308 @@
+"""ddpkit's collectives against float64 references, on real gloo process groups.
+
+Tolerance: float32 inputs drawn from N(0, 1) must match the float64 reduction within
+atol = 1e-5 * world_size (the rounding of n-1 float32 additions); integer-valued inputs, whose
+sums are exact in float32, must match exactly, as nccl-tests checks.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.comm import ALGORITHMS
+
+WORLD_SIZES = [1, 2, 3, 4, 5, 8]
+
+
+def numels_for(world_size):
+    return sorted({0, 1, max(world_size - 1, 0), 1000, 1001, 100_000})
+
+
+def rank_input(rank, numel, dtype=torch.float32, integer=False, seed=0):
+    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+    if integer:
+        return torch.randint(-1000, 1000, (numel,), generator=generator).to(dtype)
+    return torch.randn(numel, generator=generator, dtype=torch.float64).to(dtype)
+
+
+def all_inputs(world_size, numel, **kwargs):
+    return torch.stack([rank_input(r, numel, **kwargs).double() for r in range(world_size)])
+
+
+def reference(world_size, numel, op, **kwargs):
+    stacked = all_inputs(world_size, numel, **kwargs)
+    return {"sum": stacked.sum(0), "mean": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+
+
+# --- cases that run on every rank ----------------------------------------------------------------
+
+def case_all_reduce(numels, ops, integer):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for algorithm in ALGORITHMS:
+        for numel in numels:
+            for op in ops:
+                tensor = rank_input(rank, numel, integer=integer)
+                returned = ddpkit.all_reduce(tensor, op=op, algorithm=algorithm)
+                assert returned.data_ptr() == tensor.data_ptr(), "all_reduce must work in place"
+                results[(algorithm, numel, op)] = tensor
+    return results
+
+
+def case_dtypes():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64):
+        for algorithm in ("ring", "recursive_doubling", "halving_doubling", "butterfly"):
+            tensor = rank_input(rank, 777, integer=True, dtype=dtype) if not dtype.is_floating_point \
+                else rank_input(rank, 777, dtype=dtype)
+            ddpkit.all_reduce(tensor, op="sum", algorithm=algorithm)
+            out[(dtype, algorithm)] = tensor
+    return out
+
+
+def case_rooted():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for root in range(world_size):
+        tensor = rank_input(rank, 1001, integer=True)
+        ddpkit.broadcast(tensor, src=root)
+        out[("broadcast", root)] = tensor
+        tensor = rank_input(rank, 1001, integer=True)
+        ddpkit.reduce(tensor, dst=root, op="sum")
+        out[("reduce", root)] = tensor if rank == root else None
+        gathered = ddpkit.gather(rank_input(rank, 10, integer=True).view(2, 5), dst=root)
+        out[("gather", root)] = gathered
+        chunks = torch.arange(world_size * 6, dtype=torch.float32).view(world_size, 2, 3) * (root + 1) \
+            if rank == root else None
+        received = torch.empty(2, 3)
+        ddpkit.scatter(received, chunks, src=root)
+        out[("scatter", root)] = received
+    return out
+
+
+def case_raises(fn_name):
+    """Runs one bad call; returns the exception text (or None if nothing was raised)."""
+    rank = dist.get_rank()
+    try:
+        BAD_CALLS[fn_name](rank)
+    except Exception as exc:  # noqa: BLE001 - the test inspects the message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+BAD_CALLS = {
+    "numel_mismatch": lambda rank: ddpkit.all_reduce(torch.ones(1000 + (rank == 1)), algorithm="ring"),
+    "dtype_mismatch": lambda rank: ddpkit.all_reduce(torch.ones(8, dtype=torch.float64 if rank == 1 else torch.float32)),
+    "op_mismatch": lambda rank: ddpkit.all_reduce(torch.ones(8), op="max" if rank == 1 else "sum"),
+    "algorithm_mismatch": lambda rank: ddpkit.all_reduce(torch.ones(8), algorithm="butterfly" if rank == 1 else "ring"),
+    "collective_mismatch": lambda rank: ddpkit.broadcast(torch.ones(8)) if rank == 1 else ddpkit.all_reduce(torch.ones(8)),
+    "root_mismatch": lambda rank: ddpkit.broadcast(torch.ones(8), src=1 if rank == 1 else 0),
+    "non_contiguous_on_one_rank": lambda rank: ddpkit.all_reduce(
+        torch.ones(4, 4).t() if rank == 1 else torch.ones(4, 4)),
+    "non_contiguous": lambda rank: ddpkit.all_reduce(torch.ones(4, 4).t()),
+    "unsupported_dtype": lambda rank: ddpkit.all_reduce(torch.ones(4, dtype=torch.bool)),
+    "complex_dtype": lambda rank: ddpkit.all_reduce(torch.ones(4, dtype=torch.complex64)),
+    "mean_of_integers": lambda rank: ddpkit.all_reduce(torch.ones(4, dtype=torch.int64), op="mean"),
+    "unknown_algorithm": lambda rank: ddpkit.all_reduce(torch.ones(4), algorithm="telepathy"),
+    "unknown_op": lambda rank: ddpkit.all_reduce(torch.ones(4), op="product"),
+    "src_out_of_range": lambda rank: ddpkit.broadcast(torch.ones(4), src=dist.get_world_size()),
+    "scatter_bad_chunks": lambda rank: ddpkit.scatter(torch.empty(3), torch.ones(1, 3) if rank == 0 else None, src=0),
+}
+
+
+def case_after_errors_group_still_works():
+    """An error caught by the header check leaves the group usable for the next collective."""
+    tensor = torch.full((100,), float(dist.get_rank()))
+    ddpkit.all_reduce(tensor, algorithm="ring")
+    return tensor
+
+
+def case_unchecked(numel):
+    rank = dist.get_rank()
+    ddpkit.set_collective_checks(False)
+    try:
+        tensor = rank_input(rank, numel, integer=True)
+        ddpkit.all_reduce(tensor, algorithm="auto")
+        counters = ddpkit.comm_counters()
+    finally:
+        ddpkit.set_collective_checks(True)
+    return tensor, counters
+
+
+def case_gil_released():
+    """A thread blocked in a ddpkit collective must let the main thread run."""
+    rank = dist.get_rank()
+    tensor = torch.ones(10)
+    if rank == 1:
+        time.sleep(0.5)
+        ddpkit.all_reduce(tensor)
+        return None
+    thread = threading.Thread(target=ddpkit.all_reduce, args=(tensor,))
+    thread.start()
+    time.sleep(0.05)
+    spins = 0
+    while thread.is_alive():
+        spins += 1
+    thread.join()
+    return spins
+
+
+def case_mixed_load(iterations):
+    """Many consecutive collectives of mixed sizes and algorithms, integer-valued: always exact."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(1234)  # identical on every rank: same sizes, same order
+    algorithms = [a for a in ALGORITHMS]
+    failures = []
+    for i in range(iterations):
+        numel = int(torch.randint(0, 5000, (1,), generator=generator))
+        algorithm = algorithms[int(torch.randint(0, len(algorithms), (1,), generator=generator))]
+        tensor = torch.arange(numel, dtype=torch.float32) + rank
+        ddpkit.all_reduce(tensor, algorithm=algorithm)
+        expected = torch.arange(numel, dtype=torch.float32) * world_size + world_size * (world_size - 1) / 2
+        if not torch.equal(tensor, expected):
+            failures.append((i, algorithm, numel))
+    return failures
+
+
+# --- tests ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_reduce_matches_float64_reference(pool, world_size):
+    numels = numels_for(world_size)
+    ops = ["sum", "mean", "max", "min"]
+    per_rank = pool(world_size).run(case_all_reduce, numels, ops, False)
+    for key, tensor in per_rank[0].items():
+        algorithm, numel, op = key
+        expected = reference(world_size, numel, op)
+        assert tensor.dtype == torch.float32 and tensor.shape == (numel,)
+        torch.testing.assert_close(tensor.double(), expected, atol=1e-5 * world_size, rtol=0, msg=str(key))
+        for rank in range(1, world_size):
+            assert torch.equal(per_rank[rank][key], tensor), f"rank {rank} differs from rank 0 for {key}"
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_reduce_integer_values_are_exact(pool, world_size):
+    numels = numels_for(world_size)
+    per_rank = pool(world_size).run(case_all_reduce, numels, ["sum", "max", "min"], True)
+    for rank_results in per_rank:
+        for (algorithm, numel, op), tensor in rank_results.items():
+            expected = reference(world_size, numel, op, integer=True).float()
+            assert torch.equal(tensor, expected), (algorithm, numel, op)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_dtypes(pool, world_size):
+    per_rank = pool(world_size).run(case_dtypes)
+    for (dtype, algorithm), tensor in per_rank[0].items():
+        assert tensor.dtype == dtype
+        if dtype.is_floating_point:
+            exact = all_inputs(world_size, 777, dtype=dtype).sum(0)  # float64 sum of the dtype's values
+            # float16/bfloat16 are reduced in float32 and rounded once: within one rounding of the exact sum
+            torch.testing.assert_close(tensor.double(), exact, atol=1e-5, rtol=torch.finfo(dtype).eps,
+                                       msg=f"{dtype} {algorithm}")
+        else:
+            assert torch.equal(tensor, all_inputs(world_size, 777, integer=True).sum(0).to(dtype))
+        for rank in range(1, world_size):
+            assert torch.equal(per_rank[rank][(dtype, algorithm)], tensor)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_broadcast_reduce_gather_scatter(pool, world_size):
+    per_rank = pool(world_size).run(case_rooted)
+    for root in range(world_size):
+        source = rank_input(root, 1001, integer=True)
+        for rank in range(world_size):
+            assert torch.equal(per_rank[rank][("broadcast", root)], source)
+            gathered = per_rank[rank][("gather", root)]
+            if rank == root:
+                expected = torch.stack([rank_input(r, 10, integer=True).view(2, 5) for r in range(world_size)])
+                assert torch.equal(gathered, expected)
+            else:
+                assert gathered is None
+            chunks = torch.arange(world_size * 6, dtype=torch.float32).view(world_size, 2, 3) * (root + 1)
+            assert torch.equal(per_rank[rank][("scatter", root)], chunks[rank])
+        assert torch.equal(per_rank[root][("reduce", root)], reference(world_size, 1001, "sum", integer=True).float())
+
+
+MISMATCH_MESSAGES = {
+    "numel_mismatch": "rank 1 passed elements 1001, rank 0 passed elements 1000",
+    "dtype_mismatch": "rank 1 passed dtype Double, rank 0 passed dtype Float",
+    "op_mismatch": "rank 1 passed op",
+    "algorithm_mismatch": "rank 1 passed algorithm",
+    "collective_mismatch": "rank 1 passed collective broadcast, rank 0 passed collective all_reduce",
+    "root_mismatch": "rank 1 passed root 1, rank 0 passed root 0",
+    "non_contiguous_on_one_rank": "rank 1 rejected its arguments",
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCH_MESSAGES))
+def test_mismatched_calls_raise_on_every_rank(pool, case):
+    world_size = 3
+    started = time.monotonic()
+    outcomes = pool(world_size).run(case_raises, case)
+    assert time.monotonic() - started < 20, "a mismatch must be reported at once, not at the group timeout"
+    for rank, outcome in enumerate(outcomes):
+        assert outcome is not None, f"rank {rank} did not raise for {case}"
+        if case == "non_contiguous_on_one_rank" and rank == 1:
+            assert "contiguous" in outcome
+        else:
+            assert MISMATCH_MESSAGES[case] in outcome, outcome
+    # the group survives a detected mismatch
+    results = pool(world_size).run(case_after_errors_group_still_works)
+    for tensor in results:
+        assert torch.equal(tensor, torch.full((100,), 3.0))
+
+
+BAD_ARGUMENT_MESSAGES = {
+    "non_contiguous": "expected a contiguous tensor",
+    "unsupported_dtype": "unsupported dtype Bool",
+    "complex_dtype": "unsupported dtype ComplexFloat",
+    "mean_of_integers": "op 'mean' needs a floating-point tensor",
+    "unknown_algorithm": "unknown all-reduce algorithm 'telepathy'",
+    "unknown_op": "unknown reduce op 'product'",
+    "src_out_of_range": "src=2 is not a rank of this group",
+    "scatter_bad_chunks": "on src the chunks must have shape [2, 3]",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ARGUMENT_MESSAGES))
+def test_bad_arguments_raise_clearly(pool, case):
+    outcomes = pool(2).run(case_raises, case)
+    for outcome in outcomes:
+        assert outcome is not None
+        assert BAD_ARGUMENT_MESSAGES[case] in outcome or "rejected its arguments" in outcome, outcome
+    assert BAD_ARGUMENT_MESSAGES[case] in outcomes[0], outcomes[0]
+
+
+def test_requires_initialized_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        ddpkit.all_reduce(torch.ones(3))
+
+
+def test_unchecked_mode_is_correct_and_counts(pool):
+    per_rank = pool(4).run(case_unchecked, 3000)
+    for tensor, counters in per_rank:
+        assert torch.equal(tensor, reference(4, 3000, "sum", integer=True).float())
+        assert counters["collectives"] >= 1 and counters["messages_sent"] >= 1
+
+
+def test_gil_is_released_while_waiting(pool):
+    spins, _ = pool(2).run(case_gil_released)
+    assert spins > 1000, f"main thread made only {spins} iterations while the collective waited"
+
+
+def test_many_mixed_collectives_are_exact(pool):
+    failures = pool(4).run(case_mixed_load, 1000, timeout=600)
+    assert failures == [[]] * 4
+
+
+def test_auto_choice_is_a_real_algorithm():
+    for world_size in (1, 2, 3, 4, 8, 16, 32):
+        for nbytes in (4, 4000, 400_000, 40_000_000):
+            assert ddpkit.comm.choose_algorithm(nbytes, world_size) in ALGORITHMS[:-2]
