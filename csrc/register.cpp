@@ -6,7 +6,23 @@
 
 #include <torch/library.h>
 
+#include <torch/custom_class.h>
+
 #include "comm/ops.h"
+#include "ddp/bucket_assignment.h"
+#include "ddp/reducer.h"
+
+namespace {
+
+// kinds[i] < 0 marks a parameter that is left out (frozen).
+std::vector<int64_t> assign_buckets_op(std::vector<int64_t> sizes_bytes, std::vector<int64_t> kinds,
+                                       int64_t cap_bytes, int64_t first_cap_bytes) {
+  std::vector<bool> included(kinds.size());
+  for (size_t i = 0; i < kinds.size(); ++i) included[i] = kinds[i] >= 0;
+  return ddpkit::ddp::assign_buckets(sizes_bytes, kinds, included, cap_bytes, first_cap_bytes);
+}
+
+}  // namespace
 
 TORCH_LIBRARY(ddpkit, m) {
   // Collectives from point-to-point messages (csrc/comm). `group_name` is a torch.distributed
@@ -21,6 +37,17 @@ TORCH_LIBRARY(ddpkit, m) {
   m.def("comm_counters() -> int[]", &ddpkit::comm::comm_counters_op);
   m.def("reset_comm_counters() -> ()", &ddpkit::comm::reset_comm_counters_op);
   m.def("choose_algorithm(int bytes, int world_size) -> str", &ddpkit::comm::choose_algorithm_op);
+
+  // Gradient bucketing DDP (csrc/ddp): the pure bucket assignment and the reducer.
+  m.def("assign_buckets(int[] sizes_bytes, int[] kinds, int cap_bytes, int first_cap_bytes) -> int[]",
+        &assign_buckets_op);
+  m.class_<ddpkit::ddp::Reducer>("Reducer")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::string, std::string, std::string, bool>())
+      .def("set_sync", &ddpkit::ddp::Reducer::set_sync)
+      .def("sync_enabled", &ddpkit::ddp::Reducer::sync_enabled)
+      .def("finalize", &ddpkit::ddp::Reducer::finalize)
+      .def("buckets", &ddpkit::ddp::Reducer::buckets)
+      .def("stats", &ddpkit::ddp::Reducer::stats);
 }
 
 // Collectives only move and add tensors through ATen and the process group: one kernel for every

@@ -17,9 +17,12 @@ from .comm import (
     scatter,
     set_collective_checks,
 )
+from .ddp import DistributedDataParallel, GradientAccumulation
 from .launch import init_distributed, spawn
 
 __all__ = [
+    "DistributedDataParallel",
+    "GradientAccumulation",
     "all_reduce",
     "broadcast",
     "collective_checks_enabled",

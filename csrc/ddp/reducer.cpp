@@ -1,0 +1,278 @@
+#include "ddp/reducer.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+namespace ddpkit::ddp {
+namespace {
+
+SyncMode parse_mode(const std::string& mode) {
+  if (mode == "bucketed") return SyncMode::kBucketed;
+  if (mode == "per_parameter") return SyncMode::kPerParameter;
+  if (mode == "gather_scatter") return SyncMode::kGatherScatter;
+  TORCH_CHECK(false, "ddpkit.DistributedDataParallel: unknown grad_sync '", mode,
+              "'; expected one of bucketed, per_parameter, gather_scatter");
+}
+
+bool same_memory(const at::Tensor& a, const at::Tensor& b) {
+  return a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() && a.strides() == b.strides();
+}
+
+}  // namespace
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_param, std::string group_name,
+                 std::string algorithm, std::string mode, bool gradient_as_bucket_view)
+    : params_(std::move(params)),
+      group_name_(std::move(group_name)),
+      algorithm_(comm::parse_algorithm(algorithm)),
+      mode_(parse_mode(mode)),
+      gradient_as_bucket_view_(gradient_as_bucket_view) {
+  TORCH_CHECK(params_.size() == bucket_of_param.size(), "Reducer: one bucket index per parameter expected");
+  world_size_ = c10d::resolve_process_group(group_name_)->getSize();
+  slots_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (bucket_of_param[i] < 0) continue;
+    TORCH_CHECK(params_[i].requires_grad(), "Reducer: parameter ", i, " does not require grad");
+    slots_[i].included = true;
+  }
+  if (mode_ == SyncMode::kBucketed) build_buckets(bucket_of_param);
+
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!slots_[i].included) continue;
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(accumulator, "Reducer: parameter ", i, " is not a leaf that requires grad");
+    auto key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          mark_ready(i);
+          return outputs;
+        }));
+    hooks_.emplace_back(std::move(accumulator), key);
+  }
+
+  if (algorithm_ != comm::Algorithm::kProcessGroup) {
+    comm_thread_ = std::thread([this] {
+      while (true) {
+        std::packaged_task<void()> task;
+        {
+          std::unique_lock<std::mutex> lock(queue_mutex_);
+          queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+          if (queue_.empty()) return;
+          task = std::move(queue_.front());
+          queue_.pop_front();
+        }
+        task();
+      }
+    });
+  }
+}
+
+void Reducer::build_buckets(const std::vector<int64_t>& bucket_of_param) {
+  // Slots in the order assign_buckets() visited them: last parameter first (Note [Bucket assignment]).
+  int64_t bucket_count = 0;
+  for (int64_t b : bucket_of_param) bucket_count = std::max(bucket_count, b + 1);
+  buckets_.resize(static_cast<size_t>(bucket_count));
+  for (size_t i = params_.size(); i-- > 0;) {
+    if (bucket_of_param[i] >= 0) buckets_[bucket_of_param[i]].params.push_back(i);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    auto& bucket = buckets_[b];
+    TORCH_CHECK(!bucket.params.empty(), "Reducer: bucket ", b, " has no parameters");
+    const at::Tensor& first = params_[bucket.params.front()];
+    int64_t numel = 0;
+    for (size_t i : bucket.params) {
+      TORCH_CHECK(params_[i].scalar_type() == first.scalar_type() && params_[i].device() == first.device(),
+                  "Reducer: bucket ", b, " mixes dtypes or devices");
+      numel += params_[i].numel();
+    }
+    bucket.flat = at::zeros({numel}, first.options());
+    int64_t offset = 0;
+    for (size_t i : bucket.params) {
+      Slot& slot = slots_[i];
+      slot.bucket = static_cast<int64_t>(b);
+      slot.view = bucket.flat.narrow(0, offset, params_[i].numel()).view(params_[i].sizes());
+      offset += params_[i].numel();
+      at::Tensor& grad = params_[i].mutable_grad();
+      if (gradient_as_bucket_view_ && grad.defined()) {  // Note [Gradient as bucket view]
+        slot.view.copy_(grad);
+        grad = slot.view;
+      }
+    }
+  }
+}
+
+Reducer::~Reducer() {
+  for (auto& [node, key] : hooks_) node->del_post_hook(key);
+  if (comm_thread_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mutex_);
+      stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    comm_thread_.join();
+  }
+}
+
+void Reducer::set_sync(bool enabled) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_enabled_ = enabled;
+}
+
+bool Reducer::sync_enabled() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return sync_enabled_;
+}
+
+void Reducer::mark_ready(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!sync_enabled_) return;
+  if (!in_backward_) start_iteration();
+  if (mode_ != SyncMode::kBucketed) return;
+  Slot& slot = slots_[index];
+  TORCH_CHECK(!slot.ready, "ddpkit.DistributedDataParallel: parameter ", index,
+              " received its gradient twice in one backward (reentrant backward or a second backward before "
+              "the first finished synchronising are not supported)");
+  copy_into_slot(index);
+  slot.ready = true;
+  if (--buckets_[slot.bucket].pending == 0) launch_ready_buckets();
+}
+
+void Reducer::start_iteration() {
+  in_backward_ = true;
+  next_launch_ = 0;
+  for (auto& slot : slots_) slot.ready = false;
+  for (auto& bucket : buckets_) bucket.pending = bucket.params.size();
+  // Runs on the autograd engine when this backward has finished (Note [Overlap]).
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+}
+
+void Reducer::copy_into_slot(size_t index) {
+  Slot& slot = slots_[index];
+  at::Tensor& grad = params_[index].mutable_grad();
+  const double scale = 1.0 / world_size_;
+  if (!grad.defined()) {
+    slot.view.zero_();
+  } else if (same_memory(grad, slot.view)) {
+    slot.view.mul_(scale);
+  } else {
+    at::mul_out(slot.view, grad, at::scalar_tensor(scale, grad.options().device(at::kCPU)));
+    if (gradient_as_bucket_view_) grad = slot.view;
+  }
+}
+
+void Reducer::launch_ready_buckets() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    launch(buckets_[next_launch_++]);
+  }
+}
+
+void Reducer::launch(Bucket& bucket) {
+  ++collectives_;
+  comm::Communicator comm(group_name_, bucket.flat.device().type());
+  const uint64_t sequence = comm.next_sequence();
+  if (algorithm_ == comm::Algorithm::kProcessGroup) {
+    comm.begin(sequence, comm::CollectiveHeader{static_cast<int64_t>(comm::CollectiveKind::kAllReduce)}, {},
+               /*exchange_header=*/false);
+    bucket.work = comm.process_group_all_reduce(bucket.flat, comm::ReduceOp::kSum);
+    return;
+  }
+  at::Tensor flat = bucket.flat;
+  const std::string group_name = group_name_;
+  const comm::Algorithm algorithm = algorithm_;
+  run_on_comm_thread(
+      [flat, group_name, algorithm, sequence]() mutable {
+        comm::Communicator comm(group_name, flat.device().type());
+        comm::all_reduce_(flat, comm::ReduceOp::kSum, algorithm, comm, sequence);
+      },
+      &bucket.done);
+}
+
+void Reducer::run_on_comm_thread(std::function<void()> task, std::future<void>* done) {
+  std::packaged_task<void()> packaged(std::move(task));
+  *done = packaged.get_future();
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    queue_.push_back(std::move(packaged));
+  }
+  queue_cv_.notify_one();
+}
+
+void Reducer::finalize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!in_backward_) return;
+  in_backward_ = false;  // even if waiting fails below: the next backward starts afresh
+  launched_during_backward_ += static_cast<int64_t>(next_launch_);
+  if (mode_ == SyncMode::kBucketed) {
+    finish_bucketed();
+  } else {
+    finish_per_parameter();
+  }
+  ++synced_backwards_;
+}
+
+void Reducer::finish_bucketed() {
+  // Note [Unused parameters]
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Slot& slot = slots_[i];
+    if (!slot.included || slot.ready) continue;
+    slot.view.zero_();
+    slot.ready = true;
+    --buckets_[slot.bucket].pending;
+  }
+  launch_ready_buckets();
+  TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size(), "every bucket must be launched by now");
+  for (auto& bucket : buckets_) {
+    if (bucket.work) {
+      auto work = std::move(bucket.work);
+      work->wait();
+    } else if (bucket.done.valid()) {
+      bucket.done.get();
+    }
+  }
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Slot& slot = slots_[i];
+    if (!slot.included) continue;
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (gradient_as_bucket_view_ || !grad.defined()) {
+      if (!grad.defined() || !same_memory(grad, slot.view)) {
+        grad = gradient_as_bucket_view_ ? slot.view : slot.view.clone();
+      }
+    } else {
+      grad.copy_(slot.view);
+    }
+  }
+}
+
+void Reducer::finish_per_parameter() {
+  const comm::Algorithm algorithm =
+      mode_ == SyncMode::kGatherScatter ? comm::Algorithm::kGatherScatter : algorithm_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!slots_[i].included) continue;
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (!grad.defined()) grad = at::zeros_like(params_[i]);  // every rank must issue the same collectives
+    at::Tensor contiguous = grad.is_contiguous() ? grad : grad.contiguous();
+    comm::Communicator comm(group_name_, contiguous.device().type());
+    comm::all_reduce_(contiguous, comm::ReduceOp::kMean, algorithm, comm, comm.next_sequence());
+    if (!contiguous.is_same(grad)) grad.copy_(contiguous);
+    ++collectives_;
+  }
+}
+
+std::vector<at::Tensor> Reducer::buckets() const {
+  std::vector<at::Tensor> out;
+  for (const auto& bucket : buckets_) out.push_back(bucket.flat);
+  return out;
+}
+
+c10::Dict<std::string, int64_t> Reducer::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  c10::Dict<std::string, int64_t> out;
+  out.insert("synced_backwards", synced_backwards_);
+  out.insert("collectives", collectives_);
+  out.insert("launched_during_backward", launched_during_backward_);
+  out.insert("buckets", static_cast<int64_t>(buckets_.size()));
+  return out;
+}
+
+}  // namespace ddpkit::ddp

@@ -1,0 +1,144 @@
+#pragma once
+// The gradient reducer behind ddpkit.DistributedDataParallel.
+
+#include "comm/collectives.h"
+
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace torch::autograd {
+struct Node;
+}
+
+namespace ddpkit::ddp {
+
+// How gradients are averaged (all modes give the same gradients; they differ in when and how).
+enum class SyncMode {
+  kBucketed,      // flat buckets launched during backward as they fill (Note [Overlap])
+  kPerParameter,  // one all-reduce per gradient after backward (CS744 Task 2b)
+  kGatherScatter  // per gradient, rank 0 gathers, averages and sends back (CS744 Task 2a)
+};
+
+// Note [Overlap]
+// A post hook on each parameter's AccumulateGrad node runs right after the parameter's gradient
+// has been accumulated. In kBucketed mode it copies the gradient, scaled by 1/world_size, into
+// the parameter's slot of its bucket; when the last slot of a bucket is filled, that bucket and any
+// following ones already full are launched asynchronously, strictly in bucket order, so that all
+// ranks issue the same collectives in the same order even when gradients arrive in another order.
+// Launched buckets travel while backward computes the rest. The first hook of a backward queues a
+// callback on the autograd engine; it runs when backward has finished, launches what is left, waits
+// for every bucket and leaves the averaged gradients in param.grad, so loss.backward() returns
+// with synchronised gradients.
+
+// Note [Unused parameters]
+// A parameter that got no gradient this iteration never fires its hook. At the end of backward
+// its slot is zeroed and its bucket launched, so the other ranks' contributions still arrive and
+// nothing waits for it; its gradient becomes (sum of the other ranks' gradients) / world_size, or
+// zeros if no rank used it (torch DDP would leave it None in that case).
+
+// Note [Gradient as bucket view]
+// With gradient_as_bucket_view, param.grad is made a view of its bucket slot once the gradient has
+// been copied there, so later backwards accumulate straight into the bucket and no second
+// gradient-sized buffer exists. After optimizer.zero_grad(set_to_none=True) the next backward
+// creates a fresh gradient, which the hook copies into the slot and replaces by the view again.
+// Without it, the averaged bucket is copied back into param.grad at the end of backward.
+
+// Note [Communication thread]
+// The process group's own all-reduce is asynchronous already. ddpkit's algorithms are synchronous
+// calls, so the reducer runs them on one thread of its own, in launch order. The sequence number of
+// each bucket's collective is reserved on the autograd thread at launch (Note [Tags]), so that
+// collectives issued meanwhile by other code on the same group (SyncBatchNorm's backward) keep the
+// same order on every rank.
+
+class Reducer : public torch::CustomClassHolder {
+ public:
+  // `params`: the parameters in registration order (shared parameters once); `bucket_of_param[i]`
+  // is param i's bucket from assign_buckets() or -1 for a parameter left out (frozen). Buckets of one
+  // index must hold parameters of one dtype and device. `algorithm`: an all-reduce algorithm name of
+  // collectives.h ("process_group" = the group's own). `mode`: "bucketed" | "per_parameter" |
+  // "gather_scatter". Registers one post hook per included parameter; the destructor removes them.
+  Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_param, std::string group_name,
+          std::string algorithm, std::string mode, bool gradient_as_bucket_view);
+  ~Reducer() override;
+
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // no_sync(): while disabled, hooks return at once and gradients just accumulate in param.grad.
+  void set_sync(bool enabled);
+  bool sync_enabled() const;
+
+  // Finishes the current synchronisation if one is under way (it normally finishes inside
+  // backward); a no-op otherwise. Blocks until every bucket has arrived.
+  void finalize();
+
+  // The flat bucket tensors, in launch order (for tests and memory accounting).
+  std::vector<at::Tensor> buckets() const;
+
+  // Counters since construction: "synced_backwards", "collectives" (gradient all-reduces issued),
+  // "launched_during_backward" (buckets launched before backward ended), "buckets".
+  c10::Dict<std::string, int64_t> stats() const;
+
+ private:
+  struct Bucket {
+    at::Tensor flat;                 // one dtype and device, numel = sum of its parameters' numels
+    std::vector<size_t> params;      // indices into params_, in slot order
+    size_t pending = 0;              // slots still waiting for a gradient this iteration
+    c10::intrusive_ptr<c10d::Work> work;  // the group's own all-reduce, or
+    std::future<void> done;               // ddpkit's, run on the communication thread
+  };
+  struct Slot {
+    bool included = false;  // synchronised by this reducer (requires grad, not left out)
+    int64_t bucket = -1;    // kBucketed: its bucket
+    at::Tensor view;        // kBucketed: its region of the bucket, shaped like the parameter
+    bool ready = false;     // kBucketed: filled this iteration
+  };
+
+  void build_buckets(const std::vector<int64_t>& bucket_of_param);
+  void mark_ready(size_t index);               // the AccumulateGrad post hook
+  void start_iteration();                      // first hook of a synchronised backward
+  void copy_into_slot(size_t index);
+  void launch_ready_buckets();
+  void launch(Bucket& bucket);
+  void finish_bucketed();
+  void finish_per_parameter();
+  void run_on_comm_thread(std::function<void()> task, std::future<void>* done);
+
+  std::vector<at::Tensor> params_;
+  std::vector<Slot> slots_;
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  std::string group_name_;
+  comm::Algorithm algorithm_;
+  SyncMode mode_;
+  bool gradient_as_bucket_view_;
+  int world_size_ = 1;
+
+  mutable std::mutex mutex_;  // hooks of parameters on different devices run on different threads
+  bool sync_enabled_ = true;
+  bool in_backward_ = false;
+  size_t next_launch_ = 0;
+
+  int64_t synced_backwards_ = 0;
+  int64_t collectives_ = 0;
+  int64_t launched_during_backward_ = 0;
+
+  // Note [Communication thread]
+  std::thread comm_thread_;
+  std::mutex queue_mutex_;
+  std::condition_variable queue_cv_;
+  std::deque<std::packaged_task<void()>> queue_;
+  bool stopping_ = false;
+};
+
+}  // namespace ddpkit::ddp

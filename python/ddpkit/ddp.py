@@ -1,0 +1,171 @@
+"""Data-parallel training with a C++ gradient-bucketing reducer: a drop-in for torch's DDP.
+
+``DistributedDataParallel`` wraps a module like ``torch.nn.parallel.DistributedDataParallel``:
+rank 0's parameters and buffers are broadcast at construction, buffers again before each
+training forward (``broadcast_buffers``), and when ``loss.backward()`` returns every rank holds
+gradients averaged over all ranks. The reducer (``csrc/ddp/reducer.h``) fills flat buckets from
+per-parameter autograd hooks and launches each bucket's all-reduce as soon as it is full, so
+communication overlaps the rest of backward. Inside ``no_sync()`` nothing is communicated and
+gradients accumulate locally; ``GradientAccumulation`` drives that for k micro-batches per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from . import comm
+
+GRAD_SYNC_MODES = ("bucketed", "per_parameter", "gather_scatter")
+DEFAULT_ALGORITHM = "auto"
+
+
+def assign_buckets(sizes_bytes: list[int], kinds: list[int], cap_bytes: int, first_cap_bytes: int) -> list[int]:
+    """Bucket index per parameter (-1 where ``kinds[i] < 0``); see Note [Bucket assignment]."""
+    return torch.ops.ddpkit.assign_buckets(sizes_bytes, kinds, cap_bytes, first_cap_bytes)
+
+
+class DistributedDataParallel(nn.Module):
+    """Averages gradients of ``module`` across the ranks of ``process_group`` during backward.
+
+    Args:
+        module: the model; every rank must build the same parameters and buffers (checked).
+        process_group: default: the world group.
+        bucket_cap_mb: size of a gradient bucket; the first bucket is ``first_bucket_cap_mb``.
+        broadcast_buffers: re-send rank 0's buffers before each forward in training mode.
+        gradient_as_bucket_view: make ``param.grad`` a view of its bucket slot (no second copy of
+            the gradients; Note [Gradient as bucket view]).
+        grad_sync: "bucketed" (overlapped with backward), "per_parameter" (one all-reduce per
+            gradient after backward) or "gather_scatter" (rank 0 gathers, averages and sends back).
+        algorithm: the all-reduce: one of ddpkit's (``ddpkit.comm.ALGORITHMS``) or
+            "process_group" for the group's own (gloo's ring, NCCL).
+    """
+
+    def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
+                 bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True,
+                 grad_sync: str = "bucketed", algorithm: str = DEFAULT_ALGORITHM, first_bucket_cap_mb: float = 1.0):
+        super().__init__()
+        if grad_sync not in GRAD_SYNC_MODES:
+            raise ValueError(f"grad_sync must be one of {GRAD_SYNC_MODES}, got {grad_sync!r}")
+        if algorithm not in comm.ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {comm.ALGORITHMS}, got {algorithm!r}")
+        if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+            raise ValueError("bucket sizes must be positive")
+        self.module = module
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.grad_sync = grad_sync
+        self.algorithm = algorithm
+        self._group_name = comm.group_name(process_group)
+        self.world_size = dist.get_world_size(process_group)
+
+        _check_same_model_on_every_rank(module, process_group)
+        with torch.no_grad():
+            _broadcast_tensors(list(module.parameters()) + list(module.buffers()), process_group)
+
+        parameters = list(module.parameters())
+        kinds: dict[tuple, int] = {}
+        kind_of = [kinds.setdefault((p.dtype, p.device), len(kinds)) if p.requires_grad else -1 for p in parameters]
+        bucket_of = assign_buckets([p.numel() * p.element_size() for p in parameters], kind_of,
+                                   int(bucket_cap_mb * 2**20), int(first_bucket_cap_mb * 2**20))
+        self._reducer = torch.classes.ddpkit.Reducer(parameters, bucket_of, self._group_name, algorithm, grad_sync,
+                                                     gradient_as_bucket_view)
+
+    def forward(self, *inputs, **kwargs):
+        if self.broadcast_buffers and self.training and self.world_size > 1:
+            buffers = list(self.module.buffers())
+            if buffers:
+                with torch.no_grad():
+                    _broadcast_tensors(buffers, self.process_group)
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally and communicate nothing."""
+        previous = self._reducer.sync_enabled()
+        self._reducer.set_sync(False)
+        try:
+            yield
+        finally:
+            self._reducer.set_sync(previous)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Waits for the gradient all-reduces; they finish inside backward, so normally a no-op."""
+        self._reducer.finalize()
+
+    def reducer_stats(self) -> dict:
+        """Counters of the reducer: synced backwards, gradient collectives, buckets, overlap."""
+        return dict(self._reducer.stats())
+
+    def bucket_tensors(self) -> list[torch.Tensor]:
+        return list(self._reducer.buckets())
+
+
+class GradientAccumulation:
+    """k micro-batches per optimizer step, with no gradient all-reduce on the first k-1.
+
+    ``backward(loss)`` scales the loss by 1/k, runs backward under ``model.no_sync()`` except on
+    every k-th call, and returns True exactly when the gradients are synchronised: then call
+    ``optimizer.step()`` and ``optimizer.zero_grad()``. The gradient at the step is the average over
+    all k × world_size micro-batches. Works with ddpkit's and torch's DistributedDataParallel.
+    """
+
+    def __init__(self, model: nn.Module, accumulation_steps: int):
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        self.model = model
+        self.accumulation_steps = accumulation_steps
+        self.micro_step = 0
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        self.micro_step += 1
+        is_step = self.micro_step % self.accumulation_steps == 0
+        context = contextlib.nullcontext() if is_step else self.model.no_sync()
+        with context:
+            (loss / self.accumulation_steps).backward()
+        return is_step
+
+    def state_dict(self) -> dict:
+        return {"micro_step": self.micro_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.micro_step = int(state["micro_step"])
+
+
+def _broadcast_tensors(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Copies rank 0's values into ``tensors`` on every rank: one ddpkit broadcast per dtype and device."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for group_tensors in by_kind.values():
+        flat = _flatten_dense_tensors([t.detach() for t in group_tensors])
+        comm.broadcast(flat, src=0, group=group)
+        for tensor, value in zip(group_tensors, _unflatten_dense_tensors(flat, group_tensors)):
+            tensor.copy_(value)
+
+
+def _check_same_model_on_every_rank(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+    """Raises on every rank, naming the first difference, when ranks built different models."""
+    signature = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                 for name, p in module.named_parameters()]
+    signature += [("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in module.named_buffers()]
+    signatures: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(signatures, signature, group=group)
+    reference = signatures[0]
+    for rank, theirs in enumerate(signatures[1:], start=1):
+        if theirs == reference:
+            continue
+        if len(theirs) != len(reference):
+            raise ValueError(f"ddpkit.DistributedDataParallel: rank {rank} has {len(theirs)} parameters and buffers, "
+                             f"rank 0 has {len(reference)}; every rank must build the same model")
+        for mine, other in zip(reference, theirs):
+            if mine != other:
+                raise ValueError(
+                    f"ddpkit.DistributedDataParallel: rank {rank}'s {other[0]} '{other[1]}' has shape {other[2]}, "
+                    f"dtype {other[3]}, requires_grad={other[4]}; rank 0's '{mine[1]}' has shape {mine[2]}, "
+                    f"dtype {mine[3]}, requires_grad={mine[4]}")

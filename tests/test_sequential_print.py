@@ -1,0 +1,42 @@
+"""The sequential print under real torchrun, compared byte for byte with the expected text."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.sequential_print import expected_output, iteration_order
+
+SCRIPT = Path(__file__).resolve().parent.parent / "sequential_print.py"
+
+
+def launch(world_size: int, *args: str) -> str:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+               str(SCRIPT), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_expected_output_format():
+    assert expected_output(3, num_iter=2) == "Process 0\nProcess 1\nProcess 2\n---\nProcess 0\nProcess 1\nProcess 2\n"
+    assert expected_output(1, num_iter=3) == "Process 0\n---\nProcess 0\n---\nProcess 0\n"
+    assert expected_output(2, num_iter=0) == ""
+    assert iteration_order(1, 3, "alternating") == [2, 1, 0]
+
+
+@pytest.mark.parametrize("world_size,launches", [(1, 3), (2, 3), (4, 10), (8, 3)])
+def test_torchrun_output_is_deterministic(world_size, launches):
+    expected = expected_output(world_size)
+    for _ in range(launches):
+        assert launch(world_size) == expected
+
+
+def test_hundred_iterations_in_one_launch():
+    assert launch(4, "--num-iter", "100") == expected_output(4, num_iter=100)
+
+
+@pytest.mark.parametrize("order", ["descending", "alternating"])
+def test_other_orders(order):
+    assert launch(3, "--num-iter", "4", "--order", order) == expected_output(3, num_iter=4, order=order)
