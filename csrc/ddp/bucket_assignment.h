@@ -10,8 +10,8 @@ namespace ddpkit::ddp {
 // Gradients become ready roughly in reverse registration order during backward, so parameters are
 // visited from last to first and packed into buckets in that order: bucket 0 holds the last
 // parameters and is the first one that can be launched. A bucket takes parameters until its size
-// reaches its cap (it may overshoot by one parameter; a parameter larger than the cap gets a
-// bucket of its own): `first_cap_bytes` for the first bucket of each kind, so communication
+// reaches its cap, then closes (so it may overshoot by its last parameter, as torch DDP's do):
+// `first_cap_bytes` for the first bucket of each kind, so communication
 // starts early in backward, `cap_bytes` for the others (torch DDP: 1 MiB, then 25 MiB).
 // Parameters of different kinds (dtype and device, encoded by the caller as `kinds[i]`) never
 // share a bucket; each kind fills its own open bucket. Buckets are numbered in the order they are
