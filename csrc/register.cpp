@@ -43,6 +43,7 @@ TORCH_LIBRARY(ddpkit, m) {
         &assign_buckets_op);
   m.class_<ddpkit::ddp::Reducer>("Reducer")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::string, std::string, std::string, bool>())
+      .def("prepare_for_forward", &ddpkit::ddp::Reducer::prepare_for_forward)
       .def("set_sync", &ddpkit::ddp::Reducer::set_sync)
       .def("sync_enabled", &ddpkit::ddp::Reducer::sync_enabled)
       .def("finalize", &ddpkit::ddp::Reducer::finalize)

@@ -212,11 +212,18 @@ def case_mismatched_models():
 
 def case_gradient_as_bucket_view(as_view):
     ddp = ddpkit.DistributedDataParallel(make_model("mlp", seed=0), gradient_as_bucket_view=as_view)
-    ddp(torch.randn(4, FEATURES)).sum().backward()
     buckets = ddp.bucket_tensors()
     spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buckets]
-    inside = [any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in ddp.parameters()]
-    return inside
+
+    def in_buckets():
+        return [any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in ddp.parameters()]
+
+    ddp(torch.randn(4, FEATURES)).sum().backward()
+    after_sync = in_buckets()
+    ddp.zero_grad(set_to_none=True)
+    with ddp.no_sync():  # accumulation micro-batch after set_to_none: still no fresh gradients
+        ddp(torch.randn(4, FEATURES)).sum().backward()
+    return after_sync, in_buckets()
 
 
 def case_overlap():
@@ -302,8 +309,9 @@ def test_models_that_differ_across_ranks_are_rejected_on_every_rank(pool):
 
 @pytest.mark.parametrize("as_view", [True, False])
 def test_gradient_as_bucket_view(pool, as_view):
-    inside = pool(2).run(case_gradient_as_bucket_view, as_view)[0]
-    assert all(inside) if as_view else not any(inside)
+    after_sync, after_no_sync = pool(2).run(case_gradient_as_bucket_view, as_view)[0]
+    for inside in (after_sync, after_no_sync):
+        assert all(inside) if as_view else not any(inside)
 
 
 def test_buckets_launch_during_backward(pool):

@@ -114,6 +114,18 @@ Reducer::~Reducer() {
   }
 }
 
+void Reducer::prepare_for_forward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (mode_ != SyncMode::kBucketed || !gradient_as_bucket_view_ || in_backward_) return;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!slots_[i].included) continue;
+    at::Tensor& grad = params_[i].mutable_grad();
+    if (grad.defined()) continue;
+    slots_[i].view.zero_();
+    grad = slots_[i].view;
+  }
+}
+
 void Reducer::set_sync(bool enabled) {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_enabled_ = enabled;

@@ -52,6 +52,9 @@ enum class SyncMode {
 // gradient-sized buffer exists. After optimizer.zero_grad(set_to_none=True) the next backward
 // creates a fresh gradient, which the hook copies into the slot and replaces by the view again.
 // Without it, the averaged bucket is copied back into param.grad at the end of backward.
+// prepare_for_forward() goes one step further: before a training forward it points every gradient
+// that is None (after zero_grad(set_to_none=True)) at its zeroed slot, so that even accumulation
+// micro-batches under no_sync() accumulate into the buckets and no fresh gradient is allocated.
 
 // Note [Communication thread]
 // The process group's own all-reduce is asynchronous already. ddpkit's algorithms are synchronous
@@ -73,6 +76,9 @@ class Reducer : public torch::CustomClassHolder {
 
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
+
+  // Called before a training forward: Note [Gradient as bucket view]. A no-op in other modes.
+  void prepare_for_forward();
 
   // no_sync(): while disabled, hooks return at once and gradients just accumulate in param.grad.
   void set_sync(bool enabled);

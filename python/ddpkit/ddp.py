@@ -77,6 +77,8 @@ class DistributedDataParallel(nn.Module):
                                                      gradient_as_bucket_view)
 
     def forward(self, *inputs, **kwargs):
+        if self.training and torch.is_grad_enabled():
+            self._reducer.prepare_for_forward()
         if self.broadcast_buffers and self.training and self.world_size > 1:
             buffers = list(self.module.buffers())
             if buffers:

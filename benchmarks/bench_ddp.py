@@ -1,0 +1,181 @@
+"""DDP: ddpkit's bucketing reducer against torch.nn.parallel.DistributedDataParallel.
+
+    python benchmarks/bench_ddp.py            # week-4 Net and ResNet-18 on CIFAR-shaped data, accumulation 1 and 4
+    python benchmarks/bench_ddp.py --quick    # a smoke run
+
+Each candidate trains in its own pool of ``--world-size`` processes (so that peak memory is its
+own): ddpkit DDP with its default all-reduce, ddpkit DDP over the group's own all-reduce, and
+torch DDP (``no_sync`` on accumulation micro-batches). All start from the same weights and see the
+same synthetic batches; after a few steps their parameters must agree (else the run stops) before
+anything is timed. Timing: blocks of steps alternate between the candidates (order rotating); a
+step is k micro-batches of forward+backward plus the optimizer step, its time is the slowest
+rank's, the figure is the median step. Memory: peak RSS of the slowest... largest rank process
+(``max_memory_allocated`` on GPU). Results: benchmarks/results/ddp.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+import ddpkit  # noqa: E402
+from ddpkit.launch import WorkerPool  # noqa: E402
+from ddpkit.models import build_model  # noqa: E402
+
+CANDIDATES = {
+    "ddpkit": {"impl": "ddpkit", "algorithm": ddpkit.ddp.DEFAULT_ALGORITHM},
+    "ddpkit_pg": {"impl": "ddpkit", "algorithm": "process_group"},
+    "torch": {"impl": "torch"},
+}
+
+_state: dict = {}  # per worker process: the model under test and its data
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def build(candidate: dict, model_name: str, batch: int, accumulation: int, num_classes: int) -> None:
+    device = _device()
+    torch.manual_seed(0)
+    model = build_model(model_name, in_channels=3, num_classes=num_classes, image_size=32).to(device)
+    if candidate["impl"] == "ddpkit":
+        wrapped = ddpkit.DistributedDataParallel(model, algorithm=candidate["algorithm"])
+    else:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    generator = torch.Generator().manual_seed(1 + dist.get_rank())
+    batches = [(torch.randn(batch, 3, 32, 32, generator=generator).to(device),
+                torch.randint(0, num_classes, (batch,), generator=generator).to(device)) for _ in range(accumulation)]
+    _state.update(model=wrapped, optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9),
+                  accumulate=ddpkit.GradientAccumulation(wrapped, accumulation), batches=batches, device=device)
+
+
+def steps(count: int) -> list[float]:
+    model, optimizer, accumulate, batches = _state["model"], _state["optimizer"], _state["accumulate"], _state["batches"]
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times = []
+    for _ in range(count):
+        if _state["device"].type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for x, y in batches:
+            stepped = accumulate.backward(loss_fn(model(x), y))
+        assert stepped
+        optimizer.step()
+        optimizer.zero_grad()
+        if _state["device"].type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def parameters_now() -> torch.Tensor:
+    return torch.cat([p.detach().flatten().cpu() for p in _state["model"].parameters()])
+
+
+def finish() -> dict:
+    if _state["device"].type == "cuda":
+        peak = torch.cuda.max_memory_allocated(_state["device"])
+    else:
+        peak = common.peak_rss_bytes()
+    stats = _state["model"].reducer_stats() if hasattr(_state["model"], "reducer_stats") else None
+    return {"peak_memory_bytes": peak, "reducer_stats": stats}
+
+
+def run_config(model_name: str, batch: int, accumulation: int, world_size: int, blocks: int, steps_per_block: int,
+               backend: str) -> list[dict]:
+    pools = {name: WorkerPool(world_size, backend=backend, timeout=3600, group_timeout=600) for name in CANDIDATES}
+    try:
+        for name, pool in pools.items():
+            pool.run(build, CANDIDATES[name], model_name, batch, accumulation, 100)
+        # Correctness first: two identical steps from identical weights must give the same parameters.
+        checks = {}
+        for name, pool in pools.items():
+            pool.run(steps, 2)
+            checks[name] = pool.run(parameters_now)[0]
+        for name, params in checks.items():
+            error = float((params - checks["torch"]).abs().max())
+            if error > 1e-3:
+                raise AssertionError(f"{name} diverged from torch DDP after 2 steps: max |diff| = {error}")
+        times = {name: [] for name in pools}
+        names = list(pools)
+        for block in range(blocks):
+            shift = block % len(names)
+            for name in names[shift:] + names[:shift]:
+                per_rank = pools[name].run(steps, steps_per_block)
+                times[name].extend(max(rank[i] for rank in per_rank) for i in range(steps_per_block))
+        finals = {name: pool.run(finish) for name, pool in pools.items()}
+    finally:
+        for pool in pools.values():
+            pool.close()
+    records = []
+    for name in names:
+        ordered = sorted(times[name])
+        records.append({
+            "world_size": world_size, "model": model_name, "batch_per_rank": batch, "accumulation": accumulation,
+            "candidate": name, **{k: v for k, v in CANDIDATES[name].items()},
+            "median_step_s": common.median(times[name]), "p25_step_s": ordered[len(ordered) // 4],
+            "p75_step_s": ordered[(3 * len(ordered)) // 4], "steps_timed": len(times[name]),
+            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in finals[name]),
+            "reducer_stats": finals[name][0]["reducer_stats"],
+            "max_param_diff_vs_torch_after_2_steps": float((checks[name] - checks["torch"]).abs().max()),
+        })
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--models", nargs="+", default=["net", "resnet18"])
+    parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--blocks", type=int, default=6, help="alternating blocks per candidate")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    batch_for = {"net": 64, "resnet18": 16, "resnet34": 16, "vgg11": 32}
+    steps_for = {"net": 10, "resnet18": 2, "resnet34": 2, "vgg11": 3}
+    if args.quick:
+        args.models, args.blocks = ["net"], 2
+    records = []
+    for model_name in args.models:
+        for accumulation in args.accumulation:
+            started = time.monotonic()
+            records += run_config(model_name, batch_for[model_name], accumulation, args.world_size, args.blocks,
+                                  steps_for[model_name], backend)
+            print(f"{model_name} accumulation {accumulation}: {time.monotonic() - started:.0f}s", flush=True)
+            common.print_table(records[-len(CANDIDATES):], ["model", "accumulation", "candidate", "median_step_s",
+                                                            "p25_step_s", "peak_memory_bytes"])
+    summary = {}
+    for record in records:
+        if record["candidate"] == "torch":
+            continue
+        torch_record = next(r for r in records if r["candidate"] == "torch" and r["model"] == record["model"]
+                            and r["accumulation"] == record["accumulation"])
+        key = f"{record['candidate']} {record['model']} acc={record['accumulation']}"
+        summary[key] = {"time_ratio": record["median_step_s"] / torch_record["median_step_s"],
+                        "memory_ratio": record["peak_memory_bytes"] / torch_record["peak_memory_bytes"]}
+    path = common.write_results("ddp", backend=backend, device_type="cuda" if torch.cuda.is_available() else "cpu",
+                                settings={"world_size": args.world_size, "models": args.models,
+                                          "accumulation": args.accumulation, "blocks": args.blocks,
+                                          "batch_per_rank": {m: batch_for[m] for m in args.models},
+                                          "steps_per_block": {m: steps_for[m] for m in args.models},
+                                          "threads_per_process": max(1, (torch.get_num_threads()) // args.world_size),
+                                          "data": "synthetic CIFAR-shaped batches (3x32x32, 100 classes)",
+                                          "memory": "peak RSS per process (max over ranks); GPU: max_memory_allocated"},
+                                records=records, summary=summary)
+    for key, value in summary.items():
+        print(f"{key}: time x{value['time_ratio']:.3f}, memory x{value['memory_ratio']:.3f}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
