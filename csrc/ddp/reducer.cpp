@@ -1,6 +1,8 @@
 #include "ddp/reducer.h"
 
 #include <torch/csrc/autograd/engine.h>
+
+#include <chrono>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
@@ -215,11 +217,15 @@ void Reducer::finalize() {
   if (!in_backward_) return;
   in_backward_ = false;  // even if waiting fails below: the next backward starts afresh
   launched_during_backward_ += static_cast<int64_t>(next_launch_);
+  const auto started = std::chrono::steady_clock::now();
   if (mode_ == SyncMode::kBucketed) {
     finish_bucketed();
   } else {
     finish_per_parameter();
   }
+  last_wait_us_ =
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - started).count();
+  wait_us_ += last_wait_us_;
   ++synced_backwards_;
 }
 
@@ -284,6 +290,8 @@ c10::Dict<std::string, int64_t> Reducer::stats() const {
   out.insert("collectives", collectives_);
   out.insert("launched_during_backward", launched_during_backward_);
   out.insert("buckets", static_cast<int64_t>(buckets_.size()));
+  out.insert("wait_us", wait_us_);
+  out.insert("last_wait_us", last_wait_us_);
   return out;
 }
 

@@ -92,7 +92,9 @@ class Reducer : public torch::CustomClassHolder {
   std::vector<at::Tensor> buckets() const;
 
   // Counters since construction: "synced_backwards", "collectives" (gradient all-reduces issued),
-  // "launched_during_backward" (buckets launched before backward ended), "buckets".
+  // "launched_during_backward" (buckets launched before backward ended), "buckets", "wait_us" (time
+  // the end of backward spent waiting for communication, i.e. the part not overlapped) and
+  // "last_wait_us" (the same for the latest synchronised backward).
   c10::Dict<std::string, int64_t> stats() const;
 
  private:
@@ -138,6 +140,8 @@ class Reducer : public torch::CustomClassHolder {
   int64_t synced_backwards_ = 0;
   int64_t collectives_ = 0;
   int64_t launched_during_backward_ = 0;
+  int64_t wait_us_ = 0;
+  int64_t last_wait_us_ = 0;
 
   // Note [Communication thread]
   std::thread comm_thread_;

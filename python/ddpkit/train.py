@@ -1,0 +1,463 @@
+"""Data-parallel training with ddpkit (DDP + SyncBatchNorm) or with PyTorch's built-ins.
+
+    torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --epochs 10 --accumulation-steps 2
+    torchrun --nproc_per_node 2 train.py --impl torch ...                     # the PyTorch pipeline
+    torchrun --nproc_per_node 4 train.py --dataset cifar100 --model resnet18 --download
+    # two nodes with torchrun:
+    torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint HOST:29400 train.py ...
+    # or without torchrun, one command per process (CS744 style):
+    python train.py --master-addr HOST --master-port 29500 --world-size 2 --rank 0 ...
+
+``--impl ddpkit`` converts every BatchNorm to ``ddpkit.SyncBatchNorm`` and wraps the model in
+``ddpkit.DistributedDataParallel``; ``--impl torch`` uses ``torch.nn.SyncBatchNorm`` (GPU only: on
+CPU torch has none, so plain BatchNorm, and the log says so) and
+``torch.nn.parallel.DistributedDataParallel``. Both share everything else: data order, seeds,
+augmentation, optimizer, schedule. ``--accumulation-steps k`` runs k micro-batches per optimizer
+step with no gradient all-reduce on the first k-1. Only rank 0 prints; after every epoch the test
+set is evaluated in a distributed way (rank 0 scatters shard indices with
+``torch.distributed.scatter``, each rank counts its correct predictions, rank 0 combines them).
+Rank 0 writes ``<out>/metrics.json``, ``<out>/model.pt`` and a resumable ``<out>/checkpoint.pt``
+(atomically: temp file, then rename); a restarted run (e.g. ``torchrun --max-restarts 1``)
+continues from the checkpoint exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import comm
+from .data import DATASETS, ShardedBatches, dataset_info, load_dataset, normalize, random_crop_flip
+from .ddp import DEFAULT_ALGORITHM, GRAD_SYNC_MODES, DistributedDataParallel, GradientAccumulation
+from .launch import DistInfo, add_launch_arguments, init_from_args
+from .models import MODELS, build_model
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    dataset: str = "cifar100"
+    data_root: Optional[str] = None
+    download: bool = False
+    model: str = "net"
+    impl: str = "ddpkit"
+    sync_bn: bool = True
+    grad_sync: str = "bucketed"
+    algorithm: str = DEFAULT_ALGORITHM
+    epochs: int = 10
+    batch_size: int = 64  # per rank and micro-batch
+    global_batch_size: Optional[int] = None  # per optimizer step; overrides batch_size
+    accumulation_steps: int = 1
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    schedule: str = "cosine"
+    augment: Optional[bool] = None  # default: on for CIFAR, off for Fashion-MNIST
+    seed: int = 0
+    log_every: int = 20
+    eval_batch_size: int = 1000
+    limit_train: Optional[int] = None
+    limit_test: Optional[int] = None
+    max_steps: Optional[int] = None
+    out_dir: Optional[str] = "runs/latest"
+    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: after every epoch only
+    resume: bool = True
+    progress: bool = True
+
+
+def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.Namespace]:
+    defaults = TrainConfig()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--dataset", choices=sorted(DATASETS), default=defaults.dataset)
+    parser.add_argument("--data-root", help="where the dataset lives (default: the dataset's standard place)")
+    parser.add_argument("--download", action="store_true", help="download CIFAR if it is missing")
+    parser.add_argument("--model", choices=MODELS, default=defaults.model)
+    parser.add_argument("--impl", choices=("ddpkit", "torch"), default=defaults.impl)
+    parser.add_argument("--no-sync-bn", dest="sync_bn", action="store_false", help="keep plain BatchNorm")
+    parser.add_argument("--grad-sync", choices=GRAD_SYNC_MODES, default=defaults.grad_sync, help="ddpkit only")
+    parser.add_argument("--algorithm", choices=comm.ALGORITHMS, default=defaults.algorithm,
+                        help="ddpkit's all-reduce (ddpkit only)")
+    parser.add_argument("--epochs", type=_positive_int, default=defaults.epochs)
+    parser.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size,
+                        help="samples per rank and micro-batch")
+    parser.add_argument("--global-batch-size", type=_positive_int,
+                        help="samples per optimizer step over all ranks (sets --batch-size)")
+    parser.add_argument("--accumulation-steps", type=_positive_int, default=defaults.accumulation_steps)
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default=defaults.optimizer)
+    parser.add_argument("--lr", type=_positive_float, default=defaults.lr)
+    parser.add_argument("--momentum", type=float, default=defaults.momentum)
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    parser.add_argument("--schedule", choices=("cosine", "constant"), default=defaults.schedule)
+    parser.add_argument("--augment", action=argparse.BooleanOptionalAction, default=None,
+                        help="random crop + flip (default: on for CIFAR)")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--log-every", type=_positive_int, default=defaults.log_every, help="optimizer steps")
+    parser.add_argument("--eval-batch-size", type=_positive_int, default=defaults.eval_batch_size)
+    parser.add_argument("--limit-train", type=_positive_int, help="use only the first N training samples")
+    parser.add_argument("--limit-test", type=_positive_int, help="use only the first N test samples")
+    parser.add_argument("--max-steps", type=_positive_int, help="stop after N optimizer steps")
+    parser.add_argument("--out", dest="out_dir", default=defaults.out_dir, help="metrics, model and checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
+                        help="optimizer steps between checkpoints (0: after every epoch)")
+    parser.add_argument("--no-resume", dest="resume", action="store_false", help="ignore an existing checkpoint")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_launch_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.checkpoint_every < 0:
+        parser.error("--checkpoint-every must be >= 0")
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    return config, args
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def log(*parts) -> None:
+    """Prints on rank 0 only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*parts, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed validation (week 4, task 3)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, transform, batch_size: int,
+             device: torch.device) -> dict:
+    """Exact test loss and accuracy over all of ``images``, computed by all ranks together.
+
+    Rank 0 splits the indices 0..N-1 into world_size contiguous shards (sizes differing by at most
+    one, padded with -1 to a common length) and hands them out with ``torch.distributed.scatter``;
+    each rank sums the loss and counts the correct predictions of its shard; ``ddpkit.reduce``
+    brings the sums to rank 0, which divides by N. Every rank returns the same dict only on rank 0;
+    the others get their local part.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    count = len(images)
+    shard_length = math.ceil(count / world_size)
+    shard = torch.empty(shard_length, dtype=torch.int64)
+    chunks = None
+    if rank == 0:
+        chunks = [torch.full((shard_length,), -1, dtype=torch.int64) for _ in range(world_size)]
+        for r, part in enumerate(torch.arange(count).tensor_split(world_size)):
+            chunks[r][:len(part)] = part
+    dist.scatter(shard, chunks, src=0)
+    mine = shard[shard >= 0]
+
+    was_training = model.training
+    model.eval()
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
+    for batch in mine.split(batch_size):
+        x = transform(images[batch]).to(device)
+        y = labels[batch].to(device)
+        logits = model(x)
+        totals[0] += float(loss_fn(logits, y))
+        totals[1] += int((logits.argmax(1) == y).sum())
+        totals[2] += len(batch)
+    model.train(was_training)
+    comm.reduce(totals, dst=0, op="sum")
+    if rank == 0 and int(totals[2]) != count:
+        raise RuntimeError(f"distributed evaluation covered {int(totals[2])} of {count} samples")
+    return {"loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2]), "samples": int(totals[2])}
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def _save_atomically(obj, path: Path) -> None:
+    """torch.save to a temp file in the same directory, fsync, then rename over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _write_json_atomically(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Trainer:
+    """One rank's training run. ``run()`` trains to the end; ``train_epoch()`` does one epoch."""
+
+    def __init__(self, config: TrainConfig, info: DistInfo):
+        self.config = config
+        self.rank, self.world_size = info.rank, info.world_size
+        self.device = torch.device("cuda", info.local_rank) if info.backend == "nccl" else torch.device("cpu")
+        self.info = dataset_info(config.dataset)
+        self.augment = config.augment if config.augment is not None else config.dataset.startswith("cifar")
+        self.out_dir = Path(config.out_dir) if config.out_dir else None
+
+        micro_batch = config.batch_size
+        if config.global_batch_size is not None:
+            per_step = self.world_size * config.accumulation_steps
+            if config.global_batch_size % per_step:
+                raise ValueError(f"--global-batch-size {config.global_batch_size} is not divisible by "
+                                 f"world_size x accumulation_steps = {per_step}")
+            micro_batch = config.global_batch_size // per_step
+        self.micro_batch = micro_batch
+        self.global_batch = micro_batch * self.world_size * config.accumulation_steps
+
+        self.train_x, self.train_y = load_dataset(config.dataset, config.data_root, train=True,
+                                                  download=config.download)
+        self.test_x, self.test_y = load_dataset(config.dataset, config.data_root, train=False,
+                                                download=config.download)
+        if config.limit_train:
+            self.train_x, self.train_y = self.train_x[:config.limit_train], self.train_y[:config.limit_train]
+        if config.limit_test:
+            self.test_x, self.test_y = self.test_x[:config.limit_test], self.test_y[:config.limit_test]
+
+        torch.manual_seed(config.seed)
+        model = build_model(config.model, self.info.channels, self.info.num_classes, self.info.image_size)
+        self.notes = []
+        if config.impl == "ddpkit":
+            if config.sync_bn:
+                from .syncbn import convert_sync_batchnorm
+                model = convert_sync_batchnorm(model)
+            model = model.to(self.device)
+            self.model = DistributedDataParallel(model, grad_sync=config.grad_sync, algorithm=config.algorithm)
+        else:
+            if config.sync_bn and self.device.type == "cuda":
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            elif config.sync_bn:
+                self.notes.append("torch.nn.SyncBatchNorm needs CUDA: the torch pipeline uses plain BatchNorm on CPU")
+            model = model.to(self.device)
+            self.model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+        parameters = [p for p in self.model.parameters() if p.requires_grad]
+        if config.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum,
+                                             weight_decay=config.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+        self.sampler = ShardedBatches(len(self.train_x), micro_batch, self.rank, self.world_size, seed=config.seed,
+                                      shuffle=True, drop_last=True)
+        self.steps_per_epoch = len(self.sampler) // config.accumulation_steps
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"an epoch has {len(self.sampler)} micro-batches per rank, fewer than "
+                             f"--accumulation-steps {config.accumulation_steps}")
+        self.total_steps = self.steps_per_epoch * config.epochs
+        if config.max_steps:
+            self.total_steps = min(self.total_steps, config.max_steps)
+        self.scheduler = (torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.total_steps)
+                          if config.schedule == "cosine" else None)
+        self.accumulate = GradientAccumulation(self.model, config.accumulation_steps)
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.epoch = 0
+        self.step = 0
+        self.history: dict = {"epochs": [], "steps": []}
+        if config.resume:
+            self._resume()
+
+    # -- data ----------------------------------------------------------------------------------
+    def _transform(self, images: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        if generator is not None and self.augment:
+            images = random_crop_flip(images, padding=4, generator=generator)
+        return normalize(images, self.info.mean, self.info.std)
+
+    def _eval_transform(self, images: torch.Tensor) -> torch.Tensor:
+        return normalize(images, self.info.mean, self.info.std)
+
+    def _seed_micro_batch(self, micro_index: int) -> torch.Generator:
+        # Note: every random draw of a micro-batch (dropout, augmentation) comes from seeds that are
+        # a function of (seed, rank, micro-batch), so a resumed run replays them without saved states.
+        seed = (self.config.seed * 1_000_003 + self.rank * 10_007 + micro_index) % (2**63)
+        torch.manual_seed(seed)
+        return torch.Generator().manual_seed(seed + 1)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _module(self) -> nn.Module:
+        return self.model.module
+
+    def checkpoint_state(self) -> dict:
+        return {
+            "config": dataclasses.asdict(self.config),
+            "world_size": self.world_size,
+            "model": self._module().state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+            "sampler": self.sampler.state_dict(),
+            "accumulate": self.accumulate.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "history": self.history,
+        }
+
+    def save_checkpoint(self) -> None:
+        if self.rank == 0 and self.out_dir:
+            _save_atomically(self.checkpoint_state(), self.out_dir / "checkpoint.pt")
+
+    def _resume(self) -> None:
+        path = self.out_dir / "checkpoint.pt" if self.out_dir else None
+        holder = [None]
+        if self.rank == 0 and path is not None and path.exists():
+            holder[0] = torch.load(path, map_location="cpu", weights_only=False)
+        dist.broadcast_object_list(holder, src=0)  # nodes need not share a file system
+        state = holder[0]
+        if state is None:
+            return
+        if state["world_size"] != self.world_size:
+            raise ValueError(f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
+                             f"{self.world_size}; use another --out or --no-resume")
+        self._module().load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler and state["scheduler"]:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.accumulate.load_state_dict(state["accumulate"])
+        self.epoch, self.step, self.history = state["epoch"], state["step"], state["history"]
+        log(f"resumed from {path}: epoch {self.epoch + 1}, optimizer step {self.step}")
+
+    # -- training ------------------------------------------------------------------------------
+    def done(self) -> bool:
+        return self.step >= self.total_steps or self.epoch >= self.config.epochs
+
+    def train_epoch(self, until_step: Optional[int] = None) -> dict:
+        """Trains to the end of the current epoch (or to optimizer step ``until_step``, or the last
+        step), then evaluates and checkpoints."""
+        config = self.config
+        self.sampler.set_epoch(self.epoch)
+        self.model.train()
+        micro_batches = self.steps_per_epoch * config.accumulation_steps
+        progress = self._progress_bar()
+        started = time.perf_counter()
+        loss_sum = torch.zeros(2, dtype=torch.float64)  # for the log: sum of losses, micro-batches
+        for indices in self.sampler:
+            position = self.sampler.state_dict()["position"]  # 1-based index of this micro-batch
+            if position > micro_batches:
+                break  # the epoch's tail that does not fill a whole optimizer step
+            generator = self._seed_micro_batch(self.epoch * micro_batches + position)
+            x = self._transform(self.train_x[indices], generator).to(self.device)
+            y = self.train_y[indices].to(self.device)
+            t0 = time.perf_counter()
+            loss = self.loss_fn(self.model(x), y)
+            t1 = time.perf_counter()
+            stepped = self.accumulate.backward(loss)
+            t2 = time.perf_counter()
+            loss_value = loss.item()
+            loss_sum += torch.tensor([loss_value, 1.0], dtype=torch.float64)
+            if not stepped:
+                continue
+            self.optimizer.step()
+            if self.scheduler:
+                self.scheduler.step()
+            self.optimizer.zero_grad()
+            self.step += 1
+            record = {"step": self.step, "epoch": self.epoch, "local_loss": loss_value,
+                      "lr": self.optimizer.param_groups[0]["lr"], "forward_s": t1 - t0, "backward_s": t2 - t1}
+            if isinstance(self.model, DistributedDataParallel):
+                stats = self.model.reducer_stats()
+                record["comm_wait_s"] = stats["last_wait_us"] / 1e6
+            if self.step % config.log_every == 0 or self.step == self.total_steps:
+                dist.all_reduce(loss_sum)
+                record["loss"] = float(loss_sum[0] / loss_sum[1])
+                log(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} loss {record['loss']:.4f} "
+                    f"lr {record['lr']:.4g}")
+                loss_sum.zero_()
+            self.history["steps"].append(record)
+            if progress is not None:
+                progress.update(1)
+            if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                self.save_checkpoint()
+            if self.step >= self.total_steps or (until_step is not None and self.step >= until_step):
+                break
+        if progress is not None:
+            progress.close()
+        epoch_time = time.perf_counter() - started
+        result = evaluate(self._module(), self.test_x, self.test_y, self._eval_transform, config.eval_batch_size,
+                          self.device)
+        finished_epoch = self.sampler.state_dict()["position"] >= micro_batches
+        record = {"epoch": self.epoch, "step": self.step, "epoch_time_s": epoch_time, "test_loss": result["loss"],
+                  "test_accuracy": result["accuracy"], "test_samples": result["samples"]}
+        log(f"epoch {self.epoch + 1}: test loss {result['loss']:.4f} accuracy {100 * result['accuracy']:.2f}% "
+            f"({result['samples']} samples), {epoch_time:.1f}s")
+        self.history["epochs"].append(record)
+        if finished_epoch:
+            self.epoch += 1
+        self.save_checkpoint()
+        return record
+
+    def _progress_bar(self):
+        if self.rank != 0 or not self.config.progress:
+            return None
+        from tqdm import tqdm
+        done_in_epoch = self.step - self.epoch * self.steps_per_epoch
+        return tqdm(total=self.steps_per_epoch, initial=max(0, done_in_epoch), desc=f"epoch {self.epoch + 1}",
+                    unit="step", leave=False, file=sys.stderr)
+
+    def summary(self) -> dict:
+        peak = torch.tensor([float(_peak_rss_bytes())], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        last = self.history["epochs"][-1] if self.history["epochs"] else {}
+        return {"config": dataclasses.asdict(self.config), "world_size": self.world_size,
+                "global_batch_size": self.global_batch, "micro_batch_per_rank": self.micro_batch,
+                "notes": self.notes, "final_test_accuracy": last.get("test_accuracy"),
+                "final_test_loss": last.get("test_loss"), "peak_rss_bytes_max_over_ranks": int(peak),
+                "history": self.history}
+
+    def run(self) -> dict:
+        for note in self.notes:
+            log(f"note: {note}")
+        log(f"training {self.config.model} on {self.config.dataset} with {self.config.impl}: world size "
+            f"{self.world_size}, micro-batch {self.micro_batch}/rank, accumulation {self.config.accumulation_steps}, "
+            f"global batch {self.global_batch}, {self.total_steps} optimizer steps")
+        while not self.done():
+            self.train_epoch()
+        summary = self.summary()
+        if self.rank == 0 and self.out_dir:
+            _save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
+            _write_json_atomically(summary, self.out_dir / "metrics.json")
+        return summary
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    config, args = parse_args(argv)
+    info = init_from_args(args)
+    try:
+        Trainer(config, info).run()
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The training pipeline: real short runs, distributed validation, resume, multi-node launch, CLI errors."""
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.data import FASHION_MNIST_ROOT
+from ddpkit.train import TrainConfig, Trainer, evaluate, parse_args
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "train.py"
+needs_fashion_mnist = pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(),
+                                         reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)")
+
+
+def small_config(out_dir, **overrides) -> TrainConfig:
+    settings = dict(dataset="fashion_mnist", model="net", epochs=1, batch_size=32, accumulation_steps=2,
+                    limit_train=4096, limit_test=1001, lr=0.05, log_every=1000, out_dir=str(out_dir),
+                    progress=False, eval_batch_size=256)
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def case_train(config: TrainConfig, until_step=None):
+    from ddpkit.launch import DistInfo
+    info = DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo")
+    trainer = Trainer(config, info)
+    if until_step is not None:
+        while trainer.step < until_step:
+            trainer.train_epoch(until_step=until_step)
+        return None
+    summary = trainer.run()
+    return summary, {k: v.clone() for k, v in trainer._module().state_dict().items()}
+
+
+# --- training -------------------------------------------------------------------------------------
+
+@needs_fashion_mnist
+def test_short_real_run_learns(pool, tmp_path):
+    summary, _ = pool(2).run(case_train, small_config(tmp_path / "run"), timeout=300)[0]
+    steps = summary["history"]["steps"]
+    first, last = steps[0]["local_loss"], sum(s["local_loss"] for s in steps[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+    assert summary["final_test_accuracy"] > 0.6  # chance is 0.1
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["final_test_accuracy"] == summary["final_test_accuracy"]
+    assert (tmp_path / "run" / "model.pt").exists() and (tmp_path / "run" / "checkpoint.pt").exists()
+    assert all(s["comm_wait_s"] >= 0 and s["forward_s"] > 0 for s in steps)
+
+
+@needs_fashion_mnist
+def test_ddpkit_and_torch_pipelines_match_with_plain_batchnorm(pool, tmp_path):
+    losses = {}
+    for impl in ("ddpkit", "torch"):
+        config = small_config(tmp_path / impl, impl=impl, sync_bn=False, max_steps=4, model="vgg11",
+                              limit_train=512, limit_test=64, batch_size=8)
+        summary, _ = pool(2).run(case_train, config, timeout=300)[0]
+        losses[impl] = torch.tensor([s["local_loss"] for s in summary["history"]["steps"]])
+    torch.testing.assert_close(losses["ddpkit"], losses["torch"], atol=1e-4, rtol=1e-4)
+
+
+@needs_fashion_mnist
+def test_resumed_run_equals_uninterrupted_run(pool, tmp_path):
+    base = dict(epochs=2, limit_train=2048, checkpoint_every=5, model="net")
+    _, uninterrupted = pool(2).run(case_train, small_config(tmp_path / "a", **base), timeout=300)[0]
+    pool(2).run(case_train, small_config(tmp_path / "b", **base), until_step=12, timeout=300)  # stops mid-epoch 1
+    summary, resumed = pool(2).run(case_train, small_config(tmp_path / "b", **base), timeout=300)[0]
+    assert summary["history"]["steps"][0]["step"] == 1 and len(summary["history"]["epochs"]) >= 2
+    for key in uninterrupted:
+        assert torch.equal(resumed[key], uninterrupted[key]), key
+
+
+# --- distributed validation ----------------------------------------------------------------------
+
+def make_eval_problem(count):
+    generator = torch.Generator().manual_seed(7)
+    images = torch.randint(0, 256, (count, 1, 6, 6), generator=generator, dtype=torch.uint8)
+    labels = torch.randint(0, 5, (count,), generator=generator)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, 5))
+    return model, images, labels
+
+
+def transform(images):
+    return images.float() / 255
+
+
+def case_evaluate(count, batch_size):
+    model, images, labels = make_eval_problem(count)
+    return evaluate(model, images, labels, transform, batch_size, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_distributed_validation_equals_single_process(pool, world_size):
+    count = 1001  # divisible by none of 2, 3, 4
+    model, images, labels = make_eval_problem(count)
+    with torch.no_grad():
+        logits = model(transform(images))
+    expected_accuracy = float((logits.argmax(1) == labels).double().mean())
+    expected_loss = float(nn.functional.cross_entropy(logits.double(), labels))
+    result = pool(world_size).run(case_evaluate, count, 64)[0]
+    assert result["samples"] == count
+    assert result["accuracy"] == pytest.approx(expected_accuracy, abs=1e-12)
+    assert result["loss"] == pytest.approx(expected_loss, rel=1e-6)
+
+
+# --- launching ------------------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def small_cli(out_dir):
+    return ["--dataset", "fashion_mnist", "--limit-train", "1024", "--limit-test", "500", "--batch-size", "32",
+            "--max-steps", "4", "--epochs", "1", "--no-progress", "--out", str(out_dir)]
+
+
+@needs_fashion_mnist
+def test_two_torchrun_launchers_as_two_nodes(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    launchers = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node",
+         "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "two-nodes", str(TRAIN),
+         *small_cli(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)]
+    outputs = [launcher.communicate(timeout=240)[0] for launcher in launchers]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2
+    assert sum("test loss" in output for output in outputs) == 1  # only rank 0 logs
+
+
+@needs_fashion_mnist
+def test_explicit_launch_without_torchrun(tmp_path):
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(TRAIN), "--master-addr", "127.0.0.1", "--master-port", port,
+                               "--world-size", "2", "--rank", str(rank), *small_cli(tmp_path / "run")],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [process.communicate(timeout=240)[0] for process in ranks]
+    assert [process.returncode for process in ranks] == [0, 0], outputs
+    assert "test loss" in outputs[0] and "test loss" not in outputs[1]
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["world_size"] == 2
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv,message", [
+    (["--epochs", "0"], "--epochs: must be >= 1"),
+    (["--batch-size", "-3"], "--batch-size: must be >= 1"),
+    (["--lr", "0"], "--lr: must be > 0"),
+    (["--dataset", "imagenet"], "--dataset: invalid choice"),
+    (["--algorithm", "telepathy"], "--algorithm: invalid choice"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+    (["--master-port", "70000"], "--master-port: port must be in 1..65535"),
+])
+def test_invalid_cli_values_are_argparse_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_cifar_names_the_expected_path(tmp_path):
+    result = subprocess.run([sys.executable, str(TRAIN), "--dataset", "cifar10", "--data-root", str(tmp_path),
+                             "--no-progress", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert str(tmp_path / "cifar-10-batches-py") in result.stderr or str(tmp_path) in result.stderr, result.stderr
