@@ -34,7 +34,9 @@ from ddpkit.comm import ALGORITHMS  # noqa: E402
 from ddpkit.launch import WorkerPool  # noqa: E402
 
 TORCH = "torch.distributed"
+UNCHECKED = ":unchecked"  # suffix: the same algorithm with Note [Collective checks] turned off
 CANDIDATES = [a for a in ALGORITHMS if a != "process_group"] + [TORCH]
+CHECK_OVERHEAD_CANDIDATES = ["ring", "ring" + UNCHECKED, "auto", "auto" + UNCHECKED, TORCH]
 
 
 def run_candidate(candidate: str, tensor: torch.Tensor, op: str = "sum") -> None:
@@ -42,6 +44,12 @@ def run_candidate(candidate: str, tensor: torch.Tensor, op: str = "sum") -> None
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         if op == "mean":
             tensor.div_(dist.get_world_size())
+    elif candidate.endswith(UNCHECKED):
+        ddpkit.set_collective_checks(False)  # every rank switches at the same point of the program
+        try:
+            ddpkit.all_reduce(tensor, op=op, algorithm=candidate[:-len(UNCHECKED)])
+        finally:
+            ddpkit.set_collective_checks(True)
     else:
         ddpkit.all_reduce(tensor, op=op, algorithm=candidate)
 
@@ -125,8 +133,9 @@ def aggregate(per_rank: list[dict], world_size: int, candidates: list[str], size
                 "numel": numel,
                 "algorithm": candidate,
                 "kind": "time",
-                "resolved_algorithm": ddpkit.comm.choose_algorithm(nbytes, world_size) if candidate == "auto"
-                else candidate,
+                "resolved_algorithm": ddpkit.comm.choose_algorithm(nbytes, world_size)
+                if candidate.startswith("auto") else candidate.removesuffix(UNCHECKED),
+                "checked": not candidate.endswith(UNCHECKED) and candidate != TORCH,
                 "median_s": median,
                 "p25_s": ordered[len(ordered) // 4],
                 "p75_s": ordered[(3 * len(ordered)) // 4],
@@ -145,6 +154,11 @@ def summarize(records: list[dict]) -> dict:
         baseline = by_key.get((world_size, numel, TORCH))
         if algorithm in ("ring", "auto") and baseline and world_size > 1:
             ratios[f"{algorithm}/torch ws={world_size} n={numel}"] = record["median_s"] / baseline["median_s"]
+    overhead = {}
+    for (world_size, numel, algorithm), record in by_key.items():
+        unchecked = by_key.get((world_size, numel, algorithm + UNCHECKED))
+        if unchecked:
+            overhead[f"{algorithm} ws={world_size} n={numel}"] = record["median_s"] / unchecked["median_s"]
     ring_bar = {k: v for k, v in ratios.items() if k.startswith("ring/") and ("ws=2 " in k or "ws=4 " in k)
                 and k.endswith("n=100000")}
     auto_upto8 = {k: v for k, v in ratios.items() if k.startswith("auto/") and int(k.split("ws=")[1].split()[0]) <= 8}
@@ -154,6 +168,7 @@ def summarize(records: list[dict]) -> dict:
         "ring_bar_met": all(v <= 1.2 for v in ring_bar.values()) if ring_bar else None,
         "auto_worst_ratio_up_to_8": max(auto_upto8.values()) if auto_upto8 else None,
         "auto_bar_met": all(v <= 1.0 for v in auto_upto8.values()) if auto_upto8 else None,
+        "checked_over_unchecked": overhead,
     }
 
 
@@ -163,10 +178,15 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000])
     parser.add_argument("--memory-numel", type=int, default=4_000_000, help="extra size for the memory pass")
     parser.add_argument("--reps", type=int, default=40, help="timed repetitions per point (fewer above 8 workers)")
-    parser.add_argument("--candidates", nargs="+", default=CANDIDATES, choices=CANDIDATES)
+    parser.add_argument("--candidates", nargs="+", default=CANDIDATES,
+                        choices=CANDIDATES + [c for c in CHECK_OVERHEAD_CANDIDATES if c not in CANDIDATES])
+    parser.add_argument("--check-overhead", action="store_true",
+                        help="measure Note [Collective checks]: ring and auto with and without checks")
     parser.add_argument("--quick", action="store_true", help="2 and 4 workers, 5 repetitions")
     parser.add_argument("--output", default="allreduce", help="results/<output>.json")
     args = parser.parse_args()
+    if args.check_overhead:
+        args.candidates = CHECK_OVERHEAD_CANDIDATES
     if args.quick:
         args.world_sizes, args.reps, args.memory_numel = [2, 4], 5, 1_000_000
     memory_sizes = [max(args.sizes), args.memory_numel]

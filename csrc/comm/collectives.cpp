@@ -10,7 +10,6 @@
 namespace ddpkit::comm {
 namespace {
 
-using WorkList = std::vector<c10::intrusive_ptr<c10d::Work>>;
 
 // Balanced split of `numel` elements into `parts` chunks: the first numel % parts chunks get one more.
 struct Chunks {
@@ -93,12 +92,12 @@ using Schedule = std::vector<Round>;
 void run_schedule(Communicator& comm, Schedule& schedule) {
   const bool look_ahead = comm.independent_messages();
   auto tag_of = [&](size_t k) { return schedule[k].tag >= 0 ? schedule[k].tag : static_cast<int>(k); };
-  auto post_recvs = [&](size_t k, WorkList& into) {
+  auto post_recvs = [&](size_t k, MessageList& into) {
     for (auto& t : schedule[k].recvs) {
       if (t.tensor.numel() > 0) into.push_back(comm.irecv(t.tensor, t.peer, tag_of(k)));
     }
   };
-  WorkList current, ahead;
+  MessageList current, ahead;
   if (look_ahead && !schedule.empty()) post_recvs(0, current);
   comm.settle_header(&current);  // no payload leaves before every rank agreed (Note [Collective checks])
   for (size_t k = 0; k < schedule.size(); ++k) {
@@ -111,9 +110,8 @@ void run_schedule(Communicator& comm, Schedule& schedule) {
     }
     if (look_ahead && k + 1 < schedule.size()) post_recvs(k + 1, ahead);
     if (!look_ahead) {
-      auto grouped = comm.end_group();
       current.clear();
-      if (grouped) current.push_back(grouped);
+      current.push_back(comm.end_group());
     }
     comm.wait(current, &ahead);
     if (schedule[k].then) schedule[k].then();

@@ -138,38 +138,27 @@ void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, cons
   at::Tensor mine = at::from_blob(const_cast<int64_t*>(words), {kHeaderWords}, at::kLong).to(device_options, false, true);
   headers_ = at::empty({size_, kHeaderWords}, device_options);
   headers_[rank_].copy_(mine);
-  header_works_.clear();
-  header_works_.reserve(2 * (size_ - 1));
+  header_messages_.clear();
+  header_messages_.reserve(2 * (size_ - 1));
   if (!independent_messages_) start_group();
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
-    std::vector<at::Tensor> incoming{headers_[peer]};
-    header_works_.push_back(backend_->recv(incoming, peer, tag(kHeaderRound)));
-    std::vector<at::Tensor> outgoing{mine};
-    header_works_.push_back(backend_->send(outgoing, peer, tag(kHeaderRound)));
+    header_messages_.push_back(irecv(headers_[peer], peer, kHeaderRound));
+    header_messages_.push_back(isend(mine, peer, kHeaderRound));
   }
   if (!independent_messages_) {
-    auto grouped = end_group();
-    header_works_.clear();
-    if (grouped) header_works_.push_back(grouped);
+    header_messages_.clear();
+    header_messages_.push_back(end_group());
   }
   header_pending_ = true;
   if (!local_error.empty()) settle_header();
 }
 
-void Communicator::settle_header(std::vector<c10::intrusive_ptr<c10d::Work>>* posted_recvs) {
+void Communicator::settle_header(MessageList* posted_recvs) {
   if (!header_pending_) return;
   header_pending_ = false;
   try {
-    for (size_t i = 0; i < header_works_.size(); ++i) {
-      try {
-        header_works_[i]->wait();
-      } catch (...) {
-        for (size_t j = i + 1; j < header_works_.size(); ++j) header_works_[j]->abort();
-        throw;
-      }
-    }
-    header_works_.clear();
+    wait(header_messages_);
     TORCH_CHECK(local_error_.empty(), local_error_);
     const std::string mismatch = header_mismatch();
     TORCH_CHECK(mismatch.empty(), mismatch);
@@ -197,37 +186,38 @@ std::string Communicator::header_mismatch() const {
   return {};
 }
 
-c10::intrusive_ptr<c10d::Work> Communicator::isend(const at::Tensor& tensor, int dst, int round) {
+Message Communicator::isend(const at::Tensor& tensor, int dst, int round) {
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
   std::vector<at::Tensor> tensors{tensor};
   message_count.fetch_add(1, std::memory_order_relaxed);
   byte_count.fetch_add(tensor.numel() * tensor.element_size(), std::memory_order_relaxed);
-  return backend_->send(tensors, dst, tag(round));
+  return Message{backend_->send(tensors, dst, tag(round)), dst, true};
 }
 
-c10::intrusive_ptr<c10d::Work> Communicator::irecv(const at::Tensor& tensor, int src, int round) {
+Message Communicator::irecv(const at::Tensor& tensor, int src, int round) {
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
   std::vector<at::Tensor> tensors{tensor};
-  return backend_->recv(tensors, src, tag(round));
+  return Message{backend_->recv(tensors, src, tag(round)), src, false};
 }
 
-void Communicator::wait(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
-                        std::vector<c10::intrusive_ptr<c10d::Work>>* also_abort) {
-  try {
-    for (size_t i = 0; i < works.size(); ++i) {
-      try {
-        works[i]->wait();
-      } catch (...) {
-        for (size_t j = i + 1; j < works.size(); ++j) works[j]->abort();
-        throw;
-      }
+void Communicator::wait(MessageList& messages, MessageList* also_abort) {
+  for (size_t i = 0; i < messages.size(); ++i) {
+    try {
+      if (messages[i].work) messages[i].work->wait();
+    } catch (const std::exception& e) {
+      const Message failed = messages[i];
+      messages.erase(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+      abort_all(messages);
+      if (also_abort) abort_all(*also_abort);
+      const std::string peer = failed.peer < 0 ? std::string("a peer")
+                                                : c10::str("rank ", failed.peer);
+      TORCH_CHECK(false, "ddpkit.", what_, " (rank ", rank_, " of ", size_, "): ",
+                  failed.is_send ? "sending to " : "receiving from ", peer,
+                  " failed; the peer process died, stopped calling this collective, or the group's timeout "
+                  "expired. Cause: ", e.what());
     }
-  } catch (...) {
-    works.clear();
-    if (also_abort) abort_all(*also_abort);
-    throw;
   }
-  works.clear();
+  messages.clear();
 }
 
 c10::intrusive_ptr<c10d::Work> Communicator::process_group_all_reduce(at::Tensor& tensor, ReduceOp op) {
@@ -244,11 +234,13 @@ c10::intrusive_ptr<c10d::Work> Communicator::process_group_all_reduce(at::Tensor
 
 void Communicator::start_group() { backend_->startCoalescing(); }
 
-c10::intrusive_ptr<c10d::Work> Communicator::end_group() { return backend_->endCoalescing(); }
+Message Communicator::end_group() { return Message{backend_->endCoalescing(), -1, false}; }
 
-void abort_all(std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
-  for (auto& work : works) work->abort();
-  works.clear();
+void abort_all(MessageList& messages) {
+  for (auto& message : messages) {
+    if (message.work) message.work->abort();
+  }
+  messages.clear();
 }
 
 }  // namespace ddpkit::comm

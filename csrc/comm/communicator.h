@@ -78,6 +78,14 @@ struct CommCounters {
 CommCounters counters();
 void reset_counters();
 
+// One posted point-to-point message: its work and the peer at the other end (for error messages).
+struct Message {
+  c10::intrusive_ptr<c10d::Work> work;
+  int peer = -1;  // -1: a group of messages (NCCL coalescing), no single peer
+  bool is_send = false;
+};
+using MessageList = std::vector<Message>;
+
 class Communicator {
  public:
   // Resolves `group_name` (a torch.distributed group's `group_name`) and the group's backend for
@@ -104,25 +112,26 @@ class Communicator {
 
   // Asynchronous send/recv of a contiguous tensor in round `round` (< kHeaderRound) of the current
   // collective. The tensor must stay alive and untouched until the returned work is waited on.
-  c10::intrusive_ptr<c10d::Work> isend(const at::Tensor& tensor, int dst, int round);
-  c10::intrusive_ptr<c10d::Work> irecv(const at::Tensor& tensor, int src, int round);
+  Message isend(const at::Tensor& tensor, int dst, int round);
+  Message irecv(const at::Tensor& tensor, int src, int round);
 
   // Waits for the header exchange begun by begin() and checks it (Note [Collective checks]); a
   // no-op when there is none. Call it before the first send of the collective. On failure it
   // aborts `posted_recvs` (receives posted meanwhile, which no peer will ever match) and throws.
-  void settle_header(std::vector<c10::intrusive_ptr<c10d::Work>>* posted_recvs = nullptr);
+  void settle_header(MessageList* posted_recvs = nullptr);
 
-  // Waits for `works`. On any failure it aborts `works` and `also_abort` before rethrowing, so
-  // that nothing waits out a second timeout.
-  void wait(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
-            std::vector<c10::intrusive_ptr<c10d::Work>>* also_abort = nullptr);
+  // Waits for `messages`. On a failure (a peer that died, the group's timeout) it aborts
+  // `messages` and `also_abort`, so that nothing waits out a second timeout, and throws an error
+  // naming the collective and the peer.
+  void wait(MessageList& messages, MessageList* also_abort = nullptr);
 
   // True when sends and receives complete independently of each other (gloo): receives can be
   // posted ahead (Note [Pre-posted receives]). False for backends that must group each round's
   // sends and receives (NCCL); those rounds go through start_group()/end_group().
   bool independent_messages() const { return independent_messages_; }
   void start_group();
-  c10::intrusive_ptr<c10d::Work> end_group();
+  // Ends a group started by start_group(): the returned message stands for all of it.
+  Message end_group();
 
   static constexpr int kHeaderRound = 255;
 
@@ -141,10 +150,10 @@ class Communicator {
   std::string local_error_;
   bool header_pending_ = false;
   at::Tensor headers_;  // [size, kHeaderWords] int64, filled by the header exchange
-  std::vector<c10::intrusive_ptr<c10d::Work>> header_works_;
+  MessageList header_messages_;
 };
 
-// Aborts every work in `works` (a failed peer will never complete them) and clears the list.
-void abort_all(std::vector<c10::intrusive_ptr<c10d::Work>>& works);
+// Aborts every message in `messages` (a failed peer will never complete them) and clears the list.
+void abort_all(MessageList& messages);
 
 }  // namespace ddpkit::comm

@@ -247,7 +247,7 @@ class WorkerPool:
             self._processes.append(process)
             self._conns.append(parent_conn)
         try:
-            self._collect(time.monotonic() + max(self.timeout, 60.0), expect="ready")
+            self._collect(time.monotonic() + max(self.timeout, 60.0))
         except BaseException:
             self.kill()
             raise
@@ -293,48 +293,51 @@ class WorkerPool:
             conn.send(task)
         deadline = time.monotonic() + (timeout if timeout is not None else self.timeout)
         try:
-            return self._collect(deadline, expect="ok", return_exceptions=return_exceptions)
+            return self._collect(deadline, return_exceptions=return_exceptions)
         except BaseException:
             self.kill()
             raise
 
-    def _collect(self, deadline: float, expect: str, return_exceptions: bool = False) -> list:
+    def _collect(self, deadline: float, return_exceptions: bool = False) -> list:
         results: list = [None] * self.world_size
         pending = dict(enumerate(self._conns))
         failed = False
-        sentinels = {process.sentinel: rank for rank, process in enumerate(self._processes)}
+
+        def receive(rank: int):
+            """The rank's message, or None if it died (its pipe closed) before sending one."""
+            try:
+                return pending[rank].recv()
+            except (EOFError, OSError):
+                return None
+
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                waiting = sorted(pending)
-                raise TimeoutError(f"ddpkit.WorkerPool: ranks {waiting} did not finish within the timeout; "
+                raise TimeoutError(f"ddpkit.WorkerPool: ranks {sorted(pending)} did not finish within the timeout; "
                                    "the pool was killed")
-            ready = multiprocessing.connection.wait(list(pending.values()) + list(sentinels), remaining)
-            for item in ready:
-                if item in sentinels:
-                    rank = sentinels[item]
-                    if rank in pending and not pending[rank].poll():
-                        code = self._processes[rank].exitcode
-                        error = WorkerFailure(f"rank {rank} died (exit code {code}) before reporting a result")
-                        if not return_exceptions:
-                            raise error
-                        results[rank], failed = error, True
-                        del pending[rank]
-                    sentinels.pop(item)
-                    continue
-                rank = next(r for r, conn in pending.items() if conn is item)
-                try:
-                    status, value = item.recv()
-                except EOFError:
-                    continue  # the sentinel reports the death
+            waitables = {conn: rank for rank, conn in pending.items()}
+            waitables.update({self._processes[rank].sentinel: rank for rank in pending})
+            for item in multiprocessing.connection.wait(list(waitables), remaining):
+                rank = waitables[item]
+                if rank not in pending:
+                    continue  # its pipe and its sentinel were both ready
+                conn = pending[rank]
+                message = receive(rank) if item is conn or conn.poll() else None
                 del pending[rank]
-                if status == "error":
-                    error = _rebuild_exception(rank, *value)
-                    if not return_exceptions:
-                        raise error
-                    results[rank], failed = error, True
+                if message is None:
+                    process = self._processes[rank]
+                    process.join(5)
+                    error: BaseException = WorkerFailure(
+                        f"rank {rank} died (exit code {process.exitcode}) before reporting a result")
                 else:
-                    results[rank] = value
+                    status, value = message
+                    if status != "error":
+                        results[rank] = value
+                        continue
+                    error = _rebuild_exception(rank, *value)
+                if not return_exceptions:
+                    raise error
+                results[rank], failed = error, True
         if failed:
             self.kill()
         return results
