@@ -338,7 +338,8 @@ std::string_view algorithm_name(Algorithm algorithm) {
   TORCH_INTERNAL_ASSERT(false, "unreachable algorithm");
 }
 
-Algorithm choose_algorithm(int64_t bytes, int world_size) {
+Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device) {
+  if (device != c10::kCPU) return Algorithm::kProcessGroup;
   constexpr int64_t kSmallMessageBytes = 64 * 1024;
   if (world_size <= 2) return Algorithm::kRing;
   if (bytes <= kSmallMessageBytes) return Algorithm::kRecursiveDoubling;
@@ -357,7 +358,9 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   }
   at::Tensor work = working_copy(tensor);
   at::Tensor flat = work.view(-1);
-  if (algorithm == Algorithm::kAuto) algorithm = choose_algorithm(flat.numel() * flat.element_size(), n);
+  if (algorithm == Algorithm::kAuto) {
+    algorithm = choose_algorithm(flat.numel() * flat.element_size(), n, flat.device().type());
+  }
   if (algorithm == Algorithm::kProcessGroup) {
     comm.settle_header();
     comm.process_group_all_reduce(work, op)->wait();

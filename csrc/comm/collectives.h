@@ -56,8 +56,10 @@ enum class Algorithm : int64_t {
 Algorithm parse_algorithm(std::string_view name);
 std::string_view algorithm_name(Algorithm algorithm);
 
-// What kAuto runs for a message of `bytes` bytes on `world_size` ranks (never kAuto).
-Algorithm choose_algorithm(int64_t bytes, int world_size);
+// What kAuto runs for a message of `bytes` bytes on `world_size` ranks of a `device` tensor (never
+// kAuto). On GPUs that is the group's own all-reduce: NCCL's kernels beat any schedule of
+// point-to-point calls.
+Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device = c10::kCPU);
 
 // All-reduce `tensor` in place: on return every rank holds op(tensor of rank 0, ..., rank n-1),
 // bitwise identical on all ranks.

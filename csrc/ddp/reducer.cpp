@@ -185,7 +185,12 @@ void Reducer::launch(Bucket& bucket) {
   ++collectives_;
   comm::Communicator comm(group_name_, bucket.flat.device().type());
   const uint64_t sequence = comm.next_sequence();
-  if (algorithm_ == comm::Algorithm::kProcessGroup) {
+  const comm::Algorithm algorithm =
+      algorithm_ == comm::Algorithm::kAuto
+          ? comm::choose_algorithm(bucket.flat.numel() * bucket.flat.element_size(), world_size_,
+                                   bucket.flat.device().type())
+          : algorithm_;
+  if (algorithm == comm::Algorithm::kProcessGroup) {
     comm.begin(sequence, comm::CollectiveHeader{static_cast<int64_t>(comm::CollectiveKind::kAllReduce)}, {},
                /*exchange_header=*/false);
     bucket.work = comm.process_group_all_reduce(bucket.flat, comm::ReduceOp::kSum);
@@ -193,7 +198,6 @@ void Reducer::launch(Bucket& bucket) {
   }
   at::Tensor flat = bucket.flat;
   const std::string group_name = group_name_;
-  const comm::Algorithm algorithm = algorithm_;
   run_on_comm_thread(
       [flat, group_name, algorithm, sequence]() mutable {
         comm::Communicator comm(group_name, flat.device().type());
