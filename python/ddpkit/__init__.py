@@ -18,12 +18,15 @@ from .comm import (
     set_collective_checks,
 )
 from .launch import init_distributed, spawn
+from .syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
 
 __all__ = [
+    "SyncBatchNorm",
     "all_reduce",
     "broadcast",
     "collective_checks_enabled",
     "comm_counters",
+    "convert_sync_batchnorm",
     "gather",
     "init_distributed",
     "reduce",
@@ -31,4 +34,5 @@ __all__ = [
     "scatter",
     "set_collective_checks",
     "spawn",
+    "sync_batch_norm",
 ]
