@@ -313,27 +313,33 @@ void tile_moments(const scalar_t* x, int64_t channels, int64_t r0, int64_t r1, i
   }
 }
 
-// Rows are cut into blocks of about kBlock values per tile; threads take contiguous ranges of
-// blocks and keep their own per-channel moments, merged at the end.
+// Rows per block of a channels-inner pass: about kBlock values per channel tile, and at least
+// one block per thread, so that a batch of few wide rows still spreads over the threads.
+int64_t rows_per_block(int64_t rows, int64_t channels, int64_t tile, int threads) {
+  return std::max<int64_t>(1, std::min(kBlock / std::min(channels, tile), divup(rows, threads)));
+}
+
+// Rows are cut into blocks (rows_per_block); threads take contiguous ranges of blocks and keep
+// their own per-channel moments, merged at the end.
 template <typename scalar_t>
 void rows_moments(const scalar_t* x, const Shape& s, double* mean, double* m2) {
   using IO = Io<scalar_t>;
   using acc = acc_t<scalar_t>;
   const int64_t channels = s.channels, rows = s.outer;
   constexpr int64_t kTile = kTileSteps * IO::kStep;
-  const int64_t rows_per_block = std::max<int64_t>(1, kBlock / std::min(channels, kTile));
-  const int64_t blocks = divup(rows, rows_per_block);
   const int threads = at::get_num_threads();
+  const int64_t block_rows = rows_per_block(rows, channels, kTile, threads);
+  const int64_t blocks = divup(rows, block_rows);
   std::vector<double> slot_n(threads, 0.0);
   std::vector<double> slots(static_cast<size_t>(threads) * 2 * channels, 0.0);
-  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / (rows_per_block * channels)), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / (block_rows * channels)), [&](int64_t b0, int64_t b1) {
     const int tid = at::get_thread_num();
     double* t_mean = slots.data() + static_cast<size_t>(tid) * 2 * channels;
     double* t_m2 = t_mean + channels;
     double& t_n = slot_n[tid];
     acc center[kTile], d1[kTile], d2[kTile];
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * rows_per_block, r1 = std::min(rows, r0 + rows_per_block);
+      const int64_t r0 = b * block_rows, r1 = std::min(rows, r0 + block_rows);
       const double len = static_cast<double>(r1 - r0);
       int64_t c = 0;
       for (; c + kTile <= channels; c += kTile) {
@@ -418,15 +424,15 @@ void rows_grad_sums(const scalar_t* x, const scalar_t* dy, const Shape& s, const
   using acc = acc_t<scalar_t>;
   const int64_t channels = s.channels, rows = s.outer;
   constexpr int64_t kTile = kTileSteps * IO::kStep;
-  const int64_t rows_per_block = std::max<int64_t>(1, kBlock / std::min(channels, kTile));
-  const int64_t blocks = divup(rows, rows_per_block);
   const int threads = at::get_num_threads();
+  const int64_t block_rows = rows_per_block(rows, channels, kTile, threads);
+  const int64_t blocks = divup(rows, block_rows);
   std::vector<double> slots(static_cast<size_t>(threads) * 2 * channels, 0.0);
-  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / (rows_per_block * channels)), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / (block_rows * channels)), [&](int64_t b0, int64_t b1) {
     double* t_dy = slots.data() + static_cast<size_t>(at::get_thread_num()) * 2 * channels;
     double* t_dy_xc = t_dy + channels;
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * rows_per_block, r1 = std::min(rows, r0 + rows_per_block);
+      const int64_t r0 = b * block_rows, r1 = std::min(rows, r0 + block_rows);
       int64_t c = 0;
       for (; c + kTile <= channels; c += kTile) tile_grad_sums<kTileSteps>(x, dy, channels, r0, r1, c, center, t_dy, t_dy_xc);
       for (; c + IO::kStep <= channels; c += IO::kStep) tile_grad_sums<1>(x, dy, channels, r0, r1, c, center, t_dy, t_dy_xc);
