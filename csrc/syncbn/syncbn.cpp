@@ -19,8 +19,8 @@ bool supported_input_dtype(at::ScalarType t) {
 
 bool reduced_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
 
-// The dtype weight, bias and running statistics must share: the input's, or float32 beside a
-// float16/bfloat16 input; `first` is the dtype of the first one given.
+// Weight, bias and running statistics have the input's dtype, or float32 beside a float16/bfloat16
+// input (and one dtype among them, checked in check_per_channel).
 void check_parameter_dtype(at::ScalarType input_dtype, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(dtype == input_dtype || (reduced_precision(input_dtype) && dtype == at::kFloat), kName, ": ", name,
               " has dtype ", dtype, " but the input has dtype ", input_dtype,
@@ -79,7 +79,7 @@ const c10::TypedOperatorHandle<BackwardFn>& backward_op() {
   return op;
 }
 
-// Positions of the forward's arguments, for the gradients backward returns (one per argument).
+// backward returns one gradient (or an undefined tensor) per argument of forward.
 constexpr size_t kForwardArguments = 11;
 
 class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {

@@ -243,8 +243,8 @@ void planar_grad_sums(const scalar_t* x, const scalar_t* dy, const Shape& s, con
   });
 }
 
-// out = a * k + (x - center) * q + r on a run of one channel (normalize: a = 0 is never read;
-// see elementwise below).
+// out = a * k + (x - center) * q + r on a run of one channel; the terms a pass does not have are
+// compiled out (see affine below).
 template <typename scalar_t, bool kHasX, bool kHasA>
 void run_affine(const scalar_t* x, const scalar_t* a, scalar_t* out, int64_t len, acc_t<scalar_t> center,
                 acc_t<scalar_t> k, acc_t<scalar_t> q, acc_t<scalar_t> r) {
