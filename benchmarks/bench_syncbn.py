@@ -168,6 +168,12 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
         comm["torch_emulated"] = emulated
 
     candidates = {name: _step(layer, x, grad) for name, layer in layers.items()}
+    if distributed:
+        # ddpkit's local kernels alone on this rank's batch (the op without a group): its compute.
+        local = layers["ddpkit"]
+        candidates["ddpkit_local"] = lambda: torch.ops.ddpkit.sync_batch_norm(
+            x, local.weight, local.bias, local.running_mean, local.running_var, True, 0.1, local.eps, "auto",
+            None)[0].backward(grad)
     candidates.update(comm)
 
     _clear_grads(x, layers.values())
@@ -248,6 +254,7 @@ def summarize(per_rank: list, world_size: int, shape) -> dict:
         record["ratio_pg"] = record["t_ddpkit_pg"] / floor
         record["ratio_rd"] = record["t_ddpkit_rd"] / floor
         record["ratio_emulated"] = record["t_torch_emulated"] / floor
+        record["ratio_local_compute"] = record["t_ddpkit_local"] / record["t_torch_bn_local"]
         record["ratio_pg_vs_emulated"] = record["t_ddpkit_pg"] / record["t_torch_emulated"]
         record["alloc_extra"] = record["alloc_ddpkit"] - record["alloc_torch_bn_local"]
     else:
@@ -274,7 +281,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: two configurations, few repetitions")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--reps", type=int, default=None, help="repetitions per candidate (default 300; conv 60)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per candidate (default 500; conv 60)")
     parser.add_argument("--local-threads", type=int, nargs="+", default=[1, 2],
                         help="torch.set_num_threads values for the world-size-1 comparison")
     args = parser.parse_args()
@@ -284,7 +291,7 @@ def main() -> None:
     if args.quick:
         configs = [(32, 128), (64, 1024)]
     shapes = configs + [CONV_SHAPE if not args.quick else (8, 16, 16, 16)]
-    reps_2d = args.reps or (10 if args.quick else 300)
+    reps_2d = args.reps or (10 if args.quick else 500)
     reps_conv = args.reps or (5 if args.quick else 60)
     warmup = 2 if args.quick else 10
 
@@ -326,6 +333,7 @@ def main() -> None:
         "max_ratio_rd_2_workers": max((r["ratio_rd"] for r in two), default=None),
         "configs_within_target_rd_2_workers": sum(r["ratio_rd"] <= TARGET_RATIO_DISTRIBUTED for r in two),
         "max_ratio_emulated_2_workers": max((r["ratio_emulated"] for r in two), default=None),
+        "max_ratio_local_compute_2_workers": max((r["ratio_local_compute"] for r in two), default=None),
         "max_ratio_pg_vs_emulated_2_workers": max((r["ratio_pg_vs_emulated"] for r in two), default=None),
         "configs_2_workers": len(two),
         "local_ratios": {f"{tuple(r['shape'])} threads={r['threads_per_rank']}": r["ratio"] for r in local},
@@ -346,6 +354,7 @@ def main() -> None:
             "ddpkit_pg": "ddpkit.SyncBatchNorm(algorithm='process_group'): the group's own all-reduce",
             "ddpkit_rd": "ddpkit.SyncBatchNorm(algorithm='recursive_doubling'): ddpkit's one-round exchange at 2 ranks",
             "torch_bn_local": "torch.nn.BatchNorm1d/2d on the local batch (no communication)",
+            "ddpkit_local": "ddpkit::sync_batch_norm on the local batch without a group (no communication)",
             "gloo_two_all_reduces": "torch.distributed.all_reduce of 2C+1 then 2C float64",
             "torch_emulated": "torch BatchNorm forward, all_reduce(2C+1), backward, all_reduce(2C) in one step: "
                               "the floor's parts interleaved as in a real step (not a synchronized result)",
@@ -356,8 +365,8 @@ def main() -> None:
     path = write_results("syncbn", backend="nccl" if cuda else "gloo", device_type="cuda" if cuda else "cpu",
                          settings=settings, records=records, summary=summary)
     columns = ["world_size", "shape", "threads_per_rank", "t_ddpkit", "t_ddpkit_pg", "t_ddpkit_rd",
-               "t_torch_bn_local", "t_gloo_two_all_reduces", "t_torch_emulated", "t_torch_syncbn", "ratio",
-               "ratio_pg", "ratio_rd", "ratio_emulated", "alloc_ddpkit", "alloc_torch_bn_local",
+               "t_ddpkit_local", "t_torch_bn_local", "t_gloo_two_all_reduces", "t_torch_emulated", "t_torch_syncbn", "ratio",
+               "ratio_pg", "ratio_rd", "ratio_emulated", "ratio_local_compute", "alloc_ddpkit", "alloc_torch_bn_local",
                "alloc_extra", "rss_ddpkit", "rss_torch_bn_local"]
     columns = [c for c in columns if any(c in r for r in records)]
     print_table([{**r, "shape": "x".join(map(str, r["shape"]))} for r in records], columns)
