@@ -205,6 +205,19 @@ def run_converted_model(x, sizes, state):
     return y, grad, grads, forward, backward
 
 
+def run_subgroups(x, sizes, features):
+    """Two groups of two ranks, {0, 1} and {2, 3}: statistics over the pair only, through the layer and
+    through the functional form."""
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    local, _ = shard(x, sizes, rank)
+    ddpkit.reset_comm_counters()
+    y = ddpkit.SyncBatchNorm(features, process_group=group)(local)
+    y_functional = ddpkit.sync_batch_norm(local, None, None, None, None, True, 0.1, 1e-5, group=group)
+    return y, y_functional, ddpkit.comm_counters()
+
+
 def small_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -285,6 +298,20 @@ def test_every_algorithm_gives_the_same_result(pools):
         torch.testing.assert_close(torch.cat([r["y"] for r in results]), y_ref, atol=TIGHT, rtol=0)
         torch.testing.assert_close(torch.cat([r["grad"] for r in results]), grad_ref, atol=TIGHT, rtol=0)
         assert all(r["forward"]["collectives"] == 1 and r["backward"]["collectives"] == 1 for r in results)
+
+
+def test_process_group_option_selects_the_group(pools):
+    features, sizes = 24, [3, 5, 4, 2]
+    torch.manual_seed(15)
+    x = torch.randn(sum(sizes), features) + torch.arange(sum(sizes)).unsqueeze(1)
+    results = pools(4).run(run_subgroups, x, sizes, features)
+    for pair in (0, 1):
+        ranks = [2 * pair, 2 * pair + 1]
+        pair_batch = torch.cat([shard(x, sizes, r)[0] for r in ranks])
+        expected = torch.nn.BatchNorm1d(features)(pair_batch)
+        torch.testing.assert_close(torch.cat([results[r][0] for r in ranks]), expected, atol=TIGHT, rtol=0)
+        torch.testing.assert_close(torch.cat([results[r][1] for r in ranks]), expected, atol=TIGHT, rtol=0)
+    assert all(r[2]["collectives"] == 2 for r in results)
 
 
 def test_weight_only_backward_communicates_nothing(pools):
@@ -530,6 +557,17 @@ def test_kernels_split_across_threads(shape, memory_format):
     torch.testing.assert_close(grad.double(), grad_ref, atol=TIGHT, rtol=0)
     torch.testing.assert_close(layer.running_var.double(), ref.running_var, atol=1e-6, rtol=0)
     torch.testing.assert_close(layer.weight.grad.double(), ref.weight.grad, atol=1e-3, rtol=1e-5)
+
+
+def test_functional_form_without_distributed():
+    torch.manual_seed(16)
+    x, weight, bias = torch.randn(10, 6, 4), torch.randn(6), torch.randn(6)
+    ours_stats, ref_stats = [torch.zeros(6), torch.ones(6)], [torch.zeros(6), torch.ones(6)]
+    for training in (True, False):
+        y = ddpkit.sync_batch_norm(x, weight, bias, *ours_stats, training, 0.3, 1e-3)
+        expected = torch.nn.functional.batch_norm(x, *ref_stats, weight, bias, training, 0.3, 1e-3)
+        torch.testing.assert_close(y, expected, atol=TIGHT, rtol=0)
+    torch.testing.assert_close(ours_stats, ref_stats, atol=1e-6, rtol=0)
 
 
 def test_state_dict_is_batchnorms():
