@@ -11,6 +11,7 @@
 #include "comm/ops.h"
 #include "ddp/bucket_assignment.h"
 #include "ddp/reducer.h"
+#include "syncbn/syncbn.h"
 
 namespace {
 
@@ -49,6 +50,18 @@ TORCH_LIBRARY(ddpkit, m) {
       .def("finalize", &ddpkit::ddp::Reducer::finalize)
       .def("buckets", &ddpkit::ddp::Reducer::buckets)
       .def("stats", &ddpkit::ddp::Reducer::stats);
+
+  // SyncBatchNorm (csrc/syncbn). `group_name` None: this rank's batch alone, no communication.
+  // Returns (output, mean, invstd, values per channel); see syncbn/syncbn.h.
+  m.def(
+      "sync_batch_norm(Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "
+      "Tensor(b!)? running_var, bool training, float momentum, float eps, str algorithm, str? group_name) "
+      "-> (Tensor, Tensor, Tensor, int)");
+  m.def(
+      "sync_batch_norm_backward(Tensor grad_output, Tensor input, Tensor? weight, Tensor mean, Tensor invstd, "
+      "bool training, int count, str algorithm, str? group_name, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+  m.def("set_syncbn_native_cpu_kernels(bool enabled) -> ()", &ddpkit::syncbn::set_syncbn_native_cpu_kernels_op);
+  m.def("syncbn_cpu_kernels() -> str", &ddpkit::syncbn::syncbn_cpu_kernels_op);
 }
 
 // Collectives only move and add tensors through ATen and the process group: one kernel for every
@@ -59,6 +72,14 @@ TORCH_LIBRARY_IMPL(ddpkit, CompositeExplicitAutograd, m) {
   m.impl("reduce_", &ddpkit::comm::reduce_op);
   m.impl("gather", &ddpkit::comm::gather_op);
   m.impl("scatter_", &ddpkit::comm::scatter_op);
+  // CPU tensors run the vectorised kernels, other devices ATen-generic code (syncbn/kernels.h).
+  m.impl("sync_batch_norm", &ddpkit::syncbn::sync_batch_norm);
+  m.impl("sync_batch_norm_backward", &ddpkit::syncbn::sync_batch_norm_backward);
+}
+
+// sync_batch_norm's hand-written backward (sync_batch_norm_backward is not differentiable).
+TORCH_LIBRARY_IMPL(ddpkit, Autograd, m) {
+  m.impl("sync_batch_norm", &ddpkit::syncbn::sync_batch_norm_autograd);
 }
 
 // A Python module with no functions of its own: importing it loads the library and runs the

@@ -19,14 +19,17 @@ from .comm import (
 )
 from .ddp import DistributedDataParallel, GradientAccumulation
 from .launch import init_distributed, spawn
+from .syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
 
 __all__ = [
     "DistributedDataParallel",
     "GradientAccumulation",
+    "SyncBatchNorm",
     "all_reduce",
     "broadcast",
     "collective_checks_enabled",
     "comm_counters",
+    "convert_sync_batchnorm",
     "gather",
     "init_distributed",
     "reduce",
@@ -34,4 +37,5 @@ __all__ = [
     "scatter",
     "set_collective_checks",
     "spawn",
+    "sync_batch_norm",
 ]

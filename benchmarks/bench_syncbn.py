@@ -1,0 +1,378 @@
+"""SyncBatchNorm forward+backward: time and memory of ddpkit's layer against torch's.
+
+The setup of the week-4 assignment: features {128, 256, 512, 1024} x global batch {32, 64} of
+(B, C) inputs, plus a convolution-shaped (32, 64, 32, 32) input, the global batch split evenly
+across the workers; every step is forward + backward with a fixed random output gradient.
+
+* CUDA available: workers use NCCL and one GPU each; the baseline is torch.nn.SyncBatchNorm, and
+  ddpkit runs with algorithm="process_group" (NCCL's all-reduce) and "auto".
+* CPU (gloo), where torch has no SyncBatchNorm: the baseline is its floor, measured in the same
+  run: torch's BatchNorm1d/2d forward+backward on the local batch (compute) plus one gloo
+  all-reduce of 2C+1 and one of 2C float64 values (communication, torch.distributed.all_reduce:
+  the buffers ddpkit reduces). ratio = ddpkit / (compute floor + communication floor).
+* World size 1 (no torch.distributed): ddpkit's local kernels against torch's CPU batch norm.
+
+Candidates are interleaved within every repetition (in a rotating order, after a barrier); a
+repetition's time is the slowest rank's, and the figure reported is the median over repetitions.
+Outputs and input gradients are checked against BatchNorm on the whole batch before timing.
+
+    python benchmarks/bench_syncbn.py            # full run, writes benchmarks/results/syncbn.json
+    python benchmarks/bench_syncbn.py --quick    # smoke run (few configurations and repetitions)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median, print_table, write_results  # noqa: E402
+
+import ddpkit  # noqa: E402
+from ddpkit.launch import WorkerPool  # noqa: E402
+
+FEATURES = (128, 256, 512, 1024)
+BATCHES = (32, 64)
+CONV_SHAPE = (32, 64, 32, 32)
+TARGET_RATIO_DISTRIBUTED = 1.15
+TARGET_RATIO_LOCAL = 1.0
+CHECK_ATOL = 1e-3
+
+MEMORY_METHOD = (
+    "Per rank, after the timed repetitions, one more forward+backward of each layer: "
+    "'alloc' = peak bytes allocated through torch's CPU allocator during the step above what was live "
+    "before it (running sum of the allocation/free records of torch.profiler(profile_memory=True)): "
+    "output, saved statistics, input/weight/bias gradients and temporaries. ddpkit's kernels also keep "
+    "O(threads * C) float64 scratch in std::vector outside torch's allocator, not counted here. "
+    "'rss' = growth of the peak resident set (VmHWM after resetting it through /proc/self/clear_refs) "
+    "during the step, with glibc's mmap threshold pinned to 64 KiB (mallopt) so that large blocks are "
+    "mapped and unmapped individually rather than recycled. The maximum over ranks is reported. On CUDA: "
+    "torch.cuda.max_memory_allocated growth during the step."
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements (run on every rank, or in this process for world size 1)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _batch_norm(shape, **kwargs) -> torch.nn.Module:
+    return (torch.nn.BatchNorm1d if len(shape) == 2 else torch.nn.BatchNorm2d)(shape[1], **kwargs)
+
+
+def _step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        layer(x).backward(grad)
+    return run
+
+
+def _clear_grads(x: torch.Tensor, layers) -> None:
+    x.grad = None
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+
+
+def _pin_mmap_threshold() -> None:
+    libc = ctypes.CDLL("libc.so.6")
+    m_mmap_threshold = -3
+    libc.mallopt(m_mmap_threshold, 64 * 1024)
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _memory(run: Callable[[], None], device: torch.device, reset: Callable[[], None]) -> dict:
+    reset()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return {"alloc": torch.cuda.max_memory_allocated(device) - before, "rss": None}
+    Path("/proc/self/clear_refs").write_text("5")
+    rss_before = _status_kib("VmRSS")
+    run()
+    rss = (_status_kib("VmHWM") - rss_before) * 1024
+    reset()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in records:
+        live += nbytes
+        peak = max(peak, live)
+    return {"alloc": peak, "rss": rss}
+
+
+def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup: int, check_only: bool = False) -> dict:
+    """Times the candidates on this rank's shard; returns per-repetition times, memory and the
+    outputs and input gradients of the first ddpkit step (for the correctness check)."""
+    distributed = dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = _device()
+    x = x_global.tensor_split(world)[rank].to(device).requires_grad_()
+    grad = grad_global.tensor_split(world)[rank].to(device)
+    features = x.shape[1]
+
+    layers = {"ddpkit": ddpkit.SyncBatchNorm(features, affine=True, algorithm="auto").to(device)}
+    comm: dict[str, Callable[[], None]] = {}
+    if distributed:
+        layers["ddpkit_pg"] = ddpkit.SyncBatchNorm(features, affine=True, algorithm="process_group").to(device)
+    if distributed and device.type == "cpu":
+        layers["ddpkit_rd"] = ddpkit.SyncBatchNorm(features, affine=True, algorithm="recursive_doubling")
+    if device.type == "cuda" and distributed:
+        layers["torch_syncbn"] = torch.nn.SyncBatchNorm(features).to(device)
+    else:
+        layers["torch_bn_local"] = _batch_norm(x.shape).to(device)
+    if distributed and device.type == "cpu":
+        forward_buffer = torch.zeros(2 * features + 1, dtype=torch.float64)
+        backward_buffer = torch.zeros(2 * features, dtype=torch.float64)
+
+        def two_all_reduces() -> None:
+            dist.all_reduce(forward_buffer)
+            dist.all_reduce(backward_buffer)
+        comm["gloo_two_all_reduces"] = two_all_reduces
+
+        # The same work as one SyncBatchNorm step built from torch's parts (its result is not a
+        # synchronized batch norm): local BatchNorm forward, all-reduce, backward, all-reduce.
+        def emulated() -> None:
+            y = layers["torch_bn_local"](x)
+            dist.all_reduce(forward_buffer)
+            y.backward(grad)
+            dist.all_reduce(backward_buffer)
+        comm["torch_emulated"] = emulated
+
+    candidates = {name: _step(layer, x, grad) for name, layer in layers.items()}
+    if distributed:
+        # ddpkit's local kernels alone on this rank's batch (the op without a group): its compute.
+        local = layers["ddpkit"]
+        candidates["ddpkit_local"] = lambda: torch.ops.ddpkit.sync_batch_norm(
+            x, local.weight, local.bias, local.running_mean, local.running_var, True, 0.1, local.eps, "auto",
+            None)[0].backward(grad)
+    candidates.update(comm)
+
+    _clear_grads(x, layers.values())
+    check = {}
+    for name in [n for n in layers if n.startswith("ddpkit")]:
+        y = layers[name](x)
+        y.backward(grad)
+        check[name] = (y.detach().cpu(), x.grad.detach().cpu())
+        _clear_grads(x, layers.values())
+    if check_only:
+        return {"check": check}
+
+    names = list(candidates)
+    times = {name: [] for name in names}
+    for rep in range(warmup + reps):
+        order = names[rep % len(names):] + names[:rep % len(names)]
+        for name in order:
+            _clear_grads(x, layers.values())
+            if distributed:
+                dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            candidates[name]()
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            if rep >= warmup:
+                times[name].append(elapsed)
+
+    if device.type == "cpu":
+        _pin_mmap_threshold()
+    memory = {name: _memory(_step(layer, x, grad), device, lambda: _clear_grads(x, layers.values()))
+              for name, layer in layers.items()}
+    return {"times": times, "memory": memory, "check": check, "threads": torch.get_num_threads(),
+            "kernels": ddpkit.syncbn.cpu_kernels() if device.type == "cpu" else "aten (cuda)"}
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver
+
+
+def reference(x: torch.Tensor, grad: torch.Tensor):
+    layer = _batch_norm(x.shape)
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(grad)
+    return y.detach(), x.grad
+
+
+def inputs(shape, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def summarize(per_rank: list, world_size: int, shape) -> dict:
+    """One record from every rank's results: per-repetition max over ranks, then the median."""
+    names = per_rank[0]["times"].keys()
+    step = {name: median(max(rank["times"][name][i] for rank in per_rank) for i in range(len(per_rank[0]["times"][name])))
+            for name in names}
+    memory = {name: {key: (max(rank["memory"][name][key] for rank in per_rank)
+                           if per_rank[0]["memory"][name][key] is not None else None)
+                     for key in ("alloc", "rss")} for name in per_rank[0]["memory"]}
+    record = {"world_size": world_size, "shape": list(shape), "features": shape[1], "global_batch": shape[0],
+              "local_batch": -(-shape[0] // world_size), "threads_per_rank": per_rank[0]["threads"],
+              "kernels": per_rank[0]["kernels"], "repetitions": len(next(iter(per_rank[0]["times"].values())))}
+    for name, seconds in step.items():
+        record[f"t_{name}"] = seconds
+    for name, values in memory.items():
+        record[f"alloc_{name}"] = values["alloc"]
+        record[f"rss_{name}"] = values["rss"]
+    if "t_torch_syncbn" in record:
+        record["ratio"] = record["t_ddpkit"] / record["t_torch_syncbn"]
+        record["ratio_pg"] = record["t_ddpkit_pg"] / record["t_torch_syncbn"]
+        record["alloc_extra"] = record["alloc_ddpkit"] - record["alloc_torch_syncbn"]
+    elif world_size > 1:
+        floor = record["t_torch_bn_local"] + record["t_gloo_two_all_reduces"]
+        record["t_floor"] = floor
+        record["ratio"] = record["t_ddpkit"] / floor
+        record["ratio_pg"] = record["t_ddpkit_pg"] / floor
+        record["ratio_rd"] = record["t_ddpkit_rd"] / floor
+        record["ratio_emulated"] = record["t_torch_emulated"] / floor
+        record["ratio_local_compute"] = record["t_ddpkit_local"] / record["t_torch_bn_local"]
+        record["ratio_pg_vs_emulated"] = record["t_ddpkit_pg"] / record["t_torch_emulated"]
+        record["alloc_extra"] = record["alloc_ddpkit"] - record["alloc_torch_bn_local"]
+    else:
+        record["ratio"] = record["t_ddpkit"] / record["t_torch_bn_local"]
+        record["alloc_extra"] = record["alloc_ddpkit"] - record["alloc_torch_bn_local"]
+    record["alloc_extra_per_channel"] = record["alloc_extra"] / shape[1]
+    return record
+
+
+def check_outputs(per_rank: list, x: torch.Tensor, grad: torch.Tensor) -> float:
+    y_ref, grad_ref = reference(x, grad)
+    worst = 0.0
+    for name in per_rank[0]["check"]:
+        y = torch.cat([rank["check"][name][0] for rank in per_rank])
+        dx = torch.cat([rank["check"][name][1] for rank in per_rank])
+        error = max((y - y_ref).abs().max().item(), (dx - grad_ref).abs().max().item())
+        if error > CHECK_ATOL:
+            raise AssertionError(f"{name} on {tuple(x.shape)}: max error {error:.3g} against BatchNorm > {CHECK_ATOL}")
+        worst = max(worst, error)
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: two configurations, few repetitions")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per candidate (default 500; conv 60)")
+    parser.add_argument("--local-threads", type=int, nargs="+", default=[1, 2],
+                        help="torch.set_num_threads values for the world-size-1 comparison")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    configs = [(b, f) for f in FEATURES for b in BATCHES]
+    if args.quick:
+        configs = [(32, 128), (64, 1024)]
+    shapes = configs + [CONV_SHAPE if not args.quick else (8, 16, 16, 16)]
+    reps_2d = args.reps or (10 if args.quick else 500)
+    reps_conv = args.reps or (5 if args.quick else 60)
+    warmup = 2 if args.quick else 10
+
+    records = []
+    worst_error = 0.0
+    for world_size in args.world_sizes:
+        pool = WorkerPool(world_size, backend="nccl" if cuda else "gloo", timeout=3600)
+        try:
+            for seed, shape in enumerate(shapes):
+                x, grad = inputs(shape, seed)
+                reps = reps_conv if len(shape) == 4 else reps_2d
+                print(f"world_size={world_size} shape={shape} reps={reps}", flush=True)
+                worst_error = max(worst_error, check_outputs(pool.run(measure, x, grad, 0, 0, True), x, grad))
+                records.append(summarize(pool.run(measure, x, grad, reps, warmup), world_size, shape))
+        finally:
+            pool.close()
+
+    local_shapes = [(64, 1024), CONV_SHAPE] if not args.quick else [(64, 1024), (8, 16, 16, 16)]
+    for threads in args.local_threads:
+        torch.set_num_threads(threads)
+        for seed, shape in enumerate(local_shapes):
+            x, grad = inputs(shape, 100 + seed)
+            reps = reps_conv if len(shape) == 4 else reps_2d
+            print(f"world_size=1 threads={threads} shape={shape} reps={reps}", flush=True)
+            worst_error = max(worst_error, check_outputs([measure(x, grad, 0, 0, True)], x, grad))
+            records.append(summarize([measure(x, grad, reps, warmup)], 1, shape))
+
+    distributed = [r for r in records if r["world_size"] > 1]
+    two = [r for r in distributed if r["world_size"] == 2]
+    local = [r for r in records if r["world_size"] == 1]
+    summary = {
+        "max_check_error": worst_error,
+        "target_ratio_distributed": TARGET_RATIO_DISTRIBUTED,
+        "target_ratio_local": TARGET_RATIO_LOCAL,
+        "max_ratio_2_workers": max((r["ratio"] for r in two), default=None),
+        "max_ratio_pg_2_workers": max((r["ratio_pg"] for r in two), default=None),
+        "configs_within_target_2_workers": sum(r["ratio"] <= TARGET_RATIO_DISTRIBUTED for r in two),
+        "configs_within_target_pg_2_workers": sum(r["ratio_pg"] <= TARGET_RATIO_DISTRIBUTED for r in two),
+        "max_ratio_rd_2_workers": max((r["ratio_rd"] for r in two), default=None),
+        "configs_within_target_rd_2_workers": sum(r["ratio_rd"] <= TARGET_RATIO_DISTRIBUTED for r in two),
+        "max_ratio_emulated_2_workers": max((r["ratio_emulated"] for r in two), default=None),
+        "max_ratio_local_compute_2_workers": max((r["ratio_local_compute"] for r in two), default=None),
+        "max_ratio_pg_vs_emulated_2_workers": max((r["ratio_pg_vs_emulated"] for r in two), default=None),
+        "configs_2_workers": len(two),
+        "local_ratios": {f"{tuple(r['shape'])} threads={r['threads_per_rank']}": r["ratio"] for r in local},
+        "max_alloc_extra_per_channel_bytes": max(r["alloc_extra_per_channel"] for r in records),
+    }
+    settings = {
+        "configs_global_batch_x_features": configs, "conv_shape": list(shapes[-1]), "world_sizes": args.world_sizes,
+        "repetitions_2d": reps_2d, "repetitions_conv": reps_conv, "warmup": warmup, "quick": args.quick,
+        "local_threads": args.local_threads, "threads_per_rank": "cpu_count // world_size (recorded per record)",
+        "affine": True, "dtype": "float32", "input_split": "global batch split evenly across ranks (tensor_split)",
+        "gradient": "fixed standard-normal output gradient; step = layer(x).backward(grad)",
+        "timing": "candidates interleaved in a rotating order after a barrier; per repetition the slowest rank; "
+                  "median over repetitions",
+        "baseline": "torch.nn.SyncBatchNorm over NCCL" if cuda else
+                    "floor = torch BatchNorm fwd+bwd on the local batch + gloo all_reduce of 2C+1 and 2C float64",
+        "candidates": {
+            "ddpkit": "ddpkit.SyncBatchNorm(algorithm='auto')",
+            "ddpkit_pg": "ddpkit.SyncBatchNorm(algorithm='process_group'): the group's own all-reduce",
+            "ddpkit_rd": "ddpkit.SyncBatchNorm(algorithm='recursive_doubling'): ddpkit's one-round exchange at 2 ranks",
+            "torch_bn_local": "torch.nn.BatchNorm1d/2d on the local batch (no communication)",
+            "ddpkit_local": "ddpkit::sync_batch_norm on the local batch without a group (no communication)",
+            "gloo_two_all_reduces": "torch.distributed.all_reduce of 2C+1 then 2C float64",
+            "torch_emulated": "torch BatchNorm forward, all_reduce(2C+1), backward, all_reduce(2C) in one step: "
+                              "the floor's parts interleaved as in a real step (not a synchronized result)",
+            "torch_syncbn": "torch.nn.SyncBatchNorm (CUDA only)",
+        },
+        "memory_method": MEMORY_METHOD,
+    }
+    path = write_results("syncbn", backend="nccl" if cuda else "gloo", device_type="cuda" if cuda else "cpu",
+                         settings=settings, records=records, summary=summary)
+    columns = ["world_size", "shape", "threads_per_rank", "t_ddpkit", "t_ddpkit_pg", "t_ddpkit_rd",
+               "t_ddpkit_local", "t_torch_bn_local", "t_gloo_two_all_reduces", "t_torch_emulated", "t_torch_syncbn", "ratio",
+               "ratio_pg", "ratio_rd", "ratio_emulated", "ratio_local_compute", "alloc_ddpkit", "alloc_torch_bn_local",
+               "alloc_extra", "rss_ddpkit", "rss_torch_bn_local"]
+    columns = [c for c in columns if any(c in r for r in records)]
+    print_table([{**r, "shape": "x".join(map(str, r["shape"]))} for r in records], columns)
+    print({k: v for k, v in summary.items()})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

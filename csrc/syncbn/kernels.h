@@ -1,0 +1,130 @@
+#pragma once
+// SyncBatchNorm's local math: everything one rank computes from its own tensors, without any
+// communication. The ops in syncbn/syncbn.h put these around the single all-reduce of each pass.
+//
+// Every function takes tensors on one device and returns new tensors there. CPU tensors run the
+// vectorised passes of syncbn/cpu/kernels.h and plain loops for the per-channel math (unless
+// set_native_cpu_kernels(false)); every other device runs device-generic code made of ATen
+// reductions and element-wise ops only (no batch-norm internals), so the same ops serve CUDA.
+//
+// Dtypes: the input is float32, float64, float16 or bfloat16; statistics (mean, invstd, the sums
+// of a pass) are float64 tensors of C values; weight, bias and running statistics have the
+// "parameter dtype", the input's, or float32 for a float16/bfloat16 input. Element arithmetic
+// runs in float64 for float64 inputs and in float32 otherwise.
+
+#include "syncbn/cpu/kernels.h"
+
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace ddpkit::syncbn {
+
+// Note [Centred arithmetic]
+// y = (x - mean) * invstd * w + b cannot be evaluated as x * scale + (b - mean * scale) in float32
+// when |mean| is large against the spread: mean * scale loses what x - mean keeps. The element
+// passes use center = (float) mean and write y = (x - center) * scale + offset with
+// offset = b - (mean - center) * scale computed in float64: x - center is exact for x near the mean
+// (Sterbenz), and the rounding of the mean is carried by the small per-channel term. The input
+// gradient and Σ dy·(x - mean) use the same centre.
+
+// An input seen in one of the two layouts of Note [CPU layouts] (syncbn/cpu/kernels.h).
+struct LocalInput {
+  at::Tensor x;             // the input itself, or its contiguous copy when its strides fit neither layout
+  at::MemoryFormat format;  // x's memory format; outputs and gradients are made in it
+  cpu::Shape shape;
+  int64_t channels() const { return shape.channels; }
+  int64_t count() const { return shape.count(); }  // values per channel on this rank
+};
+
+// Chooses the layout: channels-inner for (N, C), for inputs with one value per plane and for
+// channels_last 4-D / channels_last_3d 5-D inputs; planar for contiguous (N, C, *) inputs; a
+// contiguous copy, planar, for anything else. input.dim() >= 2.
+LocalInput prepare_input(const at::Tensor& input);
+
+// `t`, shaped like the input (grad_output), in x's memory format: `t` itself when it has it.
+at::Tensor match_layout(const LocalInput& in, const at::Tensor& t);
+
+// --- element passes -------------------------------------------------------------------------
+
+// Per-channel mean and centred sum of squares Σ(x - mean)² of this rank's values, float64 [C]
+// each, computed stably (Note [Stable moments]); zeros for an empty input.
+struct LocalMoments {
+  at::Tensor mean;
+  at::Tensor m2;
+};
+LocalMoments local_moments(const LocalInput& in);
+
+// y = (x - mean) * invstd * weight + bias in x's dtype and memory format (Note [Centred
+// arithmetic]). mean, invstd: float64 [C]; weight, bias: parameter dtype [C] or undefined (1, 0).
+at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
+                     const at::Tensor& bias);
+
+// This rank's [Σ dy | Σ dy·(x - mean)] per channel, float64 [2C]: the backward's all-reduce buffer.
+// dy: shaped like the input, in its memory format (match_layout).
+at::Tensor grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean);
+
+// Training-mode input gradient from the global sums ([2C], as grad_sums, summed over the group)
+// and the global count N: w·invstd·(dy - Σdy/N - (x - mean)·invstd²·Σdy(x - mean)/N).
+at::Tensor grad_input_training(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
+                               const at::Tensor& invstd, const at::Tensor& weight, const at::Tensor& sums,
+                               double count);
+
+// Eval-mode input gradient, where mean and invstd are constants: w·invstd·dy. x is not read.
+at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at::Tensor& invstd,
+                           const at::Tensor& weight);
+
+// --- per-channel math -----------------------------------------------------------------------
+
+// Note [One all-reduce per pass]
+// Forward: each rank packs [n·mean_r | M2_r + n·mean_r² | n] (float64, 2C + 1) and one SUM
+// all-reduce yields Σ n·mean_r = N·mean and Σ (M2_r + n·mean_r²) = Σ x², hence the global mean and
+// biased variance Σx²/N - mean², with the global count N alongside, so that ranks of any batch
+// size, empty ones included, contribute exactly their share. Each rank's M2_r is accurate (Note
+// [Stable moments]); in float64 the final difference keeps about 16 - 2·log10(|mean|/std) digits,
+// 8 for inputs of mean 1e4 and unit spread. Backward: [Σ dy | Σ dy·(x - mean)] (float64, 2C) are
+// sums already, reduced once. Both buffers are bitwise identical on all ranks afterwards, so
+// every rank computes the same statistics and takes the same decisions (e.g. raising when the
+// group has a single value per channel).
+
+// The forward's all-reduce buffer, float64 [2C + 1], from this rank's moments and count.
+at::Tensor pack_moments(const LocalMoments& moments, int64_t count);
+
+// Batch statistics, float64 [C] on the input's device; `count` the number of values per channel
+// they are over (read on the host).
+struct BatchStats {
+  at::Tensor mean;
+  at::Tensor var;  // biased; undefined for statistics taken from running estimates
+  at::Tensor invstd;
+  double count = 0;
+};
+
+// From the summed buffer of pack_moments (all ranks' values). A group with no values at all gives
+// mean 0 and var 0.
+BatchStats stats_from_packed(const at::Tensor& packed, double eps);
+
+// From this rank's moments alone (no communication).
+BatchStats stats_from_moments(const LocalMoments& moments, int64_t count, double eps);
+
+// Eval mode: mean = running_mean, invstd = 1/sqrt(running_var + eps), in float64 copies.
+BatchStats stats_from_running(const at::Tensor& running_mean, const at::Tensor& running_var, double eps);
+
+// running_mean <- (1 - momentum)·running_mean + momentum·mean and running_var likewise with the
+// unbiased variance var·N/(N - 1), in place, as torch's batch norm does. stats.count > 1.
+void update_running_stats(const at::Tensor& running_mean, const at::Tensor& running_var, const BatchStats& stats,
+                          double momentum);
+
+// This rank's weight and bias gradients from its own grad_sums (before they are all-reduced):
+// grad_weight = invstd·Σ dy·(x - mean), grad_bias = Σ dy, in `dtype`; undefined where not wanted.
+std::pair<at::Tensor, at::Tensor> affine_grads(const at::Tensor& local_sums, const at::Tensor& invstd,
+                                               at::ScalarType dtype, bool want_weight, bool want_bias);
+
+// --- kernel selection -----------------------------------------------------------------------
+
+// Whether CPU tensors run the native kernels (the default) or the device-generic code, for tests
+// and benchmarks that compare the two. Process-wide; takes effect at the next call.
+void set_native_cpu_kernels(bool enabled);
+// "cpu-<capability>" (the CPU kernels' instruction set) or "aten" (the device-generic code).
+std::string cpu_kernels_name();
+
+}  // namespace ddpkit::syncbn

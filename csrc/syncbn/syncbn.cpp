@@ -1,0 +1,232 @@
+#include "syncbn/syncbn.h"
+
+#include "comm/collectives.h"
+#include "syncbn/kernels.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+
+#include <string>
+
+namespace ddpkit::syncbn {
+namespace {
+
+constexpr const char* kName = "ddpkit.sync_batch_norm";
+
+bool supported_input_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+bool reduced_precision(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; }
+
+// Weight, bias and running statistics have the input's dtype, or float32 beside a float16/bfloat16
+// input (and one dtype among them, checked in check_per_channel).
+void check_parameter_dtype(at::ScalarType input_dtype, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(dtype == input_dtype || (reduced_precision(input_dtype) && dtype == at::kFloat), kName, ": ", name,
+              " has dtype ", dtype, " but the input has dtype ", input_dtype,
+              "; parameters and running statistics must have the input's dtype (or float32 for a float16/bfloat16 "
+              "input)");
+}
+
+void check_per_channel(const std::optional<at::Tensor>& t, const char* name, const at::Tensor& input,
+                       std::optional<at::ScalarType>& parameter_dtype) {
+  if (!t || !t->defined()) return;
+  const int64_t channels = input.size(1);
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == channels, kName, ": ", name, " should have shape [", channels,
+              "] (the input's channels, dim 1 of ", input.sizes(), "), got ", t->sizes());
+  TORCH_CHECK(t->device() == input.device(), kName, ": ", name, " is on ", t->device(), " but the input is on ",
+              input.device());
+  check_parameter_dtype(input.scalar_type(), t->scalar_type(), name);
+  if (!parameter_dtype) parameter_dtype = t->scalar_type();
+  TORCH_CHECK(*parameter_dtype == t->scalar_type(), kName, ": weight, bias and running statistics must share one dtype; ",
+              name, " has ", t->scalar_type(), ", another has ", *parameter_dtype);
+}
+
+void check_input(const at::Tensor& input) {
+  TORCH_CHECK(input.dim() >= 2, kName, ": expected an input of shape (N, C, *) with at least 2 dimensions, got shape ",
+              input.sizes());
+  TORCH_CHECK(input.size(1) > 0, kName, ": the input has no channels (shape ", input.sizes(), ")");
+  TORCH_CHECK(input.layout() == at::kStrided, kName, ": expected a dense input, got layout ", input.layout());
+  TORCH_CHECK(supported_input_dtype(input.scalar_type()), kName, ": unsupported input dtype ", input.scalar_type(),
+              "; supported: float32, float64, float16, bfloat16");
+}
+
+void check_statistic(const at::Tensor& t, const char* name, const at::Tensor& input) {
+  TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 1 && t.size(0) == input.size(1) && t.is_contiguous() &&
+                  t.device() == input.device(),
+              kName, "_backward: ", name, " must be the forward's float64 [C] statistic on the input's device, got ",
+              t.scalar_type(), " ", t.sizes(), " on ", t.device());
+}
+
+// Runs the pass's one all-reduce (Note [One all-reduce per pass]); returns the group's size.
+int all_reduce(at::Tensor& buffer, comm::Algorithm algorithm, std::string_view group_name) {
+  comm::Communicator comm{std::string(group_name), buffer.device().type()};
+  comm::all_reduce_(buffer, comm::ReduceOp::kSum, algorithm, comm, comm.next_sequence());
+  return comm.size();
+}
+
+using ForwardFn = decltype(sync_batch_norm);
+using BackwardFn = decltype(sync_batch_norm_backward);
+
+const c10::TypedOperatorHandle<ForwardFn>& forward_op() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ddpkit::sync_batch_norm", "").typed<ForwardFn>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<BackwardFn>& backward_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("ddpkit::sync_batch_norm_backward", "").typed<BackwardFn>();
+  return op;
+}
+
+// backward returns one gradient (or an undefined tensor) per argument of forward.
+constexpr size_t kForwardArguments = 11;
+
+class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunction> {
+ public:
+  // `count` receives the op's fourth output, which is not a tensor and so cannot travel through
+  // the autograd function's outputs.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                                                const std::optional<at::Tensor>& weight,
+                                                const std::optional<at::Tensor>& bias,
+                                                const std::optional<at::Tensor>& running_mean,
+                                                const std::optional<at::Tensor>& running_var, bool training,
+                                                double momentum, double eps, std::string_view algorithm,
+                                                std::optional<std::string_view> group_name, int64_t* count) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [output, mean, invstd, n] =
+        forward_op().call(input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm, group_name);
+    *count = n;
+    ctx->save_for_backward({input, weight.value_or(at::Tensor()), mean, invstd});
+    ctx->saved_data["training"] = training;
+    ctx->saved_data["count"] = n;
+    ctx->saved_data["algorithm"] = std::string(algorithm);
+    ctx->saved_data["group_name"] = group_name ? c10::IValue(std::string(*group_name)) : c10::IValue();
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    ctx->mark_non_differentiable({mean, invstd});
+    return {output, mean, invstd};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& weight = saved[1];
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    // needs_input_grad counts tensor arguments only: input, then weight and bias when present.
+    const std::array<bool, 3> mask{ctx->needs_input_grad(0), weight.defined() && ctx->needs_input_grad(1),
+                                   has_bias && ctx->needs_input_grad(weight.defined() ? 2 : 1)};
+    const c10::IValue& group = ctx->saved_data["group_name"];
+    const std::string algorithm = ctx->saved_data["algorithm"].toStringRef();
+    std::optional<std::string_view> group_name;
+    if (!group.isNone()) group_name = group.toStringRef();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [grad_input, grad_weight, grad_bias] =
+        backward_op().call(grad_outputs[0], saved[0], weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt,
+                           saved[2], saved[3], ctx->saved_data["training"].toBool(), ctx->saved_data["count"].toInt(),
+                           algorithm, group_name, mask);
+    torch::autograd::variable_list grads(kForwardArguments);
+    grads[0] = grad_input;
+    grads[1] = grad_weight;
+    grads[2] = grad_bias;
+    return grads;
+  }
+};
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
+    double momentum, double eps, std::string_view algorithm, std::optional<std::string_view> group_name) {
+  check_input(input);
+  std::optional<at::ScalarType> parameter_dtype;
+  check_per_channel(weight, "weight", input, parameter_dtype);
+  check_per_channel(bias, "bias", input, parameter_dtype);
+  check_per_channel(running_mean, "running_mean", input, parameter_dtype);
+  check_per_channel(running_var, "running_var", input, parameter_dtype);
+  const bool has_running = running_mean && running_mean->defined();
+  TORCH_CHECK(has_running == (running_var && running_var->defined()), kName,
+              ": running_mean and running_var must be given together");
+  TORCH_CHECK(training || has_running, kName, ": running_mean and running_var are required when training=False");
+  const comm::Algorithm parsed = comm::parse_algorithm(algorithm);
+
+  const LocalInput in = prepare_input(input);
+  const at::Tensor w = weight.value_or(at::Tensor()), b = bias.value_or(at::Tensor());
+  if (!training) {
+    const BatchStats stats = stats_from_running(*running_mean, *running_var, eps);
+    return {normalize(in, stats.mean, stats.invstd, w, b), stats.mean, stats.invstd, in.count()};
+  }
+
+  const LocalMoments local = local_moments(in);
+  BatchStats stats;
+  int ranks = 1;
+  if (group_name) {
+    at::Tensor packed = pack_moments(local, in.count());
+    ranks = all_reduce(packed, parsed, *group_name);
+    stats = stats_from_packed(packed, eps);
+  } else {
+    stats = stats_from_moments(local, in.count(), eps);
+  }
+  TORCH_CHECK_VALUE(stats.count != 1, "Expected more than 1 value per channel when training, got input size ",
+                    input.sizes(),
+                    group_name ? c10::str(" on this rank; the batch of all ", ranks, " ranks of the group has 1")
+                               : std::string());
+  if (has_running && stats.count > 0) update_running_stats(*running_mean, *running_var, stats, momentum);
+  return {normalize(in, stats.mean, stats.invstd, w, b), stats.mean, stats.invstd,
+          static_cast<int64_t>(stats.count)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const at::Tensor& mean, const at::Tensor& invstd, bool training, int64_t count, std::string_view algorithm,
+    std::optional<std::string_view> group_name, std::array<bool, 3> output_mask) {
+  check_input(input);
+  TORCH_CHECK(grad_output.sizes() == input.sizes() && grad_output.scalar_type() == input.scalar_type() &&
+                  grad_output.device() == input.device(),
+              kName, "_backward: grad_output must match the input's shape, dtype and device; got ",
+              grad_output.sizes(), " ", grad_output.scalar_type(), " on ", grad_output.device(), " for an input ",
+              input.sizes(), " ", input.scalar_type(), " on ", input.device());
+  std::optional<at::ScalarType> parameter_dtype;
+  check_per_channel(weight, "weight", input, parameter_dtype);
+  check_statistic(mean, "mean", input);
+  check_statistic(invstd, "invstd", input);
+  const comm::Algorithm parsed = comm::parse_algorithm(algorithm);
+  const auto [want_input, want_weight, want_bias] = output_mask;
+
+  const LocalInput in = prepare_input(input);
+  const at::Tensor dy = match_layout(in, grad_output);
+  const at::Tensor w = weight.value_or(at::Tensor());
+  const at::ScalarType grad_dtype = parameter_dtype.value_or(reduced_precision(input.scalar_type()) ? at::kFloat
+                                                                                                    : input.scalar_type());
+  at::Tensor grad_input, grad_weight, grad_bias, sums;
+  if (want_weight || want_bias || (want_input && training)) sums = grad_sums(in, dy, mean);
+  if (want_weight || want_bias) {
+    // From this rank's sums, before the all-reduce below overwrites them.
+    std::tie(grad_weight, grad_bias) = affine_grads(sums, invstd, grad_dtype, want_weight, want_bias);
+  }
+  if (want_input) {
+    if (training) {
+      if (group_name) all_reduce(sums, parsed, *group_name);
+      grad_input = grad_input_training(in, dy, mean, invstd, w, sums, static_cast<double>(count));
+    } else {
+      grad_input = grad_input_eval(in, dy, invstd, w);
+    }
+  }
+  return {grad_input, grad_weight, grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm_autograd(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
+    double momentum, double eps, std::string_view algorithm, std::optional<std::string_view> group_name) {
+  int64_t count = 0;
+  auto outputs = SyncBatchNormFunction::apply(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                                              algorithm, group_name, &count);
+  return {outputs[0], outputs[1], outputs[2], count};
+}
+
+void set_syncbn_native_cpu_kernels_op(bool enabled) { set_native_cpu_kernels(enabled); }
+
+std::string syncbn_cpu_kernels_op() { return cpu_kernels_name(); }
+
+}  // namespace ddpkit::syncbn

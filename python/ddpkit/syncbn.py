@@ -1,0 +1,121 @@
+"""Synchronized batch normalization: statistics of the batch of every rank of a process group.
+
+``SyncBatchNorm`` is a drop-in ``torch.nn.modules.batchnorm._BatchNorm`` (same state_dict as
+BatchNorm) over the ``ddpkit::sync_batch_norm`` op, whose forward and backward kernels are
+ddpkit's own (csrc/syncbn). A training-mode forward all-reduces exactly once and its backward
+exactly once; eval mode, a group of one rank and an uninitialized ``torch.distributed`` communicate
+nothing and give BatchNorm's result. See csrc/syncbn/syncbn.h for the contract.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .comm import ALGORITHMS
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "sync_batch_norm", "set_native_cpu_kernels", "cpu_kernels"]
+
+
+def _sync_group_name(group: Optional[dist.ProcessGroup]) -> Optional[str]:
+    """The name of the group to synchronize over, or None when this rank is on its own."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    group = group if group is not None else dist.group.WORLD
+    return group.group_name if group.size() > 1 else None
+
+
+def sync_batch_norm(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], running_mean: Optional[Tensor],
+                    running_var: Optional[Tensor], training: bool, momentum: float, eps: float,
+                    algorithm: str = "auto", group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """Functional SyncBatchNorm: like ``torch.nn.functional.batch_norm``, with training-mode statistics
+    over ``group`` (default: the world); ``momentum`` is the running-average factor for this call."""
+    name = _sync_group_name(group) if training else None
+    return torch.ops.ddpkit.sync_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
+                                            algorithm, name)[0]
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalization over the batches of all ranks of ``process_group`` (default: the world).
+
+    Accepts (N, C), (N, C, L), (N, C, H, W) and (N, C, D, H, W) inputs, any of float32, float64,
+    float16 and bfloat16 (float16/bfloat16 inputs with float32 parameters are fine). Ranks may
+    hold different batch sizes, including none. Running statistics, ``momentum=None`` (cumulative
+    average) and ``track_running_stats`` follow ``torch.nn.BatchNorm*d`` for the global batch.
+    ``weight``/``bias`` gradients are this rank's, as with ``torch.nn.SyncBatchNorm``: averaging
+    them across ranks (DDP) gives the global batch's gradient. ``algorithm`` is the all-reduce
+    algorithm (``ddpkit.comm.ALGORITHMS``; ``"process_group"`` is the group's own, e.g. NCCL).
+    Unlike torch's batch-norm layers, ``affine`` defaults to False.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = False,
+                 track_running_stats: bool = True, process_group: Optional[dist.ProcessGroup] = None,
+                 algorithm: str = "auto", device=None, dtype=None, *, bias: bool = True) -> None:
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"ddpkit.SyncBatchNorm: unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
+                         bias=bias)
+        self.process_group = process_group
+        self.algorithm = algorithm
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() not in (2, 3, 4, 5):
+            raise ValueError(f"ddpkit.SyncBatchNorm: expected a 2D, 3D, 4D or 5D input (got {input.dim()}D input)")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, algorithm={self.algorithm!r}"
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        # torch's _BatchNorm rules: which statistics are used, and the running-average factor.
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        keep_running = not self.training or self.track_running_stats
+        # Only training synchronizes, as torch.nn.SyncBatchNorm: eval without running statistics
+        # normalizes each rank's batch by its own statistics.
+        name = _sync_group_name(self.process_group) if self.training else None
+        return torch.ops.ddpkit.sync_batch_norm(
+            input, self.weight, self.bias, self.running_mean if keep_running else None,
+            self.running_var if keep_running else None, batch_stats, factor, self.eps, self.algorithm, name)[0]
+
+
+def convert_sync_batchnorm(module: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None,
+                           algorithm: str = "auto") -> torch.nn.Module:
+    """Replaces every batch-norm layer of ``module`` (BatchNorm1d/2d/3d, torch's SyncBatchNorm) by a
+    ``ddpkit.SyncBatchNorm`` holding the same parameter and buffer objects (so device, dtype,
+    values and ``requires_grad`` are kept) in the same training mode. Returns the converted module,
+    which is ``module`` itself unless ``module`` is a batch-norm layer."""
+    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                  module.track_running_stats, process_group, algorithm, device="meta",
+                                  bias=module.bias is not None or not module.affine)
+        for name in ("weight", "bias"):
+            setattr(converted, name, getattr(module, name))
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            converted.register_buffer(name, getattr(module, name))
+        converted.train(module.training)
+        if hasattr(module, "qconfig"):
+            converted.qconfig = module.qconfig
+        return converted
+    for name, child in module.named_children():
+        module.add_module(name, convert_sync_batchnorm(child, process_group, algorithm))
+    return module
+
+
+def set_native_cpu_kernels(enabled: bool) -> None:
+    """Runs CPU tensors through ddpkit's vectorised CPU kernels (default) or through the
+    device-generic ATen code other devices use; for comparing the two. Process-wide."""
+    torch.ops.ddpkit.set_syncbn_native_cpu_kernels(enabled)
+
+
+def cpu_kernels() -> str:
+    """What CPU tensors run: ``"cpu-<capability>"`` (e.g. ``"cpu-AVX512"``) or ``"aten"``."""
+    return torch.ops.ddpkit.syncbn_cpu_kernels()
