@@ -84,7 +84,11 @@ def init_distributed(backend: Optional[str] = None, *, master_addr: Optional[str
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
         if missing:
             raise RuntimeError(f"ddpkit: RANK/WORLD_SIZE are set but {', '.join(missing)} is not; launch with torchrun")
-        dist.init_process_group(backend, timeout=group_timeout)
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            dist.init_process_group(backend, store=_attempt_store(group_timeout), rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=group_timeout)
+        else:
+            dist.init_process_group(backend, timeout=group_timeout)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     else:
         store = dist.HashStore()
@@ -93,6 +97,19 @@ def init_distributed(backend: Optional[str] = None, *, master_addr: Optional[str
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's shared rendezvous store, with keys private to this restart attempt.
+
+    Under torchrun the workers share the agent's store, and torch 2.13 does not separate the keys
+    of successive restart attempts in it (pytorch/pytorch#135712): a restarted worker can read the
+    gloo address a dead worker of the previous attempt published, and the new group then fails to
+    connect or hangs. Prefixing every key with the attempt number keeps attempts apart.
+    """
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"ddpkit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _current_info(backend: str) -> DistInfo:
