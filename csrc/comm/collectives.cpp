@@ -340,10 +340,13 @@ std::string_view algorithm_name(Algorithm algorithm) {
 
 Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device) {
   if (device != c10::kCPU) return Algorithm::kProcessGroup;
-  constexpr int64_t kSmallMessageBytes = 64 * 1024;
-  if (world_size <= 2) return Algorithm::kRing;
-  if (bytes <= kSmallMessageBytes) return Algorithm::kRecursiveDoubling;
-  return Algorithm::kHalvingDoubling;
+  // Note [Choosing an algorithm]: rank 0 of a star receives (n-1)·bytes; below this budget the
+  // star's two phases, in which only one side of each message is busy, beat every schedule of
+  // rounds on an oversubscribed CPU. Past it, bandwidth matters more than wake-ups.
+  constexpr int64_t kStarBudgetBytes = 16 * 1024 * 1024;
+  if (static_cast<int64_t>(world_size - 1) * bytes <= kStarBudgetBytes) return Algorithm::kStar;
+  const bool power_of_two = (world_size & (world_size - 1)) == 0;
+  return power_of_two ? Algorithm::kHalvingDoubling : Algorithm::kRing;
 }
 
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm, uint64_t sequence) {

@@ -36,8 +36,18 @@ namespace ddpkit::comm {
 //                     doubling: 2·log2(n) rounds and the ring's byte count.
 // For n not a power of two, the recursive algorithms first fold the 2·(n-p) lowest ranks pairwise
 // (p the largest power of two below n) and unfold at the end: two more rounds of the whole vector.
-// kAuto picks by message size and n (choose_algorithm); the thresholds come from
-// benchmarks/bench_allreduce.py on gloo over loopback.
+// kAuto picks by message size and n (choose_algorithm), from benchmarks/bench_allreduce.py on
+// gloo over loopback (Note [Choosing an algorithm]).
+//
+// Note [Choosing an algorithm]
+// Measured on a 2-vCPU VM with 2 to 32 ranks, the cost of an all-reduce below a few MB is not
+// bytes but scheduling: each rank has a main thread and a gloo event-loop thread, and whenever more
+// of them are runnable than there are cores, a thread waits out a time slice of several ms. A
+// schedule whose rounds keep both ends of every message busy at once (ring, recursive doubling)
+// hits that often; the star, where rank 0 receives while the others wait and then sends while
+// they receive, hits it least, and beat gloo's own all-reduce at most sizes and world sizes. So
+// kAuto takes the star while rank 0's share, (n-1)·bytes, stays within a budget, and beyond it the
+// bandwidth-optimal schedules (halving-doubling for powers of two, else the ring).
 //  kProcessGroup      not ddpkit's: the group's own all-reduce (gloo's pipelined ring, NCCL), the
 //                     baseline every benchmark compares against and the choice for GPUs.
 enum class Algorithm : int64_t {
