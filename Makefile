@@ -1,7 +1,6 @@
 # The README's first two commands: `make main` runs the main job, `make test` the whole test suite.
 # Both set everything up first (scripts/setup.sh is idempotent).
 PY := .venv/bin/python
-NPROC ?= 2
 
 .PHONY: setup main test
 
@@ -9,7 +8,7 @@ setup:
 	bash scripts/setup.sh
 
 main: setup
-	$(PY) benchmarks/bench_allreduce.py --quick --output allreduce_demo
+	$(PY) benchmarks/bench_training.py
 
 test: setup
 	$(PY) -m pytest -q

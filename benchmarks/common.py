@@ -24,7 +24,8 @@ from typing import Any, Iterable, Optional
 import torch
 
 SCHEMA_VERSION = 1
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# benchmarks/run_all.sh --quick points this elsewhere, so smoke runs never replace measured results.
+RESULTS_DIR = Path(os.environ.get("DDPKIT_RESULTS_DIR", Path(__file__).resolve().parent / "results")).resolve()
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

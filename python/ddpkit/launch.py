@@ -70,7 +70,7 @@ def init_distributed(backend: Optional[str] = None, *, master_addr: Optional[str
     """
     backend = backend or default_backend()
     if dist.is_initialized():
-        return _current_info(backend)
+        return _current_info()
     group_timeout = datetime.timedelta(seconds=timeout)
     if master_addr is not None:
         if world_size is None or rank is None:
@@ -112,7 +112,7 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
     return dist.PrefixStore(f"ddpkit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def _current_info(backend: str) -> DistInfo:
+def _current_info() -> DistInfo:
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
                     dist.get_backend())
 

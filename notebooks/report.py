@@ -1,0 +1,347 @@
+"""Builds notebooks/report.ipynb from the benchmark results and executes it headless.
+
+    python notebooks/report.py                                   # benchmarks/results -> notebooks/report.ipynb
+    python notebooks/report.py --results DIR --output PATH       # e.g. the --quick results of run_all.sh
+
+The notebook reads only ``<results>/*.json`` (schema: benchmarks/README.md). Every number in its
+text is computed from those files when it runs; nothing is typed in. The cells are defined here so
+that the report's source is reviewable as code; edit this file, not the .ipynb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = Path(__file__).resolve().parent
+EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training"]  # results/<name>.json the report reads
+
+SETUP = r'''
+%matplotlib inline
+import json, os, statistics
+from pathlib import Path
+import matplotlib.pyplot as plt
+from IPython.display import HTML, Markdown, display
+
+RESULTS = Path(os.environ.get("DDPKIT_REPORT_RESULTS", "../benchmarks/results"))
+EXPECTED = __EXPECTED__
+R = {name: json.loads((RESULTS / f"{name}.json").read_text()) for name in EXPECTED}
+
+def table(rows, columns, formats=None):
+    """An HTML table of dict rows."""
+    formats = formats or {}
+    def cell(row, col):
+        value = row.get(col)
+        if value is None:
+            return ""
+        if col in formats:
+            return formats[col](value)
+        return f"{value:.3g}" if isinstance(value, float) else str(value)
+    head = "".join(f"<th>{c}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{cell(r, c)}</td>" for c in columns) + "</tr>" for r in rows)
+    display(HTML(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"))
+
+def command(name):
+    env = R[name]["environment"]
+    display(Markdown(f"Produced by `{env['command']}` at commit `{env['git_commit']}` on {env['date']}."))
+
+us = lambda s: f"{s * 1e6:.0f} µs"
+ms = lambda s: f"{s * 1e3:.1f} ms"
+mib = lambda b: f"{b / 2**20:.1f} MiB"
+kib = lambda b: f"{b / 2**10:.0f} KiB"
+ratio = lambda x: f"{x:.2f}×"
+'''
+
+INTRO = r'''
+# ddpkit report
+
+Every figure below is read from `benchmarks/results/*.json` and was measured side by side with the
+PyTorch baseline in the same run (candidates interleaved, median of repetitions). Re-run everything
+with `bash benchmarks/run_all.sh` (about 1.5 hours on 2 cores) or `bash benchmarks/run_all.sh --quick`;
+each section names the exact command that produced its file.
+'''
+
+INFRA = r'''
+env = R["allreduce"]["environment"]
+rows = []
+for name in EXPECTED:
+    e = R[name]["environment"]
+    rows.append({"benchmark": name, "date": e["date"][:16], "torch": e["torch_version"], "backend": e["backend"],
+                 "device": e["device_type"], "CPU": f"{e['cpu_model']} × {e['cpu_count']}",
+                 "GPU": (e["gpu"] or {}).get("gpu_name", "none"), "commit": (e["git_commit"] or "")[:10]})
+table(rows, ["benchmark", "date", "torch", "backend", "device", "CPU", "GPU", "commit"])
+display(Markdown(
+    f"Python {env['python_version']} on `{env['hostname']}`: {env['cpu_count']} cores of a {env['cpu_model']}, "
+    "no GPU, so every collective runs over gloo on loopback TCP and world sizes above 2 oversubscribe the cores. "
+    "On a GPU machine the same scripts run over NCCL, and the SyncBatchNorm baseline becomes torch.nn.SyncBatchNorm."))
+'''
+
+ALLREDUCE_INTRO = r'''
+## 1. All-reduce from point-to-point messages
+
+Algorithms (`csrc/comm/collectives.h`, Note [All-reduce algorithms]): ring, butterfly (the week-4 template),
+star (reduce to rank 0 + broadcast), gather/scatter through rank 0 (CS744), recursive doubling,
+halving-doubling (Rabenseifner), and `auto`, against `torch.distributed.all_reduce` (gloo). Float32 vectors;
+a repetition's time is the slowest rank's; median over interleaved repetitions (fewer above 8 workers).
+'''
+
+ALLREDUCE_TIME = r'''
+command("allreduce")
+timed = [r for r in R["allreduce"]["records"] if r["kind"] == "time"]
+sizes = sorted({r["numel"] for r in timed})
+algorithms = list(dict.fromkeys(r["algorithm"] for r in timed))
+fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), sharey=True)
+for ax, numel in zip(axes, sizes):
+    for algorithm in algorithms:
+        points = sorted((r["world_size"], r["median_s"]) for r in timed if r["numel"] == numel and r["algorithm"] == algorithm)
+        style = dict(linewidth=3, color="black") if algorithm == "torch.distributed" else {}
+        ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", label=algorithm, **style)
+    ax.set_xscale("log", base=2); ax.set_yscale("log"); ax.set_title(f"{numel:,} floats")
+    ax.set_xlabel("world size (processes)"); ax.grid(True, which="both", alpha=0.3)
+axes[0].set_ylabel("median time (ms)"); axes[-1].legend(fontsize=8)
+plt.tight_layout(); plt.show()
+'''
+
+ALLREDUCE_RING = r'''
+by = {(r["world_size"], r["numel"], r["algorithm"]): r for r in timed}
+world_sizes = sorted({r["world_size"] for r in timed})
+rows = []
+for ws in [w for w in world_sizes if 1 < w <= 16]:
+    row = {"world size": ws}
+    for numel in sizes:
+        torch_time = by[(ws, numel, "torch.distributed")]["median_s"]
+        row[f"ring/torch {numel:,}"] = by[(ws, numel, "ring")]["median_s"] / torch_time
+        row[f"auto/torch {numel:,}"] = by[(ws, numel, "auto")]["median_s"] / torch_time
+    rows.append(row)
+columns = ["world size"] + [f"ring/torch {n:,}" for n in sizes] + [f"auto/torch {n:,}" for n in sizes]
+table(rows, columns, {c: ratio for c in columns[1:]})
+summary = R["allreduce"]["summary"]
+ring_bar = summary["ring_100k_at_2_and_4"]
+display(Markdown(
+    "**Ring vs torch at 100,000 floats** (target ≤ 1.2×): " +
+    ", ".join(f"{k.split()[1]}: {v:.2f}×" for k, v in ring_bar.items()) +
+    f" — {'met' if summary['ring_bar_met'] else 'not met'}. "
+    f"**auto vs torch**, worst point up to 8 processes: {summary['auto_worst_ratio_up_to_8']:.2f}× "
+    f"(target ≤ 1.0×, {'met' if summary['auto_bar_met'] else 'not met'}). `auto` resolves to: " +
+    ", ".join(sorted({f"{r['resolved_algorithm']}" for r in timed if r['algorithm'] == 'auto'})) + "."))
+'''
+
+ALLREDUCE_SPREAD = r'''
+rows = []
+for ws in [2, 4, 8]:
+    for numel in sizes:
+        for algorithm in ["ring", "star", "auto", "torch.distributed"]:
+            r = by.get((ws, numel, algorithm))
+            if r:
+                rows.append({"ws": ws, "floats": f"{numel:,}", "algorithm": algorithm, "p25": r["p25_s"],
+                             "median": r["median_s"], "p75": r["p75_s"], "busbw GB/s": r["bus_bandwidth_GBps"]})
+table(rows, ["ws", "floats", "algorithm", "p25", "median", "p75", "busbw GB/s"], {"p25": us, "median": us, "p75": us})
+display(Markdown(
+    "The spread between the 25th percentile and the median shows how much of each figure is scheduling: "
+    "with more runnable threads than the 2 cores, a thread waits out a time slice of several ms "
+    "(Note [Choosing an algorithm] in `csrc/comm/collectives.h`)."))
+'''
+
+ALLREDUCE_ACCURACY = r'''
+rows = []
+for ws in world_sizes:
+    row = {"world size": ws}
+    for algorithm in algorithms:
+        row[algorithm] = max(r["max_abs_error_of_mean"] for r in timed if r["world_size"] == ws and r["algorithm"] == algorithm)
+    rows.append(row)
+table(rows, ["world size"] + algorithms, {a: (lambda v: f"{v:.1e}") for a in algorithms})
+display(Markdown("Accuracy of averaging: max |result − float64 mean| over all sizes, N(0, 1) float32 inputs."))
+'''
+
+ALLREDUCE_MEMORY = r'''
+memory = [r for r in R["allreduce"]["records"] if r["kind"] == "memory"]
+big = max(r["numel"] for r in memory)
+fig, ax = plt.subplots(figsize=(8, 4))
+for algorithm in algorithms:
+    points = sorted((r["world_size"], r["peak_memory_increase_bytes"]) for r in memory
+                    if r["numel"] == big and r["algorithm"] == algorithm)
+    ax.plot([p[0] for p in points], [p[1] / 2**20 for p in points], marker="o", label=algorithm)
+ax.set_xscale("log", base=2); ax.set_xlabel("world size"); ax.set_ylabel("peak RSS increase (MiB)")
+ax.set_title(f"memory of one all-reduce of {big:,} floats ({big * 4 / 2**20:.0f} MiB), max over ranks")
+ax.legend(fontsize=8); ax.grid(True, alpha=0.3); plt.show()
+'''
+
+CHECKS = r'''
+command("allreduce_checks")
+overhead = R["allreduce_checks"]["summary"]["checked_over_unchecked"]
+rows = [{"point": k, "checked / unchecked": v} for k, v in sorted(overhead.items())]
+table(rows, ["point", "checked / unchecked"], {"checked / unchecked": ratio})
+values = list(overhead.values())
+display(Markdown(
+    f"Note [Collective checks] (header exchange before any payload; on by default) costs a median "
+    f"{statistics.median(values):.2f}× (range {min(values):.2f}–{max(values):.2f}×) over the same algorithm "
+    "unchecked, on these latency-bound sizes."))
+'''
+
+SYNCBN = r'''
+## 2. SyncBatchNorm
+'''
+
+SYNCBN_TABLE = r'''
+command("syncbn")
+s = R["syncbn"]
+records = s["records"]
+distributed = [r for r in records if r["world_size"] > 1]
+rows = [{"workers": r["world_size"], "shape": "×".join(map(str, r["shape"])), "ddpkit (auto)": r["t_ddpkit"],
+         "ddpkit (process_group)": r["t_ddpkit_pg"], "floor": r["t_floor"], "auto/floor": r["ratio"],
+         "pg/floor": r["ratio_pg"], "local kernels/BN": r["ratio_local_compute"]} for r in distributed]
+table(rows, ["workers", "shape", "ddpkit (auto)", "ddpkit (process_group)", "floor", "auto/floor", "pg/floor",
+             "local kernels/BN"], {"ddpkit (auto)": us, "ddpkit (process_group)": us, "floor": us,
+                                   "auto/floor": ratio, "pg/floor": ratio, "local kernels/BN": ratio})
+display(Markdown(
+    "Forward + backward of one layer, global batch split evenly. On CPU torch has no SyncBatchNorm, so the baseline is "
+    "its floor measured in the same run: torch BatchNorm forward+backward on the local batch plus one gloo all-reduce "
+    "of 2C+1 and one of 2C float64 values. Target at 2 workers: ≤ 1.15× the floor."))
+'''
+
+SYNCBN_LOCAL = r'''
+two = [r for r in distributed if r["world_size"] == 2]
+best = [min(r["ratio"], r["ratio_pg"]) for r in two]
+local = s["summary"]["local_ratios"]
+table([{"shape / threads": k, "ddpkit local / torch BN": v} for k, v in local.items()],
+      ["shape / threads", "ddpkit local / torch BN"], {"ddpkit local / torch BN": ratio})
+memory_rows = [{"workers": r["world_size"], "shape": "×".join(map(str, r["shape"])), "ddpkit bytes": r["alloc_ddpkit"],
+                "BatchNorm bytes": r["alloc_torch_bn_local"], "extra per channel": r["alloc_extra_per_channel"]}
+               for r in distributed]
+table(memory_rows, ["workers", "shape", "ddpkit bytes", "BatchNorm bytes", "extra per channel"],
+      {"ddpkit bytes": kib, "BatchNorm bytes": kib, "extra per channel": lambda v: f"{v:.1f} B"})
+display(Markdown(
+    f"At 2 workers the better of ddpkit's two all-reduce choices is {min(best):.2f}–{max(best):.2f}× the floor "
+    f"({sum(b <= 1.15 for b in best)} of {len(best)} configurations within 1.15×); the local kernels alone are "
+    f"{min(local.values()):.2f}–{max(local.values()):.2f}× torch's CPU batch norm (target ≤ 1.0×); memory is at most "
+    f"{s['summary']['max_alloc_extra_per_channel_bytes']:.1f} bytes per channel above BatchNorm's."))
+'''
+
+DDP = r'''
+## 3. DistributedDataParallel
+'''
+
+DDP_TABLE = r'''
+command("ddp")
+d = R["ddp"]
+rows = [{"model": r["model"], "accumulation": r["accumulation"], "candidate": r["candidate"],
+         "median step": r["median_step_s"], "p25 step": r["p25_step_s"], "peak memory": r["peak_memory_bytes"],
+         "buckets": (r["reducer_stats"] or {}).get("buckets")} for r in d["records"]]
+table(rows, ["model", "accumulation", "candidate", "median step", "p25 step", "peak memory", "buckets"],
+      {"median step": ms, "p25 step": ms, "peak memory": mib})
+rows = [{"configuration": k, "time vs torch DDP": v["time_ratio"], "memory vs torch DDP": v["memory_ratio"]}
+        for k, v in d["summary"].items()]
+table(rows, ["configuration", "time vs torch DDP", "memory vs torch DDP"],
+      {"time vs torch DDP": ratio, "memory vs torch DDP": ratio})
+default = {k: v for k, v in d["summary"].items() if k.startswith("ddpkit ")}
+display(Markdown(
+    f"{d['settings']['world_size']} processes, synthetic CIFAR-shaped batches. ddpkit with its default all-reduce: "
+    f"step time {min(v['time_ratio'] for v in default.values()):.2f}–{max(v['time_ratio'] for v in default.values()):.2f}× "
+    f"torch DDP, peak memory {min(v['memory_ratio'] for v in default.values()):.2f}–"
+    f"{max(v['memory_ratio'] for v in default.values()):.2f}× (targets ≤ 1.0×). Accumulation 4 uses `no_sync` on 3 of "
+    "every 4 micro-batches in both."))
+'''
+
+TRAINING = r'''
+## 4. Training: ddpkit pipeline vs PyTorch pipeline
+'''
+
+TRAINING_PLOTS = r'''
+command("training")
+t = R["training"]
+settings = t["settings"]
+fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4))
+for record in t["records"]:
+    losses = record["loss_curve"]
+    window = max(1, len(losses) // 100)
+    smooth = [statistics.fmean(losses[i:i + window]) for i in range(0, len(losses) - window + 1, window)]
+    left.plot([i * window for i in range(len(smooth))], smooth, label=record["impl"])
+    right.plot([e["epoch"] + 1 for e in record["epochs"]], [100 * e["test_accuracy"] for e in record["epochs"]],
+               marker="o", label=record["impl"])
+left.set_xlabel("optimizer step"); left.set_ylabel("training loss (rank 0, smoothed)"); left.legend(); left.grid(alpha=0.3)
+right.set_xlabel("epoch"); right.set_ylabel("test accuracy (%)"); right.legend(); right.grid(alpha=0.3)
+plt.tight_layout(); plt.show()
+rows = [{"pipeline": r["impl"], "final test accuracy": r["final_test_accuracy"], "final test loss": r["final_test_loss"],
+         "median epoch time": r["median_epoch_time_s"], "peak memory": r["peak_rss_bytes"],
+         "notes": "; ".join(r["notes"])} for r in t["records"]]
+table(rows, ["pipeline", "final test accuracy", "final test loss", "median epoch time", "peak memory", "notes"],
+      {"final test accuracy": lambda v: f"{100 * v:.2f}%", "median epoch time": lambda v: f"{v:.1f} s",
+       "peak memory": mib})
+summary = t["summary"]
+display(Markdown(
+    f"{settings['dataset']}, model `{settings['model']}`, {settings['world_size']} processes, "
+    f"accumulation {settings['accumulation_steps']}, {settings['epochs']} epochs, same seed: ddpkit's final accuracy is "
+    f"{summary['accuracy_difference_pp']:+.2f} percentage points from torch's (target within 0.5), epoch time "
+    f"{summary['epoch_time_ratio']:.2f}× and peak memory {summary['memory_ratio']:.2f}× torch's (targets ≤ 1.0×)."))
+'''
+
+COMMANDS = r'''
+## 5. Reproduce
+
+| what | command |
+|---|---|
+| everything, then this notebook | `bash benchmarks/run_all.sh` (`--quick` for a smoke run) |
+| all-reduce grid | `python benchmarks/bench_allreduce.py` |
+| checked-mode overhead | `python benchmarks/bench_allreduce.py --check-overhead --world-sizes 2 4 8 --output allreduce_checks` |
+| SyncBatchNorm | `python benchmarks/bench_syncbn.py` |
+| DDP | `python benchmarks/bench_ddp.py` |
+| training comparison | `python benchmarks/bench_training.py` |
+| this notebook only | `python notebooks/report.py` |
+| one training run | `torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --accumulation-steps 2` |
+'''
+
+
+def build() -> nbformat.NotebookNode:
+    cells = [
+        nbformat.v4.new_markdown_cell(INTRO.strip()),
+        nbformat.v4.new_code_cell(SETUP.strip().replace("__EXPECTED__", repr(EXPECTED))),
+        nbformat.v4.new_markdown_cell("## 0. Infrastructure"),
+        nbformat.v4.new_code_cell(INFRA.strip()),
+        nbformat.v4.new_markdown_cell(ALLREDUCE_INTRO.strip()),
+        nbformat.v4.new_code_cell(ALLREDUCE_TIME.strip()),
+        nbformat.v4.new_code_cell(ALLREDUCE_RING.strip()),
+        nbformat.v4.new_code_cell(ALLREDUCE_SPREAD.strip()),
+        nbformat.v4.new_code_cell(ALLREDUCE_ACCURACY.strip()),
+        nbformat.v4.new_code_cell(ALLREDUCE_MEMORY.strip()),
+        nbformat.v4.new_code_cell(CHECKS.strip()),
+        nbformat.v4.new_markdown_cell(SYNCBN.strip()),
+        nbformat.v4.new_code_cell(SYNCBN_TABLE.strip()),
+        nbformat.v4.new_code_cell(SYNCBN_LOCAL.strip()),
+        nbformat.v4.new_markdown_cell(DDP.strip()),
+        nbformat.v4.new_code_cell(DDP_TABLE.strip()),
+        nbformat.v4.new_markdown_cell(TRAINING.strip()),
+        nbformat.v4.new_code_cell(TRAINING_PLOTS.strip()),
+        nbformat.v4.new_markdown_cell(COMMANDS.strip()),
+    ]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return notebook
+
+
+def execute(notebook: nbformat.NotebookNode, results: Path, timeout: int = 300) -> nbformat.NotebookNode:
+    """Runs every cell in notebooks/ (relative paths resolve there); raises on the first failing cell."""
+    os.environ["DDPKIT_REPORT_RESULTS"] = str(results.resolve())
+    NotebookClient(notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}).execute()
+    return notebook
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=HERE.parent / "benchmarks" / "results")
+    parser.add_argument("--output", type=Path, default=HERE / "report.ipynb")
+    parser.add_argument("--execute-only", action="store_true",
+                        help="run the existing notebook at --output instead of rebuilding it (CI)")
+    args = parser.parse_args()
+    notebook = nbformat.read(args.output, as_version=4) if args.execute_only else build()
+    execute(notebook, args.results)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(notebook, args.output)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

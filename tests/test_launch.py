@@ -1,0 +1,58 @@
+"""The worker pool and spawn helper: results, re-raised exceptions, timeouts, no orphans."""
+
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.launch import RemoteTraceback, WorkerPool, init_distributed
+
+
+def case_rank_and_size():
+    return dist.get_rank(), dist.get_world_size(), os.environ["RANK"]
+
+
+def case_raise_on(rank_to_fail):
+    if dist.get_rank() == rank_to_fail:
+        raise KeyError(f"rank {rank_to_fail} was told to fail")
+    return "fine"
+
+
+def case_sleep(seconds):
+    time.sleep(seconds)
+
+
+def test_spawn_returns_every_rank_result_in_order():
+    assert ddpkit.spawn(case_rank_and_size, 3) == [(0, 3, "0"), (1, 3, "1"), (2, 3, "2")]
+
+
+def test_a_failing_rank_is_reraised_with_its_traceback():
+    with pytest.raises(KeyError, match="rank 1 was told to fail") as info:
+        ddpkit.spawn(case_raise_on, 3, 1)
+    assert isinstance(info.value.__cause__, RemoteTraceback)
+    assert "Traceback of rank 1" in str(info.value.__cause__) and "case_raise_on" in str(info.value.__cause__)
+
+
+def test_return_exceptions_collects_every_outcome():
+    outcomes = ddpkit.spawn(case_raise_on, 2, 0, return_exceptions=True)
+    assert isinstance(outcomes[0], KeyError) and outcomes[1] == "fine"
+
+
+def test_timeout_kills_the_pool():
+    pool = WorkerPool(2, timeout=2)
+    pool.start()
+    processes = list(pool._processes)
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] did not finish"):
+        pool.run(case_sleep, 60)
+    assert not any(p.is_alive() for p in processes)
+    assert pool.run(case_rank_and_size, timeout=60)[1][0] == 1  # the next run starts fresh workers
+    pool.close()
+
+
+def test_explicit_launch_arguments_are_checked():
+    with pytest.raises(ValueError, match="needs --world-size and --rank"):
+        init_distributed(master_addr="127.0.0.1", master_port=29500)
+    with pytest.raises(ValueError, match=r"rank 3 is not in \[0, world_size=2\)"):
+        init_distributed(master_addr="127.0.0.1", master_port=29500, world_size=2, rank=3)
