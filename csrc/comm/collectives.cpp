@@ -87,35 +87,52 @@ struct Round {
 };
 using Schedule = std::vector<Round>;
 
-// Runs `schedule` with the receives of round k+1 posted before round k is waited on
-// (Note [Pre-posted receives]), or round by round in groups where the backend needs that.
-void run_schedule(Communicator& comm, Schedule& schedule) {
-  const bool look_ahead = comm.independent_messages();
+// Runs `schedule` with the receives of rounds k+1 .. k+look_ahead posted before round k is waited
+// on (Note [Pre-posted receives]), or round by round in groups where the backend needs that.
+void run_schedule(Communicator& comm, Schedule& schedule, size_t look_ahead = 1) {
+  const bool independent = comm.independent_messages();
   auto tag_of = [&](size_t k) { return schedule[k].tag >= 0 ? schedule[k].tag : static_cast<int>(k); };
-  auto post_recvs = [&](size_t k, MessageList& into) {
-    for (auto& t : schedule[k].recvs) {
-      if (t.tensor.numel() > 0) into.push_back(comm.irecv(t.tensor, t.peer, tag_of(k)));
+  std::vector<MessageList> recvs(schedule.size());
+  size_t posted = 0;  // rounds whose receives are posted
+  auto post_recvs_until = [&](size_t end) {
+    for (; posted < std::min(end, schedule.size()); ++posted) {
+      for (auto& t : schedule[posted].recvs) {
+        if (t.tensor.numel() > 0) recvs[posted].push_back(comm.irecv(t.tensor, t.peer, tag_of(posted)));
+      }
     }
   };
-  MessageList current, ahead;
-  if (look_ahead && !schedule.empty()) post_recvs(0, current);
-  comm.settle_header(&current);  // no payload leaves before every rank agreed (Note [Collective checks])
+  auto abort_from = [&](size_t first) {
+    for (size_t j = first; j < recvs.size(); ++j) abort_all(recvs[j]);
+  };
+  try {
+    if (independent) post_recvs_until(look_ahead);
+    comm.settle_header();  // no payload leaves before every rank agreed (Note [Collective checks])
+  } catch (...) {
+    abort_from(0);
+    throw;
+  }
   for (size_t k = 0; k < schedule.size(); ++k) {
-    if (!look_ahead) {
+    MessageList& current = recvs[k];
+    if (!independent) {
       comm.start_group();
-      post_recvs(k, current);
+      post_recvs_until(k + 1);
     }
     for (auto& t : schedule[k].sends) {
       if (t.tensor.numel() > 0) current.push_back(comm.isend(t.tensor, t.peer, tag_of(k)));
     }
-    if (look_ahead && k + 1 < schedule.size()) post_recvs(k + 1, ahead);
-    if (!look_ahead) {
+    if (independent) {
+      post_recvs_until(k + 1 + look_ahead);
+    } else {
       current.clear();
       current.push_back(comm.end_group());
     }
-    comm.wait(current, &ahead);
+    try {
+      comm.wait(current);
+    } catch (...) {
+      abort_from(k + 1);
+      throw;
+    }
     if (schedule[k].then) schedule[k].then();
-    std::swap(current, ahead);
   }
 }
 
@@ -124,13 +141,14 @@ Schedule ring_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
   const int left = (r + n - 1) % n;
   const Chunks chunks{flat.numel(), n};
   auto chunk = [=](int64_t i) { return flat.narrow(0, chunks.start(i), chunks.length(i)); };
-  // Two scratch chunks: round k+1 receives into one while round k's arrival is combined from the other.
-  at::Tensor scratch = at::empty({2, chunks.max_length()}, flat.options());
+  // One scratch chunk per reduce-scatter step, so that every receive of the ring can be posted at the
+  // start (Note [Ring receives up front]).
+  at::Tensor scratch = at::empty({std::max(n - 1, 1), chunks.max_length()}, flat.options());
   Schedule schedule;
   for (int step = 0; step < n - 1; ++step) {
     const int send_index = (r - step + n) % n;
     const int recv_index = (r - step - 1 + 2 * n) % n;
-    at::Tensor incoming = scratch[step % 2].narrow(0, 0, chunks.length(recv_index));
+    at::Tensor incoming = scratch[step].narrow(0, 0, chunks.length(recv_index));
     at::Tensor target = chunk(recv_index);
     const bool last = step == n - 2;
     schedule.push_back(Round{{{chunk(send_index), right}}, {{incoming, left}}, [=]() mutable {
@@ -343,8 +361,9 @@ Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device
   // Note [Choosing an algorithm]: rank 0 of a star receives (n-1)·bytes; below this budget the
   // star's two phases, in which only one side of each message is busy, beat every schedule of
   // rounds on an oversubscribed CPU. Past it, bandwidth matters more than wake-ups.
+  // At two ranks the star moves exactly the ring's bytes (the vector once each way), so it always wins.
   constexpr int64_t kStarBudgetBytes = 16 * 1024 * 1024;
-  if (static_cast<int64_t>(world_size - 1) * bytes <= kStarBudgetBytes) return Algorithm::kStar;
+  if (world_size == 2 || static_cast<int64_t>(world_size - 1) * bytes <= kStarBudgetBytes) return Algorithm::kStar;
   const bool power_of_two = (world_size & (world_size - 1)) == 0;
   return power_of_two ? Algorithm::kHalvingDoubling : Algorithm::kRing;
 }
@@ -382,7 +401,8 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
     case Algorithm::kAuto:
     case Algorithm::kProcessGroup: TORCH_INTERNAL_ASSERT(false, "resolved above");
   }
-  run_schedule(comm, schedule);
+  // Note [Ring receives up front]: the ring's every receive may be posted before its first send.
+  run_schedule(comm, schedule, algorithm == Algorithm::kRing ? schedule.size() : 1);
   write_back(tensor, work);
 }
 

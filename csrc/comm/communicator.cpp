@@ -12,6 +12,10 @@ namespace {
 
 constexpr int64_t kHeaderMagic = 0x64647070;    // "ddpp"
 constexpr int64_t kRejectedMagic = 0x64647078;  // this rank rejected its own arguments
+constexpr int64_t kVerdictMagic = 0x64647076;
+constexpr int64_t kVerdictRejected = 1;
+constexpr int64_t kVerdictMismatch = 2;
+constexpr int64_t kVerdictPeerFailed = 3;
 constexpr int64_t kHeaderWords = 8;
 
 std::atomic<bool> checked{true};
@@ -32,29 +36,17 @@ std::string_view dtype_name(int64_t dtype) {
   return c10::toString(static_cast<c10::ScalarType>(dtype));
 }
 
-// Describes how `theirs` (from rank `their_rank`) differs from rank 0's `reference`.
-std::string describe_mismatch(const int64_t* reference, const int64_t* theirs, int their_rank) {
+// Describes how rank `rank`'s header word `word` (`theirs`) differs from rank 0's (`reference`).
+std::string describe_mismatch(int rank, int64_t word, int64_t theirs, int64_t reference) {
   const char* names[] = {"magic", "sequence", "collective", "elements", "dtype", "op", "algorithm", "root"};
-  for (int64_t w = 0; w < kHeaderWords; ++w) {
-    if (reference[w] == theirs[w]) continue;
-    std::string mine_value, their_value;
-    switch (w) {
-      case 2:
-        mine_value = collective_name(static_cast<CollectiveKind>(reference[w]));
-        their_value = collective_name(static_cast<CollectiveKind>(theirs[w]));
-        break;
-      case 4:
-        mine_value = dtype_name(reference[w]);
-        their_value = dtype_name(theirs[w]);
-        break;
-      default:
-        mine_value = std::to_string(reference[w]);
-        their_value = std::to_string(theirs[w]);
-    }
-    return c10::str("rank ", their_rank, " passed ", names[w], " ", their_value, ", rank 0 passed ", names[w], " ",
-                    mine_value);
-  }
-  TORCH_INTERNAL_ASSERT(false, "describe_mismatch called on equal headers");
+  TORCH_INTERNAL_ASSERT(word >= 0 && word < kHeaderWords);
+  auto value = [&](int64_t x) -> std::string {
+    if (word == 2) return std::string(collective_name(static_cast<CollectiveKind>(x)));
+    if (word == 4) return std::string(dtype_name(x));
+    return std::to_string(x);
+  };
+  return c10::str("rank ", rank, " passed ", names[word], " ", value(theirs), ", rank 0 passed ", names[word], " ",
+                  value(reference));
 }
 
 }  // namespace
@@ -108,10 +100,11 @@ uint64_t Communicator::next_sequence() {
 }
 
 int Communicator::tag(int round) const {
-  // Gloo wants a non-negative int32: 23 bits of sequence, 8 of round. Rounds past 254 wrap (the
-  // rounds of one collective are ordered by their waits); 255 is the header's.
+  // Gloo wants a non-negative int32: 23 bits of sequence, 8 of round. Rounds past 253 wrap (the
+  // rounds of one collective are ordered by their waits); 254 and 255 carry the check.
   TORCH_INTERNAL_ASSERT(round >= 0 && round <= kHeaderRound);
-  const uint64_t round_bits = round == kHeaderRound ? kHeaderRound : static_cast<uint64_t>(round % kHeaderRound);
+  const uint64_t round_bits = round >= kVerdictRound ? static_cast<uint64_t>(round)
+                                                     : static_cast<uint64_t>(round % kVerdictRound);
   return static_cast<int>(((sequence_ & 0x7FFFFF) << 8) | round_bits);
 }
 
@@ -121,7 +114,10 @@ void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, cons
   what_ = collective_name(static_cast<CollectiveKind>(header.kind));
   local_error_ = local_error;
   collective_count.fetch_add(1, std::memory_order_relaxed);
-
+  if (size_ == 1 || !is_checked() || !exchange_header) {
+    TORCH_CHECK(local_error.empty(), local_error);
+    return;
+  }
   const int64_t words[kHeaderWords] = {local_error.empty() ? kHeaderMagic : kRejectedMagic,
                                        static_cast<int64_t>(sequence & 0x7FFFFF),
                                        header.kind,
@@ -130,21 +126,23 @@ void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, cons
                                        header.op,
                                        header.algorithm,
                                        header.root};
-  if (size_ == 1 || !is_checked() || !exchange_header) {
-    TORCH_CHECK(local_error.empty(), local_error);
-    return;
-  }
   const auto device_options = at::TensorOptions().dtype(at::kLong).device(device_type_);
-  at::Tensor mine = at::from_blob(const_cast<int64_t*>(words), {kHeaderWords}, at::kLong).to(device_options, false, true);
-  headers_ = at::empty({size_, kHeaderWords}, device_options);
-  headers_[rank_].copy_(mine);
+  at::Tensor mine =
+      at::from_blob(const_cast<int64_t*>(words), {kHeaderWords}, at::kLong).to(device_options, false, true);
   header_messages_.clear();
-  header_messages_.reserve(2 * (size_ - 1));
   if (!independent_messages_) start_group();
-  for (int peer = 0; peer < size_; ++peer) {
-    if (peer == rank_) continue;
-    header_messages_.push_back(irecv(headers_[peer], peer, kHeaderRound));
-    header_messages_.push_back(isend(mine, peer, kHeaderRound));
+  if (rank_ == kCheckRoot) {
+    headers_ = at::empty({size_, kHeaderWords}, device_options);
+    headers_[kCheckRoot].copy_(mine);
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer != kCheckRoot) header_messages_.push_back(irecv(headers_[peer], peer, kHeaderRound));
+    }
+  } else {
+    headers_ = mine;
+    verdict_ = at::empty({kHeaderWords}, device_options);
+    header_messages_.push_back(isend(mine, kCheckRoot, kHeaderRound));
+    // Posted now, so that the root's verdict finds it ready (Note [Pre-posted receives]).
+    if (independent_messages_) header_messages_.push_back(irecv(verdict_, kCheckRoot, kVerdictRound));
   }
   if (!independent_messages_) {
     header_messages_.clear();
@@ -154,34 +152,102 @@ void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, cons
   if (!local_error.empty()) settle_header();
 }
 
-void Communicator::settle_header(MessageList* posted_recvs) {
+void Communicator::settle_header() {
   if (!header_pending_) return;
   header_pending_ = false;
-  try {
+  at::Tensor verdict;
+  if (rank_ == kCheckRoot) {
+    try {
+      wait(header_messages_);
+    } catch (...) {
+      send_failure_verdict();
+      throw;
+    }
+    verdict = make_verdict().to(headers_.device());
+    if (!independent_messages_) start_group();
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer != kCheckRoot) header_messages_.push_back(isend(verdict, peer, kVerdictRound));
+    }
+    if (!independent_messages_) {
+      header_messages_.clear();
+      header_messages_.push_back(end_group());
+    }
+    wait(header_messages_);  // a verdict send left pending would outlive its buffer
+  } else {
     wait(header_messages_);
-    TORCH_CHECK(local_error_.empty(), local_error_);
-    const std::string mismatch = header_mismatch();
-    TORCH_CHECK(mismatch.empty(), mismatch);
-  } catch (...) {
-    if (posted_recvs) abort_all(*posted_recvs);
-    throw;
+    if (!independent_messages_) {
+      start_group();
+      irecv(verdict_, kCheckRoot, kVerdictRound);
+      header_messages_.push_back(end_group());
+      wait(header_messages_);
+    }
+    verdict = verdict_;
+  }
+  TORCH_CHECK(local_error_.empty(), local_error_);
+  const std::string error = describe_verdict(verdict.cpu());
+  TORCH_CHECK(error.empty(), error);
+}
+
+void Communicator::send_failure_verdict() {
+  // Best effort: a peer we cannot reach fails on its own, through its broken connection.
+  const int failed = failed_peer_;
+  at::Tensor verdict = at::zeros({kHeaderWords}, at::kLong);
+  verdict[0] = kVerdictMagic;
+  verdict[1] = kVerdictPeerFailed;
+  verdict[2] = failed;
+  verdict = verdict.to(device_type_);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == kCheckRoot || peer == failed) continue;
+    MessageList one;
+    try {
+      one.push_back(isend(verdict, peer, kVerdictRound));
+      wait(one);
+    } catch (const std::exception&) {
+    }
   }
 }
 
-std::string Communicator::header_mismatch() const {
+at::Tensor Communicator::make_verdict() const {
+  at::Tensor verdict = at::zeros({kHeaderWords}, at::kLong);
+  int64_t* out = verdict.data_ptr<int64_t>();
+  out[0] = kVerdictMagic;
   at::Tensor headers = headers_.cpu();
   const int64_t* reference = headers.data_ptr<int64_t>();
   for (int peer = 0; peer < size_; ++peer) {
-    if (reference[peer * kHeaderWords] == kRejectedMagic) {
-      return c10::str("ddpkit.", what_, ": rank ", peer, " rejected its arguments (its own error says why)");
+    if (reference[peer * kHeaderWords] != kHeaderMagic) {
+      out[1] = kVerdictRejected;
+      out[2] = peer;
+      return verdict;
     }
   }
   for (int peer = 1; peer < size_; ++peer) {
     const int64_t* theirs = reference + peer * kHeaderWords;
-    if (!std::equal(reference, reference + kHeaderWords, theirs)) {
-      return c10::str("ddpkit.", what_, ": ranks called mismatched collectives: ",
-                      describe_mismatch(reference, theirs, peer));
+    for (int64_t word = 1; word < kHeaderWords; ++word) {
+      if (theirs[word] == reference[word]) continue;
+      out[1] = kVerdictMismatch;
+      out[2] = peer;
+      out[3] = word;
+      out[4] = theirs[word];
+      out[5] = reference[word];
+      return verdict;
     }
+  }
+  return verdict;
+}
+
+std::string Communicator::describe_verdict(const at::Tensor& verdict) const {
+  const int64_t* v = verdict.data_ptr<int64_t>();
+  TORCH_INTERNAL_ASSERT(v[0] == kVerdictMagic, "ddpkit: malformed collective verdict");
+  if (v[1] == kVerdictRejected) {
+    return c10::str("ddpkit.", what_, ": rank ", v[2], " rejected its arguments (its own error says why)");
+  }
+  if (v[1] == kVerdictPeerFailed) {
+    return c10::str("ddpkit.", what_, " (rank ", rank_, " of ", size_, "): rank ", v[2],
+                    " failed or died during the collective check (rank 0 reported it)");
+  }
+  if (v[1] == kVerdictMismatch) {
+    return c10::str("ddpkit.", what_, ": ranks called mismatched collectives: ",
+                    describe_mismatch(static_cast<int>(v[2]), v[3], v[4], v[5]));
   }
   return {};
 }
@@ -200,15 +266,15 @@ Message Communicator::irecv(const at::Tensor& tensor, int src, int round) {
   return Message{backend_->recv(tensors, src, tag(round)), src, false};
 }
 
-void Communicator::wait(MessageList& messages, MessageList* also_abort) {
+void Communicator::wait(MessageList& messages) {
   for (size_t i = 0; i < messages.size(); ++i) {
     try {
       if (messages[i].work) messages[i].work->wait();
     } catch (const std::exception& e) {
       const Message failed = messages[i];
+      failed_peer_ = failed.peer;
       messages.erase(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(i) + 1);
       abort_all(messages);
-      if (also_abort) abort_all(*also_abort);
       const std::string peer = failed.peer < 0 ? std::string("a peer")
                                                 : c10::str("rank ", failed.peer);
       TORCH_CHECK(false, "ddpkit.", what_, " (rank ", rank_, " of ", size_, "): ",

@@ -26,15 +26,16 @@ namespace ddpkit::comm {
 
 // Note [Collective checks]
 // torch's TORCH_DISTRIBUTED_DEBUG does not fingerprint point-to-point traffic, so ddpkit does its
-// own: in checked mode (the default) every collective sends a small header
-// (kind, numel, dtype, op, algorithm, root) to every peer, and no rank sends any payload before it
-// holds every peer's header and has found them equal (settle_header). Receives for the first round
-// are posted while the headers travel, so that the first payload still leaves at once when the
-// check passes (Note [Pre-posted receives]). On disagreement every rank raises the same error,
-// naming the first rank that differs from rank 0; since no payload was sent anywhere, the pending
-// receives are aborted safely and the group stays usable. A rank that rejects its own arguments
-// still sends a header marked "rejected", so its peers fail at once instead of at the timeout.
-// See set_checked().
+// own: in checked mode (the default) every rank sends a small header (kind, numel, dtype, op,
+// algorithm, root) to rank 0, which compares them and sends every rank a verdict: agreement, or the
+// first rank that differs from rank 0 and how. No rank sends any payload before it holds the
+// verdict (settle_header), so a disagreement never moves data: every rank raises the same error and
+// the receives posted meanwhile (Note [Pre-posted receives]) are aborted safely, leaving the group
+// usable. A rank that rejects its own arguments still sends a header marked "rejected", and a root
+// that loses a peer while collecting headers still tells the others, so they fail at once instead
+// of at the timeout. Two one-way messages per rank, rather than an exchange
+// with every peer: on an oversubscribed CPU the number of messages and of busy threads is what
+// costs (Note [Choosing an algorithm]). See set_checked().
 
 // Note [Pre-posted receives]
 // Gloo's point-to-point is a rendezvous: a send leaves at once only if the receiver's "ready"
@@ -44,6 +45,13 @@ namespace ddpkit::comm {
 // send to the very peer whose round-k+1 message lands there (that peer sends only after it has
 // received ours). Every schedule in collectives.cpp keeps to this; NCCL, whose grouped sends and
 // receives would deadlock with a look-ahead, runs round by round.
+//
+// Note [Ring receives up front]
+// The ring goes further and posts all 2(n-1) receives before its first send, so that every send
+// finds its receiver ready. Safe: rank r-1 sends its step-t message only after rank r has posted its
+// own step-t send (the chain of step-t messages runs around the ring back to r), so a step-t
+// message lands in r's step-t buffer when r has reached step t; reduce-scatter steps receive into
+// scratch chunks of their own, all-gather steps into chunks r no longer touches after step t.
 
 // What a rank believes the collective is; identical on all ranks for a well-formed program.
 struct CollectiveHeader {
@@ -100,7 +108,7 @@ class Communicator {
   uint64_t next_sequence();
 
   // Binds this communicator to the collective `sequence` described by `header`; in checked mode
-  // exchanges headers with every peer and throws on disagreement (Note [Collective checks]).
+  // starts the header check (Note [Collective checks]), which settle_header() completes.
   // A non-empty `local_error` means this rank rejected its own arguments: it still takes part in
   // the header exchange, so that its peers fail at once naming it, then throws `local_error`.
   // `exchange_header=false` skips the exchange (for the group's own collectives, which torch checks).
@@ -110,20 +118,20 @@ class Communicator {
   // The group's own all-reduce (kSum/kMean as a sum, kMax, kMin) of `tensor`, asynchronous.
   c10::intrusive_ptr<c10d::Work> process_group_all_reduce(at::Tensor& tensor, ReduceOp op);
 
-  // Asynchronous send/recv of a contiguous tensor in round `round` (< kHeaderRound) of the current
+  // Asynchronous send/recv of a contiguous tensor in round `round` (< kVerdictRound) of the current
   // collective. The tensor must stay alive and untouched until the returned work is waited on.
   Message isend(const at::Tensor& tensor, int dst, int round);
   Message irecv(const at::Tensor& tensor, int src, int round);
 
   // Waits for the header exchange begun by begin() and checks it (Note [Collective checks]); a
-  // no-op when there is none. Call it before the first send of the collective. On failure it
-  // aborts `posted_recvs` (receives posted meanwhile, which no peer will ever match) and throws.
-  void settle_header(MessageList* posted_recvs = nullptr);
+  // no-op when there is none. Call it before the first send of the collective. On failure the
+  // caller must abort the receives it posted meanwhile (no peer will ever match them).
+  void settle_header();
 
-  // Waits for `messages`. On a failure (a peer that died, the group's timeout) it aborts
-  // `messages` and `also_abort`, so that nothing waits out a second timeout, and throws an error
-  // naming the collective and the peer.
-  void wait(MessageList& messages, MessageList* also_abort = nullptr);
+  // Waits for `messages`. On a failure (a peer that died, the group's timeout) it aborts the
+  // rest of `messages`, so that nothing waits out a second timeout, and throws an error naming the
+  // collective and the peer.
+  void wait(MessageList& messages);
 
   // True when sends and receives complete independently of each other (gloo): receives can be
   // posted ahead (Note [Pre-posted receives]). False for backends that must group each round's
@@ -133,11 +141,15 @@ class Communicator {
   // Ends a group started by start_group(): the returned message stands for all of it.
   Message end_group();
 
-  static constexpr int kHeaderRound = 255;
+  static constexpr int kHeaderRound = 255;   // round tag of the headers (Note [Collective checks])
+  static constexpr int kVerdictRound = 254;  // and of the root's verdicts
+  static constexpr int kCheckRoot = 0;
 
  private:
   int tag(int round) const;
-  std::string header_mismatch() const;
+  at::Tensor make_verdict() const;                                // on the root: int64 [kHeaderWords]
+  void send_failure_verdict();                                    // on the root, when a header never came
+  std::string describe_verdict(const at::Tensor& verdict) const;  // "" when the ranks agree
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   c10::intrusive_ptr<c10d::Backend> backend_;
@@ -149,7 +161,9 @@ class Communicator {
   std::string_view what_ = "collective";
   std::string local_error_;
   bool header_pending_ = false;
-  at::Tensor headers_;  // [size, kHeaderWords] int64, filled by the header exchange
+  at::Tensor headers_;  // root: [size, kHeaderWords] int64, every rank's header; others: their own
+  at::Tensor verdict_;  // others: the root's verdict
+  int failed_peer_ = -1;  // the peer of the last message whose wait failed
   MessageList header_messages_;
 };
 
