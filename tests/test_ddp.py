@@ -189,6 +189,17 @@ def case_unused_parameters(algorithm):
     return {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
 
 
+def case_used_only_before_the_synchronising_micro_batch():
+    rank = dist.get_rank()
+    model = UnusedBranchNet()
+    ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)
+    x = torch.full((2, FEATURES), float(rank + 1))
+    with ddp.no_sync():
+        ddp(x, use_rare=True).sum().backward()  # "rare" gets a gradient here only
+    ddp(x, use_rare=False).sum().backward()
+    return model.rare.weight.grad.clone()
+
+
 def case_state_dict_round_trip():
     ddp = ddpkit.DistributedDataParallel(make_model("mlp", seed=0))
     reference = torch.nn.parallel.DistributedDataParallel(make_model("mlp", seed=0))
@@ -291,6 +302,13 @@ def test_unused_parameters_do_not_hang(pool, algorithm):
     torch.testing.assert_close(grads[0]["rare.weight"], torch.full((4, FEATURES), 1.0))
     torch.testing.assert_close(grads[0]["never.weight"], torch.zeros(4, FEATURES))
     torch.testing.assert_close(grads[0]["body.weight"], torch.full((4, FEATURES), (2 * 1 + 2 * 2) / 2))
+
+
+def test_gradient_accumulated_under_no_sync_survives_an_unused_sync_step(pool):
+    grads = pool(2).run(case_used_only_before_the_synchronising_micro_batch)
+    # rank r's inputs are all r+1, 2 rows: local gradient 2(r+1); averaged over ranks: (2 + 4) / 2
+    for grad in grads:
+        torch.testing.assert_close(grad, torch.full((4, FEATURES), 3.0))
 
 
 def test_state_dict_keys_match_torch_ddp_and_round_trip(pool):

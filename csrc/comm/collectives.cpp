@@ -358,12 +358,13 @@ std::string_view algorithm_name(Algorithm algorithm) {
 
 Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device) {
   if (device != c10::kCPU) return Algorithm::kProcessGroup;
-  // Note [Choosing an algorithm]: rank 0 of a star receives (n-1)·bytes; below this budget the
-  // star's two phases, in which only one side of each message is busy, beat every schedule of
-  // rounds on an oversubscribed CPU. Past it, bandwidth matters more than wake-ups.
-  // At two ranks the star moves exactly the ring's bytes (the vector once each way), so it always wins.
-  constexpr int64_t kStarBudgetBytes = 16 * 1024 * 1024;
-  if (world_size == 2 || static_cast<int64_t>(world_size - 1) * bytes <= kStarBudgetBytes) return Algorithm::kStar;
+  // Note [Choosing an algorithm]: small messages go through the star, large ones through the
+  // schedules that spread the reduction evenly over the ranks.
+  constexpr int64_t kStarMaxBytes = 512 * 1024;
+  constexpr int64_t kStarBudgetBytes = 16 * 1024 * 1024;  // what rank 0 receives: (n-1)·bytes
+  if (bytes <= kStarMaxBytes && static_cast<int64_t>(world_size - 1) * bytes <= kStarBudgetBytes) {
+    return Algorithm::kStar;
+  }
   const bool power_of_two = (world_size & (world_size - 1)) == 0;
   return power_of_two ? Algorithm::kHalvingDoubling : Algorithm::kRing;
 }

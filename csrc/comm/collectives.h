@@ -40,16 +40,19 @@ namespace ddpkit::comm {
 // gloo over loopback (Note [Choosing an algorithm]).
 //
 // Note [Choosing an algorithm]
-// Measured on a 2-vCPU VM with 2 to 32 ranks, the cost of an all-reduce below a few MB is not
-// bytes but scheduling: each rank has a main thread and a gloo event-loop thread, and whenever more
-// of them are runnable than there are cores, a thread waits out a time slice of several ms. A
-// schedule whose rounds keep both ends of every message busy at once (ring, recursive doubling)
-// hits that often; the star, where rank 0 receives while the others wait and then sends while
-// they receive, hits it least, and beat gloo's own all-reduce at most sizes and world sizes. So
-// kAuto takes the star while rank 0's share, (n-1)·bytes, stays within a budget, and beyond it the
-// bandwidth-optimal schedules (halving-doubling for powers of two, else the ring).
-//  kProcessGroup      not ddpkit's: the group's own all-reduce (gloo's pipelined ring, NCCL), the
-//                     baseline every benchmark compares against and the choice for GPUs.
+// Measured on a 2-vCPU VM with 2 to 32 ranks (benchmarks/results/allreduce.json), an all-reduce of
+// up to a few hundred KB costs scheduling, not bytes: each rank has a main thread and a gloo
+// event-loop thread, and whenever more of them are runnable than there are cores, one waits out a
+// time slice of several ms. Schedules whose rounds keep both ends of every message busy at once
+// (ring, recursive doubling) hit that often; the star, where rank 0 receives while the others wait
+// and then sends while they receive, hits it least and beat gloo's own all-reduce almost
+// everywhere. Large messages are the opposite case: inside DDP's backward the CPUs are busy
+// anyway, and the star's rank 0, which alone receives, reduces and returns the whole vector,
+// finishes a 25 MB bucket far later than a ring that spreads that work evenly
+// (benchmarks/results/ddp.json). So kAuto takes the star up to kStarMaxBytes while rank 0's share,
+// (n-1)·bytes, stays within kStarBudgetBytes, and beyond that halving-doubling for powers of two,
+// else the ring.
+
 enum class Algorithm : int64_t {
   kRing = 0,
   kButterfly = 1,

@@ -238,7 +238,7 @@ void Reducer::finish_bucketed() {
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& slot = slots_[i];
     if (!slot.included || slot.ready) continue;
-    slot.view.zero_();
+    copy_into_slot(i);
     slot.ready = true;
     --buckets_[slot.bucket].pending;
   }

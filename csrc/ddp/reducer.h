@@ -41,10 +41,11 @@ enum class SyncMode {
 // with synchronised gradients.
 
 // Note [Unused parameters]
-// A parameter that got no gradient this iteration never fires its hook. At the end of backward
-// its slot is zeroed and its bucket launched, so the other ranks' contributions still arrive and
-// nothing waits for it; its gradient becomes (sum of the other ranks' gradients) / world_size, or
-// zeros if no rank used it (torch DDP would leave it None in that case).
+// A parameter that got no gradient in this backward never fires its hook. At the end of backward
+// its slot is filled with what it has locally (zeros when its gradient is None; the sum of earlier
+// no_sync() micro-batches when it was used only in those), scaled like any other, and its bucket
+// launched, so nothing waits for it and no accumulated gradient is lost. A parameter no rank used
+// ends with a zero gradient (torch DDP would leave it None).
 
 // Note [Gradient as bucket view]
 // With gradient_as_bucket_view, param.grad is made a view of its bucket slot once the gradient has

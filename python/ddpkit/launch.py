@@ -45,9 +45,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the CS744-style flags for launching one process per node without torchrun."""
     group = parser.add_argument_group("launch without torchrun (one command per node)")
     group.add_argument("--master-addr", help="address of rank 0's node (enables explicit launch)")
-    group.add_argument("--master-port", type=_port, default=29500, help="free TCP port on rank 0's node")
-    group.add_argument("--world-size", type=_positive_int, help="total number of processes")
-    group.add_argument("--rank", type=_non_negative_int, help="this process's rank")
+    group.add_argument("--master-port", type=port_number, default=29500, help="free TCP port on rank 0's node")
+    group.add_argument("--world-size", type=positive_int, help="total number of processes")
+    group.add_argument("--rank", type=non_negative_int, help="this process's rank")
     group.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
     group.add_argument("--timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
                        help="process-group timeout in seconds (a dead peer is reported within it)")
@@ -117,24 +117,34 @@ def _current_info() -> DistInfo:
                     dist.get_backend())
 
 
-def _port(text: str) -> int:
+# argparse types shared by ddpkit's command lines
+
+
+def port_number(text: str) -> int:
     value = int(text)
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {value}")
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 

@@ -41,7 +41,7 @@ from torch import nn
 from . import comm
 from .data import DATASETS, ShardedBatches, dataset_info, load_dataset, normalize, random_crop_flip
 from .ddp import DEFAULT_ALGORITHM, GRAD_SYNC_MODES, DistributedDataParallel, GradientAccumulation
-from .launch import DistInfo, add_launch_arguments, init_from_args
+from .launch import DistInfo, add_launch_arguments, init_from_args, positive_float, positive_int
 from .models import MODELS, build_model
 
 
@@ -90,25 +90,25 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
     parser.add_argument("--grad-sync", choices=GRAD_SYNC_MODES, default=defaults.grad_sync, help="ddpkit only")
     parser.add_argument("--algorithm", choices=comm.ALGORITHMS, default=defaults.algorithm,
                         help="ddpkit's all-reduce (ddpkit only)")
-    parser.add_argument("--epochs", type=_positive_int, default=defaults.epochs)
-    parser.add_argument("--batch-size", type=_positive_int, default=defaults.batch_size,
+    parser.add_argument("--epochs", type=positive_int, default=defaults.epochs)
+    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size,
                         help="samples per rank and micro-batch")
-    parser.add_argument("--global-batch-size", type=_positive_int,
+    parser.add_argument("--global-batch-size", type=positive_int,
                         help="samples per optimizer step over all ranks (sets --batch-size)")
-    parser.add_argument("--accumulation-steps", type=_positive_int, default=defaults.accumulation_steps)
+    parser.add_argument("--accumulation-steps", type=positive_int, default=defaults.accumulation_steps)
     parser.add_argument("--optimizer", choices=("sgd", "adamw"), default=defaults.optimizer)
-    parser.add_argument("--lr", type=_positive_float, default=defaults.lr)
+    parser.add_argument("--lr", type=positive_float, default=defaults.lr)
     parser.add_argument("--momentum", type=float, default=defaults.momentum)
     parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
     parser.add_argument("--schedule", choices=("cosine", "constant"), default=defaults.schedule)
     parser.add_argument("--augment", action=argparse.BooleanOptionalAction, default=None,
                         help="random crop + flip (default: on for CIFAR)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--log-every", type=_positive_int, default=defaults.log_every, help="optimizer steps")
-    parser.add_argument("--eval-batch-size", type=_positive_int, default=defaults.eval_batch_size)
-    parser.add_argument("--limit-train", type=_positive_int, help="use only the first N training samples")
-    parser.add_argument("--limit-test", type=_positive_int, help="use only the first N test samples")
-    parser.add_argument("--max-steps", type=_positive_int, help="stop after N optimizer steps")
+    parser.add_argument("--log-every", type=positive_int, default=defaults.log_every, help="optimizer steps")
+    parser.add_argument("--eval-batch-size", type=positive_int, default=defaults.eval_batch_size)
+    parser.add_argument("--limit-train", type=positive_int, help="use only the first N training samples")
+    parser.add_argument("--limit-test", type=positive_int, help="use only the first N test samples")
+    parser.add_argument("--max-steps", type=positive_int, help="stop after N optimizer steps")
     parser.add_argument("--out", dest="out_dir", default=defaults.out_dir, help="metrics, model and checkpoint")
     parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
                         help="optimizer steps between checkpoints (0: after every epoch)")
@@ -121,20 +121,6 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     return config, args
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def log(*parts) -> None:
