@@ -112,6 +112,7 @@ BAD_CALLS = {
     "unknown_op": lambda rank: ddpkit.all_reduce(torch.ones(4), op="product"),
     "src_out_of_range": lambda rank: ddpkit.broadcast(torch.ones(4), src=dist.get_world_size()),
     "scatter_bad_chunks": lambda rank: ddpkit.scatter(torch.empty(3), torch.ones(1, 3) if rank == 0 else None, src=0),
+    "wrong_device": lambda rank: ddpkit.all_reduce(torch.empty(3, device="meta")),
 }
 
 
@@ -267,6 +268,7 @@ BAD_ARGUMENT_MESSAGES = {
     "unknown_op": "unknown reduce op 'product'",
     "src_out_of_range": "src=2 is not a rank of this group",
     "scatter_bad_chunks": "on src the chunks must have shape [2, 3]",
+    "wrong_device": "(gloo) cannot carry meta tensors",
 }
 
 
