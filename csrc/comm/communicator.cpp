@@ -89,7 +89,7 @@ Communicator::Communicator(const std::string& group_name, c10::DeviceType device
     backend_ = group_->getBackend(device_type);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "ddpkit: process group '", group_name, "' (", group_->getBackendName(), ") cannot carry ",
-                c10::DeviceTypeName(device_type), " tensors; gloo carries CPU tensors, NCCL CUDA tensors");
+                c10::DeviceTypeName(device_type, /*lower_case=*/true), " tensors; gloo carries CPU tensors, NCCL CUDA tensors");
   }
   independent_messages_ = !(device_type != c10::kCPU && backend_->supportsCoalescing());
 }
