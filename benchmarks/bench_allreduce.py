@@ -3,10 +3,11 @@
     python benchmarks/bench_allreduce.py              # the assignment's grid: 1-32 workers, 1e3-1e5 floats
     python benchmarks/bench_allreduce.py --quick      # a smoke run in well under a minute
 
-For every world size, one pool of gloo processes runs every candidate on float32 vectors of each
-size: correctness first (integer-valued inputs must reduce exactly, else the run stops), then
+For every world size, gloo processes run every candidate on float32 vectors of each size:
+correctness first (integer-valued inputs must reduce exactly, else the run stops), then
 ``--reps`` timed repetitions with the candidates interleaved (their order rotating each repetition),
-each preceded by a barrier. A repetition's time is the slowest rank's; the figure is the median.
+each preceded by a barrier, split over ``--pools`` fresh sets of processes. A repetition's time is
+the slowest rank's; the figure is the median.
 Accuracy of averaging: max |ddpkit mean - float64 mean| on N(0, 1) inputs. Memory: the peak
 resident-set increase of one call, the maximum over ranks, at the largest size and at
 ``--memory-numel`` (allocations of 64 KiB and more are forced through mmap so that they show in
@@ -113,6 +114,16 @@ def measure(candidates: list[str], sizes: list[int], reps: int, memory_sizes: li
     return out
 
 
+def merge(first: list[dict], second: list[dict]) -> list[dict]:
+    """Per rank: the repetitions of both runs; the worse accuracy and memory of the two."""
+    merged = []
+    for a, b in zip(first, second):
+        merged.append({"times": {k: a["times"][k] + b["times"][k] for k in a["times"]},
+                       "accuracy": {k: max(a["accuracy"][k], b["accuracy"][k]) for k in a["accuracy"]},
+                       "memory": {k: max(a["memory"][k], b["memory"][k]) for k in a["memory"]}})
+    return merged
+
+
 def aggregate(per_rank: list[dict], world_size: int, candidates: list[str], sizes: list[int],
               memory_sizes: list[int]) -> list[dict]:
     records = []
@@ -176,6 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000])
+    parser.add_argument("--pools", type=int, default=2, help="fresh sets of processes per world size")
     parser.add_argument("--memory-numel", type=int, default=4_000_000, help="extra size for the memory pass")
     parser.add_argument("--reps", type=int, default=40, help="timed repetitions per point (fewer above 8 workers)")
     parser.add_argument("--candidates", nargs="+", default=CANDIDATES,
@@ -188,18 +200,23 @@ def main() -> None:
     if args.check_overhead:
         args.candidates = CHECK_OVERHEAD_CANDIDATES
     if args.quick:
-        args.world_sizes, args.reps, args.memory_numel = [2, 4], 5, 1_000_000
+        args.world_sizes, args.reps, args.memory_numel, args.pools = [2, 4], 5, 1_000_000, 1
     memory_sizes = [max(args.sizes), args.memory_numel]
 
     records = []
     started = time.monotonic()
     for world_size in args.world_sizes:
         reps = args.reps if world_size <= 8 else max(5, args.reps // 4)
-        pool = WorkerPool(world_size, timeout=1800, group_timeout=600)
-        try:
-            per_rank = pool.run(measure, args.candidates, args.sizes, reps, memory_sizes)
-        finally:
-            pool.close()
+        per_rank = None
+        # The repetitions are split over --pools fresh sets of processes and pooled: a scheduling
+        # episode that lasts as long as one set of processes then cannot decide a whole row.
+        for _ in range(args.pools):
+            pool = WorkerPool(world_size, timeout=1800, group_timeout=600)
+            try:
+                part = pool.run(measure, args.candidates, args.sizes, max(1, reps // args.pools), memory_sizes)
+            finally:
+                pool.close()
+            per_rank = part if per_rank is None else merge(per_rank, part)
         new = aggregate(per_rank, world_size, args.candidates, args.sizes, memory_sizes)
         records.extend(new)
         print(f"world size {world_size}: {time.monotonic() - started:.0f}s elapsed", flush=True)
@@ -211,7 +228,8 @@ def main() -> None:
     path = common.write_results(
         args.output, backend="gloo", device_type="cpu",
         settings={"world_sizes": args.world_sizes, "sizes": args.sizes, "reps": args.reps,
-                  "reps_above_8_workers": max(5, args.reps // 4), "dtype": "float32",
+                  "reps_above_8_workers": max(5, args.reps // 4), "pools_per_world_size": args.pools,
+                  "dtype": "float32",
                   "memory_sizes": memory_sizes,
                   "threads_per_process": 1, "collective_checks": ddpkit.collective_checks_enabled(),
                   "timing": "slowest rank per repetition, median over interleaved repetitions"},
