@@ -203,6 +203,21 @@ display(Markdown(
     "of 2C+1 and one of 2C float64 values. Target at 2 workers: ≤ 1.15× the floor."))
 '''
 
+SYNCBN_PLOT = r'''
+fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharey=True)
+for ax, ws in zip(axes, sorted({r["world_size"] for r in distributed})):
+    rows = [r for r in distributed if r["world_size"] == ws]
+    labels = ["×".join(map(str, r["shape"])) for r in rows]
+    xs = range(len(rows))
+    for offset, key, label in [(-0.2, "ratio", "ddpkit (auto)"), (0.0, "ratio_pg", "ddpkit (process_group)"),
+                               (0.2, "ratio_emulated", "torch's parts in one step")]:
+        ax.bar([x + offset for x in xs], [r[key] for r in rows], width=0.2, label=label)
+    ax.axhline(1.15, color="black", linestyle="--", linewidth=1, label="target 1.15")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(list(xs), labels, rotation=30, fontsize=8); ax.set_title(f"{ws} workers: time / floor")
+axes[0].legend(fontsize=8); plt.tight_layout(); plt.show()
+'''
+
 SYNCBN_LOCAL = r'''
 two = [r for r in distributed if r["world_size"] == 2]
 best = [min(r["ratio"], r["ratio_pg"]) for r in two]
@@ -233,6 +248,14 @@ rows = [{"model": r["model"], "accumulation": r["accumulation"], "candidate": r[
          "buckets": (r["reducer_stats"] or {}).get("buckets")} for r in d["records"]]
 table(rows, ["model", "accumulation", "candidate", "median step", "p25 step", "peak memory", "buckets"],
       {"median step": ms, "p25 step": ms, "peak memory": mib})
+fig, ax = plt.subplots(figsize=(10, 3.5))
+names = list(d["summary"])
+ax.bar([i - 0.2 for i in range(len(names))], [d["summary"][n]["time_ratio"] for n in names], width=0.4, label="step time")
+ax.bar([i + 0.2 for i in range(len(names))], [d["summary"][n]["memory_ratio"] for n in names], width=0.4,
+       label="peak memory")
+ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8); ax.set_ylabel("ddpkit / torch DDP")
+ax.legend(fontsize=8); plt.tight_layout(); plt.show()
 rows = [{"configuration": k, "time vs torch DDP": v["time_ratio"], "memory vs torch DDP": v["memory_ratio"]}
         for k, v in d["summary"].items()]
 table(rows, ["configuration", "time vs torch DDP", "memory vs torch DDP"],
@@ -310,6 +333,7 @@ def build() -> nbformat.NotebookNode:
         nbformat.v4.new_code_cell(CHECKS.strip()),
         nbformat.v4.new_markdown_cell(SYNCBN.strip()),
         nbformat.v4.new_code_cell(SYNCBN_TABLE.strip()),
+        nbformat.v4.new_code_cell(SYNCBN_PLOT.strip()),
         nbformat.v4.new_code_cell(SYNCBN_LOCAL.strip()),
         nbformat.v4.new_markdown_cell(DDP.strip()),
         nbformat.v4.new_code_cell(DDP_TABLE.strip()),
