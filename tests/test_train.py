@@ -75,6 +75,16 @@ def test_resumed_run_equals_uninterrupted_run(pool, tmp_path):
     assert summary["history"]["steps"][0]["step"] == 1 and len(summary["history"]["epochs"]) >= 2
     for key in uninterrupted:
         assert torch.equal(resumed[key], uninterrupted[key]), key
+    errors = pool(2).run(case_resume_error, small_config(tmp_path / "b", **{**base, "lr": 0.1}), timeout=300)
+    assert all("belongs to a different run (lr 0.05 -> 0.1)" in error for error in errors), errors
+
+
+def case_resume_error(config: TrainConfig):
+    try:
+        case_train(config)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 # --- distributed validation ----------------------------------------------------------------------

@@ -77,6 +77,13 @@ class TrainConfig:
     progress: bool = True
 
 
+# The settings a resumed run must share with its checkpoint; the others (paths, logging, evaluation
+# batch size) may change between launches.
+_RUN_DEFINING = ("dataset", "model", "impl", "sync_bn", "grad_sync", "algorithm", "epochs", "batch_size",
+                 "global_batch_size", "accumulation_steps", "optimizer", "lr", "momentum", "weight_decay", "schedule",
+                 "augment", "seed", "limit_train", "limit_test", "max_steps")
+
+
 def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.Namespace]:
     defaults = TrainConfig()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -324,6 +331,12 @@ class Trainer:
         if state["world_size"] != self.world_size:
             raise ValueError(f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
                              f"{self.world_size}; use another --out or --no-resume")
+        saved = state["config"]
+        changed = [f"{name} {saved.get(name)!r} -> {getattr(self.config, name)!r}" for name in _RUN_DEFINING
+                   if saved.get(name) != getattr(self.config, name)]
+        if changed:
+            raise ValueError(f"checkpoint {path} belongs to a different run ({', '.join(changed)}); resuming it "
+                             "would mix two runs: use another --out or --no-resume")
         self._module().load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler and state["scheduler"]:
