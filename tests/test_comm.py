@@ -57,7 +57,7 @@ def case_dtypes():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
     for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64):
-        for algorithm in ("ring", "recursive_doubling", "halving_doubling", "butterfly"):
+        for algorithm in ALGORITHMS:
             tensor = rank_input(rank, 777, integer=True, dtype=dtype) if not dtype.is_floating_point \
                 else rank_input(rank, 777, dtype=dtype)
             ddpkit.all_reduce(tensor, op="sum", algorithm=algorithm)
@@ -111,6 +111,8 @@ BAD_CALLS = {
     "unknown_algorithm": lambda rank: ddpkit.all_reduce(torch.ones(4), algorithm="telepathy"),
     "unknown_op": lambda rank: ddpkit.all_reduce(torch.ones(4), op="product"),
     "src_out_of_range": lambda rank: ddpkit.broadcast(torch.ones(4), src=dist.get_world_size()),
+    "reduce_dst_out_of_range": lambda rank: ddpkit.reduce(torch.ones(4), dst=-1),
+    "gather_dst_out_of_range": lambda rank: ddpkit.gather(torch.ones(4), dst=dist.get_world_size()),
     "scatter_bad_chunks": lambda rank: ddpkit.scatter(torch.empty(3), torch.ones(1, 3) if rank == 0 else None, src=0),
     "wrong_device": lambda rank: ddpkit.all_reduce(torch.empty(3, device="meta")),
 }
@@ -267,6 +269,8 @@ BAD_ARGUMENT_MESSAGES = {
     "unknown_algorithm": "unknown all-reduce algorithm 'telepathy'",
     "unknown_op": "unknown reduce op 'product'",
     "src_out_of_range": "src=2 is not a rank of this group",
+    "reduce_dst_out_of_range": "reduce: dst=-1 is not a rank of this group (size 2)",
+    "gather_dst_out_of_range": "gather: dst=2 is not a rank of this group (size 2)",
     "scatter_bad_chunks": "on src the chunks must have shape [2, 3]",
     "wrong_device": "(gloo) cannot carry meta tensors",
 }

@@ -35,6 +35,24 @@ def test_a_failing_rank_is_reraised_with_its_traceback():
     assert "Traceback of rank 1" in str(info.value.__cause__) and "case_raise_on" in str(info.value.__cause__)
 
 
+def case_fail_while_others_wait(rank_to_fail, seconds):
+    if dist.get_rank() == rank_to_fail:
+        raise KeyError(f"rank {rank_to_fail} was told to fail")
+    time.sleep(seconds)
+
+
+def test_a_failing_rank_kills_the_others_at_once():
+    pool = WorkerPool(3, timeout=600)
+    pool.start()
+    processes = list(pool._processes)
+    started = time.monotonic()
+    with pytest.raises(KeyError, match="rank 1 was told to fail"):
+        pool.run(case_fail_while_others_wait, 1, 300)
+    assert time.monotonic() - started < 60, "the pool waited for the sleeping ranks"  # they sleep 300 s
+    assert not any(p.is_alive() for p in processes)
+    pool.close()
+
+
 def test_return_exceptions_collects_every_outcome():
     outcomes = ddpkit.spawn(case_raise_on, 2, 0, return_exceptions=True)
     assert isinstance(outcomes[0], KeyError) and outcomes[1] == "fine"

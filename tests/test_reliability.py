@@ -6,6 +6,7 @@ live peer which has itself given up learns of it at the group's timeout at the l
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,11 +84,54 @@ def test_dead_rank_fails_every_other_rank_quickly(algorithm):
     assert not any(p.is_alive() for p in processes), "worker processes were left behind"
 
 
+def case_die_during_training(victim: int):
+    """DDP + SyncBatchNorm steps; the victim kills itself inside a backward, with buckets in flight."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = ddpkit.DistributedDataParallel(ddpkit.convert_sync_batchnorm(torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+        torch.nn.ReLU(), torch.nn.Linear(256, 10))), bucket_cap_mb=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = 0
+
+    def die_in_backward(grad):
+        if rank == victim and step == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+
+    first_layer = model.module[0].weight  # its gradient is among the last of the backward
+    first_layer.register_hook(die_in_backward)
+    for step in range(10_000):
+        optimizer.zero_grad()
+        model(torch.randn(32, 64)).square().mean().backward()
+        optimizer.step()
+    return "survived"
+
+
+def test_dead_rank_mid_training_fails_every_other_rank_quickly():
+    pool = WorkerPool(3, timeout=120, group_timeout=GROUP_TIMEOUT_S)
+    started = time.monotonic()
+    try:
+        outcomes = pool.run(case_die_during_training, 1, return_exceptions=True)
+    finally:
+        processes = list(pool._processes)
+        pool.kill()
+    elapsed = time.monotonic() - started
+    assert elapsed < GROUP_TIMEOUT_S + 10, f"took {elapsed:.1f}s"
+    assert isinstance(outcomes[1], WorkerFailure) and "exit code -9" in str(outcomes[1])
+    for rank in (0, 2):
+        assert isinstance(outcomes[rank], RuntimeError), outcomes[rank]
+        assert "ddpkit." in str(outcomes[rank]) and "failed" in str(outcomes[rank]), outcomes[rank]
+    assert not any(p.is_alive() for p in processes), "worker processes were left behind"
+
+
 @needs_fashion_mnist
 def test_dead_worker_under_torchrun_stops_the_whole_job(tmp_path):
     out = tmp_path / "dead-worker-run"
+    # torchrun stops the survivors when it notices the death; polling every 5 s leaves them time to
+    # notice it first and report it themselves, which is what this test is about.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
-               "--max-restarts", "0", str(TRAIN), "--dataset", "fashion_mnist", "--limit-train", "6000",
+               "--max-restarts", "0", "--monitor-interval", "5", str(TRAIN), "--dataset", "fashion_mnist", "--limit-train", "6000",
                "--batch-size", "16", "--epochs", "20", "--no-progress", "--checkpoint-every", "2",
                "--timeout", str(GROUP_TIMEOUT_S), "--out", str(out)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -109,6 +153,8 @@ def test_dead_worker_under_torchrun_stops_the_whole_job(tmp_path):
     assert launcher.returncode != 0
     assert stopped_after < GROUP_TIMEOUT_S + 30, stopped_after
     assert "exitcode" in stderr and "-9" in stderr, stderr[-2000:]
+    survivors = re.findall(r"RuntimeError: (ddpkit\.\w+ \(rank [02] of 3\): .*)", stderr)
+    assert survivors and any("rank 1" in message for message in survivors), stderr[-4000:]
     time.sleep(1)
     assert processes_mentioning(str(out)) == [], "processes of the failed job are still running"
 
