@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--models", nargs="+", default=["net", "resnet18"])
     parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--blocks", type=int, default=6, help="alternating blocks per candidate")
+    parser.add_argument("--blocks", type=int, default=18, help="alternating blocks per candidate")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -7,9 +7,11 @@
 Both pipelines are ``ddpkit.train.Trainer`` with the same configuration (seed, data order,
 augmentation, optimizer, schedule; ``--world-size`` >= 2 ranks, ``--accumulation-steps`` >= 2)
 except ``--impl``. On CPU torch has no SyncBatchNorm: its pipeline then uses plain BatchNorm (the
-results say so). Each runs in its own pool of processes, kept alive across the run, and the two
-alternate epoch by epoch (order rotating) so that machine noise hits both alike. Reported: time per
-epoch, peak memory (RSS, max over ranks), loss curve, test accuracy after every epoch.
+results say so), and a third pipeline, ``ddpkit_plain_bn`` (ddpkit's DDP with plain BatchNorm,
+``--no-sync-bn``), is the like-for-like control: the difference between it and ``ddpkit`` is the cost
+of synchronizing batch statistics. Each runs in its own pool of processes, kept alive across the run,
+and they alternate epoch by epoch (order rotating) so that machine noise hits all alike. Reported:
+time per epoch, peak memory (RSS, max over ranks), loss curve, test accuracy after every epoch.
 Results: benchmarks/results/training.json.
 """
 
@@ -81,57 +83,71 @@ def main() -> None:
     epochs = 2 if args.quick else args.epochs
 
     runs_dir = Path(tempfile.mkdtemp(prefix="ddpkit-bench-training-"))
-    configs = {impl: TrainConfig(dataset=args.dataset, data_root=args.data_root, model=args.model, impl=impl,
-                                 epochs=epochs, batch_size=args.batch_size, accumulation_steps=args.accumulation_steps,
-                                 lr=args.lr, optimizer=args.optimizer, seed=args.seed, limit_train=limit_train,
-                                 out_dir=str(runs_dir / impl), resume=False, progress=False, log_every=10**9)
-               for impl in ("ddpkit", "torch")}
-    pools = {impl: WorkerPool(args.world_size, backend=backend, timeout=24 * 3600, group_timeout=1800)
-             for impl in configs}
+    # candidate -> (impl, sync_bn); torch's pipeline synchronizes BatchNorm only where it can (CUDA).
+    candidates = {"ddpkit": ("ddpkit", True), "torch": ("torch", True)}
+    if backend != "nccl":
+        candidates["ddpkit_plain_bn"] = ("ddpkit", False)
+    configs = {name: TrainConfig(dataset=args.dataset, data_root=args.data_root, model=args.model, impl=impl,
+                                 sync_bn=sync_bn, epochs=epochs, batch_size=args.batch_size,
+                                 accumulation_steps=args.accumulation_steps, lr=args.lr, optimizer=args.optimizer,
+                                 seed=args.seed, limit_train=limit_train, out_dir=str(runs_dir / name), resume=False,
+                                 progress=False, log_every=10**9)
+               for name, (impl, sync_bn) in candidates.items()}
+    pools = {name: WorkerPool(args.world_size, backend=backend, timeout=24 * 3600, group_timeout=1800)
+             for name in configs}
     started = time.monotonic()
     try:
-        built = {impl: pools[impl].run(build, config)[0] for impl, config in configs.items()}
-        epochs_by_impl = {impl: [] for impl in configs}
-        impls = list(configs)
+        built = {name: pools[name].run(build, config)[0] for name, config in configs.items()}
+        epochs_by_name = {name: [] for name in configs}
+        names = list(configs)
         for index in range(epochs):
-            order = impls if index % 2 == 0 else impls[::-1]
-            for impl in order:
-                record = pools[impl].run(epoch)[0]
-                epochs_by_impl[impl].append(record)
-                print(f"[{time.monotonic() - started:7.0f}s] {impl:6s} epoch {index + 1}: test accuracy "
+            shift = index % len(names)
+            for name in names[shift:] + names[:shift]:
+                record = pools[name].run(epoch)[0]
+                epochs_by_name[name].append(record)
+                print(f"[{time.monotonic() - started:7.0f}s] {name:15s} epoch {index + 1}: test accuracy "
                       f"{100 * record['test_accuracy']:.2f}%, {record['epoch_time_s']:.1f}s", flush=True)
-        finals = {impl: pools[impl].run(finish)[0] for impl in configs}
+        finals = {name: pools[name].run(finish)[0] for name in configs}
     finally:
         for pool in pools.values():
             pool.close()
 
     records = []
-    for impl in configs:
-        history = epochs_by_impl[impl]
+    for name, config in configs.items():
+        history = epochs_by_name[name]
         records.append({
-            "impl": impl, "world_size": args.world_size, "notes": built[impl]["notes"],
-            "global_batch": built[impl]["global_batch"], "optimizer_steps": built[impl]["total_steps"],
-            "epochs": history, "final_test_accuracy": history[-1]["test_accuracy"],
-            "final_test_loss": history[-1]["test_loss"],
+            "candidate": name, "impl": config.impl, "sync_bn": config.sync_bn, "world_size": args.world_size,
+            "notes": built[name]["notes"], "global_batch": built[name]["global_batch"],
+            "optimizer_steps": built[name]["total_steps"], "epochs": history,
+            "final_test_accuracy": history[-1]["test_accuracy"], "final_test_loss": history[-1]["test_loss"],
             "median_epoch_time_s": common.median(r["epoch_time_s"] for r in history),
-            "peak_rss_bytes": finals[impl]["peak_rss_bytes"],
-            "loss_curve": finals[impl]["losses"],
+            "peak_rss_bytes": finals[name]["peak_rss_bytes"],
+            "loss_curve": finals[name]["losses"],
         })
-    ddpkit_record, torch_record = records
-    summary = {
-        "accuracy_difference_pp": 100 * (ddpkit_record["final_test_accuracy"] - torch_record["final_test_accuracy"]),
-        "epoch_time_ratio": ddpkit_record["median_epoch_time_s"] / torch_record["median_epoch_time_s"],
-        "memory_ratio": ddpkit_record["peak_rss_bytes"] / torch_record["peak_rss_bytes"],
-    }
+    by_name = {record["candidate"]: record for record in records}
+
+    def compare(name: str) -> dict:
+        mine, theirs = by_name[name], by_name["torch"]
+        return {"accuracy_difference_pp": 100 * (mine["final_test_accuracy"] - theirs["final_test_accuracy"]),
+                "epoch_time_ratio": mine["median_epoch_time_s"] / theirs["median_epoch_time_s"],
+                "memory_ratio": mine["peak_rss_bytes"] / theirs["peak_rss_bytes"]}
+
+    summary = compare("ddpkit")
+    if "ddpkit_plain_bn" in by_name:
+        summary["plain_bn_vs_torch"] = compare("ddpkit_plain_bn")
     path = common.write_results(
         args.output, backend=backend, device_type="cuda" if torch.cuda.is_available() else "cpu",
-        settings={**{k: v for k, v in dataclasses.asdict(configs["ddpkit"]).items() if k not in ("impl", "out_dir")},
+        settings={**{k: v for k, v in dataclasses.asdict(configs["ddpkit"]).items()
+                     if k not in ("impl", "sync_bn", "out_dir")},
                   "world_size": args.world_size, "threads_per_process": pools["ddpkit"].threads,
-                  "schedule": "epochs alternate between the two pipelines, order rotating"},
+                  "candidates": {name: {"impl": impl, "sync_bn": sync_bn} for name, (impl, sync_bn) in candidates.items()},
+                  "interleaving": "epochs alternate between the pipelines, order rotating"},
         records=records, summary=summary)
-    common.print_table(records, ["impl", "final_test_accuracy", "median_epoch_time_s", "peak_rss_bytes"])
-    print(f"accuracy difference {summary['accuracy_difference_pp']:+.2f} pp, epoch time x{summary['epoch_time_ratio']:.3f}, "
-          f"memory x{summary['memory_ratio']:.3f}")
+    common.print_table(records, ["candidate", "final_test_accuracy", "median_epoch_time_s", "peak_rss_bytes"])
+    for name, ratios in [("ddpkit", summary), ("ddpkit_plain_bn", summary.get("plain_bn_vs_torch"))]:
+        if ratios:
+            print(f"{name} vs torch: accuracy difference {ratios['accuracy_difference_pp']:+.2f} pp, epoch time "
+                  f"x{ratios['epoch_time_ratio']:.3f}, memory x{ratios['memory_ratio']:.3f}")
     print(f"wrote {path}")
 
 

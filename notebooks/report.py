@@ -74,10 +74,14 @@ for name in EXPECTED:
                  "device": e["device_type"], "CPU": f"{e['cpu_model']} × {e['cpu_count']}",
                  "GPU": (e["gpu"] or {}).get("gpu_name", "none"), "commit": (e["git_commit"] or "")[:10]})
 table(rows, ["benchmark", "date", "torch", "backend", "device", "CPU", "GPU", "commit"])
+gpu = env["gpu"]
 display(Markdown(
-    f"Python {env['python_version']} on `{env['hostname']}`: {env['cpu_count']} cores of a {env['cpu_model']}, "
-    "no GPU, so every collective runs over gloo on loopback TCP and world sizes above 2 oversubscribe the cores. "
-    "On a GPU machine the same scripts run over NCCL, and the SyncBatchNorm baseline becomes torch.nn.SyncBatchNorm."))
+    f"Python {env['python_version']} on `{env['hostname']}`: {env['cpu_count']} cores of a {env['cpu_model']}, " +
+    (f"{gpu['gpu_count']} × {gpu['gpu_name']} (driver {gpu['gpu_driver']}), collectives of CUDA tensors over NCCL."
+     if gpu else
+     f"no GPU, so every collective runs over {env['backend']} on loopback TCP and world sizes above "
+     f"{env['cpu_count']} oversubscribe the cores. On a GPU machine the same scripts run over NCCL, and the "
+     "SyncBatchNorm baseline becomes torch.nn.SyncBatchNorm.")))
 '''
 
 ALLREDUCE_INTRO = r'''
@@ -191,9 +195,11 @@ command("syncbn")
 s = R["syncbn"]
 records = s["records"]
 distributed = [r for r in records if r["world_size"] > 1]
+# On CUDA the baseline is torch.nn.SyncBatchNorm itself; on CPU, where torch has none, the floor.
 rows = [{"workers": r["world_size"], "shape": "×".join(map(str, r["shape"])), "ddpkit (auto)": r["t_ddpkit"],
-         "ddpkit (process_group)": r["t_ddpkit_pg"], "floor": r["t_floor"], "auto/floor": r["ratio"],
-         "pg/floor": r["ratio_pg"], "local kernels/BN": r["ratio_local_compute"]} for r in distributed]
+         "ddpkit (process_group)": r["t_ddpkit_pg"], "floor": r.get("t_torch_syncbn", r.get("t_floor")),
+         "auto/floor": r["ratio"], "pg/floor": r["ratio_pg"], "local kernels/BN": r.get("ratio_local_compute")}
+        for r in distributed]
 table(rows, ["workers", "shape", "ddpkit (auto)", "ddpkit (process_group)", "floor", "auto/floor", "pg/floor",
              "local kernels/BN"], {"ddpkit (auto)": us, "ddpkit (process_group)": us, "floor": us,
                                    "auto/floor": ratio, "pg/floor": ratio, "local kernels/BN": ratio})
@@ -282,24 +288,35 @@ for record in t["records"]:
     losses = record["loss_curve"]
     window = max(1, len(losses) // 100)
     smooth = [statistics.fmean(losses[i:i + window]) for i in range(0, len(losses) - window + 1, window)]
-    left.plot([i * window for i in range(len(smooth))], smooth, label=record["impl"])
+    left.plot([i * window for i in range(len(smooth))], smooth, label=record["candidate"])
     right.plot([e["epoch"] + 1 for e in record["epochs"]], [100 * e["test_accuracy"] for e in record["epochs"]],
-               marker="o", label=record["impl"])
+               marker="o", label=record["candidate"])
 left.set_xlabel("optimizer step"); left.set_ylabel("training loss (rank 0, smoothed)"); left.legend(); left.grid(alpha=0.3)
 right.set_xlabel("epoch"); right.set_ylabel("test accuracy (%)"); right.legend(); right.grid(alpha=0.3)
 plt.tight_layout(); plt.show()
-rows = [{"pipeline": r["impl"], "final test accuracy": r["final_test_accuracy"], "final test loss": r["final_test_loss"],
+rows = [{"pipeline": r["candidate"], "final test accuracy": r["final_test_accuracy"], "final test loss": r["final_test_loss"],
          "median epoch time": r["median_epoch_time_s"], "peak memory": r["peak_rss_bytes"],
          "notes": "; ".join(r["notes"])} for r in t["records"]]
 table(rows, ["pipeline", "final test accuracy", "final test loss", "median epoch time", "peak memory", "notes"],
       {"final test accuracy": lambda v: f"{100 * v:.2f}%", "median epoch time": lambda v: f"{v:.1f} s",
        "peak memory": mib})
 summary = t["summary"]
+by_candidate = {r["candidate"]: r for r in t["records"]}
 display(Markdown(
     f"{settings['dataset']}, model `{settings['model']}`, {settings['world_size']} processes, "
     f"accumulation {settings['accumulation_steps']}, {settings['epochs']} epochs, same seed: ddpkit's final accuracy is "
     f"{summary['accuracy_difference_pp']:+.2f} percentage points from torch's (target within 0.5), epoch time "
     f"{summary['epoch_time_ratio']:.2f}× and peak memory {summary['memory_ratio']:.2f}× torch's (targets ≤ 1.0×)."))
+control = summary.get("plain_bn_vs_torch")
+if control:
+    sync_cost = by_candidate["ddpkit"]["median_epoch_time_s"] - by_candidate["ddpkit_plain_bn"]["median_epoch_time_s"]
+    display(Markdown(
+        f"On CPU torch's pipeline cannot synchronize BatchNorm, so `ddpkit_plain_bn` (ddpkit's DDP, plain BatchNorm) "
+        f"is the like-for-like control: epoch time {control['epoch_time_ratio']:.2f}×, peak memory "
+        f"{control['memory_ratio']:.2f}×, accuracy {control['accuracy_difference_pp']:+.2f} pp against torch. "
+        f"Synchronizing the batch statistics costs {sync_cost:.1f} s per epoch "
+        f"({by_candidate['ddpkit']['optimizer_steps'] // settings['epochs'] * settings['accumulation_steps']} "
+        f"micro-batches per epoch, two all-reduces per BatchNorm layer each)."))
 '''
 
 COMMANDS = r'''
