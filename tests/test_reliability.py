@@ -65,23 +65,30 @@ def case_die_during_collectives(victim: int, algorithm: str):
     return "survived"
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "auto", "process_group"])
-def test_dead_rank_fails_every_other_rank_quickly(algorithm):
+def survivors_of_rank_1(case, *args) -> list:
+    """Runs ``case`` on 3 ranks, of which rank 1 kills itself; returns the outcomes of ranks 0 and 2
+    after checking that they ended within the group's timeout and left no process behind."""
     pool = WorkerPool(3, timeout=120, group_timeout=GROUP_TIMEOUT_S)
     started = time.monotonic()
     try:
-        outcomes = pool.run(case_die_during_collectives, 1, algorithm, return_exceptions=True)
+        outcomes = pool.run(case, 1, *args, return_exceptions=True)
     finally:
         processes = list(pool._processes)
         pool.kill()
     elapsed = time.monotonic() - started
     assert elapsed < GROUP_TIMEOUT_S + 10, f"took {elapsed:.1f}s"
     assert isinstance(outcomes[1], WorkerFailure) and "exit code -9" in str(outcomes[1])
+    assert not any(p.is_alive() for p in processes), "worker processes were left behind"
     for rank in (0, 2):
         assert isinstance(outcomes[rank], RuntimeError), outcomes[rank]
+    return [outcomes[0], outcomes[2]]
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "auto", "process_group"])
+def test_dead_rank_fails_every_other_rank_quickly(algorithm):
+    for outcome in survivors_of_rank_1(case_die_during_collectives, algorithm):
         if algorithm != "process_group":
-            assert "ddpkit.all_reduce" in str(outcomes[rank]) and "failed" in str(outcomes[rank]), outcomes[rank]
-    assert not any(p.is_alive() for p in processes), "worker processes were left behind"
+            assert "ddpkit.all_reduce" in str(outcome) and "failed" in str(outcome), outcome
 
 
 def case_die_during_training(victim: int):
@@ -109,20 +116,8 @@ def case_die_during_training(victim: int):
 
 
 def test_dead_rank_mid_training_fails_every_other_rank_quickly():
-    pool = WorkerPool(3, timeout=120, group_timeout=GROUP_TIMEOUT_S)
-    started = time.monotonic()
-    try:
-        outcomes = pool.run(case_die_during_training, 1, return_exceptions=True)
-    finally:
-        processes = list(pool._processes)
-        pool.kill()
-    elapsed = time.monotonic() - started
-    assert elapsed < GROUP_TIMEOUT_S + 10, f"took {elapsed:.1f}s"
-    assert isinstance(outcomes[1], WorkerFailure) and "exit code -9" in str(outcomes[1])
-    for rank in (0, 2):
-        assert isinstance(outcomes[rank], RuntimeError), outcomes[rank]
-        assert "ddpkit." in str(outcomes[rank]) and "failed" in str(outcomes[rank]), outcomes[rank]
-    assert not any(p.is_alive() for p in processes), "worker processes were left behind"
+    for outcome in survivors_of_rank_1(case_die_during_training):
+        assert "ddpkit." in str(outcome) and "failed" in str(outcome), outcome
 
 
 @needs_fashion_mnist
