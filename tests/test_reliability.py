@@ -126,8 +126,8 @@ def test_dead_worker_under_torchrun_stops_the_whole_job(tmp_path):
     # torchrun stops the survivors when it notices the death; polling every 5 s leaves them time to
     # notice it first and report it themselves, which is what this test is about.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
-               "--max-restarts", "0", "--monitor-interval", "5", str(TRAIN), "--dataset", "fashion_mnist", "--limit-train", "6000",
-               "--batch-size", "16", "--epochs", "20", "--no-progress", "--checkpoint-every", "2",
+               "--max-restarts", "0", "--monitor-interval", "5",
+               str(TRAIN), "--dataset", "fashion_mnist", "--limit-train", "6000", "--batch-size", "16", "--epochs", "20", "--no-progress", "--checkpoint-every", "2",
                "--timeout", str(GROUP_TIMEOUT_S), "--out", str(out)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
