@@ -24,6 +24,7 @@ def test_expected_output_format():
     assert expected_output(1, num_iter=3) == "Process 0\n---\nProcess 0\n---\nProcess 0\n"
     assert expected_output(2, num_iter=0) == ""
     assert iteration_order(1, 3, "alternating") == [2, 1, 0]
+    assert iteration_order(1, 3, "ascending_descending") == [0, 1, 2, 2, 1, 0]
 
 
 @pytest.mark.parametrize("world_size,launches", [(1, 3), (2, 3), (4, 10), (8, 3)])
@@ -37,6 +38,6 @@ def test_hundred_iterations_in_one_launch():
     assert launch(4, "--num-iter", "100") == expected_output(4, num_iter=100)
 
 
-@pytest.mark.parametrize("order", ["descending", "alternating"])
+@pytest.mark.parametrize("order", ["descending", "alternating", "ascending_descending"])
 def test_other_orders(order):
     assert launch(3, "--num-iter", "4", "--order", order) == expected_output(3, num_iter=4, order=order)

@@ -7,7 +7,8 @@ Each iteration prints ``Process 0`` ... ``Process N-1`` (one line each) and iter
 by a ``---`` line (none after the last). A token passed rank to rank with ``send``/``recv`` orders
 the prints: a rank prints and flushes, then hands the token on, so the shared stdout receives the
 lines in order. No barrier and no collective are involved. ``--order descending`` prints N-1 ... 0;
-``--order alternating`` prints even iterations ascending and odd iterations descending.
+``--order alternating`` prints even iterations ascending and odd iterations descending;
+``--order ascending_descending`` prints 0 ... N-1 then N-1 ... 0 in every iteration.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-ORDERS = ("ascending", "descending", "alternating")
+ORDERS = ("ascending", "descending", "alternating", "ascending_descending")
 
 
 def iteration_order(iteration: int, world_size: int, order: str) -> list[int]:
     ascending = list(range(world_size))
+    if order == "ascending_descending":
+        return ascending + ascending[::-1]
     if order == "ascending" or (order == "alternating" and iteration % 2 == 0):
         return ascending
     return ascending[::-1]
