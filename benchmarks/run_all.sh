@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Re-runs every benchmark with the assignment-sized settings, then executes notebooks/report.ipynb.
-#   bash benchmarks/run_all.sh           # full: about 1.5 hours on 2 cores; results in benchmarks/results/
+#   bash benchmarks/run_all.sh           # full: about 2 hours on 2 cores; results in benchmarks/results/
 #   bash benchmarks/run_all.sh --quick   # smoke check in a few minutes; results in benchmarks/results/quick/
 # Run it on an otherwise idle machine: every figure is a ratio measured in one run, but a busy
 # neighbour still adds noise.

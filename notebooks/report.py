@@ -61,7 +61,7 @@ INTRO = r'''
 
 Every figure below is read from `benchmarks/results/*.json` and was measured side by side with the
 PyTorch baseline in the same run (candidates interleaved, median of repetitions). Re-run everything
-with `bash benchmarks/run_all.sh` (about 1.5 hours on 2 cores) or `bash benchmarks/run_all.sh --quick`;
+with `bash benchmarks/run_all.sh` (about 2 hours on 2 cores) or `bash benchmarks/run_all.sh --quick`;
 each section names the exact command that produced its file.
 '''
 
