@@ -148,9 +148,10 @@ def case_train(name, steps, grad_sync, algorithm, accumulation=1, bucket_cap_mb=
         for micro in range(accumulation):
             x, y = global_batch(step, micro)
             x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
-            before = ddp.reducer_stats()["collectives"]
+            # Every ddpkit collective of this process, the reducer's and any other, is counted here.
+            before = ddpkit.comm_counters()["collectives"]
             stepped = accumulate.backward(loss_fn(ddp(x), y))
-            collectives_per_micro_batch.append(ddp.reducer_stats()["collectives"] - before)
+            collectives_per_micro_batch.append(ddpkit.comm_counters()["collectives"] - before)
             assert stepped == (micro == accumulation - 1)
         optimizer.step()
         optimizer.zero_grad()
