@@ -28,16 +28,22 @@ std::vector<int64_t> assign_buckets_op(std::vector<int64_t> sizes_bytes, std::ve
 TORCH_LIBRARY(ddpkit, m) {
   // Collectives from point-to-point messages (csrc/comm). `group_name` is a torch.distributed
   // group's .group_name; the tensor's device picks the group's backend.
-  m.def("all_reduce_(Tensor(a!) tensor, str op, str algorithm, str group_name) -> Tensor(a!)");
-  m.def("broadcast_(Tensor(a!) tensor, int src, str group_name) -> Tensor(a!)");
-  m.def("reduce_(Tensor(a!) tensor, int dst, str op, str group_name) -> Tensor(a!)");
-  m.def("gather(Tensor tensor, int dst, str group_name) -> Tensor");
-  m.def("scatter_(Tensor(a!) output, Tensor? chunks, int src, str group_name) -> Tensor(a!)");
+  // `transport`: "auto" (shared memory when every rank is on this host and the tensor is on CPU,
+  // else the group's own send/recv), "shm" or "process_group"; see comm/engine.h.
+  m.def("all_reduce_(Tensor(a!) tensor, str op, str algorithm, str group_name, str transport=\"auto\") -> Tensor(a!)");
+  m.def("broadcast_(Tensor(a!) tensor, int src, str group_name, str transport=\"auto\") -> Tensor(a!)");
+  m.def("reduce_(Tensor(a!) tensor, int dst, str op, str group_name, str transport=\"auto\") -> Tensor(a!)");
+  m.def("gather(Tensor tensor, int dst, str group_name, str transport=\"auto\") -> Tensor");
+  m.def("scatter_(Tensor(a!) output, Tensor? chunks, int src, str group_name, str transport=\"auto\") -> Tensor(a!)");
   m.def("set_collective_checks(bool enabled) -> ()", &ddpkit::comm::set_collective_checks_op);
   m.def("collective_checks_enabled() -> bool", &ddpkit::comm::collective_checks_enabled_op);
   m.def("comm_counters() -> int[]", &ddpkit::comm::comm_counters_op);
   m.def("reset_comm_counters() -> ()", &ddpkit::comm::reset_comm_counters_op);
-  m.def("choose_algorithm(int bytes, int world_size) -> str", &ddpkit::comm::choose_algorithm_op);
+  m.def("choose_algorithm(int bytes, int world_size, bool shared_memory=False) -> str",
+        &ddpkit::comm::choose_algorithm_op);
+  m.def("algorithms() -> str[]", &ddpkit::comm::algorithms_op);
+  m.def("transports() -> str[]", &ddpkit::comm::transports_op);
+  m.def("resolved_transport(str group_name, str transport=\"auto\") -> str", &ddpkit::comm::resolved_transport_op);
 
   // Gradient bucketing DDP (csrc/ddp): the pure bucket assignment and the reducer.
   m.def("assign_buckets(int[] sizes_bytes, int[] kinds, int cap_bytes, int first_cap_bytes) -> int[]",

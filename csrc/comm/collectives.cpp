@@ -1,5 +1,7 @@
 #include "comm/collectives.h"
 
+#include "comm/shm.h"
+
 #include <algorithm>
 #include <bit>
 #include <functional>
@@ -337,9 +339,10 @@ Algorithm parse_algorithm(std::string_view name) {
   if (name == "halving_doubling") return Algorithm::kHalvingDoubling;
   if (name == "auto") return Algorithm::kAuto;
   if (name == "process_group") return Algorithm::kProcessGroup;
+  if (name == "direct") return Algorithm::kDirect;
   TORCH_CHECK(false, "ddpkit: unknown all-reduce algorithm '", name,
-              "'; expected one of ring, butterfly, star, gather_scatter, recursive_doubling, halving_doubling, auto, "
-              "process_group");
+              "'; expected one of ring, butterfly, star, gather_scatter, recursive_doubling, halving_doubling, direct, "
+              "auto, process_group");
 }
 
 std::string_view algorithm_name(Algorithm algorithm) {
@@ -352,12 +355,14 @@ std::string_view algorithm_name(Algorithm algorithm) {
     case Algorithm::kHalvingDoubling: return "halving_doubling";
     case Algorithm::kAuto: return "auto";
     case Algorithm::kProcessGroup: return "process_group";
+    case Algorithm::kDirect: return "direct";
   }
   TORCH_INTERNAL_ASSERT(false, "unreachable algorithm");
 }
 
-Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device) {
+Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device, bool shared_memory) {
   if (device != c10::kCPU) return Algorithm::kProcessGroup;
+  if (shared_memory) return Algorithm::kDirect;
   // Note [Choosing an algorithm]: small messages go through the star, large ones through the
   // schedules that spread the reduction evenly over the ranks.
   constexpr int64_t kStarMaxBytes = 512 * 1024;
@@ -369,21 +374,38 @@ Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device
   return power_of_two ? Algorithm::kHalvingDoubling : Algorithm::kRing;
 }
 
-void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm, uint64_t sequence) {
+void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm) {
   const std::string error = tensor_error(tensor, "all_reduce", op);
-  comm.begin(sequence, make_header(CollectiveKind::kAllReduce, tensor, op, algorithm, -1), error,
-             /*exchange_header=*/algorithm != Algorithm::kProcessGroup);
   const int n = comm.size();
   const int r = comm.rank();
+  const Algorithm requested = algorithm;
+  if (algorithm == Algorithm::kAuto) {
+    const int64_t bytes = error.empty() ? tensor.numel() * static_cast<int64_t>(tensor.element_size()) : 0;
+    algorithm = choose_algorithm(bytes, n, comm.device_type(), comm.shm() != nullptr);
+  }
+  TORCH_CHECK(algorithm != Algorithm::kDirect || comm.shm() != nullptr || n == 1,
+              "ddpkit.all_reduce: algorithm 'direct' needs the shared-memory transport (every rank on this host, "
+              "CPU tensors)");
+  if (algorithm == Algorithm::kDirect && n > 1) {
+    // Note [Direct all-reduce]: the header check rides in the shared-memory slots, no messages.
+    comm.note_collective(CollectiveKind::kAllReduce);
+    CollectiveHeader header = make_header(CollectiveKind::kAllReduce, tensor, op, requested, -1);
+    header.magic = error.empty() ? kHeaderMagic : kRejectedMagic;
+    header.sequence = static_cast<int64_t>(comm.sequence() & 0x7FFFFF);
+    at::Tensor work = error.empty() ? working_copy(tensor) : at::Tensor();
+    at::Tensor flat = work.defined() ? work.view(-1) : work;
+    comm.shm()->all_reduce(flat, op, header, error, is_checked());
+    write_back(tensor, work);
+    return;
+  }
+  comm.begin(make_header(CollectiveKind::kAllReduce, tensor, op, requested, -1), error,
+             /*exchange_header=*/algorithm != Algorithm::kProcessGroup);
   if (tensor.numel() == 0 || n == 1) {
     comm.settle_header();
     return;
   }
   at::Tensor work = working_copy(tensor);
   at::Tensor flat = work.view(-1);
-  if (algorithm == Algorithm::kAuto) {
-    algorithm = choose_algorithm(flat.numel() * flat.element_size(), n, flat.device().type());
-  }
   if (algorithm == Algorithm::kProcessGroup) {
     comm.settle_header();
     comm.process_group_all_reduce(work, op)->wait();
@@ -400,6 +422,7 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
     case Algorithm::kRecursiveDoubling: schedule = recursive_doubling_schedule(flat, op, n, r); break;
     case Algorithm::kHalvingDoubling: schedule = halving_doubling_schedule(flat, op, n, r); break;
     case Algorithm::kAuto:
+    case Algorithm::kDirect:
     case Algorithm::kProcessGroup: TORCH_INTERNAL_ASSERT(false, "resolved above");
   }
   // Note [Ring receives up front]: the ring's every receive may be posted before its first send.
@@ -407,11 +430,11 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   write_back(tensor, work);
 }
 
-void broadcast_(at::Tensor& tensor, int src, Communicator& comm, uint64_t sequence) {
+void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
   const int n = comm.size();
   std::string error = tensor_error(tensor, "broadcast", std::nullopt);
   if (error.empty()) error = root_error(src, n, "broadcast", "src");
-  comm.begin(sequence, make_header(CollectiveKind::kBroadcast, tensor, std::nullopt, std::nullopt, src), error);
+  comm.begin(make_header(CollectiveKind::kBroadcast, tensor, std::nullopt, std::nullopt, src), error);
   if (n == 1 || tensor.numel() == 0) {
     comm.settle_header();
     return;
@@ -434,11 +457,11 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm, uint64_t sequen
   run_schedule(comm, schedule);
 }
 
-void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm, uint64_t sequence) {
+void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm) {
   const int n = comm.size();
   std::string error = tensor_error(tensor, "reduce", op);
   if (error.empty()) error = root_error(dst, n, "reduce", "dst");
-  comm.begin(sequence, make_header(CollectiveKind::kReduce, tensor, op, std::nullopt, dst), error);
+  comm.begin(make_header(CollectiveKind::kReduce, tensor, op, std::nullopt, dst), error);
   if (tensor.numel() == 0) {
     comm.settle_header();
     return;
@@ -466,11 +489,11 @@ void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm, uint6
   write_back(tensor, work);
 }
 
-at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm, uint64_t sequence) {
+at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm) {
   const int n = comm.size();
   std::string error = tensor_error(tensor, "gather", std::nullopt);
   if (error.empty()) error = root_error(dst, n, "gather", "dst");
-  comm.begin(sequence, make_header(CollectiveKind::kGather, tensor, std::nullopt, std::nullopt, dst), error);
+  comm.begin(make_header(CollectiveKind::kGather, tensor, std::nullopt, std::nullopt, dst), error);
   at::Tensor gathered;
   Round round;
   if (comm.rank() == dst) {
@@ -490,7 +513,7 @@ at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm, uint64_
   return gathered;
 }
 
-void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm, uint64_t sequence) {
+void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm) {
   const int n = comm.size();
   std::string error = tensor_error(output, "scatter", std::nullopt);
   if (error.empty()) error = root_error(src, n, "scatter", "src");
@@ -503,7 +526,7 @@ void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicato
                        ", dtype ", output.scalar_type(), " and device ", output.device());
     }
   }
-  comm.begin(sequence, make_header(CollectiveKind::kScatter, output, std::nullopt, std::nullopt, src), error);
+  comm.begin(make_header(CollectiveKind::kScatter, output, std::nullopt, std::nullopt, src), error);
   Round round;
   at::Tensor rows;
   if (comm.rank() == src) {

@@ -7,7 +7,7 @@
 //  - dtypes float32 and float64 are reduced as they are; float16 and bfloat16 are reduced in a
 //    float32 copy and written back once; int32 and int64 are reduced exactly (not with kMean);
 //  - the call is synchronous: it returns when this rank's part is done and its buffers are free;
-//  - `sequence` comes from Communicator::next_sequence() on the issuing thread (Note [Tags]).
+//  - `comm` comes from the group's Engine, which numbered the collective (Note [Collective engine]).
 
 #include "comm/communicator.h"
 #include "comm/reduce_op.h"
@@ -34,24 +34,31 @@ namespace ddpkit::comm {
 //                     N·log2(n) bytes per rank; wins for small messages.
 //  kHalvingDoubling   Rabenseifner: reduce-scatter by recursive halving, all-gather by recursive
 //                     doubling: 2·log2(n) rounds and the ring's byte count.
+//  kDirect            shared memory only, no messages: every rank publishes its vector in its slot
+//                     and reduces its 1/n slice (or, small, the whole vector) straight from its
+//                     peers' slots: one copy in, one reduce pass, one copy out (Note [Direct all-reduce]).
 // For n not a power of two, the recursive algorithms first fold the 2·(n-p) lowest ranks pairwise
 // (p the largest power of two below n) and unfold at the end: two more rounds of the whole vector.
 // kAuto picks by message size and n (choose_algorithm), from benchmarks/bench_allreduce.py on
 // gloo over loopback (Note [Choosing an algorithm]).
 //
 // Note [Choosing an algorithm]
-// Measured on a 2-vCPU VM with 2 to 32 ranks (benchmarks/results/allreduce.json), an all-reduce of
-// up to a few hundred KB costs scheduling, not bytes: each rank has a main thread and a gloo
-// event-loop thread, and whenever more of them are runnable than there are cores, one waits out a
-// time slice of several ms. Schedules whose rounds keep both ends of every message busy at once
-// (ring, recursive doubling) hit that often; the star, where rank 0 receives while the others wait
-// and then sends while they receive, hits it least and beat gloo's own all-reduce almost
+// Over shared memory (every rank on this host, CPU tensors; Note [Collective engine]) kAuto always
+// takes kDirect: it has no per-message cost and touches each byte the fewest times, and it beat
+// every message schedule over the same memory at every size and world size measured
+// (benchmarks/results/allreduce.json).
+// Over the process group (gloo over TCP, across hosts), measured on a 2-vCPU VM with 2 to 32 ranks,
+// an all-reduce of up to a few hundred KB costs scheduling, not bytes: each rank has a main thread
+// and a gloo event-loop thread, and whenever more of them are runnable than there are cores, one
+// waits out a time slice of several ms. Schedules whose rounds keep both ends of every message busy
+// at once (ring, recursive doubling) hit that often; the star, where rank 0 receives while the
+// others wait and then sends while they receive, hits it least and beat gloo's own all-reduce almost
 // everywhere. Large messages are the opposite case: inside DDP's backward the CPUs are busy
 // anyway, and the star's rank 0, which alone receives, reduces and returns the whole vector,
-// finishes a 25 MB bucket far later than a ring that spreads that work evenly
-// (benchmarks/results/ddp.json). So kAuto takes the star up to kStarMaxBytes while rank 0's share,
-// (n-1)·bytes, stays within kStarBudgetBytes, and beyond that halving-doubling for powers of two,
-// else the ring.
+// finishes a 25 MB bucket far later than a ring that spreads that work evenly. So over the process
+// group kAuto takes the star up to kStarMaxBytes while rank 0's share, (n-1)·bytes, stays within
+// kStarBudgetBytes, and beyond that halving-doubling for powers of two, else the ring. On GPUs it
+// takes the group's own all-reduce: NCCL's kernels beat any schedule of point-to-point calls.
 
 enum class Algorithm : int64_t {
   kRing = 0,
@@ -62,35 +69,36 @@ enum class Algorithm : int64_t {
   kHalvingDoubling = 5,
   kAuto = 6,
   kProcessGroup = 7,
+  kDirect = 8,
 };
 
 // Parses "ring" | "butterfly" | "star" | "gather_scatter" | "recursive_doubling" |
-// "halving_doubling" | "auto" | "process_group"; TORCH_CHECK-fails otherwise.
+// "halving_doubling" | "direct" | "auto" | "process_group"; TORCH_CHECK-fails otherwise.
 Algorithm parse_algorithm(std::string_view name);
 std::string_view algorithm_name(Algorithm algorithm);
 
-// What kAuto runs for a message of `bytes` bytes on `world_size` ranks of a `device` tensor (never
-// kAuto). On GPUs that is the group's own all-reduce: NCCL's kernels beat any schedule of
-// point-to-point calls.
-Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device = c10::kCPU);
+// What kAuto runs for a message of `bytes` bytes on `world_size` ranks of a `device` tensor, over
+// shared memory or not (never kAuto); Note [Choosing an algorithm].
+Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device = c10::kCPU,
+                           bool shared_memory = false);
 
 // All-reduce `tensor` in place: on return every rank holds op(tensor of rank 0, ..., rank n-1),
 // bitwise identical on all ranks.
-void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm, uint64_t sequence);
+void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm);
 
 // Copies `tensor` of rank `src` into `tensor` of every rank (binomial tree, ceil(log2 n) rounds).
-void broadcast_(at::Tensor& tensor, int src, Communicator& comm, uint64_t sequence);
+void broadcast_(at::Tensor& tensor, int src, Communicator& comm);
 
 // Leaves op(tensor of all ranks) in `tensor` of rank `dst` (binomial tree). Like
 // torch.distributed.reduce, the tensors of the other ranks hold partial results afterwards.
-void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm, uint64_t sequence);
+void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm);
 
 // Returns, on rank `dst`, a new tensor of shape [n, *tensor.shape] whose row i is rank i's tensor;
 // an empty tensor on the other ranks.
-at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm, uint64_t sequence);
+at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm);
 
 // Writes row i of `chunks` (rank `src`'s, shape [n, *output.shape]) into `output` of rank i.
 // `chunks` is ignored on the other ranks.
-void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm, uint64_t sequence);
+void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm);
 
 }  // namespace ddpkit::comm

@@ -1,6 +1,6 @@
 #include "comm/communicator.h"
 
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <cstring>
 
 #include <atomic>
 #include <exception>
@@ -10,57 +10,19 @@
 namespace ddpkit::comm {
 namespace {
 
-constexpr int64_t kHeaderMagic = 0x64647070;    // "ddpp"
-constexpr int64_t kRejectedMagic = 0x64647078;  // this rank rejected its own arguments
 constexpr int64_t kVerdictMagic = 0x64647076;
 constexpr int64_t kVerdictRejected = 1;
 constexpr int64_t kVerdictMismatch = 2;
 constexpr int64_t kVerdictPeerFailed = 3;
-constexpr int64_t kHeaderWords = 8;
+// A verdict: [magic, status, rank, then the headers of rank 0 and of `rank`] (status kVerdictMismatch).
+constexpr int64_t kVerdictWords = 3 + 2 * kHeaderWords;
 
 std::atomic<bool> checked{true};
 std::atomic<int64_t> collective_count{0};
 std::atomic<int64_t> message_count{0};
 std::atomic<int64_t> byte_count{0};
 
-// The sequence counter of each live process group (Note [Tags]). Keyed by the group object, with a
-// weak reference so that a group destroyed and re-created at the same address starts from zero.
-struct GroupSequence {
-  c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
-  uint64_t next = 0;
-};
-std::mutex sequences_mutex;
-std::unordered_map<const c10d::ProcessGroup*, GroupSequence> sequences;
-
-std::string_view dtype_name(int64_t dtype) {
-  return c10::toString(static_cast<c10::ScalarType>(dtype));
-}
-
-// Describes how rank `rank`'s header word `word` (`theirs`) differs from rank 0's (`reference`).
-std::string describe_mismatch(int rank, int64_t word, int64_t theirs, int64_t reference) {
-  const char* names[] = {"magic", "sequence", "collective", "elements", "dtype", "op", "algorithm", "root"};
-  TORCH_INTERNAL_ASSERT(word >= 0 && word < kHeaderWords);
-  auto value = [&](int64_t x) -> std::string {
-    if (word == 2) return std::string(collective_name(static_cast<CollectiveKind>(x)));
-    if (word == 4) return std::string(dtype_name(x));
-    return std::to_string(x);
-  };
-  return c10::str("rank ", rank, " passed ", names[word], " ", value(theirs), ", rank 0 passed ", names[word], " ",
-                  value(reference));
-}
-
 }  // namespace
-
-std::string_view collective_name(CollectiveKind kind) {
-  switch (kind) {
-    case CollectiveKind::kAllReduce: return "all_reduce";
-    case CollectiveKind::kBroadcast: return "broadcast";
-    case CollectiveKind::kReduce: return "reduce";
-    case CollectiveKind::kGather: return "gather";
-    case CollectiveKind::kScatter: return "scatter";
-  }
-  return "unknown collective";
-}
 
 void set_checked(bool value) { checked.store(value); }
 bool is_checked() { return checked.load(); }
@@ -75,33 +37,22 @@ void reset_counters() {
   byte_count.store(0);
 }
 
-Communicator::Communicator(const std::string& group_name, c10::DeviceType device_type)
-    : device_type_(device_type) {
-  try {
-    group_ = c10d::resolve_process_group(group_name);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ddpkit: no process group named '", group_name,
-                "' is registered; call torch.distributed.init_process_group (or ddpkit.init_distributed) first");
-  }
-  rank_ = group_->getRank();
-  size_ = group_->getSize();
-  try {
-    backend_ = group_->getBackend(device_type);
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ddpkit: process group '", group_name, "' (", group_->getBackendName(), ") cannot carry ",
-                c10::DeviceTypeName(device_type, /*lower_case=*/true), " tensors; gloo carries CPU tensors, NCCL CUDA tensors");
-  }
-  independent_messages_ = !(device_type != c10::kCPU && backend_->supportsCoalescing());
+Communicator::Communicator(int rank, int size, c10::DeviceType device_type,
+                           c10::intrusive_ptr<c10d::Backend> backend, std::shared_ptr<Transport> transport,
+                           ShmSegment* shm, uint64_t sequence)
+    : rank_(rank),
+      size_(size),
+      device_type_(device_type),
+      backend_(std::move(backend)),
+      transport_(std::move(transport)),
+      shm_(shm),
+      sequence_(sequence) {
+  independent_messages_ = shm_ != nullptr || !(device_type != c10::kCPU && backend_->supportsCoalescing());
 }
 
-uint64_t Communicator::next_sequence() {
-  std::lock_guard<std::mutex> lock(sequences_mutex);
-  auto it = sequences.find(group_.get());
-  if (it == sequences.end() || it->second.group.expired()) {
-    if (it != sequences.end()) sequences.erase(it);
-    it = sequences.emplace(group_.get(), GroupSequence{c10::weak_intrusive_ptr<c10d::ProcessGroup>(group_), 0}).first;
-  }
-  return it->second.next++;
+void Communicator::note_collective(CollectiveKind kind) {
+  what_ = collective_name(kind);
+  collective_count.fetch_add(1, std::memory_order_relaxed);
 }
 
 int Communicator::tag(int round) const {
@@ -113,27 +64,18 @@ int Communicator::tag(int round) const {
   return static_cast<int>(((sequence_ & 0x7FFFFF) << 8) | round_bits);
 }
 
-void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, const std::string& local_error,
-                         bool exchange_header) {
-  sequence_ = sequence;
-  what_ = collective_name(static_cast<CollectiveKind>(header.kind));
+void Communicator::begin(const CollectiveHeader& header, const std::string& local_error, bool exchange_header) {
+  note_collective(static_cast<CollectiveKind>(header.kind));
   local_error_ = local_error;
-  collective_count.fetch_add(1, std::memory_order_relaxed);
   if (size_ == 1 || !is_checked() || !exchange_header) {
     TORCH_CHECK(local_error.empty(), local_error);
     return;
   }
-  const int64_t words[kHeaderWords] = {local_error.empty() ? kHeaderMagic : kRejectedMagic,
-                                       static_cast<int64_t>(sequence & 0x7FFFFF),
-                                       header.kind,
-                                       header.numel,
-                                       header.dtype,
-                                       header.op,
-                                       header.algorithm,
-                                       header.root};
+  CollectiveHeader words = header;
+  words.magic = local_error.empty() ? kHeaderMagic : kRejectedMagic;
+  words.sequence = static_cast<int64_t>(sequence_ & 0x7FFFFF);
   const auto device_options = at::TensorOptions().dtype(at::kLong).device(device_type_);
-  at::Tensor mine =
-      at::from_blob(const_cast<int64_t*>(words), {kHeaderWords}, at::kLong).to(device_options, false, true);
+  at::Tensor mine = at::from_blob(&words, {kHeaderWords}, at::kLong).to(device_options, false, true);
   header_messages_.clear();
   if (!independent_messages_) start_group();
   if (rank_ == kCheckRoot) {
@@ -144,7 +86,7 @@ void Communicator::begin(uint64_t sequence, const CollectiveHeader& header, cons
     }
   } else {
     headers_ = mine;
-    verdict_ = at::empty({kHeaderWords}, device_options);
+    verdict_ = at::empty({kVerdictWords}, device_options);
     header_messages_.push_back(isend(mine, kCheckRoot, kHeaderRound));
     // Posted now, so that the root's verdict finds it ready (Note [Pre-posted receives]).
     if (independent_messages_) header_messages_.push_back(irecv(verdict_, kCheckRoot, kVerdictRound));
@@ -196,7 +138,7 @@ void Communicator::settle_header() {
 void Communicator::send_failure_verdict() {
   // Best effort: a peer we cannot reach fails on its own, through its broken connection.
   const int failed = failed_peer_;
-  at::Tensor verdict = at::zeros({kHeaderWords}, at::kLong);
+  at::Tensor verdict = at::zeros({kVerdictWords}, at::kLong);
   verdict[0] = kVerdictMagic;
   verdict[1] = kVerdictPeerFailed;
   verdict[2] = failed;
@@ -213,29 +155,25 @@ void Communicator::send_failure_verdict() {
 }
 
 at::Tensor Communicator::make_verdict() const {
-  at::Tensor verdict = at::zeros({kHeaderWords}, at::kLong);
+  at::Tensor verdict = at::zeros({kVerdictWords}, at::kLong);
   int64_t* out = verdict.data_ptr<int64_t>();
   out[0] = kVerdictMagic;
-  at::Tensor headers = headers_.cpu();
-  const int64_t* reference = headers.data_ptr<int64_t>();
+  at::Tensor all = headers_.cpu().contiguous();
+  const auto* headers = reinterpret_cast<const CollectiveHeader*>(all.data_ptr<int64_t>());
   for (int peer = 0; peer < size_; ++peer) {
-    if (reference[peer * kHeaderWords] != kHeaderMagic) {
+    if (headers[peer].magic != kHeaderMagic) {
       out[1] = kVerdictRejected;
       out[2] = peer;
       return verdict;
     }
   }
   for (int peer = 1; peer < size_; ++peer) {
-    const int64_t* theirs = reference + peer * kHeaderWords;
-    for (int64_t word = 1; word < kHeaderWords; ++word) {
-      if (theirs[word] == reference[word]) continue;
-      out[1] = kVerdictMismatch;
-      out[2] = peer;
-      out[3] = word;
-      out[4] = theirs[word];
-      out[5] = reference[word];
-      return verdict;
-    }
+    if (describe_mismatch(peer, headers[peer], headers[0], what_).empty()) continue;
+    out[1] = kVerdictMismatch;
+    out[2] = peer;
+    std::memcpy(out + 3, &headers[0], sizeof(CollectiveHeader));
+    std::memcpy(out + 3 + kHeaderWords, &headers[peer], sizeof(CollectiveHeader));
+    return verdict;
   }
   return verdict;
 }
@@ -251,24 +189,24 @@ std::string Communicator::describe_verdict(const at::Tensor& verdict) const {
                     " failed or died during the collective check (rank 0 reported it)");
   }
   if (v[1] == kVerdictMismatch) {
-    return c10::str("ddpkit.", what_, ": ranks called mismatched collectives: ",
-                    describe_mismatch(static_cast<int>(v[2]), v[3], v[4], v[5]));
+    CollectiveHeader reference, theirs;
+    std::memcpy(&reference, v + 3, sizeof(CollectiveHeader));
+    std::memcpy(&theirs, v + 3 + kHeaderWords, sizeof(CollectiveHeader));
+    return describe_mismatch(static_cast<int>(v[2]), theirs, reference, what_);
   }
   return {};
 }
 
 Message Communicator::isend(const at::Tensor& tensor, int dst, int round) {
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
-  std::vector<at::Tensor> tensors{tensor};
   message_count.fetch_add(1, std::memory_order_relaxed);
   byte_count.fetch_add(tensor.numel() * tensor.element_size(), std::memory_order_relaxed);
-  return Message{backend_->send(tensors, dst, tag(round)), dst, true};
+  return Message{transport_->send(tensor, dst, tag(round)), dst, true};
 }
 
 Message Communicator::irecv(const at::Tensor& tensor, int src, int round) {
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
-  std::vector<at::Tensor> tensors{tensor};
-  return Message{backend_->recv(tensors, src, tag(round)), src, false};
+  return Message{transport_->recv(tensor, src, tag(round)), src, false};
 }
 
 void Communicator::wait(MessageList& messages) {

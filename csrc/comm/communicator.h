@@ -1,11 +1,12 @@
 #pragma once
-// Point-to-point messaging over a torch.distributed process group, the only transport ddpkit's
-// collectives use. A Communicator is cheap: it is made per call from the group's name.
+// Point-to-point messaging for one collective of a process group, over the transport its engine
+// chose (Note [Collective engine]): the group's own send/recv, or shared memory on one host.
 
 #include <ATen/ATen.h>
+#include "comm/header.h"
 #include "comm/reduce_op.h"
+#include "comm/transport.h"
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstdint>
@@ -17,10 +18,9 @@ namespace ddpkit::comm {
 
 // Note [Tags]
 // Every ddpkit collective takes the next sequence number of its process group when it is *issued*
-// (on the issuing thread, in program order, which is identical on all ranks) and tags each of its
-// messages with (sequence, round). Messages of two collectives therefore never match each other,
-// even when they run at the same time on different threads (a DDP bucket on the reducer's
-// communication thread while SyncBatchNorm's backward reduces on the autograd thread).
+// (on the issuing thread, in program order, which is identical on all ranks; Note [Collective
+// engine]) and tags each of its messages with (sequence, round). Messages of two collectives
+// therefore never match each other, whatever the transport.
 // A rank that issues an extra collective shifts its sequence; its peers then see no matching
 // message and fail at the group's timeout instead of exchanging wrong data.
 
@@ -35,7 +35,10 @@ namespace ddpkit::comm {
 // that loses a peer while collecting headers still tells the others, so they fail at once instead
 // of at the timeout. Two one-way messages per rank, rather than an exchange
 // with every peer: on an oversubscribed CPU the number of messages and of busy threads is what
-// costs (Note [Choosing an algorithm]). See set_checked().
+// costs (Note [Choosing an algorithm]). See set_checked(). On shared memory the direct all-reduce
+// needs no messages for this: each rank's header rides in the slot of its first chunk and every
+// rank compares all of them after the first barrier (Note [Direct all-reduce]), so the check costs
+// a few loads. Headers are the plain struct CollectiveHeader (header.h), compared field by field.
 
 // Note [Pre-posted receives]
 // Gloo's point-to-point is a rendezvous: a send leaves at once only if the receiver's "ready"
@@ -52,25 +55,6 @@ namespace ddpkit::comm {
 // own step-t send (the chain of step-t messages runs around the ring back to r), so a step-t
 // message lands in r's step-t buffer when r has reached step t; reduce-scatter steps receive into
 // scratch chunks of their own, all-gather steps into chunks r no longer touches after step t.
-
-// What a rank believes the collective is; identical on all ranks for a well-formed program.
-struct CollectiveHeader {
-  int64_t kind = 0;       // CollectiveKind
-  int64_t numel = 0;
-  int64_t dtype = 0;      // c10::ScalarType
-  int64_t op = 0;         // ReduceOp, or -1 where there is none
-  int64_t algorithm = 0;  // Algorithm, or -1 where there is none
-  int64_t root = -1;      // src/dst rank, or -1
-};
-
-enum class CollectiveKind : int64_t {
-  kAllReduce = 1,
-  kBroadcast = 2,
-  kReduce = 3,
-  kGather = 4,
-  kScatter = 5,
-};
-std::string_view collective_name(CollectiveKind kind);
 
 // Turns checked mode (Note [Collective checks]) on or off for this process; on by default.
 // All ranks must agree: a checked rank waits for headers an unchecked peer never sends.
@@ -94,26 +78,34 @@ struct Message {
 };
 using MessageList = std::vector<Message>;
 
+class ShmSegment;
+
 class Communicator {
  public:
-  // Resolves `group_name` (a torch.distributed group's `group_name`) and the group's backend for
-  // `device_type`. Fails with a clear error when no such group is registered.
-  Communicator(const std::string& group_name, c10::DeviceType device_type);
+  // Made by the group's Engine for one collective: `backend` is the group's backend for `device_type`
+  // (the group's own collectives), `transport` carries the point-to-point messages, `shm` is the
+  // shared-memory segment when `transport` is shared memory (else null), `sequence` the collective's
+  // number (Note [Tags]).
+  Communicator(int rank, int size, c10::DeviceType device_type, c10::intrusive_ptr<c10d::Backend> backend,
+               std::shared_ptr<Transport> transport, ShmSegment* shm, uint64_t sequence);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  uint64_t sequence() const { return sequence_; }
   c10::DeviceType device_type() const { return device_type_; }
+  // The shared-memory segment, when this collective runs over shared memory; null otherwise.
+  ShmSegment* shm() const { return shm_; }
 
-  // Reserves the group's next sequence number (Note [Tags]). Call it on the issuing thread.
-  uint64_t next_sequence();
+  // Counts the collective and names it in errors; begin() does it, collectives that do their own
+  // checks (Note [Direct all-reduce]) call it instead.
+  void note_collective(CollectiveKind kind);
 
-  // Binds this communicator to the collective `sequence` described by `header`; in checked mode
-  // starts the header check (Note [Collective checks]), which settle_header() completes.
+  // Binds this communicator to the collective described by `header`; in checked mode starts the
+  // header check (Note [Collective checks]), which settle_header() completes.
   // A non-empty `local_error` means this rank rejected its own arguments: it still takes part in
   // the header exchange, so that its peers fail at once naming it, then throws `local_error`.
   // `exchange_header=false` skips the exchange (for the group's own collectives, which torch checks).
-  void begin(uint64_t sequence, const CollectiveHeader& header, const std::string& local_error = {},
-             bool exchange_header = true);
+  void begin(const CollectiveHeader& header, const std::string& local_error = {}, bool exchange_header = true);
 
   // The group's own all-reduce (kSum/kMean as a sum, kMax, kMin) of `tensor`, asynchronous.
   c10::intrusive_ptr<c10d::Work> process_group_all_reduce(at::Tensor& tensor, ReduceOp op);
@@ -133,9 +125,9 @@ class Communicator {
   // collective and the peer.
   void wait(MessageList& messages);
 
-  // True when sends and receives complete independently of each other (gloo): receives can be
-  // posted ahead (Note [Pre-posted receives]). False for backends that must group each round's
-  // sends and receives (NCCL); those rounds go through start_group()/end_group().
+  // True when sends and receives complete independently of each other (gloo, shared memory):
+  // receives can be posted ahead (Note [Pre-posted receives]). False for backends that must group
+  // each round's sends and receives (NCCL); those rounds go through start_group()/end_group().
   bool independent_messages() const { return independent_messages_; }
   void start_group();
   // Ends a group started by start_group(): the returned message stands for all of it.
@@ -147,15 +139,16 @@ class Communicator {
 
  private:
   int tag(int round) const;
-  at::Tensor make_verdict() const;                                // on the root: int64 [kHeaderWords]
+  at::Tensor make_verdict() const;                                // on the root
   void send_failure_verdict();                                    // on the root, when a header never came
   std::string describe_verdict(const at::Tensor& verdict) const;  // "" when the ranks agree
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  c10::intrusive_ptr<c10d::Backend> backend_;
-  c10::DeviceType device_type_;
   int rank_ = 0;
   int size_ = 1;
+  c10::DeviceType device_type_;
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  std::shared_ptr<Transport> transport_;
+  ShmSegment* shm_ = nullptr;
   bool independent_messages_ = true;
   uint64_t sequence_ = 0;
   std::string_view what_ = "collective";

@@ -1,7 +1,8 @@
 #pragma once
-// Kernels of the ddpkit::<collective> custom ops (schemas in register.cpp). Each resolves the
-// process group from its name, reserves the group's next sequence on the calling thread and runs
-// the collective synchronously (torch.ops calls release the GIL while a kernel runs).
+// Kernels of the ddpkit::<collective> custom ops (schemas in register.cpp). Each parses its string
+// arguments and runs the collective synchronously through its group's Engine (Note [Collective
+// engine]); torch.ops calls release the GIL while a kernel runs. `transport` is "auto" | "shm" |
+// "process_group" (parse_transport).
 
 #include <ATen/ATen.h>
 
@@ -11,18 +12,24 @@
 namespace ddpkit::comm {
 
 at::Tensor& all_reduce_op(at::Tensor& tensor, std::string_view op, std::string_view algorithm,
-                          const std::string& group_name);
-at::Tensor& broadcast_op(at::Tensor& tensor, int64_t src, const std::string& group_name);
-at::Tensor& reduce_op(at::Tensor& tensor, int64_t dst, std::string_view op, const std::string& group_name);
-at::Tensor gather_op(const at::Tensor& tensor, int64_t dst, const std::string& group_name);
+                          const std::string& group_name, std::string_view transport);
+at::Tensor& broadcast_op(at::Tensor& tensor, int64_t src, const std::string& group_name, std::string_view transport);
+at::Tensor& reduce_op(at::Tensor& tensor, int64_t dst, std::string_view op, const std::string& group_name,
+                      std::string_view transport);
+at::Tensor gather_op(const at::Tensor& tensor, int64_t dst, const std::string& group_name, std::string_view transport);
 at::Tensor& scatter_op(at::Tensor& output, const std::optional<at::Tensor>& chunks, int64_t src,
-                       const std::string& group_name);
+                       const std::string& group_name, std::string_view transport);
 
 void set_collective_checks_op(bool enabled);
 bool collective_checks_enabled_op();
 // [collectives, messages sent, bytes sent] since the last reset, for this process.
 std::vector<int64_t> comm_counters_op();
 void reset_comm_counters_op();
-std::string choose_algorithm_op(int64_t bytes, int64_t world_size);
+std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory);
+// The names the string arguments accept, from the C++ enums (Python reads them from here).
+std::vector<std::string> algorithms_op();
+std::vector<std::string> transports_op();
+// What `transport` resolves to for CPU tensors of the group (a collective: every rank calls it).
+std::string resolved_transport_op(const std::string& group_name, std::string_view transport);
 
 }  // namespace ddpkit::comm

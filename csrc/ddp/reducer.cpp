@@ -32,7 +32,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_
       mode_(parse_mode(mode)),
       gradient_as_bucket_view_(gradient_as_bucket_view) {
   TORCH_CHECK(params_.size() == bucket_of_param.size(), "Reducer: one bucket index per parameter expected");
-  world_size_ = c10d::resolve_process_group(group_name_)->getSize();
+  engine_ = comm::Engine::of(group_name_);
+  world_size_ = engine_->size();
   slots_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (bucket_of_param[i] < 0) continue;
@@ -53,21 +54,6 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_
     hooks_.emplace_back(std::move(accumulator), key);
   }
 
-  if (algorithm_ != comm::Algorithm::kProcessGroup) {
-    comm_thread_ = std::thread([this] {
-      while (true) {
-        std::packaged_task<void()> task;
-        {
-          std::unique_lock<std::mutex> lock(queue_mutex_);
-          queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-          if (queue_.empty()) return;
-          task = std::move(queue_.front());
-          queue_.pop_front();
-        }
-        task();
-      }
-    });
-  }
 }
 
 void Reducer::build_buckets(const std::vector<int64_t>& bucket_of_param) {
@@ -106,13 +92,14 @@ void Reducer::build_buckets(const std::vector<int64_t>& bucket_of_param) {
 
 Reducer::~Reducer() {
   for (auto& [node, key] : hooks_) node->del_post_hook(key);
-  if (comm_thread_.joinable()) {
-    {
-      std::lock_guard<std::mutex> lock(queue_mutex_);
-      stopping_ = true;
+  // A bucket still queued on the engine writes into buckets_: wait for it (errors were reported, or
+  // will be, by the backward that launched it).
+  for (auto& bucket : buckets_) {
+    if (!bucket.work) continue;
+    try {
+      bucket.work->wait();
+    } catch (const std::exception&) {
     }
-    queue_cv_.notify_all();
-    comm_thread_.join();
   }
 }
 
@@ -183,37 +170,12 @@ void Reducer::launch_ready_buckets() {
 
 void Reducer::launch(Bucket& bucket) {
   ++collectives_;
-  comm::Communicator comm(group_name_, bucket.flat.device().type());
-  const uint64_t sequence = comm.next_sequence();
-  const comm::Algorithm algorithm =
-      algorithm_ == comm::Algorithm::kAuto
-          ? comm::choose_algorithm(bucket.flat.numel() * bucket.flat.element_size(), world_size_,
-                                   bucket.flat.device().type())
-          : algorithm_;
-  if (algorithm == comm::Algorithm::kProcessGroup) {
-    comm.begin(sequence, comm::CollectiveHeader{static_cast<int64_t>(comm::CollectiveKind::kAllReduce)}, {},
-               /*exchange_header=*/false);
-    bucket.work = comm.process_group_all_reduce(bucket.flat, comm::ReduceOp::kSum);
-    return;
-  }
+  // Note [Overlap]: queued on the group's engine, which runs it while backward goes on.
   at::Tensor flat = bucket.flat;
-  const std::string group_name = group_name_;
-  run_on_comm_thread(
-      [flat, group_name, algorithm, sequence]() mutable {
-        comm::Communicator comm(group_name, flat.device().type());
-        comm::all_reduce_(flat, comm::ReduceOp::kSum, algorithm, comm, sequence);
-      },
-      &bucket.done);
-}
-
-void Reducer::run_on_comm_thread(std::function<void()> task, std::future<void>* done) {
-  std::packaged_task<void()> packaged(std::move(task));
-  *done = packaged.get_future();
-  {
-    std::lock_guard<std::mutex> lock(queue_mutex_);
-    queue_.push_back(std::move(packaged));
-  }
-  queue_cv_.notify_one();
+  const comm::Algorithm algorithm = algorithm_;
+  bucket.work = engine_->submit(flat.device().type(), comm::TransportKind::kAuto, [flat, algorithm](comm::Communicator& comm) mutable {
+    comm::all_reduce_(flat, comm::ReduceOp::kSum, algorithm, comm);
+  });
 }
 
 void Reducer::finalize() {
@@ -245,12 +207,8 @@ void Reducer::finish_bucketed() {
   launch_ready_buckets();
   TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size(), "every bucket must be launched by now");
   for (auto& bucket : buckets_) {
-    if (bucket.work) {
-      auto work = std::move(bucket.work);
-      work->wait();
-    } else if (bucket.done.valid()) {
-      bucket.done.get();
-    }
+    auto work = std::move(bucket.work);
+    if (work) work->wait();
   }
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& slot = slots_[i];
@@ -274,8 +232,8 @@ void Reducer::finish_per_parameter() {
     at::Tensor& grad = params_[i].mutable_grad();
     if (!grad.defined()) grad = at::zeros_like(params_[i]);  // every rank must issue the same collectives
     at::Tensor contiguous = grad.is_contiguous() ? grad : grad.contiguous();
-    comm::Communicator comm(group_name_, contiguous.device().type());
-    comm::all_reduce_(contiguous, comm::ReduceOp::kMean, algorithm, comm, comm.next_sequence());
+    engine_->run(contiguous.device().type(), comm::TransportKind::kAuto,
+                 [&](comm::Communicator& comm) { comm::all_reduce_(contiguous, comm::ReduceOp::kMean, algorithm, comm); });
     if (!contiguous.is_same(grad)) grad.copy_(contiguous);
     ++collectives_;
   }

@@ -2,6 +2,7 @@
 // The gradient reducer behind ddpkit.DistributedDataParallel.
 
 #include "comm/collectives.h"
+#include "comm/engine.h"
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -58,11 +59,12 @@ enum class SyncMode {
 // micro-batches under no_sync() accumulate into the buckets and no fresh gradient is allocated.
 
 // Note [Communication thread]
-// The process group's own all-reduce is asynchronous already. ddpkit's algorithms are synchronous
-// calls, so the reducer runs them on one thread of its own, in launch order. The sequence number of
-// each bucket's collective is reserved on the autograd thread at launch (Note [Tags]), so that
-// collectives issued meanwhile by other code on the same group (SyncBatchNorm's backward) keep the
-// same order on every rank.
+// ddpkit's all-reduces are synchronous calls; the reducer hands each bucket to its group's Engine
+// (Note [Collective engine]), whose one thread runs them in launch order while backward goes on.
+// The engine numbers each bucket's collective on the autograd thread at launch (Note [Tags]), so
+// that collectives issued meanwhile by other code on the same group (SyncBatchNorm's backward) keep
+// the same order on every rank, and runs every collective of the group one after the other, so the
+// two never interleave on a transport.
 
 class Reducer : public torch::CustomClassHolder {
  public:
@@ -103,8 +105,7 @@ class Reducer : public torch::CustomClassHolder {
     at::Tensor flat;                 // one dtype and device, numel = sum of its parameters' numels
     std::vector<size_t> params;      // indices into params_, in slot order
     size_t pending = 0;              // slots still waiting for a gradient this iteration
-    c10::intrusive_ptr<c10d::Work> work;  // the group's own all-reduce, or
-    std::future<void> done;               // ddpkit's, run on the communication thread
+    c10::intrusive_ptr<c10d::Work> work;  // its all-reduce on the group's engine, until waited on
   };
   struct Slot {
     bool included = false;  // synchronised by this reducer (requires grad, not left out)
@@ -121,13 +122,13 @@ class Reducer : public torch::CustomClassHolder {
   void launch(Bucket& bucket);
   void finish_bucketed();
   void finish_per_parameter();
-  void run_on_comm_thread(std::function<void()> task, std::future<void>* done);
 
   std::vector<at::Tensor> params_;
   std::vector<Slot> slots_;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
   std::string group_name_;
+  std::shared_ptr<comm::Engine> engine_;
   comm::Algorithm algorithm_;
   SyncMode mode_;
   bool gradient_as_bucket_view_;
@@ -143,13 +144,6 @@ class Reducer : public torch::CustomClassHolder {
   int64_t launched_during_backward_ = 0;
   int64_t wait_us_ = 0;
   int64_t last_wait_us_ = 0;
-
-  // Note [Communication thread]
-  std::thread comm_thread_;
-  std::mutex queue_mutex_;
-  std::condition_variable queue_cv_;
-  std::deque<std::packaged_task<void()>> queue_;
-  bool stopping_ = false;
 };
 
 }  // namespace ddpkit::ddp

@@ -1,6 +1,7 @@
 #include "syncbn/syncbn.h"
 
 #include "comm/collectives.h"
+#include "comm/engine.h"
 #include "syncbn/kernels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -60,9 +61,10 @@ void check_statistic(const at::Tensor& t, const char* name, const at::Tensor& in
 
 // Runs the pass's one all-reduce (Note [One all-reduce per pass]); returns the group's size.
 int all_reduce(at::Tensor& buffer, comm::Algorithm algorithm, std::string_view group_name) {
-  comm::Communicator comm{std::string(group_name), buffer.device().type()};
-  comm::all_reduce_(buffer, comm::ReduceOp::kSum, algorithm, comm, comm.next_sequence());
-  return comm.size();
+  auto engine = comm::Engine::of(std::string(group_name));
+  engine->run(buffer.device().type(), comm::TransportKind::kAuto,
+              [&](comm::Communicator& comm) { comm::all_reduce_(buffer, comm::ReduceOp::kSum, algorithm, comm); });
+  return engine->size();
 }
 
 using ForwardFn = decltype(sync_batch_norm);

@@ -2,7 +2,13 @@
 
 Every function works in place (or returns a new tensor for ``gather``), takes the process group as
 ``group`` (``None``: the default group) and runs the C++ algorithm of ``csrc/comm/collectives.h``
-with the GIL released. See Note [All-reduce algorithms] there for what each ``algorithm`` does.
+with the GIL released, through the group's engine (Note [Collective engine], csrc/comm/engine.h).
+See Note [All-reduce algorithms] there for what each ``algorithm`` does.
+
+``transport`` picks how the bytes move: ``"auto"`` (default) uses shared memory when every rank of
+the group runs on this host and the tensor is on CPU, else the group's own send/recv;
+``"shm"`` and ``"process_group"`` force one. The environment variable ``DDPKIT_TRANSPORT=shm|
+process_group`` forces one for every ``"auto"`` call of the program (set it alike on every rank).
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-ALGORITHMS = (
-    "ring", "butterfly", "star", "gather_scatter", "recursive_doubling", "halving_doubling", "auto", "process_group",
-)
+from . import _C  # noqa: F401  (registers torch.ops.ddpkit.*)
+
+# The names the C++ side accepts, read from its enums (one source for each contract).
+ALGORITHMS = tuple(torch.ops.ddpkit.algorithms())
+TRANSPORTS = tuple(torch.ops.ddpkit.transports())
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 _TORCH_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
@@ -40,34 +48,44 @@ def _op_name(op: Union[str, dist.ReduceOp]) -> str:
         raise ValueError(f"ddpkit: unsupported reduce op {op!r}; expected one of {REDUCE_OPS}") from None
 
 
-def all_reduce(tensor: Tensor, op: Union[str, dist.ReduceOp] = "sum", algorithm: str = "ring",
-               group: Optional[dist.ProcessGroup] = None) -> Tensor:
+def all_reduce(tensor: Tensor, op: Union[str, dist.ReduceOp] = "sum", algorithm: str = "auto",
+               group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
     """Reduces ``tensor`` across all ranks in place; every rank ends with the same bits."""
-    return torch.ops.ddpkit.all_reduce_(tensor, _op_name(op), algorithm, group_name(group))
+    return torch.ops.ddpkit.all_reduce_(tensor, _op_name(op), algorithm, group_name(group), transport)
 
 
-def broadcast(tensor: Tensor, src: int = 0, group: Optional[dist.ProcessGroup] = None) -> Tensor:
+def broadcast(tensor: Tensor, src: int = 0, group: Optional[dist.ProcessGroup] = None,
+              transport: str = "auto") -> Tensor:
     """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank (binomial tree)."""
-    return torch.ops.ddpkit.broadcast_(tensor, src, group_name(group))
+    return torch.ops.ddpkit.broadcast_(tensor, src, group_name(group), transport)
 
 
 def reduce(tensor: Tensor, dst: int = 0, op: Union[str, dist.ReduceOp] = "sum",
-           group: Optional[dist.ProcessGroup] = None) -> Tensor:
+           group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
     """Leaves the reduction in rank ``dst``'s ``tensor``; other ranks' tensors hold partial results."""
-    return torch.ops.ddpkit.reduce_(tensor, dst, _op_name(op), group_name(group))
+    return torch.ops.ddpkit.reduce_(tensor, dst, _op_name(op), group_name(group), transport)
 
 
-def gather(tensor: Tensor, dst: int = 0, group: Optional[dist.ProcessGroup] = None) -> Optional[Tensor]:
+def gather(tensor: Tensor, dst: int = 0, group: Optional[dist.ProcessGroup] = None,
+           transport: str = "auto") -> Optional[Tensor]:
     """On rank ``dst``: a ``[world_size, *tensor.shape]`` tensor of every rank's ``tensor``; elsewhere None."""
     name = group_name(group)
-    gathered = torch.ops.ddpkit.gather(tensor, dst, name)
+    gathered = torch.ops.ddpkit.gather(tensor, dst, name, transport)
     return gathered if dist.get_rank(group) == dst else None
 
 
 def scatter(output: Tensor, chunks: Optional[Tensor] = None, src: int = 0,
-            group: Optional[dist.ProcessGroup] = None) -> Tensor:
+            group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
     """Writes row ``i`` of rank ``src``'s ``chunks`` (shape ``[world_size, *output.shape]``) into rank i's ``output``."""
-    return torch.ops.ddpkit.scatter_(output, chunks, src, group_name(group))
+    return torch.ops.ddpkit.scatter_(output, chunks, src, group_name(group), transport)
+
+
+def resolved_transport(group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> str:
+    """What ``transport`` means for CPU tensors of ``group``: ``"shm"`` or ``"process_group"``.
+
+    Collective: every rank of the group must call it at the same point.
+    """
+    return torch.ops.ddpkit.resolved_transport(group_name(group), transport)
 
 
 def set_collective_checks(enabled: bool) -> None:
@@ -92,6 +110,6 @@ def reset_comm_counters() -> None:
     torch.ops.ddpkit.reset_comm_counters()
 
 
-def choose_algorithm(nbytes: int, world_size: int) -> str:
-    """The algorithm ``algorithm="auto"`` runs for a message of ``nbytes`` on ``world_size`` ranks."""
-    return torch.ops.ddpkit.choose_algorithm(nbytes, world_size)
+def choose_algorithm(nbytes: int, world_size: int, shared_memory: bool = False) -> str:
+    """The algorithm ``algorithm="auto"`` runs for a CPU message of ``nbytes`` on ``world_size`` ranks."""
+    return torch.ops.ddpkit.choose_algorithm(nbytes, world_size, shared_memory)

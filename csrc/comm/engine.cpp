@@ -1,0 +1,199 @@
+#include "comm/engine.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+#include <cstdlib>
+#include <optional>
+
+namespace ddpkit::comm {
+namespace {
+
+// A Work that the engine completes.
+class EngineWork final : public c10d::Work {
+ public:
+  explicit EngineWork(int rank) : c10d::Work(rank, c10d::OpType::UNKNOWN) {}
+  void complete(std::exception_ptr error) { finish(std::move(error)); }
+};
+
+struct RegistryEntry {
+  std::optional<c10::weak_intrusive_ptr<c10d::ProcessGroup>> group;
+  std::shared_ptr<Engine> engine;
+};
+
+}  // namespace
+
+TransportKind parse_transport(std::string_view name) {
+  if (name == "auto") {
+    const char* forced = std::getenv("DDPKIT_TRANSPORT");
+    const std::string_view value = forced == nullptr ? std::string_view() : std::string_view(forced);
+    if (value.empty() || value == "auto") return TransportKind::kAuto;
+    TORCH_CHECK(value == "shm" || value == "process_group", "ddpkit: DDPKIT_TRANSPORT=", value,
+                " is not one of auto, shm, process_group");
+    return parse_transport(value);
+  }
+  if (name == "shm") return TransportKind::kShm;
+  if (name == "process_group") return TransportKind::kProcessGroup;
+  TORCH_CHECK(false, "ddpkit: unknown transport '", name, "'; expected one of auto, shm, process_group");
+}
+
+std::string_view transport_name(TransportKind kind) {
+  switch (kind) {
+    case TransportKind::kAuto: return "auto";
+    case TransportKind::kShm: return "shm";
+    case TransportKind::kProcessGroup: return "process_group";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unreachable transport");
+}
+
+std::shared_ptr<Engine> Engine::of(const std::string& group_name) {
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  try {
+    group = c10d::resolve_process_group(group_name);
+  } catch (const std::exception&) {
+    TORCH_CHECK(false, "ddpkit: no process group named '", group_name,
+                "' is registered; call torch.distributed.init_process_group (or ddpkit.init_distributed) first");
+  }
+  // Never destroyed: engines may still be running when static destructors would run at exit.
+  static auto* registry = new std::unordered_map<std::string, RegistryEntry>();
+  static auto* registry_mutex = new std::mutex();
+  std::lock_guard<std::mutex> lock(*registry_mutex);
+  RegistryEntry& entry = (*registry)[group_name];
+  if (!entry.engine || entry.group->lock().get() != group.get()) {
+    entry.group.emplace(group);
+    entry.engine.reset(new Engine(group));
+  }
+  return entry.engine;
+}
+
+Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> group)
+    : group_(group), rank_(group->getRank()), size_(group->getSize()) {}
+
+Engine::~Engine() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void Engine::run(c10::DeviceType device, TransportKind requested, const Body& body) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  const uint64_t sequence = next_sequence_++;
+  if (busy_ || !queue_.empty()) {
+    auto work = enqueue_locked(device, requested, sequence, body);
+    lock.unlock();
+    work->wait();
+    return;
+  }
+  busy_ = true;
+  lock.unlock();
+  struct Done {
+    Engine* engine;
+    ~Done() {
+      std::lock_guard<std::mutex> lock(engine->mutex_);
+      engine->busy_ = false;
+      if (!engine->queue_.empty()) engine->cv_.notify_all();
+    }
+  } done{this};
+  execute(device, requested, sequence, body);
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::submit(c10::DeviceType device, TransportKind requested, Body body) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return enqueue_locked(device, requested, next_sequence_++, std::move(body));
+}
+
+c10::intrusive_ptr<c10d::Work> Engine::enqueue_locked(c10::DeviceType device, TransportKind requested,
+                                                      uint64_t sequence, Body body) {
+  auto work = c10::make_intrusive<EngineWork>(rank_);
+  queue_.push_back(Task{device, requested, sequence, std::move(body), work});
+  if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
+  cv_.notify_all();
+  return work;
+}
+
+void Engine::worker_loop() {
+  for (;;) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait(lock, [&] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });
+    if (queue_.empty()) return;
+    Task task = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+      execute(task.device, task.requested, task.sequence, task.body);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    task.body = nullptr;  // release what it captured before anyone is told it ran
+    lock.lock();
+    busy_ = false;
+    lock.unlock();
+    cv_.notify_all();
+    static_cast<EngineWork*>(task.work.get())->complete(error);
+  }
+}
+
+c10::intrusive_ptr<c10d::Backend> Engine::backend(c10::DeviceType device) {
+  auto found = backends_.find(static_cast<int>(device));
+  if (found != backends_.end()) return found->second;
+  auto group = group_.lock();
+  TORCH_CHECK(group, "ddpkit: the process group was destroyed");
+  c10::intrusive_ptr<c10d::Backend> backend;
+  try {
+    backend = group->getBackend(device);
+  } catch (const std::exception&) {
+    TORCH_CHECK(false, "ddpkit: process group '", group->getGroupName(), "' (", group->getBackendName(),
+                ") cannot carry ", c10::DeviceTypeName(device, /*lower_case=*/true),
+                " tensors; gloo carries CPU tensors, NCCL CUDA tensors");
+  }
+  backends_.emplace(static_cast<int>(device), backend);
+  return backend;
+}
+
+TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind requested) {
+  if (requested == TransportKind::kProcessGroup || size_ == 1) return TransportKind::kProcessGroup;
+  if (device != c10::kCPU) {
+    TORCH_CHECK(requested != TransportKind::kShm, "ddpkit: transport 'shm' carries CPU tensors only, got a ",
+                c10::DeviceTypeName(device, /*lower_case=*/true), " tensor");
+    return TransportKind::kProcessGroup;
+  }
+  if (shm_state_ == ShmState::kUntried) {
+    auto group = group_.lock();
+    TORCH_CHECK(group, "ddpkit: the process group was destroyed");
+    std::chrono::milliseconds timeout{300000};
+    try {
+      timeout = backend(device)->getBackendOptions()->timeout;
+    } catch (const std::exception&) {
+    }
+    segment_ = ShmSegment::create(group, timeout);
+    shm_state_ = segment_ ? ShmState::kAvailable : ShmState::kUnavailable;
+    if (segment_) shm_transport_ = std::make_shared<ShmTransport>(segment_);
+  }
+  if (shm_state_ == ShmState::kAvailable) return TransportKind::kShm;
+  TORCH_CHECK(requested != TransportKind::kShm,
+              "ddpkit: transport 'shm' needs every rank of the group on this host; use transport='auto' or "
+              "'process_group'");
+  return TransportKind::kProcessGroup;
+}
+
+void Engine::execute(c10::DeviceType device, TransportKind requested, uint64_t sequence, const Body& body) {
+  const TransportKind kind = resolve_transport(device, requested);
+  c10::intrusive_ptr<c10d::Backend> device_backend = backend(device);
+  std::shared_ptr<Transport> transport;
+  if (kind == TransportKind::kShm) {
+    transport = shm_transport_;
+  } else {
+    auto& cached = pg_transports_[static_cast<int>(device)];
+    if (!cached) cached = std::make_shared<ProcessGroupTransport>(device_backend);
+    transport = cached;
+  }
+  Communicator comm(rank_, size_, device, device_backend, std::move(transport),
+                    kind == TransportKind::kShm ? segment_.get() : nullptr, sequence);
+  body(comm);
+}
+
+}  // namespace ddpkit::comm

@@ -1,0 +1,110 @@
+#pragma once
+// One entry point per process group for every ddpkit collective (Note [Collective engine]).
+
+#include "comm/communicator.h"
+#include "comm/shm.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace ddpkit::comm {
+
+// Note [Collective engine]
+// Every ddpkit collective of a process group, from the Python ops, the DDP reducer, SyncBatchNorm
+// and the training loop's evaluation, goes through the group's Engine, which owns what the
+// collectives of one group share: the group lookup, sequence numbers (Note [Tags]), the choice of
+// transport, the shared-memory segment, the collective checks and the one thread that runs
+// asynchronous collectives.
+//  - run() and submit() reserve the group's next sequence number on the calling thread, so the
+//    collectives of a group are numbered in program order, identically on every rank.
+//  - The engine runs them strictly in that order, one at a time: run() on the calling thread when
+//    nothing of the group is queued or running (no thread hand-off on the synchronous fast path),
+//    otherwise after what came before it; submit() queues the collective for the engine's thread
+//    and returns a c10d::Work at once (a DDP bucket launched during backward).
+//  - Serial execution per group is what lets the shared-memory slots and channels be used without
+//    per-collective locking, and it keeps two threads of one process (a DDP bucket on the engine's
+//    thread, SyncBatchNorm's backward on the autograd thread) from ever interleaving their messages.
+
+enum class TransportKind : int64_t {
+  kAuto = 0,          // shared memory when every rank is on this host and the tensor is on CPU
+  kShm = 1,           // shared memory, or an error when the ranks are not all on this host
+  kProcessGroup = 2,  // the group's own send/recv (gloo, NCCL)
+};
+// Parses "auto" | "shm" | "process_group". "auto" reads DDPKIT_TRANSPORT (shm | process_group)
+// when it is set, so a whole program can be switched without changing its calls.
+TransportKind parse_transport(std::string_view name);
+std::string_view transport_name(TransportKind kind);
+
+class Engine {
+ public:
+  using Body = std::function<void(Communicator&)>;
+
+  // The engine of the group registered as `group_name` (made on first use; a group destroyed and
+  // registered again under the same name gets a new one). Fails clearly when there is no such group.
+  static std::shared_ptr<Engine> of(const std::string& group_name);
+
+  // Runs `body` as the group's next collective with a Communicator for `device`'s backend and the
+  // transport `requested` resolves to; returns when it has run (rethrowing its error).
+  void run(c10::DeviceType device, TransportKind requested, const Body& body);
+
+  // Queues `body` as the group's next collective; the returned Work completes (or fails) when it has
+  // run on the engine's thread. Everything `body` touches must stay alive until then.
+  c10::intrusive_ptr<c10d::Work> submit(c10::DeviceType device, TransportKind requested, Body body);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // What `requested` resolves to for a `device` tensor; may set up the shared-memory segment, which
+  // is collective: call it only from inside a running collective.
+  TransportKind resolve_transport(c10::DeviceType device, TransportKind requested);
+
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+ private:
+  explicit Engine(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  struct Task {
+    c10::DeviceType device;
+    TransportKind requested;
+    uint64_t sequence;
+    Body body;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  void execute(c10::DeviceType device, TransportKind requested, uint64_t sequence, const Body& body);
+  c10::intrusive_ptr<c10d::Work> enqueue_locked(c10::DeviceType device, TransportKind requested, uint64_t sequence,
+                                                Body body);
+  void worker_loop();
+  c10::intrusive_ptr<c10d::Backend> backend(c10::DeviceType device);
+
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::unordered_map<int, c10::intrusive_ptr<c10d::Backend>> backends_;  // by device type; execution thread only
+  std::unordered_map<int, std::shared_ptr<Transport>> pg_transports_;
+  enum class ShmState { kUntried, kAvailable, kUnavailable } shm_state_ = ShmState::kUntried;
+  std::shared_ptr<ShmSegment> segment_;
+  std::shared_ptr<ShmTransport> shm_transport_;
+
+  std::mutex mutex_;  // guards everything below
+  std::condition_variable cv_;
+  uint64_t next_sequence_ = 0;
+  bool busy_ = false;  // a collective of this group is running
+  std::deque<Task> queue_;
+  std::thread worker_;
+  bool stopping_ = false;
+};
+
+}  // namespace ddpkit::comm

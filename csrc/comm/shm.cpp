@@ -1,0 +1,659 @@
+#include "comm/shm.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+#include <unordered_map>
+
+namespace ddpkit::comm {
+namespace {
+
+constexpr size_t kLine = 128;               // two cache lines: no false sharing with the adjacent-line prefetcher
+constexpr int64_t kChannelSlots = 4;
+constexpr auto kSpinMicros = std::chrono::microseconds(30);
+constexpr int kLivenessMillis = 50;
+constexpr size_t kSlotHeaderBytes = kLine;  // a CollectiveHeader, padded
+static_assert(sizeof(CollectiveHeader) <= kSlotHeaderBytes);
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+int64_t env_bytes(const char* name, int64_t fallback) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return fallback;
+  const int64_t parsed = std::atoll(value);
+  TORCH_CHECK(parsed >= 4096, "ddpkit: ", name, "=", value, " must be at least 4096 bytes");
+  return static_cast<int64_t>(round_up(static_cast<size_t>(parsed), kLine));
+}
+
+// True when the 32-bit counter `value` has reached `target` (counters wrap).
+bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
+
+void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int millis) {
+  timespec timeout{millis / 1000, (millis % 1000) * 1000000L};
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &timeout, nullptr, 0);
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+std::string read_first_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// Processes that can share a segment: same kernel boot, same /dev/shm, same pid namespace (so that
+// the pids published for the liveness check mean the same process to every rank).
+std::string host_identity() {
+  char hostname[256] = {0};
+  gethostname(hostname, sizeof(hostname) - 1);
+  struct stat shm {};
+  stat("/dev/shm", &shm);
+  struct stat pid_ns {};
+  stat("/proc/self/ns/pid", &pid_ns);
+  return c10::str(hostname, "|", read_first_line("/proc/sys/kernel/random/boot_id"), "|", shm.st_dev, ":", shm.st_ino,
+                  "|", pid_ns.st_ino);
+}
+
+// A pid whose process has exited (or is a zombie waiting to be reaped) is dead.
+bool process_alive(int pid) {
+  std::ifstream stat_file(c10::str("/proc/", pid, "/stat"));
+  if (!stat_file) return false;
+  std::string content;
+  std::getline(stat_file, content);
+  const size_t paren = content.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= content.size()) return false;
+  const char state = content[paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+std::string string_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+
+// The nth segment made for a group of this name in this process: part of the store keys, so that a
+// group destroyed and made again under the same name never reads the keys of the old one.
+int64_t next_instance(const std::string& group_name) {
+  static std::mutex mutex;
+  static std::unordered_map<std::string, int64_t> instances;
+  std::lock_guard<std::mutex> lock(mutex);
+  return instances[group_name]++;
+}
+
+// Balanced split of `numel` elements into `parts` slices (the same rule as the ring's chunks).
+int64_t slice_start(int64_t numel, int64_t parts, int64_t i) { return i * (numel / parts) + std::min(i, numel % parts); }
+
+template <class T>
+T combine_values(T a, T b, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kMean: return a + b;
+    case ReduceOp::kMax:
+      if constexpr (std::is_floating_point_v<T>) {
+        if (a != a) return a;
+        if (b != b) return b;
+      }
+      return a > b ? a : b;
+    case ReduceOp::kMin:
+      if constexpr (std::is_floating_point_v<T>) {
+        if (a != a) return a;
+        if (b != b) return b;
+      }
+      return a < b ? a : b;
+  }
+  return a;
+}
+
+// out[i] = src[0][i] op src[1][i] op ... op src[n-1][i] (then / n for kMean), in the order given, so
+// the bits depend only on the inputs and that order. `out` may be src[0], no other source. Blocks
+// keep `out` in L1 across the passes.
+template <class T>
+void reduce_sources(T* out, const std::vector<const char*>& sources, int64_t offset_elems, int64_t count, ReduceOp op) {
+  constexpr int64_t kBlock = 4096 / sizeof(T) * 4;
+  const int n = static_cast<int>(sources.size());
+  for (int64_t b = 0; b < count; b += kBlock) {
+    const int64_t m = std::min(kBlock, count - b);
+    T* o = out + b;
+    const T* s0 = reinterpret_cast<const T*>(sources[0]) + offset_elems + b;
+    if (n == 1) {
+      if (o != s0) std::memmove(o, s0, m * sizeof(T));
+    }
+    for (int j = 1; j < n; ++j) {
+      const T* a = j == 1 ? s0 : o;
+      const T* s = reinterpret_cast<const T*>(sources[j]) + offset_elems + b;
+      switch (op) {
+        case ReduceOp::kSum:
+        case ReduceOp::kMean:
+          for (int64_t i = 0; i < m; ++i) o[i] = a[i] + s[i];
+          break;
+        case ReduceOp::kMax:
+          for (int64_t i = 0; i < m; ++i) o[i] = combine_values(a[i], s[i], ReduceOp::kMax);
+          break;
+        case ReduceOp::kMin:
+          for (int64_t i = 0; i < m; ++i) o[i] = combine_values(a[i], s[i], ReduceOp::kMin);
+          break;
+      }
+    }
+    if (op == ReduceOp::kMean) {
+      if constexpr (std::is_floating_point_v<T>) {
+        const T divisor = static_cast<T>(n);
+        for (int64_t i = 0; i < m; ++i) o[i] = o[i] / divisor;
+      }
+    }
+  }
+}
+
+void reduce_sources(at::ScalarType dtype, char* out, const std::vector<const char*>& sources, int64_t offset_elems,
+                    int64_t count, ReduceOp op) {
+  switch (dtype) {
+    case at::kFloat: return reduce_sources(reinterpret_cast<float*>(out), sources, offset_elems, count, op);
+    case at::kDouble: return reduce_sources(reinterpret_cast<double*>(out), sources, offset_elems, count, op);
+    case at::kInt: return reduce_sources(reinterpret_cast<int32_t*>(out), sources, offset_elems, count, op);
+    case at::kLong: return reduce_sources(reinterpret_cast<int64_t*>(out), sources, offset_elems, count, op);
+    default: TORCH_INTERNAL_ASSERT(false, "the direct all-reduce reduces float32/64 and int32/64, got ", dtype);
+  }
+}
+
+struct ChunkHeader {
+  int64_t tag;
+  int64_t total;   // bytes of the whole message
+  int64_t offset;  // of this chunk in the message
+  int64_t length;  // of this chunk
+};
+constexpr size_t kChunkHeaderBytes = 64;
+static_assert(sizeof(ChunkHeader) <= kChunkHeaderBytes);
+
+}  // namespace
+
+struct ShmSegment::RankControl {
+  alignas(kLine) Signal arrived;  // steps whose slot this rank has filled (Note [Direct all-reduce])
+  alignas(kLine) Signal reduced;  // steps whose slice this rank has reduced
+  alignas(kLine) Signal doorbell; // bumped when a chunk arrives for this rank, or one it sent was taken
+  alignas(kLine) int32_t pid;
+};
+
+struct ShmSegment::Channel {
+  alignas(kLine) std::atomic<uint64_t> head;  // chunks written by the sender
+  alignas(kLine) std::atomic<uint64_t> tail;  // chunks taken by the receiver
+  alignas(kLine) char chunks[1];              // kChannelSlots x (ChunkHeader + chunk bytes)
+};
+
+void Signal::post(uint32_t v) {
+  value.store(v, std::memory_order_seq_cst);
+  if (sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&value);
+}
+
+void Signal::bump() {
+  value.fetch_add(1, std::memory_order_seq_cst);
+  if (sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&value);
+}
+
+std::shared_ptr<ShmSegment> ShmSegment::create(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                               std::chrono::milliseconds timeout) {
+  const c10::intrusive_ptr<c10d::Store> store = group->getStore();
+  if (!store) return nullptr;
+  const int rank = group->getRank();
+  const int size = group->getSize();
+  const std::string prefix = c10::str("ddpkit/shm/", group->getGroupName(), "/", next_instance(group->getGroupName()), "/");
+
+  // Note [Shared-memory segment]
+  const std::string identity = host_identity();
+  store->set(c10::str(prefix, "host/", rank), bytes_of(c10::str(getpid(), "@", identity)));
+  std::vector<int> pids(size);
+  bool same_host = true;
+  for (int peer = 0; peer < size; ++peer) {
+    const std::string entry = string_of(store->get(c10::str(prefix, "host/", peer)));
+    const size_t at = entry.find('@');
+    TORCH_INTERNAL_ASSERT(at != std::string::npos, "malformed ddpkit shm rendezvous entry '", entry, "'");
+    pids[peer] = std::stoi(entry.substr(0, at));
+    same_host = same_host && entry.substr(at + 1) == identity;
+  }
+  if (!same_host) return nullptr;
+
+  std::shared_ptr<ShmSegment> segment(new ShmSegment());
+  segment->rank_ = rank;
+  segment->size_ = size;
+  segment->timeout_ = timeout;
+  segment->pids_ = pids;
+  segment->spin_ = size <= static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // Note [Direct all-reduce]: two slots per rank; Note [Shared-memory messages]: kChannelSlots
+  // chunks per ordered pair. Both shrink with the world size, so the whole segment stays bounded.
+  segment->slot_bytes_ = env_bytes(
+      "DDPKIT_SHM_SLOT_BYTES", std::clamp<int64_t>(round_up((32 << 20) / size, kLine), 512 << 10, 4 << 20));
+  segment->chunk_bytes_ = env_bytes(
+      "DDPKIT_SHM_CHUNK_BYTES",
+      std::clamp<int64_t>(round_up((1 << 20) / std::max(1, size - 1), kLine), 64 << 10, 512 << 10));
+  segment->channel_slots_ = kChannelSlots;
+  size_t offset = 0;
+  segment->controls_offset_ = offset;
+  offset += round_up(sizeof(RankControl), kLine) * size;
+  offset = round_up(offset, 4096);
+  segment->slots_offset_ = offset;
+  segment->slot_stride_ = round_up(kSlotHeaderBytes + segment->slot_bytes_, 4096);
+  offset += segment->slot_stride_ * 2 * size;
+  segment->channels_offset_ = offset;
+  segment->channel_stride_ =
+      round_up(offsetof(Channel, chunks) + kChannelSlots * (kChunkHeaderBytes + segment->chunk_bytes_), 4096);
+  offset += segment->channel_stride_ * size * size;
+  const size_t bytes = offset;
+
+  const std::string name_key = prefix + "name";
+  const std::string mapped_key = prefix + "mapped";
+  if (rank == 0) {
+    std::random_device random;
+    const std::string name = c10::str("/ddpkit-", getpid(), "-", std::hex, random(), random());
+    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    TORCH_CHECK(fd >= 0, "ddpkit: shm_open(", name, ") failed: ", std::strerror(errno),
+                "; set DDPKIT_TRANSPORT=process_group to run without shared memory");
+    struct Unlink {
+      std::string name;
+      ~Unlink() { shm_unlink(name.c_str()); }
+    } unlink_at_exit{name};  // also when anything below throws
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      const int error = errno;
+      close(fd);
+      TORCH_CHECK(false, "ddpkit: sizing the shared-memory segment (", bytes, " bytes) failed: ", std::strerror(error));
+    }
+    segment->map(fd, bytes);
+    store->set(name_key, bytes_of(name));
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (store->add(mapped_key, 0) < size - 1) {
+      TORCH_CHECK(std::chrono::steady_clock::now() < deadline,
+                  "ddpkit: ranks did not map the shared-memory segment within the group's timeout");
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  } else {
+    const std::string name = string_of(store->get(name_key));
+    const int fd = shm_open(name.c_str(), O_RDWR, 0600);
+    TORCH_CHECK(fd >= 0, "ddpkit: opening the shared-memory segment ", name, " of rank 0 failed: ",
+                std::strerror(errno));
+    segment->map(fd, bytes);
+    store->add(mapped_key, 1);
+  }
+  segment->control(rank).pid = getpid();
+  return segment;
+}
+
+void ShmSegment::map(int fd, size_t bytes) {
+  void* address = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int error = errno;
+  close(fd);
+  TORCH_CHECK(address != MAP_FAILED, "ddpkit: mapping the shared-memory segment (", bytes, " bytes) failed: ",
+              std::strerror(error));
+  base_ = static_cast<char*>(address);
+  bytes_ = bytes;
+}
+
+ShmSegment::~ShmSegment() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+}
+
+ShmSegment::RankControl& ShmSegment::control(int rank) const {
+  return *reinterpret_cast<RankControl*>(base_ + controls_offset_ + round_up(sizeof(RankControl), kLine) * rank);
+}
+
+ShmSegment::Channel& ShmSegment::channel(int src, int dst) const {
+  return *reinterpret_cast<Channel*>(base_ + channels_offset_ + channel_stride_ * (src * size_ + dst));
+}
+
+CollectiveHeader& ShmSegment::slot_header(int rank, int set) const {
+  return *reinterpret_cast<CollectiveHeader*>(base_ + slots_offset_ + slot_stride_ * (2 * rank + set));
+}
+
+char* ShmSegment::slot(int rank, int set) const {
+  return base_ + slots_offset_ + slot_stride_ * (2 * rank + set) + kSlotHeaderBytes;
+}
+
+void ShmSegment::mark_broken(const std::string& why) const {
+  std::lock_guard<std::mutex> lock(broken_mutex_);
+  if (broken_.empty()) broken_ = why;
+}
+
+void ShmSegment::check_usable(std::string_view what) const {
+  std::lock_guard<std::mutex> lock(broken_mutex_);
+  TORCH_CHECK(broken_.empty(), "ddpkit.", what, ": this process group's shared-memory transport failed earlier (",
+              broken_, "); destroy the group and create a new one");
+}
+
+void ShmSegment::check_peers(const WaitContext& context, int waiting_for) const {
+  auto fail = [&](int peer) {
+    const std::string why = c10::str("rank ", peer, " (pid ", pids_[peer], ") failed: the process died");
+    mark_broken(why);
+    TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): ", why,
+                " during the collective (shared-memory transport)");
+  };
+  if (waiting_for >= 0 && waiting_for != rank_ && !process_alive(pids_[waiting_for])) fail(waiting_for);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer != rank_ && !process_alive(pids_[peer])) fail(peer);
+  }
+  if (std::chrono::steady_clock::now() > context.deadline) {
+    const std::string why = c10::str("no progress within the group's timeout (", timeout_.count(), " ms)");
+    mark_broken(why);
+    TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): waiting for ",
+                waiting_for >= 0 ? c10::str("rank ", waiting_for) : std::string("a peer"), " failed: ", why,
+                "; a peer stopped calling this collective or called another one");
+  }
+}
+
+template <class Ready>
+void ShmSegment::wait_for(Signal& signal, Ready ready, const WaitContext& context) const {
+  if (ready()) return;
+  // Note [Waiting on shared memory]
+  if (spin_) {
+    const auto spin_until = std::chrono::steady_clock::now() + kSpinMicros;
+    for (int i = 1;; ++i) {
+      cpu_relax();
+      if (ready()) return;
+      if ((i & 63) == 0 && std::chrono::steady_clock::now() > spin_until) break;
+    }
+  }
+  auto next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(kLivenessMillis);
+  for (;;) {
+    const uint32_t observed = signal.value.load(std::memory_order_seq_cst);
+    if (ready()) return;
+    signal.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (signal.value.load(std::memory_order_seq_cst) == observed) futex_wait(&signal.value, observed, kLivenessMillis);
+    signal.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (ready()) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= next_check) {
+      check_peers(context, -1);
+      next_check = now + std::chrono::milliseconds(kLivenessMillis);
+    }
+  }
+}
+
+// Note [Direct all-reduce]
+// The all-reduce that shared memory makes possible: no messages, every rank reads its peers' data
+// where they published it. Per chunk of at most slot_bytes():
+//  1. each rank copies its chunk into its own slot (with its header, for the first chunk) and posts
+//     `arrived`; it waits for every peer's `arrived` (with the check: compares all headers);
+//  2. small chunks (n·bytes <= kDirectWholeBytes): every rank reduces the whole chunk from all
+//     slots straight into its tensor, in rank order: one barrier, identical bits everywhere;
+//     larger ones: rank r reduces its 1/n slice from all slots into its own slot's slice r, posts
+//     `reduced`, and copies every slice j from rank j's slot once j has posted it: one copy in, one
+//     reduce pass over n/n of the data, one copy out.
+// Each step alternates between the rank's two slots; a rank writes slot s again only two steps
+// later, after passing the next step's barrier, i.e. after every peer has finished reading it.
+// Every rank takes the same number of steps per collective (the numel is checked on the first), so
+// the step counters stay equal on all ranks, also after a mismatch has been reported.
+void ShmSegment::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
+                            const std::string& local_error, bool checked) {
+  constexpr std::string_view kWhat = "all_reduce";
+  check_usable(kWhat);
+  const bool rejected = !local_error.empty();
+  TORCH_CHECK(checked || !rejected, local_error);
+  const WaitContext context{this, std::chrono::steady_clock::now() + timeout_, kWhat};
+  const at::ScalarType dtype = rejected ? at::kByte : flat.scalar_type();
+  const int64_t element = rejected ? 1 : static_cast<int64_t>(flat.element_size());
+  const int64_t numel = rejected ? 0 : flat.numel();
+  char* const data = rejected || numel == 0 ? nullptr : static_cast<char*>(flat.data_ptr());
+  const int64_t chunk_elems = slot_bytes_ / element;
+  const int64_t chunks = std::max<int64_t>(1, (numel + chunk_elems - 1) / chunk_elems);
+  constexpr int64_t kDirectWholeBytes = 1 << 20;
+  std::vector<const char*> sources(size_);
+  std::vector<CollectiveHeader> headers(size_);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint32_t target = ++step_;
+    const int set = static_cast<int>(target & 1);
+    const int64_t begin = c * chunk_elems;
+    const int64_t count = std::min(chunk_elems, numel - begin);
+    char* mine = slot(rank_, set);
+    if (c == 0) slot_header(rank_, set) = header;
+    if (count > 0) std::memcpy(mine, data + begin * element, count * element);
+    control(rank_).arrived.post(target);
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      Signal& arrived = control(peer).arrived;
+      wait_for(arrived, [&] { return reached(arrived.value.load(std::memory_order_acquire), target); }, context);
+    }
+    if (c == 0 && checked) {
+      for (int peer = 0; peer < size_; ++peer) headers[peer] = slot_header(peer, set);
+      const std::string error = describe_headers(headers.data(), size_, kWhat);
+      TORCH_CHECK(!rejected, local_error);
+      TORCH_CHECK(error.empty(), error);
+    }
+    if (count == 0) continue;
+    for (int peer = 0; peer < size_; ++peer) sources[peer] = slot(peer, set);
+    if (count * element * size_ <= kDirectWholeBytes) {
+      reduce_sources(dtype, data + begin * element, sources, 0, count, op);
+      // Not waited on here, but kept current so that a later sliced step never compares a stale,
+      // wrapped-around counter.
+      control(rank_).reduced.value.store(target, std::memory_order_release);
+      continue;
+    }
+    const int64_t start = slice_start(count, size_, rank_);
+    const int64_t length = slice_start(count, size_, rank_ + 1) - start;
+    // In place in this rank's slot, which must come first among the sources (a later one would be
+    // read after being overwritten); the slice is reduced by this rank alone, so every rank still
+    // gets the same bits.
+    std::rotate(sources.begin(), sources.begin() + rank_, sources.begin() + rank_ + 1);
+    reduce_sources(dtype, mine + start * element, sources, start, length, op);
+    std::rotate(sources.begin(), sources.begin() + 1, sources.begin() + rank_ + 1);
+    control(rank_).reduced.post(target);
+    std::memcpy(data + (begin + start) * element, mine + start * element, length * element);
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      Signal& reduced = control(peer).reduced;
+      wait_for(reduced, [&] { return reached(reduced.value.load(std::memory_order_acquire), target); }, context);
+      const int64_t their_start = slice_start(count, size_, peer);
+      const int64_t their_length = slice_start(count, size_, peer + 1) - their_start;
+      std::memcpy(data + (begin + their_start) * element, sources[peer] + their_start * element,
+                  their_length * element);
+    }
+  }
+}
+
+// ---- Point-to-point messages (Note [Shared-memory messages]) ----
+
+class ShmTransport::Message final : public c10d::Work {
+ public:
+  Message(ShmTransport* transport, bool is_send, int peer, int tag, const at::Tensor& tensor)
+      : c10d::Work(-1, is_send ? c10d::OpType::SEND : c10d::OpType::RECV),
+        transport_(transport),
+        is_send_(is_send),
+        peer_(peer),
+        tag_(tag),
+        tensor_(tensor),
+        data_(static_cast<char*>(tensor.data_ptr())),
+        total_(static_cast<int64_t>(tensor.numel() * tensor.element_size())) {}
+
+  bool wait(std::chrono::milliseconds /*timeout*/) override {
+    transport_->wait_for_message(*this, "collective");
+    return true;
+  }
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(transport_->mutex_);
+    transport_->progress_locked();
+    return done_;
+  }
+  bool isSuccess() const override { return done_ && error_.empty(); }
+  void abort() override { transport_->abort_message(*this); }
+
+  ShmTransport* transport_;
+  const bool is_send_;
+  const int peer_;
+  const int tag_;
+  at::Tensor tensor_;
+  char* const data_;
+  const int64_t total_;
+  int64_t moved_ = 0;  // bytes copied into (send) or out of (receive) shared memory
+  bool done_ = false;  // guarded by the transport's mutex
+  std::string error_;
+};
+
+ShmTransport::ShmTransport(std::shared_ptr<ShmSegment> segment)
+    : segment_(std::move(segment)),
+      sends_(segment_->size()),
+      recvs_(segment_->size()),
+      unexpected_(segment_->size()) {}
+
+ShmTransport::~ShmTransport() = default;
+
+c10::intrusive_ptr<c10d::Work> ShmTransport::send(const at::Tensor& tensor, int dst, int tag) {
+  TORCH_INTERNAL_ASSERT(tensor.is_contiguous() && tensor.device().is_cpu());
+  TORCH_INTERNAL_ASSERT(dst >= 0 && dst < segment_->size() && dst != segment_->rank());
+  auto message = c10::make_intrusive<Message>(this, true, dst, tag, tensor);
+  std::lock_guard<std::mutex> lock(mutex_);
+  sends_[dst].push_back(message);
+  progress_locked();
+  return message;
+}
+
+c10::intrusive_ptr<c10d::Work> ShmTransport::recv(const at::Tensor& tensor, int src, int tag) {
+  TORCH_INTERNAL_ASSERT(tensor.is_contiguous() && tensor.device().is_cpu());
+  TORCH_INTERNAL_ASSERT(src >= 0 && src < segment_->size() && src != segment_->rank());
+  auto message = c10::make_intrusive<Message>(this, false, src, tag, tensor);
+  std::lock_guard<std::mutex> lock(mutex_);
+  bool complete = false;
+  auto found = unexpected_[src].find(tag);
+  if (found != unexpected_[src].end()) {
+    const Unexpected& early = found->second;
+    if (early.total != message->total_) {
+      message->error_ = c10::str("rank ", src, " sent ", early.total, " bytes, this rank expected ", message->total_);
+      complete = true;
+    } else {
+      std::memcpy(message->data_, early.bytes.data(), early.bytes.size());
+      message->moved_ = early.received;
+      complete = early.received == early.total;
+    }
+    unexpected_[src].erase(found);
+  }
+  if (complete) {
+    message->done_ = true;
+  } else {
+    recvs_[src].push_back(message);
+  }
+  progress_locked();
+  return message;
+}
+
+bool ShmTransport::progress_locked() {
+  ShmSegment& segment = *segment_;
+  const int me = segment.rank();
+  const int64_t chunk_bytes = segment.channel_chunk_bytes();
+  const size_t chunk_stride = kChunkHeaderBytes + chunk_bytes;
+  bool moved_any = false;
+  for (int dst = 0; dst < segment.size(); ++dst) {
+    auto& queue = sends_[dst];
+    if (queue.empty()) continue;
+    ShmSegment::Channel& channel = segment.channel(me, dst);
+    uint64_t head = channel.head.load(std::memory_order_relaxed);
+    bool pushed = false;
+    while (!queue.empty()) {
+      Message& message = *queue.front();
+      const uint64_t tail = channel.tail.load(std::memory_order_acquire);
+      if (head - tail >= static_cast<uint64_t>(kChannelSlots)) break;
+      char* chunk = channel.chunks + (head % kChannelSlots) * chunk_stride;
+      const int64_t length = std::min(chunk_bytes, message.total_ - message.moved_);
+      *reinterpret_cast<ChunkHeader*>(chunk) = ChunkHeader{message.tag_, message.total_, message.moved_, length};
+      if (length > 0) std::memcpy(chunk + kChunkHeaderBytes, message.data_ + message.moved_, length);
+      channel.head.store(++head, std::memory_order_release);
+      message.moved_ += length;
+      pushed = true;
+      if (message.moved_ == message.total_) {
+        message.done_ = true;
+        queue.pop_front();
+      }
+    }
+    if (pushed) {
+      segment.control(dst).doorbell.bump();
+      moved_any = true;
+    }
+  }
+  for (int src = 0; src < segment.size(); ++src) {
+    if (src == me) continue;
+    ShmSegment::Channel& channel = segment.channel(src, me);
+    uint64_t tail = channel.tail.load(std::memory_order_relaxed);
+    bool took = false;
+    while (tail < channel.head.load(std::memory_order_acquire)) {
+      const char* chunk = channel.chunks + (tail % kChannelSlots) * chunk_stride;
+      const ChunkHeader header = *reinterpret_cast<const ChunkHeader*>(chunk);
+      auto& posted = recvs_[src];
+      auto match = std::find_if(posted.begin(), posted.end(),
+                                [&](const c10::intrusive_ptr<Message>& m) { return m->tag_ == header.tag; });
+      if (match != posted.end()) {
+        Message& message = **match;
+        if (header.total != message.total_) {
+          message.error_ = c10::str("rank ", src, " sent ", header.total, " bytes, this rank expected ", message.total_);
+        } else if (header.length > 0) {
+          std::memcpy(message.data_ + header.offset, chunk + kChunkHeaderBytes, header.length);
+        }
+        message.moved_ += header.length;
+        if (!message.error_.empty() || message.moved_ == message.total_) {
+          message.done_ = true;
+          posted.erase(match);
+        }
+      } else {
+        Unexpected& early = unexpected_[src][static_cast<int>(header.tag)];
+        early.total = header.total;
+        early.bytes.resize(static_cast<size_t>(header.total));
+        if (header.length > 0) std::memcpy(early.bytes.data() + header.offset, chunk + kChunkHeaderBytes, header.length);
+        early.received += header.length;
+      }
+      channel.tail.store(++tail, std::memory_order_release);
+      took = true;
+    }
+    if (took) {
+      segment.control(src).doorbell.bump();
+      moved_any = true;
+    }
+  }
+  return moved_any;
+}
+
+void ShmTransport::wait_for_message(Message& message, std::string_view what) {
+  const WaitContext context{segment_.get(), std::chrono::steady_clock::now() + segment_->timeout(), what};
+  segment_->wait_for(
+      segment_->control(segment_->rank()).doorbell,
+      [&] {
+        std::lock_guard<std::mutex> lock(mutex_);
+        progress_locked();
+        return message.done_;
+      },
+      context);
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(message.error_.empty(), message.error_);
+}
+
+void ShmTransport::abort_message(Message& message) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (message.done_) return;
+  auto drop = [&](auto& list) {
+    for (auto it = list.begin(); it != list.end(); ++it) {
+      if (it->get() == &message) {
+        list.erase(it);
+        return;
+      }
+    }
+  };
+  if (message.is_send_) drop(sends_[message.peer_]); else drop(recvs_[message.peer_]);
+  if (message.moved_ > 0) segment_->mark_broken("a message was aborted half-way");
+  message.error_ = "aborted";
+  message.done_ = true;
+}
+
+}  // namespace ddpkit::comm
