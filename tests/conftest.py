@@ -1,8 +1,25 @@
 """Shared fixtures: one pool of gloo worker processes per world size for the whole session."""
 
+from pathlib import Path
+
 import pytest
 
 from ddpkit.launch import WorkerPool
+
+
+def _ddpkit_segments() -> set:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.iterdir() if p.name.startswith("ddpkit-")} if shm.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """After the whole suite (pools closed, killed ranks included) no ddpkit segment is in /dev/shm:
+    names are unlinked as soon as every rank has mapped them (Note [Shared-memory segment])."""
+    before = _ddpkit_segments()
+    yield
+    left = _ddpkit_segments() - before
+    assert not left, f"shared-memory segments left in /dev/shm: {sorted(left)}"
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
 #include "comm/communicator.h"
 
+#include "comm/shm.h"
+
 #include <cstring>
 
 #include <atomic>
@@ -74,6 +76,10 @@ void Communicator::begin(const CollectiveHeader& header, const std::string& loca
   CollectiveHeader words = header;
   words.magic = local_error.empty() ? kHeaderMagic : kRejectedMagic;
   words.sequence = static_cast<int64_t>(sequence_ & 0x7FFFFF);
+  if (shm_ != nullptr) {
+    shm_->check_header(words, local_error, what_);  // Note [Collective checks]: through the slots
+    return;
+  }
   const auto device_options = at::TensorOptions().dtype(at::kLong).device(device_type_);
   at::Tensor mine = at::from_blob(&words, {kHeaderWords}, at::kLong).to(device_options, false, true);
   header_messages_.clear();

@@ -35,10 +35,13 @@ namespace ddpkit::comm {
 // that loses a peer while collecting headers still tells the others, so they fail at once instead
 // of at the timeout. Two one-way messages per rank, rather than an exchange
 // with every peer: on an oversubscribed CPU the number of messages and of busy threads is what
-// costs (Note [Choosing an algorithm]). See set_checked(). On shared memory the direct all-reduce
-// needs no messages for this: each rank's header rides in the slot of its first chunk and every
-// rank compares all of them after the first barrier (Note [Direct all-reduce]), so the check costs
-// a few loads. Headers are the plain struct CollectiveHeader (header.h), compared field by field.
+// costs (Note [Choosing an algorithm]). See set_checked().
+// On shared memory no message is needed: the direct all-reduce carries each rank's header in the
+// slot of its first chunk and every rank compares all of them after the first barrier (Note [Direct
+// all-reduce]); every other collective over shared memory takes one step of the same protocol with
+// the header alone (ShmSegment::check_header) before its first message. So the check costs a few
+// loads, and a direct all-reduce called against a broadcast is caught like any other mismatch.
+// Headers are the plain struct CollectiveHeader (header.h), compared field by field by name.
 
 // Note [Pre-posted receives]
 // Gloo's point-to-point is a rendezvous: a send leaves at once only if the receiver's "ready"

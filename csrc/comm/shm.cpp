@@ -415,7 +415,6 @@ void ShmSegment::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeade
   const int64_t chunks = std::max<int64_t>(1, (numel + chunk_elems - 1) / chunk_elems);
   constexpr int64_t kDirectWholeBytes = 1 << 20;
   std::vector<const char*> sources(size_);
-  std::vector<CollectiveHeader> headers(size_);
   for (int64_t c = 0; c < chunks; ++c) {
     const uint32_t target = ++step_;
     const int set = static_cast<int>(target & 1);
@@ -424,18 +423,8 @@ void ShmSegment::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeade
     char* mine = slot(rank_, set);
     if (c == 0) slot_header(rank_, set) = header;
     if (count > 0) std::memcpy(mine, data + begin * element, count * element);
-    control(rank_).arrived.post(target);
-    for (int peer = 0; peer < size_; ++peer) {
-      if (peer == rank_) continue;
-      Signal& arrived = control(peer).arrived;
-      wait_for(arrived, [&] { return reached(arrived.value.load(std::memory_order_acquire), target); }, context);
-    }
-    if (c == 0 && checked) {
-      for (int peer = 0; peer < size_; ++peer) headers[peer] = slot_header(peer, set);
-      const std::string error = describe_headers(headers.data(), size_, kWhat);
-      TORCH_CHECK(!rejected, local_error);
-      TORCH_CHECK(error.empty(), error);
-    }
+    arrive_and_wait(target, context);
+    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
     if (count == 0) continue;
     for (int peer = 0; peer < size_; ++peer) sources[peer] = slot(peer, set);
     if (count * element * size_ <= kDirectWholeBytes) {
@@ -465,6 +454,33 @@ void ShmSegment::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeade
                   their_length * element);
     }
   }
+}
+
+void ShmSegment::arrive_and_wait(uint32_t target, const WaitContext& context) {
+  control(rank_).arrived.post(target);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    Signal& arrived = control(peer).arrived;
+    wait_for(arrived, [&] { return reached(arrived.value.load(std::memory_order_acquire), target); }, context);
+  }
+}
+
+void ShmSegment::compare_headers(int set, const std::string& local_error, std::string_view what) const {
+  std::vector<CollectiveHeader> headers(size_);
+  for (int peer = 0; peer < size_; ++peer) headers[peer] = slot_header(peer, set);
+  const std::string error = describe_headers(headers.data(), size_, what);
+  TORCH_CHECK(local_error.empty(), local_error);
+  TORCH_CHECK(error.empty(), error);
+}
+
+void ShmSegment::check_header(const CollectiveHeader& header, const std::string& local_error, std::string_view what) {
+  check_usable(what);
+  const WaitContext context{this, std::chrono::steady_clock::now() + timeout_, what};
+  const uint32_t target = ++step_;
+  const int set = static_cast<int>(target & 1);
+  slot_header(rank_, set) = header;
+  arrive_and_wait(target, context);
+  compare_headers(set, local_error, what);
 }
 
 // ---- Point-to-point messages (Note [Shared-memory messages]) ----

@@ -94,6 +94,13 @@ class ShmSegment {
   void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
                   bool checked);
 
+  // The collective check of a collective that runs over messages (Note [Collective checks]): one
+  // step of the direct all-reduce's protocol carrying only `header` (its magic says whether this
+  // rank rejected its arguments, `local_error` then being its own error). Every rank compares all
+  // headers and raises the same error on a mismatch; a direct all-reduce and a message-based
+  // collective called against each other therefore meet in the same step and both report it.
+  void check_header(const CollectiveHeader& header, const std::string& local_error, std::string_view what);
+
   // Waits until `ready()` holds, sleeping on `signal` (Note [Waiting on shared memory]). Throws,
   // naming the peer, when a peer died, or when the deadline passed.
   template <class Ready>
@@ -116,6 +123,10 @@ class ShmSegment {
  private:
   ShmSegment() = default;
   void map(int fd, size_t bytes);
+  // Posts this rank's arrival at step `target` and waits for every peer's.
+  void arrive_and_wait(uint32_t target, const WaitContext& context);
+  // Compares the headers of every rank in slot set `set`; throws `local_error` first if there is one.
+  void compare_headers(int set, const std::string& local_error, std::string_view what) const;
 
   int rank_ = 0;
   int size_ = 1;
