@@ -1,11 +1,18 @@
 """SyncBatchNorm forward+backward: time and memory of ddpkit's layer against torch's.
 
 The setup of the week-4 assignment: features {128, 256, 512, 1024} x global batch {32, 64} of
-(B, C) inputs, plus a convolution-shaped (32, 64, 32, 32) input, the global batch split evenly
-across the workers; every step is forward + backward with a fixed random output gradient.
+(B, C) inputs, plus a convolution-shaped input ((32, 64, 32, 32) on CPU, (32, 256, 32, 32) on CUDA),
+the global batch split evenly across the workers; every step is forward + backward with a fixed
+random output gradient.
 
-* CUDA available: workers use NCCL and one GPU each; the baseline is torch.nn.SyncBatchNorm, and
-  ddpkit runs with algorithm="process_group" (NCCL's all-reduce) and "auto".
+* --device cuda (default when CUDA is available): every worker uses GPU rank % device_count, so
+  on one GPU the ranks share it; the backend is gloo unless --backend nccl (one GPU per rank).
+  The baseline is torch.nn.SyncBatchNorm; ddpkit runs with algorithm="process_group" (the group's
+  all-reduce; gloo stages CUDA tensors through the host) and, with --cuda-algorithms ... auto,
+  "auto" (ddpkit's point-to-point messages, which over gloo need host staging in csrc/comm).
+  World size 1: every configuration, ddpkit's CUDA kernels against torch's CUDA BatchNorm. Steps
+  are timed with CUDA events on the current stream; memory is torch.cuda.max_memory_allocated.
+  Results go to syncbn_cuda.json (with the GPU's name and driver), never over the CPU results.
 * CPU (gloo), where torch has no SyncBatchNorm: the baseline is its floor, measured in the same
   run: torch's BatchNorm1d/2d forward+backward on the local batch (compute) plus one gloo
   all-reduce of 2C+1 and one of 2C float64 values (communication, torch.distributed.all_reduce:
@@ -18,6 +25,7 @@ Outputs and input gradients are checked against BatchNorm on the whole batch bef
 
     python benchmarks/bench_syncbn.py            # full run, writes benchmarks/results/syncbn.json
     python benchmarks/bench_syncbn.py --quick    # smoke run (few configurations and repetitions)
+    python benchmarks/bench_syncbn.py --device cuda   # one GPU, world sizes 1 and 2 (gloo): syncbn_cuda.json
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from ddpkit.launch import WorkerPool  # noqa: E402
 FEATURES = (128, 256, 512, 1024)
 BATCHES = (32, 64)
 CONV_SHAPE = (32, 64, 32, 32)
+CONV_SHAPE_CUDA = (32, 256, 32, 32)
 TARGET_RATIO_DISTRIBUTED = 1.15
 TARGET_RATIO_LOCAL = 1.0
 CHECK_ATOL = 1e-3
@@ -63,8 +72,8 @@ MEMORY_METHOD = (
 # Measurements (run on every rank, or in this process for world size 1)
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available():
+def _device(device_type: str) -> torch.device:
+    if device_type == "cuda":
         rank = dist.get_rank() if dist.is_initialized() else 0
         torch.cuda.set_device(rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
@@ -139,17 +148,48 @@ def _memory(run: Callable[[], None], device: torch.device, reset: Callable[[], N
     return {"alloc": peak, "rss": rss}
 
 
-def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup: int, check_only: bool = False) -> dict:
+def _cuda_kernels() -> str:
+    """What CUDA tensors run: ddpkit's own kernels, or the ATen-generic code of a build without them."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key("ddpkit::sync_batch_norm", "CUDA")
+    return "cuda (hand-written kernels)" if has else "aten (cuda; built without CUDA kernels)"
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    """Seconds one call takes: CUDA events on the current stream, else the host clock."""
+    if device.type == "cuda":
+        def timed(fn: Callable[[], None]) -> float:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return timed
+
+    def timed_host(fn: Callable[[], None]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    return timed_host
+
+
+def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup: int, check_only: bool = False,
+            device_type: str = "cpu", cuda_algorithms: tuple = ("process_group",)) -> dict:
     """Times the candidates on this rank's shard; returns per-repetition times, memory and the
     outputs and input gradients of the first ddpkit step (for the correctness check)."""
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    device = _device()
+    device = _device(device_type)
     x = x_global.tensor_split(world)[rank].to(device).requires_grad_()
     grad = grad_global.tensor_split(world)[rank].to(device)
     features = x.shape[1]
 
-    layers = {"ddpkit": ddpkit.SyncBatchNorm(features, affine=True, algorithm="auto").to(device)}
+    layers = {}
+    # On CUDA in a group, "auto" only where asked (ddpkit's point-to-point path over gloo needs
+    # host staging of CUDA tensors in csrc/comm).
+    if not (distributed and device.type == "cuda") or "auto" in cuda_algorithms:
+        layers["ddpkit"] = ddpkit.SyncBatchNorm(features, affine=True, algorithm="auto").to(device)
     comm: dict[str, Callable[[], None]] = {}
     if distributed:
         layers["ddpkit_pg"] = ddpkit.SyncBatchNorm(features, affine=True, algorithm="process_group").to(device)
@@ -182,7 +222,7 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
         candidates["ddpkit_unchecked"] = _without_collective_checks(candidates["ddpkit_unchecked"])
     if distributed:
         # ddpkit's local kernels alone on this rank's batch (the op without a group): its compute.
-        local = layers["ddpkit"]
+        local = layers.get("ddpkit", layers["ddpkit_pg"])
         candidates["ddpkit_local"] = lambda: torch.ops.ddpkit.sync_batch_norm(
             x, local.weight, local.bias, local.running_mean, local.running_var, True, 0.1, local.eps, "auto",
             None)[0].backward(grad)
@@ -200,6 +240,7 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
 
     names = list(candidates)
     times = {name: [] for name in names}
+    timed = _timer(device)
     for rep in range(warmup + reps):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
@@ -207,10 +248,7 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
             if distributed:
                 dist.barrier()
             _sync(device)
-            t0 = time.perf_counter()
-            candidates[name]()
-            _sync(device)
-            elapsed = time.perf_counter() - t0
+            elapsed = timed(candidates[name])
             if rep >= warmup:
                 times[name].append(elapsed)
 
@@ -219,7 +257,7 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
     memory = {name: _memory(_step(layer, x, grad), device, lambda: _clear_grads(x, layers.values()))
               for name, layer in layers.items()}
     return {"times": times, "memory": memory, "check": check, "threads": torch.get_num_threads(),
-            "kernels": ddpkit.syncbn.cpu_kernels() if device.type == "cpu" else "aten (cuda)"}
+            "kernels": ddpkit.syncbn.cpu_kernels() if device.type == "cpu" else _cuda_kernels()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -256,9 +294,10 @@ def summarize(per_rank: list, world_size: int, shape) -> dict:
         record[f"alloc_{name}"] = values["alloc"]
         record[f"rss_{name}"] = values["rss"]
     if "t_torch_syncbn" in record:
-        record["ratio"] = record["t_ddpkit"] / record["t_torch_syncbn"]
+        main = "ddpkit" if "t_ddpkit" in record else "ddpkit_pg"  # CUDA over gloo: "auto" only when asked
+        record["ratio"] = record[f"t_{main}"] / record["t_torch_syncbn"]
         record["ratio_pg"] = record["t_ddpkit_pg"] / record["t_torch_syncbn"]
-        record["alloc_extra"] = record["alloc_ddpkit"] - record["alloc_torch_syncbn"]
+        record["alloc_extra"] = record[f"alloc_{main}"] - record["alloc_torch_syncbn"]
     elif world_size > 1:
         floor = record["t_torch_bn_local"] + record["t_gloo_two_all_reduces"]
         record["t_floor"] = floor
@@ -292,74 +331,103 @@ def check_outputs(per_rank: list, x: torch.Tensor, grad: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: two configurations, few repetitions")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when torch sees a GPU, else cpu")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="CUDA only: gloo (default; ranks may share one GPU) or nccl (one GPU per rank)")
+    parser.add_argument("--cuda-algorithms", nargs="+", choices=("process_group", "auto"), default=["process_group"],
+                        help="CUDA in a group: ddpkit's all-reduce algorithms to time (auto over gloo needs host "
+                             "staging of CUDA tensors in csrc/comm)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=None, help="default: 2 4 on CPU, 2 on CUDA")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per candidate (default 500; conv 60)")
     parser.add_argument("--local-threads", type=int, nargs="+", default=[1, 2],
-                        help="torch.set_num_threads values for the world-size-1 comparison")
+                        help="torch.set_num_threads values for the world-size-1 comparison (CPU)")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        parser.error(f"--device cuda: torch {torch.__version__} sees no CUDA device")
+    device_type = "cuda" if cuda else "cpu"
+    backend = args.backend if cuda else "gloo"
+    world_sizes = args.world_sizes or ([2] if cuda else [2, 4])
+    cuda_algorithms = tuple(args.cuda_algorithms)
+    conv_shape = CONV_SHAPE_CUDA if cuda else CONV_SHAPE
     configs = [(b, f) for f in FEATURES for b in BATCHES]
     if args.quick:
         configs = [(32, 128), (64, 1024)]
-    shapes = configs + [CONV_SHAPE if not args.quick else (8, 16, 16, 16)]
+    shapes = configs + [conv_shape if not args.quick else (8, 16, 16, 16)]
     reps_2d = args.reps or (10 if args.quick else 500)
     reps_conv = args.reps or (5 if args.quick else 60)
     warmup = 2 if args.quick else 10
 
     records = []
     worst_error = 0.0
-    for world_size in args.world_sizes:
-        pool = WorkerPool(world_size, backend="nccl" if cuda else "gloo", timeout=3600)
+    options = {"device_type": device_type, "cuda_algorithms": cuda_algorithms}
+    for world_size in world_sizes:
+        pool = WorkerPool(world_size, backend=backend, timeout=3600)
         try:
             for seed, shape in enumerate(shapes):
                 x, grad = inputs(shape, seed)
                 reps = reps_conv if len(shape) == 4 else reps_2d
                 print(f"world_size={world_size} shape={shape} reps={reps}", flush=True)
-                worst_error = max(worst_error, check_outputs(pool.run(measure, x, grad, 0, 0, True), x, grad))
-                records.append(summarize(pool.run(measure, x, grad, reps, warmup), world_size, shape))
+                worst_error = max(worst_error, check_outputs(pool.run(measure, x, grad, 0, 0, True, **options), x, grad))
+                records.append(summarize(pool.run(measure, x, grad, reps, warmup, **options), world_size, shape))
         finally:
             pool.close()
 
+    # World size 1: on CPU two shapes per thread count; on CUDA every configuration, once.
     local_shapes = [(64, 1024), CONV_SHAPE] if not args.quick else [(64, 1024), (8, 16, 16, 16)]
-    for threads in args.local_threads:
+    local_threads = args.local_threads
+    if cuda:
+        local_shapes, local_threads = shapes, [torch.get_num_threads()]
+    for threads in local_threads:
         torch.set_num_threads(threads)
         for seed, shape in enumerate(local_shapes):
             x, grad = inputs(shape, 100 + seed)
             reps = reps_conv if len(shape) == 4 else reps_2d
             print(f"world_size=1 threads={threads} shape={shape} reps={reps}", flush=True)
-            worst_error = max(worst_error, check_outputs([measure(x, grad, 0, 0, True)], x, grad))
-            records.append(summarize([measure(x, grad, reps, warmup)], 1, shape))
+            worst_error = max(worst_error, check_outputs([measure(x, grad, 0, 0, True, **options)], x, grad))
+            records.append(summarize([measure(x, grad, reps, warmup, **options)], 1, shape))
 
     distributed = [r for r in records if r["world_size"] > 1]
     two = [r for r in distributed if r["world_size"] == 2]
     local = [r for r in records if r["world_size"] == 1]
+    def worst(key: str):
+        return max((r[key] for r in two if key in r), default=None)
+
+    def within(key: str) -> int:
+        return sum(r[key] <= TARGET_RATIO_DISTRIBUTED for r in two if key in r)
+
     summary = {
         "max_check_error": worst_error,
         "target_ratio_distributed": TARGET_RATIO_DISTRIBUTED,
         "target_ratio_local": TARGET_RATIO_LOCAL,
-        "max_ratio_2_workers": max((r["ratio"] for r in two), default=None),
-        "max_ratio_pg_2_workers": max((r["ratio_pg"] for r in two), default=None),
-        "configs_within_target_2_workers": sum(r["ratio"] <= TARGET_RATIO_DISTRIBUTED for r in two),
-        "configs_within_target_pg_2_workers": sum(r["ratio_pg"] <= TARGET_RATIO_DISTRIBUTED for r in two),
-        "max_ratio_unchecked_2_workers": max((r["ratio_unchecked"] for r in two), default=None),
-        "configs_within_target_unchecked_2_workers": sum(r["ratio_unchecked"] <= TARGET_RATIO_DISTRIBUTED for r in two),
-        "max_ratio_emulated_2_workers": max((r["ratio_emulated"] for r in two), default=None),
-        "max_ratio_local_compute_2_workers": max((r["ratio_local_compute"] for r in two), default=None),
-        "max_ratio_pg_vs_emulated_2_workers": max((r["ratio_pg_vs_emulated"] for r in two), default=None),
+        "max_ratio_2_workers": worst("ratio"),
+        "max_ratio_pg_2_workers": worst("ratio_pg"),
+        "configs_within_target_2_workers": within("ratio"),
+        "configs_within_target_pg_2_workers": within("ratio_pg"),
+        "max_ratio_unchecked_2_workers": worst("ratio_unchecked"),
+        "configs_within_target_unchecked_2_workers": within("ratio_unchecked"),
+        "max_ratio_emulated_2_workers": worst("ratio_emulated"),
+        "max_ratio_local_compute_2_workers": worst("ratio_local_compute"),
+        "max_ratio_pg_vs_emulated_2_workers": worst("ratio_pg_vs_emulated"),
         "configs_2_workers": len(two),
         "local_ratios": {f"{tuple(r['shape'])} threads={r['threads_per_rank']}": r["ratio"] for r in local},
         "max_alloc_extra_per_channel_bytes": max(r["alloc_extra_per_channel"] for r in records),
     }
     settings = {
-        "configs_global_batch_x_features": configs, "conv_shape": list(shapes[-1]), "world_sizes": args.world_sizes,
+        "configs_global_batch_x_features": configs, "conv_shape": list(shapes[-1]), "world_sizes": world_sizes,
         "repetitions_2d": reps_2d, "repetitions_conv": reps_conv, "warmup": warmup, "quick": args.quick,
-        "local_threads": args.local_threads, "threads_per_rank": "cpu_count // world_size (recorded per record)",
+        "local_threads": local_threads, "threads_per_rank": "cpu_count // world_size (recorded per record)",
         "affine": True, "dtype": "float32", "input_split": "global batch split evenly across ranks (tensor_split)",
         "gradient": "fixed standard-normal output gradient; step = layer(x).backward(grad)",
         "timing": "candidates interleaved in a rotating order after a barrier; per repetition the slowest rank; "
                   "median over repetitions",
-        "baseline": "torch.nn.SyncBatchNorm over NCCL" if cuda else
+        "device": device_type, "backend": backend,
+        "cuda_algorithms": list(cuda_algorithms) if cuda else None,
+        "gpus": "every rank on GPU rank % device_count (one GPU: all ranks share it)" if cuda else None,
+        "timing_clock": "CUDA events on the current stream around each step" if cuda else "time.perf_counter",
+        "baseline": f"torch.nn.SyncBatchNorm over {backend}; world size 1: torch's CUDA BatchNorm" if cuda else
                     "floor = torch BatchNorm fwd+bwd on the local batch + gloo all_reduce of 2C+1 and 2C float64",
         "candidates": {
             "ddpkit": "ddpkit.SyncBatchNorm(algorithm='auto')",
@@ -372,15 +440,16 @@ def main() -> None:
             "torch_emulated": "torch BatchNorm forward, all_reduce(2C+1), backward, all_reduce(2C) in one step: "
                               "the floor's parts interleaved as in a real step (not a synchronized result)",
             "torch_syncbn": "torch.nn.SyncBatchNorm (CUDA only)",
+            "torch_bn_local (CUDA, world size 1)": "torch.nn.BatchNorm1d/2d on the GPU (cuDNN or ATen's kernels)",
         },
         "memory_method": MEMORY_METHOD,
     }
-    path = write_results("syncbn", backend="nccl" if cuda else "gloo", device_type="cuda" if cuda else "cpu",
+    path = write_results("syncbn_cuda" if cuda else "syncbn", backend=backend, device_type=device_type,
                          settings=settings, records=records, summary=summary)
     columns = ["world_size", "shape", "threads_per_rank", "t_ddpkit", "t_ddpkit_pg", "t_ddpkit_unchecked",
                "t_ddpkit_local", "t_torch_bn_local", "t_gloo_two_all_reduces", "t_torch_emulated", "t_torch_syncbn", "ratio",
                "ratio_pg", "ratio_unchecked", "ratio_emulated", "ratio_local_compute", "alloc_ddpkit", "alloc_torch_bn_local",
-               "alloc_extra", "rss_ddpkit", "rss_torch_bn_local"]
+               "alloc_extra", "alloc_ddpkit_pg", "alloc_torch_syncbn", "rss_ddpkit", "rss_torch_bn_local"]
     columns = [c for c in columns if any(c in r for r in records)]
     print_table([{**r, "shape": "x".join(map(str, r["shape"]))} for r in records], columns)
     print({k: v for k, v in summary.items()})

@@ -64,6 +64,14 @@ std::atomic<bool> native_cpu_kernels{true};
 
 bool native(const at::Tensor& t) { return t.is_cpu() && native_cpu_kernels.load(std::memory_order_relaxed); }
 
+// Note [Backend element kernels]: the table of the innermost live ElementKernelsGuard on this thread.
+thread_local const ElementKernels* guarded_kernels = nullptr;
+
+const ElementKernels* backend_kernels(const at::Tensor& t) {
+  const ElementKernels* k = guarded_kernels;
+  return k != nullptr && t.device().type() == k->device ? k : nullptr;
+}
+
 at::ScalarType acc_dtype(at::ScalarType dtype) { return dtype == at::kDouble ? at::kDouble : at::kFloat; }
 
 // The dimensions a per-channel reduction runs over: all but dim 1.
@@ -106,6 +114,12 @@ void with_acc_type(at::ScalarType dtype, F&& fn) {
 
 }  // namespace
 
+ElementKernelsGuard::ElementKernelsGuard(const ElementKernels& kernels) : previous_(guarded_kernels) {
+  guarded_kernels = &kernels;
+}
+
+ElementKernelsGuard::~ElementKernelsGuard() { guarded_kernels = previous_; }
+
 void set_native_cpu_kernels(bool enabled) { native_cpu_kernels.store(enabled); }
 
 std::string cpu_kernels_name() {
@@ -137,6 +151,7 @@ at::Tensor match_layout(const LocalInput& in, const at::Tensor& t) { return t.co
 // Element passes
 
 LocalMoments local_moments(const LocalInput& in) {
+  if (const ElementKernels* k = backend_kernels(in.x)) return k->local_moments(in);
   const int64_t channels = in.channels();
   if (native(in.x)) {
     LocalMoments out{new_doubles(in.x, channels), new_doubles(in.x, channels)};
@@ -152,6 +167,7 @@ LocalMoments local_moments(const LocalInput& in) {
 
 at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
                      const at::Tensor& bias) {
+  if (const ElementKernels* k = backend_kernels(in.x)) return k->normalize(in, mean, invstd, weight, bias);
   const int64_t channels = in.channels();
   const at::ScalarType dtype = in.x.scalar_type();
   if (native(in.x)) {
@@ -184,6 +200,7 @@ at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Ten
 }
 
 at::Tensor grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean) {
+  if (const ElementKernels* k = backend_kernels(in.x)) return k->grad_sums(in, dy, mean);
   const int64_t channels = in.channels();
   const at::ScalarType dtype = in.x.scalar_type();
   if (native(in.x)) {
@@ -213,6 +230,9 @@ at::Tensor grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tenso
 at::Tensor grad_input_training(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
                                const at::Tensor& invstd, const at::Tensor& weight, const at::Tensor& sums,
                                double count) {
+  if (const ElementKernels* k = backend_kernels(in.x)) {
+    return k->grad_input_training(in, dy, mean, invstd, weight, sums, count);
+  }
   const int64_t channels = in.channels();
   const at::ScalarType dtype = in.x.scalar_type();
   // dx = k·dy + q·(x - mean) + r with k = w·invstd, q = -k·invstd²·Σdy(x-mean)/N, r = -k·Σdy/N, and
@@ -253,6 +273,7 @@ at::Tensor grad_input_training(const LocalInput& in, const at::Tensor& dy, const
 
 at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at::Tensor& invstd,
                            const at::Tensor& weight) {
+  if (const ElementKernels* k = backend_kernels(in.x)) return k->grad_input_eval(in, dy, invstd, weight);
   const int64_t channels = in.channels();
   const at::ScalarType dtype = in.x.scalar_type();
   if (native(in.x)) {

@@ -5,7 +5,8 @@
 // Every function takes tensors on one device and returns new tensors there. CPU tensors run the
 // vectorised passes of syncbn/cpu/kernels.h and plain loops for the per-channel math (unless
 // set_native_cpu_kernels(false)); every other device runs device-generic code made of ATen
-// reductions and element-wise ops only (no batch-norm internals), so the same ops serve CUDA.
+// reductions and element-wise ops only (no batch-norm internals), so the same ops serve CUDA;
+// a backend with kernels of its own replaces the element passes (Note [Backend element kernels]).
 //
 // Dtypes: the input is float32, float64, float16 or bfloat16; statistics (mean, invstd, the sums
 // of a pass) are float64 tensors of C values; weight, bias and running statistics have the
@@ -118,6 +119,43 @@ void update_running_stats(const at::Tensor& running_mean, const at::Tensor& runn
 // grad_weight = invstd·Σ dy·(x - mean), grad_bias = Σ dy, in `dtype`; undefined where not wanted.
 std::pair<at::Tensor, at::Tensor> affine_grads(const at::Tensor& local_sums, const at::Tensor& invstd,
                                                at::ScalarType dtype, bool want_weight, bool want_bias);
+
+// --- backend element kernels ------------------------------------------------------------------
+
+// Note [Backend element kernels]
+// A backend with hand-written element passes (CUDA: syncbn/cuda/, compiled only when torch has
+// CUDA and nvcc is found) supplies them as an ElementKernels table. Its dispatch-key kernels of
+// ddpkit::sync_batch_norm and ddpkit::sync_batch_norm_backward (TORCH_LIBRARY_IMPL(ddpkit, CUDA, m)
+// in syncbn/cuda/register.cpp, which the dispatcher prefers to the CompositeExplicitAutograd ones
+// for tensors of that backend) install an ElementKernelsGuard on the calling thread and run the
+// ops of syncbn/syncbn.h, so validation, the per-channel float64 math and the one all-reduce per
+// pass stay in one place; while the guard lives, the five element passes above run the table's
+// functions for tensors on `device`. Other devices, and every call outside a guard, run the code
+// above. Each function has the contract of the element pass it replaces.
+struct ElementKernels {
+  c10::DeviceType device;
+  LocalMoments (*local_moments)(const LocalInput& in);
+  at::Tensor (*normalize)(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd,
+                          const at::Tensor& weight, const at::Tensor& bias);
+  at::Tensor (*grad_sums)(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean);
+  at::Tensor (*grad_input_training)(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
+                                    const at::Tensor& invstd, const at::Tensor& weight, const at::Tensor& sums,
+                                    double count);
+  at::Tensor (*grad_input_eval)(const LocalInput& in, const at::Tensor& dy, const at::Tensor& invstd,
+                                const at::Tensor& weight);
+};
+
+// Makes `kernels` serve this thread's element passes until destroyed (nests; restores the previous).
+class ElementKernelsGuard {
+ public:
+  explicit ElementKernelsGuard(const ElementKernels& kernels);
+  ~ElementKernelsGuard();
+  ElementKernelsGuard(const ElementKernelsGuard&) = delete;
+  ElementKernelsGuard& operator=(const ElementKernelsGuard&) = delete;
+
+ private:
+  const ElementKernels* previous_;
+};
 
 // --- kernel selection -----------------------------------------------------------------------
 

@@ -1,0 +1,382 @@
+#pragma once
+// SyncBatchNorm's element passes on CUDA, as device code only: raw pointers in, per-channel
+// partial results out. No ATen, no allocation, no error checking, no communication: the launchers
+// in syncbn/cuda/kernels.cu validate nothing either (syncbn/syncbn.cpp has), pick grid sizes, own
+// the workspaces and launch on torch's current stream.
+//
+// Element dtypes: float, double, c10::Half, c10::BFloat16 (any type with static_cast to and from
+// acc_t on the device). acc_t, the arithmetic type, is double for double elements and float
+// otherwise; per-channel results are merged in double at the end, so a pass returns the float64
+// values of the contracts in syncbn/kernels.h.
+//
+// Layouts: the two of Note [CPU layouts] (syncbn/cpu/kernels.h), nothing else:
+//  - planar: `outer` = N groups of `channels` planes of `inner` contiguous elements;
+//  - channels-inner: `outer` rows of `channels` contiguous elements (2-D and channels_last inputs).
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace ddpkit::syncbn::cuda {
+
+constexpr int kThreads = 256;  // every kernel runs blocks of 256 threads
+constexpr int kWarp = 32;
+
+// Note [CUDA moments]
+// Per-channel mean and centred sum of squares, accurate for inputs whose mean is large against
+// their spread (Note [Stable moments] in syncbn/cpu/kernels.h; 1e4 + N(0,1) in float32):
+//  1. every value is shifted by its channel's first value K (x - K is exact for values near K,
+//     Sterbenz), so the float32 accumulators only ever hold numbers of the size of the spread;
+//  2. each thread runs Welford's update in acc_t over its values;
+//  3. a block merges its threads with Chan's formula (warp shuffles, then shared memory) and
+//     writes one partial (n, mean, M2) per channel and split of the channel's values;
+//  4. a finishing kernel merges a channel's partials in double and adds K back in double.
+// The mean therefore keeps float64 precision on top of the shifted float32 sums, and M2 is the
+// centred sum the contract asks for (never Σx² - N·mean²).
+template <typename acc_t>
+struct Welford {
+  acc_t n;
+  acc_t mean;
+  acc_t m2;
+};
+
+template <typename acc_t>
+__device__ __forceinline__ void welford_add(Welford<acc_t>& w, acc_t x) {
+  w.n += acc_t(1);
+  const acc_t delta = x - w.mean;
+  w.mean += delta / w.n;
+  w.m2 += delta * (x - w.mean);
+}
+
+template <typename T>
+__device__ __forceinline__ Welford<T> welford_merge(const Welford<T>& a, const Welford<T>& b) {
+  if (b.n == T(0)) return a;
+  if (a.n == T(0)) return b;
+  const T n = a.n + b.n;
+  const T delta = b.mean - a.mean;
+  const T b_share = b.n / n;
+  return Welford<T>{n, a.mean + delta * b_share, a.m2 + b.m2 + delta * delta * a.n * b_share};
+}
+
+template <typename acc_t>
+__device__ __forceinline__ Welford<acc_t> welford_shfl_down(const Welford<acc_t>& w, int offset) {
+  return Welford<acc_t>{__shfl_down_sync(0xffffffffu, w.n, offset), __shfl_down_sync(0xffffffffu, w.mean, offset),
+                        __shfl_down_sync(0xffffffffu, w.m2, offset)};
+}
+
+// Sums of the backward reduction: Σ dy and Σ dy·(x - center) of one thread, block or split.
+template <typename acc_t>
+struct GradSums {
+  acc_t dy;
+  acc_t dy_xc;
+};
+
+template <typename T>
+__device__ __forceinline__ GradSums<T> sums_merge(const GradSums<T>& a, const GradSums<T>& b) {
+  return GradSums<T>{a.dy + b.dy, a.dy_xc + b.dy_xc};
+}
+
+template <typename acc_t>
+__device__ __forceinline__ GradSums<acc_t> sums_shfl_down(const GradSums<acc_t>& s, int offset) {
+  return GradSums<acc_t>{__shfl_down_sync(0xffffffffu, s.dy, offset), __shfl_down_sync(0xffffffffu, s.dy_xc, offset)};
+}
+
+struct WelfordOps {
+  template <typename acc_t>
+  __device__ static Welford<acc_t> merge(const Welford<acc_t>& a, const Welford<acc_t>& b) {
+    return welford_merge(a, b);
+  }
+  template <typename acc_t>
+  __device__ static Welford<acc_t> shfl_down(const Welford<acc_t>& w, int offset) {
+    return welford_shfl_down(w, offset);
+  }
+};
+
+struct SumsOps {
+  template <typename acc_t>
+  __device__ static GradSums<acc_t> merge(const GradSums<acc_t>& a, const GradSums<acc_t>& b) {
+    return sums_merge(a, b);
+  }
+  template <typename acc_t>
+  __device__ static GradSums<acc_t> shfl_down(const GradSums<acc_t>& s, int offset) {
+    return sums_shfl_down(s, offset);
+  }
+};
+
+// Merges the values of all kThreads threads of a 1-D block; the result is valid in thread 0.
+template <typename Ops, typename V>
+__device__ __forceinline__ V block_merge_1d(V v) {
+  __shared__ V warps[kThreads / kWarp];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v = Ops::merge(v, Ops::shfl_down(v, offset));
+  if (lane == 0) warps[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = warps[lane < kThreads / kWarp ? lane : 0];
+    if (lane >= kThreads / kWarp) v = V{};
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) v = Ops::merge(v, Ops::shfl_down(v, offset));
+  }
+  return v;
+}
+
+// Merges the values of a 2-D block over threadIdx.y (blockDim.y a power of two); the result for
+// column threadIdx.x is valid in the threads of row 0.
+template <typename Ops, typename V>
+__device__ __forceinline__ V block_merge_rows(V v) {
+  __shared__ V cells[kThreads];
+  const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x;
+  cells[ty * bx + tx] = v;
+  __syncthreads();
+  for (int stride = blockDim.y / 2; stride > 0; stride /= 2) {
+    if (ty < stride) cells[ty * bx + tx] = Ops::merge(cells[ty * bx + tx], cells[(ty + stride) * bx + tx]);
+    __syncthreads();
+  }
+  return cells[tx];
+}
+
+// --- statistics (forward) ---------------------------------------------------------------------
+
+// Planar: block (channel c = blockIdx.x, split = blockIdx.y) runs over the channel's values t =
+// n·inner + s for t ≡ split·kThreads + threadIdx.x (mod gridDim.y·kThreads). index_t: uint32_t when
+// a channel has fewer than 2^32 values (a cheaper division), else uint64_t.
+template <typename scalar_t, typename acc_t, typename index_t>
+__global__ void __launch_bounds__(kThreads)
+    moments_planar_kernel(const scalar_t* __restrict__ x, index_t n_outer, index_t channels, index_t inner,
+                          Welford<acc_t>* __restrict__ partial) {
+  const index_t c = blockIdx.x;
+  const index_t count = n_outer * inner;
+  const acc_t shift = static_cast<acc_t>(x[static_cast<int64_t>(c) * inner]);
+  Welford<acc_t> w{acc_t(0), acc_t(0), acc_t(0)};
+  const index_t stride = static_cast<index_t>(gridDim.y) * kThreads;
+  for (index_t t = static_cast<index_t>(blockIdx.y) * kThreads + threadIdx.x; t < count; t += stride) {
+    const index_t n = t / inner;
+    const index_t s = t - n * inner;
+    const int64_t offset = (static_cast<int64_t>(n) * channels + c) * static_cast<int64_t>(inner) + s;
+    welford_add(w, static_cast<acc_t>(x[offset]) - shift);
+  }
+  w = block_merge_1d<WelfordOps>(w);
+  if (threadIdx.x == 0) partial[static_cast<int64_t>(blockIdx.y) * channels + c] = w;
+}
+
+// Channels-inner: block (blockDim.x channels from blockIdx.x·blockDim.x, blockDim.y rows at a time)
+// runs over rows r ≡ blockIdx.y·blockDim.y + threadIdx.y (mod gridDim.y·blockDim.y); a warp reads
+// whole runs of consecutive channels of a row.
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    moments_rows_kernel(const scalar_t* __restrict__ x, int64_t rows, int64_t channels,
+                        Welford<acc_t>* __restrict__ partial) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool valid = c < channels;
+  const acc_t shift = valid ? static_cast<acc_t>(x[c]) : acc_t(0);
+  Welford<acc_t> w{acc_t(0), acc_t(0), acc_t(0)};
+  if (valid) {
+    const int64_t stride = static_cast<int64_t>(gridDim.y) * blockDim.y;
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r < rows; r += stride) {
+      welford_add(w, static_cast<acc_t>(x[r * channels + c]) - shift);
+    }
+  }
+  w = block_merge_rows<WelfordOps>(w);
+  if (threadIdx.y == 0 && valid) partial[static_cast<int64_t>(blockIdx.y) * channels + c] = w;
+}
+
+// Merges the `splits` partials of each channel in double; mean[c] = K + merged mean, m2[c] = merged
+// M2, K = x[c · shift_stride] (the shift the partial kernels used: inner for planar, 1 for rows).
+template <typename scalar_t, typename acc_t>
+__global__ void moments_finish_kernel(const Welford<acc_t>* __restrict__ partial, int64_t splits, int64_t channels,
+                                      const scalar_t* __restrict__ x, int64_t shift_stride, double* __restrict__ mean,
+                                      double* __restrict__ m2) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  Welford<double> total{0.0, 0.0, 0.0};
+  for (int64_t k = 0; k < splits; ++k) {
+    const Welford<acc_t>& p = partial[k * channels + c];
+    total = welford_merge(total, Welford<double>{static_cast<double>(p.n), static_cast<double>(p.mean),
+                                                 static_cast<double>(p.m2)});
+  }
+  mean[c] = static_cast<double>(static_cast<acc_t>(x[c * shift_stride])) + total.mean;
+  m2[c] = total.m2;
+}
+
+// --- backward reduction -----------------------------------------------------------------------
+
+// Σ dy and Σ dy·(x - center[c]), center[c] = (acc_t) mean[c], in the layouts and splits of the
+// moments kernels.
+template <typename scalar_t, typename acc_t, typename index_t>
+__global__ void __launch_bounds__(kThreads)
+    grad_sums_planar_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+                            const double* __restrict__ mean, index_t n_outer, index_t channels, index_t inner,
+                            GradSums<acc_t>* __restrict__ partial) {
+  const index_t c = blockIdx.x;
+  const index_t count = n_outer * inner;
+  const acc_t center = static_cast<acc_t>(mean[c]);
+  GradSums<acc_t> sums{acc_t(0), acc_t(0)};
+  const index_t stride = static_cast<index_t>(gridDim.y) * kThreads;
+  for (index_t t = static_cast<index_t>(blockIdx.y) * kThreads + threadIdx.x; t < count; t += stride) {
+    const index_t n = t / inner;
+    const index_t s = t - n * inner;
+    const int64_t offset = (static_cast<int64_t>(n) * channels + c) * static_cast<int64_t>(inner) + s;
+    const acc_t g = static_cast<acc_t>(dy[offset]);
+    sums.dy += g;
+    sums.dy_xc += g * (static_cast<acc_t>(x[offset]) - center);
+  }
+  sums = block_merge_1d<SumsOps>(sums);
+  if (threadIdx.x == 0) partial[static_cast<int64_t>(blockIdx.y) * channels + c] = sums;
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    grad_sums_rows_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+                          const double* __restrict__ mean, int64_t rows, int64_t channels,
+                          GradSums<acc_t>* __restrict__ partial) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool valid = c < channels;
+  const acc_t center = valid ? static_cast<acc_t>(mean[c]) : acc_t(0);
+  GradSums<acc_t> sums{acc_t(0), acc_t(0)};
+  if (valid) {
+    const int64_t stride = static_cast<int64_t>(gridDim.y) * blockDim.y;
+    for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r < rows; r += stride) {
+      const int64_t offset = r * channels + c;
+      const acc_t g = static_cast<acc_t>(dy[offset]);
+      sums.dy += g;
+      sums.dy_xc += g * (static_cast<acc_t>(x[offset]) - center);
+    }
+  }
+  sums = block_merge_rows<SumsOps>(sums);
+  if (threadIdx.y == 0 && valid) partial[static_cast<int64_t>(blockIdx.y) * channels + c] = sums;
+}
+
+// out[c] = Σ_k partial Σ dy, out[C + c] = Σ_k partial Σ dy·(x - center) - (mean - center)·Σ dy, in
+// double (Note [Centred arithmetic] in syncbn/kernels.h): the [2C] layout of grad_sums.
+template <typename acc_t>
+__global__ void grad_sums_finish_kernel(const GradSums<acc_t>* __restrict__ partial, int64_t splits,
+                                        int64_t channels, const double* __restrict__ mean, double* __restrict__ out) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  double dy = 0.0, dy_xc = 0.0;
+  for (int64_t k = 0; k < splits; ++k) {
+    dy += static_cast<double>(partial[k * channels + c].dy);
+    dy_xc += static_cast<double>(partial[k * channels + c].dy_xc);
+  }
+  const double center = static_cast<double>(static_cast<acc_t>(mean[c]));
+  out[c] = dy;
+  out[channels + c] = dy_xc - (mean[c] - center) * dy;
+}
+
+// --- element-wise passes ----------------------------------------------------------------------
+
+// A [C] parameter (weight or bias) of dtype float, double, half or bfloat16, read as double; absent
+// parameters read as `fill`.
+enum class ParamType : int { kNone = 0, kFloat = 1, kDouble = 2, kHalf = 3, kBFloat16 = 4 };
+
+struct Param {
+  const void* data;
+  ParamType type;
+};
+
+__device__ __forceinline__ double load_param(const Param& p, int64_t c, double fill) {
+  switch (p.type) {
+    case ParamType::kFloat: return static_cast<double>(static_cast<const float*>(p.data)[c]);
+    case ParamType::kDouble: return static_cast<const double*>(p.data)[c];
+    case ParamType::kHalf: return static_cast<double>(static_cast<float>(static_cast<const c10::Half*>(p.data)[c]));
+    case ParamType::kBFloat16:
+      return static_cast<double>(static_cast<float>(static_cast<const c10::BFloat16*>(p.data)[c]));
+    case ParamType::kNone: break;
+  }
+  return fill;
+}
+
+// out = k·dy + q·(x - center) + r per channel (the grad_input form of syncbn/cpu/kernels.h), with
+// the channel's constants computed in double from the pass's float64 statistics:
+//  - kNormalize:     k = 0, q = w·invstd, r = b - (mean - center)·q; dy is not read.
+//  - kGradTraining:  k = w·invstd, q = -k·invstd²·Σdy(x-mean)/N, r = -k·Σdy/N - q·(mean - center).
+//  - kGradEval:      k = w·invstd, q = r = 0; x is not read.
+// center = (acc_t) mean (Note [Centred arithmetic]).
+enum class Pass : int { kNormalize = 0, kGradTraining = 1, kGradEval = 2 };
+
+struct PassArgs {
+  const double* mean;    // [C]; unused by kGradEval
+  const double* invstd;  // [C]
+  Param weight;
+  Param bias;            // kNormalize only
+  const double* sums;    // [2C] global [Σ dy | Σ dy·(x - mean)]; kGradTraining only
+  double inv_count;      // 1/N (0 for an empty group); kGradTraining only
+};
+
+template <typename acc_t>
+struct Affine {
+  acc_t center, k, q, r;
+};
+
+template <Pass pass, typename acc_t>
+__device__ __forceinline__ Affine<acc_t> channel_affine(const PassArgs& a, int64_t c, int64_t channels) {
+  const double s = a.invstd[c];
+  const double w = load_param(a.weight, c, 1.0);
+  if constexpr (pass == Pass::kGradEval) {
+    return Affine<acc_t>{acc_t(0), static_cast<acc_t>(w * s), acc_t(0), acc_t(0)};
+  } else {
+    const double m = a.mean[c];
+    const acc_t center = static_cast<acc_t>(m);
+    const double shift = m - static_cast<double>(center);
+    if constexpr (pass == Pass::kNormalize) {
+      const double scale = w * s;
+      return Affine<acc_t>{center, acc_t(0), static_cast<acc_t>(scale),
+                           static_cast<acc_t>(load_param(a.bias, c, 0.0) - shift * scale)};
+    } else {
+      const double k = w * s;
+      const double q = -k * s * s * a.sums[channels + c] * a.inv_count;
+      return Affine<acc_t>{center, static_cast<acc_t>(k), static_cast<acc_t>(q),
+                           static_cast<acc_t>(-k * a.sums[c] * a.inv_count - q * shift)};
+    }
+  }
+}
+
+template <Pass pass, typename scalar_t, typename acc_t>
+__device__ __forceinline__ scalar_t apply_affine(const Affine<acc_t>& f, const scalar_t* __restrict__ x,
+                                                 const scalar_t* __restrict__ dy, int64_t i) {
+  if constexpr (pass == Pass::kNormalize) {
+    return static_cast<scalar_t>((static_cast<acc_t>(x[i]) - f.center) * f.q + f.r);
+  } else if constexpr (pass == Pass::kGradEval) {
+    return static_cast<scalar_t>(static_cast<acc_t>(dy[i]) * f.k);
+  } else {
+    return static_cast<scalar_t>(static_cast<acc_t>(dy[i]) * f.k + (static_cast<acc_t>(x[i]) - f.center) * f.q + f.r);
+  }
+}
+
+// Planar: each group of 2^lanes_log2 threads owns one plane p = n·C + c (kThreads >> lanes_log2
+// planes per block) and walks its `inner` elements; the channel's constants are computed once.
+template <Pass pass, typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    affine_planar_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, scalar_t* __restrict__ out,
+                         int64_t planes, int64_t channels, int64_t inner, int lanes_log2, PassArgs args) {
+  const int lanes = 1 << lanes_log2;
+  const int64_t p = static_cast<int64_t>(blockIdx.x) * (kThreads >> lanes_log2) + (threadIdx.x >> lanes_log2);
+  if (p >= planes) return;
+  const int64_t c = p % channels;
+  const Affine<acc_t> f = channel_affine<pass, acc_t>(args, c, channels);
+  const int64_t base = p * inner;
+  for (int64_t s = threadIdx.x & (lanes - 1); s < inner; s += lanes) {
+    out[base + s] = apply_affine<pass>(f, x, dy, base + s);
+  }
+}
+
+// Channels-inner: thread column threadIdx.x owns channel blockIdx.x·blockDim.x + threadIdx.x and
+// walks rows r ≡ blockIdx.y·blockDim.y + threadIdx.y (mod gridDim.y·blockDim.y).
+template <Pass pass, typename scalar_t, typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    affine_rows_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, scalar_t* __restrict__ out,
+                       int64_t rows, int64_t channels, PassArgs args) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const Affine<acc_t> f = channel_affine<pass, acc_t>(args, c, channels);
+  const int64_t stride = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r < rows; r += stride) {
+    out[r * channels + c] = apply_affine<pass>(f, x, dy, r * channels + c);
+  }
+}
+
+}  // namespace ddpkit::syncbn::cuda
