@@ -17,9 +17,8 @@
 #include <thread>
 #include <vector>
 
-namespace torch::autograd {
-struct Node;
-}
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/variable.h>
 
 namespace ddpkit::ddp {
 
@@ -126,7 +125,9 @@ class Reducer : public torch::CustomClassHolder {
   std::vector<at::Tensor> params_;
   std::vector<Slot> slots_;
   std::vector<Bucket> buckets_;
-  std::vector<std::pair<c10::intrusive_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+  // The pointer type grad_accumulator() returns (std::shared_ptr up to torch 2.11, intrusive_ptr after).
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<std::pair<NodePtr, uintptr_t>> hooks_;
   std::string group_name_;
   std::shared_ptr<comm::Engine> engine_;
   comm::Algorithm algorithm_;
