@@ -196,7 +196,6 @@ struct ShmSegment::RankControl {
   alignas(kLine) Signal arrived;  // steps whose slot this rank has filled (Note [Direct all-reduce])
   alignas(kLine) Signal reduced;  // steps whose slice this rank has reduced
   alignas(kLine) Signal doorbell; // bumped when a chunk arrives for this rank, or one it sent was taken
-  alignas(kLine) int32_t pid;
 };
 
 struct ShmSegment::Channel {
@@ -296,7 +295,6 @@ std::shared_ptr<ShmSegment> ShmSegment::create(const c10::intrusive_ptr<c10d::Pr
     segment->map(fd, bytes);
     store->add(mapped_key, 1);
   }
-  segment->control(rank).pid = getpid();
   return segment;
 }
 
@@ -341,23 +339,21 @@ void ShmSegment::check_usable(std::string_view what) const {
               broken_, "); destroy the group and create a new one");
 }
 
-void ShmSegment::check_peers(const WaitContext& context, int waiting_for) const {
+void ShmSegment::check_peers(const WaitContext& context) const {
   auto fail = [&](int peer) {
     const std::string why = c10::str("rank ", peer, " (pid ", pids_[peer], ") failed: the process died");
     mark_broken(why);
     TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): ", why,
                 " during the collective (shared-memory transport)");
   };
-  if (waiting_for >= 0 && waiting_for != rank_ && !process_alive(pids_[waiting_for])) fail(waiting_for);
   for (int peer = 0; peer < size_; ++peer) {
     if (peer != rank_ && !process_alive(pids_[peer])) fail(peer);
   }
   if (std::chrono::steady_clock::now() > context.deadline) {
     const std::string why = c10::str("no progress within the group's timeout (", timeout_.count(), " ms)");
     mark_broken(why);
-    TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): waiting for ",
-                waiting_for >= 0 ? c10::str("rank ", waiting_for) : std::string("a peer"), " failed: ", why,
-                "; a peer stopped calling this collective or called another one");
+    TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): waiting for the peers failed: ",
+                why, "; a peer stopped calling this collective or called another one");
   }
 }
 
@@ -383,7 +379,7 @@ void ShmSegment::wait_for(Signal& signal, Ready ready, const WaitContext& contex
     if (ready()) return;
     const auto now = std::chrono::steady_clock::now();
     if (now >= next_check) {
-      check_peers(context, -1);
+      check_peers(context);
       next_check = now + std::chrono::milliseconds(kLivenessMillis);
     }
   }

@@ -106,8 +106,8 @@ class ShmSegment {
   template <class Ready>
   void wait_for(Signal& signal, Ready ready, const WaitContext& context) const;
 
-  // Throws when a rank of the group died (after marking the segment broken).
-  void check_peers(const WaitContext& context, int waiting_for) const;
+  // Throws when a rank of the group died, or the deadline passed (after marking the segment broken).
+  void check_peers(const WaitContext& context) const;
 
   // After a failure in the middle of a collective the slots' state is unknown: every later use raises.
   void mark_broken(const std::string& why) const;
