@@ -42,19 +42,27 @@ def sync_batch_norm(input: Tensor, weight: Optional[Tensor], bias: Optional[Tens
 class SyncBatchNorm(_BatchNorm):
     """Batch normalization over the batches of all ranks of ``process_group`` (default: the world).
 
+    A drop-in for ``torch.nn.SyncBatchNorm``: the same constructor arguments, in the same order and
+    with the same defaults (``num_features, eps=1e-5, momentum=0.1, affine=True,
+    track_running_stats=True, process_group=None, device=None, dtype=None``, keyword ``bias=True``),
+    and the same state_dict. ddpkit's own options are keyword-only, after torch's: ``algorithm`` is
+    the all-reduce algorithm (``ddpkit.comm.ALGORITHMS``; ``"process_group"`` is the group's own,
+    e.g. NCCL).
+
     Accepts (N, C), (N, C, L), (N, C, H, W) and (N, C, D, H, W) inputs, any of float32, float64,
-    float16 and bfloat16 (float16/bfloat16 inputs with float32 parameters are fine). Ranks may
-    hold different batch sizes, including none. Running statistics, ``momentum=None`` (cumulative
-    average) and ``track_running_stats`` follow ``torch.nn.BatchNorm*d`` for the global batch.
-    ``weight``/``bias`` gradients are this rank's, as with ``torch.nn.SyncBatchNorm``: averaging
-    them across ranks (DDP) gives the global batch's gradient. ``algorithm`` is the all-reduce
-    algorithm (``ddpkit.comm.ALGORITHMS``; ``"process_group"`` is the group's own, e.g. NCCL).
-    Unlike torch's batch-norm layers, ``affine`` defaults to False.
+    float16 and bfloat16 (float16/bfloat16 inputs with float32 parameters are fine), on CPU as well
+    as on GPUs. Ranks may hold different batch sizes, including none. Running statistics,
+    ``momentum=None`` (cumulative average) and ``track_running_stats`` follow ``torch.nn.BatchNorm*d``
+    for the global batch. ``weight``/``bias`` gradients are this rank's, as with
+    ``torch.nn.SyncBatchNorm``: averaging them across ranks (DDP) gives the global batch's gradient.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = False,
-                 track_running_stats: bool = True, process_group: Optional[dist.ProcessGroup] = None,
-                 algorithm: str = "auto", device=None, dtype=None, *, bias: bool = True) -> None:
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: Optional[dist.ProcessGroup] = None, device=None,
+                 dtype=None, *, algorithm: str = "auto", bias: bool = True) -> None:
+        if isinstance(device, str) and device in ALGORITHMS:
+            raise TypeError(f"ddpkit.SyncBatchNorm: {device!r} was passed as `device`; `algorithm` is keyword-only "
+                            f"(SyncBatchNorm(num_features, ..., algorithm={device!r}))")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"ddpkit.SyncBatchNorm: unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
@@ -90,12 +98,18 @@ class SyncBatchNorm(_BatchNorm):
 def convert_sync_batchnorm(module: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                            algorithm: str = "auto") -> torch.nn.Module:
     """Replaces every batch-norm layer of ``module`` (BatchNorm1d/2d/3d, torch's SyncBatchNorm) by a
-    ``ddpkit.SyncBatchNorm`` holding the same parameter and buffer objects (so device, dtype,
-    values and ``requires_grad`` are kept) in the same training mode. Returns the converted module,
-    which is ``module`` itself unless ``module`` is a batch-norm layer."""
+    ``ddpkit.SyncBatchNorm``, like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``.
+
+    Each new layer keeps the old one's own settings (``num_features``, ``eps``, ``momentum``,
+    ``affine``, ``track_running_stats``, with or without ``bias``; the constructor defaults play no
+    part) and holds the old layer's parameter and buffer objects themselves, as torch's conversion
+    does (so values, device, dtype and ``requires_grad`` are kept, and an optimizer built before the
+    conversion still updates them), in the same training mode. ``ddpkit.SyncBatchNorm`` layers are
+    left as they are. Returns the converted module, which is ``module`` itself unless ``module`` is
+    a batch-norm layer."""
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                  module.track_running_stats, process_group, algorithm, device="meta",
+                                  module.track_running_stats, process_group, device="meta", algorithm=algorithm,
                                   bias=module.bias is not None or not module.affine)
         for name in ("weight", "bias"):
             setattr(converted, name, getattr(module, name))
