@@ -58,14 +58,20 @@ def sync_batch_norm(input: Tensor, weight: Optional[Tensor], bias: Optional[Tens
 # which an `int` output cannot carry (a `SymInt` or Tensor one could). The break is at the op
 # whether or not it communicates; eager execution also keeps its all-reduce where every rank
 # expects it.
-@torch.compiler.disable
 def _sync_batch_norm_op(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                         running_mean: Optional[Tensor], running_var: Optional[Tensor], batch_stats: bool,
                         momentum: float, eps: float, algorithm: str, group: Optional[dist.ProcessGroup],
                         synchronize: bool) -> Tensor:
+    if torch.compiler.is_compiling():
+        return _sync_batch_norm_op_eagerly(input, weight, bias, running_mean, running_var, batch_stats, momentum, eps,
+                                           algorithm, group, synchronize)
     name = _sync_group_name(group) if synchronize else None
     return torch.ops.ddpkit.sync_batch_norm(input, weight, bias, running_mean, running_var, batch_stats, momentum, eps,
                                             algorithm, name)[0]
+
+
+# What a compiled graph calls (Dynamo does not trace into it); eager calls skip the wrapper's cost.
+_sync_batch_norm_op_eagerly = torch.compiler.disable(_sync_batch_norm_op)
 
 
 class SyncBatchNorm(_BatchNorm):
