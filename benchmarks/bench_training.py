@@ -227,6 +227,7 @@ def plot(document: dict, path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     records, settings = document["records"], document["settings"]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4), gridspec_kw={"width_ratios": [3, 3, 2, 2]})
@@ -242,6 +243,7 @@ def plot(document: dict, path: Path) -> Path:
                            marker="o", color=color, label=record["candidate"])
     loss_axis.set(xlabel="optimizer step", ylabel="training loss (rank 0, smoothed)")
     accuracy_axis.set(xlabel="epoch", ylabel="test accuracy (%)")
+    accuracy_axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     time_axis.bar(names, [r["median_epoch_time_s"] for r in records], color=colors)
     time_axis.set(ylabel="median epoch time (s)")
     memory_axis.bar(names, [r["peak_rss_bytes"] / 2**20 for r in records], color=colors)
