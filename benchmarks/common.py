@@ -81,9 +81,10 @@ def _nvidia_driver() -> Optional[str]:
 
 
 def write_results(name: str, *, backend: str, device_type: str, settings: dict, records: list[dict],
-                  summary: Optional[dict] = None) -> Path:
-    """Writes ``results/<name>.json`` atomically and returns its path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+                  summary: Optional[dict] = None, directory: Optional[Path] = None) -> Path:
+    """Writes ``<directory>/<name>.json`` (default directory: ``RESULTS_DIR``) atomically and returns its path."""
+    directory = Path(directory) if directory is not None else RESULTS_DIR
+    directory.mkdir(parents=True, exist_ok=True)
     document = {
         "schema_version": SCHEMA_VERSION,
         "benchmark": name,
@@ -92,7 +93,7 @@ def write_results(name: str, *, backend: str, device_type: str, settings: dict, 
         "records": records,
         "summary": summary or {},
     }
-    path = RESULTS_DIR / f"{name}.json"
+    path = directory / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(document, indent=1, sort_keys=False) + "\n")
     os.replace(tmp, path)

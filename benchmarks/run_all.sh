@@ -8,9 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 QUICK=()
+TRAINING=(--full)  # bench_training.py's default is the short run of `make main`
 REPORT=(notebooks/report.py)
 if [ "${1:-}" = "--quick" ]; then
   QUICK=(--quick)
+  TRAINING=(--quick)
   export DDPKIT_RESULTS_DIR="$PWD/benchmarks/results/quick"
   REPORT+=(--results "$DDPKIT_RESULTS_DIR" --output "$DDPKIT_RESULTS_DIR/report.ipynb")
 fi
@@ -18,5 +20,5 @@ $PY benchmarks/bench_allreduce.py "${QUICK[@]}"
 $PY benchmarks/bench_allreduce.py "${QUICK[@]}" --check-overhead --world-sizes 2 4 8 --output allreduce_checks
 $PY benchmarks/bench_syncbn.py "${QUICK[@]}"
 $PY benchmarks/bench_ddp.py "${QUICK[@]}"
-$PY benchmarks/bench_training.py "${QUICK[@]}"
+$PY benchmarks/bench_training.py "${TRAINING[@]}"
 $PY "${REPORT[@]}"

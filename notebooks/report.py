@@ -340,7 +340,7 @@ COMMANDS = r'''
 | checked-mode overhead | `python benchmarks/bench_allreduce.py --check-overhead --world-sizes 2 4 8 --output allreduce_checks` |
 | SyncBatchNorm | `python benchmarks/bench_syncbn.py` |
 | DDP | `python benchmarks/bench_ddp.py` |
-| training comparison | `python benchmarks/bench_training.py` |
+| training comparison | `python benchmarks/bench_training.py --full` (`make main`: the short run) |
 | this notebook only | `python notebooks/report.py` |
 | one training run | `torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --accumulation-steps 2` |
 '''

@@ -6,6 +6,7 @@ takes the global batch, keeps its rank's shard and returns what the parent compa
 """
 
 import collections
+import inspect
 import os
 import subprocess
 import sys
@@ -86,7 +87,8 @@ def run_step(x, sizes, features, half, algorithm, options):
     stand-alone ddpkit all-reduce of each pass's buffer, for comparison."""
     rank = dist.get_rank()
     local, start = shard(x, sizes, rank)
-    layer = ddpkit.SyncBatchNorm(features, algorithm=algorithm, **options.get("layer", {}))
+    settings = {"affine": False, **options.get("layer", {})}  # without weight and bias unless a test asks
+    layer = ddpkit.SyncBatchNorm(features, algorithm=algorithm, **settings)
     if "weight" in options:
         with torch.no_grad():
             layer.weight.copy_(options["weight"])
@@ -123,7 +125,7 @@ def run_profiled(x, sizes, features, algorithm):
     """Profiles a training forward, its backward, and an eval forward+backward separately."""
     rank = dist.get_rank()
     local, _ = shard(x, sizes, rank)
-    layer = ddpkit.SyncBatchNorm(features, algorithm=algorithm)
+    layer = ddpkit.SyncBatchNorm(features, affine=False, algorithm=algorithm)
     phases = {}
     local = local.clone().requires_grad_()
     ddpkit.reset_comm_counters()
@@ -151,7 +153,7 @@ def run_single_value(shapes):
     """A training forward on a group whose batch has one value per channel in total; returns what each
     rank raised, then checks that the group still works."""
     local = torch.randn(shapes[dist.get_rank()])
-    layer = ddpkit.SyncBatchNorm(local.shape[1])
+    layer = ddpkit.SyncBatchNorm(local.shape[1], affine=False)
     try:
         layer(local)
         raised = None
@@ -175,7 +177,7 @@ def run_frozen_input(x, sizes, features):
 def run_eval_without_running_stats(x, sizes, features):
     """track_running_stats=False in eval mode: each rank's own batch statistics, no communication."""
     local, _ = shard(x, sizes, dist.get_rank())
-    layer = ddpkit.SyncBatchNorm(features, track_running_stats=False).eval()
+    layer = ddpkit.SyncBatchNorm(features, affine=False, track_running_stats=False).eval()
     ddpkit.reset_comm_counters()
     y = layer(local)
     return y, ddpkit.comm_counters()
@@ -213,7 +215,7 @@ def run_subgroups(x, sizes, features):
     group = groups[rank // 2]
     local, _ = shard(x, sizes, rank)
     ddpkit.reset_comm_counters()
-    y = ddpkit.SyncBatchNorm(features, process_group=group)(local)
+    y = ddpkit.SyncBatchNorm(features, affine=False, process_group=group)(local)
     y_functional = ddpkit.sync_batch_norm(local, None, None, None, None, True, 0.1, 1e-5, group=group)
     return y, y_functional, ddpkit.comm_counters()
 
@@ -577,6 +579,94 @@ def test_functional_form_without_distributed():
     torch.testing.assert_close(ours_stats, ref_stats, atol=1e-6, rtol=0)
 
 
+def test_constructor_is_torchs():
+    """torch.nn.SyncBatchNorm's arguments, in its order, with its defaults; then ddpkit's own, keyword-only."""
+    ours = inspect.signature(ddpkit.SyncBatchNorm.__init__).parameters
+    theirs = inspect.signature(torch.nn.SyncBatchNorm.__init__).parameters
+    positional = [(p.name, p.default) for p in theirs.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert [(p.name, p.default) for p in ours.values() if p.kind is p.POSITIONAL_OR_KEYWORD] == positional
+    assert positional[1:] == [("num_features", inspect.Parameter.empty), ("eps", 1e-5), ("momentum", 0.1),
+                              ("affine", True), ("track_running_stats", True), ("process_group", None),
+                              ("device", None), ("dtype", None)]
+    keyword_only = {p.name: p.default for p in ours.values() if p.kind is p.KEYWORD_ONLY}
+    assert keyword_only == {"algorithm": "auto", "bias": theirs["bias"].default}
+
+
+def test_defaults_match_torchs_syncbatchnorm():
+    ours, theirs = ddpkit.SyncBatchNorm(6), torch.nn.SyncBatchNorm(6)
+    for name in ("num_features", "eps", "momentum", "affine", "track_running_stats", "process_group", "training"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.algorithm == "auto"
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    for key, value in theirs.state_dict().items():
+        assert torch.equal(ours.state_dict()[key], value), key
+    assert [name for name, _ in ours.named_parameters()] == ["weight", "bias"]
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+
+
+def test_positional_arguments_as_torchs():
+    args = (6, 1e-3, 0.3, False, False, None, "cpu", torch.float64)
+    ours, theirs = ddpkit.SyncBatchNorm(*args), torch.nn.SyncBatchNorm(*args)
+    for name in ("eps", "momentum", "affine", "track_running_stats"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.weight is None and ours.running_mean is None and list(ours.state_dict()) == []
+    ours = ddpkit.SyncBatchNorm(6, 1e-5, 0.1, True, True, None, None, torch.float64, algorithm="ring", bias=False)
+    assert ours.algorithm == "ring" and ours.bias is None and ours.weight.dtype == torch.float64
+    with pytest.raises(TypeError, match=r"'ring' was passed as `device`; `algorithm` is keyword-only"):
+        ddpkit.SyncBatchNorm(6, 1e-5, 0.1, True, True, None, "ring")
+
+
+def test_affine_layer_matches_batchnorm_with_trained_parameters():
+    torch.manual_seed(5)
+    ours, theirs = ddpkit.SyncBatchNorm(5), torch.nn.BatchNorm2d(5)
+    with torch.no_grad():
+        theirs.weight.uniform_(0.5, 2.0)
+        theirs.bias.normal_()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(4, 5, 3, 3)
+    torch.testing.assert_close(ours(x), theirs(x), atol=TIGHT, rtol=0)
+    ours(x).sum().backward()
+    theirs(x).sum().backward()
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("affine,track", [(True, True), (False, True), (True, False), (False, False)])
+def test_convert_keeps_each_layers_own_settings(affine, track):
+    """The conversion takes affine and track_running_stats from each layer, never from the
+    constructor's defaults, and carries its parameters and buffers over (values included)."""
+    torch.manual_seed(2)
+    original = torch.nn.BatchNorm1d(4, eps=1e-3, momentum=0.2, affine=affine, track_running_stats=track)
+    original(torch.randn(8, 4) * 3 + 1)  # running statistics that are not the initial ones
+    if affine:
+        with torch.no_grad():
+            original.weight.uniform_(0.5, 2.0)
+            original.bias.normal_()
+    state = {k: v.clone() for k, v in original.state_dict().items()}
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), original)
+    converted = ddpkit.convert_sync_batchnorm(model, algorithm="ring")[1]
+    assert type(converted) is ddpkit.SyncBatchNorm and converted.algorithm == "ring"
+    assert (converted.eps, converted.momentum, converted.affine, converted.track_running_stats) == (
+        1e-3, 0.2, affine, track)
+    assert (converted.weight is None) == (not affine) and (converted.running_mean is None) == (not track)
+    assert list(converted.state_dict()) == list(state)
+    for key, value in state.items():
+        assert torch.equal(converted.state_dict()[key], value), key
+    x = torch.randn(6, 3)
+    model.eval()
+    expected = torch.nn.Sequential(model[0], torch.nn.BatchNorm1d(4, 1e-3, 0.2, affine, track)).eval()
+    expected[1].load_state_dict(state)
+    torch.testing.assert_close(model(x), expected(x), atol=TIGHT, rtol=0)
+
+
+def test_convert_torchs_syncbatchnorm_and_leaves_ddpkits_alone():
+    model = torch.nn.Sequential(torch.nn.SyncBatchNorm(3, affine=False),
+                                ddpkit.SyncBatchNorm(3, affine=False, algorithm="star"))
+    kept = model[1]
+    ddpkit.convert_sync_batchnorm(model)
+    assert type(model[0]) is ddpkit.SyncBatchNorm and not model[0].affine
+    assert model[1] is kept and kept.algorithm == "star"
+
+
 def test_state_dict_is_batchnorms():
     for affine, track in [(True, True), (False, True), (False, False)]:
         ours = ddpkit.SyncBatchNorm(10, affine=affine, track_running_stats=track)
@@ -627,7 +717,7 @@ def test_converted_model_in_a_group_matches_the_full_batch(pools):
 
 
 def test_bad_inputs_raise_clear_errors():
-    layer = ddpkit.SyncBatchNorm(8)
+    layer = ddpkit.SyncBatchNorm(8, affine=False)
     with pytest.raises(ValueError, match=r"expected a 2D, 3D, 4D or 5D input \(got 1D input\)"):
         layer(torch.randn(8))
     with pytest.raises(ValueError, match=r"got 6D input"):

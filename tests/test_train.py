@@ -185,3 +185,116 @@ def test_missing_cifar_names_the_expected_path(tmp_path):
                             timeout=120)
     assert result.returncode != 0
     assert str(tmp_path / "cifar-10-batches-py") in result.stderr or str(tmp_path) in result.stderr, result.stderr
+
+
+# --- user errors from the command line: one line, no traceback, non-zero exit -------------------
+
+def run_cli(*argv, timeout=120):
+    return subprocess.run([sys.executable, str(TRAIN), *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result, status, expected):
+    """Exit status, a single line on stderr holding `expected`, nothing on stdout, no traceback."""
+    output = result.stdout + result.stderr
+    assert result.returncode == status, output
+    assert "Traceback" not in output, output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0], output
+    assert result.stdout.strip() == "", output
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--batch-size", "8", "--global-batch-size", "64"], "--batch-size and --global-batch-size are alternatives"),
+    (["--impl", "torch", "--algorithm", "ring"], "--algorithm sets up ddpkit's DDP, not --impl torch's"),
+    (["--impl", "torch", "--grad-sync", "per_parameter", "--algorithm", "star"], "--grad-sync and --algorithm set up"),
+    (["--dataset", "fashion-mnist", "--download"], "--download fetches CIFAR only"),
+    (["--world-size", "2", "--rank", "0"], "--world-size and --rank are for launching without torchrun"),
+    (["--master-addr", "127.0.0.1", "--world-size", "2"], "--master-addr needs --world-size and --rank"),
+    (["--master-addr", "127.0.0.1", "--world-size", "2", "--rank", "2"], "--rank 2 is not in [0, --world-size 2)"),
+    (["--dataset", "mnist"], "--dataset: invalid choice: 'mnist'"),
+    (["--epochs", "0"], "--epochs: must be >= 1"),
+])
+def test_bad_options_are_one_line(argv, expected):
+    assert_one_line_error(run_cli(*argv), 2, expected)
+
+
+def test_missing_dataset_is_one_line(tmp_path):
+    result = run_cli("--dataset", "fashion-mnist", "--data-root", str(tmp_path / "nowhere"), "--out",
+                     str(tmp_path / "out"))
+    assert_one_line_error(result, 1, f"Fashion-MNIST not found: directory {tmp_path / 'nowhere'} does not exist")
+    result = run_cli("--dataset", "CIFAR-100", "--data-root", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert_one_line_error(result, 1, f"CIFAR-100 not found: expected the directory {tmp_path / 'cifar-100-python'}")
+
+
+def test_global_batch_that_does_not_divide_is_one_line(tmp_path):
+    result = run_cli("--dataset", "fashion_mnist", "--global-batch-size", "63", "--accumulation-steps", "2",
+                     "--out", str(tmp_path / "out"))
+    assert_one_line_error(result, 1, "--global-batch-size 63 is not divisible by world size x --accumulation-steps")
+
+
+@needs_fashion_mnist
+def test_too_few_samples_is_one_line(tmp_path):
+    result = run_cli("--dataset", "fashion_mnist", "--limit-train", "10", "--batch-size", "32", "--out",
+                     str(tmp_path / "out"))
+    assert_one_line_error(result, 1, "10 samples over 1 ranks do not fill one batch of 32")
+
+
+@needs_fashion_mnist
+def test_checkpoint_of_another_run_is_one_line(tmp_path):
+    out = str(tmp_path / "run")
+    first = run_cli(*small_cli(tmp_path / "run"), "--max-steps", "2", timeout=240)
+    assert first.returncode == 0, first.stdout + first.stderr
+    result = run_cli(*small_cli(tmp_path / "run"), "--max-steps", "2", "--lr", "0.1")
+    assert_one_line_error(result, 1, f"checkpoint {out}/checkpoint.pt belongs to a different run (lr 0.05 -> 0.1)")
+    (tmp_path / "run" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    result = run_cli(*small_cli(tmp_path / "run"), "--max-steps", "2")
+    assert_one_line_error(result, 1, f"checkpoint {out}/checkpoint.pt cannot be resumed")
+
+
+def launch_two_ranks(tmp_path, per_rank_argv):
+    port = str(free_port())
+    ranks = [subprocess.Popen([sys.executable, str(TRAIN), "--master-addr", "127.0.0.1", "--master-port", port,
+                               "--world-size", "2", "--rank", str(rank), "--out", str(tmp_path / "out"),
+                               *per_rank_argv[rank]],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [process.communicate(timeout=240) for process in ranks]
+    return [(process.returncode, out, err) for process, (out, err) in zip(ranks, outputs)]
+
+
+@needs_fashion_mnist
+@pytest.mark.parametrize("missing_on", [(0, 1), (1,)])
+def test_distributed_user_error_is_one_line_from_rank_0(tmp_path, missing_on):
+    """Every rank stops with a non-zero status and only rank 0 speaks, also when only another rank
+    lacks the dataset (it tells the others before any of them waits for it)."""
+    roots = [str(tmp_path / "nowhere") if rank in missing_on else FASHION_MNIST_ROOT for rank in (0, 1)]
+    outcomes = launch_two_ranks(tmp_path, [["--dataset", "fashion-mnist", "--data-root", root] for root in roots])
+    (status0, out0, err0), (status1, out1, err1) = outcomes
+    assert (status0, status1) == (1, 1), outcomes
+    assert "Traceback" not in out0 + err0 + out1 + err1, outcomes
+    assert out1.strip() == "" and err1.strip() == "", outcomes
+    lines = [line for line in err0.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Fashion-MNIST not found" in lines[0], outcomes
+    assert lines[0].endswith("(on rank 1)") == (missing_on == (1,)), lines
+
+
+@needs_fashion_mnist
+def test_torchrun_user_error_is_reported_once_and_no_rank_prints_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(TRAIN), "--dataset",
+         "fashion-mnist", "--data-root", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("Fashion-MNIST not found") == 1, output
+    # torchrun's own launcher reports the failed workers with a traceback of torch/distributed/run.py;
+    # none comes from a worker (no frame of train.py or ddpkit).
+    assert str(TRAIN) + '", line' not in output and "ddpkit/" + 'train.py", line' not in output, output
+
+
+@pytest.mark.parametrize("spelling,name", [
+    ("fashion_mnist", "fashion_mnist"), ("fashion-mnist", "fashion_mnist"), ("Fashion-MNIST", "fashion_mnist"),
+    ("FashionMNIST", "fashion_mnist"), ("cifar10", "cifar10"), ("cifar-10", "cifar10"), ("CIFAR_100", "cifar100"),
+])
+def test_dataset_spellings(spelling, name):
+    config, _ = parse_args(["--dataset", spelling])
+    assert config.dataset == name

@@ -72,11 +72,21 @@ DATASETS = {
 }
 
 
+def dataset_name(name: str) -> str:
+    """The registry's name for ``name``, written as people write it: case, ``-``, ``_`` and spaces do
+    not matter (``"fashion-mnist"``, ``"FashionMNIST"`` -> ``"fashion_mnist"``; ``"CIFAR-10"`` ->
+    ``"cifar10"``). Raises ``ValueError`` naming the datasets for any other name."""
+    key = "".join(ch for ch in str(name).lower() if ch not in "-_ ")
+    for canonical in DATASETS:
+        if key == canonical.replace("_", ""):
+            return canonical
+    raise ValueError(f"ddpkit: unknown dataset {name!r}; expected one of {sorted(DATASETS)} "
+                     "('-' or '_' and case as you like)")
+
+
 def dataset_info(name: str) -> DatasetInfo:
-    try:
-        return DATASETS[name]
-    except KeyError:
-        raise ValueError(f"ddpkit: unknown dataset {name!r}; expected one of {sorted(DATASETS)}") from None
+    """The ``DatasetInfo`` of ``name`` (any spelling ``dataset_name`` accepts)."""
+    return DATASETS[dataset_name(name)]
 
 
 def load_dataset(name: str, root: Optional[PathLike] = None, train: bool = True,
@@ -86,7 +96,8 @@ def load_dataset(name: str, root: Optional[PathLike] = None, train: bool = True,
     ``root`` means what it means for the dataset's loader: the directory holding the IDX files for
     Fashion-MNIST (``load_fashion_mnist``), the directory holding ``cifar-10-batches-py`` or its
     archive for CIFAR (``load_cifar``). ``download`` applies to CIFAR only: Fashion-MNIST comes from
-    the Debian package, and its loader's error says how to install it.
+    the Debian package, and its loader's error says how to install it. ``name`` may be spelt as
+    ``dataset_name`` accepts (``"fashion-mnist"``, ``"cifar-10"``).
     """
     info = dataset_info(name)
     if info.name == "fashion_mnist":
@@ -250,7 +261,7 @@ def load_cifar(name: str, root: Optional[PathLike] = None, train: bool = True,
         try:
             _download_cifar(source, root)
         except Exception as exc:
-            raise FileNotFoundError(f"{_cifar_missing_message(source, root)}\nThe download failed: {exc}") from exc
+            raise FileNotFoundError(f"{_cifar_missing_message(source, root)} The download failed: {exc}") from exc
     batch_names = source.train_batches if train else source.test_batches
     if directory.is_dir():
         batches = []

@@ -5,6 +5,11 @@ BatchNorm) over the ``ddpkit::sync_batch_norm`` op, whose forward and backward k
 ddpkit's own (csrc/syncbn). A training-mode forward all-reduces exactly once and its backward
 exactly once; eval mode, a group of one rank and an uninitialized ``torch.distributed`` communicate
 nothing and give BatchNorm's result. See csrc/syncbn/syncbn.h for the contract.
+
+Both ops have fake (meta) kernels, registered here with ``torch.library.register_fake``: they give
+the shapes, dtypes and strides of the outputs without computing them, for FakeTensor tracing
+(``torch.compile``, ``torch.export``), ``torch.library.opcheck`` and meta-device tensors. See Note
+[SyncBatchNorm under torch.compile] for what compiling a model with this layer does.
 """
 
 from __future__ import annotations
@@ -34,27 +39,69 @@ def sync_batch_norm(input: Tensor, weight: Optional[Tensor], bias: Optional[Tens
                     algorithm: str = "auto", group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """Functional SyncBatchNorm: like ``torch.nn.functional.batch_norm``, with training-mode statistics
     over ``group`` (default: the world); ``momentum`` is the running-average factor for this call."""
-    name = _sync_group_name(group) if training else None
-    return torch.ops.ddpkit.sync_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps,
+    return _sync_batch_norm_op(input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm,
+                               group, training)
+
+
+# Note [SyncBatchNorm under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch.compile runs ddpkit::sync_batch_norm eagerly, outside the compiled graphs: a model holding
+# SyncBatchNorm layers compiles, runs and gives eager's results, with a graph break at each layer's
+# op (the layers before and after it are compiled). The op cannot go into a graph today because
+# AOTAutograd (the default backend's first stage) must functionalize it, and it can only do that
+# for a custom op that mutates its inputs (running_mean, running_var) if every output is a plain
+# Tensor: the op's fourth output is an `int` (the number of values per channel, which with a
+# process group is only known after the forward's all-reduce), so compiling it fails with "Found a
+# custom (non-ATen) operator whose output has alias annotations". A schema whose count is a Tensor
+# would let it in (tests/test_opcheck.py keeps that case as an expected failure). The same `int`
+# limits the fake kernel: with a group it can only return an unbacked size for the group's total,
+# which an `int` output cannot carry (a `SymInt` or Tensor one could). The break is at the op
+# whether or not it communicates; eager execution also keeps its all-reduce where every rank
+# expects it.
+def _sync_batch_norm_op(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                        running_mean: Optional[Tensor], running_var: Optional[Tensor], batch_stats: bool,
+                        momentum: float, eps: float, algorithm: str, group: Optional[dist.ProcessGroup],
+                        synchronize: bool) -> Tensor:
+    if torch.compiler.is_compiling():
+        return _sync_batch_norm_op_eagerly(input, weight, bias, running_mean, running_var, batch_stats, momentum, eps,
+                                           algorithm, group, synchronize)
+    name = _sync_group_name(group) if synchronize else None
+    return torch.ops.ddpkit.sync_batch_norm(input, weight, bias, running_mean, running_var, batch_stats, momentum, eps,
                                             algorithm, name)[0]
+
+
+# What a compiled graph calls (Dynamo does not trace into it); eager calls skip the wrapper's cost.
+_sync_batch_norm_op_eagerly = torch.compiler.disable(_sync_batch_norm_op)
 
 
 class SyncBatchNorm(_BatchNorm):
     """Batch normalization over the batches of all ranks of ``process_group`` (default: the world).
 
+    A drop-in for ``torch.nn.SyncBatchNorm``: the same constructor arguments, in the same order and
+    with the same defaults (``num_features, eps=1e-5, momentum=0.1, affine=True,
+    track_running_stats=True, process_group=None, device=None, dtype=None``, keyword ``bias=True``),
+    and the same state_dict. ddpkit's own options are keyword-only, after torch's: ``algorithm`` is
+    the all-reduce algorithm (``ddpkit.comm.ALGORITHMS``; ``"process_group"`` is the group's own,
+    e.g. NCCL).
+
     Accepts (N, C), (N, C, L), (N, C, H, W) and (N, C, D, H, W) inputs, any of float32, float64,
-    float16 and bfloat16 (float16/bfloat16 inputs with float32 parameters are fine). Ranks may
-    hold different batch sizes, including none. Running statistics, ``momentum=None`` (cumulative
-    average) and ``track_running_stats`` follow ``torch.nn.BatchNorm*d`` for the global batch.
-    ``weight``/``bias`` gradients are this rank's, as with ``torch.nn.SyncBatchNorm``: averaging
-    them across ranks (DDP) gives the global batch's gradient. ``algorithm`` is the all-reduce
-    algorithm (``ddpkit.comm.ALGORITHMS``; ``"process_group"`` is the group's own, e.g. NCCL).
-    Unlike torch's batch-norm layers, ``affine`` defaults to False.
+    float16 and bfloat16 (float16/bfloat16 inputs with float32 parameters are fine), on CPU as well
+    as on GPUs. Ranks may hold different batch sizes, including none. Running statistics,
+    ``momentum=None`` (cumulative average) and ``track_running_stats`` follow ``torch.nn.BatchNorm*d``
+    for the global batch. ``weight``/``bias`` gradients are this rank's, as with
+    ``torch.nn.SyncBatchNorm``: averaging them across ranks (DDP) gives the global batch's gradient.
+
+    ``torch.compile``: the op has fake (meta) kernels, so a model holding this layer compiles and
+    runs; with a process group the op's fourth output (the global number of values per channel) is
+    only known after the all-reduce, so the compiled graph treats it as a data-dependent size.
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = False,
-                 track_running_stats: bool = True, process_group: Optional[dist.ProcessGroup] = None,
-                 algorithm: str = "auto", device=None, dtype=None, *, bias: bool = True) -> None:
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group: Optional[dist.ProcessGroup] = None, device=None,
+                 dtype=None, *, algorithm: str = "auto", bias: bool = True) -> None:
+        if isinstance(device, str) and device in ALGORITHMS:
+            raise TypeError(f"ddpkit.SyncBatchNorm: {device!r} was passed as `device`; `algorithm` is keyword-only "
+                            f"(SyncBatchNorm(num_features, ..., algorithm={device!r}))")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"ddpkit.SyncBatchNorm: unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
@@ -81,21 +128,26 @@ class SyncBatchNorm(_BatchNorm):
         keep_running = not self.training or self.track_running_stats
         # Only training synchronizes, as torch.nn.SyncBatchNorm: eval without running statistics
         # normalizes each rank's batch by its own statistics.
-        name = _sync_group_name(self.process_group) if self.training else None
-        return torch.ops.ddpkit.sync_batch_norm(
-            input, self.weight, self.bias, self.running_mean if keep_running else None,
-            self.running_var if keep_running else None, batch_stats, factor, self.eps, self.algorithm, name)[0]
+        return _sync_batch_norm_op(input, self.weight, self.bias, self.running_mean if keep_running else None,
+                                   self.running_var if keep_running else None, batch_stats, factor, self.eps,
+                                   self.algorithm, self.process_group, self.training)
 
 
 def convert_sync_batchnorm(module: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None,
                            algorithm: str = "auto") -> torch.nn.Module:
     """Replaces every batch-norm layer of ``module`` (BatchNorm1d/2d/3d, torch's SyncBatchNorm) by a
-    ``ddpkit.SyncBatchNorm`` holding the same parameter and buffer objects (so device, dtype,
-    values and ``requires_grad`` are kept) in the same training mode. Returns the converted module,
-    which is ``module`` itself unless ``module`` is a batch-norm layer."""
+    ``ddpkit.SyncBatchNorm``, like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``.
+
+    Each new layer keeps the old one's own settings (``num_features``, ``eps``, ``momentum``,
+    ``affine``, ``track_running_stats``, with or without ``bias``; the constructor defaults play no
+    part) and holds the old layer's parameter and buffer objects themselves, as torch's conversion
+    does (so values, device, dtype and ``requires_grad`` are kept, and an optimizer built before the
+    conversion still updates them), in the same training mode. ``ddpkit.SyncBatchNorm`` layers are
+    left as they are. Returns the converted module, which is ``module`` itself unless ``module`` is
+    a batch-norm layer."""
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                  module.track_running_stats, process_group, algorithm, device="meta",
+                                  module.track_running_stats, process_group, device="meta", algorithm=algorithm,
                                   bias=module.bias is not None or not module.affine)
         for name in ("weight", "bias"):
             setattr(converted, name, getattr(module, name))
@@ -119,3 +171,64 @@ def set_native_cpu_kernels(enabled: bool) -> None:
 def cpu_kernels() -> str:
     """What CPU tensors run: ``"cpu-<capability>"`` (e.g. ``"cpu-AVX512"``) or ``"aten"``."""
     return torch.ops.ddpkit.syncbn_cpu_kernels()
+
+
+# ----------------------------------------------------------------------------------------------
+# Fake (meta) kernels: output metadata only, as the C++ kernels lay their outputs out.
+
+
+def _prepared_input(input: Tensor) -> Tensor:
+    """The tensor the C++ kernels compute on (``prepare_input`` in csrc/syncbn/kernels.cpp): the input
+    itself when it is contiguous or channels-last (4D/5D), else a contiguous copy; (N, C) inputs and
+    inputs with one value per channel and sample are made contiguous. Outputs follow its layout."""
+    spatial = 1
+    for size in input.shape[2:]:
+        spatial *= size
+    if input.dim() == 2 or spatial == 1:
+        return input.contiguous()
+    if input.is_contiguous():
+        return input
+    if input.dim() == 4 and input.is_contiguous(memory_format=torch.channels_last):
+        return input
+    if input.dim() == 5 and input.is_contiguous(memory_format=torch.channels_last_3d):
+        return input
+    return input.contiguous()
+
+
+@torch.library.register_fake("ddpkit::sync_batch_norm")
+def _sync_batch_norm_fake(input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm,
+                          group_name):
+    torch._check(input.dim() >= 2, lambda: f"ddpkit::sync_batch_norm: expected an input of shape (N, C, *), got "
+                                           f"{input.dim()} dimensions")
+    channels = input.shape[1]
+    for tensor in (weight, bias, running_mean, running_var):
+        if tensor is not None:
+            torch._check(tensor.dim() == 1 and tensor.shape[0] == channels,
+                         lambda: f"ddpkit::sync_batch_norm: per-channel tensors should have shape [{channels}]")
+    output = torch.empty_like(_prepared_input(input))
+    mean = input.new_empty((channels,), dtype=torch.float64)
+    invstd = input.new_empty((channels,), dtype=torch.float64)
+    if training and group_name is not None:
+        # The group's total, known only after the all-reduce.
+        count = torch.library.get_ctx().new_dynamic_size()
+    else:
+        count = input.numel() // channels
+    return output, mean, invstd, count
+
+
+@torch.library.register_fake("ddpkit::sync_batch_norm_backward")
+def _sync_batch_norm_backward_fake(grad_output, input, weight, mean, invstd, training, count, algorithm, group_name,
+                                   output_mask):
+    channels = input.shape[1]
+    torch._check(grad_output.shape == input.shape,
+                 lambda: "ddpkit::sync_batch_norm_backward: grad_output must match the input's shape")
+    if weight is not None:
+        dtype = weight.dtype
+    elif input.dtype in (torch.float16, torch.bfloat16):
+        dtype = torch.float32
+    else:
+        dtype = input.dtype
+    grad_input = torch.empty_like(_prepared_input(input)) if output_mask[0] else None
+    grad_weight = input.new_empty((channels,), dtype=dtype) if output_mask[1] else None
+    grad_bias = input.new_empty((channels,), dtype=dtype) if output_mask[2] else None
+    return grad_input, grad_weight, grad_bias

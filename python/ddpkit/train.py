@@ -19,6 +19,11 @@ set is evaluated in a distributed way (rank 0 scatters shard indices with
 Rank 0 writes ``<out>/metrics.json``, ``<out>/model.pt`` and a resumable ``<out>/checkpoint.pt``
 (atomically: temp file, then rename); a restarted run (e.g. ``torchrun --max-restarts 1``)
 continues from the checkpoint exactly.
+
+Mistakes in the command line or in the files it names (a missing dataset, options that do not go
+together, a checkpoint of another run) end the run with one line on stderr, from rank 0 only, and a
+non-zero exit status (2 for the command line itself, 1 otherwise), without a traceback from any rank:
+a rank that finds a problem in its own setup tells the others before any of them waits on it.
 """
 
 from __future__ import annotations
@@ -39,10 +44,15 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .data import DATASETS, ShardedBatches, dataset_info, load_dataset, normalize, random_crop_flip
+from .data import DATASETS, ShardedBatches, dataset_info, dataset_name, load_dataset, normalize, random_crop_flip
 from .ddp import DEFAULT_ALGORITHM, GRAD_SYNC_MODES, DistributedDataParallel, GradientAccumulation
 from .launch import DistInfo, add_launch_arguments, init_from_args, positive_float, positive_int
 from .models import MODELS, build_model
+
+
+class UsageError(ValueError):
+    """A mistake in the command line or in the files it names: ``main`` prints the message alone, as
+    one line on rank 0, and exits with status 1."""
 
 
 @dataclasses.dataclass
@@ -84,22 +94,48 @@ _RUN_DEFINING = ("dataset", "model", "impl", "sync_bn", "grad_sync", "algorithm"
                  "augment", "seed", "limit_train", "limit_test", "max_steps")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors as one line (no usage block), printed by rank 0 only under torchrun."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            self._print_message(f"{self.prog}: error: {message} (see {self.prog} --help)\n", sys.stderr)
+        self.exit(2)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except where there is none to show (None: the help says what happens)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _dataset_argument(text: str) -> str:
+    try:
+        return dataset_name(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(sorted(DATASETS))}; "
+                                         "'-' and '_' alike, e.g. fashion-mnist)") from None
+
+
 def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.Namespace]:
     defaults = TrainConfig()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--dataset", choices=sorted(DATASETS), default=defaults.dataset)
+    parser = _Parser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+    parser.add_argument("--dataset", type=_dataset_argument, default=defaults.dataset,
+                        metavar="{" + ",".join(sorted(DATASETS)) + "}",
+                        help="fashion-mnist, cifar-10 and the like are accepted too")
     parser.add_argument("--data-root", help="where the dataset lives (default: the dataset's standard place)")
     parser.add_argument("--download", action="store_true", help="download CIFAR if it is missing")
     parser.add_argument("--model", choices=MODELS, default=defaults.model)
     parser.add_argument("--impl", choices=("ddpkit", "torch"), default=defaults.impl)
     parser.add_argument("--no-sync-bn", dest="sync_bn", action="store_false", help="keep plain BatchNorm")
-    parser.add_argument("--grad-sync", choices=GRAD_SYNC_MODES, default=defaults.grad_sync, help="ddpkit only")
-    parser.add_argument("--algorithm", choices=comm.ALGORITHMS, default=defaults.algorithm,
-                        help="ddpkit's all-reduce (ddpkit only)")
+    parser.add_argument("--grad-sync", choices=GRAD_SYNC_MODES,
+                        help=f"ddpkit only (default: {defaults.grad_sync})")
+    parser.add_argument("--algorithm", choices=comm.ALGORITHMS,
+                        help=f"ddpkit's all-reduce, ddpkit only (default: {defaults.algorithm})")
     parser.add_argument("--epochs", type=positive_int, default=defaults.epochs)
-    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size,
-                        help="samples per rank and micro-batch")
+    parser.add_argument("--batch-size", type=positive_int,
+                        help=f"samples per rank and micro-batch (default: {defaults.batch_size})")
     parser.add_argument("--global-batch-size", type=positive_int,
                         help="samples per optimizer step over all ranks (sets --batch-size)")
     parser.add_argument("--accumulation-steps", type=positive_int, default=defaults.accumulation_steps)
@@ -125,6 +161,26 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
     args = parser.parse_args(argv)
     if args.checkpoint_every < 0:
         parser.error("--checkpoint-every must be >= 0")
+    # Options that do not go together (each alone is fine).
+    if args.batch_size is not None and args.global_batch_size is not None:
+        parser.error("--batch-size and --global-batch-size are alternatives: give one")
+    if args.impl == "torch":
+        given = [flag for flag, value in (("--grad-sync", args.grad_sync), ("--algorithm", args.algorithm))
+                 if value is not None]
+        if given:
+            parser.error(f"{' and '.join(given)} set{'' if len(given) > 1 else 's'} up ddpkit's DDP, not --impl torch's")
+    if args.download and not args.dataset.startswith("cifar"):
+        parser.error(f"--download fetches CIFAR only; {args.dataset} comes from `apt-get install "
+                     "dataset-fashion-mnist`")
+    if args.master_addr is not None and (args.world_size is None or args.rank is None):
+        parser.error("--master-addr needs --world-size and --rank")
+    if args.master_addr is None and (args.world_size is not None or args.rank is not None):
+        parser.error("--world-size and --rank are for launching without torchrun and need --master-addr")
+    if args.rank is not None and args.world_size is not None and args.rank >= args.world_size:
+        parser.error(f"--rank {args.rank} is not in [0, --world-size {args.world_size})")
+    for name in ("batch_size", "grad_sync", "algorithm"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(defaults, name))
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     config = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     return config, args
@@ -212,31 +268,27 @@ class Trainer:
     """One rank's training run. ``run()`` trains to the end; ``train_epoch()`` does one epoch."""
 
     def __init__(self, config: TrainConfig, info: DistInfo):
+        try:
+            config = dataclasses.replace(config, dataset=dataset_name(config.dataset))
+        except ValueError as error:
+            raise UsageError(str(error)) from None
         self.config = config
         self.rank, self.world_size = info.rank, info.world_size
+        self.progress_label = ""  # put before "epoch N" on the progress bar
+        self.verbose = True  # rank 0 logs progress lines (a caller that reports itself turns them off)
         self.device = torch.device("cuda", info.local_rank) if info.backend == "nccl" else torch.device("cpu")
         self.info = dataset_info(config.dataset)
         self.augment = config.augment if config.augment is not None else config.dataset.startswith("cifar")
         self.out_dir = Path(config.out_dir) if config.out_dir else None
 
-        micro_batch = config.batch_size
-        if config.global_batch_size is not None:
-            per_step = self.world_size * config.accumulation_steps
-            if config.global_batch_size % per_step:
-                raise ValueError(f"--global-batch-size {config.global_batch_size} is not divisible by "
-                                 f"world_size x accumulation_steps = {per_step}")
-            micro_batch = config.global_batch_size // per_step
-        self.micro_batch = micro_batch
-        self.global_batch = micro_batch * self.world_size * config.accumulation_steps
-
-        self.train_x, self.train_y = load_dataset(config.dataset, config.data_root, train=True,
-                                                  download=config.download)
-        self.test_x, self.test_y = load_dataset(config.dataset, config.data_root, train=False,
-                                                download=config.download)
-        if config.limit_train:
-            self.train_x, self.train_y = self.train_x[:config.limit_train], self.train_y[:config.limit_train]
-        if config.limit_test:
-            self.test_x, self.test_y = self.test_x[:config.limit_test], self.test_y[:config.limit_test]
+        # This rank's own setup (options, data, shards) comes first, and every rank learns whether any
+        # failed before the first collective, so that no rank is left waiting for one that has gone.
+        error = None
+        try:
+            self._set_up_data()
+        except (OSError, ValueError) as exc:  # UsageError, or a missing, unreadable or malformed dataset
+            error = str(exc)
+        _raise_if_any_rank_failed(error)
 
         torch.manual_seed(config.seed)
         model = build_model(config.model, self.info.channels, self.info.num_classes, self.info.image_size)
@@ -262,12 +314,6 @@ class Trainer:
                                              weight_decay=config.weight_decay)
         else:
             self.optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
-        self.sampler = ShardedBatches(len(self.train_x), micro_batch, self.rank, self.world_size, seed=config.seed,
-                                      shuffle=True, drop_last=True)
-        self.steps_per_epoch = len(self.sampler) // config.accumulation_steps
-        if self.steps_per_epoch == 0:
-            raise ValueError(f"an epoch has {len(self.sampler)} micro-batches per rank, fewer than "
-                             f"--accumulation-steps {config.accumulation_steps}")
         self.total_steps = self.steps_per_epoch * config.epochs
         if config.max_steps:
             self.total_steps = min(self.total_steps, config.max_steps)
@@ -281,7 +327,43 @@ class Trainer:
         if config.resume:
             self._resume()
 
+    def _log(self, *parts) -> None:
+        if self.verbose:
+            log(*parts)
+
     # -- data ----------------------------------------------------------------------------------
+    def _set_up_data(self) -> None:
+        config = self.config
+        micro_batch = config.batch_size
+        if config.global_batch_size is not None:
+            per_step = self.world_size * config.accumulation_steps
+            if config.global_batch_size % per_step:
+                raise UsageError(f"ddpkit: --global-batch-size {config.global_batch_size} is not divisible by "
+                                 f"world size x --accumulation-steps = {self.world_size} x "
+                                 f"{config.accumulation_steps} = {per_step}")
+            micro_batch = config.global_batch_size // per_step
+        self.micro_batch = micro_batch
+        self.global_batch = micro_batch * self.world_size * config.accumulation_steps
+
+        self.train_x, self.train_y = load_dataset(config.dataset, config.data_root, train=True,
+                                                  download=config.download)
+        self.test_x, self.test_y = load_dataset(config.dataset, config.data_root, train=False,
+                                                download=config.download)
+        if config.limit_train:
+            self.train_x, self.train_y = self.train_x[:config.limit_train], self.train_y[:config.limit_train]
+        if config.limit_test:
+            self.test_x, self.test_y = self.test_x[:config.limit_test], self.test_y[:config.limit_test]
+
+        try:
+            self.sampler = ShardedBatches(len(self.train_x), micro_batch, self.rank, self.world_size,
+                                          seed=config.seed, shuffle=True, drop_last=True)
+        except ValueError as exc:
+            raise UsageError(f"{exc} (see --limit-train, --batch-size)") from None
+        self.steps_per_epoch = len(self.sampler) // config.accumulation_steps
+        if self.steps_per_epoch == 0:
+            raise UsageError(f"ddpkit: an epoch has {len(self.sampler)} micro-batches per rank, fewer than "
+                             f"--accumulation-steps {config.accumulation_steps}")
+
     def _transform(self, images: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         if generator is not None and self.augment:
             images = random_crop_flip(images, padding=4, generator=generator)
@@ -323,20 +405,28 @@ class Trainer:
         path = self.out_dir / "checkpoint.pt" if self.out_dir else None
         holder = [None]
         if self.rank == 0 and path is not None and path.exists():
-            holder[0] = torch.load(path, map_location="cpu", weights_only=False)
+            try:
+                holder[0] = torch.load(path, map_location="cpu", weights_only=False)
+                if not isinstance(holder[0], dict) or not {"config", "world_size", "model"} <= holder[0].keys():
+                    raise ValueError("not a ddpkit training checkpoint")
+            except Exception as exc:  # whatever torch.load raises for a file that is no checkpoint
+                holder[0] = {"error": f"ddpkit: checkpoint {path} cannot be resumed ({type(exc).__name__}: "
+                                      f"{exc}); use another --out or --no-resume"}
         dist.broadcast_object_list(holder, src=0)  # nodes need not share a file system
         state = holder[0]
         if state is None:
             return
+        if "error" in state:
+            raise UsageError(state["error"])
         if state["world_size"] != self.world_size:
-            raise ValueError(f"checkpoint {path} was written by {state['world_size']} ranks, this run has "
+            raise UsageError(f"ddpkit: checkpoint {path} was written by {state['world_size']} ranks, this run has "
                              f"{self.world_size}; use another --out or --no-resume")
         saved = state["config"]
         changed = [f"{name} {saved.get(name)!r} -> {getattr(self.config, name)!r}" for name in _RUN_DEFINING
                    if saved.get(name) != getattr(self.config, name)]
         if changed:
-            raise ValueError(f"checkpoint {path} belongs to a different run ({', '.join(changed)}); resuming it "
-                             "would mix two runs: use another --out or --no-resume")
+            raise UsageError(f"ddpkit: checkpoint {path} belongs to a different run ({', '.join(changed)}); "
+                             "resuming it would mix two runs: use another --out or --no-resume")
         self._module().load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler and state["scheduler"]:
@@ -344,7 +434,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.accumulate.load_state_dict(state["accumulate"])
         self.epoch, self.step, self.history = state["epoch"], state["step"], state["history"]
-        log(f"resumed from {path}: epoch {self.epoch + 1}, optimizer step {self.step}")
+        self._log(f"resumed from {path}: epoch {self.epoch + 1}, optimizer step {self.step}")
 
     # -- training ------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -389,7 +479,7 @@ class Trainer:
             if self.step % config.log_every == 0 or self.step == self.total_steps:
                 dist.all_reduce(loss_sum)
                 record["loss"] = float(loss_sum[0] / loss_sum[1])
-                log(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} loss {record['loss']:.4f} "
+                self._log(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} loss {record['loss']:.4f} "
                     f"lr {record['lr']:.4g}")
                 loss_sum.zero_()
             self.history["steps"].append(record)
@@ -407,7 +497,7 @@ class Trainer:
         finished_epoch = self.sampler.state_dict()["position"] >= micro_batches
         record = {"epoch": self.epoch, "step": self.step, "epoch_time_s": epoch_time, "test_loss": result["loss"],
                   "test_accuracy": result["accuracy"], "test_samples": result["samples"]}
-        log(f"epoch {self.epoch + 1}: test loss {result['loss']:.4f} accuracy {100 * result['accuracy']:.2f}% "
+        self._log(f"epoch {self.epoch + 1}: test loss {result['loss']:.4f} accuracy {100 * result['accuracy']:.2f}% "
             f"({result['samples']} samples), {epoch_time:.1f}s")
         self.history["epochs"].append(record)
         if finished_epoch:
@@ -420,7 +510,8 @@ class Trainer:
             return None
         from tqdm import tqdm
         done_in_epoch = self.step - self.epoch * self.steps_per_epoch
-        return tqdm(total=self.steps_per_epoch, initial=max(0, done_in_epoch), desc=f"epoch {self.epoch + 1}",
+        desc = f"{self.progress_label} epoch {self.epoch + 1}/{self.config.epochs}".lstrip()
+        return tqdm(total=self.steps_per_epoch, initial=max(0, done_in_epoch), desc=desc,
                     unit="step", leave=False, file=sys.stderr)
 
     def summary(self) -> dict:
@@ -435,8 +526,8 @@ class Trainer:
 
     def run(self) -> dict:
         for note in self.notes:
-            log(f"note: {note}")
-        log(f"training {self.config.model} on {self.config.dataset} with {self.config.impl}: world size "
+            self._log(f"note: {note}")
+        self._log(f"training {self.config.model} on {self.config.dataset} with {self.config.impl}: world size "
             f"{self.world_size}, micro-batch {self.micro_batch}/rank, accumulation {self.config.accumulation_steps}, "
             f"global batch {self.global_batch}, {self.total_steps} optimizer steps")
         while not self.done():
@@ -448,11 +539,47 @@ class Trainer:
         return summary
 
 
+def _raise_if_any_rank_failed(error: Optional[str]) -> None:
+    """Raises ``UsageError`` on every rank if any rank passes an error (the lowest such rank's)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+        if failed:
+            rank, message = failed[0]
+            if len(failed) < len(errors) or any(other != message for _, other in failed):
+                message += f" (on rank {rank})"  # not every rank's own problem
+            raise UsageError(message)
+    elif error is not None:
+        raise UsageError(error)
+
+
+def _one_line(message: str) -> str:
+    message = " ".join(str(message).split())
+    return message if message.startswith("ddpkit") else f"ddpkit: {message}"
+
+
+def _fail(message: str, status: int, speaker: bool) -> None:
+    if speaker:
+        print(_one_line(message), file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     config, args = parse_args(argv)
-    info = init_from_args(args)
+    # Before the group exists the rank is what torchrun or --rank says.
+    first = (args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))) == 0
+    try:
+        info = init_from_args(args)
+    except ValueError as error:
+        _fail(str(error), 2, first)
+    except dist.DistError as error:  # e.g. --master-addr/--master-port that cannot be reached or bound
+        _fail(f"ddpkit: cannot set up the process group: {str(error).splitlines()[0] if str(error) else error!r}",
+              1, first)
     try:
         Trainer(config, info).run()
+    except UsageError as error:
+        _fail(str(error), 1, info.rank == 0)
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
