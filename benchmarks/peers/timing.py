@@ -40,7 +40,7 @@ def reps_for(numel: int, world_size: int, reps: int) -> int:
         scaled = reps // 6
     if world_size > 8:
         scaled //= 4
-    return max(3, min(reps, scaled))
+    return min(reps, max(3, scaled))
 
 
 def plan_reps(first_call_s: float, reps: int, budget_s: Optional[float]) -> tuple[int, bool]:
