@@ -343,12 +343,45 @@ def peer_status(name: str) -> dict:
     raise ValueError(name)
 
 
-def _deepspeed_segments() -> set:
-    return set(Path("/dev/shm").glob("deepspeed_*"))
+def _leftovers() -> set:
+    """Files the peers leave behind: DeepSpeed never unlinks its shm segments (66 MB per rank), and MPICH's
+    hydra leaves its hwloc topology file in /tmp when it is killed."""
+    return set(Path("/dev/shm").glob("deepspeed_*")) | set(Path(tempfile.gettempdir()).glob("hydra_hwloc_xmlfile_*"))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every living descendant of ``pid``, from /proc (torchrun starts its workers in sessions of their own)."""
+    children: dict = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILLs ``pid`` and all its descendants: frozen first, so that none starts another meanwhile."""
+    frozen: list[int] = []
+    for _ in range(3):  # a process spawned while the tree was listed is caught by the next listing
+        for victim in [pid] + _descendants(pid):
+            if victim not in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGSTOP)
+                frozen.append(victim)
+    for victim in frozen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
 
 
 def run_peer(name: str, world_size: int, sizes: list[int], reps: int, point_budget: float,
-             accuracy_max_numel: int) -> tuple[list[dict], Optional[str]]:
+             accuracy_max_numel: int, limit_s: Optional[float] = None) -> tuple[list[dict], Optional[str]]:
     """Runs one peer job for ``world_size`` processes; (its points as JSON objects, a problem or None)."""
     with tempfile.TemporaryDirectory(prefix=f"ddpkit-{name}-") as tmp:
         out = Path(tmp) / "points.jsonl"
@@ -363,25 +396,25 @@ def run_peer(name: str, world_size: int, sizes: list[int], reps: int, point_budg
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                        str(world_size), str(HERE / "peers" / "deepspeed_allreduce.py"), *args]
         # Per point: the budget for repetitions plus correctness, accuracy and warm-up calls; plus start-up.
-        limit = 90 + len(sizes) * (2 * point_budget + 20)
-        segments_before = _deepspeed_segments()
+        limit = limit_s if limit_s is not None else 90 + len(sizes) * (2 * point_budget + 20)
+        leftovers_before = _leftovers()
         problem = None
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True)
-        try:
-            output, _ = process.communicate(timeout=limit)
-            if process.returncode != 0:
-                problem = f"exit code {process.returncode}: " + " | ".join(output.strip().splitlines()[-5:])
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            problem = f"job time limit ({limit:.0f} s)"
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            for segment in _deepspeed_segments() - segments_before:  # DeepSpeed never unlinks its segments
-                segment.unlink(missing_ok=True)
+        log = Path(tmp) / "output.txt"
+        with log.open("w") as output:  # a file, not a pipe: a stray grandchild cannot block the read
+            process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+            try:
+                process.wait(timeout=limit)
+                if process.returncode != 0:
+                    problem = f"exit code {process.returncode}: " + " | ".join(
+                        log.read_text(errors="replace").strip().splitlines()[-5:])
+            except subprocess.TimeoutExpired:
+                problem = f"job time limit ({limit:.0f} s)"
+            finally:
+                if process.poll() is None:  # not reaped yet, so its pid is still its own
+                    _kill_tree(process.pid)
+                    process.wait()
+                for leftover in _leftovers() - leftovers_before:  # only what appeared during this job
+                    leftover.unlink(missing_ok=True)
         points = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return points, problem
 
@@ -493,8 +526,13 @@ def main() -> None:
     args = parser.parse_args()
     sizes_given = args.sizes is not None
     if args.check_overhead:
-        base = [f"ddpkit:{a}:{args.transport}" for a in args.check_algorithms]
-        args.candidates = [parse_candidate(n) for b in base for n in (b, f"{b}:{UNCHECKED}")] + [parse_candidate("gloo")]
+        suffix = "" if args.transport == "default" else f":{args.transport}"
+        base = [f"ddpkit:{a}{suffix}" for a in args.check_algorithms]
+        try:
+            args.candidates = [parse_candidate(n) for b in base for n in (b, f"{b}:{UNCHECKED}")]
+        except argparse.ArgumentTypeError as error:
+            parser.error(str(error))
+        args.candidates.append(parse_candidate("gloo"))
         if args.sizes is None:
             args.sizes = [1_000, 10_000, 100_000]
         args.memory_sizes = []
