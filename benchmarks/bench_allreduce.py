@@ -1,58 +1,165 @@
-"""All-reduce: ddpkit's point-to-point algorithms against torch.distributed.all_reduce (gloo, CPU).
+"""All-reduce grid: ddpkit against gloo, the memory floor, MPICH and DeepSpeed (float32, CPU, one host).
 
-    python benchmarks/bench_allreduce.py              # the assignment's grid: 1-32 workers, 1e3-1e5 floats
-    python benchmarks/bench_allreduce.py --quick      # a smoke run in well under a minute
+    python benchmarks/bench_allreduce.py                 # the grid below, about 30-40 minutes on 2 cores
+    python benchmarks/bench_allreduce.py --quick         # a smoke run: 2 and 4 processes, 3 sizes, 5 reps
+    python benchmarks/bench_allreduce.py --world-sizes 2 --sizes 100000 --candidates ddpkit gloo
+    python benchmarks/bench_allreduce.py --check-overhead --world-sizes 2 --sizes 100000 --transport shm \\
+        --output allreduce_checks                        # checked vs unchecked ddpkit, on one transport
 
-For every world size, gloo processes run every candidate on float32 vectors of each size:
-correctness first (integer-valued inputs must reduce exactly, else the run stops), then
-``--reps`` timed repetitions with the candidates interleaved (their order rotating each repetition),
-each preceded by a barrier, split over ``--pools`` fresh sets of processes. A repetition's time is
-the slowest rank's; the figure is the median.
-Accuracy of averaging: max |ddpkit mean - float64 mean| on N(0, 1) inputs. Memory: the peak
-resident-set increase of one call, the maximum over ranks, at the largest size and at
-``--memory-numel`` (allocations of 64 KiB and more are forced through mmap so that they show in
-the resident set, gloo's own buffers included; Linux updates the peak lazily, so figures below a
-few hundred KiB are coarse).
-Results: benchmarks/results/allreduce.json.
+Grid: float32 vectors of 1k, 10k, 100k, 1M, 16M and 64M elements on n = 1..8 processes, and on 16
+and 32 processes up to 100k. Candidates (``--candidates``; every one is checked before it is timed):
+
+* ``ddpkit``          ``ddpkit.all_reduce(t, op="sum", algorithm="auto")`` with ddpkit's default transport
+  (shared memory on one host when ddpkit has one; a ddpkit without the ``transport`` argument only
+  has the process group's send/recv, and the record says so), collective checks on.
+* ``ddpkit_ring_pg``  ``ddpkit.all_reduce(t, algorithm="ring", transport="process_group")``: the ring over
+  torch.distributed send/recv.
+* ``gloo``            ``torch.distributed.all_reduce`` on the gloo group.
+* ``floor``           the memory floor: one in-place ``a.add_(b)`` of the vector in one process (rank 0,
+  one thread, random data: pages of ``zeros`` are the kernel's shared zero page and read as free).
+* ``mpich``           MPICH's ``MPI_Allreduce`` (``peers/mpich_allreduce.py`` under MPICH's ``mpiexec``).
+* ``deepspeed``       DeepSpeed's CPU shared-memory ``inference_all_reduce`` (``peers/deepspeed_allreduce.py``
+  under torchrun, ``DS_ACCELERATOR=cpu``, ``LOCAL_SIZE=n``).
+* ``ddpkit:ALGORITHM[:TRANSPORT][:unchecked]``  any other ddpkit configuration (e.g. ``ddpkit:ring:shm``).
+
+``mpich`` and ``deepspeed`` are separate jobs, run for each world size right after ddpkit's, gloo's and
+the floor's processes have exited, and only if installed (``bash benchmarks/peers/install.sh``);
+otherwise ``settings.candidates`` says "not installed". They run up to ``--peer-max-world-size``
+processes (8): both busy-poll, and with more processes than cores they collapse (seconds per call at
+16M floats from 4 processes on 2 cores), so each of their points gets ``--point-budget`` seconds of
+repetitions and says ``cut_off`` when fewer than planned fit; a job that outlives its time limit is
+killed and its missing points say so.
+
+Method, for every candidate and size: correctness first (integer-valued inputs must sum exactly on
+every rank, else the run stops), the error of the mean (max |mean - float64 mean| on N(0, 1) inputs,
+up to ``--accuracy-max-numel``), then timing. A repetition synchronises the ranks *through the
+candidate under test* (a one-float all-reduce of the same ddpkit configuration, of gloo, of DeepSpeed's
+shm op; ``MPI_Barrier`` for MPICH; a gloo barrier around rank 0's floor) and then times
+``peers.timing.batch_size(numel)`` back-to-back calls on every rank (16 up to 10k floats, 4 at 100k,
+else 1; a gloo barrier before a shared-memory call would add tens of µs of skew, the batch spreads
+what skew remains). The repetition's time per call is the slowest rank's batch time / batch;
+the figure is the median (p25, p75 beside it) over repetitions in which the candidates are interleaved,
+their order rotating each repetition, split over ``--pools`` fresh sets of processes.
+Repetitions per point: ``peers.timing.reps_for``: ``--reps`` (30) up to 100k floats, /2 at 1M, /4 at
+16M, /6 at 64M, /4 again above 8 processes, at least 3. Bus bandwidth as nccl-tests:
+bytes / time * 2(n-1)/n. Memory (ddpkit candidates and gloo, at ``--memory-sizes`` up to 8 processes, in a
+fresh set of processes): the peak resident-set increase of one warm call, the maximum over ranks
+(allocations of 64 KiB and more forced through mmap so that they show in the resident set; the peers'
+memory is not measured).
+Results: benchmarks/results/allreduce.json; ``summary`` holds the issue's bars.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 import common  # noqa: E402
+from peers import timing  # noqa: E402
 
 import ddpkit  # noqa: E402
-from ddpkit.comm import ALGORITHMS  # noqa: E402
 from ddpkit.launch import WorkerPool  # noqa: E402
 
-TORCH = "torch.distributed"
-UNCHECKED = ":unchecked"  # suffix: the same algorithm with Note [Collective checks] turned off
-CANDIDATES = [a for a in ALGORITHMS if a != "process_group"] + [TORCH]
-CHECK_OVERHEAD_CANDIDATES = ["ring", "ring" + UNCHECKED, "auto", "auto" + UNCHECKED, TORCH]
+# Until ddpkit has a transport argument, its only transport is the process group's send/recv.
+HAS_TRANSPORT = "transport" in inspect.signature(ddpkit.all_reduce).parameters
+DEFAULT_TRANSPORT = (inspect.signature(ddpkit.all_reduce).parameters["transport"].default
+                     if HAS_TRANSPORT else "process_group")
+PROCESS_GROUP = "process_group"
+
+IN_PROCESS = ["ddpkit", "ddpkit_ring_pg", "gloo", "floor"]
+PEERS = ["mpich", "deepspeed"]
+CANDIDATES = IN_PROCESS + PEERS
+GRID_SIZES = [1_000, 10_000, 100_000, 1_000_000, 16_000_000, 64_000_000]
+GRID_WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 16, 32]
+UNCHECKED = "unchecked"
 
 
-def run_candidate(candidate: str, tensor: torch.Tensor, op: str = "sum") -> None:
-    if candidate == TORCH:
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    implementation: str                 # ddpkit, gloo, floor, mpich, deepspeed
+    algorithm: Optional[str] = None     # ddpkit's algorithm argument
+    transport: Optional[str] = None     # ddpkit's transport argument; None: not passed (ddpkit's default)
+    checked: bool = True                # ddpkit's Note [Collective checks]
+
+    @property
+    def effective_transport(self) -> Optional[str]:
+        if self.implementation != "ddpkit":
+            return None
+        return self.transport if self.transport is not None else DEFAULT_TRANSPORT
+
+
+def parse_candidate(name: str) -> Candidate:
+    """A candidate name (see the module docstring) -> what it runs; refuses what this ddpkit cannot run."""
+    if name == "ddpkit":
+        return Candidate(name, "ddpkit", "auto", None)
+    if name == "ddpkit_ring_pg":
+        return Candidate(name, "ddpkit", "ring", PROCESS_GROUP)
+    if name in ("gloo", "floor", "mpich", "deepspeed"):
+        return Candidate(name, name)
+    parts = name.split(":")
+    if parts[0] != "ddpkit" or len(parts) < 2:
+        raise argparse.ArgumentTypeError(
+            f"unknown candidate {name!r}: one of {CANDIDATES} or ddpkit:ALGORITHM[:TRANSPORT][:{UNCHECKED}]")
+    checked = parts[-1] != UNCHECKED
+    parts = parts if checked else parts[:-1]
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"cannot parse candidate {name!r}: ddpkit:ALGORITHM[:TRANSPORT][:{UNCHECKED}]")
+    algorithm = parts[1]
+    transport = parts[2] if len(parts) == 3 and parts[2] != "default" else None
+    if transport not in (None, PROCESS_GROUP) and not HAS_TRANSPORT:
+        raise argparse.ArgumentTypeError(
+            f"candidate {name!r}: this ddpkit's all_reduce has no transport argument (process group only)")
+    return Candidate(name, "ddpkit", algorithm, transport, checked)
+
+
+def _ddpkit_kwargs(candidate: Candidate) -> dict:
+    # Without the argument, ddpkit runs over the process group: "process_group" is then the truth, not passed.
+    return {"transport": candidate.transport} if HAS_TRANSPORT and candidate.transport is not None else {}
+
+
+def run_candidate(candidate: Candidate, tensor: torch.Tensor, op: str = "sum") -> None:
+    """One all-reduce of ``tensor`` in place (floor: none; it is timed separately)."""
+    if candidate.implementation == "gloo":
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         if op == "mean":
             tensor.div_(dist.get_world_size())
-    elif candidate.endswith(UNCHECKED):
-        ddpkit.set_collective_checks(False)  # every rank switches at the same point of the program
-        try:
-            ddpkit.all_reduce(tensor, op=op, algorithm=candidate[:-len(UNCHECKED)])
-        finally:
-            ddpkit.set_collective_checks(True)
+    elif candidate.implementation == "ddpkit":
+        ddpkit.all_reduce(tensor, op=op, algorithm=candidate.algorithm, **_ddpkit_kwargs(candidate))
     else:
-        ddpkit.all_reduce(tensor, op=op, algorithm=candidate)
+        raise ValueError(f"{candidate.name} does not run in ddpkit's worker processes")
+
+
+@contextlib.contextmanager
+def collective_checks(candidate: Candidate):
+    """Turns Note [Collective checks] off for an unchecked candidate (every rank at the same point)."""
+    if candidate.checked:
+        yield
+        return
+    ddpkit.set_collective_checks(False)
+    try:
+        yield
+    finally:
+        ddpkit.set_collective_checks(True)
 
 
 def _vm_kib(field: str) -> int:
@@ -70,172 +177,465 @@ def _peak_rss_increase(fn) -> int:
     return max(0, _vm_kib("VmHWM") - before) * 1024
 
 
-def measure(candidates: list[str], sizes: list[int], reps: int, memory_sizes: list[int]) -> dict:
-    """Runs on every rank; returns this rank's raw measurements."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    out = {"times": {}, "accuracy": {}, "memory": {}}
-    for numel in sizes:
-        # Correctness before timing: integer-valued inputs reduce exactly with every candidate.
-        for candidate in candidates:
-            tensor = torch.arange(numel, dtype=torch.float32) % 1000 + rank
+def check_sum(candidate: Candidate, numel: int) -> None:
+    """Integer-valued inputs reduce exactly; raises on every rank if any rank got a wrong sum."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    if candidate.implementation == "floor":
+        a = torch.arange(numel, dtype=torch.float32) % 1000
+        a.add_(torch.full((numel,), float(rank + 1)))
+        ok = torch.equal(a, torch.arange(numel, dtype=torch.float32) % 1000 + (rank + 1))
+    else:
+        tensor = torch.arange(numel, dtype=torch.float32) % 1000 + rank
+        with collective_checks(candidate):
             run_candidate(candidate, tensor)
-            expected = (torch.arange(numel, dtype=torch.float32) % 1000) * world_size + world_size * (world_size - 1) / 2
-            if not torch.equal(tensor, expected):
-                raise AssertionError(f"{candidate} returned a wrong sum for numel={numel}, world_size={world_size}")
-        # Accuracy of averaging on N(0, 1) inputs, against the float64 mean of all ranks' inputs.
-        inputs = torch.randn(world_size, numel, generator=torch.Generator().manual_seed(numel))
-        exact = inputs.double().mean(0)
+        expected = (torch.arange(numel, dtype=torch.float32) % 1000) * n + n * (n - 1) / 2
+        ok = torch.equal(tensor, expected)
+    wrong = torch.tensor([0 if ok else 1])
+    dist.all_reduce(wrong, op=dist.ReduceOp.MAX)
+    if wrong.item():
+        raise AssertionError(f"{candidate.name} returned a wrong sum for numel={numel}, world_size={n}")
+
+
+def measure(names: list[str], sizes: list[int], reps_per_size: dict, accuracy_max_numel: int) -> dict:
+    """Runs on every rank; returns this rank's raw measurements (times per call, seconds)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    candidates = [parse_candidate(name) for name in names]
+    out = {"times": {}, "accuracy": {}}
+    flag = torch.ones(1)
+    for numel in sizes:
         for candidate in candidates:
-            tensor = inputs[rank].clone()
-            run_candidate(candidate, tensor, op="mean")
-            out["accuracy"][(candidate, numel)] = float((tensor.double() - exact).abs().max())
-        # Timing, interleaved.
-        base = torch.randn(numel)
-        times = {candidate: [] for candidate in candidates}
-        for rep in range(reps):
+            check_sum(candidate, numel)
+        # Accuracy of averaging on N(0, 1) inputs, against the float64 mean of all ranks' inputs.
+        if numel <= accuracy_max_numel:
+            inputs = torch.randn(world_size, numel, generator=torch.Generator().manual_seed(numel))
+            exact = inputs.double().mean(0)
+            for candidate in candidates:
+                if candidate.implementation == "floor":
+                    continue
+                tensor = inputs[rank].clone()
+                with collective_checks(candidate):
+                    run_candidate(candidate, tensor, op="mean")
+                out["accuracy"][(candidate.name, numel)] = float((tensor.double() - exact).abs().max())
+            del inputs, exact
+        # Timing, interleaved; see the module docstring.
+        base = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        work = torch.empty(numel)
+        batch = timing.batch_size(numel)
+        times = {candidate.name: [] for candidate in candidates}
+        for rep in range(reps_per_size[numel]):
             shift = rep % len(candidates)
             for candidate in candidates[shift:] + candidates[:shift]:
-                tensor = base.clone()
-                dist.barrier()
-                start = time.perf_counter()
-                run_candidate(candidate, tensor)
-                times[candidate].append(time.perf_counter() - start)
+                work.copy_(base)
+                if candidate.implementation == "floor":
+                    dist.barrier()  # the others wait in gloo (asleep), not spinning on a shared-memory flag
+                    if rank == 0:
+                        start = time.perf_counter()
+                        for _ in range(batch):
+                            work.add_(base)
+                        times[candidate.name].append((time.perf_counter() - start) / batch)
+                    dist.barrier()
+                    continue
+                with collective_checks(candidate):
+                    flag.fill_(1.0)
+                    run_candidate(candidate, flag)  # the barrier: the candidate's own transport
+                    start = time.perf_counter()
+                    for _ in range(batch):
+                        run_candidate(candidate, work)
+                    times[candidate.name].append((time.perf_counter() - start) / batch)
         for candidate in candidates:
-            out["times"][(candidate, numel)] = times[candidate]
-    # Memory last: forcing allocations >= 64 KiB through mmap changes the allocator's behaviour.
+            out["times"][(candidate.name, numel)] = times[candidate.name]
+        del base, work
+    return out
+
+
+def measure_memory(names: list[str], memory_sizes: list[int]) -> dict:
+    """Runs on every rank of a fresh set of processes: (candidate, numel) -> peak RSS increase of one warm call.
+
+    Fresh processes, because allocations of 64 KiB and more are forced through mmap here (so that they show
+    in the resident set): in a process that already ran bigger vectors, glibc would serve them from heap
+    pages that are resident already, and the increase would read as zero.
+    """
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (also turns off its dynamic growth)
+    out = {}
     for numel in memory_sizes:
-        for candidate in candidates:
+        for candidate in map(parse_candidate, names):
+            if candidate.implementation == "floor":
+                continue
             tensor = torch.randn(numel)
-            run_candidate(candidate, tensor)  # warm
-            dist.barrier()
-            out["memory"][(candidate, numel)] = _peak_rss_increase(lambda: run_candidate(candidate, tensor))
+            with collective_checks(candidate):
+                run_candidate(candidate, tensor)  # warm
+                dist.barrier()
+                out[(candidate.name, numel)] = _peak_rss_increase(lambda: run_candidate(candidate, tensor))
+            del tensor
     return out
 
 
 def merge(first: list[dict], second: list[dict]) -> list[dict]:
-    """Per rank: the repetitions of both runs; the worse accuracy and memory of the two."""
-    merged = []
-    for a, b in zip(first, second):
-        merged.append({"times": {k: a["times"][k] + b["times"][k] for k in a["times"]},
-                       "accuracy": {k: max(a["accuracy"][k], b["accuracy"][k]) for k in a["accuracy"]},
-                       "memory": {k: max(a["memory"][k], b["memory"][k]) for k in a["memory"]}})
-    return merged
+    """Per rank: the repetitions of both runs; the worse accuracy of the two."""
+    return [{"times": {k: a["times"][k] + b["times"][k] for k in a["times"]},
+             "accuracy": {k: max(a["accuracy"][k], b["accuracy"][k]) for k in a["accuracy"]}}
+            for a, b in zip(first, second)]
 
 
-def aggregate(per_rank: list[dict], world_size: int, candidates: list[str], sizes: list[int],
-              memory_sizes: list[int]) -> list[dict]:
+def _time_record(candidate: Candidate, world_size: int, numel: int, slowest: list[float], **extra) -> dict:
+    nbytes = numel * 4
+    record = {"world_size": world_size, "numel": numel, "candidate": candidate.name, "kind": "time",
+              "implementation": candidate.implementation, "algorithm": candidate.algorithm,
+              "transport": candidate.effective_transport,
+              "checked": candidate.checked if candidate.implementation == "ddpkit" else None}
+    if candidate.implementation == "ddpkit" and candidate.algorithm == "auto" \
+            and candidate.effective_transport == PROCESS_GROUP:
+        record["resolved_algorithm"] = ddpkit.comm.choose_algorithm(nbytes, world_size)
+    if slowest:
+        stats = timing.time_stats(slowest)
+        collective = candidate.implementation != "floor"  # the floor is one process's add, not a collective
+        record.update(stats, status="measured", algorithm_bandwidth_GBps=nbytes / stats["median_s"] / 1e9,
+                      bus_bandwidth_GBps=timing.bus_bandwidth_GBps(nbytes, stats["median_s"], world_size)
+                      if collective else None)
+    else:
+        record.update(median_s=None, p25_s=None, p75_s=None, reps=0, algorithm_bandwidth_GBps=None,
+                      bus_bandwidth_GBps=None)
+    record.update(extra)
+    return record
+
+
+def aggregate(per_rank: list[dict], memory_per_rank: Optional[list[dict]], world_size: int, names: list[str],
+              sizes: list[int], memory_sizes: list[int], reps_per_size: dict) -> list[dict]:
     records = []
-    for numel in memory_sizes:
-        for candidate in candidates:
-            records.append({"world_size": world_size, "numel": numel, "algorithm": candidate, "kind": "memory",
-                            "peak_memory_increase_bytes": max(rank["memory"][(candidate, numel)] for rank in per_rank),
-                            "input_bytes": numel * 4})
     for numel in sizes:
-        for candidate in candidates:
-            reps = len(per_rank[0]["times"][(candidate, numel)])
-            slowest = [max(rank["times"][(candidate, numel)][i] for rank in per_rank) for i in range(reps)]
-            ordered = sorted(slowest)
-            median = common.median(slowest)
-            nbytes = numel * 4
-            records.append({
-                "world_size": world_size,
-                "numel": numel,
-                "algorithm": candidate,
-                "kind": "time",
-                "resolved_algorithm": ddpkit.comm.choose_algorithm(nbytes, world_size)
-                if candidate.startswith("auto") else candidate.removesuffix(UNCHECKED),
-                "checked": not candidate.endswith(UNCHECKED) and candidate != TORCH,
-                "median_s": median,
-                "p25_s": ordered[len(ordered) // 4],
-                "p75_s": ordered[(3 * len(ordered)) // 4],
-                "reps": reps,
-                "bus_bandwidth_GBps": (nbytes / median) * 2 * (world_size - 1) / world_size / 1e9
-                if world_size > 1 and median > 0 else None,
-                "max_abs_error_of_mean": max(rank["accuracy"][(candidate, numel)] for rank in per_rank),
-            })
+        for name in names:
+            candidate = parse_candidate(name)
+            key = (name, numel)
+            if candidate.implementation == "floor":
+                slowest = per_rank[0]["times"][key]  # measured on rank 0 only
+            else:
+                slowest = timing.slowest_per_rep([rank["times"][key] for rank in per_rank])
+            accuracy = [rank["accuracy"][key] for rank in per_rank if key in rank["accuracy"]]
+            records.append(_time_record(candidate, world_size, numel, slowest, batch=timing.batch_size(numel),
+                                        reps_planned=reps_per_size[numel], cut_off=False,
+                                        max_abs_error_of_mean=max(accuracy) if accuracy else None))
+    for numel in memory_sizes:
+        for name in names:
+            if memory_per_rank and (name, numel) in memory_per_rank[0]:
+                records.append({"world_size": world_size, "numel": numel, "candidate": name, "kind": "memory",
+                                "peak_memory_increase_bytes": max(r[(name, numel)] for r in memory_per_rank),
+                                "input_bytes": numel * 4})
     return records
 
 
+# -- peers: separate jobs -----------------------------------------------------------------------------
+
+
+def peer_status(name: str) -> dict:
+    """Whether a peer can run here, and how it is launched."""
+    if name == "mpich":
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        if importlib.util.find_spec("mpi4py") is None or importlib.util.find_spec("numpy") is None \
+                or not mpiexec.exists():
+            return {"status": "not installed", "install": "bash benchmarks/peers/install.sh mpich"}
+        return {"status": "installed", "launcher": f"{mpiexec} -n N", "script": "benchmarks/peers/mpich_allreduce.py"}
+    if name == "deepspeed":
+        if importlib.util.find_spec("deepspeed") is None:
+            return {"status": "not installed", "install": "bash benchmarks/peers/install.sh deepspeed"}
+        return {"status": "installed", "launcher": "DS_ACCELERATOR=cpu LOCAL_SIZE=N torchrun --standalone "
+                "--nproc_per_node N", "script": "benchmarks/peers/deepspeed_allreduce.py"}
+    raise ValueError(name)
+
+
+def _leftovers() -> set:
+    """Files the peers leave behind: DeepSpeed never unlinks its shm segments (66 MB per rank), and MPICH's
+    hydra leaves its hwloc topology file in /tmp when it is killed."""
+    return set(Path("/dev/shm").glob("deepspeed_*")) | set(Path(tempfile.gettempdir()).glob("hydra_hwloc_xmlfile_*"))
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every living descendant of ``pid``, from /proc (torchrun starts its workers in sessions of their own)."""
+    children: dict = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILLs ``pid`` and all its descendants: frozen first, so that none starts another meanwhile."""
+    frozen: list[int] = []
+    for _ in range(3):  # a process spawned while the tree was listed is caught by the next listing
+        for victim in [pid] + _descendants(pid):
+            if victim not in frozen:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGSTOP)
+                frozen.append(victim)
+    for victim in frozen:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
+def run_peer(name: str, world_size: int, sizes: list[int], reps: int, point_budget: float,
+             accuracy_max_numel: int, limit_s: Optional[float] = None) -> tuple[list[dict], Optional[str]]:
+    """Runs one peer job for ``world_size`` processes; (its points as JSON objects, a problem or None)."""
+    with tempfile.TemporaryDirectory(prefix=f"ddpkit-{name}-") as tmp:
+        out = Path(tmp) / "points.jsonl"
+        args = ["--sizes", *map(str, sizes), "--reps", str(reps), "--point-budget", str(point_budget),
+                "--accuracy-max-numel", str(accuracy_max_numel), "--out", str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if name == "mpich":
+            command = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(world_size), sys.executable,
+                       str(HERE / "peers" / "mpich_allreduce.py"), *args]
+        else:
+            env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world_size))
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                       str(world_size), str(HERE / "peers" / "deepspeed_allreduce.py"), *args]
+        # Per point: the budget for repetitions plus correctness, accuracy and warm-up calls; plus start-up.
+        limit = limit_s if limit_s is not None else 90 + len(sizes) * (2 * point_budget + 20)
+        leftovers_before = _leftovers()
+        problem = None
+        log = Path(tmp) / "output.txt"
+        with log.open("w") as output:  # a file, not a pipe: a stray grandchild cannot block the read
+            process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+            try:
+                process.wait(timeout=limit)
+                if process.returncode != 0:
+                    problem = f"exit code {process.returncode}: " + " | ".join(
+                        log.read_text(errors="replace").strip().splitlines()[-5:])
+            except subprocess.TimeoutExpired:
+                problem = f"job time limit ({limit:.0f} s)"
+            finally:
+                if process.poll() is None:  # not reaped yet, so its pid is still its own
+                    _kill_tree(process.pid)
+                    process.wait()
+                for leftover in _leftovers() - leftovers_before:  # only what appeared during this job
+                    leftover.unlink(missing_ok=True)
+        points = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    return points, problem
+
+
+def peer_records(name: str, world_size: int, sizes: list[int], points: list[dict], problem: Optional[str]) -> list:
+    candidate = parse_candidate(name)
+    by_numel = {p["numel"]: p for p in points}
+    records = []
+    for numel in sizes:
+        point = by_numel.get(numel)
+        if point is None:
+            records.append(_time_record(candidate, world_size, numel, [], status=f"not measured: {problem}",
+                                        batch=timing.batch_size(numel), cut_off=True, max_abs_error_of_mean=None))
+            continue
+        records.append(_time_record(candidate, world_size, numel, point["times_s"], batch=point["batch"],
+                                    reps_planned=point["reps_planned"], cut_off=point["cut_off"],
+                                    warmup_s=point["warmup_s"], library=point["library"],
+                                    max_abs_error_of_mean=point["max_abs_error_of_mean"]))
+    return records
+
+
+# -- summary ------------------------------------------------------------------------------------------
+
+
+def _median_of(by_key: dict, world_size: int, numel: int, name: str) -> Optional[float]:
+    record = by_key.get((world_size, numel, name))
+    return record["median_s"] if record and record.get("median_s") else None
+
+
 def summarize(records: list[dict]) -> dict:
-    by_key = {(r["world_size"], r["numel"], r["algorithm"]): r for r in records if r["kind"] == "time"}
-    ratios = {}
-    for (world_size, numel, algorithm), record in by_key.items():
-        baseline = by_key.get((world_size, numel, TORCH))
-        if algorithm in ("ring", "auto") and baseline and world_size > 1:
-            ratios[f"{algorithm}/torch ws={world_size} n={numel}"] = record["median_s"] / baseline["median_s"]
+    """The issue's bars, from the time records (a ratio below 1 means ddpkit is faster)."""
+    by_key = {(r["world_size"], r["numel"], r["candidate"]): r for r in records if r["kind"] == "time"}
+    summary: dict = {}
+
+    def ratio(world_size, numel, name, other):
+        a, b = _median_of(by_key, world_size, numel, name), _median_of(by_key, world_size, numel, other)
+        return a / b if a and b else None
+
+    over_gloo = {f"n={n} numel={s}": ratio(n, s, "ddpkit", "gloo")
+                 for n in (2, 4, 8) for s in GRID_SIZES[:5] if ratio(n, s, "ddpkit", "gloo") is not None}
+    summary["ddpkit_over_gloo"] = over_gloo
+    summary["ddpkit_over_gloo_max"] = max(over_gloo.values()) if over_gloo else None
+    summary["ddpkit_over_gloo_bar_met"] = all(v <= 0.2 for v in over_gloo.values()) if over_gloo else None
+    summary["ddpkit_over_gloo_bar"] = "ddpkit / gloo <= 0.2 at n in {2, 4, 8} x 1k..16M floats"
+    ring_pg = {f"n={n} numel={s}": ratio(n, s, "ddpkit_ring_pg", "gloo")
+               for n in (2, 4, 8) for s in GRID_SIZES if ratio(n, s, "ddpkit_ring_pg", "gloo") is not None}
+    summary["ddpkit_ring_pg_over_gloo"] = ring_pg
+
+    best_peer = {}
+    for numel in sorted({r["numel"] for r in by_key.values() if r["world_size"] == 2}):
+        peers = {name: _median_of(by_key, 2, numel, name) for name in PEERS}
+        peers = {k: v for k, v in peers.items() if v}
+        mine = _median_of(by_key, 2, numel, "ddpkit")
+        if peers and mine:
+            best = min(peers, key=peers.get)
+            best_peer[f"numel={numel}"] = {"ratio": mine / peers[best], "best_peer": best}
+    summary["ddpkit_over_best_peer_n2"] = best_peer
+
+    over_floor = {f"numel={s}": ratio(2, s, "ddpkit", "floor") for s in GRID_SIZES if s >= 1_000_000
+                  and ratio(2, s, "ddpkit", "floor") is not None}
+    summary["ddpkit_over_floor_n2"] = over_floor
+    summary["ddpkit_over_floor_bar_met"] = all(v <= 3 for v in over_floor.values()) if over_floor else None
+    summary["ddpkit_over_floor_bar"] = "ddpkit / floor <= 3 at n=2 from 1M floats up"
+
     overhead = {}
-    for (world_size, numel, algorithm), record in by_key.items():
-        unchecked = by_key.get((world_size, numel, algorithm + UNCHECKED))
-        if unchecked:
-            overhead[f"{algorithm} ws={world_size} n={numel}"] = record["median_s"] / unchecked["median_s"]
-    ring_bar = {k: v for k, v in ratios.items() if k.startswith("ring/") and ("ws=2 " in k or "ws=4 " in k)
-                and k.endswith("n=100000")}
-    auto_upto8 = {k: v for k, v in ratios.items() if k.startswith("auto/") and int(k.split("ws=")[1].split()[0]) <= 8}
-    return {
-        "ratios_vs_torch": ratios,
-        "ring_100k_at_2_and_4": ring_bar,
-        "ring_bar_met": all(v <= 1.2 for v in ring_bar.values()) if ring_bar else None,
-        "auto_worst_ratio_up_to_8": max(auto_upto8.values()) if auto_upto8 else None,
-        "auto_bar_met": all(v <= 1.0 for v in auto_upto8.values()) if auto_upto8 else None,
-        "checked_over_unchecked": overhead,
-    }
+    for (world_size, numel, name), record in by_key.items():
+        if name.endswith(":" + UNCHECKED):
+            continue
+        unchecked = _median_of(by_key, world_size, numel, name + ":" + UNCHECKED)
+        if unchecked and record.get("median_s"):
+            overhead[f"{name} ws={world_size} n={numel}"] = record["median_s"] / unchecked
+    summary["checked_over_unchecked"] = overhead
+    summary["cut_off_points"] = sorted(f"{r['candidate']} n={r['world_size']} numel={r['numel']}"
+                                       for r in by_key.values() if r.get("cut_off"))
+    return summary
+
+
+# -- main ---------------------------------------------------------------------------------------------
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=GRID_WORLD_SIZES)
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help=f"floats per vector (default {GRID_SIZES}; with --check-overhead 1k 10k 100k)")
+    parser.add_argument("--max-numel-above-8", type=int, default=100_000,
+                        help="sizes above this are skipped for more than 8 processes")
+    parser.add_argument("--reps", type=int, default=30,
+                        help="repetitions up to 100k floats at <= 8 processes; fewer above (peers/timing.py reps_for)")
     parser.add_argument("--pools", type=int, default=2, help="fresh sets of processes per world size")
-    parser.add_argument("--memory-numel", type=int, default=4_000_000, help="extra size for the memory pass")
-    parser.add_argument("--reps", type=int, default=40, help="timed repetitions per point (fewer above 8 workers)")
-    parser.add_argument("--candidates", nargs="+", default=CANDIDATES,
-                        choices=CANDIDATES + [c for c in CHECK_OVERHEAD_CANDIDATES if c not in CANDIDATES])
+    parser.add_argument("--memory-sizes", type=int, nargs="*", default=[1_000_000, 16_000_000],
+                        help="sizes of the memory pass (up to 8 processes; none: skip it)")
+    parser.add_argument("--accuracy-max-numel", type=int, default=1_000_000,
+                        help="largest size of the error-of-the-mean check (it holds n vectors per rank)")
+    parser.add_argument("--candidates", nargs="+", type=parse_candidate, default=None,
+                        help=f"{CANDIDATES} or ddpkit:ALGORITHM[:TRANSPORT][:unchecked] (default: all six)")
+    parser.add_argument("--peer-max-world-size", type=int, default=8, help="mpich and deepspeed up to this many")
+    parser.add_argument("--point-budget", type=float, default=5.0,
+                        help="seconds of timed repetitions per point for mpich and deepspeed (cut_off beyond)")
     parser.add_argument("--check-overhead", action="store_true",
-                        help="measure Note [Collective checks]: ring and auto with and without checks")
-    parser.add_argument("--quick", action="store_true", help="2 and 4 workers, 5 repetitions")
+                        help="measure Note [Collective checks]: ddpkit ring and auto with and without checks, and gloo")
+    parser.add_argument("--transport", default="default",
+                        help="with --check-overhead: ddpkit's transport (default: ddpkit's own default)")
+    parser.add_argument("--check-algorithms", nargs="+", default=["ring", "auto"],
+                        help="with --check-overhead: the ddpkit algorithms to measure")
+    parser.add_argument("--quick", action="store_true", help="2 and 4 processes, 1k/100k/1M floats, 5 repetitions")
     parser.add_argument("--output", default="allreduce", help="results/<output>.json")
     args = parser.parse_args()
+    sizes_given = args.sizes is not None
     if args.check_overhead:
-        args.candidates = CHECK_OVERHEAD_CANDIDATES
+        suffix = "" if args.transport == "default" else f":{args.transport}"
+        base = [f"ddpkit:{a}{suffix}" for a in args.check_algorithms]
+        try:
+            args.candidates = [parse_candidate(n) for b in base for n in (b, f"{b}:{UNCHECKED}")]
+        except argparse.ArgumentTypeError as error:
+            parser.error(str(error))
+        args.candidates.append(parse_candidate("gloo"))
+        if args.sizes is None:
+            args.sizes = [1_000, 10_000, 100_000]
+        args.memory_sizes = []
+    if args.candidates is None:
+        args.candidates = [parse_candidate(n) for n in CANDIDATES]
+    if args.sizes is None:
+        args.sizes = GRID_SIZES
     if args.quick:
-        args.world_sizes, args.reps, args.memory_numel, args.pools = [2, 4], 5, 1_000_000, 1
-    memory_sizes = [max(args.sizes), args.memory_numel]
+        args.world_sizes, args.reps, args.pools = [2, 4], 5, 1
+        if not sizes_given:
+            args.sizes = [1_000, 100_000] if args.check_overhead else [1_000, 100_000, 1_000_000]
+        args.memory_sizes = args.memory_sizes[:1] if args.memory_sizes else []
+        args.point_budget = min(args.point_budget, 3.0)
+    names = list(dict.fromkeys(c.name for c in args.candidates))
+    in_process = [n for n in names if parse_candidate(n).implementation not in PEERS]
+    peers = [n for n in names if n in PEERS]
+    statuses = {n: {"status": "in-process"} for n in in_process}
+    statuses.update({n: peer_status(n) for n in peers})
+    for name, status in statuses.items():
+        if status["status"] == "not installed":
+            print(f"{name}: not installed ({status['install']}); skipped", flush=True)
+    runnable_peers = [n for n in peers if statuses[n]["status"] == "installed"]
 
     records = []
     started = time.monotonic()
     for world_size in args.world_sizes:
-        reps = args.reps if world_size <= 8 else max(5, args.reps // 4)
-        per_rank = None
-        # The repetitions are split over --pools fresh sets of processes and pooled: a scheduling
-        # episode that lasts as long as one set of processes then cannot decide a whole row.
-        for _ in range(args.pools):
-            pool = WorkerPool(world_size, timeout=1800, group_timeout=600)
-            try:
-                part = pool.run(measure, args.candidates, args.sizes, max(1, reps // args.pools), memory_sizes)
-            finally:
-                pool.close()
-            per_rank = part if per_rank is None else merge(per_rank, part)
-        new = aggregate(per_rank, world_size, args.candidates, args.sizes, memory_sizes)
+        sizes = [s for s in args.sizes if world_size <= 8 or s <= args.max_numel_above_8]
+        memory_sizes = [s for s in (args.memory_sizes or []) if world_size <= 8]
+        reps_per_size = {s: timing.reps_for(s, world_size, args.reps) for s in sizes}
+        new = []
+        if in_process:
+            per_rank = None
+            pools = max(1, min(args.pools, min(reps_per_size.values())))
+            # The repetitions are split over fresh sets of processes and pooled: a scheduling episode that
+            # lasts as long as one set of processes then cannot decide a whole row.
+            for index in range(pools):
+                part_reps = {s: timing.split_reps(r, pools)[index] for s, r in reps_per_size.items()}
+                pool = WorkerPool(world_size, timeout=3600, group_timeout=900, threads=1)
+                try:
+                    part = pool.run(measure, in_process, sizes, part_reps, args.accuracy_max_numel)
+                finally:
+                    pool.close()
+                per_rank = part if per_rank is None else merge(per_rank, part)
+            memory_per_rank = None
+            if memory_sizes:
+                pool = WorkerPool(world_size, timeout=1800, group_timeout=600, threads=1)
+                try:
+                    memory_per_rank = pool.run(measure_memory, in_process, memory_sizes)
+                finally:
+                    pool.close()
+            new += aggregate(per_rank, memory_per_rank, world_size, in_process, sizes, memory_sizes, reps_per_size)
+        for name in runnable_peers:
+            if not 2 <= world_size <= args.peer_max_world_size:
+                continue
+            points, problem = run_peer(name, world_size, sizes, args.reps, args.point_budget, args.accuracy_max_numel)
+            if problem:
+                print(f"{name} at {world_size} processes: {problem}", flush=True)
+            new += peer_records(name, world_size, sizes, points, problem)
         records.extend(new)
         print(f"world size {world_size}: {time.monotonic() - started:.0f}s elapsed", flush=True)
         common.print_table([r for r in new if r["kind"] == "time"],
-                           ["world_size", "numel", "algorithm", "median_s", "p25_s", "max_abs_error_of_mean"])
-        common.print_table([r for r in new if r["kind"] == "memory"],
-                           ["world_size", "numel", "algorithm", "peak_memory_increase_bytes"])
+                           ["world_size", "numel", "candidate", "median_s", "p25_s", "p75_s", "reps",
+                            "bus_bandwidth_GBps", "max_abs_error_of_mean", "cut_off"])
+        memory = [r for r in new if r["kind"] == "memory"]
+        if memory:
+            common.print_table(memory, ["world_size", "numel", "candidate", "peak_memory_increase_bytes"])
     summary = summarize(records)
+    for name in runnable_peers:
+        statuses[name]["world_sizes"] = [n for n in args.world_sizes if 2 <= n <= args.peer_max_world_size]
     path = common.write_results(
         args.output, backend="gloo", device_type="cpu",
-        settings={"world_sizes": args.world_sizes, "sizes": args.sizes, "reps": args.reps,
-                  "reps_above_8_workers": max(5, args.reps // 4), "pools_per_world_size": args.pools,
-                  "dtype": "float32",
-                  "memory_sizes": memory_sizes,
+        settings={"format": "candidates-v2",
+                  "world_sizes": args.world_sizes, "sizes": args.sizes,
+                  "max_numel_above_8_processes": args.max_numel_above_8,
+                  "candidates": statuses,
+                  "candidate_definitions": {c.name: {"implementation": c.implementation, "algorithm": c.algorithm,
+                                                     "transport": c.effective_transport,
+                                                     "checked": c.checked if c.implementation == "ddpkit" else None}
+                                            for c in args.candidates},
+                  "ddpkit_transport_argument": HAS_TRANSPORT, "ddpkit_default_transport": DEFAULT_TRANSPORT,
+                  "reps": args.reps,
+                  "reps_per_point": {f"n={n}": {str(s): timing.reps_for(s, n, args.reps) for s in args.sizes
+                                                if n <= 8 or s <= args.max_numel_above_8}
+                                     for n in args.world_sizes},
+                  "calls_per_repetition": {str(s): timing.batch_size(s) for s in args.sizes},
+                  "pools_per_world_size": args.pools, "dtype": "float32",
+                  "memory_sizes": args.memory_sizes, "memory_up_to_processes": 8,
+                  "accuracy_max_numel": args.accuracy_max_numel,
+                  "peer_max_world_size": args.peer_max_world_size, "peer_point_budget_s": args.point_budget,
                   "threads_per_process": 1, "collective_checks": ddpkit.collective_checks_enabled(),
-                  "timing": "slowest rank per repetition, median over interleaved repetitions"},
+                  "timing": "per repetition: synchronise through the candidate itself, time a batch of back-to-back "
+                            "calls on every rank; slowest rank per repetition, median over interleaved repetitions; "
+                            "mpich and deepspeed in separate jobs right after the others for each world size"},
         records=records, summary=summary)
-    print("ring / torch at 100k floats:", {k: round(v, 3) for k, v in summary["ring_100k_at_2_and_4"].items()})
-    print("auto worst ratio up to 8 workers:", summary["auto_worst_ratio_up_to_8"])
+    print("ddpkit / gloo, worst at n in {2,4,8} x 1k..16M:", summary["ddpkit_over_gloo_max"],
+          "(bar <= 0.2:", summary["ddpkit_over_gloo_bar_met"], ")")
+    print("ddpkit / best peer at n=2:", {k: (round(v["ratio"], 3), v["best_peer"])
+                                         for k, v in summary["ddpkit_over_best_peer_n2"].items()})
+    print("ddpkit / floor at n=2:", {k: round(v, 2) for k, v in summary["ddpkit_over_floor_n2"].items()})
+    if summary["checked_over_unchecked"]:
+        print("checked / unchecked:", {k: round(v, 3) for k, v in summary["checked_over_unchecked"].items()})
+    if summary["cut_off_points"]:
+        print("cut off:", summary["cut_off_points"])
     print(f"wrote {path}")
 
 

@@ -85,92 +85,159 @@ display(Markdown(
 '''
 
 ALLREDUCE_INTRO = r'''
-## 1. All-reduce from point-to-point messages
+## 1. All-reduce
 
-Algorithms (`csrc/comm/collectives.h`, Note [All-reduce algorithms]): ring, butterfly (the week-4 template),
-star (reduce to rank 0 + broadcast), gather/scatter through rank 0 (CS744), recursive doubling,
-halving-doubling (Rabenseifner), and `auto`, against `torch.distributed.all_reduce` (gloo). Float32 vectors;
-a repetition's time is the slowest rank's; median over interleaved repetitions (fewer above 8 workers).
+ddpkit's default all-reduce (`ddpkit`: `algorithm="auto"` on ddpkit's default transport, collective checks on) and its
+ring over torch.distributed send/recv (`ddpkit_ring_pg`) against `torch.distributed.all_reduce` on gloo (`gloo`),
+the memory floor (`floor`: one in-place `a.add_(b)` of the vector in one process), MPICH's `MPI_Allreduce`
+(`mpich`) and DeepSpeed's CPU shared-memory all-reduce (`deepspeed`), float32 vectors on one host. A repetition
+synchronises the ranks through the candidate itself and times a batch of back-to-back calls; its time is the
+slowest rank's; the figure is the median over interleaved repetitions (method: `benchmarks/bench_allreduce.py`).
 '''
 
 ALLREDUCE_TIME = r'''
 command("allreduce")
-timed = [r for r in R["allreduce"]["records"] if r["kind"] == "time"]
+A = R["allreduce"]
+candidate_of = lambda r: r.get("candidate", r.get("algorithm"))  # files before the candidate grid: "algorithm"
+timed = [r for r in A["records"] if r["kind"] == "time" and r.get("median_s")]
+missing = [r for r in A["records"] if r["kind"] == "time" and not r.get("median_s")]
+if A["settings"].get("format") != "candidates-v2":
+    display(Markdown("**This file predates the candidate grid** (ddpkit's algorithms over the process group against "
+                     "gloo, up to 100,000 floats): re-run `python benchmarks/bench_allreduce.py` for the grid "
+                     "with the transports, the floor and the external peers."))
+statuses = A["settings"].get("candidates", {})
+if statuses:
+    table([{"candidate": k, "status": v["status"], "how": v.get("launcher", v.get("install", ""))}
+           for k, v in statuses.items()], ["candidate", "status", "how"])
+    display(Markdown(f"ddpkit's default transport in this run: `{A['settings']['ddpkit_default_transport']}`"
+                     + ("" if A["settings"]["ddpkit_transport_argument"] else
+                        " (this ddpkit had no `transport` argument: everything of ddpkit's ran over the process group)")
+                     + "."))
 sizes = sorted({r["numel"] for r in timed})
-algorithms = list(dict.fromkeys(r["algorithm"] for r in timed))
-fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), sharey=True)
-for ax, numel in zip(axes, sizes):
-    for algorithm in algorithms:
-        points = sorted((r["world_size"], r["median_s"]) for r in timed if r["numel"] == numel and r["algorithm"] == algorithm)
-        style = dict(linewidth=3, color="black") if algorithm == "torch.distributed" else {}
-        ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", label=algorithm, **style)
-    ax.set_xscale("log", base=2); ax.set_yscale("log"); ax.set_title(f"{numel:,} floats")
-    ax.set_xlabel("world size (processes)"); ax.grid(True, which="both", alpha=0.3)
-axes[0].set_ylabel("median time (ms)"); axes[-1].legend(fontsize=8)
+world_sizes = sorted({r["world_size"] for r in timed})
+candidates = list(dict.fromkeys(candidate_of(r) for r in timed))
+STYLE = {"gloo": dict(color="black", linewidth=2.5), "torch.distributed": dict(color="black", linewidth=2.5),
+         "floor": dict(color="gray", linestyle="--"), "ddpkit": dict(color="tab:red", linewidth=2.5)}
+columns = min(4, len(world_sizes))
+fig, axes = plt.subplots(-(-len(world_sizes) // columns), columns, figsize=(4.3 * columns, 3.3 * -(-len(world_sizes) // columns)),
+                         sharey=True, squeeze=False)
+for ax, ws in zip(axes.flat, world_sizes):
+    for c in candidates:
+        points = sorted((r["numel"], r["median_s"], bool(r.get("cut_off"))) for r in timed
+                        if r["world_size"] == ws and candidate_of(r) == c)
+        if not points:
+            continue
+        line, = ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", markersize=3, label=c,
+                        **STYLE.get(c, {}))
+        cut = [p for p in points if p[2]]
+        ax.plot([p[0] for p in cut], [p[1] * 1e3 for p in cut], "x", color=line.get_color(), markersize=9)
+    ax.set_xscale("log"); ax.set_yscale("log"); ax.set_title(f"n = {ws} processes", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3); ax.set_xlabel("floats", fontsize=8)
+for ax in axes.flat[len(world_sizes):]:
+    ax.axis("off")
+for row in axes:
+    row[0].set_ylabel("median time (ms)")
+axes.flat[0].legend(fontsize=7)
 plt.tight_layout(); plt.show()
+display(Markdown("× marks a point cut short by its time budget (fewer repetitions than planned). " +
+                 (f"Not measured: {', '.join(sorted({candidate_of(r) + ' n=' + str(r['world_size']) for r in missing}))}."
+                  if missing else "")))
 '''
 
 ALLREDUCE_RING = r'''
-by = {(r["world_size"], r["numel"], r["algorithm"]): r for r in timed}
-world_sizes = sorted({r["world_size"] for r in timed})
-rows = []
-for ws in [w for w in world_sizes if 1 < w <= 16]:
-    row = {"world size": ws}
-    for numel in sizes:
-        torch_time = by[(ws, numel, "torch.distributed")]["median_s"]
-        row[f"ring/torch {numel:,}"] = by[(ws, numel, "ring")]["median_s"] / torch_time
-        row[f"auto/torch {numel:,}"] = by[(ws, numel, "auto")]["median_s"] / torch_time
-    rows.append(row)
-columns = ["world size"] + [f"ring/torch {n:,}" for n in sizes] + [f"auto/torch {n:,}" for n in sizes]
-table(rows, columns, {c: ratio for c in columns[1:]})
-summary = R["allreduce"]["summary"]
-ring_bar = summary["ring_100k_at_2_and_4"]
-display(Markdown(
-    "**Ring vs torch at 100,000 floats** (target ≤ 1.2×): " +
-    ", ".join(f"{k.split()[1]}: {v:.2f}×" for k, v in ring_bar.items()) +
-    f" — {'met' if summary['ring_bar_met'] else 'not met'}. "
-    f"**auto vs torch**, worst point up to 8 processes: {summary['auto_worst_ratio_up_to_8']:.2f}× "
-    f"(target ≤ 1.0×, {'met' if summary['auto_bar_met'] else 'not met'}). `auto` resolves to: " +
-    ", ".join(sorted({f"{r['resolved_algorithm']}" for r in timed if r['algorithm'] == 'auto'})) + "."))
+by = {(r["world_size"], r["numel"], candidate_of(r)): r for r in timed}
+summary = A["summary"]
+if "ddpkit_over_gloo" in summary:
+    grid = [n for n in (2, 4, 8) if n in world_sizes]
+    rows = []
+    for ws in grid:
+        row = {"n": ws}
+        for numel in sizes:
+            row[f"{numel:,}"] = summary["ddpkit_over_gloo"].get(f"n={ws} numel={numel}")
+        rows.append(row)
+    table(rows, ["n"] + [f"{n:,}" for n in sizes], {f"{n:,}": ratio for n in sizes})
+    worst = summary["ddpkit_over_gloo_max"]
+    lines = [f"**ddpkit / gloo** (table above; bar ≤ 0.2 at n ∈ {{2, 4, 8}} × 1k–16M floats): worst "
+             f"{worst:.2f}× — {'met' if summary['ddpkit_over_gloo_bar_met'] else 'not met'}." if worst is not None
+             else "**ddpkit / gloo**: not measured."]
+    peers = summary["ddpkit_over_best_peer_n2"]
+    if peers:
+        lines.append("**ddpkit / best of MPICH and DeepSpeed at n = 2**: " + ", ".join(
+            f"{int(k.split('=')[1]):,} floats {v['ratio']:.2f}× ({v['best_peer']})" for k, v in peers.items()) + ".")
+    floor = summary["ddpkit_over_floor_n2"]
+    if floor:
+        lines.append("**ddpkit / floor at n = 2** (bar ≤ 3 from 1M floats): " + ", ".join(
+            f"{int(k.split('=')[1]):,} floats {v:.1f}×" for k, v in floor.items()) +
+            f" — {'met' if summary['ddpkit_over_floor_bar_met'] else 'not met'}.")
+    if summary.get("cut_off_points"):
+        lines.append(f"Cut off by the time budget: {len(summary['cut_off_points'])} points "
+                     f"({', '.join(summary['cut_off_points'][:8])}{' …' if len(summary['cut_off_points']) > 8 else ''}).")
+    display(Markdown("\n\n".join(lines)))
+else:  # a file from before the candidate grid
+    ring_bar = summary["ring_100k_at_2_and_4"]
+    display(Markdown(
+        "**Ring vs torch at 100,000 floats** (target ≤ 1.2×): " +
+        ", ".join(f"{k.split()[1]}: {v:.2f}×" for k, v in ring_bar.items()) +
+        f" — {'met' if summary['ring_bar_met'] else 'not met'}. "
+        f"**auto vs torch**, worst point up to 8 processes: {summary['auto_worst_ratio_up_to_8']:.2f}× "
+        f"(target ≤ 1.0×, {'met' if summary['auto_bar_met'] else 'not met'})."))
 '''
 
 ALLREDUCE_SPREAD = r'''
 rows = []
+for ws in [w for w in world_sizes if w <= 8]:
+    for numel in sizes:
+        row = {"n": ws, "floats": f"{numel:,}"}
+        for c in candidates:
+            r = by.get((ws, numel, c))
+            row[c] = r.get("bus_bandwidth_GBps") if r else None
+        if any(row[c] is not None for c in candidates):
+            rows.append(row)
+shown = [c for c in candidates if any(row[c] is not None for row in rows)]
+table(rows, ["n", "floats"] + shown, {c: (lambda v: f"{v:.3g}") for c in shown})
+display(Markdown("Bus bandwidth in GB/s as nccl-tests define it: bytes / median time × 2(n−1)/n (none for the floor, "
+                 "which is no collective, nor at n = 1)."))
+rows = []
 for ws in [2, 4, 8]:
     for numel in sizes:
-        for algorithm in ["ring", "star", "auto", "torch.distributed"]:
-            r = by.get((ws, numel, algorithm))
+        for c in candidates:
+            r = by.get((ws, numel, c))
             if r:
-                rows.append({"ws": ws, "floats": f"{numel:,}", "algorithm": algorithm, "p25": r["p25_s"],
-                             "median": r["median_s"], "p75": r["p75_s"], "busbw GB/s": r["bus_bandwidth_GBps"]})
-table(rows, ["ws", "floats", "algorithm", "p25", "median", "p75", "busbw GB/s"], {"p25": us, "median": us, "p75": us})
+                rows.append({"n": ws, "floats": f"{numel:,}", "candidate": c, "p25": r["p25_s"], "median": r["median_s"],
+                             "p75": r["p75_s"], "reps": r.get("reps"), "cut off": r.get("cut_off")})
+table(rows, ["n", "floats", "candidate", "p25", "median", "p75", "reps", "cut off"],
+      {"p25": us, "median": us, "p75": us})
 display(Markdown(
-    "The spread between the 25th percentile and the median shows how much of each figure is scheduling: "
-    "with more runnable threads than the 2 cores, a thread waits out a time slice of several ms "
-    "(Note [Choosing an algorithm] in `csrc/comm/collectives.h`)."))
+    "The spread between the 25th and 75th percentiles shows how much of each figure is scheduling: with more "
+    "runnable processes than the 2 cores, a process waits out time slices of several ms, and implementations that "
+    "busy-poll (MPICH, DeepSpeed) lose their cores to each other."))
 '''
 
 ALLREDUCE_ACCURACY = r'''
 rows = []
 for ws in world_sizes:
     row = {"world size": ws}
-    for algorithm in algorithms:
-        row[algorithm] = max(r["max_abs_error_of_mean"] for r in timed if r["world_size"] == ws and r["algorithm"] == algorithm)
+    for c in candidates:
+        errors = [r["max_abs_error_of_mean"] for r in timed
+                  if r["world_size"] == ws and candidate_of(r) == c and r.get("max_abs_error_of_mean") is not None]
+        row[c] = max(errors) if errors else None
     rows.append(row)
-table(rows, ["world size"] + algorithms, {a: (lambda v: f"{v:.1e}") for a in algorithms})
-display(Markdown("Accuracy of averaging: max |result − float64 mean| over all sizes, N(0, 1) float32 inputs."))
+measured = [c for c in candidates if any(row[c] is not None for row in rows)]
+table(rows, ["world size"] + measured, {c: (lambda v: f"{v:.1e}") for c in measured})
+display(Markdown("Accuracy of averaging: max |result − float64 mean| over the sizes checked, N(0, 1) float32 inputs "
+                 "(MPICH, DeepSpeed and gloo: the sum divided by n)."))
 '''
 
 ALLREDUCE_MEMORY = r'''
-memory = [r for r in R["allreduce"]["records"] if r["kind"] == "memory"]
+memory = [r for r in A["records"] if r["kind"] == "memory"]
 big = max(r["numel"] for r in memory)
 fig, ax = plt.subplots(figsize=(8, 4))
-for algorithm in algorithms:
+for c in dict.fromkeys(candidate_of(r) for r in memory):
     points = sorted((r["world_size"], r["peak_memory_increase_bytes"]) for r in memory
-                    if r["numel"] == big and r["algorithm"] == algorithm)
-    ax.plot([p[0] for p in points], [p[1] / 2**20 for p in points], marker="o", label=algorithm)
+                    if r["numel"] == big and candidate_of(r) == c)
+    ax.plot([p[0] for p in points], [p[1] / 2**20 for p in points], marker="o", label=c)
 ax.set_xscale("log", base=2); ax.set_xlabel("world size"); ax.set_ylabel("peak RSS increase (MiB)")
-ax.set_title(f"memory of one all-reduce of {big:,} floats ({big * 4 / 2**20:.0f} MiB), max over ranks")
+ax.set_title(f"memory of one warm all-reduce of {big:,} floats ({big * 4 / 2**20:.0f} MiB), max over ranks")
 ax.legend(fontsize=8); ax.grid(True, alpha=0.3); plt.show()
 '''
 
@@ -336,7 +403,7 @@ COMMANDS = r'''
 | what | command |
 |---|---|
 | everything, then this notebook | `bash benchmarks/run_all.sh` (`--quick` for a smoke run) |
-| all-reduce grid | `python benchmarks/bench_allreduce.py` |
+| all-reduce grid | `bash benchmarks/peers/install.sh` (MPICH, DeepSpeed; once), then `python benchmarks/bench_allreduce.py` |
 | checked-mode overhead | `python benchmarks/bench_allreduce.py --check-overhead --world-sizes 2 4 8 --output allreduce_checks` |
 | SyncBatchNorm | `python benchmarks/bench_syncbn.py` |
 | DDP | `python benchmarks/bench_ddp.py` |

@@ -1,0 +1,1 @@
+"""External all-reduce implementations benchmarked beside ddpkit (see benchmarks/README.md)."""

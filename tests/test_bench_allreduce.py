@@ -1,0 +1,97 @@
+"""The pure parts of benchmarks/bench_allreduce.py and benchmarks/peers/timing.py (no timing is asserted)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+from peers import timing  # noqa: E402
+
+spec = importlib.util.spec_from_file_location("bench_allreduce", BENCHMARKS / "bench_allreduce.py")
+bench = importlib.util.module_from_spec(spec)
+sys.modules["bench_allreduce"] = bench  # dataclasses look their module up there
+spec.loader.exec_module(bench)
+
+
+def test_batch_and_reps_plan():
+    assert [timing.batch_size(n) for n in (1_000, 10_000, 100_000, 1_000_000, 64_000_000)] == [16, 16, 4, 1, 1]
+    assert timing.reps_for(1_000, 2, 30) == 30
+    assert timing.reps_for(1_000_000, 2, 30) == 15
+    assert timing.reps_for(16_000_000, 8, 30) == 7
+    assert timing.reps_for(64_000_000, 8, 30) == 5
+    assert timing.reps_for(1_000, 32, 30) == 7
+    assert timing.reps_for(64_000_000, 8, 5) == 3  # never fewer than 3 ...
+    assert timing.reps_for(1_000, 2, 2) == 2       # ... unless fewer were asked for
+    assert timing.split_reps(7, 2) == [4, 3] and timing.split_reps(1, 2) == [1]
+
+
+def test_plan_reps_cuts_to_the_budget():
+    assert timing.plan_reps(0.01, 30, None) == (30, False)
+    assert timing.plan_reps(0.01, 30, 5.0) == (30, False)
+    assert timing.plan_reps(1.0, 30, 5.0) == (5, True)
+    assert timing.plan_reps(60.0, 30, 5.0) == (1, True)  # at least one repetition
+
+
+def test_stats_and_bus_bandwidth():
+    assert timing.slowest_per_rep([[1.0, 5.0, 3.0], [2.0, 1.0, 3.5]]) == [2.0, 5.0, 3.5]
+    with pytest.raises(ValueError):
+        timing.slowest_per_rep([[1.0], [1.0, 2.0]])
+    stats = timing.time_stats([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert stats == {"median_s": 3.0, "p25_s": 2.0, "p75_s": 4.0, "reps": 5}
+    assert timing.bus_bandwidth_GBps(4_000_000, 0.001, 2) == pytest.approx(4.0)
+    assert timing.bus_bandwidth_GBps(4_000_000, 0.001, 4) == pytest.approx(6.0)
+    assert timing.bus_bandwidth_GBps(4_000_000, 0.001, 1) is None
+
+
+def test_candidate_names():
+    assert bench.parse_candidate("ddpkit").algorithm == "auto"
+    assert bench.parse_candidate("ddpkit").transport is None  # ddpkit's default, whatever it is
+    ring = bench.parse_candidate("ddpkit_ring_pg")
+    assert (ring.algorithm, ring.effective_transport) == ("ring", "process_group")
+    unchecked = bench.parse_candidate("ddpkit:auto:process_group:unchecked")
+    assert (unchecked.algorithm, unchecked.transport, unchecked.checked) == ("auto", "process_group", False)
+    assert bench.parse_candidate("ddpkit:ring:default").transport is None
+    assert bench.parse_candidate("mpich").implementation == "mpich"
+    with pytest.raises(Exception):
+        bench.parse_candidate("nccl")
+    if not bench.HAS_TRANSPORT:  # no candidate may claim a transport this ddpkit does not have
+        with pytest.raises(Exception):
+            bench.parse_candidate("ddpkit:ring:shm")
+
+
+def _record(n, numel, candidate, median, **extra):
+    return {"world_size": n, "numel": numel, "candidate": candidate, "kind": "time", "median_s": median, **extra}
+
+
+def test_summary_bars():
+    records = []
+    for n in (2, 4, 8):
+        for numel in bench.GRID_SIZES:
+            records += [_record(n, numel, "gloo", 1.0), _record(n, numel, "ddpkit", 0.1 if n < 8 else 0.25),
+                        _record(n, numel, "floor", 0.05)]
+    records += [_record(2, 1_000, "mpich", 0.05), _record(2, 1_000, "deepspeed", 0.02),
+                _record(2, 1_000, "ddpkit:ring:process_group", 2.0),
+                _record(2, 1_000, "ddpkit:ring:process_group:unchecked", 1.6),
+                _record(4, 64_000_000, "mpich", None, cut_off=True)]
+    summary = bench.summarize(records)
+    assert summary["ddpkit_over_gloo_max"] == pytest.approx(0.25)
+    assert summary["ddpkit_over_gloo_bar_met"] is False
+    assert "n=8 numel=64000000" not in summary["ddpkit_over_gloo"]  # the bar stops at 16M
+    assert summary["ddpkit_over_best_peer_n2"] == {"numel=1000": {"ratio": pytest.approx(5.0), "best_peer": "deepspeed"}}
+    assert set(summary["ddpkit_over_floor_n2"]) == {"numel=1000000", "numel=16000000", "numel=64000000"}
+    assert summary["ddpkit_over_floor_bar_met"] is True
+    assert summary["checked_over_unchecked"] == {"ddpkit:ring:process_group ws=2 n=1000": pytest.approx(1.25)}
+    assert summary["cut_off_points"] == ["mpich n=4 numel=64000000"]
+
+
+def test_peer_records_keep_missing_points():
+    points = [{"numel": 1_000, "world_size": 4, "times_s": [3e-6, 1e-6, 2e-6], "batch": 16, "reps_planned": 30,
+               "cut_off": True, "warmup_s": 4e-6, "max_abs_error_of_mean": 1e-7, "library": "MPICH 4.1.2"}]
+    records = bench.peer_records("mpich", 4, [1_000, 64_000_000], points, "job time limit (250 s)")
+    measured, missing = records
+    assert measured["median_s"] == 2e-6 and measured["cut_off"] and measured["reps"] == 3
+    assert measured["bus_bandwidth_GBps"] == pytest.approx(4000 / 2e-6 * 1.5 / 1e9)
+    assert missing["median_s"] is None and missing["status"] == "not measured: job time limit (250 s)"
