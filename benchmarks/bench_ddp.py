@@ -2,6 +2,7 @@
 
     python benchmarks/bench_ddp.py            # week-4 Net and ResNet-18 on CIFAR-shaped data, accumulation 1 and 4
     python benchmarks/bench_ddp.py --quick    # a smoke run
+    python benchmarks/bench_ddp.py --device cuda   # the ranks share GPU 0 over gloo: ddp_cuda.json
 
 Each candidate trains in its own pool of ``--world-size`` processes (so that peak memory is its
 own): ddpkit DDP with its default all-reduce, ddpkit DDP over the group's own all-reduce, and
@@ -39,19 +40,24 @@ CANDIDATES = {
 _state: dict = {}  # per worker process: the model under test and its data
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+def _device(device_type: str) -> torch.device:
+    """Rank r uses GPU r % device_count: on one GPU every rank shares it (gloo only; NCCL refuses)."""
+    if device_type == "cuda":
+        device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
 
 
-def build(candidate: dict, model_name: str, batch: int, accumulation: int, num_classes: int) -> None:
-    device = _device()
+def build(candidate: dict, model_name: str, batch: int, accumulation: int, num_classes: int,
+          device_type: str = "cpu") -> None:
+    device = _device(device_type)
     torch.manual_seed(0)
     model = build_model(model_name, in_channels=3, num_classes=num_classes, image_size=32).to(device)
     if candidate["impl"] == "ddpkit":
         wrapped = ddpkit.DistributedDataParallel(model, algorithm=candidate["algorithm"])
     else:
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
     batches = [(torch.randn(batch, 3, 32, 32, generator=generator).to(device),
                 torch.randint(0, num_classes, (batch,), generator=generator).to(device)) for _ in range(accumulation)]
@@ -92,11 +98,11 @@ def finish() -> dict:
 
 
 def run_config(model_name: str, batch: int, accumulation: int, world_size: int, blocks: int, steps_per_block: int,
-               backend: str) -> list[dict]:
+               backend: str, device_type: str = "cpu") -> list[dict]:
     pools = {name: WorkerPool(world_size, backend=backend, timeout=3600, group_timeout=600) for name in CANDIDATES}
     try:
         for name, pool in pools.items():
-            pool.run(build, CANDIDATES[name], model_name, batch, accumulation, 100)
+            pool.run(build, CANDIDATES[name], model_name, batch, accumulation, 100, device_type)
         # Correctness first: two identical steps from identical weights must give the same parameters.
         checks = {}
         for name, pool in pools.items():
@@ -139,8 +145,15 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--blocks", type=int, default=18, help="alternating blocks per candidate")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: rank r on GPU r %% device_count; results go to ddp_cuda.json")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                        help="default: gloo on CPU or when the ranks share a GPU, else nccl")
     args = parser.parse_args()
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_ddp: --device cuda, but torch sees no CUDA device")
+    backend = args.backend or ("nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.world_size
+                               else "gloo")
     batch_for = {"net": 64, "resnet18": 16, "resnet34": 16, "vgg11": 32}
     steps_for = {"net": 10, "resnet18": 2, "resnet34": 2, "vgg11": 3}
     if args.quick:
@@ -150,7 +163,7 @@ def main() -> None:
         for accumulation in args.accumulation:
             started = time.monotonic()
             records += run_config(model_name, batch_for[model_name], accumulation, args.world_size, args.blocks,
-                                  steps_for[model_name], backend)
+                                  steps_for[model_name], backend, args.device)
             print(f"{model_name} accumulation {accumulation}: {time.monotonic() - started:.0f}s", flush=True)
             common.print_table(records[-len(CANDIDATES):], ["model", "accumulation", "candidate", "median_step_s",
                                                             "p25_step_s", "peak_memory_bytes"])
@@ -163,7 +176,7 @@ def main() -> None:
         key = f"{record['candidate']} {record['model']} acc={record['accumulation']}"
         summary[key] = {"time_ratio": record["median_step_s"] / torch_record["median_step_s"],
                         "memory_ratio": record["peak_memory_bytes"] / torch_record["peak_memory_bytes"]}
-    path = common.write_results("ddp", backend=backend, device_type="cuda" if torch.cuda.is_available() else "cpu",
+    path = common.write_results("ddp_cuda" if args.device == "cuda" else "ddp", backend=backend, device_type=args.device,
                                 settings={"world_size": args.world_size, "models": args.models,
                                           "accumulation": args.accumulation, "blocks": args.blocks,
                                           "batch_per_rank": {m: batch_for[m] for m in args.models},

@@ -40,6 +40,8 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> Optional[str]:
+    if os.environ.get("DDPKIT_GIT_COMMIT"):  # a copy of the tree without .git (the GPU machine)
+        return os.environ["DDPKIT_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()

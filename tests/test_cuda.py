@@ -6,11 +6,10 @@ device, test_cuda_kernels_are_built fails if the extension was built without its
 (CMake then printed "ddpkit: CUDA kernels skipped: ..."), and the kernel tests skip naming it.
 
 Distributed cases use gloo for two ranks on the same GPU (NCCL refuses two ranks on one device).
-gloo's own all-reduce carries CUDA tensors (it stages them through pinned host memory), so
-algorithm="process_group" works; ddpkit's point-to-point algorithms and its checked-mode header
-send CUDA tensors through gloo's send/recv, which reads and writes the raw device pointer: until
-csrc/comm stages CUDA tensors through host memory on a gloo group, the cases that need them
-xfail, quoting the error a probe collective raised (issue 13).
+gloo's send/recv cannot carry CUDA pointers, so on a gloo group ddpkit's collectives copy CUDA
+tensors to the host, run there (over shared memory: both ranks share the host) and copy back
+(Note [Device tensors on a host group] in csrc/comm/engine.h); the collective tests below check
+every collective that way.
 
 DDPKIT_TEST_CUDA_ON_CPU=1 runs the same cases with CPU tensors instead (the CUDA-only checks skip):
 a dry run of this file's own logic on a machine without a GPU, not a test of the CUDA kernels.
@@ -56,7 +55,7 @@ only_cuda = pytest.mark.skipif(DRY_RUN, reason="checks CUDA itself (DDPKIT_TEST_
 def set_device():
     """Both ranks of a pool share GPU 0."""
     if DEVICE == "cuda":
-        set_device()
+        torch.cuda.set_device(0)
 
 
 def batch_norm_class(ndim):
@@ -160,7 +159,8 @@ def test_hand_written_kernels_run(shape, memory_format):
     ours = [n for n in names if "ddpkit::syncbn::cuda::" in n]
     for kernel in ("moments", "moments_finish", "affine", "grad_sums", "grad_sums_finish"):
         assert any(f"{kernel}_" in n for n in ours), (kernel, names)
-    assert not [n for n in names if "batch_norm" in n.lower() or "welford" in n.lower()], names
+    torch_kernels = [n for n in names if "ddpkit::" not in n and ("batch_norm" in n.lower() or "welford" in n.lower())]
+    assert not torch_kernels, names
 
 
 # ----------------------------------------------------------------------------------------------
@@ -292,30 +292,45 @@ def gpu_pool():
         created["pool"].close()
 
 
-def run_probe():
-    """One ddpkit all-reduce of a CUDA tensor through its point-to-point path on this gloo group."""
+def run_collectives(transport, algorithm, dtype):
+    """Every ddpkit collective on CUDA tensors of a gloo group (Note [Device tensors on a host group])."""
     set_device()
-    t = torch.full((5,), float(dist.get_rank() + 1), device=DEVICE)
-    ddpkit.all_reduce(t, algorithm="star")
-    return t.cpu()
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    t = (torch.arange(1000, device=DEVICE) * (rank + 1)).to(dtype)
+    ddpkit.all_reduce(t, algorithm=algorithm, transport=transport)
+    out["all_reduce"] = (t.device.type, t.cpu())
+    b = torch.full((7,), rank + 5, device=DEVICE).to(dtype)
+    ddpkit.broadcast(b, src=1, transport=transport)
+    out["broadcast"] = (b.device.type, b.cpu())
+    r = torch.full((9,), rank + 1, device=DEVICE).to(dtype)
+    ddpkit.reduce(r, dst=0, transport=transport)
+    out["reduce"] = (r.device.type, r.cpu() if rank == 0 else None)
+    g = ddpkit.gather(torch.full((3,), rank, device=DEVICE).to(dtype), dst=0, transport=transport)
+    out["gather"] = (g.device.type, g.cpu()) if rank == 0 else (None, None)
+    chunks = torch.arange(n * 4, device=DEVICE).to(dtype).view(n, 4) if rank == 0 else None
+    s = torch.empty(4, device=DEVICE, dtype=dtype)
+    ddpkit.scatter(s, chunks, src=0, transport=transport)
+    out["scatter"] = (s.device.type, s.cpu())
+    out["resolved"] = ddpkit.comm.resolved_transport(transport=transport)
+    return out
 
 
-@pytest.fixture(scope="module")
-def point_to_point_error(gpu_pool):
-    """None when ddpkit's point-to-point collectives carry CUDA tensors over gloo, else the error."""
-    try:
-        results = gpu_pool().run(run_probe)
-    except Exception as exc:  # reported through pytest.xfail below
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    if not all(torch.equal(r, torch.full((5,), 3.0)) for r in results):
-        return f"wrong result {results}"
-    return None
-
-
-def xfail_without_point_to_point(error):
-    if error is not None:
-        pytest.xfail("ddpkit's send/recv collectives cannot carry CUDA tensors over gloo yet (needs host staging in "
-                     f"csrc/comm, issue 13): {error}")
+@pytest.mark.parametrize("transport,algorithm", [("auto", "auto"), ("process_group", "auto"),
+                                                 ("process_group", "ring"), ("auto", "process_group")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_collectives_on_device_tensors(gpu_pool, transport, algorithm, dtype):
+    """gloo cannot send CUDA pointers: ddpkit stages through the host, and the results land on CUDA."""
+    results = gpu_pool().run(run_collectives, transport, algorithm, dtype)
+    expected_sum = (torch.arange(1000) * 3).to(dtype)
+    for rank, r in enumerate(results):
+        assert r["resolved"] == ("shm" if transport == "auto" else "process_group")
+        assert r["all_reduce"][0] == DEVICE and torch.equal(r["all_reduce"][1], expected_sum)
+        assert torch.equal(r["broadcast"][1], torch.full((7,), 6).to(dtype))
+        assert torch.equal(r["scatter"][1], torch.arange(rank * 4, rank * 4 + 4).to(dtype))
+        assert all(r[k][0] in (DEVICE, None) for k in ("broadcast", "reduce", "gather", "scatter"))
+    assert torch.equal(results[0]["reduce"][1], torch.full((9,), 3).to(dtype))
+    assert torch.equal(results[0]["gather"][1], torch.tensor([[0] * 3, [1] * 3]).to(dtype))
 
 
 def run_sync_step(x, grad_out, sizes, algorithm, options):
@@ -353,9 +368,7 @@ def check_group_result(results, x, grad_out, atol=TIGHT, rtol=0.0):
 @pytest.mark.parametrize("algorithm", ["process_group", "auto"])
 @pytest.mark.parametrize("sizes", [[16, 16], [5, 27], [0, 32]], ids=["even", "uneven", "empty"])
 @pytest.mark.parametrize("features", [128, 1024])
-def test_sync_batch_norm_two_ranks_one_gpu(gpu_pool, point_to_point_error, algorithm, sizes, features):
-    if algorithm != "process_group":
-        xfail_without_point_to_point(point_to_point_error)
+def test_sync_batch_norm_two_ranks_one_gpu(gpu_pool, algorithm, sizes, features):
     torch.manual_seed(features + sizes[0])
     x, grad_out = torch.randn(sum(sizes), features), torch.randn(sum(sizes), features)
     check_group_result(gpu_pool().run(run_sync_step, x, grad_out, sizes, algorithm, {}), x, grad_out)
@@ -435,9 +448,8 @@ def single_process(state, batches, batch_norm):
 
 
 @pytest.mark.parametrize("batch_norm", [False, True], ids=["plain", "syncbn"])
-def test_ddp_matches_the_global_batch(gpu_pool, point_to_point_error, batch_norm):
+def test_ddp_matches_the_global_batch(gpu_pool, batch_norm):
     """ddpkit DDP (+ ddpkit SyncBatchNorm) on CUDA: every rank ends with the full-batch model."""
-    xfail_without_point_to_point(point_to_point_error)  # DDP broadcasts rank 0's state with ddpkit.broadcast
     torch.manual_seed(14)
     state = ConvNet(batch_norm).state_dict()
     batches = ddp_inputs()
@@ -448,9 +460,8 @@ def test_ddp_matches_the_global_batch(gpu_pool, point_to_point_error, batch_norm
             torch.testing.assert_close(r[key].double(), value.double(), atol=1e-4, rtol=1e-4, msg=key)
 
 
-def test_ddp_matches_torch_ddp(gpu_pool, point_to_point_error):
+def test_ddp_matches_torch_ddp(gpu_pool):
     """ddpkit DDP and torch DDP on CUDA give the same parameters after three steps."""
-    xfail_without_point_to_point(point_to_point_error)
     torch.manual_seed(15)
     state = ConvNet(False).state_dict()
     batches = ddp_inputs()

@@ -374,7 +374,25 @@ Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device
   return power_of_two ? Algorithm::kHalvingDoubling : Algorithm::kRing;
 }
 
+namespace {
+
+// True when `tensor` lives on a device whose messages travel through host copies (Note [Device
+// tensors on a host group]): the engine then gave the collective a CPU communicator.
+bool staged(const at::Tensor& tensor, const Communicator& comm) {
+  return tensor.defined() && tensor.device().type() != comm.device_type();
+}
+
+at::Tensor to_host(const at::Tensor& tensor) { return tensor.defined() ? tensor.to(at::kCPU) : tensor; }
+
+}  // namespace
+
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm) {
+  if (staged(tensor, comm)) {
+    at::Tensor host = to_host(tensor);
+    all_reduce_(host, op, algorithm, comm);
+    tensor.copy_(host);
+    return;
+  }
   const std::string error = tensor_error(tensor, "all_reduce", op);
   const int n = comm.size();
   const int r = comm.rank();
@@ -431,6 +449,12 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
 }
 
 void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
+  if (staged(tensor, comm)) {
+    at::Tensor host = to_host(tensor);
+    broadcast_(host, src, comm);
+    tensor.copy_(host);
+    return;
+  }
   const int n = comm.size();
   std::string error = tensor_error(tensor, "broadcast", std::nullopt);
   if (error.empty()) error = root_error(src, n, "broadcast", "src");
@@ -458,6 +482,12 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
 }
 
 void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm) {
+  if (staged(tensor, comm)) {
+    at::Tensor host = to_host(tensor);
+    reduce_(host, dst, op, comm);
+    tensor.copy_(host);
+    return;
+  }
   const int n = comm.size();
   std::string error = tensor_error(tensor, "reduce", op);
   if (error.empty()) error = root_error(dst, n, "reduce", "dst");
@@ -490,6 +520,7 @@ void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm) {
 }
 
 at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm) {
+  if (staged(tensor, comm)) return gather(to_host(tensor), dst, comm).to(tensor.device());
   const int n = comm.size();
   std::string error = tensor_error(tensor, "gather", std::nullopt);
   if (error.empty()) error = root_error(dst, n, "gather", "dst");
@@ -514,6 +545,13 @@ at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm) {
 }
 
 void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm) {
+  if (staged(output, comm)) {
+    // Chunks on another device than the output stay where they are, for scatter_'s own check to reject.
+    at::Tensor host = to_host(output);
+    scatter_(host, chunks.defined() && chunks.device() == output.device() ? to_host(chunks) : chunks, src, comm);
+    output.copy_(host);
+    return;
+  }
   const int n = comm.size();
   std::string error = tensor_error(output, "scatter", std::nullopt);
   if (error.empty()) error = root_error(src, n, "scatter", "src");

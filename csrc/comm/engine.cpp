@@ -180,7 +180,21 @@ TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind re
   return TransportKind::kProcessGroup;
 }
 
+bool Engine::stages_through_host(c10::DeviceType device) {
+  if (device == c10::kCPU || device == c10::kMeta) return false;  // meta tensors have no data to copy
+  // Note [Device tensors on a host group]: gloo's send/recv, and a group with no backend for the
+  // device at all, leave the messages to host copies carried by the CPU backend.
+  c10::intrusive_ptr<c10d::Backend> device_backend;
+  try {
+    device_backend = backend(device);
+  } catch (const std::exception&) {
+    return true;
+  }
+  return device_backend->getBackendName() == "gloo";
+}
+
 void Engine::execute(c10::DeviceType device, TransportKind requested, uint64_t sequence, const Body& body) {
+  if (stages_through_host(device)) device = c10::kCPU;
   const TransportKind kind = resolve_transport(device, requested);
   c10::intrusive_ptr<c10d::Backend> device_backend = backend(device);
   std::shared_ptr<Transport> transport;

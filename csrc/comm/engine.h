@@ -37,6 +37,17 @@ namespace ddpkit::comm {
 //    per-collective locking, and it keeps two threads of one process (a DDP bucket on the engine's
 //    thread, SyncBatchNorm's backward on the autograd thread) from ever interleaving their messages.
 
+// Note [Device tensors on a host group]
+// gloo's all-reduce stages CUDA tensors through host memory itself, but its send/recv hands the raw
+// pointer to a TCP socket, and the shared-memory transport reads tensors with the CPU. So when a
+// collective's tensor is on an accelerator and the group would carry it with gloo (a "gloo" group
+// for every device, or a group without a backend for that device but with a CPU one), the engine
+// runs the collective as a CPU collective: the Communicator is the CPU one (shared memory when the
+// ranks share the host) and each collective (collectives.cpp) copies its tensors to the host, runs
+// and copies the result back. The copies are synchronous on the current stream, so the collective
+// sees everything queued before it and the caller sees the result after it. Groups whose backend
+// carries device pointers (NCCL) send the device tensors themselves.
+
 enum class TransportKind : int64_t {
   kAuto = 0,          // shared memory when every rank is on this host and the tensor is on CPU
   kShm = 1,           // shared memory, or an error when the ranks are not all on this host
@@ -55,8 +66,9 @@ class Engine {
   // registered again under the same name gets a new one). Fails clearly when there is no such group.
   static std::shared_ptr<Engine> of(const std::string& group_name);
 
-  // Runs `body` as the group's next collective with a Communicator for `device`'s backend and the
-  // transport `requested` resolves to; returns when it has run (rethrowing its error).
+  // Runs `body` as the group's next collective with a Communicator for `device`'s backend (the CPU
+  // one for a device whose tensors travel through host copies, Note [Device tensors on a host
+  // group]) and the transport `requested` resolves to; returns when it has run (rethrowing its error).
   void run(c10::DeviceType device, TransportKind requested, const Body& body);
 
   // Queues `body` as the group's next collective; the returned Work completes (or fails) when it has
@@ -88,6 +100,8 @@ class Engine {
                                                 Body body);
   void worker_loop();
   c10::intrusive_ptr<c10d::Backend> backend(c10::DeviceType device);
+  // True when `device` tensors travel through host copies (Note [Device tensors on a host group]).
+  bool stages_through_host(c10::DeviceType device);
 
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_ = 0;

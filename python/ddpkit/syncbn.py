@@ -14,6 +14,7 @@ the shapes, dtypes and strides of the outputs without computing them, for FakeTe
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -22,6 +23,9 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .comm import ALGORITHMS
+
+# torch 2.13 gave the batch-norm layers a `bias` flag; older releases always have a bias when affine.
+_NORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "sync_batch_norm", "set_native_cpu_kernels", "cpu_kernels"]
 
@@ -104,8 +108,11 @@ class SyncBatchNorm(_BatchNorm):
                             f"(SyncBatchNorm(num_features, ..., algorithm={device!r}))")
         if algorithm not in ALGORITHMS:
             raise ValueError(f"ddpkit.SyncBatchNorm: unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype,
-                         bias=bias)
+        if not _NORM_TAKES_BIAS and not bias:
+            raise TypeError(f"ddpkit.SyncBatchNorm: bias=False needs torch >= 2.13 (torch {torch.__version__} batch-norm "
+                            "layers have no `bias` flag)")
+        extra = {"bias": bias} if _NORM_TAKES_BIAS else {}
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **extra)
         self.process_group = process_group
         self.algorithm = algorithm
 
