@@ -34,7 +34,7 @@ for phase in "$@"; do
       installed || { echo "test: build first"; exit 1; }
       timeout 180 $PY -m pytest -q -rfEsx -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml" 2>&1 \
         | tee "$OUT/test_cuda.log" | tail -40
-      timeout 60 $PY -m pytest -q -p no:cacheprovider tests/test_comm.py tests/test_shm.py tests/test_ddp.py 2>&1 | tee "$OUT/test_cpu_suites.log" | tail -15
+      timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_comm.py tests/test_shm.py tests/test_ddp.py tests/test_syncbn.py tests/test_opcheck.py 2>&1 | tee "$OUT/test_cpu_suites.log" | tail -15
       ;;
     bench)
       installed || { echo "bench: build first"; exit 1; }
