@@ -19,6 +19,7 @@ from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training"]  # results/<name>.json the report reads
+OPTIONAL = ["syncbn_cuda", "ddp_cuda"]  # GPU results: shown when present (they need a GPU to produce)
 
 SETUP = r'''
 %matplotlib inline
@@ -30,6 +31,8 @@ from IPython.display import HTML, Markdown, display
 RESULTS = Path(os.environ.get("DDPKIT_REPORT_RESULTS", "../benchmarks/results"))
 EXPECTED = __EXPECTED__
 R = {name: json.loads((RESULTS / f"{name}.json").read_text()) for name in EXPECTED}
+R.update({name: json.loads((RESULTS / f"{name}.json").read_text()) for name in __OPTIONAL__
+          if (RESULTS / f"{name}.json").exists()})
 
 def table(rows, columns, formats=None):
     """An HTML table of dict rows."""
@@ -397,8 +400,49 @@ if control:
         f"micro-batches per epoch, two all-reduces per BatchNorm layer each)."))
 '''
 
+GPU = r'''
+## 5. On a GPU: CUDA SyncBatchNorm kernels and DDP
+
+`csrc/syncbn/cuda/` holds ddpkit's own CUDA kernels (Welford statistics, normalize + affine, the
+backward sums and element pass; planar and channels-last). With two processes on one GPU the group
+is gloo (NCCL refuses two ranks on one device) for both implementations: torch's SyncBatchNorm
+gathers the statistics through gloo's staged collectives, ddpkit copies its one buffer per pass to
+the host and all-reduces it over shared memory (Note [Device tensors on a host group]). At world
+size 1 the baseline is torch's CUDA BatchNorm (cuDNN). Times by CUDA events, memory by
+`torch.cuda.max_memory_allocated`.
+'''
+
+GPU_TABLES = r'''
+if "syncbn_cuda" not in R:
+    display(Markdown("No GPU results in this results folder (`syncbn_cuda.json`, `ddp_cuda.json`)."))
+else:
+    g = R["syncbn_cuda"]
+    command("syncbn_cuda")
+    gpu = g["environment"]["gpu"]
+    display(Markdown(f"GPU: {gpu['gpu_name']}, driver {gpu['gpu_driver']}, CUDA {gpu['cuda_version']}, "
+                     f"torch {g['environment']['torch_version']}."))
+    rows = []
+    for r in g["records"]:
+        baseline = r.get("t_torch_syncbn", r.get("t_torch_bn_local"))
+        base_alloc = r.get("alloc_torch_syncbn", r.get("alloc_torch_bn_local"))
+        rows.append({"world size": r["world_size"], "shape": "x".join(map(str, r["shape"])),
+                     "ddpkit": r["t_ddpkit"], "ddpkit (process_group)": r.get("t_ddpkit_pg"),
+                     "torch": baseline, "baseline": "nn.SyncBatchNorm" if "t_torch_syncbn" in r else "BatchNorm (cuDNN)",
+                     "ratio": r["ratio"], "memory ratio": r["alloc_ddpkit"] / base_alloc})
+    table(rows, ["world size", "shape", "ddpkit", "ddpkit (process_group)", "torch", "baseline", "ratio", "memory ratio"],
+          {"ddpkit": ms, "ddpkit (process_group)": ms, "torch": ms, "ratio": ratio,
+           "memory ratio": lambda x: f"{x:.4f}×"})
+if "ddp_cuda" in R:
+    d = R["ddp_cuda"]
+    command("ddp_cuda")
+    rows = [{"candidate": k, "time / torch DDP": v["time_ratio"], "memory / torch DDP": v["memory_ratio"]}
+            for k, v in d["summary"].items()]
+    table(rows, ["candidate", "time / torch DDP", "memory / torch DDP"], {"time / torch DDP": ratio,
+                                                                          "memory / torch DDP": ratio})
+'''
+
 COMMANDS = r'''
-## 5. Reproduce
+## 6. Reproduce
 
 | what | command |
 |---|---|
@@ -408,6 +452,7 @@ COMMANDS = r'''
 | SyncBatchNorm | `python benchmarks/bench_syncbn.py` |
 | DDP | `python benchmarks/bench_ddp.py` |
 | training comparison | `python benchmarks/bench_training.py --full` (`make main`: the short run) |
+| GPU: build, CUDA tests, GPU benchmarks | `bash scripts/gpu_checks.sh build test bench` |
 | this notebook only | `python notebooks/report.py` |
 | one training run | `torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --accumulation-steps 2` |
 '''
@@ -416,7 +461,8 @@ COMMANDS = r'''
 def build() -> nbformat.NotebookNode:
     cells = [
         nbformat.v4.new_markdown_cell(INTRO.strip()),
-        nbformat.v4.new_code_cell(SETUP.strip().replace("__EXPECTED__", repr(EXPECTED))),
+        nbformat.v4.new_code_cell(SETUP.strip().replace("__EXPECTED__", repr(EXPECTED))
+                                 .replace("__OPTIONAL__", repr(OPTIONAL))),
         nbformat.v4.new_markdown_cell("## 0. Infrastructure"),
         nbformat.v4.new_code_cell(INFRA.strip()),
         nbformat.v4.new_markdown_cell(ALLREDUCE_INTRO.strip()),
@@ -434,6 +480,8 @@ def build() -> nbformat.NotebookNode:
         nbformat.v4.new_code_cell(DDP_TABLE.strip()),
         nbformat.v4.new_markdown_cell(TRAINING.strip()),
         nbformat.v4.new_code_cell(TRAINING_PLOTS.strip()),
+        nbformat.v4.new_markdown_cell(GPU.strip()),
+        nbformat.v4.new_code_cell(GPU_TABLES.strip()),
         nbformat.v4.new_markdown_cell(COMMANDS.strip()),
     ]
     notebook = nbformat.v4.new_notebook(cells=cells)

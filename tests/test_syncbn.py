@@ -589,7 +589,8 @@ def test_constructor_is_torchs():
                               ("affine", True), ("track_running_stats", True), ("process_group", None),
                               ("device", None), ("dtype", None)]
     keyword_only = {p.name: p.default for p in ours.values() if p.kind is p.KEYWORD_ONLY}
-    assert keyword_only == {"algorithm": "auto", "bias": theirs["bias"].default}
+    # torch >= 2.13 has a keyword `bias` flag; ddpkit takes it on every torch (bias=False needs 2.13).
+    assert keyword_only == {"algorithm": "auto", "bias": theirs["bias"].default if "bias" in theirs else True}
 
 
 def test_defaults_match_torchs_syncbatchnorm():
@@ -610,8 +611,13 @@ def test_positional_arguments_as_torchs():
     for name in ("eps", "momentum", "affine", "track_running_stats"):
         assert getattr(ours, name) == getattr(theirs, name), name
     assert ours.weight is None and ours.running_mean is None and list(ours.state_dict()) == []
-    ours = ddpkit.SyncBatchNorm(6, 1e-5, 0.1, True, True, None, None, torch.float64, algorithm="ring", bias=False)
-    assert ours.algorithm == "ring" and ours.bias is None and ours.weight.dtype == torch.float64
+    ours = ddpkit.SyncBatchNorm(6, 1e-5, 0.1, True, True, None, None, torch.float64, algorithm="ring")
+    assert ours.algorithm == "ring" and ours.weight.dtype == torch.float64
+    if "bias" in inspect.signature(torch.nn.SyncBatchNorm.__init__).parameters:
+        assert ddpkit.SyncBatchNorm(6, affine=True, bias=False).bias is None
+    else:  # torch < 2.13
+        with pytest.raises(TypeError, match="bias=False needs torch >= 2.13"):
+            ddpkit.SyncBatchNorm(6, affine=True, bias=False)
     with pytest.raises(TypeError, match=r"'ring' was passed as `device`; `algorithm` is keyword-only"):
         ddpkit.SyncBatchNorm(6, 1e-5, 0.1, True, True, None, "ring")
 

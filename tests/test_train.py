@@ -143,7 +143,9 @@ def test_two_torchrun_launchers_as_two_nodes(tmp_path):
          *small_cli(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]
     outputs = [launcher.communicate(timeout=240)[0] for launcher in launchers]
-    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    codes = [launcher.returncode for launcher in launchers]
+    assert codes == [0, 0], "\n".join(f"--- node {node} (exit {code}):\n{output[-6000:]}"
+                                       for node, (code, output) in enumerate(zip(codes, outputs)))
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["world_size"] == 2
     assert sum("test loss" in output for output in outputs) == 1  # only rank 0 logs
