@@ -30,6 +30,7 @@ constexpr size_t kSlotHeaderBytes = kLine;  // a CollectiveHeader, padded
 // EPYC VM, 16M floats at n=2: 256 KiB slots ran 11 ms, 1 MiB 29 ms, 4 MiB 33 ms); the extra steps
 // cost a barrier each, about a microsecond when the ranks have cores.
 constexpr int64_t kSlotBytes = 256 << 10;
+constexpr int64_t kDirectWholeBytes = 128 << 10;  // Note [Direct all-reduce]; DDPKIT_SHM_WHOLE_BYTES overrides
 static_assert(sizeof(CollectiveHeader) <= kSlotHeaderBytes);
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
@@ -133,9 +134,11 @@ T combine_values(T a, T b, ReduceOp op) {
 
 // out[i] = src[0][i] op src[1][i] op ... op src[n-1][i] (then / n for kMean), in the order given, so
 // the bits depend only on the inputs and that order. `out` may be src[0], no other source. Blocks
-// keep `out` in L1 across the passes.
+// keep `out` in L1 across the passes; `also` (when not null) receives a copy of each finished block
+// from L1, which costs only its writes.
 template <class T>
-void reduce_sources(T* out, const std::vector<const char*>& sources, int64_t offset_elems, int64_t count, ReduceOp op) {
+void reduce_sources(T* out, const std::vector<const char*>& sources, int64_t offset_elems, int64_t count, ReduceOp op,
+                    T* also) {
   constexpr int64_t kBlock = 4096 / sizeof(T) * 4;
   const int n = static_cast<int>(sources.size());
   for (int64_t b = 0; b < count; b += kBlock) {
@@ -167,16 +170,24 @@ void reduce_sources(T* out, const std::vector<const char*>& sources, int64_t off
         for (int64_t i = 0; i < m; ++i) o[i] = o[i] / divisor;
       }
     }
+    if (also != nullptr) std::memcpy(also + b, o, m * sizeof(T));
   }
 }
 
 void reduce_sources(at::ScalarType dtype, char* out, const std::vector<const char*>& sources, int64_t offset_elems,
-                    int64_t count, ReduceOp op) {
+                    int64_t count, ReduceOp op, char* also = nullptr) {
   switch (dtype) {
-    case at::kFloat: return reduce_sources(reinterpret_cast<float*>(out), sources, offset_elems, count, op);
-    case at::kDouble: return reduce_sources(reinterpret_cast<double*>(out), sources, offset_elems, count, op);
-    case at::kInt: return reduce_sources(reinterpret_cast<int32_t*>(out), sources, offset_elems, count, op);
-    case at::kLong: return reduce_sources(reinterpret_cast<int64_t*>(out), sources, offset_elems, count, op);
+    case at::kFloat:
+      return reduce_sources(reinterpret_cast<float*>(out), sources, offset_elems, count, op, reinterpret_cast<float*>(also));
+    case at::kDouble:
+      return reduce_sources(reinterpret_cast<double*>(out), sources, offset_elems, count, op,
+                            reinterpret_cast<double*>(also));
+    case at::kInt:
+      return reduce_sources(reinterpret_cast<int32_t*>(out), sources, offset_elems, count, op,
+                            reinterpret_cast<int32_t*>(also));
+    case at::kLong:
+      return reduce_sources(reinterpret_cast<int64_t*>(out), sources, offset_elems, count, op,
+                            reinterpret_cast<int64_t*>(also));
     default: TORCH_INTERNAL_ASSERT(false, "the direct all-reduce reduces float32/64 and int32/64, got ", dtype);
   }
 }
@@ -245,6 +256,7 @@ std::shared_ptr<ShmSegment> ShmSegment::create(const c10::intrusive_ptr<c10d::Pr
   // Note [Direct all-reduce]: two slots per rank; Note [Shared-memory messages]: kChannelSlots
   // chunks per ordered pair, shrinking with the world size, so the whole segment stays bounded.
   segment->slot_bytes_ = env_bytes("DDPKIT_SHM_SLOT_BYTES", kSlotBytes);
+  segment->whole_bytes_ = env_bytes("DDPKIT_SHM_WHOLE_BYTES", kDirectWholeBytes);
   segment->chunk_bytes_ = env_bytes(
       "DDPKIT_SHM_CHUNK_BYTES",
       std::clamp<int64_t>(round_up((1 << 20) / std::max(1, size - 1), kLine), 64 << 10, 512 << 10));
@@ -392,9 +404,14 @@ void ShmSegment::wait_for(Signal& signal, Ready ready, const WaitContext& contex
 //     `arrived`; it waits for every peer's `arrived` (with the check: compares all headers);
 //  2. small chunks (n·bytes <= kDirectWholeBytes): every rank reduces the whole chunk from all
 //     slots straight into its tensor, in rank order: one barrier, identical bits everywhere;
-//     larger ones: rank r reduces its 1/n slice from all slots into its own slot's slice r, posts
-//     `reduced`, and copies every slice j from rank j's slot once j has posted it: one copy in, one
-//     reduce pass over n/n of the data, one copy out.
+//     larger ones: rank r reduces its 1/n slice r from its own tensor and the peers' slots into its
+//     tensor, writing each finished block also into its slot's slice r, posts `reduced`, and copies
+//     every slice j from rank j's slot once j has posted it. Step 1 then copies in only the slices
+//     the peers reduce. Per rank: (n-1)/n of the chunk copied in, one reduce pass over 1/n of it
+//     from n sources, (n-1)/n copied out. At n=2 that is 4 chunk-sized memory passes per rank
+//     against the whole-chunk path's 5; it costs a second barrier per chunk, which only matters
+//     for small chunks: the whole path is kept up to n·bytes = 128 KiB (measured on the 2-vCPU VM,
+//     16M floats: n=2 8.2 ms sliced vs 12.1 ms whole, n=4 31 vs 52 ms; 100k-1M no worse).
 // Each step alternates between the rank's two slots; a rank writes slot s again only two steps
 // later, after passing the next step's barrier, i.e. after every peer has finished reading it.
 // Every rank takes the same number of steps per collective (the numel is checked on the first), so
@@ -412,45 +429,52 @@ void ShmSegment::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeade
   char* const data = rejected || numel == 0 ? nullptr : static_cast<char*>(flat.data_ptr());
   const int64_t chunk_elems = slot_bytes_ / element;
   const int64_t chunks = std::max<int64_t>(1, (numel + chunk_elems - 1) / chunk_elems);
-  constexpr int64_t kDirectWholeBytes = 1 << 20;
   std::vector<const char*> sources(size_);
   for (int64_t c = 0; c < chunks; ++c) {
     const uint32_t target = ++step_;
     const int set = static_cast<int>(target & 1);
     const int64_t begin = c * chunk_elems;
     const int64_t count = std::min(chunk_elems, numel - begin);
+    const bool whole = count * element * size_ <= whole_bytes_;
+    const int64_t start = slice_start(count, size_, rank_);
+    const int64_t length = slice_start(count, size_, rank_ + 1) - start;
+    char* const chunk = data == nullptr ? nullptr : data + begin * element;
     char* mine = slot(rank_, set);
     if (c == 0) slot_header(rank_, set) = header;
-    if (count > 0) std::memcpy(mine, data + begin * element, count * element);
+    if (count > 0 && whole) {
+      std::memcpy(mine, chunk, count * element);
+    } else if (count > 0) {
+      // Only the slices the peers reduce: this rank reads its own slice from its tensor (below).
+      std::memcpy(mine, chunk, start * element);
+      std::memcpy(mine + (start + length) * element, chunk + (start + length) * element,
+                  (count - start - length) * element);
+    }
     arrive_and_wait(target, context);
     if (c == 0 && checked) compare_headers(set, local_error, kWhat);
     if (count == 0) continue;
     for (int peer = 0; peer < size_; ++peer) sources[peer] = slot(peer, set);
-    if (count * element * size_ <= kDirectWholeBytes) {
-      reduce_sources(dtype, data + begin * element, sources, 0, count, op);
+    if (whole) {
+      reduce_sources(dtype, chunk, sources, 0, count, op);
       // Not waited on here, but kept current so that a later sliced step never compares a stale,
       // wrapped-around counter.
       control(rank_).reduced.value.store(target, std::memory_order_release);
       continue;
     }
-    const int64_t start = slice_start(count, size_, rank_);
-    const int64_t length = slice_start(count, size_, rank_ + 1) - start;
-    // In place in this rank's slot, which must come first among the sources (a later one would be
-    // read after being overwritten); the slice is reduced by this rank alone, so every rank still
-    // gets the same bits.
+    // This rank's slice, reduced by this rank alone (so every rank gets the same bits), in place in
+    // its tensor, which comes first among the sources (`out` may only alias the first), and copied
+    // block by block from L1 into its slot for the peers.
+    sources[rank_] = chunk;
     std::rotate(sources.begin(), sources.begin() + rank_, sources.begin() + rank_ + 1);
-    reduce_sources(dtype, mine + start * element, sources, start, length, op);
+    reduce_sources(dtype, chunk + start * element, sources, start, length, op, mine + start * element);
     std::rotate(sources.begin(), sources.begin() + 1, sources.begin() + rank_ + 1);
     control(rank_).reduced.post(target);
-    std::memcpy(data + (begin + start) * element, mine + start * element, length * element);
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_) continue;
       Signal& reduced = control(peer).reduced;
       wait_for(reduced, [&] { return reached(reduced.value.load(std::memory_order_acquire), target); }, context);
       const int64_t their_start = slice_start(count, size_, peer);
       const int64_t their_length = slice_start(count, size_, peer + 1) - their_start;
-      std::memcpy(data + (begin + their_start) * element, sources[peer] + their_start * element,
-                  their_length * element);
+      std::memcpy(chunk + their_start * element, sources[peer] + their_start * element, their_length * element);
     }
   }
 }

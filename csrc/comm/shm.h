@@ -135,6 +135,7 @@ class ShmSegment {
   char* base_ = nullptr;
   size_t bytes_ = 0;
   int64_t slot_bytes_ = 0;   // data bytes of one collective slot
+  int64_t whole_bytes_ = 0;  // n·chunk bytes up to which the direct all-reduce reduces whole chunks
   int64_t chunk_bytes_ = 0;  // data bytes of one channel chunk
   int64_t channel_slots_ = 0;
   size_t controls_offset_ = 0, slots_offset_ = 0, slot_stride_ = 0, channels_offset_ = 0, channel_stride_ = 0;
