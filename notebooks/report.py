@@ -19,7 +19,8 @@ from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
 EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training"]  # results/<name>.json the report reads
-OPTIONAL = ["syncbn_cuda", "ddp_cuda"]  # GPU results: shown when present (they need a GPU to produce)
+# Shown when present: GPU results (they need a GPU to produce) and make main's short training run.
+OPTIONAL = ["syncbn_cuda", "ddp_cuda", "training_main"]
 
 SETUP = r'''
 %matplotlib inline
@@ -400,6 +401,15 @@ if control:
         f"micro-batches per epoch, two all-reduces per BatchNorm layer each)."))
 '''
 
+TRAINING_MAIN = r'''
+if "training_main" in R:
+    t = R["training_main"]
+    command("training_main")
+    display(Markdown("The short comparison `make main` runs (the README's first command), re-measured after "
+                     "the full run above: " + ", ".join(f"{k.replace('_', ' ')} {v:.3g}" for k, v in t["summary"].items()
+                                                         if isinstance(v, (int, float))) + "."))
+'''
+
 GPU = r'''
 ## 5. On a GPU: CUDA SyncBatchNorm kernels and DDP
 
@@ -480,6 +490,7 @@ def build() -> nbformat.NotebookNode:
         nbformat.v4.new_code_cell(DDP_TABLE.strip()),
         nbformat.v4.new_markdown_cell(TRAINING.strip()),
         nbformat.v4.new_code_cell(TRAINING_PLOTS.strip()),
+        nbformat.v4.new_code_cell(TRAINING_MAIN.strip()),
         nbformat.v4.new_markdown_cell(GPU.strip()),
         nbformat.v4.new_code_cell(GPU_TABLES.strip()),
         nbformat.v4.new_markdown_cell(COMMANDS.strip()),
