@@ -384,14 +384,19 @@ bool staged(const at::Tensor& tensor, const Communicator& comm) {
 
 at::Tensor to_host(const at::Tensor& tensor) { return tensor.defined() ? tensor.to(at::kCPU) : tensor; }
 
+// Runs `collective` on a host copy of `tensor`, then copies the result back into `tensor`.
+template <class Collective>
+void on_host_copy(at::Tensor& tensor, Collective&& collective) {
+  at::Tensor host = to_host(tensor);
+  collective(host);
+  tensor.copy_(host);
+}
+
 }  // namespace
 
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm) {
   if (staged(tensor, comm)) {
-    at::Tensor host = to_host(tensor);
-    all_reduce_(host, op, algorithm, comm);
-    tensor.copy_(host);
-    return;
+    return on_host_copy(tensor, [&](at::Tensor& host) { all_reduce_(host, op, algorithm, comm); });
   }
   const std::string error = tensor_error(tensor, "all_reduce", op);
   const int n = comm.size();
@@ -449,12 +454,7 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
 }
 
 void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
-  if (staged(tensor, comm)) {
-    at::Tensor host = to_host(tensor);
-    broadcast_(host, src, comm);
-    tensor.copy_(host);
-    return;
-  }
+  if (staged(tensor, comm)) return on_host_copy(tensor, [&](at::Tensor& host) { broadcast_(host, src, comm); });
   const int n = comm.size();
   std::string error = tensor_error(tensor, "broadcast", std::nullopt);
   if (error.empty()) error = root_error(src, n, "broadcast", "src");
@@ -482,12 +482,7 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
 }
 
 void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm) {
-  if (staged(tensor, comm)) {
-    at::Tensor host = to_host(tensor);
-    reduce_(host, dst, op, comm);
-    tensor.copy_(host);
-    return;
-  }
+  if (staged(tensor, comm)) return on_host_copy(tensor, [&](at::Tensor& host) { reduce_(host, dst, op, comm); });
   const int n = comm.size();
   std::string error = tensor_error(tensor, "reduce", op);
   if (error.empty()) error = root_error(dst, n, "reduce", "dst");
@@ -547,10 +542,8 @@ at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm) {
 void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm) {
   if (staged(output, comm)) {
     // Chunks on another device than the output stay where they are, for scatter_'s own check to reject.
-    at::Tensor host = to_host(output);
-    scatter_(host, chunks.defined() && chunks.device() == output.device() ? to_host(chunks) : chunks, src, comm);
-    output.copy_(host);
-    return;
+    const at::Tensor host_chunks = chunks.defined() && chunks.device() == output.device() ? to_host(chunks) : chunks;
+    return on_host_copy(output, [&](at::Tensor& host) { scatter_(host, host_chunks, src, comm); });
   }
   const int n = comm.size();
   std::string error = tensor_error(output, "scatter", std::nullopt);
