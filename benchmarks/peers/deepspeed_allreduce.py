@@ -21,11 +21,9 @@ per size to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -33,13 +31,7 @@ import timing  # benchmarks/peers/timing.py (the script's own directory is on sy
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", required=True)
-    parser.add_argument("--reps", type=int, default=30, help="as bench_allreduce.py --reps (timing.reps_for)")
-    parser.add_argument("--point-budget", type=float, default=None, help="seconds of timed repetitions per size")
-    parser.add_argument("--accuracy-max-numel", type=int, default=1_000_000)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = timing.parse_peer_args(__doc__.split("\n\n")[0])
 
     if os.environ.get("DS_ACCELERATOR") != "cpu":
         raise SystemExit("deepspeed_allreduce.py: set DS_ACCELERATOR=cpu (DeepSpeed's shm all-reduce is CPU-only)")

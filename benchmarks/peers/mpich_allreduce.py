@@ -17,10 +17,8 @@ in-place ``MPI_Allreduce`` calls timed on every rank; the slowest rank per repet
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -29,13 +27,7 @@ import timing  # benchmarks/peers/timing.py (the script's own directory is on sy
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", required=True)
-    parser.add_argument("--reps", type=int, default=30, help="as bench_allreduce.py --reps (timing.reps_for)")
-    parser.add_argument("--point-budget", type=float, default=None, help="seconds of timed repetitions per size")
-    parser.add_argument("--accuracy-max-numel", type=int, default=1_000_000)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    args = timing.parse_peer_args(__doc__.split("\n\n")[0])
 
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()

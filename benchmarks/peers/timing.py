@@ -12,8 +12,10 @@ Pure Python (no torch, no numpy), so that the MPI script can import it without t
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
+from pathlib import Path
 from typing import Optional, Sequence
 
 # numel -> back-to-back calls per timed repetition. Small messages take microseconds with a shared-memory
@@ -90,3 +92,14 @@ def bus_bandwidth_GBps(nbytes: int, seconds: Optional[float], world_size: int) -
     if world_size <= 1 or not seconds or seconds <= 0:
         return None
     return nbytes / seconds * 2 * (world_size - 1) / world_size / 1e9
+
+
+def parse_peer_args(description: str) -> argparse.Namespace:
+    """The command line every peer script takes from bench_allreduce.py."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--sizes", type=int, nargs="+", required=True)
+    parser.add_argument("--reps", type=int, default=30, help="as bench_allreduce.py --reps (timing.reps_for)")
+    parser.add_argument("--point-budget", type=float, default=None, help="seconds of timed repetitions per size")
+    parser.add_argument("--accuracy-max-numel", type=int, default=1_000_000)
+    parser.add_argument("--out", type=Path, required=True)
+    return parser.parse_args()
