@@ -46,6 +46,7 @@ TORCH_LIBRARY(ddpkit, m) {
   m.def("resolved_transport(str group_name, str transport=\"auto\") -> str", &ddpkit::comm::resolved_transport_op);
 
   // Gradient bucketing DDP (csrc/ddp): the pure bucket assignment and the reducer.
+  m.def("grad_sync_modes() -> str[]", &ddpkit::ddp::grad_sync_modes);
   m.def("assign_buckets(int[] sizes_bytes, int[] kinds, int cap_bytes, int first_cap_bytes) -> int[]",
         &assign_buckets_op);
   m.class_<ddpkit::ddp::Reducer>("Reducer")

@@ -10,12 +10,15 @@
 namespace ddpkit::ddp {
 namespace {
 
+constexpr SyncMode kModes[] = {SyncMode::kBucketed, SyncMode::kPerParameter, SyncMode::kGatherScatter};
+constexpr std::string_view kModeNames[] = {"bucketed", "per_parameter", "gather_scatter"};
+
 SyncMode parse_mode(const std::string& mode) {
-  if (mode == "bucketed") return SyncMode::kBucketed;
-  if (mode == "per_parameter") return SyncMode::kPerParameter;
-  if (mode == "gather_scatter") return SyncMode::kGatherScatter;
-  TORCH_CHECK(false, "ddpkit.DistributedDataParallel: unknown grad_sync '", mode,
-              "'; expected one of bucketed, per_parameter, gather_scatter");
+  for (size_t i = 0; i < std::size(kModes); ++i) {
+    if (mode == kModeNames[i]) return kModes[i];
+  }
+  TORCH_CHECK(false, "ddpkit.DistributedDataParallel: unknown grad_sync '", mode, "'; expected one of ",
+              c10::Join(", ", grad_sync_modes()));
 }
 
 bool same_memory(const at::Tensor& a, const at::Tensor& b) {
@@ -23,6 +26,8 @@ bool same_memory(const at::Tensor& a, const at::Tensor& b) {
 }
 
 }  // namespace
+
+std::vector<std::string> grad_sync_modes() { return {std::begin(kModeNames), std::end(kModeNames)}; }
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_param, std::string group_name,
                  std::string algorithm, std::string mode, bool gradient_as_bucket_view)

@@ -29,6 +29,10 @@ enum class SyncMode {
   kGatherScatter  // per gradient, rank 0 gathers, averages and sends back (CS744 Task 2a)
 };
 
+// The names Python passes as `grad_sync` ("bucketed", "per_parameter", "gather_scatter"), in the
+// enum's order; ddpkit.ddp.GRAD_SYNC_MODES reads this list (op ddpkit::grad_sync_modes).
+std::vector<std::string> grad_sync_modes();
+
 // Note [Overlap]
 // A post hook on each parameter's AccumulateGrad node runs right after the parameter's gradient
 // has been accumulated. In kBucketed mode it copies the gradient, scaled by 1/world_size, into

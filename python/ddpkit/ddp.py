@@ -21,7 +21,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import comm
 
-GRAD_SYNC_MODES = ("bucketed", "per_parameter", "gather_scatter")
+GRAD_SYNC_MODES = tuple(torch.ops.ddpkit.grad_sync_modes())  # from C++: csrc/ddp/reducer.h
 DEFAULT_ALGORITHM = "auto"
 
 
