@@ -8,8 +8,8 @@ random output gradient.
 * --device cuda (default when CUDA is available): every worker uses GPU rank % device_count, so
   on one GPU the ranks share it; the backend is gloo unless --backend nccl (one GPU per rank).
   The baseline is torch.nn.SyncBatchNorm; ddpkit runs with algorithm="process_group" (the group's
-  all-reduce; gloo stages CUDA tensors through the host) and, with --cuda-algorithms ... auto,
-  "auto" (ddpkit's point-to-point messages, which over gloo need host staging in csrc/comm).
+  all-reduce; gloo stages CUDA tensors through the host) and "auto" (ddpkit's own collective on a
+  host copy, over shared memory: Note [Device tensors on a host group]); --cuda-algorithms picks.
   World size 1: every configuration, ddpkit's CUDA kernels against torch's CUDA BatchNorm. Steps
   are timed with CUDA events on the current stream; memory is torch.cuda.max_memory_allocated.
   Results go to syncbn_cuda.json (with the GPU's name and driver), never over the CPU results.
@@ -186,8 +186,7 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
     features = x.shape[1]
 
     layers = {}
-    # On CUDA in a group, "auto" only where asked (ddpkit's point-to-point path over gloo needs
-    # host staging of CUDA tensors in csrc/comm).
+    # On CUDA in a group, "auto" only where asked (--cuda-algorithms).
     if not (distributed and device.type == "cuda") or "auto" in cuda_algorithms:
         layers["ddpkit"] = ddpkit.SyncBatchNorm(features, affine=True, algorithm="auto").to(device)
     comm: dict[str, Callable[[], None]] = {}
@@ -335,9 +334,8 @@ def main() -> None:
                         help="auto: cuda when torch sees a GPU, else cpu")
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                         help="CUDA only: gloo (default; ranks may share one GPU) or nccl (one GPU per rank)")
-    parser.add_argument("--cuda-algorithms", nargs="+", choices=("process_group", "auto"), default=["process_group"],
-                        help="CUDA in a group: ddpkit's all-reduce algorithms to time (auto over gloo needs host "
-                             "staging of CUDA tensors in csrc/comm)")
+    parser.add_argument("--cuda-algorithms", nargs="+", choices=("process_group", "auto"),
+                        default=["process_group", "auto"], help="CUDA in a group: ddpkit's all-reduce algorithms to time")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=None, help="default: 2 4 on CPU, 2 on CUDA")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per candidate (default 500; conv 60)")
     parser.add_argument("--local-threads", type=int, nargs="+", default=[1, 2],
