@@ -35,6 +35,13 @@ TORCH_LIBRARY(ddpkit, m) {
   m.def("reduce_(Tensor(a!) tensor, int dst, str op, str group_name, str transport=\"auto\") -> Tensor(a!)");
   m.def("gather(Tensor tensor, int dst, str group_name, str transport=\"auto\") -> Tensor");
   m.def("scatter_(Tensor(a!) output, Tensor? chunks, int src, str group_name, str transport=\"auto\") -> Tensor(a!)");
+  m.def(
+      "all_gather_into_tensor_(Tensor(a!) output, Tensor input, str algorithm, str group_name, "
+      "str transport=\"auto\") -> Tensor(a!)");
+  m.def(
+      "reduce_scatter_tensor_(Tensor(a!) output, Tensor input, str op, str algorithm, str group_name, "
+      "str transport=\"auto\") -> Tensor(a!)");
+  m.def("barrier(str group_name, str transport=\"auto\") -> ()", &ddpkit::comm::barrier_op);
   m.def("set_collective_checks(bool enabled) -> ()", &ddpkit::comm::set_collective_checks_op);
   m.def("collective_checks_enabled() -> bool", &ddpkit::comm::collective_checks_enabled_op);
   m.def("comm_counters() -> int[]", &ddpkit::comm::comm_counters_op);
@@ -79,6 +86,8 @@ TORCH_LIBRARY_IMPL(ddpkit, CompositeExplicitAutograd, m) {
   m.impl("reduce_", &ddpkit::comm::reduce_op);
   m.impl("gather", &ddpkit::comm::gather_op);
   m.impl("scatter_", &ddpkit::comm::scatter_op);
+  m.impl("all_gather_into_tensor_", &ddpkit::comm::all_gather_into_tensor_op);
+  m.impl("reduce_scatter_tensor_", &ddpkit::comm::reduce_scatter_tensor_op);
   // CPU tensors run the vectorised kernels, other devices ATen-generic code (syncbn/kernels.h).
   m.impl("sync_batch_norm", &ddpkit::syncbn::sync_batch_norm);
   m.impl("sync_batch_norm_backward", &ddpkit::syncbn::sync_batch_norm_backward);

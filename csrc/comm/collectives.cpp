@@ -573,4 +573,170 @@ void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicato
   run_schedule(comm, schedule);
 }
 
+namespace {
+
+// The reason `output`/`input` cannot take part in an all-gather (`gather` true) or reduce-scatter of
+// `n` ranks, or "" when they can.
+std::string gather_scatter_error(const at::Tensor& output, const at::Tensor& input, int n, bool gather,
+                                 std::optional<ReduceOp> op) {
+  const std::string_view what = gather ? "all_gather_into_tensor" : "reduce_scatter_tensor";
+  std::string error = tensor_error(output, what, op);
+  if (error.empty()) error = tensor_error(input, what, op);
+  if (!error.empty()) return error;
+  const at::Tensor& whole = gather ? output : input;
+  const at::Tensor& part = gather ? input : output;
+  if (whole.numel() != part.numel() * n) {
+    return c10::str("ddpkit.", what, ": the ", gather ? "output" : "input", " must have world size (", n,
+                    ") times the elements of the ", gather ? "input" : "output", " (", part.numel(), "), got ",
+                    whole.numel());
+  }
+  if (output.scalar_type() != input.scalar_type() || output.device() != input.device()) {
+    return c10::str("ddpkit.", what, ": input and output must have the same dtype and device, got ",
+                    input.scalar_type(), " on ", input.device(), " and ", output.scalar_type(), " on ", output.device());
+  }
+  if (output.numel() > 0 && output.is_alias_of(input)) {
+    return c10::str("ddpkit.", what, ": output and input must not share memory");
+  }
+  return {};
+}
+
+Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm, std::string_view what) {
+  if (algorithm == Algorithm::kAuto) return comm.shm() != nullptr ? Algorithm::kDirect : Algorithm::kRing;
+  TORCH_CHECK(algorithm == Algorithm::kRing || algorithm == Algorithm::kDirect, "ddpkit.", what,
+              ": algorithm must be 'auto', 'ring' or 'direct', got '", algorithm_name(algorithm), "'");
+  TORCH_CHECK(algorithm != Algorithm::kDirect || comm.shm() != nullptr || comm.size() == 1, "ddpkit.", what,
+              ": algorithm 'direct' needs the shared-memory transport (every rank on this host, CPU tensors)");
+  return algorithm;
+}
+
+}  // namespace
+
+void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algorithm algorithm, Communicator& comm) {
+  if (staged(output, comm)) {
+    const at::Tensor host_input = input.device() == output.device() ? to_host(input) : input;
+    return on_host_copy(output, [&](at::Tensor& host) { all_gather_into_tensor_(host, host_input, algorithm, comm); });
+  }
+  const int n = comm.size();
+  const int r = comm.rank();
+  const std::string error = gather_scatter_error(output, input, n, /*gather=*/true, std::nullopt);
+  const Algorithm requested = algorithm;
+  algorithm = resolve_block_algorithm(algorithm, comm, "all_gather_into_tensor");
+  CollectiveHeader header = make_header(CollectiveKind::kAllGather, input, std::nullopt, requested, -1);
+  if (algorithm == Algorithm::kDirect && n > 1) {
+    comm.note_collective(CollectiveKind::kAllGather);
+    header.magic = error.empty() ? kHeaderMagic : kRejectedMagic;
+    header.sequence = static_cast<int64_t>(comm.sequence() & 0x7FFFFF);
+    comm.shm()->all_gather(output, input, header, error, is_checked());
+    return;
+  }
+  comm.begin(header, error);
+  const int64_t m = input.numel();
+  at::Tensor flat = output.view(-1);
+  if (m > 0) slice(flat, r * m, (r + 1) * m).copy_(input.reshape(-1));
+  if (n == 1 || m == 0) {
+    comm.settle_header();
+    return;
+  }
+  // Round t: send block r-t to the right, receive block r-t-1 from the left. Every receive lands in
+  // a block of its own, sent on only after it arrived: all may be posted up front.
+  auto block = [&](int b) { return slice(flat, ((b % n + n) % n) * m, ((b % n + n) % n + 1) * m); };
+  Schedule schedule;
+  for (int t = 0; t < n - 1; ++t) {
+    schedule.push_back(Round{{{block(r - t), (r + 1) % n}}, {{block(r - t - 1), (r - 1 + n) % n}}, {}, t});
+  }
+  run_schedule(comm, schedule, schedule.size());
+}
+
+void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceOp op, Algorithm algorithm,
+                            Communicator& comm) {
+  if (staged(output, comm)) {
+    const at::Tensor host_input = input.device() == output.device() ? to_host(input) : input;
+    return on_host_copy(output,
+                        [&](at::Tensor& host) { reduce_scatter_tensor_(host, host_input, op, algorithm, comm); });
+  }
+  const int n = comm.size();
+  const int r = comm.rank();
+  const std::string error = gather_scatter_error(output, input, n, /*gather=*/false, op);
+  const Algorithm requested = algorithm;
+  algorithm = resolve_block_algorithm(algorithm, comm, "reduce_scatter_tensor");
+  CollectiveHeader header = make_header(CollectiveKind::kReduceScatter, output, op, requested, -1);
+  const bool narrow_float = error.empty() && (output.scalar_type() == at::kHalf || output.scalar_type() == at::kBFloat16);
+  if (algorithm == Algorithm::kDirect && n > 1) {
+    comm.note_collective(CollectiveKind::kReduceScatter);
+    header.magic = error.empty() ? kHeaderMagic : kRejectedMagic;
+    header.sequence = static_cast<int64_t>(comm.sequence() & 0x7FFFFF);
+    // float16/bfloat16 are reduced in float32, like every reduction (collectives.h).
+    const at::Tensor work_in = narrow_float ? input.to(at::kFloat) : input;
+    at::Tensor work_out = narrow_float ? at::empty(output.sizes(), output.options().dtype(at::kFloat)) : output;
+    comm.shm()->reduce_scatter(work_out, work_in, op, header, error, is_checked());
+    write_back(output, work_out);
+    return;
+  }
+  comm.begin(header, error);
+  const int64_t m = output.numel();
+  if (m == 0) {
+    comm.settle_header();
+    return;
+  }
+  // A private working copy: the input stays unchanged and the partial sums accumulate here.
+  at::Tensor acc = narrow_float ? input.reshape(-1).to(at::kFloat) : input.reshape(-1).clone();
+  auto block = [&](int b) { return slice(acc, ((b % n + n) % n) * m, ((b % n + n) % n + 1) * m); };
+  if (n > 1) {
+    // Round t: send the partial sum of block r-t-1 to the right, add the left's partial sum of
+    // block r-t-2 to ours; after n-1 rounds block r holds every rank's contribution. Two scratch
+    // blocks alternate: round t+1's receive, posted ahead, never lands in round t's.
+    at::Tensor scratch = at::empty({2, m}, acc.options());
+    Schedule schedule;
+    for (int t = 0; t < n - 1; ++t) {
+      at::Tensor incoming = scratch[t % 2];
+      at::Tensor into = block(r - t - 2);
+      schedule.push_back(Round{{{block(r - t - 1), (r + 1) % n}},
+                               {{incoming, (r - 1 + n) % n}},
+                               [=]() { combine_(into, incoming, op); },
+                               t});
+    }
+    run_schedule(comm, schedule);
+  } else {
+    comm.settle_header();
+  }
+  at::Tensor mine = block(r);
+  finish_reduction_(mine, op, n);
+  output.view(-1).copy_(mine);
+}
+
+void barrier(Communicator& comm) {
+  CollectiveHeader header;
+  header.kind = static_cast<int64_t>(CollectiveKind::kBarrier);
+  if (comm.shm() != nullptr) {
+    // One step of the slot protocol is a barrier in itself, whether checks are on or off.
+    comm.note_collective(CollectiveKind::kBarrier);
+    header.magic = kHeaderMagic;
+    header.sequence = static_cast<int64_t>(comm.sequence() & 0x7FFFFF);
+    comm.shm()->check_header(header, "", "barrier");
+    return;
+  }
+  comm.begin(header);
+  if (comm.size() == 1) {
+    comm.settle_header();
+    return;
+  }
+  // Everyone reports to rank 0, which answers everyone once all have reported.
+  at::Tensor token = at::zeros({comm.size()}, at::kByte);
+  Round in, out;
+  in.tag = 0;
+  out.tag = 1;
+  for (int peer = 1; peer < comm.size(); ++peer) {
+    if (comm.rank() == 0) {
+      in.recvs.push_back({token.narrow(0, peer, 1), peer});
+      out.sends.push_back({token.narrow(0, 0, 1), peer});
+    }
+  }
+  if (comm.rank() != 0) {
+    in.sends.push_back({token.narrow(0, 0, 1), 0});
+    out.recvs.push_back({token.narrow(0, 1, 1), 0});
+  }
+  Schedule schedule{in, out};
+  run_schedule(comm, schedule);
+}
+
 }  // namespace ddpkit::comm

@@ -101,4 +101,25 @@ at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm);
 // `chunks` is ignored on the other ranks.
 void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm);
 
+// Note [All-gather and reduce-scatter]
+// The two halves of the ring all-reduce, as collectives of their own (torch's
+// all_gather_into_tensor and reduce_scatter_tensor), on n ranks and blocks of m elements:
+//  kRing    n-1 rounds around the ring; all-gather forwards the block received last round,
+//           reduce-scatter passes on its partial sum of the next block: (n-1)·m elements per rank.
+//  kDirect  shared memory only: every rank publishes its input in its slot and reads what it needs
+//           from its peers' (Note [Direct all-gather and reduce-scatter] in shm.h).
+//  kAuto    kDirect over shared memory, else kRing.
+
+// Writes rank i's `input` into block i of `output` (contiguous, n·input.numel() elements, the same
+// dtype) on every rank. Any dtype.
+void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algorithm algorithm, Communicator& comm);
+
+// Writes op over the ranks' block `rank` of `input` (contiguous, n·output.numel() elements, the
+// same dtype as `output`) into `output`; `input` is left unchanged.
+void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceOp op, Algorithm algorithm,
+                            Communicator& comm);
+
+// Returns when every rank of the group has called it.
+void barrier(Communicator& comm);
+
 }  // namespace ddpkit::comm

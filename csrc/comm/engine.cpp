@@ -8,13 +8,6 @@
 namespace ddpkit::comm {
 namespace {
 
-// A Work that the engine completes.
-class EngineWork final : public c10d::Work {
- public:
-  explicit EngineWork(int rank) : c10d::Work(rank, c10d::OpType::UNKNOWN) {}
-  void complete(std::exception_ptr error) { finish(std::move(error)); }
-};
-
 struct RegistryEntry {
   std::optional<c10::weak_intrusive_ptr<c10d::ProcessGroup>> group;
   std::shared_ptr<Engine> engine;
@@ -45,6 +38,20 @@ std::string_view transport_name(TransportKind kind) {
   TORCH_INTERNAL_ASSERT(false, "unreachable transport");
 }
 
+CollectiveWork::CollectiveWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, type),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+void CollectiveWork::complete(std::exception_ptr error) {
+  finish(error);
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
 std::shared_ptr<Engine> Engine::of(const std::string& group_name) {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
   try {
@@ -53,6 +60,14 @@ std::shared_ptr<Engine> Engine::of(const std::string& group_name) {
     TORCH_CHECK(false, "ddpkit: no process group named '", group_name,
                 "' is registered; call torch.distributed.init_process_group (or ddpkit.init_distributed) first");
   }
+  if (group->hasBackends()) {
+    try {
+      c10::intrusive_ptr<c10d::Backend> cpu = group->getBackend(c10::kCPU);
+      if (auto* owner = dynamic_cast<EngineBackend*>(cpu.get())) return owner->engine();
+    } catch (const std::exception&) {
+      // no CPU backend: an engine of the group's own, below
+    }
+  }
   // Never destroyed: engines may still be running when static destructors would run at exit.
   static auto* registry = new std::unordered_map<std::string, RegistryEntry>();
   static auto* registry_mutex = new std::mutex();
@@ -60,13 +75,35 @@ std::shared_ptr<Engine> Engine::of(const std::string& group_name) {
   RegistryEntry& entry = (*registry)[group_name];
   if (!entry.engine || entry.group->lock().get() != group.get()) {
     entry.group.emplace(group);
-    entry.engine.reset(new Engine(group));
+    c10::weak_intrusive_ptr<c10d::ProcessGroup> weak(group);
+    EngineGroup handle;
+    handle.name = group_name;
+    handle.rank = group->getRank();
+    handle.size = group->getSize();
+    handle.store = [weak]() -> c10::intrusive_ptr<c10d::Store> {
+      auto alive = weak.lock();
+      TORCH_CHECK(alive, "ddpkit: the process group was destroyed");
+      return alive->getStore();
+    };
+    handle.backend = [weak](c10::DeviceType device) {
+      auto alive = weak.lock();
+      TORCH_CHECK(alive, "ddpkit: the process group was destroyed");
+      try {
+        return alive->getBackend(device);
+      } catch (const std::exception&) {
+        TORCH_CHECK(false, "ddpkit: process group '", alive->getGroupName(), "' (", alive->getBackendName(),
+                    ") cannot carry ", c10::DeviceTypeName(device, /*lower_case=*/true),
+                    " tensors; gloo carries CPU tensors, NCCL CUDA tensors");
+      }
+    };
+    entry.engine = create(std::move(handle));
   }
   return entry.engine;
 }
 
-Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : group_(group), rank_(group->getRank()), size_(group->getSize()) {}
+std::shared_ptr<Engine> Engine::create(EngineGroup group) { return std::shared_ptr<Engine>(new Engine(std::move(group))); }
+
+Engine::Engine(EngineGroup group) : group_(std::move(group)) {}
 
 Engine::~Engine() {
   {
@@ -81,7 +118,7 @@ void Engine::run(c10::DeviceType device, TransportKind requested, const Body& bo
   std::unique_lock<std::mutex> lock(mutex_);
   const uint64_t sequence = next_sequence_++;
   if (busy_ || !queue_.empty()) {
-    auto work = enqueue_locked(device, requested, sequence, body);
+    auto work = enqueue_locked(device, requested, sequence, body, c10d::OpType::UNKNOWN, {});
     lock.unlock();
     work->wait();
     return;
@@ -99,14 +136,16 @@ void Engine::run(c10::DeviceType device, TransportKind requested, const Body& bo
   execute(device, requested, sequence, body);
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::submit(c10::DeviceType device, TransportKind requested, Body body) {
+c10::intrusive_ptr<CollectiveWork> Engine::submit(c10::DeviceType device, TransportKind requested, Body body,
+                                                  c10d::OpType type, std::vector<at::Tensor> outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return enqueue_locked(device, requested, next_sequence_++, std::move(body));
+  return enqueue_locked(device, requested, next_sequence_++, std::move(body), type, std::move(outputs));
 }
 
-c10::intrusive_ptr<c10d::Work> Engine::enqueue_locked(c10::DeviceType device, TransportKind requested,
-                                                      uint64_t sequence, Body body) {
-  auto work = c10::make_intrusive<EngineWork>(rank_);
+c10::intrusive_ptr<CollectiveWork> Engine::enqueue_locked(c10::DeviceType device, TransportKind requested,
+                                                          uint64_t sequence, Body body, c10d::OpType type,
+                                                          std::vector<at::Tensor> outputs) {
+  auto work = c10::make_intrusive<CollectiveWork>(group_.rank, type, std::move(outputs));
   queue_.push_back(Task{device, requested, sequence, std::move(body), work});
   if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
   cv_.notify_all();
@@ -133,43 +172,33 @@ void Engine::worker_loop() {
     busy_ = false;
     lock.unlock();
     cv_.notify_all();
-    static_cast<EngineWork*>(task.work.get())->complete(error);
+    task.work->complete(error);
   }
 }
 
 c10::intrusive_ptr<c10d::Backend> Engine::backend(c10::DeviceType device) {
   auto found = backends_.find(static_cast<int>(device));
   if (found != backends_.end()) return found->second;
-  auto group = group_.lock();
-  TORCH_CHECK(group, "ddpkit: the process group was destroyed");
-  c10::intrusive_ptr<c10d::Backend> backend;
-  try {
-    backend = group->getBackend(device);
-  } catch (const std::exception&) {
-    TORCH_CHECK(false, "ddpkit: process group '", group->getGroupName(), "' (", group->getBackendName(),
-                ") cannot carry ", c10::DeviceTypeName(device, /*lower_case=*/true),
-                " tensors; gloo carries CPU tensors, NCCL CUDA tensors");
-  }
+  c10::intrusive_ptr<c10d::Backend> backend = group_.backend(device);
   backends_.emplace(static_cast<int>(device), backend);
   return backend;
 }
 
 TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind requested) {
-  if (requested == TransportKind::kProcessGroup || size_ == 1) return TransportKind::kProcessGroup;
+  if (requested == TransportKind::kProcessGroup || group_.size == 1) return TransportKind::kProcessGroup;
   if (device != c10::kCPU) {
     TORCH_CHECK(requested != TransportKind::kShm, "ddpkit: transport 'shm' carries CPU tensors only, got a ",
                 c10::DeviceTypeName(device, /*lower_case=*/true), " tensor");
     return TransportKind::kProcessGroup;
   }
   if (shm_state_ == ShmState::kUntried) {
-    auto group = group_.lock();
-    TORCH_CHECK(group, "ddpkit: the process group was destroyed");
     std::chrono::milliseconds timeout{300000};
     try {
       timeout = backend(device)->getBackendOptions()->timeout;
     } catch (const std::exception&) {
     }
-    segment_ = ShmSegment::create(group, timeout);
+    segment_ = group_.store ? ShmSegment::create(group_.store(), group_.name, group_.rank, group_.size, timeout)
+                            : nullptr;
     shm_state_ = segment_ ? ShmState::kAvailable : ShmState::kUnavailable;
     if (segment_) shm_transport_ = std::make_shared<ShmTransport>(segment_);
   }
@@ -205,7 +234,7 @@ void Engine::execute(c10::DeviceType device, TransportKind requested, uint64_t s
     if (!cached) cached = std::make_shared<ProcessGroupTransport>(device_backend);
     transport = cached;
   }
-  Communicator comm(rank_, size_, device, device_backend, std::move(transport),
+  Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport),
                     kind == TransportKind::kShm ? segment_.get() : nullptr, sequence);
   body(comm);
 }

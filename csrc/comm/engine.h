@@ -5,6 +5,7 @@
 #include "comm/shm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -58,13 +59,54 @@ enum class TransportKind : int64_t {
 TransportKind parse_transport(std::string_view name);
 std::string_view transport_name(TransportKind kind);
 
+// What an Engine needs of its group. For a torch.distributed process group (Engine::of) these come
+// from the group; the "ddpkit" torch.distributed backend (csrc/backend) passes its own.
+struct EngineGroup {
+  std::string name;  // the group's registered name: errors and shared-memory store keys
+  int rank = 0;
+  int size = 1;
+  // The store for the shared-memory rendezvous (Note [Shared-memory segment]); null: none.
+  std::function<c10::intrusive_ptr<c10d::Store>()> store;
+  // The backend that carries `device`'s point-to-point messages and the group's own collectives;
+  // TORCH_CHECK-fails, naming the group, when there is none.
+  std::function<c10::intrusive_ptr<c10d::Backend>(c10::DeviceType)> backend;
+};
+
+// A c10d backend whose collectives all run on a ddpkit Engine (the "ddpkit" torch.distributed
+// backend): ddpkit's own collectives on a group of that backend go through that same engine, so the
+// group has one sequence of collectives and one shared-memory segment.
+class EngineBackend {
+ public:
+  virtual ~EngineBackend() = default;
+  virtual std::shared_ptr<class Engine> engine() = 0;
+};
+
+// The Work of a collective run by an Engine: wait() returns when it ran (rethrowing its error),
+// result() and getFuture()'s value are `outputs` (a list of tensors, as torch's backends give
+// DistributedDataParallel's communication hooks).
+class CollectiveWork final : public c10d::Work {
+ public:
+  CollectiveWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+  void complete(std::exception_ptr error);
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
 class Engine {
  public:
   using Body = std::function<void(Communicator&)>;
 
   // The engine of the group registered as `group_name` (made on first use; a group destroyed and
-  // registered again under the same name gets a new one). Fails clearly when there is no such group.
+  // registered again under the same name gets a new one); for a group whose CPU backend is an
+  // EngineBackend, that backend's engine. Fails clearly when there is no such group.
   static std::shared_ptr<Engine> of(const std::string& group_name);
+
+  // A new engine for `group`, owned by the caller (the "ddpkit" backend).
+  static std::shared_ptr<Engine> create(EngineGroup group);
 
   // Runs `body` as the group's next collective with a Communicator for `device`'s backend (the CPU
   // one for a device whose tensors travel through host copies, Note [Device tensors on a host
@@ -72,11 +114,15 @@ class Engine {
   void run(c10::DeviceType device, TransportKind requested, const Body& body);
 
   // Queues `body` as the group's next collective; the returned Work completes (or fails) when it has
-  // run on the engine's thread. Everything `body` touches must stay alive until then.
-  c10::intrusive_ptr<c10d::Work> submit(c10::DeviceType device, TransportKind requested, Body body);
+  // run on the engine's thread, its future then holding `outputs`. Everything `body` touches must
+  // stay alive until then (capture tensors by value).
+  c10::intrusive_ptr<CollectiveWork> submit(c10::DeviceType device, TransportKind requested, Body body,
+                                            c10d::OpType type = c10d::OpType::UNKNOWN,
+                                            std::vector<at::Tensor> outputs = {});
 
-  int rank() const { return rank_; }
-  int size() const { return size_; }
+  int rank() const { return group_.rank; }
+  int size() const { return group_.size; }
+  const std::string& name() const { return group_.name; }
 
   // What `requested` resolves to for a `device` tensor; may set up the shared-memory segment, which
   // is collective: call it only from inside a running collective.
@@ -87,25 +133,24 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
  private:
-  explicit Engine(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  explicit Engine(EngineGroup group);
   struct Task {
     c10::DeviceType device;
     TransportKind requested;
     uint64_t sequence;
     Body body;
-    c10::intrusive_ptr<c10d::Work> work;
+    c10::intrusive_ptr<CollectiveWork> work;
   };
   void execute(c10::DeviceType device, TransportKind requested, uint64_t sequence, const Body& body);
-  c10::intrusive_ptr<c10d::Work> enqueue_locked(c10::DeviceType device, TransportKind requested, uint64_t sequence,
-                                                Body body);
+  c10::intrusive_ptr<CollectiveWork> enqueue_locked(c10::DeviceType device, TransportKind requested,
+                                                    uint64_t sequence, Body body, c10d::OpType type,
+                                                    std::vector<at::Tensor> outputs);
   void worker_loop();
   c10::intrusive_ptr<c10d::Backend> backend(c10::DeviceType device);
   // True when `device` tensors travel through host copies (Note [Device tensors on a host group]).
   bool stages_through_host(c10::DeviceType device);
 
-  c10::weak_intrusive_ptr<c10d::ProcessGroup> group_;
-  int rank_ = 0;
-  int size_ = 1;
+  const EngineGroup group_;
   std::unordered_map<int, c10::intrusive_ptr<c10d::Backend>> backends_;  // by device type; execution thread only
   std::unordered_map<int, std::shared_ptr<Transport>> pg_transports_;
   enum class ShmState { kUntried, kAvailable, kUnavailable } shm_state_ = ShmState::kUntried;

@@ -12,6 +12,9 @@ std::string_view collective_name(CollectiveKind kind) {
     case CollectiveKind::kReduce: return "reduce";
     case CollectiveKind::kGather: return "gather";
     case CollectiveKind::kScatter: return "scatter";
+    case CollectiveKind::kAllGather: return "all_gather_into_tensor";
+    case CollectiveKind::kReduceScatter: return "reduce_scatter_tensor";
+    case CollectiveKind::kBarrier: return "barrier";
   }
   return "unknown collective";
 }

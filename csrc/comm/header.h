@@ -16,6 +16,9 @@ enum class CollectiveKind : int64_t {
   kReduce = 3,
   kGather = 4,
   kScatter = 5,
+  kAllGather = 6,
+  kReduceScatter = 7,
+  kBarrier = 8,
 };
 std::string_view collective_name(CollectiveKind kind);
 

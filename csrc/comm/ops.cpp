@@ -43,6 +43,29 @@ at::Tensor& scatter_op(at::Tensor& output, const std::optional<at::Tensor>& chun
   return output;
 }
 
+at::Tensor& all_gather_into_tensor_op(at::Tensor& output, const at::Tensor& input, std::string_view algorithm,
+                                      const std::string& group_name, std::string_view transport) {
+  const Algorithm parsed = parse_algorithm(algorithm);
+  Engine::of(group_name)->run(output.device().type(), parse_transport(transport),
+                              [&](Communicator& comm) { all_gather_into_tensor_(output, input, parsed, comm); });
+  return output;
+}
+
+at::Tensor& reduce_scatter_tensor_op(at::Tensor& output, const at::Tensor& input, std::string_view op,
+                                     std::string_view algorithm, const std::string& group_name,
+                                     std::string_view transport) {
+  const ReduceOp reduce_op = parse_reduce_op(op);
+  const Algorithm parsed = parse_algorithm(algorithm);
+  Engine::of(group_name)->run(output.device().type(), parse_transport(transport), [&](Communicator& comm) {
+    reduce_scatter_tensor_(output, input, reduce_op, parsed, comm);
+  });
+  return output;
+}
+
+void barrier_op(const std::string& group_name, std::string_view transport) {
+  Engine::of(group_name)->run(c10::kCPU, parse_transport(transport), [&](Communicator& comm) { barrier(comm); });
+}
+
 void set_collective_checks_op(bool enabled) { set_checked(enabled); }
 bool collective_checks_enabled_op() { return is_checked(); }
 

@@ -20,6 +20,13 @@ at::Tensor gather_op(const at::Tensor& tensor, int64_t dst, const std::string& g
 at::Tensor& scatter_op(at::Tensor& output, const std::optional<at::Tensor>& chunks, int64_t src,
                        const std::string& group_name, std::string_view transport);
 
+at::Tensor& all_gather_into_tensor_op(at::Tensor& output, const at::Tensor& input, std::string_view algorithm,
+                                      const std::string& group_name, std::string_view transport);
+at::Tensor& reduce_scatter_tensor_op(at::Tensor& output, const at::Tensor& input, std::string_view op,
+                                     std::string_view algorithm, const std::string& group_name,
+                                     std::string_view transport);
+void barrier_op(const std::string& group_name, std::string_view transport);
+
 void set_collective_checks_op(bool enabled);
 bool collective_checks_enabled_op();
 // [collectives, messages sent, bytes sent] since the last reset, for this process.

@@ -225,13 +225,11 @@ void Signal::bump() {
   if (sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&value);
 }
 
-std::shared_ptr<ShmSegment> ShmSegment::create(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+std::shared_ptr<ShmSegment> ShmSegment::create(const c10::intrusive_ptr<c10d::Store>& store,
+                                               const std::string& group_name, int rank, int size,
                                                std::chrono::milliseconds timeout) {
-  const c10::intrusive_ptr<c10d::Store> store = group->getStore();
   if (!store) return nullptr;
-  const int rank = group->getRank();
-  const int size = group->getSize();
-  const std::string prefix = c10::str("ddpkit/shm/", group->getGroupName(), "/", next_instance(group->getGroupName()), "/");
+  const std::string prefix = c10::str("ddpkit/shm/", group_name, "/", next_instance(group_name), "/");
 
   // Note [Shared-memory segment]
   const std::string identity = host_identity();
@@ -476,6 +474,71 @@ void ShmSegment::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeade
       const int64_t their_length = slice_start(count, size_, peer + 1) - their_start;
       std::memcpy(chunk + their_start * element, sources[peer] + their_start * element, their_length * element);
     }
+  }
+}
+
+void ShmSegment::all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
+                            const std::string& local_error, bool checked) {
+  constexpr std::string_view kWhat = "all_gather_into_tensor";
+  check_usable(kWhat);
+  const bool rejected = !local_error.empty();
+  TORCH_CHECK(checked || !rejected, local_error);
+  const WaitContext context{this, std::chrono::steady_clock::now() + timeout_, kWhat};
+  const int64_t bytes = rejected ? 0 : static_cast<int64_t>(input.numel() * input.element_size());
+  const char* const in = bytes == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
+  char* const out = bytes == 0 ? nullptr : static_cast<char*>(output.data_ptr());
+  const int64_t steps = std::max<int64_t>(1, (bytes + slot_bytes_ - 1) / slot_bytes_);
+  for (int64_t c = 0; c < steps; ++c) {
+    const uint32_t target = ++step_;
+    const int set = static_cast<int>(target & 1);
+    const int64_t begin = c * slot_bytes_;
+    const int64_t length = std::min(slot_bytes_, bytes - begin);
+    if (c == 0) slot_header(rank_, set) = header;
+    if (length > 0) std::memcpy(slot(rank_, set), in + begin, length);
+    arrive_and_wait(target, context);
+    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
+    if (length <= 0) continue;
+    for (int peer = 0; peer < size_; ++peer) {
+      const char* from = peer == rank_ ? in + begin : slot(peer, set);
+      std::memcpy(out + peer * bytes + begin, from, length);
+    }
+  }
+}
+
+void ShmSegment::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                                const CollectiveHeader& header, const std::string& local_error, bool checked) {
+  constexpr std::string_view kWhat = "reduce_scatter_tensor";
+  check_usable(kWhat);
+  const bool rejected = !local_error.empty();
+  TORCH_CHECK(checked || !rejected, local_error);
+  const WaitContext context{this, std::chrono::steady_clock::now() + timeout_, kWhat};
+  const at::ScalarType dtype = rejected ? at::kByte : output.scalar_type();
+  const int64_t element = rejected ? 1 : static_cast<int64_t>(output.element_size());
+  const int64_t block = rejected ? 0 : output.numel();  // elements per rank
+  const char* const in = block == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
+  char* const out = block == 0 ? nullptr : static_cast<char*>(output.data_ptr());
+  // Each step carries a piece of every block: n pieces of `piece` elements per slot, cache-line aligned.
+  const int64_t piece = std::max<int64_t>(1, (slot_bytes_ / size_) / static_cast<int64_t>(kLine) * static_cast<int64_t>(kLine) / element);
+  const int64_t steps = std::max<int64_t>(1, (block + piece - 1) / piece);
+  std::vector<const char*> sources(size_);
+  for (int64_t c = 0; c < steps; ++c) {
+    const uint32_t target = ++step_;
+    const int set = static_cast<int>(target & 1);
+    const int64_t begin = c * piece;
+    const int64_t count = std::min(piece, block - begin);
+    char* const mine = slot(rank_, set);
+    if (c == 0) slot_header(rank_, set) = header;
+    for (int peer = 0; count > 0 && peer < size_; ++peer) {
+      if (peer == rank_) continue;  // this rank's own block is read from its input below
+      std::memcpy(mine + peer * piece * element, in + (peer * block + begin) * element, count * element);
+    }
+    arrive_and_wait(target, context);
+    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
+    if (count <= 0) continue;
+    for (int peer = 0; peer < size_; ++peer) {
+      sources[peer] = peer == rank_ ? in + (rank_ * block + begin) * element : slot(peer, set) + rank_ * piece * element;
+    }
+    reduce_sources(dtype, out + begin * element, sources, 0, count, op);
   }
 }
 

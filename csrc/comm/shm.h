@@ -7,7 +7,7 @@
 #include "comm/transport.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -68,10 +68,12 @@ struct WaitContext {
 
 class ShmSegment {
  public:
-  // Collective over `group` (every rank calls it at the same point of its program). Returns nullptr
-  // on every rank when the ranks are not all on this host or the group has no store; throws when the
-  // rendezvous or the mapping fails. `timeout` bounds the rendezvous and every later wait.
-  static std::shared_ptr<ShmSegment> create(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+  // Collective over the `size` ranks of group `group_name` that share `store` (every rank calls it
+  // at the same point of its program). Returns nullptr on every rank when the ranks are not all on
+  // this host or there is no store; throws when the rendezvous or the mapping fails. `timeout`
+  // bounds the rendezvous and every later wait.
+  static std::shared_ptr<ShmSegment> create(const c10::intrusive_ptr<c10d::Store>& store,
+                                            const std::string& group_name, int rank, int size,
                                             std::chrono::milliseconds timeout);
   ~ShmSegment();
 
@@ -93,6 +95,22 @@ class ShmSegment {
   // without touching any tensor, and the segment stays usable.
   void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
                   bool checked);
+
+  // Note [Direct all-gather and reduce-scatter]: the same steps as the direct all-reduce, each rank
+  // publishing part of its input in its slot (header in the first step's), then reading what it
+  // needs from every peer's slot; synchronous, one collective of the group at a time.
+  //  all_gather: `input` is `bytes` bytes (any dtype: only bytes move); `output` n·bytes, rank i's
+  //    input at offset i·bytes. Per step each rank publishes up to a slot of its input and copies
+  //    every peer's out: one copy in, n-1 copies out.
+  //  reduce_scatter: `input` holds n blocks of `output.numel()` elements (float32/float64/int32/int64);
+  //    `output` (not overlapping `input`) receives op over the ranks' block `rank`. Per step each
+  //    rank publishes a 1/n-slot piece of every peer's block and reduces its own block's piece
+  //    straight from the peers' slots and its own input.
+  // A rejected rank (`local_error` non-empty) passes undefined tensors; checks as in all_reduce.
+  void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
+                  const std::string& local_error, bool checked);
+  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, const CollectiveHeader& header,
+                      const std::string& local_error, bool checked);
 
   // The collective check of a collective that runs over messages (Note [Collective checks]): one
   // step of the direct all-reduce's protocol carrying only `header` (its magic says whether this

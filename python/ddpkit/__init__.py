@@ -7,12 +7,15 @@ import torch
 
 from . import _C  # noqa: F401  (registers torch.ops.ddpkit.*)
 from .comm import (
+    all_gather_into_tensor,
     all_reduce,
+    barrier,
     broadcast,
     collective_checks_enabled,
     comm_counters,
     gather,
     reduce,
+    reduce_scatter_tensor,
     reset_comm_counters,
     scatter,
     set_collective_checks,
@@ -25,7 +28,9 @@ __all__ = [
     "DistributedDataParallel",
     "GradientAccumulation",
     "SyncBatchNorm",
+    "all_gather_into_tensor",
     "all_reduce",
+    "barrier",
     "broadcast",
     "collective_checks_enabled",
     "comm_counters",
@@ -33,6 +38,7 @@ __all__ = [
     "gather",
     "init_distributed",
     "reduce",
+    "reduce_scatter_tensor",
     "reset_comm_counters",
     "scatter",
     "set_collective_checks",

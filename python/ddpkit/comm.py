@@ -80,6 +80,24 @@ def scatter(output: Tensor, chunks: Optional[Tensor] = None, src: int = 0,
     return torch.ops.ddpkit.scatter_(output, chunks, src, group_name(group), transport)
 
 
+def all_gather_into_tensor(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
+                           algorithm: str = "auto", transport: str = "auto") -> Tensor:
+    """Writes rank i's ``input`` into block i of ``output`` (``world_size * input.numel()`` elements) everywhere."""
+    return torch.ops.ddpkit.all_gather_into_tensor_(output, input, algorithm, group_name(group), transport)
+
+
+def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Union[str, dist.ReduceOp] = "sum",
+                          group: Optional[dist.ProcessGroup] = None, algorithm: str = "auto",
+                          transport: str = "auto") -> Tensor:
+    """Writes the reduction over ranks of block ``rank`` of ``input`` into ``output``; ``input`` is unchanged."""
+    return torch.ops.ddpkit.reduce_scatter_tensor_(output, input, _op_name(op), algorithm, group_name(group), transport)
+
+
+def barrier(group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> None:
+    """Returns when every rank of ``group`` has called it."""
+    torch.ops.ddpkit.barrier(group_name(group), transport)
+
+
 def resolved_transport(group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> str:
     """What ``transport`` means for CPU tensors of ``group``: ``"shm"`` or ``"process_group"``.
 
