@@ -2,8 +2,6 @@
 // dispatch key. Importing ddpkit._C (this module) runs these registrations; Python reaches the ops
 // as torch.ops.ddpkit.<name> through thin wrappers in python/ddpkit/.
 
-#include <Python.h>
-
 #include <torch/library.h>
 
 #include <torch/custom_class.h>
@@ -96,12 +94,4 @@ TORCH_LIBRARY_IMPL(ddpkit, CompositeExplicitAutograd, m) {
 // sync_batch_norm's hand-written backward (sync_batch_norm_backward is not differentiable).
 TORCH_LIBRARY_IMPL(ddpkit, Autograd, m) {
   m.impl("sync_batch_norm", &ddpkit::syncbn::sync_batch_norm_autograd);
-}
-
-// A Python module with no functions of its own: importing it loads the library and runs the
-// static registrations above, with no pybind11 and no link to libtorch_python.
-extern "C" PyMODINIT_FUNC PyInit__C(void) {
-  static PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", "ddpkit native ops (torch.ops.ddpkit)", -1, nullptr, nullptr, nullptr, nullptr, nullptr};
-  return PyModule_Create(&module_def);
 }

@@ -704,6 +704,43 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   output.view(-1).copy_(mine);
 }
 
+void all_to_all_(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, Communicator& comm) {
+  const int n = comm.size();
+  const int r = comm.rank();
+  std::string error;
+  if (static_cast<int>(outputs.size()) != n || static_cast<int>(inputs.size()) != n) {
+    error = c10::str("ddpkit.all_to_all: expected ", n, " input and output tensors (one per rank), got ",
+                     inputs.size(), " and ", outputs.size());
+  }
+  for (size_t j = 0; error.empty() && j < inputs.size(); ++j) {
+    error = tensor_error(inputs[j], "all_to_all", std::nullopt);
+    if (error.empty()) error = tensor_error(outputs[j], "all_to_all", std::nullopt);
+    if (error.empty() && (inputs[j].scalar_type() != inputs[0].scalar_type() ||
+                          outputs[j].scalar_type() != inputs[0].scalar_type())) {
+      error = c10::str("ddpkit.all_to_all: every input and output must have one dtype, got ", inputs[j].scalar_type(),
+                       " and ", outputs[j].scalar_type(), " beside ", inputs[0].scalar_type());
+    }
+    if (error.empty() && inputs[j].device() != comm.device_type()) {
+      error = c10::str("ddpkit.all_to_all: expected ", c10::DeviceTypeName(comm.device_type(), true), " tensors, got ",
+                       inputs[j].device());
+    }
+  }
+  CollectiveHeader header;
+  header.kind = static_cast<int64_t>(CollectiveKind::kAllToAll);
+  header.numel = n;  // the sizes of the pairs differ legitimately; the count of tensors does not
+  header.dtype = error.empty() && !inputs.empty() ? static_cast<int64_t>(inputs[0].scalar_type()) : -1;
+  comm.begin(header, error);
+  if (outputs[r].numel() > 0) outputs[r].copy_(inputs[r]);
+  Round round;
+  for (int peer = 0; peer < n; ++peer) {
+    if (peer == r) continue;
+    round.sends.push_back({inputs[peer], peer});
+    round.recvs.push_back({outputs[peer], peer});
+  }
+  Schedule schedule{round};
+  run_schedule(comm, schedule);
+}
+
 void barrier(Communicator& comm) {
   CollectiveHeader header;
   header.kind = static_cast<int64_t>(CollectiveKind::kBarrier);

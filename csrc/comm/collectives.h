@@ -119,6 +119,11 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
 void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceOp op, Algorithm algorithm,
                             Communicator& comm);
 
+// Sends inputs[j] to rank j and receives outputs[j] from rank j (this rank's own pair is a copy):
+// n contiguous tensors each, one dtype; rank i's inputs[j] and rank j's outputs[i] have the same
+// numel (torch's all_to_all). One round of n-1 concurrent messages each way.
+void all_to_all_(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, Communicator& comm);
+
 // Returns when every rank of the group has called it.
 void barrier(Communicator& comm);
 

@@ -15,6 +15,7 @@ std::string_view collective_name(CollectiveKind kind) {
     case CollectiveKind::kAllGather: return "all_gather_into_tensor";
     case CollectiveKind::kReduceScatter: return "reduce_scatter_tensor";
     case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kAllToAll: return "all_to_all";
   }
   return "unknown collective";
 }

@@ -19,6 +19,7 @@ enum class CollectiveKind : int64_t {
   kAllGather = 6,
   kReduceScatter = 7,
   kBarrier = 8,
+  kAllToAll = 9,
 };
 std::string_view collective_name(CollectiveKind kind);
 

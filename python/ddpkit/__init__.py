@@ -4,8 +4,10 @@ Importing ddpkit loads its C++ extension, which registers the ``torch.ops.ddpkit
 """
 
 import torch
+import torch.distributed  # noqa: F401  (before _C: its backend class derives from torch's)
 
 from . import _C  # noqa: F401  (registers torch.ops.ddpkit.*)
+from .backend import register as _register_backend
 from .comm import (
     all_gather_into_tensor,
     all_reduce,
@@ -23,6 +25,8 @@ from .comm import (
 from .ddp import DistributedDataParallel, GradientAccumulation
 from .launch import init_distributed, spawn
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
+
+_register_backend()
 
 __all__ = [
     "DistributedDataParallel",

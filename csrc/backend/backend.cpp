@@ -1,0 +1,456 @@
+#include "backend/backend.h"
+
+#include "comm/collectives.h"
+
+#include <optional>
+
+namespace ddpkit::backend {
+namespace {
+
+// ddpkit's own reduction for torch's `op` on `tensor`, or nullopt when the op or the dtype is one
+// ddpkit does not reduce (then gloo does; Note [The ddpkit backend]).
+std::optional<comm::ReduceOp> own_reduction(const c10d::ReduceOp& op, const at::Tensor& tensor) {
+  if (!tensor.defined() || tensor.layout() != at::kStrided) return std::nullopt;
+  switch (tensor.scalar_type()) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kInt:
+    case at::kLong: break;
+    default: return std::nullopt;
+  }
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return comm::ReduceOp::kSum;
+    case c10d::ReduceOp::AVG: return comm::ReduceOp::kMean;
+    case c10d::ReduceOp::MAX: return comm::ReduceOp::kMax;
+    case c10d::ReduceOp::MIN: return comm::ReduceOp::kMin;
+    default: return std::nullopt;
+  }
+}
+
+// torch's Python API passes exactly one tensor per rank; the multi-tensor forms are gone from it.
+void check_single(const std::vector<at::Tensor>& tensors, std::string_view what) {
+  TORCH_CHECK(tensors.size() == 1, "ddpkit backend: ", what, " takes one tensor per rank, got ", tensors.size());
+}
+
+void check_cpu(const at::Tensor& tensor, std::string_view what) {
+  TORCH_CHECK(!tensor.defined() || tensor.device().is_cpu(), "ddpkit backend: ", what,
+              " got a tensor on ", tensor.device(),
+              "; the ddpkit backend carries CPU tensors: use backend=\"cpu:ddpkit,cuda:nccl\" for CUDA tensors");
+}
+
+void check_cpu(const std::vector<at::Tensor>& tensors, std::string_view what) {
+  for (const auto& t : tensors) check_cpu(t, what);
+}
+
+// The concatenation of `tensors`, flattened, as one contiguous vector (empty when there are none).
+at::Tensor flat_cat(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (const auto& t : tensors) flat.push_back(t.reshape(-1));
+  return at::cat(flat);
+}
+
+}  // namespace
+
+Backend::Backend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
+                 c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> gloo_p2p)
+    : c10d::Backend(rank, size),
+      store_(std::move(store)),
+      gloo_(std::move(gloo)),
+      gloo_p2p_(std::move(gloo_p2p)),
+      options_(c10::make_intrusive<Options>("ddpkit", timeout)),
+      transport_(comm::parse_transport("auto")) {
+  for (const auto& inner : {gloo_, gloo_p2p_}) {
+    TORCH_CHECK(inner, "ddpkit backend: needs two inner gloo backends");
+    TORCH_CHECK(inner->getRank() == rank && inner->getSize() == size, "ddpkit backend: an inner gloo backend has rank ",
+                inner->getRank(), " of ", inner->getSize(), ", expected ", rank, " of ", size);
+  }
+}
+
+std::shared_ptr<comm::Engine> Backend::engine() {
+  std::lock_guard<std::mutex> lock(engine_mutex_);
+  if (!engine_) {
+    comm::EngineGroup group;
+    group.name = getGroupUid().empty() ? std::string("ddpkit") : getGroupUid();
+    group.rank = getRank();
+    group.size = getSize();
+    group.store = [store = store_]() { return store; };
+    group.backend = [gloo = gloo_](c10::DeviceType device) {
+      TORCH_CHECK(device == c10::kCPU, "ddpkit backend: carries CPU tensors only, got ",
+                  c10::DeviceTypeName(device, /*lower_case=*/true),
+                  " tensors; use backend=\"cpu:ddpkit,cuda:nccl\" for a group with CUDA tensors");
+      return gloo;
+    };
+    engine_ = comm::Engine::create(std::move(group));
+  }
+  return engine_;
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::launch(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
+                                               comm::Engine::Body body) {
+  auto engine = this->engine();
+  if (async) return engine->submit(c10::kCPU, transport_, std::move(body), type, std::move(outputs));
+  engine->run(c10::kCPU, transport_, body);
+  auto work = c10::make_intrusive<comm::CollectiveWork>(getRank(), type, std::move(outputs));
+  work->complete(nullptr);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::delegate(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
+                                                 std::function<c10::intrusive_ptr<c10d::Work>()> op) {
+  return launch(type, async, std::move(outputs), [op = std::move(op)](comm::Communicator&) { op()->wait(); });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  check_single(tensors, "all_reduce");
+  check_cpu(tensors, "all_reduce");
+  at::Tensor tensor = tensors[0];
+  const auto op = own_reduction(opts.reduceOp, tensor);
+  if (!op) {
+    return delegate(c10d::OpType::ALLREDUCE, opts.asyncOp, tensors, [gloo = gloo_, tensors, opts]() mutable {
+      return gloo->allreduce(tensors, opts);
+    });
+  }
+  return launch(c10d::OpType::ALLREDUCE, opts.asyncOp, tensors, [tensor, op](comm::Communicator& comm) mutable {
+    comm::all_reduce_(tensor, *op, comm::Algorithm::kAuto, comm);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                         const c10d::AllreduceOptions& opts) {
+  return delegate(c10d::OpType::ALLREDUCE, opts.asyncOp, tensors, [gloo = gloo_, tensors, opts]() mutable {
+    return gloo->allreduce_sparse(tensors, opts);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                            const c10d::AllreduceCoalescedOptions& opts) {
+  check_cpu(tensors, "all_reduce_coalesced");
+  bool own = !tensors.empty();
+  for (const auto& t : tensors) {
+    own = own && own_reduction(opts.reduceOp, t) && t.scalar_type() == tensors[0].scalar_type();
+  }
+  if (!own) {
+    return delegate(c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp, tensors, [gloo = gloo_, tensors, opts]() mutable {
+      return gloo->allreduce_coalesced(tensors, opts);
+    });
+  }
+  const comm::ReduceOp op = *own_reduction(opts.reduceOp, tensors[0]);
+  // One collective over the concatenation: one message schedule for all of them.
+  return launch(c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp, tensors,
+                [tensors, op](comm::Communicator& comm) mutable {
+                  at::Tensor flat = flat_cat(tensors);
+                  comm::all_reduce_(flat, op, comm::Algorithm::kAuto, comm);
+                  int64_t offset = 0;
+                  for (auto& t : tensors) {
+                    t.copy_(flat.narrow(0, offset, t.numel()).view_as(t));
+                    offset += t.numel();
+                  }
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
+  check_single(tensors, "broadcast");
+  check_cpu(tensors, "broadcast");
+  TORCH_CHECK(opts.rootTensor == 0, "ddpkit backend: broadcast takes rootTensor 0, got ", opts.rootTensor);
+  at::Tensor tensor = tensors[0];
+  const int root = static_cast<int>(opts.rootRank);
+  return launch(c10d::OpType::BROADCAST, opts.asyncOp, tensors,
+                [tensor, root](comm::Communicator& comm) mutable { comm::broadcast_(tensor, root, comm); });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  check_single(tensors, "reduce");
+  check_cpu(tensors, "reduce");
+  at::Tensor tensor = tensors[0];
+  const auto op = own_reduction(opts.reduceOp, tensor);
+  if (!op) {
+    return delegate(c10d::OpType::REDUCE, opts.asyncOp, tensors, [gloo = gloo_, tensors, opts]() mutable {
+      return gloo->reduce(tensors, opts);
+    });
+  }
+  const int root = static_cast<int>(opts.rootRank);
+  return launch(c10d::OpType::REDUCE, opts.asyncOp, tensors, [tensor, root, op](comm::Communicator& comm) mutable {
+    comm::reduce_(tensor, root, *op, comm);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                  std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  check_single(inputs, "all_gather");
+  check_cpu(inputs, "all_gather");
+  TORCH_CHECK(outputs.size() == 1, "ddpkit backend: all_gather takes one output list per rank, got ", outputs.size());
+  check_cpu(outputs[0], "all_gather");
+  const at::Tensor input = inputs[0].contiguous();
+  std::vector<at::Tensor> targets = outputs[0];
+  const int n = getSize();
+  return launch(c10d::OpType::ALLGATHER, opts.asyncOp, targets, [input, targets, n](comm::Communicator& comm) {
+    // One all-gather into a contiguous buffer; a list of the wrong length or sizes gives a buffer of
+    // the wrong size, which the collective rejects on every rank.
+    bool matching = static_cast<int>(targets.size()) == n;
+    for (const auto& t : targets) matching = matching && t.numel() == input.numel() && t.scalar_type() == input.scalar_type();
+    at::Tensor gathered = at::empty({matching ? n * input.numel() : 0}, input.options());
+    comm::all_gather_into_tensor_(gathered, input, comm::Algorithm::kAuto, comm);
+    for (int i = 0; i < n; ++i) {
+      at::Tensor target = targets[i];
+      target.copy_(gathered.narrow(0, i * input.numel(), input.numel()).view(target.sizes()));
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                        const c10d::AllgatherOptions& opts) {
+  check_cpu(output, "all_gather_into_tensor");
+  check_cpu(input, "all_gather_into_tensor");
+  at::Tensor out = output;
+  const at::Tensor in = input;
+  return launch(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, {output}, [out, in](comm::Communicator& comm) mutable {
+    comm::all_gather_into_tensor_(out, in, comm::Algorithm::kAuto, comm);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                            std::vector<at::Tensor>& inputs,
+                                                            const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> results;
+  for (const auto& list : outputs) results.insert(results.end(), list.begin(), list.end());
+  return delegate(c10d::OpType::ALLGATHER_COALESCED, opts.asyncOp, results, [gloo = gloo_, outputs, inputs, opts]() mutable {
+    return gloo->allgather_coalesced(outputs, inputs, opts);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                        std::vector<at::Tensor>& inputs,
+                                                                        const c10d::AllgatherOptions& opts) {
+  check_cpu(outputs, "all_gather_into_tensor_coalesced");
+  check_cpu(inputs, "all_gather_into_tensor_coalesced");
+  TORCH_CHECK(outputs.size() == inputs.size(), "ddpkit backend: all_gather_into_tensor_coalesced got ", inputs.size(),
+              " inputs and ", outputs.size(), " outputs");
+  bool one_dtype = true;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    one_dtype = one_dtype && inputs[i].scalar_type() == inputs[0].scalar_type() &&
+                outputs[i].scalar_type() == inputs[0].scalar_type() &&
+                outputs[i].numel() == inputs[i].numel() * getSize();
+  }
+  TORCH_CHECK(one_dtype, "ddpkit backend: all_gather_into_tensor_coalesced needs one dtype and outputs of world size "
+                         "times their input's elements");
+  const int n = getSize();
+  return launch(c10d::OpType::COALESCED, opts.asyncOp, outputs, [outputs, inputs, n](comm::Communicator& comm) mutable {
+    // All inputs side by side, gathered at once: row i of `gathered` is rank i's concatenation.
+    at::Tensor flat = inputs.empty() ? at::empty({0}) : flat_cat(inputs);
+    at::Tensor gathered = at::empty({n * flat.numel()}, flat.options());
+    comm::all_gather_into_tensor_(gathered, flat, comm::Algorithm::kAuto, comm);
+    at::Tensor rows = gathered.view({n, flat.numel()});
+    int64_t offset = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const int64_t m = inputs[i].numel();
+      outputs[i].view({n, m}).copy_(rows.narrow(1, offset, m));
+      offset += m;
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                               std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  check_single(inputs, "gather");
+  check_cpu(inputs, "gather");
+  const int root = static_cast<int>(opts.rootRank);
+  const at::Tensor input = inputs[0].contiguous();
+  std::vector<at::Tensor> targets = getRank() == root && !outputs.empty() ? outputs[0] : std::vector<at::Tensor>();
+  TORCH_CHECK(getRank() != root || (outputs.size() == 1 && static_cast<int>(targets.size()) == getSize()),
+              "ddpkit backend: gather on the root takes one list of ", getSize(), " output tensors");
+  check_cpu(targets, "gather");
+  return launch(c10d::OpType::GATHER, opts.asyncOp, targets, [input, targets, root](comm::Communicator& comm) {
+    const at::Tensor rows = comm::gather(input, root, comm);
+    for (size_t i = 0; i < targets.size(); ++i) {
+      at::Tensor target = targets[i];
+      target.copy_(rows[static_cast<int64_t>(i)].view(target.sizes()));
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ScatterOptions& opts) {
+  check_single(outputs, "scatter");
+  check_cpu(outputs, "scatter");
+  const int root = static_cast<int>(opts.rootRank);
+  std::vector<at::Tensor> sources = getRank() == root && !inputs.empty() ? inputs[0] : std::vector<at::Tensor>();
+  TORCH_CHECK(getRank() != root || (inputs.size() == 1 && static_cast<int>(sources.size()) == getSize()),
+              "ddpkit backend: scatter on the root takes one list of ", getSize(), " input tensors");
+  check_cpu(sources, "scatter");
+  at::Tensor output = outputs[0];
+  return launch(c10d::OpType::SCATTER, opts.asyncOp, outputs, [output, sources, root](comm::Communicator& comm) mutable {
+    // The chunks as rows of one tensor, in the output's shape; a source of another size leaves them
+    // undefined, which scatter_ rejects on every rank.
+    at::Tensor chunks;
+    bool matching = !sources.empty();
+    for (const auto& s : sources) matching = matching && s.numel() == output.numel();
+    if (matching) {
+      std::vector<at::Tensor> rows;
+      for (const auto& s : sources) rows.push_back(s.reshape(output.sizes()));
+      chunks = at::stack(rows);
+    }
+    at::Tensor target = output.is_contiguous() ? output : output.contiguous();
+    comm::scatter_(target, chunks, root, comm);
+    if (!target.is_same(output)) output.copy_(target);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                       std::vector<std::vector<at::Tensor>>& inputs,
+                                                       const c10d::ReduceScatterOptions& opts) {
+  check_single(outputs, "reduce_scatter");
+  check_cpu(outputs, "reduce_scatter");
+  TORCH_CHECK(inputs.size() == 1, "ddpkit backend: reduce_scatter takes one input list per rank, got ", inputs.size());
+  check_cpu(inputs[0], "reduce_scatter");
+  const auto op = own_reduction(opts.reduceOp, outputs[0]);
+  if (!op) {
+    return delegate(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs, [gloo = gloo_, outputs, inputs, opts]() mutable {
+      return gloo->reduce_scatter(outputs, inputs, opts);
+    });
+  }
+  at::Tensor output = outputs[0];
+  std::vector<at::Tensor> sources = inputs[0];
+  const int n = getSize();
+  return launch(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs, [output, sources, op, n](comm::Communicator& comm) mutable {
+    bool matching = static_cast<int>(sources.size()) == n;
+    for (const auto& s : sources) matching = matching && s.numel() == output.numel();
+    // A list of the wrong length or sizes gives an input of the wrong size, rejected on every rank.
+    at::Tensor input = matching ? flat_cat(sources) : at::empty({0}, output.options());
+    at::Tensor target = output.is_contiguous() ? output : output.contiguous();
+    comm::reduce_scatter_tensor_(target, input, *op, comm::Algorithm::kAuto, comm);
+    if (!target.is_same(output)) output.copy_(target);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                             const c10d::ReduceScatterOptions& opts) {
+  check_cpu(output, "reduce_scatter_tensor");
+  check_cpu(input, "reduce_scatter_tensor");
+  const auto op = own_reduction(opts.reduceOp, output);
+  if (!op) {
+    return delegate(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output},
+                    [gloo = gloo_, output, input, opts]() mutable { return gloo->_reduce_scatter_base(output, input, opts); });
+  }
+  at::Tensor out = output;
+  const at::Tensor in = input;
+  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [out, in, op](comm::Communicator& comm) mutable {
+    comm::reduce_scatter_tensor_(out, in, *op, comm::Algorithm::kAuto, comm);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                        std::vector<at::Tensor>& inputs,
+                                                                        const c10d::ReduceScatterOptions& opts) {
+  check_cpu(outputs, "reduce_scatter_tensor_coalesced");
+  check_cpu(inputs, "reduce_scatter_tensor_coalesced");
+  TORCH_CHECK(outputs.size() == inputs.size() && !outputs.empty(), "ddpkit backend: reduce_scatter_tensor_coalesced got ",
+              inputs.size(), " inputs and ", outputs.size(), " outputs");
+  const int n = getSize();
+  bool own = true;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    own = own && own_reduction(opts.reduceOp, outputs[i]) && outputs[i].scalar_type() == outputs[0].scalar_type() &&
+          inputs[i].scalar_type() == outputs[0].scalar_type() && inputs[i].numel() == outputs[i].numel() * n;
+  }
+  TORCH_CHECK(own, "ddpkit backend: reduce_scatter_tensor_coalesced needs one dtype ddpkit reduces (float32/64, "
+                   "float16, bfloat16, int32/64), sum/avg/max/min, and inputs of world size times their output's elements");
+  const comm::ReduceOp op = *own_reduction(opts.reduceOp, outputs[0]);
+  return launch(c10d::OpType::COALESCED, opts.asyncOp, outputs, [outputs, inputs, op, n](comm::Communicator& comm) mutable {
+    // Block r of the combined input is every input's block r side by side.
+    std::vector<at::Tensor> columns;
+    int64_t total = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      columns.push_back(inputs[i].reshape({n, outputs[i].numel()}));
+      total += outputs[i].numel();
+    }
+    at::Tensor combined = at::cat(columns, 1).reshape(-1);
+    at::Tensor reduced = at::empty({total}, combined.options());
+    comm::reduce_scatter_tensor_(reduced, combined, op, comm::Algorithm::kAuto, comm);
+    int64_t offset = 0;
+    for (auto& out : outputs) {
+      out.copy_(reduced.narrow(0, offset, out.numel()).view(out.sizes()));
+      offset += out.numel();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                      std::vector<int64_t>& output_split_sizes,
+                                                      std::vector<int64_t>& input_split_sizes,
+                                                      const c10d::AllToAllOptions& opts) {
+  check_cpu(output, "all_to_all_single");
+  check_cpu(input, "all_to_all_single");
+  const int n = getSize();
+  // Rows of dim 0 per rank: the given split sizes, or equal parts.
+  auto pieces = [n](const at::Tensor& t, const std::vector<int64_t>& splits, std::string_view which) {
+    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+    const int64_t row_numel = rows == 0 ? 0 : t.numel() / rows;
+    std::vector<int64_t> sizes = splits;
+    if (sizes.empty()) {
+      TORCH_CHECK(rows % n == 0, "ddpkit backend: all_to_all_single's ", which, " has ", rows,
+                  " rows, not divisible by the world size ", n, "; pass split sizes");
+      sizes.assign(n, rows / n);
+    }
+    TORCH_CHECK(static_cast<int>(sizes.size()) == n, "ddpkit backend: all_to_all_single's ", which,
+                " split sizes must have one entry per rank (", n, "), got ", sizes.size());
+    std::vector<at::Tensor> parts;
+    at::Tensor flat = t.reshape(-1);
+    int64_t offset = 0;
+    for (int64_t s : sizes) {
+      parts.push_back(flat.narrow(0, offset * row_numel, s * row_numel));
+      offset += s;
+    }
+    TORCH_CHECK(offset == rows, "ddpkit backend: all_to_all_single's ", which, " split sizes add up to ", offset,
+                ", the tensor has ", rows, " rows");
+    return parts;
+  };
+  TORCH_CHECK(output.is_contiguous() && input.is_contiguous(), "ddpkit backend: all_to_all_single needs contiguous tensors");
+  std::vector<at::Tensor> outs = pieces(output, output_split_sizes, "output");
+  const std::vector<at::Tensor> ins = pieces(input, input_split_sizes, "input");
+  return launch(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, {output}, [outs, ins](comm::Communicator& comm) mutable {
+    comm::all_to_all_(outs, ins, comm);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                 const c10d::AllToAllOptions& opts) {
+  check_cpu(outputs, "all_to_all");
+  check_cpu(inputs, "all_to_all");
+  std::vector<at::Tensor> targets = outputs;
+  std::vector<at::Tensor> sources = inputs;
+  return launch(c10d::OpType::ALLTOALL, opts.asyncOp, outputs, [targets, sources](comm::Communicator& comm) mutable {
+    // Messages need contiguous tensors: work on contiguous stand-ins and copy back where needed.
+    std::vector<at::Tensor> outs, ins;
+    for (const auto& t : targets) outs.push_back(t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous));
+    for (const auto& t : sources) ins.push_back(t.contiguous());
+    comm::all_to_all_(outs, ins, comm);
+    for (size_t i = 0; i < targets.size(); ++i) {
+      if (!outs[i].is_same(targets[i])) targets[i].copy_(outs[i]);
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
+  return launch(c10d::OpType::BARRIER, opts.asyncOp, {}, [](comm::Communicator& comm) { comm::barrier(comm); });
+}
+
+void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  gloo_p2p_->monitoredBarrier(opts, wait_all_ranks);
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
+  return gloo_p2p_->send(tensors, dst_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
+  return gloo_p2p_->recv(tensors, src_rank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> Backend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return gloo_p2p_->recvAnysource(tensors, tag);
+}
+
+}  // namespace ddpkit::backend

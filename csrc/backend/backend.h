@@ -1,0 +1,117 @@
+#pragma once
+// The "ddpkit" torch.distributed backend: init_process_group(backend="ddpkit") runs torch's own
+// collectives (dist.all_reduce, DistributedDataParallel, ZeroRedundancyOptimizer, ...) on ddpkit's
+// collective engine. Registered from Python on `import ddpkit` (python/ddpkit/backend.py).
+
+#include "comm/engine.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace ddpkit::backend {
+
+// Note [The ddpkit backend]
+// Each operation torch hands the backend becomes one collective of the group's comm::Engine (Note
+// [Collective engine]), so it gets the engine's transport choice (shared memory when every rank is
+// on this host, else point-to-point messages over an inner gloo backend), algorithm choice
+// ("auto"), sequence numbers and collective checks (a mismatched call raises on every rank).
+//  - asyncOp=false (dist.all_reduce(t) without async_op) runs the collective on the calling thread
+//    and returns a completed Work: no thread hand-off. asyncOp=true (async_op=True, and torch DDP's
+//    bucket all-reduces during backward) queues it for the engine's thread; the Work completes
+//    when it ran, and its future holds the output tensors (what DDP's communication hooks read).
+//  - Implemented over the engine: allreduce and allreduce_coalesced (sum, avg, max, min of float32,
+//    float64, float16, bfloat16, int32, int64), broadcast, reduce (same ops and dtypes), allgather,
+//    _allgather_base, allgather_into_tensor_coalesced, gather, scatter, reduce_scatter,
+//    _reduce_scatter_base, reduce_scatter_tensor_coalesced (same ops and dtypes), alltoall,
+//    alltoall_base, barrier. Collectives that only move bytes take any dtype.
+//  - Delegated to the inner gloo backend, still in the engine's order: reductions with an op or a
+//    dtype ddpkit does not reduce (PRODUCT, BAND, BOR, BXOR, PREMUL_SUM; bool, uint8, int8, int16,
+//    sparse tensors), allgather_coalesced, allreduce_sparse. Errors for what gloo cannot do either
+//    are gloo's.
+//  - Delegated directly to a second gloo backend, outside the engine (they are not collectives, so
+//    they take no sequence number, and their tags are the program's): send, recv, recvAnysource,
+//    monitoredBarrier.
+//  - CPU tensors only (register_backend(..., devices=["cpu"])): use "cpu:ddpkit,cuda:nccl" for a
+//    group that also carries CUDA tensors.
+class Backend final : public c10d::Backend, public comm::EngineBackend {
+ public:
+  // What torch.distributed hands a backend creator (`store` already carries the group's prefix),
+  // and two gloo backends of the same ranks, each on a store prefix of its own: `gloo` carries the
+  // engine's messages across hosts and the delegated collectives, `gloo_p2p` the program's own
+  // send/recv, whose tags would otherwise meet the engine's (Note [Tags]).
+  Backend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
+          c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> gloo_p2p);
+
+  const std::string getBackendName() const override { return "ddpkit"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
+  // The group's engine, made on first use (the group's name is known by then).
+  std::shared_ptr<comm::Engine> engine() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+ private:
+  // Runs `body` as the group's next collective: on this thread when `async` is false (returning a
+  // completed Work), else on the engine's thread. `outputs` become the Work's result.
+  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
+                                        comm::Engine::Body body);
+  // Runs the inner gloo backend's operation `op` as the group's next collective (Note [The ddpkit backend]).
+  c10::intrusive_ptr<c10d::Work> delegate(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
+                                          std::function<c10::intrusive_ptr<c10d::Work>()> op);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  c10::intrusive_ptr<c10d::Backend> gloo_p2p_;
+  c10::intrusive_ptr<Options> options_;
+  comm::TransportKind transport_;
+  std::mutex engine_mutex_;
+  std::shared_ptr<comm::Engine> engine_;
+};
+
+}  // namespace ddpkit::backend
