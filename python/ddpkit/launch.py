@@ -48,7 +48,9 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--master-port", type=port_number, default=29500, help="free TCP port on rank 0's node")
     group.add_argument("--world-size", type=positive_int, help="total number of processes")
     group.add_argument("--rank", type=non_negative_int, help="this process's rank")
-    group.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl with CUDA, else gloo")
+    group.add_argument("--backend", choices=("gloo", "nccl", "ddpkit", "cpu:ddpkit,cuda:nccl"),
+                       help="torch.distributed backend (default: nccl with CUDA, else gloo); 'ddpkit' runs "
+                            "torch's own collectives on ddpkit's (ddpkit.backend)")
     group.add_argument("--timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
                        help="process-group timeout in seconds (a dead peer is reported within it)")
 
@@ -94,7 +96,7 @@ def init_distributed(backend: Optional[str] = None, *, master_addr: Optional[str
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, world_size=1, rank=0, timeout=group_timeout)
         local_rank = 0
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(local_rank)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend)
 

@@ -276,7 +276,7 @@ class Trainer:
         self.rank, self.world_size = info.rank, info.world_size
         self.progress_label = ""  # put before "epoch N" on the progress bar
         self.verbose = True  # rank 0 logs progress lines (a caller that reports itself turns them off)
-        self.device = torch.device("cuda", info.local_rank) if info.backend == "nccl" else torch.device("cpu")
+        self.device = torch.device("cuda", info.local_rank) if "nccl" in info.backend else torch.device("cpu")
         self.info = dataset_info(config.dataset)
         self.augment = config.augment if config.augment is not None else config.dataset.startswith("cifar")
         self.out_dir = Path(config.out_dir) if config.out_dir else None
