@@ -98,20 +98,23 @@ def finish() -> dict:
 
 
 def run_config(model_name: str, batch: int, accumulation: int, world_size: int, blocks: int, steps_per_block: int,
-               backend: str, device_type: str = "cpu") -> list[dict]:
-    pools = {name: WorkerPool(world_size, backend=backend, timeout=3600, group_timeout=600) for name in CANDIDATES}
+               backend: str, device_type: str = "cpu", candidates: dict = CANDIDATES,
+               reference: str = "torch") -> list[dict]:
+    """Times ``candidates`` (name -> settings; a ``backend`` entry overrides ``backend``) against ``reference``."""
+    pools = {name: WorkerPool(world_size, backend=candidate.get("backend", backend), timeout=3600, group_timeout=600)
+             for name, candidate in candidates.items()}
     try:
         for name, pool in pools.items():
-            pool.run(build, CANDIDATES[name], model_name, batch, accumulation, 100, device_type)
+            pool.run(build, candidates[name], model_name, batch, accumulation, 100, device_type)
         # Correctness first: two identical steps from identical weights must give the same parameters.
         checks = {}
         for name, pool in pools.items():
             pool.run(steps, 2)
             checks[name] = pool.run(parameters_now)[0]
         for name, params in checks.items():
-            error = float((params - checks["torch"]).abs().max())
+            error = float((params - checks[reference]).abs().max())
             if error > 1e-3:
-                raise AssertionError(f"{name} diverged from torch DDP after 2 steps: max |diff| = {error}")
+                raise AssertionError(f"{name} diverged from {reference} after 2 steps: max |diff| = {error}")
         times = {name: [] for name in pools}
         names = list(pools)
         for block in range(blocks):
@@ -128,12 +131,12 @@ def run_config(model_name: str, batch: int, accumulation: int, world_size: int, 
         ordered = sorted(times[name])
         records.append({
             "world_size": world_size, "model": model_name, "batch_per_rank": batch, "accumulation": accumulation,
-            "candidate": name, **{k: v for k, v in CANDIDATES[name].items()},
+            "candidate": name, **{k: v for k, v in candidates[name].items()},
             "median_step_s": common.median(times[name]), "p25_step_s": ordered[len(ordered) // 4],
             "p75_step_s": ordered[(3 * len(ordered)) // 4], "steps_timed": len(times[name]),
             "peak_memory_bytes": max(r["peak_memory_bytes"] for r in finals[name]),
             "reducer_stats": finals[name][0]["reducer_stats"],
-            "max_param_diff_vs_torch_after_2_steps": float((checks[name] - checks["torch"]).abs().max()),
+            f"max_param_diff_vs_{reference}_after_2_steps": float((checks[name] - checks[reference]).abs().max()),
         })
     return records
 

@@ -1,0 +1,215 @@
+"""The "ddpkit" torch.distributed backend against gloo, and against ddpkit's own API (CPU, one host).
+
+    python benchmarks/bench_backend.py           # collectives at 2 and 4 processes, torch DDP at 2: ~15 minutes
+    python benchmarks/bench_backend.py --quick   # a smoke run
+    python benchmarks/bench_backend.py --skip-ddp --world-sizes 2 --sizes 100000
+
+Collectives (float32; ``size`` is the whole vector: all_reduce's tensor, all_gather's output,
+reduce_scatter's input; each rank's block is size/n): in one set of processes whose world group runs
+on the "ddpkit" backend and which also hold a gloo group of the same ranks, every point times
+  * ``gloo``     torch.distributed's call on the gloo group;
+  * ``backend``  the same torch.distributed call on the "ddpkit" group;
+  * ``ddpkit``   ddpkit's own function (``ddpkit.all_reduce``, ``ddpkit.all_gather_into_tensor``,
+                 ``ddpkit.reduce_scatter_tensor``) on that same group, so the two ddpkit candidates
+                 share the engine and the shared-memory segment and differ only by the backend layer.
+Each candidate's result is checked against gloo's on integer-valued inputs before it is timed. A
+repetition synchronises the ranks through the candidate's own transport (a one-float all-reduce),
+then times ``timing.batch_size`` back-to-back calls; its figure is the slowest rank's time per call;
+repetitions interleave the candidates (order rotating); the figure reported is the median.
+
+DDP: torch's own DistributedDataParallel, unchanged, on "ddpkit" and on "gloo" (2 processes, the
+week-4 Net and ResNet-18 on CIFAR-shaped batches, accumulation 1 and 4 with ``no_sync``), timed as in
+bench_ddp.py (alternating blocks, slowest rank, median step; parameters must agree after 2 steps).
+Results: benchmarks/results/backend.json; ``summary`` holds the issue's bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_ddp  # noqa: E402
+import common  # noqa: E402
+from peers import timing  # noqa: E402
+
+import ddpkit  # noqa: E402
+from ddpkit.launch import WorkerPool  # noqa: E402
+
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+CANDIDATES = ("gloo", "backend", "ddpkit")
+DDP_CANDIDATES = {"torch_gloo": {"impl": "torch", "backend": "gloo"},
+                  "torch_ddpkit": {"impl": "torch", "backend": "ddpkit"}}
+
+_groups: dict = {}
+
+# torch 2.13 renames all_gather_into_tensor/reduce_scatter_tensor (*_single) and warns on the old names.
+_dist_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_dist_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _gloo_group():
+    if "gloo" not in _groups:
+        _groups["gloo"] = dist.new_group(backend="gloo")
+    return _groups["gloo"]
+
+
+def call(collective: str, candidate: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    """One collective; all_reduce works in place on ``output`` (``input`` unused)."""
+    group = _gloo_group() if candidate == "gloo" else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        if candidate == "ddpkit":
+            if collective == "all_reduce":
+                ddpkit.all_reduce(output)
+            elif collective == "all_gather_into_tensor":
+                ddpkit.all_gather_into_tensor(output, input)
+            else:
+                ddpkit.reduce_scatter_tensor(output, input)
+        elif collective == "all_reduce":
+            dist.all_reduce(output, group=group)
+        elif collective == "all_gather_into_tensor":
+            _dist_all_gather(output, input, group=group)
+        else:
+            _dist_reduce_scatter(output, input, group=group)
+
+
+def buffers(collective: str, size: int, world_size: int, generator: torch.Generator, integer: bool = False):
+    """(output, input) of a collective of ``size`` floats in all."""
+    block = size // world_size
+    make = (lambda n: torch.randint(-8, 8, (n,), generator=generator).float()) if integer else \
+        (lambda n: torch.randn(n, generator=generator))
+    if collective == "all_reduce":
+        return make(size), None
+    if collective == "all_gather_into_tensor":
+        return torch.empty(block * world_size), make(block)
+    return torch.empty(block), make(block * world_size)
+
+
+def measure(sizes: list[int], reps: int) -> dict:
+    """Runs on every rank: per (collective, size, candidate), this rank's time per call in each repetition."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    times: dict = {}
+    for collective in COLLECTIVES:
+        for size in sizes:
+            # Correctness first: integer-valued inputs, every candidate equal to gloo.
+            results = {}
+            for candidate in CANDIDATES:
+                output, input = buffers(collective, size, world_size, torch.Generator().manual_seed(rank), integer=True)
+                call(collective, candidate, output, input)
+                results[candidate] = output
+            for candidate in CANDIDATES:
+                if not torch.equal(results[candidate], results["gloo"]):
+                    raise AssertionError(f"{collective} of {size} floats: {candidate} differs from gloo")
+            del results
+            output, input = buffers(collective, size, world_size, torch.Generator().manual_seed(rank))
+            flag = torch.ones(1)
+            batch = timing.batch_size(size)
+            per = {candidate: [] for candidate in CANDIDATES}
+            for rep in range(timing.reps_for(size, world_size, reps)):
+                shift = rep % len(CANDIDATES)
+                for candidate in CANDIDATES[shift:] + CANDIDATES[:shift]:
+                    call("all_reduce", candidate, flag, None)  # synchronise through the candidate's transport
+                    start = time.perf_counter()
+                    for _ in range(batch):
+                        call(collective, candidate, output, input)
+                    per[candidate].append((time.perf_counter() - start) / batch)
+            for candidate in CANDIDATES:
+                times[(collective, size, candidate)] = per[candidate]
+    return times
+
+
+def collective_records(world_size: int, sizes: list[int], reps: int) -> list[dict]:
+    with WorkerPool(world_size, backend="ddpkit", timeout=3600, group_timeout=600) as pool:
+        per_rank = pool.run(measure, sizes, reps)
+    records = []
+    for (collective, size, candidate) in per_rank[0]:
+        slowest = [max(rank[(collective, size, candidate)][i] for rank in per_rank)
+                   for i in range(len(per_rank[0][(collective, size, candidate)]))]
+        ordered = sorted(slowest)
+        median = common.median(slowest)
+        nbytes = 4 * size
+        records.append({
+            "kind": "collective", "collective": collective, "candidate": candidate, "world_size": world_size,
+            "numel": size, "bytes": nbytes, "median_s": median, "p25_s": ordered[len(ordered) // 4],
+            "p75_s": ordered[(3 * len(ordered)) // 4], "reps": len(slowest),
+            # nccl-tests' bus bandwidth: all-reduce moves 2(n-1)/n of the vector, the other two (n-1)/n.
+            "busbw_GBps": nbytes / median * (2 if collective == "all_reduce" else 1) * (world_size - 1) / world_size / 1e9,
+        })
+    return records
+
+
+def summarize(records: list[dict]) -> dict:
+    summary: dict = {}
+    times = {(r["collective"], r["world_size"], r["numel"], r["candidate"]): r["median_s"]
+             for r in records if r["kind"] == "collective"}
+    for (collective, n, size, candidate), t in sorted(times.items()):
+        if candidate != "backend":
+            continue
+        summary[f"{collective} n={n} {size}: backend/ddpkit"] = t / times[(collective, n, size, "ddpkit")]
+        summary[f"{collective} n={n} {size}: backend/gloo"] = t / times[(collective, n, size, "gloo")]
+    for r in records:
+        if r["kind"] == "ddp" and r["candidate"] == "torch_ddpkit":
+            base = next(b for b in records if b["kind"] == "ddp" and b["candidate"] == "torch_gloo"
+                        and b["model"] == r["model"] and b["accumulation"] == r["accumulation"])
+            summary[f"torch DDP {r['model']} acc={r['accumulation']}: ddpkit/gloo time"] = \
+                r["median_step_s"] / base["median_step_s"]
+            summary[f"torch DDP {r['model']} acc={r['accumulation']}: ddpkit/gloo memory"] = \
+                r["peak_memory_bytes"] / base["peak_memory_bytes"]
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000, 1_000_000, 16_000_000])
+    parser.add_argument("--reps", type=int, default=30, help="repetitions up to 100k floats (fewer above)")
+    parser.add_argument("--models", nargs="+", default=["net", "resnet18"])
+    parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--blocks", type=int, default=12, help="alternating DDP blocks per candidate")
+    parser.add_argument("--skip-ddp", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output", default="backend")
+    args = parser.parse_args()
+    if args.quick:
+        args.sizes, args.reps, args.models, args.blocks = [1_000, 100_000], 5, ["net"], 2
+    records = []
+    for world_size in args.world_sizes:
+        started = time.monotonic()
+        records += collective_records(world_size, args.sizes, args.reps)
+        print(f"collectives at n={world_size}: {time.monotonic() - started:.0f}s", flush=True)
+    common.print_table([r for r in records if r["kind"] == "collective"],
+                       ["collective", "world_size", "numel", "candidate", "median_s", "busbw_GBps"])
+    batch_for, steps_for = {"net": 64, "resnet18": 16}, {"net": 10, "resnet18": 2}
+    if not args.skip_ddp:
+        for model_name in args.models:
+            for accumulation in args.accumulation:
+                started = time.monotonic()
+                ddp = bench_ddp.run_config(model_name, batch_for[model_name], accumulation, 2, args.blocks,
+                                           steps_for[model_name], "gloo", candidates=DDP_CANDIDATES,
+                                           reference="torch_gloo")
+                records += [{"kind": "ddp", **r} for r in ddp]
+                print(f"torch DDP {model_name} accumulation {accumulation}: {time.monotonic() - started:.0f}s", flush=True)
+                common.print_table(ddp, ["model", "accumulation", "candidate", "median_step_s", "peak_memory_bytes"])
+    summary = summarize(records)
+    path = common.write_results(args.output, backend="ddpkit vs gloo", device_type="cpu",
+                                settings={"world_sizes": args.world_sizes, "sizes": args.sizes, "reps": args.reps,
+                                          "dtype": "float32", "collectives": list(COLLECTIVES),
+                                          "candidates": list(CANDIDATES), "ddp_models": args.models,
+                                          "ddp_accumulation": args.accumulation, "ddp_blocks": args.blocks,
+                                          "ddp_skipped": args.skip_ddp,
+                                          "ddp_batch_per_rank": batch_for, "ddp_steps_per_block": steps_for},
+                                records=records, summary=summary)
+    for key, value in summary.items():
+        print(f"{key}: {value:.3f}")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
