@@ -20,5 +20,6 @@ $PY benchmarks/bench_allreduce.py "${QUICK[@]}"
 $PY benchmarks/bench_allreduce.py "${QUICK[@]}" --check-overhead --world-sizes 2 4 8 --output allreduce_checks
 $PY benchmarks/bench_syncbn.py "${QUICK[@]}"
 $PY benchmarks/bench_ddp.py "${QUICK[@]}"
+$PY benchmarks/bench_backend.py "${QUICK[@]}"
 $PY benchmarks/bench_training.py "${TRAINING[@]}"
 $PY "${REPORT[@]}"

@@ -18,7 +18,7 @@ import nbformat
 from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
-EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training"]  # results/<name>.json the report reads
+EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backend"]  # results/<name>.json the report reads
 # Shown when present: GPU results (they need a GPU to produce) and make main's short training run.
 OPTIONAL = ["syncbn_cuda", "ddp_cuda", "training_main"]
 
@@ -451,8 +451,58 @@ if "ddp_cuda" in R:
                                                                           "memory / torch DDP": ratio})
 '''
 
+BACKEND = r'''
+## 6. The "ddpkit" torch.distributed backend
+
+`dist.init_process_group("ddpkit")` puts torch's own collectives on ddpkit's engine (Note [The ddpkit
+backend] in `csrc/backend/backend.h`). Below, in one set of processes: torch.distributed's call on a
+gloo group of the same ranks (`gloo`), the same call on the ddpkit group (`backend`), and ddpkit's own
+function on that group (`ddpkit`: same engine and segment, so `backend / ddpkit` is the cost of the
+backend layer: torch.distributed's Python wrapper, the dispatcher, the Work object). `size` is the
+whole vector (all-reduce's tensor, all-gather's output, reduce-scatter's input), float32. Then torch's
+own `DistributedDataParallel`, unchanged, on both backends.
+'''
+
+BACKEND_TABLES = r'''
+b = R["backend"]
+command("backend")
+coll = [r for r in b["records"] if r["kind"] == "collective"]
+by = {(r["collective"], r["world_size"], r["numel"], r["candidate"]): r for r in coll}
+rows = []
+for (collective, n, numel, candidate), r in sorted(by.items()):
+    if candidate != "backend":
+        continue
+    rows.append({"collective": collective, "n": n, "size": numel, "gloo": by[(collective, n, numel, "gloo")]["median_s"],
+                 "backend": r["median_s"], "ddpkit": by[(collective, n, numel, "ddpkit")]["median_s"],
+                 "backend / gloo": r["median_s"] / by[(collective, n, numel, "gloo")]["median_s"],
+                 "backend / ddpkit": r["median_s"] / by[(collective, n, numel, "ddpkit")]["median_s"],
+                 "busbw backend": r["busbw_GBps"]})
+table(rows, ["collective", "n", "size", "gloo", "backend", "ddpkit", "backend / gloo", "backend / ddpkit", "busbw backend"],
+      {"gloo": us, "backend": us, "ddpkit": us, "backend / gloo": ratio, "backend / ddpkit": ratio,
+       "busbw backend": lambda v: f"{v:.2f} GB/s"})
+fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
+for ax, collective in zip(axes, ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"]):
+    for n in sorted({r["world_size"] for r in coll}):
+        sizes = sorted({r["numel"] for r in coll if r["world_size"] == n and r["collective"] == collective})
+        for candidate, style in (("gloo", "--"), ("backend", "-")):
+            ax.loglog(sizes, [by[(collective, n, s, candidate)]["median_s"] for s in sizes], style, marker="o",
+                      label=f"{candidate} n={n}")
+    ax.set_title(collective); ax.set_xlabel("floats"); ax.grid(True, which="both", alpha=0.3)
+axes[0].set_ylabel("seconds per call (median, slowest rank)"); axes[0].legend()
+plt.show()
+ddp = [r for r in b["records"] if r["kind"] == "ddp"]
+if ddp:
+    base = {(r["model"], r["accumulation"]): r for r in ddp if r["candidate"] == "torch_gloo"}
+    rows = [{"model": r["model"], "accumulation": r["accumulation"], "torch DDP on gloo": base[(r["model"], r["accumulation"])]["median_step_s"],
+             "on ddpkit": r["median_step_s"], "time ratio": r["median_step_s"] / base[(r["model"], r["accumulation"])]["median_step_s"],
+             "memory ratio": r["peak_memory_bytes"] / base[(r["model"], r["accumulation"])]["peak_memory_bytes"]}
+            for r in ddp if r["candidate"] == "torch_ddpkit"]
+    table(rows, ["model", "accumulation", "torch DDP on gloo", "on ddpkit", "time ratio", "memory ratio"],
+          {"torch DDP on gloo": ms, "on ddpkit": ms, "time ratio": ratio, "memory ratio": ratio})
+'''
+
 COMMANDS = r'''
-## 6. Reproduce
+## 7. Reproduce
 
 | what | command |
 |---|---|
@@ -461,6 +511,7 @@ COMMANDS = r'''
 | checked-mode overhead | `python benchmarks/bench_allreduce.py --check-overhead --world-sizes 2 4 8 --output allreduce_checks` |
 | SyncBatchNorm | `python benchmarks/bench_syncbn.py` |
 | DDP | `python benchmarks/bench_ddp.py` |
+| the ddpkit torch.distributed backend | `python benchmarks/bench_backend.py` |
 | training comparison | `python benchmarks/bench_training.py --full` (`make main`: the short run) |
 | GPU: build, CUDA tests, GPU benchmarks | `bash scripts/gpu_checks.sh build test bench` |
 | this notebook only | `python notebooks/report.py` |
@@ -493,6 +544,8 @@ def build() -> nbformat.NotebookNode:
         nbformat.v4.new_code_cell(TRAINING_MAIN.strip()),
         nbformat.v4.new_markdown_cell(GPU.strip()),
         nbformat.v4.new_code_cell(GPU_TABLES.strip()),
+        nbformat.v4.new_markdown_cell(BACKEND.strip()),
+        nbformat.v4.new_code_cell(BACKEND_TABLES.strip()),
         nbformat.v4.new_markdown_cell(COMMANDS.strip()),
     ]
     notebook = nbformat.v4.new_notebook(cells=cells)

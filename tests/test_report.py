@@ -44,7 +44,7 @@ def test_committed_notebook_executes_without_errors(tmp_path):
     notebook = report.execute(nbformat.read(copy, as_version=4), RESULTS, timeout=120)
     outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
-    assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 5  # every plot rendered
+    assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 6  # every plot rendered
 
 
 def test_committed_notebook_is_the_built_one():

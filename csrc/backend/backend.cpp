@@ -29,6 +29,24 @@ std::optional<comm::ReduceOp> own_reduction(const c10d::ReduceOp& op, const at::
   }
 }
 
+// The header of a collective handed to gloo: what its peers compare it with (Note [Collective checks]).
+comm::CollectiveHeader delegated_header(comm::CollectiveKind kind, const at::Tensor& tensor,
+                                        std::optional<c10d::ReduceOp> op, int64_t root = -1) {
+  comm::CollectiveHeader header;
+  header.kind = static_cast<int64_t>(kind);
+  header.numel = tensor.defined() ? (tensor.is_sparse() ? -1 : tensor.numel()) : 0;
+  header.dtype = tensor.defined() ? static_cast<int64_t>(tensor.scalar_type()) : -1;
+  header.op = op ? comm::kDelegatedOp + static_cast<int64_t>(op->op_) : -1;
+  header.root = root;
+  return header;
+}
+
+int64_t total_numel(const std::vector<at::Tensor>& tensors) {
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.numel();
+  return total;
+}
+
 // torch's Python API passes exactly one tensor per rank; the multi-tensor forms are gone from it.
 void check_single(const std::vector<at::Tensor>& tensors, std::string_view what) {
   TORCH_CHECK(tensors.size() == 1, "ddpkit backend: ", what, " takes one tensor per rank, got ", tensors.size());
@@ -99,8 +117,14 @@ c10::intrusive_ptr<c10d::Work> Backend::launch(c10d::OpType type, bool async, st
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::delegate(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
+                                                 comm::CollectiveHeader header,
                                                  std::function<c10::intrusive_ptr<c10d::Work>()> op) {
-  return launch(type, async, std::move(outputs), [op = std::move(op)](comm::Communicator&) { op()->wait(); });
+  header.algorithm = static_cast<int64_t>(comm::Algorithm::kProcessGroup);
+  return launch(type, async, std::move(outputs), [header, op = std::move(op)](comm::Communicator& comm) {
+    comm.begin(header);
+    comm.settle_header();
+    op()->wait();
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
@@ -109,9 +133,9 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
   at::Tensor tensor = tensors[0];
   const auto op = own_reduction(opts.reduceOp, tensor);
   if (!op) {
-    return delegate(c10d::OpType::ALLREDUCE, opts.asyncOp, tensors, [gloo = gloo_, tensors, opts]() mutable {
-      return gloo->allreduce(tensors, opts);
-    });
+    return delegate(c10d::OpType::ALLREDUCE, opts.asyncOp, tensors,
+                    delegated_header(comm::CollectiveKind::kAllReduce, tensor, opts.reduceOp),
+                    [gloo = gloo_, tensors, opts]() mutable { return gloo->allreduce(tensors, opts); });
   }
   return launch(c10d::OpType::ALLREDUCE, opts.asyncOp, tensors, [tensor, op](comm::Communicator& comm) mutable {
     comm::all_reduce_(tensor, *op, comm::Algorithm::kAuto, comm);
@@ -120,9 +144,10 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
-  return delegate(c10d::OpType::ALLREDUCE, opts.asyncOp, tensors, [gloo = gloo_, tensors, opts]() mutable {
-    return gloo->allreduce_sparse(tensors, opts);
-  });
+  return delegate(c10d::OpType::ALLREDUCE, opts.asyncOp, tensors,
+                  delegated_header(comm::CollectiveKind::kAllReduce, tensors.empty() ? at::Tensor() : tensors[0],
+                                   opts.reduceOp),
+                  [gloo = gloo_, tensors, opts]() mutable { return gloo->allreduce_sparse(tensors, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -133,9 +158,11 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tens
     own = own && own_reduction(opts.reduceOp, t) && t.scalar_type() == tensors[0].scalar_type();
   }
   if (!own) {
-    return delegate(c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp, tensors, [gloo = gloo_, tensors, opts]() mutable {
-      return gloo->allreduce_coalesced(tensors, opts);
-    });
+    auto header = delegated_header(comm::CollectiveKind::kAllReduce, tensors.empty() ? at::Tensor() : tensors[0],
+                                   opts.reduceOp);
+    header.numel = total_numel(tensors);
+    return delegate(c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp, tensors, header,
+                    [gloo = gloo_, tensors, opts]() mutable { return gloo->allreduce_coalesced(tensors, opts); });
   }
   const comm::ReduceOp op = *own_reduction(opts.reduceOp, tensors[0]);
   // One collective over the concatenation: one message schedule for all of them.
@@ -167,9 +194,9 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
   at::Tensor tensor = tensors[0];
   const auto op = own_reduction(opts.reduceOp, tensor);
   if (!op) {
-    return delegate(c10d::OpType::REDUCE, opts.asyncOp, tensors, [gloo = gloo_, tensors, opts]() mutable {
-      return gloo->reduce(tensors, opts);
-    });
+    return delegate(c10d::OpType::REDUCE, opts.asyncOp, tensors,
+                    delegated_header(comm::CollectiveKind::kReduce, tensor, opts.reduceOp, opts.rootRank),
+                    [gloo = gloo_, tensors, opts]() mutable { return gloo->reduce(tensors, opts); });
   }
   const int root = static_cast<int>(opts.rootRank);
   return launch(c10d::OpType::REDUCE, opts.asyncOp, tensors, [tensor, root, op](comm::Communicator& comm) mutable {
@@ -216,9 +243,10 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<std::vec
                                                             const c10d::AllgatherOptions& opts) {
   std::vector<at::Tensor> results;
   for (const auto& list : outputs) results.insert(results.end(), list.begin(), list.end());
-  return delegate(c10d::OpType::ALLGATHER_COALESCED, opts.asyncOp, results, [gloo = gloo_, outputs, inputs, opts]() mutable {
-    return gloo->allgather_coalesced(outputs, inputs, opts);
-  });
+  auto header = delegated_header(comm::CollectiveKind::kAllGather, inputs.empty() ? at::Tensor() : inputs[0], std::nullopt);
+  header.numel = total_numel(inputs);
+  return delegate(c10d::OpType::ALLGATHER_COALESCED, opts.asyncOp, results, header,
+                  [gloo = gloo_, outputs, inputs, opts]() mutable { return gloo->allgather_coalesced(outputs, inputs, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -258,16 +286,11 @@ c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tenso
   check_cpu(inputs, "gather");
   const int root = static_cast<int>(opts.rootRank);
   const at::Tensor input = inputs[0].contiguous();
-  std::vector<at::Tensor> targets = getRank() == root && !outputs.empty() ? outputs[0] : std::vector<at::Tensor>();
-  TORCH_CHECK(getRank() != root || (outputs.size() == 1 && static_cast<int>(targets.size()) == getSize()),
-              "ddpkit backend: gather on the root takes one list of ", getSize(), " output tensors");
+  // A bad list on the root is rejected inside the collective (gather_into), so every rank raises.
+  std::vector<at::Tensor> targets = getRank() == root && outputs.size() == 1 ? outputs[0] : std::vector<at::Tensor>();
   check_cpu(targets, "gather");
-  return launch(c10d::OpType::GATHER, opts.asyncOp, targets, [input, targets, root](comm::Communicator& comm) {
-    const at::Tensor rows = comm::gather(input, root, comm);
-    for (size_t i = 0; i < targets.size(); ++i) {
-      at::Tensor target = targets[i];
-      target.copy_(rows[static_cast<int64_t>(i)].view(target.sizes()));
-    }
+  return launch(c10d::OpType::GATHER, opts.asyncOp, targets, [input, targets, root](comm::Communicator& comm) mutable {
+    comm::gather_into(targets, input, root, comm);
   });
 }
 
@@ -277,24 +300,13 @@ c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs
   check_single(outputs, "scatter");
   check_cpu(outputs, "scatter");
   const int root = static_cast<int>(opts.rootRank);
-  std::vector<at::Tensor> sources = getRank() == root && !inputs.empty() ? inputs[0] : std::vector<at::Tensor>();
-  TORCH_CHECK(getRank() != root || (inputs.size() == 1 && static_cast<int>(sources.size()) == getSize()),
-              "ddpkit backend: scatter on the root takes one list of ", getSize(), " input tensors");
+  // A bad list on the root is rejected inside the collective (scatter_from), so every rank raises.
+  std::vector<at::Tensor> sources = getRank() == root && inputs.size() == 1 ? inputs[0] : std::vector<at::Tensor>();
   check_cpu(sources, "scatter");
   at::Tensor output = outputs[0];
   return launch(c10d::OpType::SCATTER, opts.asyncOp, outputs, [output, sources, root](comm::Communicator& comm) mutable {
-    // The chunks as rows of one tensor, in the output's shape; a source of another size leaves them
-    // undefined, which scatter_ rejects on every rank.
-    at::Tensor chunks;
-    bool matching = !sources.empty();
-    for (const auto& s : sources) matching = matching && s.numel() == output.numel();
-    if (matching) {
-      std::vector<at::Tensor> rows;
-      for (const auto& s : sources) rows.push_back(s.reshape(output.sizes()));
-      chunks = at::stack(rows);
-    }
     at::Tensor target = output.is_contiguous() ? output : output.contiguous();
-    comm::scatter_(target, chunks, root, comm);
+    comm::scatter_from(target, sources, root, comm);
     if (!target.is_same(output)) output.copy_(target);
   });
 }
@@ -308,9 +320,9 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
   check_cpu(inputs[0], "reduce_scatter");
   const auto op = own_reduction(opts.reduceOp, outputs[0]);
   if (!op) {
-    return delegate(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs, [gloo = gloo_, outputs, inputs, opts]() mutable {
-      return gloo->reduce_scatter(outputs, inputs, opts);
-    });
+    return delegate(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs,
+                    delegated_header(comm::CollectiveKind::kReduceScatter, outputs[0], opts.reduceOp),
+                    [gloo = gloo_, outputs, inputs, opts]() mutable { return gloo->reduce_scatter(outputs, inputs, opts); });
   }
   at::Tensor output = outputs[0];
   std::vector<at::Tensor> sources = inputs[0];
@@ -333,6 +345,7 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output,
   const auto op = own_reduction(opts.reduceOp, output);
   if (!op) {
     return delegate(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output},
+                    delegated_header(comm::CollectiveKind::kReduceScatter, output, opts.reduceOp),
                     [gloo = gloo_, output, input, opts]() mutable { return gloo->_reduce_scatter_base(output, input, opts); });
   }
   at::Tensor out = output;

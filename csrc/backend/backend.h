@@ -32,10 +32,10 @@ namespace ddpkit::backend {
 //    _allgather_base, allgather_into_tensor_coalesced, gather, scatter, reduce_scatter,
 //    _reduce_scatter_base, reduce_scatter_tensor_coalesced (same ops and dtypes), alltoall,
 //    alltoall_base, barrier. Collectives that only move bytes take any dtype.
-//  - Delegated to the inner gloo backend, still in the engine's order: reductions with an op or a
-//    dtype ddpkit does not reduce (PRODUCT, BAND, BOR, BXOR, PREMUL_SUM; bool, uint8, int8, int16,
-//    sparse tensors), allgather_coalesced, allreduce_sparse. Errors for what gloo cannot do either
-//    are gloo's.
+//  - Delegated to the inner gloo backend, still in the engine's order and after the same collective
+//    check (its header carries gloo's op, kDelegatedOp): reductions with an op or a dtype ddpkit
+//    does not reduce (PRODUCT, BAND, BOR, BXOR, PREMUL_SUM; bool, uint8, int8, int16, sparse
+//    tensors), allgather_coalesced, allreduce_sparse. Errors for what gloo cannot do either are gloo's.
 //  - Delegated directly to a second gloo backend, outside the engine (they are not collectives, so
 //    they take no sequence number, and their tags are the program's): send, recv, recvAnysource,
 //    monitoredBarrier.
@@ -101,8 +101,10 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   // completed Work), else on the engine's thread. `outputs` become the Work's result.
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
                                         comm::Engine::Body body);
-  // Runs the inner gloo backend's operation `op` as the group's next collective (Note [The ddpkit backend]).
+  // Runs the inner gloo backend's operation `op` as the group's next collective, after the
+  // collective check of `header` (Note [The ddpkit backend]).
   c10::intrusive_ptr<c10d::Work> delegate(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
+                                          comm::CollectiveHeader header,
                                           std::function<c10::intrusive_ptr<c10d::Work>()> op);
 
   c10::intrusive_ptr<c10d::Store> store_;

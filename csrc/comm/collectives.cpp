@@ -398,17 +398,22 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   if (staged(tensor, comm)) {
     return on_host_copy(tensor, [&](at::Tensor& host) { all_reduce_(host, op, algorithm, comm); });
   }
-  const std::string error = tensor_error(tensor, "all_reduce", op);
+  std::string error = tensor_error(tensor, "all_reduce", op);
   const int n = comm.size();
   const int r = comm.rank();
   const Algorithm requested = algorithm;
+  if (algorithm == Algorithm::kDirect && comm.shm() == nullptr && n > 1) {
+    // Rejected like any bad argument, so that the peers learn it (Note [Collective checks]).
+    if (error.empty()) {
+      error = "ddpkit.all_reduce: algorithm 'direct' needs the shared-memory transport (every rank on this host, "
+              "CPU tensors)";
+    }
+    algorithm = Algorithm::kAuto;
+  }
   if (algorithm == Algorithm::kAuto) {
     const int64_t bytes = error.empty() ? tensor.numel() * static_cast<int64_t>(tensor.element_size()) : 0;
     algorithm = choose_algorithm(bytes, n, comm.device_type(), comm.shm() != nullptr);
   }
-  TORCH_CHECK(algorithm != Algorithm::kDirect || comm.shm() != nullptr || n == 1,
-              "ddpkit.all_reduce: algorithm 'direct' needs the shared-memory transport (every rank on this host, "
-              "CPU tensors)");
   if (algorithm == Algorithm::kDirect && n > 1) {
     // Note [Direct all-reduce]: the header check rides in the shared-memory slots, no messages.
     comm.note_collective(CollectiveKind::kAllReduce);
@@ -517,26 +522,54 @@ void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm) {
 at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm) {
   if (staged(tensor, comm)) return gather(to_host(tensor), dst, comm).to(tensor.device());
   const int n = comm.size();
-  std::string error = tensor_error(tensor, "gather", std::nullopt);
-  if (error.empty()) error = root_error(dst, n, "gather", "dst");
-  comm.begin(make_header(CollectiveKind::kGather, tensor, std::nullopt, std::nullopt, dst), error);
   at::Tensor gathered;
-  Round round;
-  if (comm.rank() == dst) {
+  std::vector<at::Tensor> rows;
+  if (comm.rank() == dst && tensor.defined()) {
     std::vector<int64_t> shape{n};
     shape.insert(shape.end(), tensor.sizes().begin(), tensor.sizes().end());
     gathered = at::empty(shape, tensor.options());
-    gathered[dst].copy_(tensor);
+    for (int peer = 0; peer < n; ++peer) rows.push_back(gathered[peer]);
+  } else {
+    gathered = at::empty({0}, tensor.defined() ? tensor.options() : at::TensorOptions());
+  }
+  gather_into(rows, tensor, dst, comm);
+  return gathered;
+}
+
+void gather_into(std::vector<at::Tensor>& outputs, const at::Tensor& tensor, int dst, Communicator& comm) {
+  const int n = comm.size();
+  std::string error = tensor_error(tensor, "gather", std::nullopt);
+  if (error.empty()) error = root_error(dst, n, "gather", "dst");
+  if (error.empty() && comm.rank() == dst) {
+    bool matching = static_cast<int>(outputs.size()) == n;
+    for (const auto& out : outputs) {
+      matching = matching && out.defined() && out.numel() == tensor.numel() && out.scalar_type() == tensor.scalar_type() &&
+                 out.device() == tensor.device();
+    }
+    if (!matching) {
+      error = c10::str("ddpkit.gather: on dst the outputs must be ", n, " tensors of ", tensor.numel(),
+                       " elements, dtype ", tensor.scalar_type(), " and device ", tensor.device());
+    }
+  }
+  comm.begin(make_header(CollectiveKind::kGather, tensor, std::nullopt, std::nullopt, dst), error);
+  Round round;
+  // Received into contiguous stand-ins where an output is not contiguous, copied over after.
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;
+  if (comm.rank() == dst) {
     for (int peer = 0; peer < n; ++peer) {
-      if (peer != dst) round.recvs.push_back({gathered[peer], peer});
+      at::Tensor out = outputs[peer];
+      if (peer == dst) continue;
+      at::Tensor target = out.is_contiguous() ? out : at::empty(out.sizes(), out.options());
+      if (!target.is_same(out)) copy_back.emplace_back(out, target);
+      round.recvs.push_back({target, peer});
     }
   } else {
-    gathered = at::empty({0}, tensor.options());
     round.sends.push_back({tensor, dst});
   }
   Schedule schedule{round};
   run_schedule(comm, schedule);
-  return gathered;
+  for (auto& [out, target] : copy_back) out.copy_(target);
+  if (comm.rank() == dst) outputs[dst].copy_(tensor.view(outputs[dst].sizes()));
 }
 
 void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm) {
@@ -546,31 +579,51 @@ void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicato
     return on_host_copy(output, [&](at::Tensor& host) { scatter_(host, host_chunks, src, comm); });
   }
   const int n = comm.size();
-  std::string error = tensor_error(output, "scatter", std::nullopt);
-  if (error.empty()) error = root_error(src, n, "scatter", "src");
-  if (error.empty() && comm.rank() == src) {
+  std::vector<at::Tensor> rows;
+  std::string error;
+  if (comm.rank() == src && output.defined()) {
     std::vector<int64_t> expected{n};
     expected.insert(expected.end(), output.sizes().begin(), output.sizes().end());
     if (!chunks.defined() || chunks.sizes() != c10::IntArrayRef(expected) ||
         chunks.scalar_type() != output.scalar_type() || chunks.device() != output.device()) {
       error = c10::str("ddpkit.scatter: on src the chunks must have shape ", c10::IntArrayRef(expected),
                        ", dtype ", output.scalar_type(), " and device ", output.device());
+    } else {
+      const at::Tensor contiguous = chunks.contiguous();
+      for (int peer = 0; peer < n; ++peer) rows.push_back(contiguous[peer]);
+    }
+  }
+  scatter_from(output, rows, src, comm, error);
+}
+
+void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int src, Communicator& comm,
+                  std::string error) {
+  const int n = comm.size();
+  if (error.empty()) error = tensor_error(output, "scatter", std::nullopt);
+  if (error.empty()) error = root_error(src, n, "scatter", "src");
+  if (error.empty() && comm.rank() == src) {
+    bool matching = static_cast<int>(inputs.size()) == n;
+    for (const auto& in : inputs) {
+      matching = matching && in.defined() && in.numel() == output.numel() && in.scalar_type() == output.scalar_type() &&
+                 in.device() == output.device();
+    }
+    if (!matching) {
+      error = c10::str("ddpkit.scatter: on src the inputs must be ", n, " tensors of ", output.numel(),
+                       " elements, dtype ", output.scalar_type(), " and device ", output.device());
     }
   }
   comm.begin(make_header(CollectiveKind::kScatter, output, std::nullopt, std::nullopt, src), error);
   Round round;
-  at::Tensor rows;
   if (comm.rank() == src) {
-    rows = chunks.contiguous();
     for (int peer = 0; peer < n; ++peer) {
-      if (peer != src) round.sends.push_back({rows[peer], peer});
+      if (peer != src) round.sends.push_back({inputs[peer].contiguous(), peer});
     }
-    output.copy_(rows[src]);
   } else {
     round.recvs.push_back({output, src});
   }
   Schedule schedule{round};
   run_schedule(comm, schedule);
+  if (comm.rank() == src) output.copy_(inputs[src].reshape(output.sizes()));
 }
 
 namespace {
@@ -600,13 +653,24 @@ std::string gather_scatter_error(const at::Tensor& output, const at::Tensor& inp
   return {};
 }
 
-Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm, std::string_view what) {
-  if (algorithm == Algorithm::kAuto) return comm.shm() != nullptr ? Algorithm::kDirect : Algorithm::kRing;
-  TORCH_CHECK(algorithm == Algorithm::kRing || algorithm == Algorithm::kDirect, "ddpkit.", what,
-              ": algorithm must be 'auto', 'ring' or 'direct', got '", algorithm_name(algorithm), "'");
-  TORCH_CHECK(algorithm != Algorithm::kDirect || comm.shm() != nullptr || comm.size() == 1, "ddpkit.", what,
-              ": algorithm 'direct' needs the shared-memory transport (every rank on this host, CPU tensors)");
-  return algorithm;
+// What `algorithm` runs on `comm`. An algorithm this collective cannot run sets `error` (when it
+// holds none yet), so that the rank rejects its arguments in the collective check like any other
+// bad argument and its peers learn it (Note [Collective checks]); the rank then takes kAuto's path,
+// which meets its peers' first step whatever they chose.
+Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm, std::string_view what,
+                                  std::string& error) {
+  const Algorithm automatic = comm.shm() != nullptr ? Algorithm::kDirect : Algorithm::kRing;
+  std::string problem;
+  if (algorithm != Algorithm::kAuto && algorithm != Algorithm::kRing && algorithm != Algorithm::kDirect) {
+    problem = c10::str("ddpkit.", what, ": algorithm must be 'auto', 'ring' or 'direct', got '",
+                       algorithm_name(algorithm), "'");
+  } else if (algorithm == Algorithm::kDirect && comm.shm() == nullptr && comm.size() > 1) {
+    problem = c10::str("ddpkit.", what,
+                       ": algorithm 'direct' needs the shared-memory transport (every rank on this host, CPU tensors)");
+  }
+  if (problem.empty()) return algorithm == Algorithm::kAuto ? automatic : algorithm;
+  if (error.empty()) error = std::move(problem);
+  return automatic;
 }
 
 }  // namespace
@@ -618,9 +682,9 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
   }
   const int n = comm.size();
   const int r = comm.rank();
-  const std::string error = gather_scatter_error(output, input, n, /*gather=*/true, std::nullopt);
+  std::string error = gather_scatter_error(output, input, n, /*gather=*/true, std::nullopt);
   const Algorithm requested = algorithm;
-  algorithm = resolve_block_algorithm(algorithm, comm, "all_gather_into_tensor");
+  algorithm = resolve_block_algorithm(algorithm, comm, "all_gather_into_tensor", error);
   CollectiveHeader header = make_header(CollectiveKind::kAllGather, input, std::nullopt, requested, -1);
   if (algorithm == Algorithm::kDirect && n > 1) {
     comm.note_collective(CollectiveKind::kAllGather);
@@ -656,9 +720,9 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   }
   const int n = comm.size();
   const int r = comm.rank();
-  const std::string error = gather_scatter_error(output, input, n, /*gather=*/false, op);
+  std::string error = gather_scatter_error(output, input, n, /*gather=*/false, op);
   const Algorithm requested = algorithm;
-  algorithm = resolve_block_algorithm(algorithm, comm, "reduce_scatter_tensor");
+  algorithm = resolve_block_algorithm(algorithm, comm, "reduce_scatter_tensor", error);
   CollectiveHeader header = make_header(CollectiveKind::kReduceScatter, output, op, requested, -1);
   const bool narrow_float = error.empty() && (output.scalar_type() == at::kHalf || output.scalar_type() == at::kBFloat16);
   if (algorithm == Algorithm::kDirect && n > 1) {
@@ -719,6 +783,10 @@ void all_to_all_(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>
                           outputs[j].scalar_type() != inputs[0].scalar_type())) {
       error = c10::str("ddpkit.all_to_all: every input and output must have one dtype, got ", inputs[j].scalar_type(),
                        " and ", outputs[j].scalar_type(), " beside ", inputs[0].scalar_type());
+    }
+    if (error.empty() && j == static_cast<size_t>(r) && outputs[j].numel() != inputs[j].numel()) {
+      error = c10::str("ddpkit.all_to_all: this rank sends itself ", inputs[j].numel(), " elements but expects ",
+                       outputs[j].numel(), " from itself (split sizes that disagree)");
     }
     if (error.empty() && inputs[j].device() != comm.device_type()) {
       error = c10::str("ddpkit.all_to_all: expected ", c10::DeviceTypeName(comm.device_type(), true), " tensors, got ",

@@ -15,7 +15,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <string_view>
+#include <vector>
 
 namespace ddpkit::comm {
 
@@ -97,9 +99,20 @@ void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm);
 // an empty tensor on the other ranks.
 at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm);
 
+// On rank `dst`, writes rank i's `tensor` into outputs[i]: n tensors of tensor's numel, dtype and
+// device, any shape (a bad list on dst is rejected in the collective check, so every rank raises).
+// `outputs` is ignored on the other ranks.
+void gather_into(std::vector<at::Tensor>& outputs, const at::Tensor& tensor, int dst, Communicator& comm);
+
 // Writes row i of `chunks` (rank `src`'s, shape [n, *output.shape]) into `output` of rank i.
 // `chunks` is ignored on the other ranks.
 void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicator& comm);
+
+// Writes inputs[i] (rank `src`'s: n tensors of output's numel, dtype and device) into `output` of
+// rank i; `inputs` is ignored on the other ranks. A non-empty `error` rejects this rank's arguments
+// in the collective check (every rank raises).
+void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int src, Communicator& comm,
+                  std::string error = {});
 
 // Note [All-gather and reduce-scatter]
 // The two halves of the ring all-reduce, as collectives of their own (torch's
@@ -121,7 +134,9 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
 
 // Sends inputs[j] to rank j and receives outputs[j] from rank j (this rank's own pair is a copy):
 // n contiguous tensors each, one dtype; rank i's inputs[j] and rank j's outputs[i] have the same
-// numel (torch's all_to_all). One round of n-1 concurrent messages each way.
+// numel (torch's all_to_all). One round of n-1 concurrent messages each way. A pair whose sizes
+// disagree across two ranks fails on its receiver, naming both sizes; sizes a rank disagrees with
+// itself about are rejected in the collective check.
 void all_to_all_(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs, Communicator& comm);
 
 // Returns when every rank of the group has called it.

@@ -226,10 +226,13 @@ void Communicator::wait(MessageList& messages) {
       abort_all(messages);
       const std::string peer = failed.peer < 0 ? std::string("a peer")
                                                 : c10::str("rank ", failed.peer);
+      // The cause without the C++ backtrace c10::Error carries: it ends up in a Python message.
+      const auto* error = dynamic_cast<const c10::Error*>(&e);
+      const std::string cause = error != nullptr ? error->what_without_backtrace() : e.what();
       TORCH_CHECK(false, "ddpkit.", what_, " (rank ", rank_, " of ", size_, "): ",
-                  failed.is_send ? "sending to " : "receiving from ", peer,
-                  " failed; the peer process died, stopped calling this collective, or the group's timeout "
-                  "expired. Cause: ", e.what());
+                  failed.is_send ? "sending to " : "receiving from ", peer, " failed: ", cause,
+                  " (a peer that died, stopped calling this collective or sent another size ends a message "
+                  "this way, as does the group's timeout)");
     }
   }
   messages.clear();

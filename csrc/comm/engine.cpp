@@ -39,16 +39,39 @@ std::string_view transport_name(TransportKind kind) {
 }
 
 CollectiveWork::CollectiveWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-    : c10d::Work(rank, type),
-      outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+    : c10d::Work(rank, type), outputs_(std::move(outputs)) {}
 
 void CollectiveWork::complete(std::exception_ptr error) {
   finish(error);
-  if (error) {
-    future_->setError(error);
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  {
+    std::lock_guard<std::mutex> lock(future_mutex_);
+    done_ = true;
+    error_ = error;
+    future = future_;
+  }
+  if (future) settle(*future);  // outside the lock: the future runs its callbacks here
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> CollectiveWork::getFuture() {
+  static const c10::TypePtr kTensorList = c10::ListType::create(c10::TensorType::get());
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  bool settle_now = false;
+  {
+    std::lock_guard<std::mutex> lock(future_mutex_);
+    if (future_) return future_;
+    future_ = future = c10::make_intrusive<c10::ivalue::Future>(kTensorList);
+    settle_now = done_;
+  }
+  if (settle_now) settle(*future);
+  return future;
+}
+
+void CollectiveWork::settle(c10::ivalue::Future& future) const {
+  if (error_) {
+    future.setError(error_);
   } else {
-    future_->markCompleted(c10::IValue(outputs_));
+    future.markCompleted(c10::IValue(outputs_));
   }
 }
 

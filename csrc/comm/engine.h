@@ -83,17 +83,23 @@ class EngineBackend {
 
 // The Work of a collective run by an Engine: wait() returns when it ran (rethrowing its error),
 // result() and getFuture()'s value are `outputs` (a list of tensors, as torch's backends give
-// DistributedDataParallel's communication hooks).
+// DistributedDataParallel's communication hooks). The future is made only when asked for: a
+// synchronous collective, waited on at once, never pays for it.
 class CollectiveWork final : public c10d::Work {
  public:
   CollectiveWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
   void complete(std::exception_ptr error);
   std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
+  void settle(c10::ivalue::Future& future) const;  // with the outcome; call once complete
+
   std::vector<at::Tensor> outputs_;
+  std::mutex future_mutex_;  // guards the three below
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool done_ = false;
+  std::exception_ptr error_;
 };
 
 class Engine {

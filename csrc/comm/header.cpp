@@ -27,6 +27,11 @@ std::string field_value(const HeaderField& field, int64_t value) {
   if (field.member == &CollectiveHeader::dtype) {
     return value < 0 ? std::string("none") : std::string(c10::toString(static_cast<c10::ScalarType>(value)));
   }
+  if (field.member == &CollectiveHeader::op && value >= kDelegatedOp) {
+    static constexpr const char* kTorchOps[] = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"};
+    const int64_t code = value - kDelegatedOp;
+    return c10::str(code < 9 ? kTorchOps[code] : "op " + std::to_string(code), " (gloo)");
+  }
   if (field.member == &CollectiveHeader::op && value >= 0) return std::string(reduce_op_name(static_cast<ReduceOp>(value)));
   if (field.member == &CollectiveHeader::algorithm && value >= 0) {
     return std::string(algorithm_name(static_cast<Algorithm>(value)));

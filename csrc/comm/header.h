@@ -39,6 +39,11 @@ struct CollectiveHeader {
 static_assert(std::is_trivially_copyable_v<CollectiveHeader>);
 constexpr int64_t kHeaderWords = sizeof(CollectiveHeader) / sizeof(int64_t);
 
+// The header op of a reduction ddpkit hands to gloo (Note [The ddpkit backend]): kDelegatedOp plus
+// torch's c10d::ReduceOp code, so that such a call still meets its peers' headers and a mismatch
+// with it is reported like any other.
+constexpr int64_t kDelegatedOp = 100;
+
 constexpr int64_t kHeaderMagic = 0x64647070;    // "ddpp"
 constexpr int64_t kRejectedMagic = 0x64647078;  // this rank rejected its own arguments
 

@@ -1,0 +1,677 @@
+"""all_gather_into_tensor, reduce_scatter_tensor and barrier (Note [All-gather and reduce-scatter] in
+csrc/comm/collectives.h, Note [Direct all-gather and reduce-scatter] in csrc/comm/shm.h).
+
+Every algorithm valid for each transport runs on the same integer-valued inputs and is compared
+exactly with a float64 reference built here from the same seeds (sums, maxima and minima of
+integers below 2^24 are exact in float32; a mean is the exact sum divided once, so one correctly
+rounded division); all-gathered outputs must have identical bits on every rank. Block sizes cover
+0, 1, n-1, odd and larger than a shared-memory slot (kSlotBytes in csrc/comm/shm.cpp, 256 KiB), so
+the direct paths take many steps. Mismatched calls raise on every rank, naming the difference, and
+leave the group usable; the barrier blocks; nothing is left in /dev/shm.
+"""
+
+import functools
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.launch import WorkerPool
+
+from test_comm import rank_input
+from test_shm import ddpkit_segments
+
+TRANSPORTS = ["shm", "process_group"]
+BLOCK_ALGORITHMS = ("auto", "ring", "direct")
+REDUCE_OPS = ("sum", "mean", "max", "min")
+LARGE = 600_000  # float32 elements per block: 2.4 MB, ten 256 KiB slots (kSlotBytes in csrc/comm/shm.cpp)
+
+
+def algorithms_for(transport: str) -> list[str]:
+    # "direct" reads the peers' slots: shared memory only.
+    return [a for a in BLOCK_ALGORITHMS if transport == "shm" or a != "direct"]
+
+
+def block_numels(world_size: int) -> list[int]:
+    return sorted({0, 1, world_size - 1, 1001, LARGE})
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, for comparisons where NaN must equal NaN and -0.0 differ from 0.0."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def inputs_of(world_size: int, numel: int) -> torch.Tensor:
+    """[world_size, numel]: every rank's integer-valued rank_input, as float64."""
+    return torch.stack([rank_input(r, numel, integer=True).double() for r in range(world_size)])
+
+
+def gathered_reference(world_size: int, numel: int) -> torch.Tensor:
+    return inputs_of(world_size, numel).reshape(-1).float()
+
+
+def scattered_reference(world_size: int, numel: int, rank: int, op: str) -> torch.Tensor:
+    """op over the ranks of block `rank` of every rank's input (world_size * numel elements)."""
+    blocks = inputs_of(world_size, world_size * numel)[:, rank * numel:(rank + 1) * numel]
+    if op == "mean":
+        return blocks.sum(0).float() / world_size  # exact float32 sum, divided once
+    return {"sum": blocks.sum(0), "max": blocks.amax(0), "min": blocks.amin(0)}[op].float()
+
+
+def expect_error(call) -> str | None:
+    """Runs `call`; returns the exception as text (None if nothing was raised)."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test inspects the message
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# --- cases that run on every rank ----------------------------------------------------------------
+
+def case_every_block_collective(transport, numels):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out, inputs_changed = {}, []
+    for algorithm in algorithms_for(transport):
+        for numel in numels:
+            source = rank_input(rank, numel, integer=True)
+            output = torch.full((world_size * numel,), float("nan"))
+            returned = ddpkit.all_gather_into_tensor(output, source, algorithm=algorithm, transport=transport)
+            assert returned is output or returned.data_ptr() == output.data_ptr(), "all_gather must fill `output`"
+            out[("all_gather", algorithm, numel)] = output
+            for op in REDUCE_OPS:
+                source = rank_input(rank, world_size * numel, integer=True)
+                before = source.clone()
+                output = torch.full((numel,), float("nan"))
+                returned = ddpkit.reduce_scatter_tensor(output, source, op=op, algorithm=algorithm,
+                                                        transport=transport)
+                assert returned is output or returned.data_ptr() == output.data_ptr(), \
+                    "reduce_scatter must fill `output`"
+                out[("reduce_scatter", algorithm, numel, op)] = output
+                if not torch.equal(source, before):
+                    inputs_changed.append((algorithm, numel, op))
+    return out, inputs_changed
+
+
+def case_shapes_and_torch_ops(transport):
+    """Outputs of torch's shapes ([n*a, b] and [n, a, b]) and torch.distributed.ReduceOp values."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for algorithm in algorithms_for(transport):
+        source = rank_input(rank, 6, integer=True).view(2, 3)
+        flat = torch.empty(world_size * 2, 3)
+        ddpkit.all_gather_into_tensor(flat, source, algorithm=algorithm, transport=transport)
+        stacked = torch.empty(world_size, 2, 3)
+        ddpkit.all_gather_into_tensor(stacked, source, algorithm=algorithm, transport=transport)
+        out[("all_gather", algorithm)] = (flat, stacked)
+        for name, op in (("sum", dist.ReduceOp.SUM), ("mean", dist.ReduceOp.AVG),
+                         ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+            source = rank_input(rank, world_size * 6, integer=True).view(world_size * 2, 3)
+            output = torch.empty(2, 3)
+            ddpkit.reduce_scatter_tensor(output, source, op=op, algorithm=algorithm, transport=transport)
+            out[("reduce_scatter", algorithm, name)] = output
+    return out
+
+
+GATHER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+                 torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64)
+SCATTER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+GATHER_NUMEL = 70_001  # odd, and more than a slot for the 8-byte dtypes
+SCATTER_NUMEL = 70_001  # odd, several steps of the direct reduce-scatter (a 1/n-slot piece per step)
+
+
+def gather_source(rank, dtype):
+    """Every rank's all-gather input: bit patterns only bytes preserve (NaN, -0.0, inf) included."""
+    source = rank_input(rank, GATHER_NUMEL, integer=True)
+    if dtype.is_floating_point:
+        source[:4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")])
+    if dtype == torch.complex64:
+        return torch.complex(source, -source)
+    if not dtype.is_floating_point:
+        return source.long().to(dtype)  # integer wrap-around: defined, unlike float-to-int8 overflow
+    return source.to(dtype)
+
+
+def scatter_source(rank, world_size, dtype):
+    """Small integers (|x| < 32): every sum over at most 5 ranks is exact even in bfloat16."""
+    return torch.randint(-32, 32, (world_size * SCATTER_NUMEL,),
+                         generator=torch.Generator().manual_seed(rank)).to(dtype)
+
+
+def narrow_float_source(rank, world_size, dtype):
+    """Block element j is big on rank j and 1 elsewhere: the sum big + n - 1 is exact in `dtype`, but
+    any rank-by-rank accumulation in `dtype` that starts from big loses the ones (big + 1 rounds back
+    to big, a tie to even), and every such order starts from big for some element."""
+    big = 256.0 if dtype == torch.bfloat16 else 2048.0
+    block = torch.ones(world_size)
+    block[rank] = big
+    return block.repeat(world_size).to(dtype)
+
+
+def case_dtypes(transport):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for algorithm in algorithms_for(transport):
+        for dtype in GATHER_DTYPES:
+            source = gather_source(rank, dtype)
+            output = torch.empty(world_size * GATHER_NUMEL, dtype=dtype)
+            ddpkit.all_gather_into_tensor(output, source, algorithm=algorithm, transport=transport)
+            out[("all_gather", algorithm, dtype)] = output
+        for dtype in SCATTER_DTYPES:
+            for op in REDUCE_OPS if dtype.is_floating_point else ("sum", "max", "min"):
+                source = scatter_source(rank, world_size, dtype)
+                output = torch.empty(SCATTER_NUMEL, dtype=dtype)
+                ddpkit.reduce_scatter_tensor(output, source, op=op, algorithm=algorithm, transport=transport)
+                out[("reduce_scatter", algorithm, dtype, op)] = output
+        for dtype in (torch.float16, torch.bfloat16):
+            output = torch.empty(world_size, dtype=dtype)
+            ddpkit.reduce_scatter_tensor(output, narrow_float_source(rank, world_size, dtype),
+                                         algorithm=algorithm, transport=transport)
+            out[("in_float32", algorithm, dtype)] = output
+    return out
+
+
+SUBGROUP = [1, 3, 4]  # of 5 ranks: group ranks 0, 1, 2 are global ranks 1, 3, 4
+
+
+def case_subgroup(transport, numels):
+    rank = dist.get_rank()
+    group = dist.new_group(SUBGROUP)
+    if rank not in SUBGROUP:
+        return None
+    size, group_rank = dist.get_world_size(group), dist.get_rank(group)
+    out = {}
+    for algorithm in algorithms_for(transport):
+        for numel in numels:
+            output = torch.full((size * numel,), float("nan"))
+            ddpkit.all_gather_into_tensor(output, rank_input(rank, numel, integer=True), group=group,
+                                          algorithm=algorithm, transport=transport)
+            out[("all_gather", algorithm, numel)] = output
+            output = torch.full((numel,), float("nan"))
+            ddpkit.reduce_scatter_tensor(output, rank_input(rank, size * numel, integer=True), group=group,
+                                         algorithm=algorithm, transport=transport)
+            out[("reduce_scatter", algorithm, numel)] = output
+    ddpkit.barrier(group=group, transport=transport)
+    resolved = ddpkit.comm.resolved_transport(group, transport)
+    dist.destroy_process_group(group)
+    return group_rank, resolved, out
+
+
+def subgroup_inputs(numel):
+    return torch.stack([rank_input(r, numel, integer=True).double() for r in SUBGROUP])
+
+
+def case_message_counts(numel):
+    """What each algorithm sends over shared memory: the direct paths no messages at all, the ring
+    n-1 messages of one block per rank (Note [All-gather and reduce-scatter])."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for algorithm in BLOCK_ALGORITHMS:
+        ddpkit.reset_comm_counters()
+        ddpkit.all_gather_into_tensor(torch.empty(world_size * numel), torch.ones(numel), algorithm=algorithm,
+                                      transport="shm")
+        out[("all_gather", algorithm)] = ddpkit.comm_counters()
+        ddpkit.reset_comm_counters()
+        ddpkit.reduce_scatter_tensor(torch.empty(numel), torch.ones(world_size * numel), algorithm=algorithm,
+                                     transport="shm")
+        out[("reduce_scatter", algorithm)] = ddpkit.comm_counters()
+    return out
+
+
+def case_unchecked(transport):
+    """With the header check off, the direct and the ring paths still give the exact results."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ddpkit.set_collective_checks(False)
+    out = {}
+    try:
+        for algorithm in algorithms_for(transport):
+            output = torch.empty(world_size * LARGE)
+            ddpkit.all_gather_into_tensor(output, rank_input(rank, LARGE, integer=True), algorithm=algorithm,
+                                          transport=transport)
+            out[("all_gather", algorithm)] = output
+            output = torch.empty(1001)
+            ddpkit.reduce_scatter_tensor(output, rank_input(rank, world_size * 1001, integer=True),
+                                         algorithm=algorithm, transport=transport)
+            out[("reduce_scatter", algorithm)] = output
+            ddpkit.barrier(transport=transport)
+    finally:
+        ddpkit.set_collective_checks(True)
+    return out
+
+
+def block_mismatch_call(kind, rank, transport):
+    """The call rank `rank` makes for mismatch `kind`: rank 1 differs from ranks 0 and 2."""
+    n = dist.get_world_size()
+    odd = rank == 1
+
+    def gather(numel=1000, dtype=torch.float32, algorithm="auto"):
+        return lambda: ddpkit.all_gather_into_tensor(torch.zeros(n * numel, dtype=dtype),
+                                                     torch.ones(numel, dtype=dtype),
+                                                     algorithm=algorithm, transport=transport)
+
+    def scatter(numel=1000, dtype=torch.float32, op="sum", algorithm="auto"):
+        return lambda: ddpkit.reduce_scatter_tensor(torch.zeros(numel, dtype=dtype),
+                                                    torch.ones(n * numel, dtype=dtype), op=op,
+                                                    algorithm=algorithm, transport=transport)
+
+    return {
+        "gather_numel": gather(numel=1000 + odd),
+        "gather_large_numel": gather(numel=LARGE + odd),
+        "scatter_numel": scatter(numel=1000 + odd),
+        "scatter_large_numel": scatter(numel=LARGE + odd),
+        "gather_dtype": gather(dtype=torch.float64 if odd else torch.float32),
+        "scatter_dtype": scatter(dtype=torch.float64 if odd else torch.float32),
+        "scatter_op": scatter(op="max" if odd else "sum"),
+        "gather_algorithm": gather(algorithm="ring" if odd else "auto"),
+        "scatter_algorithm": scatter(algorithm="ring" if odd else "auto"),
+        "gather_vs_scatter": scatter() if odd else gather(),
+        "gather_vs_all_reduce": (lambda: ddpkit.all_reduce(torch.ones(1000), transport=transport)) if odd
+        else gather(),
+        "scatter_vs_barrier": (lambda: ddpkit.barrier(transport=transport)) if odd else scatter(),
+        "gather_output_size_on_one_rank": (lambda: ddpkit.all_gather_into_tensor(
+            torch.zeros(n * 8 + 1), torch.ones(8), transport=transport)) if odd else gather(numel=8),
+        "scatter_input_size_on_one_rank": (lambda: ddpkit.reduce_scatter_tensor(
+            torch.zeros(8), torch.ones(n * 8 - 1), transport=transport)) if odd else scatter(numel=8),
+    }[kind]
+
+
+def case_mismatch(kind, transport):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    assert ddpkit.collective_checks_enabled()
+    error = expect_error(block_mismatch_call(kind, rank, transport))
+    # The group is still usable: all three collectives, through the same transport.
+    gathered = torch.empty(world_size * 300_000)
+    ddpkit.all_gather_into_tensor(gathered, torch.full((300_000,), float(rank)), transport=transport)
+    scattered = torch.empty(1000)
+    ddpkit.reduce_scatter_tensor(scattered, torch.full((world_size * 1000,), float(rank)), transport=transport)
+    ddpkit.barrier(transport=transport)
+    reduced = torch.full((1000,), float(rank))
+    ddpkit.all_reduce(reduced, transport=transport)
+    return error, gathered, scattered, reduced
+
+
+BAD_CALLS = {
+    "gather_output_too_small": lambda n, t: ddpkit.all_gather_into_tensor(
+        torch.empty(n * 4 - 1), torch.ones(4), transport=t),
+    "scatter_input_too_large": lambda n, t: ddpkit.reduce_scatter_tensor(
+        torch.empty(4), torch.ones(n * 4 + 1), transport=t),
+    "gather_dtypes_differ": lambda n, t: ddpkit.all_gather_into_tensor(
+        torch.empty(n * 4, dtype=torch.float64), torch.ones(4), transport=t),
+    "scatter_dtypes_differ": lambda n, t: ddpkit.reduce_scatter_tensor(
+        torch.empty(4, dtype=torch.float64), torch.ones(n * 4), transport=t),
+    "gather_aliased": lambda n, t: (lambda out: ddpkit.all_gather_into_tensor(out, out[:4], transport=t))(
+        torch.ones(n * 4)),
+    "scatter_aliased": lambda n, t: (lambda inp: ddpkit.reduce_scatter_tensor(inp[:4], inp, transport=t))(
+        torch.ones(n * 4)),
+    "gather_non_contiguous": lambda n, t: ddpkit.all_gather_into_tensor(
+        torch.empty(n * 4, 4), torch.ones(4, 4).t(), transport=t),
+    "scatter_non_contiguous_output": lambda n, t: ddpkit.reduce_scatter_tensor(
+        torch.empty(4, 4).t(), torch.ones(n * 4, 4), transport=t),
+    "scatter_mean_of_integers": lambda n, t: ddpkit.reduce_scatter_tensor(
+        torch.empty(4, dtype=torch.int64), torch.ones(n * 4, dtype=torch.int64), op="mean", transport=t),
+    "scatter_unsupported_dtype": lambda n, t: ddpkit.reduce_scatter_tensor(
+        torch.empty(4, dtype=torch.bool), torch.ones(n * 4, dtype=torch.bool), transport=t),
+    "scatter_unsupported_torch_op": lambda n, t: ddpkit.reduce_scatter_tensor(
+        torch.empty(4), torch.ones(n * 4), op=dist.ReduceOp.PRODUCT, transport=t),
+    "gather_not_a_block_algorithm": lambda n, t: ddpkit.all_gather_into_tensor(
+        torch.empty(n * 4), torch.ones(4), algorithm="star", transport=t),
+    "scatter_not_a_block_algorithm": lambda n, t: ddpkit.reduce_scatter_tensor(
+        torch.empty(4), torch.ones(n * 4), algorithm="halving_doubling", transport=t),
+    "gather_unknown_algorithm": lambda n, t: ddpkit.all_gather_into_tensor(
+        torch.empty(n * 4), torch.ones(4), algorithm="telepathy", transport=t),
+}
+
+BAD_ARGUMENT_MESSAGES = {
+    "gather_output_too_small": "ddpkit.all_gather_into_tensor: the output must have world size (2) times the "
+                               "elements of the input (4), got 7",
+    "scatter_input_too_large": "ddpkit.reduce_scatter_tensor: the input must have world size (2) times the "
+                               "elements of the output (4), got 9",
+    "gather_dtypes_differ": "ddpkit.all_gather_into_tensor: input and output must have the same dtype and device, "
+                            "got Float on cpu and Double on cpu",
+    "scatter_dtypes_differ": "ddpkit.reduce_scatter_tensor: input and output must have the same dtype and device, "
+                             "got Float on cpu and Double on cpu",
+    "gather_aliased": "ddpkit.all_gather_into_tensor: output and input must not share memory",
+    "scatter_aliased": "ddpkit.reduce_scatter_tensor: output and input must not share memory",
+    "gather_non_contiguous": "ddpkit.all_gather_into_tensor: expected a contiguous tensor",
+    "scatter_non_contiguous_output": "ddpkit.reduce_scatter_tensor: expected a contiguous tensor",
+    "scatter_mean_of_integers": "ddpkit.reduce_scatter_tensor: op 'mean' needs a floating-point tensor, got Long",
+    "scatter_unsupported_dtype": "ddpkit.reduce_scatter_tensor: unsupported dtype Bool",
+    "scatter_unsupported_torch_op": "unsupported reduce op",
+    "gather_not_a_block_algorithm": "ddpkit.all_gather_into_tensor: algorithm must be 'auto', 'ring' or 'direct', "
+                                    "got 'star'",
+    "scatter_not_a_block_algorithm": "ddpkit.reduce_scatter_tensor: algorithm must be 'auto', 'ring' or 'direct', "
+                                     "got 'halving_doubling'",
+    "gather_unknown_algorithm": "unknown all-reduce algorithm 'telepathy'",
+}
+
+
+def case_bad_arguments(kinds, transport):
+    """Every rank makes the same bad call; after each, the group must still work."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for kind in kinds:
+        error = expect_error(lambda: BAD_CALLS[kind](world_size, transport))
+        output = torch.empty(world_size * 10)
+        ddpkit.all_gather_into_tensor(output, torch.full((10,), float(rank)), transport=transport)
+        out[kind] = (error, output)
+    return out
+
+
+def case_direct_over_process_group():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    errors = [
+        expect_error(lambda: ddpkit.all_gather_into_tensor(torch.empty(world_size * 4), torch.ones(4),
+                                                           algorithm="direct", transport="process_group")),
+        expect_error(lambda: ddpkit.reduce_scatter_tensor(torch.empty(4), torch.ones(world_size * 4),
+                                                          algorithm="direct", transport="process_group")),
+    ]
+    output = torch.empty(world_size * 4)
+    ddpkit.all_gather_into_tensor(output, torch.full((4,), float(rank)), transport="process_group")
+    return errors, output
+
+
+def case_algorithm_unusable_on_one_rank(collective, algorithm, transport):
+    """Rank 1 alone passes an algorithm the block collectives cannot run here; the others pass "auto"."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    chosen = algorithm if rank == 1 else "auto"
+    if collective == "all_gather":
+        error = expect_error(lambda: ddpkit.all_gather_into_tensor(
+            torch.empty(world_size * 8), torch.ones(8), algorithm=chosen, transport=transport))
+    else:
+        error = expect_error(lambda: ddpkit.reduce_scatter_tensor(
+            torch.empty(8), torch.ones(world_size * 8), algorithm=chosen, transport=transport))
+    output = torch.empty(world_size * 8)
+    after = expect_error(lambda: ddpkit.all_gather_into_tensor(output, torch.full((8,), float(rank)),
+                                                                transport=transport))
+    return error, after, output
+
+
+BARRIER_SLEEP = 0.3
+
+
+def case_barrier(transport, group_ranks, checked):
+    """The first member (rank 0 of the world, or group_ranks[0]) arrives late at a barrier of the world
+    or of a new group of `group_ranks`; returns when each member entered and left it."""
+    ddpkit.set_collective_checks(checked)
+    try:
+        return barrier_timings(transport, group_ranks)
+    finally:
+        ddpkit.set_collective_checks(True)
+
+
+def barrier_timings(transport, group_ranks):
+    rank = dist.get_rank()
+    group = None if group_ranks is None else dist.new_group(group_ranks)
+    members = list(range(dist.get_world_size())) if group_ranks is None else group_ranks
+    if rank not in members:
+        return None
+    ddpkit.barrier(group=group, transport=transport)  # line up, so that the sleep below is what delays
+    if rank == members[0]:
+        time.sleep(BARRIER_SLEEP)
+    entered = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of this host
+    ddpkit.barrier(group=group, transport=transport)
+    left = time.monotonic()
+    if group is not None:
+        dist.destroy_process_group(group)
+    return entered, left
+
+
+def case_fresh_group_segments():
+    """A fresh group's segment, set up and used: its name must already be gone from /dev/shm."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    output = torch.empty(dist.get_world_size() * LARGE)
+    ddpkit.all_gather_into_tensor(output, torch.ones(LARGE), group=group)
+    ddpkit.reduce_scatter_tensor(torch.empty(LARGE), output, group=group)
+    ddpkit.barrier(group=group)
+    seen = ddpkit_segments()
+    dist.destroy_process_group(group)
+    return seen
+
+
+# --- tests ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_every_block_collective_matches_the_reference(pool, world_size, transport):
+    numels = block_numels(world_size)
+    results = pool(world_size).run(case_every_block_collective, transport, numels)
+    for rank, (out, inputs_changed) in enumerate(results):
+        assert inputs_changed == [], f"rank {rank}: reduce_scatter changed its input for {inputs_changed}"
+        assert sorted({key[1] for key in out}) == sorted(algorithms_for(transport))
+        for key, tensor in out.items():
+            if key[0] == "all_gather":
+                _, algorithm, numel = key
+                assert tensor.shape == (world_size * numel,) and tensor.dtype == torch.float32
+                assert torch.equal(tensor, gathered_reference(world_size, numel)), (rank, key)
+                assert torch.equal(bits(tensor), bits(results[0][0][key])), f"{key}: rank {rank} differs from rank 0"
+            else:
+                _, algorithm, numel, op = key
+                assert tensor.shape == (numel,) and tensor.dtype == torch.float32
+                expected = scattered_reference(world_size, numel, rank, op)
+                torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=f"rank {rank} {key}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_torch_shapes_and_reduce_ops(pool, transport):
+    world_size = 3
+    results = pool(world_size).run(case_shapes_and_torch_ops, transport)
+    gathered = gathered_reference(world_size, 6)
+    for rank, out in enumerate(results):
+        for algorithm in algorithms_for(transport):
+            flat, stacked = out[("all_gather", algorithm)]
+            assert torch.equal(flat, gathered.view(world_size * 2, 3))
+            assert torch.equal(stacked, gathered.view(world_size, 2, 3))
+            for op in REDUCE_OPS:
+                expected = scattered_reference(world_size, 6, rank, op).view(2, 3)
+                assert torch.equal(out[("reduce_scatter", algorithm, op)], expected), (rank, algorithm, op)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_every_dtype(pool, transport):
+    world_size = 3
+    results = pool(world_size).run(case_dtypes, transport)
+    for rank, out in enumerate(results):
+        for algorithm in algorithms_for(transport):
+            for dtype in GATHER_DTYPES:
+                tensor = out[("all_gather", algorithm, dtype)]
+                expected = torch.cat([gather_source(r, dtype) for r in range(world_size)])
+                assert tensor.dtype == dtype
+                assert torch.equal(bits(tensor), bits(expected)), (rank, algorithm, dtype)
+            for dtype in SCATTER_DTYPES:
+                exact = torch.stack([scatter_source(r, world_size, dtype).double()
+                                     for r in range(world_size)])[:, rank * SCATTER_NUMEL:(rank + 1) * SCATTER_NUMEL]
+                for op in REDUCE_OPS if dtype.is_floating_point else ("sum", "max", "min"):
+                    tensor = out[("reduce_scatter", algorithm, dtype, op)]
+                    assert tensor.dtype == dtype
+                    if op == "mean":
+                        # the exact sum in float32 (float64 for float64), divided once, rounded to dtype once
+                        work = torch.float64 if dtype == torch.float64 else torch.float32
+                        expected = (exact.sum(0).to(work) / world_size).to(dtype)
+                    else:
+                        expected = {"sum": exact.sum(0), "max": exact.amax(0), "min": exact.amin(0)}[op].to(dtype)
+                    assert torch.equal(tensor, expected), (rank, algorithm, dtype, op)
+            for dtype in (torch.float16, torch.bfloat16):
+                big = 256.0 if dtype == torch.bfloat16 else 2048.0
+                expected = torch.full((world_size,), big + world_size - 1, dtype=dtype)
+                assert expected.double().eq(big + world_size - 1).all()  # exactly representable
+                assert torch.equal(out[("in_float32", algorithm, dtype)], expected), (rank, algorithm, dtype)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_subgroup(pool, transport):
+    world_size = 5
+    numels = [0, 1, 2, 1001, LARGE]
+    results = pool(world_size).run(case_subgroup, transport, numels)
+    size = len(SUBGROUP)
+    for rank, result in enumerate(results):
+        if rank not in SUBGROUP:
+            assert result is None
+            continue
+        group_rank, resolved, out = result
+        assert group_rank == SUBGROUP.index(rank)
+        assert resolved == transport
+        for numel in numels:
+            gathered = subgroup_inputs(numel).reshape(-1).float()
+            block = subgroup_inputs(size * numel)[:, group_rank * numel:(group_rank + 1) * numel].sum(0).float()
+            for algorithm in algorithms_for(transport):
+                assert torch.equal(out[("all_gather", algorithm, numel)], gathered), (rank, algorithm, numel)
+                assert torch.equal(out[("reduce_scatter", algorithm, numel)], block), (rank, algorithm, numel)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_unchecked_mode_is_exact(pool, transport):
+    world_size = 3
+    for rank, out in enumerate(pool(world_size).run(case_unchecked, transport)):
+        for algorithm in algorithms_for(transport):
+            assert torch.equal(out[("all_gather", algorithm)], gathered_reference(world_size, LARGE))
+            assert torch.equal(out[("reduce_scatter", algorithm)], scattered_reference(world_size, 1001, rank, "sum"))
+
+
+def test_direct_sends_no_messages_and_ring_one_block_per_round(pool):
+    world_size, numel = 3, 100_001
+    for rank, out in enumerate(pool(world_size).run(case_message_counts, numel)):
+        for (collective, algorithm), counters in out.items():
+            assert counters["collectives"] == 1, (rank, collective, algorithm, counters)
+            if algorithm == "ring":
+                assert counters["messages_sent"] == world_size - 1, (rank, collective, counters)
+                assert counters["bytes_sent"] == (world_size - 1) * numel * 4, (rank, collective, counters)
+            else:  # "auto" takes the direct path over shared memory
+                assert counters["messages_sent"] == 0 and counters["bytes_sent"] == 0, (rank, collective, algorithm,
+                                                                                        counters)
+
+
+def test_many_small_slots_and_chunks():
+    """Tiny slots and channel chunks: every direct all-gather and reduce-scatter takes many steps (the
+    two slot sets alternate and wrap around), every ring message many channel chunks."""
+    world_size = 3
+    env = {"DDPKIT_SHM_SLOT_BYTES": "4096", "DDPKIT_SHM_CHUNK_BYTES": "4096"}
+    worker_pool = WorkerPool(world_size, timeout=180, group_timeout=30, env=env)
+    numels = [0, 1, 1023, 1024, 100_003]
+    try:
+        results = worker_pool.run(case_every_block_collective, "shm", numels)
+    finally:
+        worker_pool.close()
+    for rank, (out, inputs_changed) in enumerate(results):
+        assert inputs_changed == []
+        assert len(out) == len(numels) * len(BLOCK_ALGORITHMS) * (1 + len(REDUCE_OPS))
+        for key, tensor in out.items():
+            if key[0] == "all_gather":
+                assert torch.equal(tensor, gathered_reference(world_size, key[2])), (rank, key)
+            else:
+                assert torch.equal(tensor, scattered_reference(world_size, key[2], rank, key[3])), (rank, key)
+
+
+MISMATCH_MESSAGES = {
+    "gather_numel": "rank 1 passed elements 1001, rank 0 passed elements 1000",
+    "gather_large_numel": f"rank 1 passed elements {LARGE + 1}, rank 0 passed elements {LARGE}",
+    "scatter_numel": "rank 1 passed elements 1001, rank 0 passed elements 1000",
+    "scatter_large_numel": f"rank 1 passed elements {LARGE + 1}, rank 0 passed elements {LARGE}",
+    "gather_dtype": "rank 1 passed dtype Double, rank 0 passed dtype Float",
+    "scatter_dtype": "rank 1 passed dtype Double, rank 0 passed dtype Float",
+    "scatter_op": "rank 1 passed op max, rank 0 passed op sum",
+    "gather_algorithm": "rank 1 passed algorithm ring, rank 0 passed algorithm auto",
+    "scatter_algorithm": "rank 1 passed algorithm ring, rank 0 passed algorithm auto",
+    "gather_vs_scatter": "rank 1 passed collective reduce_scatter_tensor, rank 0 passed collective "
+                         "all_gather_into_tensor",
+    "gather_vs_all_reduce": "rank 1 passed collective all_reduce, rank 0 passed collective all_gather_into_tensor",
+    "scatter_vs_barrier": "rank 1 passed collective barrier, rank 0 passed collective reduce_scatter_tensor",
+    "gather_output_size_on_one_rank": "rank 1 rejected its arguments",
+    "scatter_input_size_on_one_rank": "rank 1 rejected its arguments",
+}
+OWN_ERRORS = {  # what rank 1, which rejected its own arguments, says instead
+    "gather_output_size_on_one_rank": "ddpkit.all_gather_into_tensor: the output must have world size (3) times "
+                                      "the elements of the input (8), got 25",
+    "scatter_input_size_on_one_rank": "ddpkit.reduce_scatter_tensor: the input must have world size (3) times "
+                                      "the elements of the output (8), got 23",
+}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("kind", sorted(MISMATCH_MESSAGES))
+def test_mismatched_calls_raise_on_every_rank(pool, kind, transport):
+    world_size = 3
+    outcomes = pool(world_size).run(case_mismatch, kind, transport)
+    for rank, (error, gathered, scattered, reduced) in enumerate(outcomes):
+        assert error is not None, f"rank {rank} did not raise for {kind}"
+        expected = OWN_ERRORS[kind] if rank == 1 and kind in OWN_ERRORS else MISMATCH_MESSAGES[kind]
+        assert expected in error, f"rank {rank}: {error}"
+        # and the group survived
+        assert torch.equal(gathered, torch.arange(world_size, dtype=torch.float32).repeat_interleave(300_000))
+        assert torch.equal(scattered, torch.full((1000,), float(sum(range(world_size)))))
+        assert torch.equal(reduced, torch.full((1000,), float(sum(range(world_size)))))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_bad_arguments_raise_clearly(pool, transport):
+    world_size = 2
+    results = pool(world_size).run(case_bad_arguments, sorted(BAD_CALLS), transport)
+    for rank, out in enumerate(results):
+        for kind, (error, output) in out.items():
+            assert error is not None, f"rank {rank} did not raise for {kind}"
+            assert BAD_ARGUMENT_MESSAGES[kind] in error, f"rank {rank}, {kind}: {error}"
+            assert torch.equal(output, torch.arange(world_size, dtype=torch.float32).repeat_interleave(10)), kind
+
+
+@pytest.mark.parametrize("collective, algorithm, transport", [
+    ("all_gather", "star", "shm"),
+    ("reduce_scatter", "direct", "process_group"),
+])
+def test_an_algorithm_only_one_rank_cannot_run_is_reported_on_every_rank(collective, algorithm, transport):
+    """Note [Collective checks]: a rank that rejects its own arguments still takes part in the check,
+    so that the others fail at once, saying which rank, and the group stays usable; an algorithm
+    the block collectives cannot run here is such an argument. A fresh pool with a short group
+    timeout: a rank left waiting for the header of a peer that never sends it fails only then."""
+    world_size = 3
+    worker_pool = WorkerPool(world_size, timeout=120, group_timeout=5)
+    try:
+        outcomes = worker_pool.run(case_algorithm_unusable_on_one_rank, collective, algorithm, transport)
+    finally:
+        worker_pool.close()
+    what = "all_gather_into_tensor" if collective == "all_gather" else "reduce_scatter_tensor"
+    own = {"star": f"ddpkit.{what}: algorithm must be 'auto', 'ring' or 'direct', got 'star'",
+           "direct": f"ddpkit.{what}: algorithm 'direct' needs the shared-memory transport"}[algorithm]
+    seen = "\n".join(f"rank {rank}: {error!r}; afterwards: {after!r}"
+                     for rank, (error, after, _) in enumerate(outcomes))
+    for rank, (error, after, output) in enumerate(outcomes):
+        expected = own if rank == 1 else "rank 1 rejected its arguments"
+        assert error is not None and expected in error, f"rank {rank} should say {expected!r}; got:\n{seen}"
+        assert after is None, f"rank {rank}: the group is unusable afterwards:\n{seen}"
+        assert torch.equal(output, torch.arange(world_size, dtype=torch.float32).repeat_interleave(8))
+
+
+def test_direct_needs_shared_memory(pool):
+    world_size = 2
+    for errors, output in pool(world_size).run(case_direct_over_process_group):
+        for error in errors:
+            assert error is not None and "algorithm 'direct' needs the shared-memory transport" in error, error
+        assert torch.equal(output, torch.arange(world_size, dtype=torch.float32).repeat_interleave(4))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("world_size, group_ranks, checked",
+                         [(1, None, True), (3, None, True), (3, None, False), (5, [4, 0, 2], True)])
+def test_barrier_waits_for_the_last_rank(pool, world_size, group_ranks, checked, transport):
+    """With checks off too: then over the process group only the barrier's own messages hold ranks back."""
+    results = pool(world_size).run(case_barrier, transport, group_ranks, checked)
+    members = list(range(world_size)) if group_ranks is None else group_ranks
+    late_entered, _ = results[members[0]]
+    for rank, result in enumerate(results):
+        if rank not in members:
+            assert result is None
+            continue
+        _, left = result
+        # An ordering only (no upper bound): nobody leaves before the late rank has entered.
+        assert left >= late_entered, f"rank {rank} left the barrier before rank {members[0]} entered it"
+
+
+def test_nothing_left_in_dev_shm(pool):
+    """A fresh group's segment is unlinked as soon as every rank has mapped it, while still in use."""
+    before = ddpkit_segments()
+    results = pool(3).run(case_fresh_group_segments)
+    for seen in results:
+        assert [name for name in seen if name not in before] == []
+    assert ddpkit_segments() == before
+
