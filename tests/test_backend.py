@@ -932,3 +932,47 @@ def test_two_torchrun_launchers_as_two_nodes_with_the_ddpkit_backend(tmp_path):
     assert_succeeded(launchers, outputs)
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["world_size"] == 2
     assert sum("test loss" in output for output in outputs) == 1  # only rank 0 logs
+
+
+# --- a backend per device, and torch's debug wrapper ---------------------------------------------
+
+def case_per_device_backend():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ddpkit.reset_comm_counters()
+    x = values(rank, (1001,), salt=71)
+    dist.all_reduce(x)
+    ddpkit.all_reduce(x)  # ddpkit's own call on the same group: the same engine
+    return dist.get_backend(), x, ddpkit.comm_counters()["collectives"], ddpkit.comm.resolved_transport()
+
+
+def test_a_backend_string_per_device():
+    """"cpu:ddpkit,cuda:<backend>" sends CPU tensors to ddpkit (NCCL needs a GPU; gloo stands in for it)."""
+    with WorkerPool(2, backend="cpu:ddpkit,cuda:gloo", timeout=60.0, group_timeout=30.0) as worker_pool:
+        outcomes = worker_pool.run(case_per_device_backend, timeout=60)
+    expected = 2 * (values(0, (1001,), salt=71) + values(1, (1001,), salt=71))
+    for backend, x, collectives, transport in outcomes:
+        assert backend == "cpu:ddpkit,cuda:gloo"
+        assert torch.equal(x, expected)
+        assert collectives == 2 and transport == "shm"  # dist.all_reduce and ddpkit.all_reduce: one engine
+
+
+def case_debug_detail():
+    rank = dist.get_rank()
+    x = values(rank, (1001,), salt=73)
+    dist.all_reduce(x)
+    # torch's debug wrapper fingerprints collectives before they reach the backend
+    mismatch = caught(lambda: dist.all_reduce(torch.ones(3)) if rank == 0 else dist.broadcast(torch.ones(3), 0))
+    y = values(rank, (1001,), salt=74)
+    ddpkit.all_reduce(y)  # ddpkit's own call on the wrapped group still works
+    dist.all_reduce(y)
+    return x, mismatch, y
+
+
+def test_torch_distributed_debug_detail_keeps_working():
+    with WorkerPool(2, backend="ddpkit", timeout=60.0, group_timeout=30.0,
+                    env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) as worker_pool:
+        outcomes = worker_pool.run(case_debug_detail, timeout=60)
+    for x, mismatch, y in outcomes:
+        assert torch.equal(x, values(0, (1001,), salt=73) + values(1, (1001,), salt=73))
+        assert mismatch is not None and "mismatch" in mismatch.lower(), mismatch
+        assert torch.equal(y, 2 * (values(0, (1001,), salt=74) + values(1, (1001,), salt=74)))
