@@ -44,8 +44,10 @@ from ddpkit.launch import WorkerPool  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 CANDIDATES = ("gloo", "backend", "ddpkit")
+# "floor": the same steps without any gradient communication, the bound on what a backend can save.
 DDP_CANDIDATES = {"torch_gloo": {"impl": "torch", "backend": "gloo"},
-                  "torch_ddpkit": {"impl": "torch", "backend": "ddpkit"}}
+                  "torch_ddpkit": {"impl": "torch", "backend": "ddpkit"},
+                  "floor": {"impl": "floor", "backend": "gloo"}}
 
 _groups: dict = {}
 
@@ -162,6 +164,11 @@ def summarize(records: list[dict]) -> dict:
                 r["median_step_s"] / base["median_step_s"]
             summary[f"torch DDP {r['model']} acc={r['accumulation']}: ddpkit/gloo memory"] = \
                 r["peak_memory_bytes"] / base["peak_memory_bytes"]
+            floor = next((f for f in records if f["kind"] == "ddp" and f["candidate"] == "floor"
+                          and f["model"] == r["model"] and f["accumulation"] == r["accumulation"]), None)
+            if floor is not None:
+                summary[f"torch DDP {r['model']} acc={r['accumulation']}: floor/gloo time"] = \
+                    floor["median_step_s"] / base["median_step_s"]
     return summary
 
 

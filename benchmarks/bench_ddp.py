@@ -17,6 +17,7 @@ rank's, the figure is the median step. Memory: peak RSS of the slowest... larges
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,20 @@ CANDIDATES = {
 _state: dict = {}  # per worker process: the model under test and its data
 
 
+class WithoutCommunication(torch.nn.Module):
+    """The floor: the model trained with the same steps and no gradient communication at all."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+
 def _device(device_type: str) -> torch.device:
     """Rank r uses GPU r % device_count: on one GPU every rank shares it (gloo only; NCCL refuses)."""
     if device_type == "cuda":
@@ -56,6 +71,8 @@ def build(candidate: dict, model_name: str, batch: int, accumulation: int, num_c
     model = build_model(model_name, in_channels=3, num_classes=num_classes, image_size=32).to(device)
     if candidate["impl"] == "ddpkit":
         wrapped = ddpkit.DistributedDataParallel(model, algorithm=candidate["algorithm"])
+    elif candidate["impl"] == "floor":
+        wrapped = WithoutCommunication(model)
     else:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
@@ -100,8 +117,10 @@ def finish() -> dict:
 def run_config(model_name: str, batch: int, accumulation: int, world_size: int, blocks: int, steps_per_block: int,
                backend: str, device_type: str = "cpu", candidates: dict = CANDIDATES,
                reference: str = "torch") -> list[dict]:
-    """Times ``candidates`` (name -> settings; a ``backend`` entry overrides ``backend``) against ``reference``."""
-    pools = {name: WorkerPool(world_size, backend=candidate.get("backend", backend), timeout=3600, group_timeout=600)
+    """Times ``candidates`` (name -> settings; a ``backend`` entry overrides ``backend``, an ``env`` entry is
+    set in the candidate's processes) against ``reference``."""
+    pools = {name: WorkerPool(world_size, backend=candidate.get("backend", backend), timeout=3600, group_timeout=600,
+                              env=candidate.get("env"))
              for name, candidate in candidates.items()}
     try:
         for name, pool in pools.items():
@@ -112,6 +131,8 @@ def run_config(model_name: str, batch: int, accumulation: int, world_size: int, 
             pool.run(steps, 2)
             checks[name] = pool.run(parameters_now)[0]
         for name, params in checks.items():
+            if candidates[name]["impl"] == "floor":
+                continue  # no averaging: its parameters differ by design
             error = float((params - checks[reference]).abs().max())
             if error > 1e-3:
                 raise AssertionError(f"{name} diverged from {reference} after 2 steps: max |diff| = {error}")
