@@ -13,12 +13,17 @@
 
 namespace {
 
-// kinds[i] < 0 marks a parameter that is left out (frozen).
 std::vector<int64_t> assign_buckets_op(std::vector<int64_t> sizes_bytes, std::vector<int64_t> kinds,
-                                       int64_t cap_bytes, int64_t first_cap_bytes) {
-  std::vector<bool> included(kinds.size());
-  for (size_t i = 0; i < kinds.size(); ++i) included[i] = kinds[i] >= 0;
-  return ddpkit::ddp::assign_buckets(sizes_bytes, kinds, included, cap_bytes, first_cap_bytes);
+                                       int64_t cap_bytes, int64_t first_cap_bytes,
+                                       std::optional<c10::List<bool>> included) {
+  std::vector<bool> keep(kinds.size(), true);
+  if (included) {
+    TORCH_CHECK(included->size() == kinds.size(), "assign_buckets: sizes, kinds and included must have the same length");
+    for (size_t i = 0; i < keep.size(); ++i) keep[i] = included->get(i);
+  }
+  for (int64_t kind : kinds) TORCH_CHECK(kind >= 0, "assign_buckets: kinds must be >= 0, got ", kind,
+                                         "; leave a parameter out with included[i] = False");
+  return ddpkit::ddp::assign_buckets(sizes_bytes, kinds, keep, cap_bytes, first_cap_bytes);
 }
 
 }  // namespace
@@ -52,10 +57,14 @@ TORCH_LIBRARY(ddpkit, m) {
 
   // Gradient bucketing DDP (csrc/ddp): the pure bucket assignment and the reducer.
   m.def("grad_sync_modes() -> str[]", &ddpkit::ddp::grad_sync_modes);
-  m.def("assign_buckets(int[] sizes_bytes, int[] kinds, int cap_bytes, int first_cap_bytes) -> int[]",
-        &assign_buckets_op);
+  // Bucket index per parameter, -1 where included[i] is False (Note [Bucket assignment]).
+  m.def("assign_buckets(int[] sizes_bytes, int[] kinds, int cap_bytes, int first_cap_bytes, bool[]? included=None) "
+        "-> int[]", &assign_buckets_op);
   m.class_<ddpkit::ddp::Reducer>("Reducer")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::string, std::string, std::string, bool>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::string, std::string, std::string, bool>(),
+           "See csrc/ddp/reducer.h", {torch::arg("parameters"), torch::arg("bucket_of_param"), torch::arg("group_name"),
+            torch::arg("algorithm") = "auto", torch::arg("grad_sync") = "bucketed",
+            torch::arg("gradient_as_bucket_view") = true})
       .def("prepare_for_forward", &ddpkit::ddp::Reducer::prepare_for_forward)
       .def("set_sync", &ddpkit::ddp::Reducer::set_sync)
       .def("sync_enabled", &ddpkit::ddp::Reducer::sync_enabled)

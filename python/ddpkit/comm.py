@@ -131,3 +131,22 @@ def reset_comm_counters() -> None:
 def choose_algorithm(nbytes: int, world_size: int, shared_memory: bool = False) -> str:
     """The algorithm ``algorithm="auto"`` runs for a CPU message of ``nbytes`` on ``world_size`` ranks."""
     return torch.ops.ddpkit.choose_algorithm(nbytes, world_size, shared_memory)
+
+
+# Fake (meta) kernels: what each collective returns, from shapes and the group's size alone, so that
+# torch.compile, torch.export, torch.library.opcheck and meta tensors can trace calls to them. The
+# in-place ops return their (mutated) argument, as their schemas say; nothing communicates. (barrier
+# takes no tensor: it needs none.)
+def _returns_argument(name: str) -> None:
+    torch.library.register_fake(f"ddpkit::{name}")(lambda tensor, *args, **kwargs: tensor)
+
+
+for _name in ("all_reduce_", "broadcast_", "reduce_", "scatter_", "all_gather_into_tensor_", "reduce_scatter_tensor_"):
+    _returns_argument(_name)
+
+
+@torch.library.register_fake("ddpkit::gather")
+def _gather_fake(tensor: Tensor, dst: int, group_name: str, transport: str = "auto") -> Tensor:
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    shape = (group.size(), *tensor.shape) if group.rank() == dst else (0,)
+    return tensor.new_empty(shape)

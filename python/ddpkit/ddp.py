@@ -25,9 +25,11 @@ GRAD_SYNC_MODES = tuple(torch.ops.ddpkit.grad_sync_modes())  # from C++: csrc/dd
 DEFAULT_ALGORITHM = "auto"
 
 
-def assign_buckets(sizes_bytes: list[int], kinds: list[int], cap_bytes: int, first_cap_bytes: int) -> list[int]:
-    """Bucket index per parameter (-1 where ``kinds[i] < 0``); see Note [Bucket assignment]."""
-    return torch.ops.ddpkit.assign_buckets(sizes_bytes, kinds, cap_bytes, first_cap_bytes)
+def assign_buckets(sizes_bytes: list[int], kinds: list[int], cap_bytes: int, first_cap_bytes: int,
+                   included: Optional[list[bool]] = None) -> list[int]:
+    """Bucket index per parameter, -1 where ``included[i]`` is False (default: all included); parameters of
+    different ``kinds`` (small integers: dtype and device) never share a bucket. See Note [Bucket assignment]."""
+    return torch.ops.ddpkit.assign_buckets(sizes_bytes, kinds, cap_bytes, first_cap_bytes, included)
 
 
 class DistributedDataParallel(nn.Module):
@@ -70,11 +72,13 @@ class DistributedDataParallel(nn.Module):
 
         parameters = list(module.parameters())
         kinds: dict[tuple, int] = {}
-        kind_of = [kinds.setdefault((p.dtype, p.device), len(kinds)) if p.requires_grad else -1 for p in parameters]
+        kind_of = [kinds.setdefault((p.dtype, p.device), len(kinds)) for p in parameters]
         bucket_of = assign_buckets([p.numel() * p.element_size() for p in parameters], kind_of,
-                                   int(bucket_cap_mb * 2**20), int(first_bucket_cap_mb * 2**20))
-        self._reducer = torch.classes.ddpkit.Reducer(parameters, bucket_of, self._group_name, algorithm, grad_sync,
-                                                     gradient_as_bucket_view)
+                                   int(bucket_cap_mb * 2**20), int(first_bucket_cap_mb * 2**20),
+                                   included=[p.requires_grad for p in parameters])
+        self._reducer = torch.classes.ddpkit.Reducer(
+            parameters=parameters, bucket_of_param=bucket_of, group_name=self._group_name, algorithm=algorithm,
+            grad_sync=grad_sync, gradient_as_bucket_view=gradient_as_bucket_view)
 
     def forward(self, *inputs, **kwargs):
         if self.training and torch.is_grad_enabled():
