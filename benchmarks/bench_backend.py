@@ -26,6 +26,7 @@ Results: benchmarks/results/backend.json; ``summary`` holds the issue's bars.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import warnings
@@ -181,6 +182,9 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--blocks", type=int, default=12, help="alternating DDP blocks per candidate")
     parser.add_argument("--skip-ddp", action="store_true")
+    parser.add_argument("--ddp-from", type=Path,
+                        help="take the DDP records from this earlier results file (its command and commit are "
+                             "recorded in settings) instead of measuring them again")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--output", default="backend")
     args = parser.parse_args()
@@ -194,7 +198,13 @@ def main() -> None:
     common.print_table([r for r in records if r["kind"] == "collective"],
                        ["collective", "world_size", "numel", "candidate", "median_s", "busbw_GBps"])
     batch_for, steps_for = {"net": 64, "resnet18": 16}, {"net": 10, "resnet18": 2}
-    if not args.skip_ddp:
+    ddp_source = None
+    if args.ddp_from:
+        earlier = json.loads(args.ddp_from.read_text())
+        records += [r for r in earlier["records"] if r["kind"] == "ddp"]
+        ddp_source = {"command": earlier["environment"]["command"], "git_commit": earlier["environment"]["git_commit"],
+                      "date": earlier["environment"]["date"], "ddp_blocks": earlier["settings"]["ddp_blocks"]}
+    elif not args.skip_ddp:
         for model_name in args.models:
             for accumulation in args.accumulation:
                 started = time.monotonic()
@@ -210,7 +220,7 @@ def main() -> None:
                                           "dtype": "float32", "collectives": list(COLLECTIVES),
                                           "candidates": list(CANDIDATES), "ddp_models": args.models,
                                           "ddp_accumulation": args.accumulation, "ddp_blocks": args.blocks,
-                                          "ddp_skipped": args.skip_ddp,
+                                          "ddp_skipped": args.skip_ddp, "ddp_records_from": ddp_source,
                                           "ddp_batch_per_rank": batch_for, "ddp_steps_per_block": steps_for},
                                 records=records, summary=summary)
     for key, value in summary.items():
