@@ -58,3 +58,309 @@ def test_reducer_takes_named_options_with_defaults():
         torch.classes.ddpkit.Reducer(parameters=[], bucket_of_param=[], group_name="nowhere")
     with pytest.raises(RuntimeError, match="algorithm"):
         torch.classes.ddpkit.Reducer([], [], "nowhere", algorithmm="ring")
+
+
+# --- models ---------------------------------------------------------------------------------------
+
+class FrozenPartsNet(nn.Module):
+    """Two layers, with a frozen weight in one and a frozen bias in the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(FEATURES, 24)
+        self.fc2 = nn.Linear(24, 24)
+        self.fc3 = nn.Linear(24, 4)
+        self.fc2.weight.requires_grad_(False)
+        self.fc3.bias.requires_grad_(False)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+class TiedNet(nn.Module):
+    """An embedding and an unembedding sharing one parameter (counted once by parameters())."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, FEATURES, bias=False)
+        self.hidden = nn.Linear(FEATURES, FEATURES)
+        self.unembed = nn.Linear(FEATURES, FEATURES, bias=False)
+        self.unembed.weight = self.embed.weight
+        self.head = nn.Linear(FEATURES, 4)
+
+    def forward(self, x):
+        return self.head(self.unembed(torch.tanh(self.hidden(self.embed(x)))))
+
+
+class UnusedBranchNet(nn.Module):
+    """``rare`` is used only by rank 0's data; ``never`` by nobody."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(FEATURES, 4)
+        self.rare = nn.Linear(FEATURES, 4)
+        self.never = nn.Linear(FEATURES, 4)
+
+    def forward(self, x, use_rare=False):
+        out = self.body(x)
+        return out + self.rare(x) if use_rare else out
+
+
+class BufferNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(FEATURES, 4)
+        self.register_buffer("counter", torch.zeros(3))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+MODELS = {"frozen": FrozenPartsNet, "tied": TiedNet, "mlp": lambda: nn.Sequential(
+    nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))}
+
+
+def make_model(name, seed):
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def global_batch(step, micro=0):
+    generator = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randn(GLOBAL_BATCH, FEATURES, generator=generator)
+    y = torch.randn(GLOBAL_BATCH, 4, generator=generator)
+    order = torch.randperm(GLOBAL_BATCH, generator=generator)  # reshuffled every step
+    return x[order], y[order]
+
+
+def loss_fn(output, target):
+    return ((output - target) ** 2).mean()
+
+
+def train_reference(name, steps, accumulation=1):
+    model = make_model(name, seed=0)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    for step in range(steps):
+        for micro in range(accumulation):
+            x, y = global_batch(step, micro)
+            (loss_fn(model(x), y) / accumulation).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# --- cases run on every rank ----------------------------------------------------------------------
+
+def case_train(name, steps, grad_sync, algorithm, accumulation=1, bucket_cap_mb=0.002):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = make_model(name, seed=rank)  # different on purpose: construction must broadcast rank 0's
+    ddp = ddpkit.DistributedDataParallel(model, grad_sync=grad_sync, algorithm=algorithm,
+                                         bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=bucket_cap_mb / 2)
+    optimizer = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    accumulate = ddpkit.GradientAccumulation(ddp, accumulation)
+    shard = GLOBAL_BATCH // world_size
+    collectives_per_micro_batch = []
+    for step in range(steps):
+        for micro in range(accumulation):
+            x, y = global_batch(step, micro)
+            x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+            # Every ddpkit collective of this process, the reducer's and any other, is counted here.
+            before = ddpkit.comm_counters()["collectives"]
+            stepped = accumulate.backward(loss_fn(ddp(x), y))
+            collectives_per_micro_batch.append(ddpkit.comm_counters()["collectives"] - before)
+            assert stepped == (micro == accumulation - 1)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+    return state, collectives_per_micro_batch, ddp.reducer_stats()
+
+
+def case_construction_broadcasts():
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    model = BufferNet()
+    model.counter.fill_(rank + 5)
+    ddp = ddpkit.DistributedDataParallel(model)
+    return {k: v.clone() for k, v in ddp.state_dict().items()}
+
+
+def case_buffers_resync_each_forward():
+    rank = dist.get_rank()
+    ddp = ddpkit.DistributedDataParallel(BufferNet())
+    ddp.module.counter.fill_(rank + 1)  # drift, as batch-norm statistics would
+    ddp(torch.randn(2, FEATURES))
+    after_train_forward = ddp.module.counter.clone()
+    ddp.eval()
+    ddp.module.counter.fill_(rank + 1)
+    ddp(torch.randn(2, FEATURES))
+    return after_train_forward, ddp.module.counter.clone()
+
+
+def case_unused_parameters(algorithm):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = UnusedBranchNet()
+    ddp = ddpkit.DistributedDataParallel(model, algorithm=algorithm, bucket_cap_mb=0.0001,
+                                         first_bucket_cap_mb=0.0001)
+    x = torch.full((2, FEATURES), float(rank + 1))
+    ddp(x, use_rare=(rank == 0)).sum().backward()
+    return {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
+
+
+def case_used_only_before_the_synchronising_micro_batch():
+    rank = dist.get_rank()
+    model = UnusedBranchNet()
+    ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)
+    x = torch.full((2, FEATURES), float(rank + 1))
+    with ddp.no_sync():
+        ddp(x, use_rare=True).sum().backward()  # "rare" gets a gradient here only
+    ddp(x, use_rare=False).sum().backward()
+    return model.rare.weight.grad.clone()
+
+
+def case_state_dict_round_trip():
+    ddp = ddpkit.DistributedDataParallel(make_model("mlp", seed=0))
+    reference = torch.nn.parallel.DistributedDataParallel(make_model("mlp", seed=0))
+    state = ddp.state_dict()
+    fresh = ddpkit.DistributedDataParallel(make_model("mlp", seed=3))
+    fresh.load_state_dict(state)
+    same = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), state.values()))
+    names = [n for n, _ in ddp.named_parameters()]
+    return list(state.keys()), list(reference.state_dict().keys()), same, names
+
+
+def case_mismatched_models():
+    rank = dist.get_rank()
+    model = nn.Linear(FEATURES + (rank == 1), 4)
+    try:
+        ddpkit.DistributedDataParallel(model)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def case_gradient_as_bucket_view(as_view):
+    ddp = ddpkit.DistributedDataParallel(make_model("mlp", seed=0), gradient_as_bucket_view=as_view)
+    buckets = ddp.bucket_tensors()
+    spans = [(b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()) for b in buckets]
+
+    def in_buckets():
+        return [any(lo <= p.grad.data_ptr() < hi for lo, hi in spans) for p in ddp.parameters()]
+
+    ddp(torch.randn(4, FEATURES)).sum().backward()
+    after_sync = in_buckets()
+    ddp.zero_grad(set_to_none=True)
+    with ddp.no_sync():  # accumulation micro-batch after set_to_none: still no fresh gradients
+        ddp(torch.randn(4, FEATURES)).sum().backward()
+    return after_sync, in_buckets()
+
+
+def case_overlap():
+    ddp = ddpkit.DistributedDataParallel(make_model("mlp", seed=0), bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0005)
+    ddp(torch.randn(4, FEATURES)).sum().backward()
+    ddp.finish_gradient_synchronization()  # already finished inside backward: a no-op
+    return ddp.reducer_stats()
+
+
+# --- tests ----------------------------------------------------------------------------------------
+
+def assert_states_close(actual, expected):
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], atol=2e-5, rtol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("name", ["frozen", "tied"])
+def test_matches_single_process_training(pool, world_size, name):
+    expected = train_reference(name, STEPS)
+    for grad_sync, algorithm in [("bucketed", "auto"), ("bucketed", "process_group"), ("bucketed", "ring"),
+                                 ("per_parameter", "auto"), ("gather_scatter", "auto")]:
+        results = pool(world_size).run(case_train, name, STEPS, grad_sync, algorithm)
+        for state, _, _ in results:
+            assert_states_close(state, expected)
+
+
+@pytest.mark.parametrize("accumulation", [2, 4])
+def test_accumulation_communicates_only_on_the_step(pool, accumulation):
+    expected = train_reference("mlp", 3, accumulation)
+    for grad_sync in ("bucketed", "per_parameter"):
+        results = pool(2).run(case_train, "mlp", 3, grad_sync, "auto", accumulation)
+        for state, per_micro_batch, stats in results:
+            assert_states_close(state, expected)
+            per_step = stats["buckets"] if grad_sync == "bucketed" else 6  # 6 gradients in the MLP
+            assert per_step > 1
+            expected_counts = ([0] * (accumulation - 1) + [per_step]) * 3
+            assert per_micro_batch == expected_counts
+
+
+def test_construction_broadcasts_rank0_parameters_and_buffers(pool):
+    states = pool(4).run(case_construction_broadcasts)
+    for state in states[1:]:
+        for key in states[0]:
+            assert torch.equal(state[key], states[0][key]), key
+    assert torch.equal(states[0]["module.counter"], torch.full((3,), 5.0))
+
+
+def test_buffers_are_resynced_before_each_training_forward(pool):
+    results = pool(2).run(case_buffers_resync_each_forward)
+    for rank, (after_train, after_eval) in enumerate(results):
+        assert torch.equal(after_train, torch.full((3,), 1.0))  # rank 0's value
+        assert torch.equal(after_eval, torch.full((3,), float(rank + 1)))  # eval: untouched
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "process_group"])
+def test_unused_parameters_do_not_hang(pool, algorithm):
+    world_size = 2
+    grads = pool(world_size).run(case_unused_parameters, algorithm, timeout=60)
+    for rank_grads in grads:
+        for name in rank_grads:
+            torch.testing.assert_close(rank_grads[name], grads[0][name])
+    # rare.weight: only rank 0 (inputs of ones) contributed, averaged over 2 ranks: 2 * 1 / 2
+    torch.testing.assert_close(grads[0]["rare.weight"], torch.full((4, FEATURES), 1.0))
+    torch.testing.assert_close(grads[0]["never.weight"], torch.zeros(4, FEATURES))
+    torch.testing.assert_close(grads[0]["body.weight"], torch.full((4, FEATURES), (2 * 1 + 2 * 2) / 2))
+
+
+def test_gradient_accumulated_under_no_sync_survives_an_unused_sync_step(pool):
+    grads = pool(2).run(case_used_only_before_the_synchronising_micro_batch)
+    # rank r's inputs are all r+1, 2 rows: local gradient 2(r+1); averaged over ranks: (2 + 4) / 2
+    for grad in grads:
+        torch.testing.assert_close(grad, torch.full((4, FEATURES), 3.0))
+
+
+def test_state_dict_keys_match_torch_ddp_and_round_trip(pool):
+    keys, torch_keys, same, names = pool(2).run(case_state_dict_round_trip)[0]
+    assert keys == torch_keys
+    assert all(k.startswith("module.") for k in keys)
+    assert same
+    assert names == [f"module.{n}" for n, _ in make_model("mlp", 0).named_parameters()]
+
+
+def test_models_that_differ_across_ranks_are_rejected_on_every_rank(pool):
+    messages = pool(2).run(case_mismatched_models)
+    for message in messages:
+        assert message is not None and "rank 1's parameter 'weight' has shape (4, 13)" in message, message
+
+
+@pytest.mark.parametrize("as_view", [True, False])
+def test_gradient_as_bucket_view(pool, as_view):
+    after_sync, after_no_sync = pool(2).run(case_gradient_as_bucket_view, as_view)[0]
+    for inside in (after_sync, after_no_sync):
+        assert all(inside) if as_view else not any(inside)
+
+
+def test_buckets_launch_during_backward(pool):
+    stats = pool(2).run(case_overlap)[0]
+    assert stats["buckets"] >= 3
+    assert stats["launched_during_backward"] == stats["buckets"]
+    assert stats["synced_backwards"] == 1
+
+
+def test_arguments_are_checked():
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match="not initialized"):
+        ddpkit.DistributedDataParallel(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="grad_sync"):
+        ddpkit.DistributedDataParallel(nn.Linear(2, 2), grad_sync="sometimes")
+    with pytest.raises(ValueError, match="accumulation_steps"):
+        ddpkit.GradientAccumulation(nn.Linear(2, 2), 0)
