@@ -114,7 +114,6 @@ BAD_CALLS = {
     "reduce_dst_out_of_range": lambda rank: ddpkit.reduce(torch.ones(4), dst=-1),
     "gather_dst_out_of_range": lambda rank: ddpkit.gather(torch.ones(4), dst=dist.get_world_size()),
     "scatter_bad_chunks": lambda rank: ddpkit.scatter(torch.empty(3), torch.ones(1, 3) if rank == 0 else None, src=0),
-    "wrong_device": lambda rank: ddpkit.all_reduce(torch.empty(3, device="meta")),
 }
 
 
@@ -272,8 +271,21 @@ BAD_ARGUMENT_MESSAGES = {
     "reduce_dst_out_of_range": "reduce: dst=-1 is not a rank of this group (size 2)",
     "gather_dst_out_of_range": "gather: dst=2 is not a rank of this group (size 2)",
     "scatter_bad_chunks": "on src the chunks must have shape [2, 3]",
-    "wrong_device": "(gloo) cannot carry meta tensors",
 }
+
+
+def case_meta_tensors():
+    """Meta tensors take the ops' fake kernels (python/ddpkit/comm.py): shapes only, no communication."""
+    before = ddpkit.comm_counters()["collectives"]
+    tensor = torch.empty(3, device="meta")
+    reduced = ddpkit.all_reduce(tensor)
+    gathered = ddpkit.gather(torch.empty(2, 5, device="meta"), dst=0)
+    return reduced is tensor, None if gathered is None else tuple(gathered.shape), \
+        ddpkit.comm_counters()["collectives"] - before
+
+
+def test_meta_tensors_take_the_fake_kernels(pool):
+    assert pool(2).run(case_meta_tensors) == [(True, (2, 2, 5), 0), (True, None, 0)]
 
 
 @pytest.mark.parametrize("case", sorted(BAD_ARGUMENT_MESSAGES))
