@@ -24,14 +24,19 @@ from test_comm import rank_input
 from test_shm import ddpkit_segments
 
 TRANSPORTS = ["shm", "process_group"]
-BLOCK_ALGORITHMS = ("auto", "ring", "direct")
+BLOCK_ALGORITHMS = ("auto", "ring", "halving_doubling", "direct")
 REDUCE_OPS = ("sum", "mean", "max", "min")
 LARGE = 600_000  # float32 elements per block: 2.4 MB, ten 256 KiB slots (kSlotBytes in csrc/comm/shm.cpp)
 
 
-def algorithms_for(transport: str) -> list[str]:
-    # "direct" reads the peers' slots: shared memory only.
-    return [a for a in BLOCK_ALGORITHMS if transport == "shm" or a != "direct"]
+def algorithms_for(transport: str, world_size: int | None = None) -> list[str]:
+    """The algorithms a group of `world_size` ranks (default: this worker's world) can run over `transport`:
+    "direct" reads the peers' slots (shared memory only), "halving_doubling" needs a power of two."""
+    if world_size is None:
+        world_size = dist.get_world_size()
+    power_of_two = world_size & (world_size - 1) == 0
+    return [a for a in BLOCK_ALGORITHMS
+            if (transport == "shm" or a != "direct") and (power_of_two or a != "halving_doubling")]
 
 
 def block_numels(world_size: int) -> list[int]:
@@ -209,7 +214,7 @@ def case_message_counts(numel):
     n-1 messages of one block per rank (Note [All-gather and reduce-scatter])."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
-    for algorithm in BLOCK_ALGORITHMS:
+    for algorithm in algorithms_for("shm"):
         ddpkit.reset_comm_counters()
         ddpkit.all_gather_into_tensor(torch.empty(world_size * numel), torch.ones(numel), algorithm=algorithm,
                                       transport="shm")
@@ -319,7 +324,7 @@ BAD_CALLS = {
     "gather_not_a_block_algorithm": lambda n, t: ddpkit.all_gather_into_tensor(
         torch.empty(n * 4), torch.ones(4), algorithm="star", transport=t),
     "scatter_not_a_block_algorithm": lambda n, t: ddpkit.reduce_scatter_tensor(
-        torch.empty(4), torch.ones(n * 4), algorithm="halving_doubling", transport=t),
+        torch.empty(4), torch.ones(n * 4), algorithm="butterfly", transport=t),
     "gather_unknown_algorithm": lambda n, t: ddpkit.all_gather_into_tensor(
         torch.empty(n * 4), torch.ones(4), algorithm="telepathy", transport=t),
 }
@@ -340,10 +345,10 @@ BAD_ARGUMENT_MESSAGES = {
     "scatter_mean_of_integers": "ddpkit.reduce_scatter_tensor: op 'mean' needs a floating-point tensor, got Long",
     "scatter_unsupported_dtype": "ddpkit.reduce_scatter_tensor: unsupported dtype Bool",
     "scatter_unsupported_torch_op": "unsupported reduce op",
-    "gather_not_a_block_algorithm": "ddpkit.all_gather_into_tensor: algorithm must be 'auto', 'ring' or 'direct', "
-                                    "got 'star'",
-    "scatter_not_a_block_algorithm": "ddpkit.reduce_scatter_tensor: algorithm must be 'auto', 'ring' or 'direct', "
-                                     "got 'halving_doubling'",
+    "gather_not_a_block_algorithm": "ddpkit.all_gather_into_tensor: algorithm must be 'auto', 'ring', "
+                                    "'halving_doubling' or 'direct', got 'star'",
+    "scatter_not_a_block_algorithm": "ddpkit.reduce_scatter_tensor: algorithm must be 'auto', 'ring', "
+                                     "'halving_doubling' or 'direct', got 'butterfly'",
     "gather_unknown_algorithm": "unknown all-reduce algorithm 'telepathy'",
 }
 
@@ -434,13 +439,13 @@ def case_fresh_group_segments():
 # --- tests ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
 def test_every_block_collective_matches_the_reference(pool, world_size, transport):
     numels = block_numels(world_size)
     results = pool(world_size).run(case_every_block_collective, transport, numels)
     for rank, (out, inputs_changed) in enumerate(results):
         assert inputs_changed == [], f"rank {rank}: reduce_scatter changed its input for {inputs_changed}"
-        assert sorted({key[1] for key in out}) == sorted(algorithms_for(transport))
+        assert sorted({key[1] for key in out}) == sorted(algorithms_for(transport, world_size))
         for key, tensor in out.items():
             if key[0] == "all_gather":
                 _, algorithm, numel = key
@@ -460,7 +465,7 @@ def test_torch_shapes_and_reduce_ops(pool, transport):
     results = pool(world_size).run(case_shapes_and_torch_ops, transport)
     gathered = gathered_reference(world_size, 6)
     for rank, out in enumerate(results):
-        for algorithm in algorithms_for(transport):
+        for algorithm in algorithms_for(transport, world_size):
             flat, stacked = out[("all_gather", algorithm)]
             assert torch.equal(flat, gathered.view(world_size * 2, 3))
             assert torch.equal(stacked, gathered.view(world_size, 2, 3))
@@ -474,7 +479,7 @@ def test_every_dtype(pool, transport):
     world_size = 3
     results = pool(world_size).run(case_dtypes, transport)
     for rank, out in enumerate(results):
-        for algorithm in algorithms_for(transport):
+        for algorithm in algorithms_for(transport, world_size):
             for dtype in GATHER_DTYPES:
                 tensor = out[("all_gather", algorithm, dtype)]
                 expected = torch.cat([gather_source(r, dtype) for r in range(world_size)])
@@ -516,7 +521,7 @@ def test_subgroup(pool, transport):
         for numel in numels:
             gathered = subgroup_inputs(numel).reshape(-1).float()
             block = subgroup_inputs(size * numel)[:, group_rank * numel:(group_rank + 1) * numel].sum(0).float()
-            for algorithm in algorithms_for(transport):
+            for algorithm in algorithms_for(transport, size):
                 assert torch.equal(out[("all_gather", algorithm, numel)], gathered), (rank, algorithm, numel)
                 assert torch.equal(out[("reduce_scatter", algorithm, numel)], block), (rank, algorithm, numel)
 
@@ -525,18 +530,23 @@ def test_subgroup(pool, transport):
 def test_unchecked_mode_is_exact(pool, transport):
     world_size = 3
     for rank, out in enumerate(pool(world_size).run(case_unchecked, transport)):
-        for algorithm in algorithms_for(transport):
+        for algorithm in algorithms_for(transport, world_size):
             assert torch.equal(out[("all_gather", algorithm)], gathered_reference(world_size, LARGE))
             assert torch.equal(out[("reduce_scatter", algorithm)], scattered_reference(world_size, 1001, rank, "sum"))
 
 
-def test_direct_sends_no_messages_and_ring_one_block_per_round(pool):
-    world_size, numel = 3, 100_001
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_direct_sends_no_messages_and_ring_one_block_per_round(pool, world_size):
+    numel = 100_001
     for rank, out in enumerate(pool(world_size).run(case_message_counts, numel)):
+        assert ("all_gather", "halving_doubling") in out or world_size == 3
         for (collective, algorithm), counters in out.items():
             assert counters["collectives"] == 1, (rank, collective, algorithm, counters)
             if algorithm == "ring":
                 assert counters["messages_sent"] == world_size - 1, (rank, collective, counters)
+                assert counters["bytes_sent"] == (world_size - 1) * numel * 4, (rank, collective, counters)
+            elif algorithm == "halving_doubling":  # log2(n) messages, the ring's bytes
+                assert counters["messages_sent"] == 2, (rank, collective, counters)
                 assert counters["bytes_sent"] == (world_size - 1) * numel * 4, (rank, collective, counters)
             else:  # "auto" takes the direct path over shared memory
                 assert counters["messages_sent"] == 0 and counters["bytes_sent"] == 0, (rank, collective, algorithm,
@@ -556,7 +566,7 @@ def test_many_small_slots_and_chunks():
         worker_pool.close()
     for rank, (out, inputs_changed) in enumerate(results):
         assert inputs_changed == []
-        assert len(out) == len(numels) * len(BLOCK_ALGORITHMS) * (1 + len(REDUCE_OPS))
+        assert len(out) == len(numels) * len(algorithms_for("shm", world_size)) * (1 + len(REDUCE_OPS))
         for key, tensor in out.items():
             if key[0] == "all_gather":
                 assert torch.equal(tensor, gathered_reference(world_size, key[2])), (rank, key)
@@ -618,6 +628,7 @@ def test_bad_arguments_raise_clearly(pool, transport):
 @pytest.mark.parametrize("collective, algorithm, transport", [
     ("all_gather", "star", "shm"),
     ("reduce_scatter", "direct", "process_group"),
+    ("reduce_scatter", "halving_doubling", "process_group"),  # 3 ranks: not a power of two
 ])
 def test_an_algorithm_only_one_rank_cannot_run_is_reported_on_every_rank(collective, algorithm, transport):
     """Note [Collective checks]: a rank that rejects its own arguments still takes part in the check,
@@ -631,8 +642,10 @@ def test_an_algorithm_only_one_rank_cannot_run_is_reported_on_every_rank(collect
     finally:
         worker_pool.close()
     what = "all_gather_into_tensor" if collective == "all_gather" else "reduce_scatter_tensor"
-    own = {"star": f"ddpkit.{what}: algorithm must be 'auto', 'ring' or 'direct', got 'star'",
-           "direct": f"ddpkit.{what}: algorithm 'direct' needs the shared-memory transport"}[algorithm]
+    own = {"star": f"ddpkit.{what}: algorithm must be 'auto', 'ring', 'halving_doubling' or 'direct', got 'star'",
+           "direct": f"ddpkit.{what}: algorithm 'direct' needs the shared-memory transport",
+           "halving_doubling": f"ddpkit.{what}: algorithm 'halving_doubling' needs a power-of-two world size, got 3"}[
+        algorithm]
     seen = "\n".join(f"rank {rank}: {error!r}; afterwards: {after!r}"
                      for rank, (error, after, _) in enumerate(outcomes))
     for rank, (error, after, output) in enumerate(outcomes):

@@ -661,17 +661,25 @@ Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm,
                                   std::string& error) {
   const Algorithm automatic = comm.shm() != nullptr ? Algorithm::kDirect : Algorithm::kRing;
   std::string problem;
-  if (algorithm != Algorithm::kAuto && algorithm != Algorithm::kRing && algorithm != Algorithm::kDirect) {
-    problem = c10::str("ddpkit.", what, ": algorithm must be 'auto', 'ring' or 'direct', got '",
+  if (algorithm != Algorithm::kAuto && algorithm != Algorithm::kRing && algorithm != Algorithm::kDirect &&
+      algorithm != Algorithm::kHalvingDoubling) {
+    problem = c10::str("ddpkit.", what, ": algorithm must be 'auto', 'ring', 'halving_doubling' or 'direct', got '",
                        algorithm_name(algorithm), "'");
   } else if (algorithm == Algorithm::kDirect && comm.shm() == nullptr && comm.size() > 1) {
     problem = c10::str("ddpkit.", what,
                        ": algorithm 'direct' needs the shared-memory transport (every rank on this host, CPU tensors)");
+  } else if (algorithm == Algorithm::kHalvingDoubling && !std::has_single_bit(static_cast<unsigned>(comm.size()))) {
+    problem = c10::str("ddpkit.", what, ": algorithm 'halving_doubling' needs a power-of-two world size, got ",
+                       comm.size(), "; use 'ring'");
   }
   if (problem.empty()) return algorithm == Algorithm::kAuto ? automatic : algorithm;
   if (error.empty()) error = std::move(problem);
   return automatic;
 }
+
+// The blocks [first, first + count) of rank r's group of `count` ranks (count a power of two):
+// the aligned run of blocks that contains block r.
+int aligned_first(int r, int count) { return r & ~(count - 1); }
 
 }  // namespace
 
@@ -701,13 +709,26 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
     comm.settle_header();
     return;
   }
-  // Round t: send block r-t to the right, receive block r-t-1 from the left. Every receive lands in
-  // a block of its own, sent on only after it arrived: all may be posted up front.
-  auto block = [&](int b) { return slice(flat, ((b % n + n) % n) * m, ((b % n + n) % n + 1) * m); };
   Schedule schedule;
-  for (int t = 0; t < n - 1; ++t) {
-    schedule.push_back(Round{{{block(r - t), (r + 1) % n}}, {{block(r - t - 1), (r - 1 + n) % n}}, {}, t});
+  if (algorithm == Algorithm::kHalvingDoubling) {
+    // Recursive doubling: with the partner r^d, exchange the aligned runs of d blocks each holds;
+    // after log2(n) rounds every rank holds all n. Receives land in runs no other round touches.
+    auto run = [&](int first, int count) { return slice(flat, first * m, (first + count) * m); };
+    int round = 0;
+    for (int d = 1; d < n; d <<= 1, ++round) {
+      const int partner = r ^ d;
+      schedule.push_back(Round{{{run(aligned_first(r, d), d), partner}}, {{run(aligned_first(partner, d), d), partner}},
+                               {}, round});
+    }
+  } else {
+    // Round t: send block r-t to the right, receive block r-t-1 from the left. Every receive lands
+    // in a block of its own, sent on only after it arrived.
+    auto block = [&](int b) { return slice(flat, ((b % n + n) % n) * m, ((b % n + n) % n + 1) * m); };
+    for (int t = 0; t < n - 1; ++t) {
+      schedule.push_back(Round{{{block(r - t), (r + 1) % n}}, {{block(r - t - 1), (r - 1 + n) % n}}, {}, t});
+    }
   }
+  // All receives may be posted up front (Note [Ring receives up front] holds for both).
   run_schedule(comm, schedule, schedule.size());
 }
 
@@ -745,7 +766,26 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   // A private working copy: the input stays unchanged and the partial sums accumulate here.
   at::Tensor acc = narrow_float ? input.reshape(-1).to(at::kFloat) : input.reshape(-1).clone();
   auto block = [&](int b) { return slice(acc, ((b % n + n) % n) * m, ((b % n + n) % n + 1) * m); };
-  if (n > 1) {
+  if (n > 1 && algorithm == Algorithm::kHalvingDoubling) {
+    // Recursive halving: with the partner r^d (d = n/2, n/4, ..., 1), keep the half of the current
+    // aligned run of 2d blocks that holds block r, send the other half's partial sums to the
+    // partner and add the partner's partial sums of the kept half; after log2(n) rounds block r
+    // holds every rank's contribution. Two scratch buffers alternate, as in the ring.
+    auto run = [&](int first, int count) { return slice(acc, first * m, (first + count) * m); };
+    at::Tensor scratch = at::empty({2, (n / 2) * m}, acc.options());
+    Schedule schedule;
+    int round = 0;
+    for (int d = n / 2; d >= 1; d >>= 1, ++round) {
+      const int partner = r ^ d;
+      at::Tensor incoming = scratch[round % 2].narrow(0, 0, d * m);
+      at::Tensor kept = run(aligned_first(r, d), d);
+      schedule.push_back(Round{{{run(aligned_first(partner, d), d), partner}},
+                               {{incoming, partner}},
+                               [=]() { combine_(kept, incoming, op); },
+                               round});
+    }
+    run_schedule(comm, schedule);
+  } else if (n > 1) {
     // Round t: send the partial sum of block r-t-1 to the right, add the left's partial sum of
     // block r-t-2 to ours; after n-1 rounds block r holds every rank's contribution. Two scratch
     // blocks alternate: round t+1's receive, posted ahead, never lands in round t's.

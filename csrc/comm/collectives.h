@@ -119,9 +119,14 @@ void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int
 // all_gather_into_tensor and reduce_scatter_tensor), on n ranks and blocks of m elements:
 //  kRing    n-1 rounds around the ring; all-gather forwards the block received last round,
 //           reduce-scatter passes on its partial sum of the next block: (n-1)·m elements per rank.
+//  kHalvingDoubling  power-of-two n only: log2(n) rounds with partner r^d; reduce-scatter halves
+//           the run of blocks it keeps each round (d = n/2 .. 1), all-gather doubles the run it
+//           holds (d = 1 .. n/2): the ring's bytes in log2(n) rounds instead of n-1.
 //  kDirect  shared memory only: every rank publishes its input in its slot and reads what it needs
 //           from its peers' (Note [Direct all-gather and reduce-scatter] in shm.h).
 //  kAuto    kDirect over shared memory, else kRing.
+// An algorithm a rank cannot run (kDirect without shared memory, kHalvingDoubling on another n, any
+// other) rejects that rank's arguments in the collective check, so every rank raises.
 
 // Writes rank i's `input` into block i of `output` (contiguous, n·input.numel() elements, the same
 // dtype) on every rank. Any dtype.
