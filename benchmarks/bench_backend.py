@@ -12,7 +12,11 @@ on the "ddpkit" backend and which also hold a gloo group of the same ranks, ever
   * ``ddpkit``   ddpkit's own function (``ddpkit.all_reduce``, ``ddpkit.all_gather_into_tensor``,
                  ``ddpkit.reduce_scatter_tensor``) on that same group, so the two ddpkit candidates
                  share the engine and the shared-memory segment and differ only by the backend layer.
-Each candidate's result is checked against gloo's on integer-valued inputs before it is timed. A
+Each candidate's result is checked against gloo's on integer-valued inputs before it is timed.
+Layers (2 processes, ``--layer-sizes``): one all-reduce through each layer of the stack, from
+``dist.all_reduce`` through ``ProcessGroup.allreduce`` down to the backend object's ``allreduce``,
+beside ``ddpkit.all_reduce`` and the raw op, in tight interleaved loops: where the time above
+ddpkit's own call goes. A
 repetition synchronises the ranks through the candidate's own transport (a one-float all-reduce),
 then times ``timing.batch_size`` back-to-back calls; its figure is the slowest rank's time per call;
 repetitions interleave the candidates (order rotating); the figure reported is the median.
@@ -128,6 +132,55 @@ def measure(sizes: list[int], reps: int) -> dict:
     return times
 
 
+LAYERS = ("dist.all_reduce", "ProcessGroup.allreduce", "Backend.allreduce", "ddpkit.all_reduce",
+          "torch.ops.ddpkit.all_reduce_")
+
+
+def measure_layers(sizes: list[int], reps: int) -> dict:
+    """Runs on every rank: one all-reduce through each layer of the stack, from torch.distributed's Python
+    function down to the backend object, beside ddpkit's own call, in a tight loop (calls per rep:
+    200 up to 10k floats, else 50); the repetitions interleave the layers."""
+    group = dist.group.WORLD
+    options = dist.AllreduceOptions()
+    options.asyncOp = False
+    backend = group._get_backend(torch.device("cpu"))
+    times: dict = {}
+    for size in sizes:
+        tensor = torch.randn(size)
+        calls = {
+            "dist.all_reduce": lambda: dist.all_reduce(tensor),
+            "ProcessGroup.allreduce": lambda: group.allreduce([tensor], options).wait(),
+            "Backend.allreduce": lambda: backend.allreduce([tensor], options).wait(),
+            "ddpkit.all_reduce": lambda: ddpkit.all_reduce(tensor),
+            "torch.ops.ddpkit.all_reduce_": lambda: torch.ops.ddpkit.all_reduce_(tensor, "sum", "auto",
+                                                                                  group.group_name),
+        }
+        batch = 200 if size <= 10_000 else 50
+        per = {name: [] for name in calls}
+        for rep in range(reps):
+            shift = rep % len(LAYERS)
+            for name in LAYERS[shift:] + LAYERS[:shift]:
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(batch):
+                    calls[name]()
+                per[name].append((time.perf_counter() - start) / batch)
+        for name in LAYERS:
+            times[(size, name)] = per[name]
+    return times
+
+
+def layer_records(sizes: list[int], reps: int) -> list[dict]:
+    with WorkerPool(2, backend="ddpkit", timeout=3600, group_timeout=600) as pool:
+        per_rank = pool.run(measure_layers, sizes, reps)
+    records = []
+    for (size, name), first in per_rank[0].items():
+        slowest = [max(rank[(size, name)][i] for rank in per_rank) for i in range(len(first))]
+        records.append({"kind": "layers", "layer": name, "world_size": 2, "numel": size,
+                        "median_s": common.median(slowest), "reps": len(slowest)})
+    return records
+
+
 def collective_records(world_size: int, sizes: list[int], reps: int) -> list[dict]:
     with WorkerPool(world_size, backend="ddpkit", timeout=3600, group_timeout=600) as pool:
         per_rank = pool.run(measure, sizes, reps)
@@ -157,6 +210,10 @@ def summarize(records: list[dict]) -> dict:
             continue
         summary[f"{collective} n={n} {size}: backend/ddpkit"] = t / times[(collective, n, size, "ddpkit")]
         summary[f"{collective} n={n} {size}: backend/gloo"] = t / times[(collective, n, size, "gloo")]
+    layers = {(r["numel"], r["layer"]): r["median_s"] for r in records if r["kind"] == "layers"}
+    for (size, name), t in sorted(layers.items()):
+        if name != "ddpkit.all_reduce":
+            summary[f"layers n=2 {size}: {name}/ddpkit.all_reduce"] = t / layers[(size, "ddpkit.all_reduce")]
     for r in records:
         if r["kind"] == "ddp" and r["candidate"] == "torch_ddpkit":
             base = next(b for b in records if b["kind"] == "ddp" and b["candidate"] == "torch_gloo"
@@ -178,6 +235,8 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000, 1_000_000, 16_000_000])
     parser.add_argument("--reps", type=int, default=30, help="repetitions up to 100k floats (fewer above)")
+    parser.add_argument("--layer-sizes", type=int, nargs="+", default=[1_000, 100_000],
+                        help="sizes of the per-layer all-reduce timing (2 processes)")
     parser.add_argument("--models", nargs="+", default=["net", "resnet18"])
     parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--blocks", type=int, default=12, help="alternating DDP blocks per candidate")
@@ -197,6 +256,8 @@ def main() -> None:
         print(f"collectives at n={world_size}: {time.monotonic() - started:.0f}s", flush=True)
     common.print_table([r for r in records if r["kind"] == "collective"],
                        ["collective", "world_size", "numel", "candidate", "median_s", "busbw_GBps"])
+    records += layer_records(args.layer_sizes, 15)
+    common.print_table([r for r in records if r["kind"] == "layers"], ["layer", "numel", "median_s"])
     batch_for, steps_for = {"net": 64, "resnet18": 16}, {"net": 10, "resnet18": 2}
     ddp_source = None
     if args.ddp_from:

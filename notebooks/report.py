@@ -490,6 +490,11 @@ for ax, collective in zip(axes, ["all_reduce", "all_gather_into_tensor", "reduce
     ax.set_title(collective); ax.set_xlabel("floats"); ax.grid(True, which="both", alpha=0.3)
 axes[0].set_ylabel("seconds per call (median, slowest rank)"); axes[0].legend()
 plt.show()
+layers = [r for r in b["records"] if r["kind"] == "layers"]
+if layers:
+    display(Markdown("One all-reduce through each layer, 2 processes: where the time above `ddpkit.all_reduce` goes."))
+    table([{"layer": r["layer"], "size": r["numel"], "time per call": r["median_s"]} for r in layers],
+          ["layer", "size", "time per call"], {"time per call": lambda v: f"{v * 1e6:.1f} µs"})
 ddp = [r for r in b["records"] if r["kind"] == "ddp"]
 if ddp:
     base = {(r["model"], r["accumulation"]): r for r in ddp if r["candidate"] == "torch_gloo"}
