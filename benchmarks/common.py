@@ -23,6 +23,8 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from ddpkit.atomic import write_atomically
+
 SCHEMA_VERSION = 1
 # benchmarks/run_all.sh --quick points this elsewhere, so smoke runs never replace measured results.
 RESULTS_DIR = Path(os.environ.get("DDPKIT_RESULTS_DIR", Path(__file__).resolve().parent / "results")).resolve()
@@ -95,11 +97,8 @@ def write_results(name: str, *, backend: str, device_type: str, settings: dict, 
         "records": records,
         "summary": summary or {},
     }
-    path = directory / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(document, indent=1, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    text = json.dumps(document, indent=1, sort_keys=False) + "\n"
+    return write_atomically(directory / f"{name}.json", lambda handle: handle.write(text.encode()))
 
 
 def median(values: Iterable[float]) -> float:

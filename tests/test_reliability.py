@@ -226,4 +226,4 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
     state = torch.load(path, weights_only=False)
     assert state["step"] == 1 and torch.equal(state["weights"], torch.arange(10.0))
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "checkpoint.pt"]
-    assert all(name.startswith(".checkpoint.pt.tmp-") for name in leftovers), leftovers
+    assert all(name.startswith(".checkpoint.pt.") and name.endswith(".part") for name in leftovers), leftovers

@@ -24,7 +24,6 @@ import os
 import pickle
 import struct
 import tarfile
-import tempfile
 import urllib.request
 import zlib
 from dataclasses import dataclass
@@ -36,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
+
+from .atomic import write_atomically
 
 PathLike = Union[str, os.PathLike]
 
@@ -351,29 +352,21 @@ def download_url(url: str, path: PathLike, md5: str) -> Path:
     equals ``md5``; on a mismatch (``ValueError``) or any other failure the temporary file is
     removed and ``path`` is left as it was.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
+    def fetch(out) -> None:
         digest = hashlib.md5()
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
+        with urllib.request.urlopen(url, timeout=60) as response:
             length = response.headers.get("Content-Length")
-            with tqdm(total=int(length) if length else None, unit="B", unit_scale=True, desc=path.name,
+            with tqdm(total=int(length) if length else None, unit="B", unit_scale=True, desc=Path(path).name,
                       disable=None) as progress:
                 while chunk := response.read(1 << 20):
                     out.write(chunk)
                     digest.update(chunk)
                     progress.update(len(chunk))
-            out.flush()
-            os.fsync(out.fileno())
         if digest.hexdigest() != md5.lower():
             raise ValueError(f"ddpkit: {url}: md5 {digest.hexdigest()} does not match the expected {md5} "
                              "(corrupt or tampered download)")
-        os.replace(partial, path)
-    except BaseException:
-        os.unlink(partial)
-        raise
-    return path
+
+    return write_atomically(path, fetch)
 
 
 # ----------------------------------------------------------------------------------------------

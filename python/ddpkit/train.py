@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm
+from .atomic import write_atomically
 from .data import DATASETS, ShardedBatches, dataset_info, dataset_name, load_dataset, normalize, random_crop_flip
 from .ddp import DEFAULT_ALGORITHM, GRAD_SYNC_MODES, DistributedDataParallel, GradientAccumulation
 from .launch import DistInfo, add_launch_arguments, init_from_args, positive_float, positive_int
@@ -242,21 +243,11 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
 
 
 def _save_atomically(obj, path: Path) -> None:
-    """torch.save to a temp file in the same directory, fsync, then rename over ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_atomically(path, lambda handle: torch.save(obj, handle))
 
 
 def _write_json_atomically(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, lambda handle: handle.write((json.dumps(obj, indent=1) + "\n").encode()))
 
 
 def _peak_rss_bytes() -> int:
