@@ -77,7 +77,7 @@ import common  # noqa: E402
 from peers import timing  # noqa: E402
 
 import ddpkit  # noqa: E402
-from ddpkit.launch import WorkerPool  # noqa: E402
+from ddpkit.testing import WorkerPool  # noqa: E402
 
 # Until ddpkit has a transport argument, its only transport is the process group's send/recv.
 HAS_TRANSPORT = "transport" in inspect.signature(ddpkit.all_reduce).parameters

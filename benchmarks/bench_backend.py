@@ -45,7 +45,7 @@ import common  # noqa: E402
 from peers import timing  # noqa: E402
 
 import ddpkit  # noqa: E402
-from ddpkit.launch import WorkerPool  # noqa: E402
+from ddpkit.testing import WorkerPool  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 CANDIDATES = ("gloo", "backend", "ddpkit")

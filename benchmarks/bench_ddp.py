@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 import ddpkit  # noqa: E402
-from ddpkit.launch import WorkerPool  # noqa: E402
-from ddpkit.models import build_model  # noqa: E402
+from ddpkit.testing import WorkerPool  # noqa: E402
+from ddpkit.training.models import build_model  # noqa: E402
 
 CANDIDATES = {
     "ddpkit": {"impl": "ddpkit", "algorithm": ddpkit.ddp.DEFAULT_ALGORITHM},

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median, print_table, write_results  # noqa: E402
 
 import ddpkit  # noqa: E402
-from ddpkit.launch import WorkerPool  # noqa: E402
+from ddpkit.testing import WorkerPool  # noqa: E402
 
 FEATURES = (128, 256, 512, 1024)
 BATCHES = (32, 64)

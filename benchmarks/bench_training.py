@@ -6,7 +6,7 @@
     python benchmarks/bench_training.py --quick  # a smoke run
     python benchmarks/bench_training.py --plot-from benchmarks/results/training.json   # only redraw a saved run
 
-Both pipelines are ``ddpkit.train.Trainer`` with the same configuration (seed, data order,
+Both pipelines are ``ddpkit.training.Trainer`` with the same configuration (seed, data order,
 augmentation, optimizer, schedule; ``--world-size`` >= 2 ranks, ``--accumulation-steps`` >= 2)
 except ``--impl``. On CPU torch has no SyncBatchNorm: its pipeline then uses plain BatchNorm (the
 results say so), and a third pipeline, ``ddpkit_plain_bn`` (ddpkit's DDP with plain BatchNorm,
@@ -41,9 +41,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-from ddpkit.data import dataset_name  # noqa: E402
-from ddpkit.launch import DistInfo, WorkerPool  # noqa: E402
-from ddpkit.train import TrainConfig, Trainer  # noqa: E402
+from ddpkit.training.data import dataset_name  # noqa: E402
+from ddpkit.launch import DistInfo  # noqa: E402
+from ddpkit.testing import WorkerPool  # noqa: E402
+from ddpkit.training.train import TrainConfig, Trainer  # noqa: E402
 
 _state: dict = {}
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.launch import WorkerPool
+from ddpkit.testing import WorkerPool
 
 
 def _ddpkit_segments() -> set:

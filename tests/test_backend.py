@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ddpkit
-from ddpkit.launch import WorkerPool
+from ddpkit.testing import WorkerPool
 
 from test_shm import ddpkit_segments
 from test_train import TRAIN, free_port, needs_fashion_mnist, small_cli

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.launch import WorkerPool
+from ddpkit.testing import WorkerPool
 
 from test_comm import rank_input
 from test_shm import ddpkit_segments

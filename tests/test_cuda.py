@@ -24,7 +24,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import ddpkit
-from ddpkit.launch import WorkerPool
+from ddpkit.testing import WorkerPool
 
 DRY_RUN = os.environ.get("DDPKIT_TEST_CUDA_ON_CPU") == "1"
 CUDA = torch.cuda.is_available()

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from ddpkit import data
-from ddpkit.data import (
+from ddpkit.training import data
+from ddpkit.training.data import (
     DATASETS,
     FASHION_MNIST_ROOT,
     ShardedBatches,

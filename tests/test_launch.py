@@ -1,13 +1,18 @@
-"""The worker pool and spawn helper: results, re-raised exceptions, timeouts, no orphans."""
+"""The worker pool and spawn helper (results, re-raised exceptions, timeouts, no orphans), and the
+library apart from the training application."""
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.launch import RemoteTraceback, WorkerPool, init_distributed
+from ddpkit.launch import init_distributed
+from ddpkit.testing import RemoteTraceback, WorkerPool
 
 
 def case_rank_and_size():
@@ -74,3 +79,22 @@ def test_explicit_launch_arguments_are_checked():
         init_distributed(master_addr="127.0.0.1", master_port=29500)
     with pytest.raises(ValueError, match=r"rank 3 is not in \[0, world_size=2\)"):
         init_distributed(master_addr="127.0.0.1", master_port=29500, world_size=2, rank=3)
+
+
+def test_the_library_imports_without_the_training_application():
+    # A fresh interpreter: this test process has imported the application already.
+    code = ("import sys, ddpkit, ddpkit.launch, ddpkit.testing\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('ddpkit.training'))\n"
+            "print(','.join(loaded))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_one_training_entry_point():
+    import ddpkit.training
+    import ddpkit.training.train
+
+    assert ddpkit.training.main is ddpkit.training.train.main
+    root = Path(__file__).resolve().parent.parent
+    assert "from ddpkit.training import main" in (root / "train.py").read_text()
+    assert "[project.scripts]" not in (root / "pyproject.toml").read_text()

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.models import MODELS, VGG11_CONFIG, ResNet18, ResNet34, TemplateNet, VGG11, build_model
+from ddpkit.training.models import MODELS, VGG11_CONFIG, ResNet18, ResNet34, TemplateNet, VGG11, build_model
 
 SHAPES = [(1, 28, 10), (3, 32, 100)]  # (in_channels, image_size, num_classes)
 

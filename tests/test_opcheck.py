@@ -196,7 +196,7 @@ def case_collective_opchecks():
 
 
 def test_collective_ops_pass_opcheck():
-    from ddpkit.launch import WorkerPool
+    from ddpkit.testing import WorkerPool
     with WorkerPool(2, timeout=120.0) as pool:
         assert pool.run(case_collective_opchecks, timeout=120) == [9, 9]
 
@@ -210,6 +210,6 @@ def case_collective_aot_dispatch():
 @pytest.mark.xfail(strict=True, reason="the in-place collectives return their argument (-> Tensor(a!)), which "
                                        "AOTAutograd cannot functionalize; torch.compile graph-breaks at them instead")
 def test_collective_aot_dispatch():
-    from ddpkit.launch import WorkerPool
+    from ddpkit.testing import WorkerPool
     with WorkerPool(1, timeout=120.0) as pool:
         pool.run(case_collective_aot_dispatch, timeout=120)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.data import FASHION_MNIST_ROOT
-from ddpkit.launch import WorkerFailure, WorkerPool
+from ddpkit.training.data import FASHION_MNIST_ROOT
+from ddpkit.testing import WorkerFailure, WorkerPool
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train.py"
@@ -204,7 +204,7 @@ def test_killed_worker_resumes_from_checkpoint_and_ends_bitwise_equal(tmp_path):
 CRASHING_SAVE = textwrap.dedent("""
     import os, sys, torch
     from pathlib import Path
-    from ddpkit import train
+    from ddpkit.training import train
     path = Path(sys.argv[1])
     train._save_atomically({"step": 1, "weights": torch.arange(10.0)}, path)
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit.comm import ALGORITHMS
-from ddpkit.launch import WorkerPool
+from ddpkit.testing import WorkerPool
 
 from test_comm import all_inputs, rank_input, reference
 

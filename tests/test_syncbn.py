@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import ddpkit
-from ddpkit.launch import WorkerPool
+from ddpkit.testing import WorkerPool
 
 TIGHT = 1e-5  # what the float32 kernels achieve against BatchNorm1d (observed errors are ~1e-6)
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.data import FASHION_MNIST_ROOT
-from ddpkit.train import TrainConfig, Trainer, evaluate, parse_args
+from ddpkit.training.data import FASHION_MNIST_ROOT
+from ddpkit.training.train import TrainConfig, Trainer, evaluate, parse_args
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train.py"

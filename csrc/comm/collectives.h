@@ -25,13 +25,13 @@ namespace ddpkit::comm {
 // n ranks, a vector of N elements, α the latency of one message round, β the time per byte.
 //  kRing              reduce-scatter then all-gather around the ring, n chunks:
 //                     2(n-1) rounds, 2(n-1)/n·N bytes sent per rank. Bandwidth-optimal.
-//  kButterfly         the week-4 template: rank i owns chunk i, receives it from every peer,
+//  kButterfly         direct exchange: rank i owns chunk i, receives it from every peer,
 //                     reduces it and sends it back to every peer: 2 rounds of n-1 concurrent
 //                     messages each, 2(n-1)/n·N bytes per rank.
-//  kStar              linear reduce to rank 0 and linear broadcast back (the tutorial's naive one):
+//  kStar              linear reduce to rank 0 and linear broadcast back (the naive one):
 //                     rank 0 sends and receives (n-1)·N.
 //  kGatherScatter     rank 0 gathers all n vectors into one [n, N] buffer, reduces it along the first
-//                     dimension and sends the result back (CS744 gradient sync, Task 2a).
+//                     dimension and sends the result back (a parameter server).
 //  kRecursiveDoubling log2(n) rounds exchanging the whole vector with rank^2^k: the fewest rounds,
 //                     N·log2(n) bytes per rank; wins for small messages.
 //  kHalvingDoubling   Rabenseifner: reduce-scatter by recursive halving, all-gather by recursive

@@ -22,8 +22,8 @@ class Transport {
   virtual c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& tensor, int src, int tag) = 0;
 };
 
-// The process group's own send/recv: across hosts, CUDA tensors (NCCL), and the week-4 answer
-// "only point-to-point calls of torch.distributed".
+// The process group's own send/recv: across hosts, CUDA tensors (NCCL), and wherever only the
+// point-to-point calls of torch.distributed may carry the data.
 class ProcessGroupTransport final : public Transport {
  public:
   explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend) : backend_(std::move(backend)) {}

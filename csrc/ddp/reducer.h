@@ -25,8 +25,8 @@ namespace ddpkit::ddp {
 // How gradients are averaged (all modes give the same gradients; they differ in when and how).
 enum class SyncMode {
   kBucketed,      // flat buckets launched during backward as they fill (Note [Overlap])
-  kPerParameter,  // one all-reduce per gradient after backward (CS744 Task 2b)
-  kGatherScatter  // per gradient, rank 0 gathers, averages and sends back (CS744 Task 2a)
+  kPerParameter,  // one all-reduce per gradient after backward, not overlapped
+  kGatherScatter  // per gradient, rank 0 gathers, averages and sends back (a parameter server)
 };
 
 // The names Python passes as `grad_sync` ("bucketed", "per_parameter", "gather_scatter"), in the

@@ -1,6 +1,10 @@
 """ddpkit: data-parallel training for PyTorch, built from point-to-point messages.
 
-Importing ddpkit loads its C++ extension, which registers the ``torch.ops.ddpkit`` custom ops.
+Importing ddpkit loads its C++ extension, which registers the ``torch.ops.ddpkit`` custom ops and
+the ``"ddpkit"`` torch.distributed backend. The library is ``comm``, ``syncbn``, ``ddp``, ``backend``
+and ``launch``; ``ddpkit.testing`` is the multi-process harness of the tests and benchmarks, and
+``ddpkit.training`` the training application (datasets, models, trainer), which the library never
+imports.
 """
 
 import torch
@@ -23,8 +27,9 @@ from .comm import (
     set_collective_checks,
 )
 from .ddp import DistributedDataParallel, GradientAccumulation
-from .launch import init_distributed, spawn
+from .launch import init_distributed
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
+from .testing import spawn
 
 _register_backend()
 

@@ -1,6 +1,6 @@
 """Deterministic sequential printing from N processes, with point-to-point messages only.
 
-    torchrun --nproc_per_node 4 sequential_print.py                       # the week-4 format
+    torchrun --nproc_per_node 4 sequential_print.py                       # 10 iterations, ascending
     torchrun --nproc_per_node 4 sequential_print.py --num-iter 3 --order alternating
 
 Each iteration prints ``Process 0`` ... ``Process N-1`` (one line each) and iterations are separated

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from tqdm import tqdm
 
-from .atomic import write_atomically
+from ..atomic import write_atomically
 
 PathLike = Union[str, os.PathLike]
 

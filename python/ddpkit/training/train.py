@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 4 train.py --dataset cifar100 --model resnet18 --download
     # two nodes with torchrun:
     torchrun --nnodes 2 --node_rank 0 --nproc_per_node 2 --rdzv_backend c10d --rdzv_endpoint HOST:29400 train.py ...
-    # or without torchrun, one command per process (CS744 style):
+    # or without torchrun, one command per process:
     python train.py --master-addr HOST --master-port 29500 --world-size 2 --rank 0 ...
 
 ``--impl ddpkit`` converts every BatchNorm to ``ddpkit.SyncBatchNorm`` and wraps the model in
@@ -43,12 +43,64 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
-from .atomic import write_atomically
+from .. import comm
+from ..atomic import write_atomically
+from ..ddp import DEFAULT_ALGORITHM, GRAD_SYNC_MODES, DistributedDataParallel, GradientAccumulation
+from ..launch import DEFAULT_GROUP_TIMEOUT_S, DistInfo, init_distributed
 from .data import DATASETS, ShardedBatches, dataset_info, dataset_name, load_dataset, normalize, random_crop_flip
-from .ddp import DEFAULT_ALGORITHM, GRAD_SYNC_MODES, DistributedDataParallel, GradientAccumulation
-from .launch import DistInfo, add_launch_arguments, init_from_args, positive_float, positive_int
 from .models import MODELS, build_model
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def port_number(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the flags for launching one process per node without torchrun."""
+    group = parser.add_argument_group("launch without torchrun (one command per node)")
+    group.add_argument("--master-addr", help="address of rank 0's node (enables explicit launch)")
+    group.add_argument("--master-port", type=port_number, default=29500, help="free TCP port on rank 0's node")
+    group.add_argument("--world-size", type=positive_int, help="total number of processes")
+    group.add_argument("--rank", type=non_negative_int, help="this process's rank")
+    group.add_argument("--backend", choices=("gloo", "nccl", "ddpkit", "cpu:ddpkit,cuda:nccl"),
+                       help="torch.distributed backend (default: nccl with CUDA, else gloo); 'ddpkit' runs "
+                            "torch's own collectives on ddpkit's (ddpkit.backend)")
+    group.add_argument("--timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
+                       help="process-group timeout in seconds (a dead peer is reported within it)")
+
+
+def init_from_args(args: argparse.Namespace) -> DistInfo:
+    """``init_distributed`` with the flags of ``add_launch_arguments``."""
+    return init_distributed(backend=args.backend, master_addr=args.master_addr, master_port=args.master_port,
+                            world_size=args.world_size, rank=args.rank, timeout=args.timeout)
 
 
 class UsageError(ValueError):
@@ -194,7 +246,7 @@ def log(*parts) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Distributed validation (week 4, task 3)
+# Distributed validation
 
 
 @torch.no_grad()
@@ -286,7 +338,7 @@ class Trainer:
         self.notes = []
         if config.impl == "ddpkit":
             if config.sync_bn:
-                from .syncbn import convert_sync_batchnorm
+                from ..syncbn import convert_sync_batchnorm
                 model = convert_sync_batchnorm(model)
             model = model.to(self.device)
             self.model = DistributedDataParallel(model, grad_sync=config.grad_sync, algorithm=config.algorithm)

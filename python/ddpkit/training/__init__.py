@@ -1,0 +1,12 @@
+"""The training application built on ddpkit: datasets, models, the trainer and its command line.
+
+The library (``ddpkit.comm``, ``ddpkit.syncbn``, ``ddpkit.ddp``, ``ddpkit.launch``) does not import
+this package; ``import ddpkit`` leaves it unloaded. The one entry point is
+``main`` (the repository's ``train.py`` calls it)::
+
+    torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --epochs 10 --accumulation-steps 2
+"""
+
+from .train import TrainConfig, Trainer, main, parse_args
+
+__all__ = ["TrainConfig", "Trainer", "main", "parse_args"]
