@@ -1,9 +1,12 @@
 """What every ddpkit benchmark shares: the results schema, the recorded context, and timing helpers.
 
-A benchmark measures ddpkit against its PyTorch baseline *in the same run*: repetitions of the
-candidates are interleaved (A B A B ...) so that the machine's noise hits both alike, and the
-figure reported is the median. Results go to ``benchmarks/results/<name>.json`` in the schema of
-``benchmarks/README.md``; ``write_results`` adds the context (command, commit, machine, torch).
+A benchmark measures ddpkit against its PyTorch baseline *in the same run*: every repetition loop
+goes through ``interleave``, which runs each candidate once per repetition in an order that rotates
+(A B C, B C A, C A B, ...), so that the machine's noise and drift hit every candidate alike; the
+figure reported is the median. What a candidate's measurement is (its synchronisation, its clock,
+``time_per_call`` or CUDA events) stays the script's. Results go to
+``benchmarks/results/<name>.json`` in the schema of ``benchmarks/README.md``; ``write_results`` adds
+the context (command, commit, machine, torch).
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -99,6 +103,40 @@ def write_results(name: str, *, backend: str, device_type: str, settings: dict, 
     }
     text = json.dumps(document, indent=1, sort_keys=False) + "\n"
     return write_atomically(directory / f"{name}.json", lambda handle: handle.write(text.encode()))
+
+
+Name = TypeVar("Name", bound=Hashable)
+Result = TypeVar("Result")
+
+
+def interleave(names: Sequence[Name], reps: int, measure_one: Callable[[Name], Result], *,
+               warmup: int = 0) -> dict[Name, list[Result]]:
+    """``measure_one(name)`` for every name in each of ``warmup + reps`` repetitions; name -> its results.
+
+    Repetition ``rep`` runs the names rotated by ``rep`` (``names[rep % n:] + names[:rep % n]``), so
+    that every candidate takes every position in turn (none always runs first, or last). The order
+    depends on ``rep`` alone: every rank of a group calls ``measure_one`` for the same name at the
+    same time, which the collectives inside it need. The first ``warmup`` repetitions run in the
+    same rotation and their results are dropped; each list holds the ``reps`` measured results in
+    order.
+    """
+    names = list(names)
+    results: dict = {name: [] for name in names}
+    for rep in range(warmup + reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            result = measure_one(name)
+            if rep >= warmup:
+                results[name].append(result)
+    return results
+
+
+def time_per_call(fn: Callable[..., Any], *args: Any, calls: int) -> float:
+    """Seconds per call of ``fn(*args)``, from the host clock around ``calls`` back-to-back calls."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn(*args)
+    return (time.perf_counter() - start) / calls
 
 
 def median(values: Iterable[float]) -> float:
