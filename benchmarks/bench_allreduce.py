@@ -39,7 +39,7 @@ shm op; ``MPI_Barrier`` for MPICH; a gloo barrier around rank 0's floor) and the
 else 1; a gloo barrier before a shared-memory call would add tens of µs of skew, the batch spreads
 what skew remains). The repetition's time per call is the slowest rank's batch time / batch;
 the figure is the median (p25, p75 beside it) over repetitions in which the candidates are interleaved,
-their order rotating each repetition, split over ``--pools`` fresh sets of processes.
+their order rotating each repetition (``common.interleave``), split over ``--pools`` fresh sets of processes.
 Repetitions per point: ``peers.timing.reps_for``: ``--reps`` (30) up to 100k floats, /2 at 1M, /4 at
 16M, /6 at 64M, /4 again above 8 processes, at least 3. Bus bandwidth as nccl-tests:
 bytes / time * 2(n-1)/n. Memory (ddpkit candidates and gloo, at ``--memory-sizes`` up to 8 processes, in a
@@ -221,29 +221,23 @@ def measure(names: list[str], sizes: list[int], reps_per_size: dict, accuracy_ma
         base = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         work = torch.empty(numel)
         batch = timing.batch_size(numel)
-        times = {candidate.name: [] for candidate in candidates}
-        for rep in range(reps_per_size[numel]):
-            shift = rep % len(candidates)
-            for candidate in candidates[shift:] + candidates[:shift]:
-                work.copy_(base)
-                if candidate.implementation == "floor":
-                    dist.barrier()  # the others wait in gloo (asleep), not spinning on a shared-memory flag
-                    if rank == 0:
-                        start = time.perf_counter()
-                        for _ in range(batch):
-                            work.add_(base)
-                        times[candidate.name].append((time.perf_counter() - start) / batch)
-                    dist.barrier()
-                    continue
-                with collective_checks(candidate):
-                    flag.fill_(1.0)
-                    run_candidate(candidate, flag)  # the barrier: the candidate's own transport
-                    start = time.perf_counter()
-                    for _ in range(batch):
-                        run_candidate(candidate, work)
-                    times[candidate.name].append((time.perf_counter() - start) / batch)
+
+        def measure_one(candidate: Candidate) -> Optional[float]:
+            """This rank's time per call in one repetition (the floor: rank 0's alone, None elsewhere)."""
+            work.copy_(base)
+            if candidate.implementation == "floor":
+                dist.barrier()  # the others wait in gloo (asleep), not spinning on a shared-memory flag
+                seconds = common.time_per_call(work.add_, base, calls=batch) if rank == 0 else None
+                dist.barrier()
+                return seconds
+            with collective_checks(candidate):
+                flag.fill_(1.0)
+                run_candidate(candidate, flag)  # the barrier: the candidate's own transport
+                return common.time_per_call(run_candidate, candidate, work, calls=batch)
+
+        times = common.interleave(candidates, reps_per_size[numel], measure_one)
         for candidate in candidates:
-            out["times"][(candidate.name, numel)] = times[candidate.name]
+            out["times"][(candidate.name, numel)] = times[candidate]
         del base, work
     return out
 

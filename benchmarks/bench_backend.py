@@ -13,13 +13,15 @@ on the "ddpkit" backend and which also hold a gloo group of the same ranks, ever
                  ``ddpkit.reduce_scatter_tensor``) on that same group, so the two ddpkit candidates
                  share the engine and the shared-memory segment and differ only by the backend layer.
 Each candidate's result is checked against gloo's on integer-valued inputs before it is timed.
+A repetition synchronises the ranks through the candidate's own transport (a one-float all-reduce),
+then times ``timing.batch_size`` back-to-back calls; its figure is the slowest rank's time per call;
+repetitions interleave the candidates (order rotating, ``common.interleave``); the figure reported
+is the median.
 Layers (2 processes, ``--layer-sizes``): one all-reduce through each layer of the stack, from
 ``dist.all_reduce`` through ``ProcessGroup.allreduce`` down to the backend object's ``allreduce``,
-beside ``ddpkit.all_reduce`` and the raw op, in tight interleaved loops: where the time above
-ddpkit's own call goes. A
-repetition synchronises the ranks through the candidate's own transport (a one-float all-reduce),
-then times ``timing.batch_size`` back-to-back calls; its figure is the slowest rank's time per call;
-repetitions interleave the candidates (order rotating); the figure reported is the median.
+beside ``ddpkit.all_reduce`` and the raw op: where the time above ddpkit's own call goes. A
+repetition is a ``dist.barrier()`` then a tight loop of back-to-back calls (200 up to 10k floats,
+else 50), the layers interleaved as the candidates above.
 
 DDP: torch's own DistributedDataParallel, unchanged, on "ddpkit" and on "gloo" (2 processes, the
 week-4 Net and ResNet-18 on CIFAR-shaped batches, accumulation 1 and 4 with ``no_sync``), timed as in
@@ -118,15 +120,12 @@ def measure(sizes: list[int], reps: int) -> dict:
             output, input = buffers(collective, size, world_size, torch.Generator().manual_seed(rank))
             flag = torch.ones(1)
             batch = timing.batch_size(size)
-            per = {candidate: [] for candidate in CANDIDATES}
-            for rep in range(timing.reps_for(size, world_size, reps)):
-                shift = rep % len(CANDIDATES)
-                for candidate in CANDIDATES[shift:] + CANDIDATES[:shift]:
-                    call("all_reduce", candidate, flag, None)  # synchronise through the candidate's transport
-                    start = time.perf_counter()
-                    for _ in range(batch):
-                        call(collective, candidate, output, input)
-                    per[candidate].append((time.perf_counter() - start) / batch)
+
+            def measure_one(candidate: str) -> float:
+                call("all_reduce", candidate, flag, None)  # synchronise through the candidate's transport
+                return common.time_per_call(call, collective, candidate, output, input, calls=batch)
+
+            per = common.interleave(CANDIDATES, timing.reps_for(size, world_size, reps), measure_one)
             for candidate in CANDIDATES:
                 times[(collective, size, candidate)] = per[candidate]
     return times
@@ -156,15 +155,12 @@ def measure_layers(sizes: list[int], reps: int) -> dict:
                                                                                   group.group_name),
         }
         batch = 200 if size <= 10_000 else 50
-        per = {name: [] for name in calls}
-        for rep in range(reps):
-            shift = rep % len(LAYERS)
-            for name in LAYERS[shift:] + LAYERS[:shift]:
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(batch):
-                    calls[name]()
-                per[name].append((time.perf_counter() - start) / batch)
+
+        def measure_one(name: str) -> float:
+            dist.barrier()
+            return common.time_per_call(calls[name], calls=batch)
+
+        per = common.interleave(LAYERS, reps, measure_one)
         for name in LAYERS:
             times[(size, name)] = per[name]
     return times

@@ -8,10 +8,10 @@ Each candidate trains in its own pool of ``--world-size`` processes (so that pea
 own): ddpkit DDP with its default all-reduce, ddpkit DDP over the group's own all-reduce, and
 torch DDP (``no_sync`` on accumulation micro-batches). All start from the same weights and see the
 same synthetic batches; after a few steps their parameters must agree (else the run stops) before
-anything is timed. Timing: blocks of steps alternate between the candidates (order rotating); a
-step is k micro-batches of forward+backward plus the optimizer step, its time is the slowest
-rank's, the figure is the median step. Memory: peak RSS of the slowest... largest rank process
-(``max_memory_allocated`` on GPU). Results: benchmarks/results/ddp.json.
+anything is timed. Timing: blocks of steps alternate between the candidates (order rotating,
+``common.interleave``); a step is k micro-batches of forward+backward plus the optimizer step, its
+time is the slowest rank's, the figure is the median step. Memory: peak RSS, the largest over the
+ranks (``max_memory_allocated`` on GPU). Results: benchmarks/results/ddp.json.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from peers import timing  # noqa: E402
 
 import ddpkit  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
@@ -136,13 +137,14 @@ def run_config(model_name: str, batch: int, accumulation: int, world_size: int, 
             error = float((params - checks[reference]).abs().max())
             if error > 1e-3:
                 raise AssertionError(f"{name} diverged from {reference} after 2 steps: max |diff| = {error}")
-        times = {name: [] for name in pools}
         names = list(pools)
-        for block in range(blocks):
-            shift = block % len(names)
-            for name in names[shift:] + names[:shift]:
-                per_rank = pools[name].run(steps, steps_per_block)
-                times[name].extend(max(rank[i] for rank in per_rank) for i in range(steps_per_block))
+
+        def run_block(name: str) -> list[float]:
+            """The block's step times, each the slowest rank's."""
+            return timing.slowest_per_rep(pools[name].run(steps, steps_per_block))
+
+        block_times = common.interleave(names, blocks, run_block)
+        times = {name: [seconds for block in block_times[name] for seconds in block] for name in names}
         finals = {name: pool.run(finish) for name, pool in pools.items()}
     finally:
         for pool in pools.values():

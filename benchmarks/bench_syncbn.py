@@ -19,7 +19,8 @@ random output gradient.
   the buffers ddpkit reduces). ratio = ddpkit / (compute floor + communication floor).
 * World size 1 (no torch.distributed): ddpkit's local kernels against torch's CPU batch norm.
 
-Candidates are interleaved within every repetition (in a rotating order, after a barrier); a
+Candidates are interleaved within every repetition (in a rotating order, after a barrier:
+``common.interleave``; the first 10 repetitions, 2 with --quick, are a warm-up and dropped); a
 repetition's time is the slowest rank's, and the figure reported is the median over repetitions.
 Outputs and input gradients are checked against BatchNorm on the whole batch before timing.
 
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import median, print_table, write_results  # noqa: E402
+from common import interleave, median, print_table, write_results  # noqa: E402
 
 import ddpkit  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
@@ -237,19 +238,16 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
     if check_only:
         return {"check": check}
 
-    names = list(candidates)
-    times = {name: [] for name in names}
     timed = _timer(device)
-    for rep in range(warmup + reps):
-        order = names[rep % len(names):] + names[:rep % len(names)]
-        for name in order:
-            _clear_grads(x, layers.values())
-            if distributed:
-                dist.barrier()
-            _sync(device)
-            elapsed = timed(candidates[name])
-            if rep >= warmup:
-                times[name].append(elapsed)
+
+    def measure_one(name: str) -> float:
+        _clear_grads(x, layers.values())
+        if distributed:
+            dist.barrier()
+        _sync(device)
+        return timed(candidates[name])
+
+    times = interleave(list(candidates), reps, measure_one, warmup=warmup)
 
     if device.type == "cpu":
         _pin_mmap_threshold()

@@ -12,7 +12,8 @@ except ``--impl``. On CPU torch has no SyncBatchNorm: its pipeline then uses pla
 results say so), and a third pipeline, ``ddpkit_plain_bn`` (ddpkit's DDP with plain BatchNorm,
 ``--no-sync-bn``), is the like-for-like control: the difference between it and ``ddpkit`` is the cost
 of synchronizing batch statistics. Each runs in its own pool of processes, kept alive across the run,
-and they alternate epoch by epoch (order rotating) so that machine noise hits all alike. Reported:
+and they alternate epoch by epoch (order rotating, ``common.interleave``) so that machine noise hits
+all alike. Reported:
 time per epoch, peak memory (RSS, max over ranks), loss curve, test accuracy after every epoch.
 A progress bar follows each epoch; at the end a table compares the pipelines and a plot (loss curves,
 accuracy per epoch, epoch time, peak memory) is saved next to the results as a PNG.
@@ -146,15 +147,14 @@ def main() -> None:
     started = time.monotonic()
     try:
         built = {name: pools[name].run(build, config, name.ljust(width))[0] for name, config in configs.items()}
-        epochs_by_name = {name: [] for name in configs}
-        names = list(configs)
-        for index in range(epochs):
-            shift = index % len(names)
-            for name in names[shift:] + names[:shift]:
-                record = pools[name].run(epoch)[0]
-                epochs_by_name[name].append(record)
-                print(f"[{time.monotonic() - started:7.0f}s] {name:{width}s} epoch {index + 1}/{epochs}: test accuracy "
-                      f"{100 * record['test_accuracy']:.2f}%, {record['epoch_time_s']:.1f}s", flush=True)
+
+        def run_epoch(name: str) -> dict:
+            record = pools[name].run(epoch)[0]
+            print(f"[{time.monotonic() - started:7.0f}s] {name:{width}s} epoch {record['epoch'] + 1}/{epochs}: test "
+                  f"accuracy {100 * record['test_accuracy']:.2f}%, {record['epoch_time_s']:.1f}s", flush=True)
+            return record
+
+        epochs_by_name = common.interleave(list(configs), epochs, run_epoch)
         finals = {name: pools[name].run(finish)[0] for name in configs}
     finally:
         for pool in pools.values():
