@@ -75,6 +75,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402
 from peers import timing  # noqa: E402
+from records import AllreduceMemoryRecord, AllreduceTimeRecord, Record  # noqa: E402
 
 import ddpkit  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
@@ -272,30 +273,32 @@ def merge(first: list[dict], second: list[dict]) -> list[dict]:
             for a, b in zip(first, second)]
 
 
-def _time_record(candidate: Candidate, world_size: int, numel: int, slowest: list[float], **extra) -> dict:
+def _time_record(candidate: Candidate, world_size: int, numel: int, slowest: list[float],
+                 status: str = "measured", **extra) -> AllreduceTimeRecord:
+    """``slowest`` empty: a point not measured, and ``status`` says why."""
     nbytes = numel * 4
-    record = {"world_size": world_size, "numel": numel, "candidate": candidate.name, "kind": "time",
-              "implementation": candidate.implementation, "algorithm": candidate.algorithm,
-              "transport": candidate.effective_transport,
-              "checked": candidate.checked if candidate.implementation == "ddpkit" else None}
+    resolved_algorithm = None
     if candidate.implementation == "ddpkit" and candidate.algorithm == "auto" \
             and candidate.effective_transport == PROCESS_GROUP:
-        record["resolved_algorithm"] = ddpkit.comm.choose_algorithm(nbytes, world_size)
+        resolved_algorithm = ddpkit.comm.choose_algorithm(nbytes, world_size)
     if slowest:
         stats = timing.time_stats(slowest)
         collective = candidate.implementation != "floor"  # the floor is one process's add, not a collective
-        record.update(stats, status="measured", algorithm_bandwidth_GBps=nbytes / stats["median_s"] / 1e9,
-                      bus_bandwidth_GBps=timing.bus_bandwidth_GBps(nbytes, stats["median_s"], world_size)
-                      if collective else None)
+        stats.update(algorithm_bandwidth_GBps=nbytes / stats["median_s"] / 1e9,
+                     bus_bandwidth_GBps=timing.bus_bandwidth_GBps(nbytes, stats["median_s"], world_size)
+                     if collective else None)
     else:
-        record.update(median_s=None, p25_s=None, p75_s=None, reps=0, algorithm_bandwidth_GBps=None,
-                      bus_bandwidth_GBps=None)
-    record.update(extra)
-    return record
+        stats = dict(median_s=None, p25_s=None, p75_s=None, reps=0, algorithm_bandwidth_GBps=None,
+                     bus_bandwidth_GBps=None)
+    return AllreduceTimeRecord(
+        world_size=world_size, numel=numel, candidate=candidate.name, implementation=candidate.implementation,
+        algorithm=candidate.algorithm, transport=candidate.effective_transport,
+        checked=candidate.checked if candidate.implementation == "ddpkit" else None,
+        resolved_algorithm=resolved_algorithm, status=status, **stats, **extra)
 
 
 def aggregate(per_rank: list[dict], memory_per_rank: Optional[list[dict]], world_size: int, names: list[str],
-              sizes: list[int], memory_sizes: list[int], reps_per_size: dict) -> list[dict]:
+              sizes: list[int], memory_sizes: list[int], reps_per_size: dict) -> list[Record]:
     records = []
     for numel in sizes:
         for name in names:
@@ -312,9 +315,9 @@ def aggregate(per_rank: list[dict], memory_per_rank: Optional[list[dict]], world
     for numel in memory_sizes:
         for name in names:
             if memory_per_rank and (name, numel) in memory_per_rank[0]:
-                records.append({"world_size": world_size, "numel": numel, "candidate": name, "kind": "memory",
-                                "peak_memory_increase_bytes": max(r[(name, numel)] for r in memory_per_rank),
-                                "input_bytes": numel * 4})
+                records.append(AllreduceMemoryRecord(
+                    world_size=world_size, numel=numel, candidate=name,
+                    peak_memory_increase_bytes=max(r[(name, numel)] for r in memory_per_rank), input_bytes=numel * 4))
     return records
 
 
@@ -413,7 +416,8 @@ def run_peer(name: str, world_size: int, sizes: list[int], reps: int, point_budg
     return points, problem
 
 
-def peer_records(name: str, world_size: int, sizes: list[int], points: list[dict], problem: Optional[str]) -> list:
+def peer_records(name: str, world_size: int, sizes: list[int], points: list[dict],
+                 problem: Optional[str]) -> list[AllreduceTimeRecord]:
     candidate = parse_candidate(name)
     by_numel = {p["numel"]: p for p in points}
     records = []
@@ -435,12 +439,12 @@ def peer_records(name: str, world_size: int, sizes: list[int], points: list[dict
 
 def _median_of(by_key: dict, world_size: int, numel: int, name: str) -> Optional[float]:
     record = by_key.get((world_size, numel, name))
-    return record["median_s"] if record and record.get("median_s") else None
+    return record.median_s if record and record.median_s else None
 
 
-def summarize(records: list[dict]) -> dict:
+def summarize(records: list[Record]) -> dict:
     """The issue's bars, from the time records (a ratio below 1 means ddpkit is faster)."""
-    by_key = {(r["world_size"], r["numel"], r["candidate"]): r for r in records if r["kind"] == "time"}
+    by_key = {(r.world_size, r.numel, r.candidate): r for r in records if isinstance(r, AllreduceTimeRecord)}
     summary: dict = {}
 
     def ratio(world_size, numel, name, other):
@@ -458,7 +462,7 @@ def summarize(records: list[dict]) -> dict:
     summary["ddpkit_ring_pg_over_gloo"] = ring_pg
 
     best_peer = {}
-    for numel in sorted({r["numel"] for r in by_key.values() if r["world_size"] == 2}):
+    for numel in sorted({r.numel for r in by_key.values() if r.world_size == 2}):
         peers = {name: _median_of(by_key, 2, numel, name) for name in PEERS}
         peers = {k: v for k, v in peers.items() if v}
         mine = _median_of(by_key, 2, numel, "ddpkit")
@@ -478,11 +482,11 @@ def summarize(records: list[dict]) -> dict:
         if name.endswith(":" + UNCHECKED):
             continue
         unchecked = _median_of(by_key, world_size, numel, name + ":" + UNCHECKED)
-        if unchecked and record.get("median_s"):
-            overhead[f"{name} ws={world_size} n={numel}"] = record["median_s"] / unchecked
+        if unchecked and record.median_s:
+            overhead[f"{name} ws={world_size} n={numel}"] = record.median_s / unchecked
     summary["checked_over_unchecked"] = overhead
-    summary["cut_off_points"] = sorted(f"{r['candidate']} n={r['world_size']} numel={r['numel']}"
-                                       for r in by_key.values() if r.get("cut_off"))
+    summary["cut_off_points"] = sorted(f"{r.candidate} n={r.world_size} numel={r.numel}"
+                                       for r in by_key.values() if r.cut_off)
     return summary
 
 
@@ -587,10 +591,10 @@ def main() -> None:
             new += peer_records(name, world_size, sizes, points, problem)
         records.extend(new)
         print(f"world size {world_size}: {time.monotonic() - started:.0f}s elapsed", flush=True)
-        common.print_table([r for r in new if r["kind"] == "time"],
+        common.print_table([r for r in new if isinstance(r, AllreduceTimeRecord)],
                            ["world_size", "numel", "candidate", "median_s", "p25_s", "p75_s", "reps",
                             "bus_bandwidth_GBps", "max_abs_error_of_mean", "cut_off"])
-        memory = [r for r in new if r["kind"] == "memory"]
+        memory = [r for r in new if isinstance(r, AllreduceMemoryRecord)]
         if memory:
             common.print_table(memory, ["world_size", "numel", "candidate", "peak_memory_increase_bytes"])
     summary = summarize(records)

@@ -32,6 +32,7 @@ Results: benchmarks/results/backend.json; ``summary`` holds the issue's bars.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -45,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ddp  # noqa: E402
 import common  # noqa: E402
 from peers import timing  # noqa: E402
+from records import CollectiveRecord, DdpRecord, LayerRecord, Record, load_records  # noqa: E402
 
 import ddpkit  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
@@ -166,63 +168,60 @@ def measure_layers(sizes: list[int], reps: int) -> dict:
     return times
 
 
-def layer_records(sizes: list[int], reps: int) -> list[dict]:
+def layer_records(sizes: list[int], reps: int) -> list[LayerRecord]:
     with WorkerPool(2, backend="ddpkit", timeout=3600, group_timeout=600) as pool:
         per_rank = pool.run(measure_layers, sizes, reps)
     records = []
-    for (size, name), first in per_rank[0].items():
-        slowest = [max(rank[(size, name)][i] for rank in per_rank) for i in range(len(first))]
-        records.append({"kind": "layers", "layer": name, "world_size": 2, "numel": size,
-                        "median_s": common.median(slowest), "reps": len(slowest)})
+    for size, name in per_rank[0]:
+        slowest = timing.slowest_per_rep([rank[(size, name)] for rank in per_rank])
+        records.append(LayerRecord(layer=name, world_size=2, numel=size, median_s=common.median(slowest),
+                                   reps=len(slowest)))
     return records
 
 
-def collective_records(world_size: int, sizes: list[int], reps: int) -> list[dict]:
+def collective_records(world_size: int, sizes: list[int], reps: int) -> list[CollectiveRecord]:
     with WorkerPool(world_size, backend="ddpkit", timeout=3600, group_timeout=600) as pool:
         per_rank = pool.run(measure, sizes, reps)
     records = []
     for (collective, size, candidate) in per_rank[0]:
-        slowest = [max(rank[(collective, size, candidate)][i] for rank in per_rank)
-                   for i in range(len(per_rank[0][(collective, size, candidate)]))]
+        slowest = timing.slowest_per_rep([rank[(collective, size, candidate)] for rank in per_rank])
         ordered = sorted(slowest)
         median = common.median(slowest)
         nbytes = 4 * size
-        records.append({
-            "kind": "collective", "collective": collective, "candidate": candidate, "world_size": world_size,
-            "numel": size, "bytes": nbytes, "median_s": median, "p25_s": ordered[len(ordered) // 4],
-            "p75_s": ordered[(3 * len(ordered)) // 4], "reps": len(slowest),
+        records.append(CollectiveRecord(
+            collective=collective, candidate=candidate, world_size=world_size, numel=size, bytes=nbytes,
+            median_s=median, p25_s=ordered[len(ordered) // 4], p75_s=ordered[(3 * len(ordered)) // 4],
+            reps=len(slowest),
             # nccl-tests' bus bandwidth: all-reduce moves 2(n-1)/n of the vector, the other two (n-1)/n.
-            "busbw_GBps": nbytes / median * (2 if collective == "all_reduce" else 1) * (world_size - 1) / world_size / 1e9,
-        })
+            busbw_GBps=nbytes / median * (2 if collective == "all_reduce" else 1) * (world_size - 1) / world_size / 1e9,
+        ))
     return records
 
 
-def summarize(records: list[dict]) -> dict:
+def summarize(records: list[Record]) -> dict:
     summary: dict = {}
-    times = {(r["collective"], r["world_size"], r["numel"], r["candidate"]): r["median_s"]
-             for r in records if r["kind"] == "collective"}
+    times = {(r.collective, r.world_size, r.numel, r.candidate): r.median_s
+             for r in records if isinstance(r, CollectiveRecord)}
     for (collective, n, size, candidate), t in sorted(times.items()):
         if candidate != "backend":
             continue
         summary[f"{collective} n={n} {size}: backend/ddpkit"] = t / times[(collective, n, size, "ddpkit")]
         summary[f"{collective} n={n} {size}: backend/gloo"] = t / times[(collective, n, size, "gloo")]
-    layers = {(r["numel"], r["layer"]): r["median_s"] for r in records if r["kind"] == "layers"}
+    layers = {(r.numel, r.layer): r.median_s for r in records if isinstance(r, LayerRecord)}
     for (size, name), t in sorted(layers.items()):
         if name != "ddpkit.all_reduce":
             summary[f"layers n=2 {size}: {name}/ddpkit.all_reduce"] = t / layers[(size, "ddpkit.all_reduce")]
-    for r in records:
-        if r["kind"] == "ddp" and r["candidate"] == "torch_ddpkit":
-            base = next(b for b in records if b["kind"] == "ddp" and b["candidate"] == "torch_gloo"
-                        and b["model"] == r["model"] and b["accumulation"] == r["accumulation"])
-            summary[f"torch DDP {r['model']} acc={r['accumulation']}: ddpkit/gloo time"] = \
-                r["median_step_s"] / base["median_step_s"]
-            summary[f"torch DDP {r['model']} acc={r['accumulation']}: ddpkit/gloo memory"] = \
-                r["peak_memory_bytes"] / base["peak_memory_bytes"]
-            floor = next((f for f in records if f["kind"] == "ddp" and f["candidate"] == "floor"
-                          and f["model"] == r["model"] and f["accumulation"] == r["accumulation"]), None)
-            if floor is not None:
-                summary[f"torch DDP {r['model']} acc={r['accumulation']}: floor/gloo time"] = \
-                    floor["median_step_s"] / base["median_step_s"]
+    ddp = {(r.model, r.accumulation, r.candidate): r for r in records if isinstance(r, DdpRecord)}
+    for (model, accumulation, candidate), r in ddp.items():
+        if candidate != "torch_ddpkit":
+            continue
+        base = ddp[(model, accumulation, "torch_gloo")]
+        summary[f"torch DDP {model} acc={accumulation}: ddpkit/gloo time"] = r.median_step_s / base.median_step_s
+        summary[f"torch DDP {model} acc={accumulation}: ddpkit/gloo memory"] = \
+            r.peak_memory_bytes / base.peak_memory_bytes
+        floor = ddp.get((model, accumulation, "floor"))
+        if floor is not None:
+            summary[f"torch DDP {model} acc={accumulation}: floor/gloo time"] = floor.median_step_s / base.median_step_s
     return summary
 
 
@@ -250,15 +249,15 @@ def main() -> None:
         started = time.monotonic()
         records += collective_records(world_size, args.sizes, args.reps)
         print(f"collectives at n={world_size}: {time.monotonic() - started:.0f}s", flush=True)
-    common.print_table([r for r in records if r["kind"] == "collective"],
+    common.print_table([r for r in records if isinstance(r, CollectiveRecord)],
                        ["collective", "world_size", "numel", "candidate", "median_s", "busbw_GBps"])
     records += layer_records(args.layer_sizes, 15)
-    common.print_table([r for r in records if r["kind"] == "layers"], ["layer", "numel", "median_s"])
+    common.print_table([r for r in records if isinstance(r, LayerRecord)], ["layer", "numel", "median_s"])
     batch_for, steps_for = {"net": 64, "resnet18": 16}, {"net": 10, "resnet18": 2}
     ddp_source = None
     if args.ddp_from:
         earlier = json.loads(args.ddp_from.read_text())
-        records += [r for r in earlier["records"] if r["kind"] == "ddp"]
+        records += [r for r in load_records(earlier) if isinstance(r, DdpRecord)]
         ddp_source = {"command": earlier["environment"]["command"], "git_commit": earlier["environment"]["git_commit"],
                       "date": earlier["environment"]["date"], "ddp_blocks": earlier["settings"]["ddp_blocks"]}
     elif not args.skip_ddp:
@@ -268,7 +267,7 @@ def main() -> None:
                 ddp = bench_ddp.run_config(model_name, batch_for[model_name], accumulation, 2, args.blocks,
                                            steps_for[model_name], "gloo", candidates=DDP_CANDIDATES,
                                            reference="torch_gloo")
-                records += [{"kind": "ddp", **r} for r in ddp]
+                records += [dataclasses.replace(r, kind="ddp") for r in ddp]
                 print(f"torch DDP {model_name} accumulation {accumulation}: {time.monotonic() - started:.0f}s", flush=True)
                 common.print_table(ddp, ["model", "accumulation", "candidate", "median_step_s", "peak_memory_bytes"])
     summary = summarize(records)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from peers import timing  # noqa: E402
+from records import DdpRecord  # noqa: E402
 
 import ddpkit  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
@@ -117,9 +118,9 @@ def finish() -> dict:
 
 def run_config(model_name: str, batch: int, accumulation: int, world_size: int, blocks: int, steps_per_block: int,
                backend: str, device_type: str = "cpu", candidates: dict = CANDIDATES,
-               reference: str = "torch") -> list[dict]:
-    """Times ``candidates`` (name -> settings; a ``backend`` entry overrides ``backend``, an ``env`` entry is
-    set in the candidate's processes) against ``reference``."""
+               reference: str = "torch") -> list[DdpRecord]:
+    """Times ``candidates`` (name -> settings: ``impl``, and ``algorithm``, ``backend`` (overrides ``backend``),
+    ``env`` (set in the candidate's processes) where given; the records repeat them) against ``reference``."""
     pools = {name: WorkerPool(world_size, backend=candidate.get("backend", backend), timeout=3600, group_timeout=600,
                               env=candidate.get("env"))
              for name, candidate in candidates.items()}
@@ -152,15 +153,15 @@ def run_config(model_name: str, batch: int, accumulation: int, world_size: int, 
     records = []
     for name in names:
         ordered = sorted(times[name])
-        records.append({
-            "world_size": world_size, "model": model_name, "batch_per_rank": batch, "accumulation": accumulation,
-            "candidate": name, **{k: v for k, v in candidates[name].items()},
-            "median_step_s": common.median(times[name]), "p25_step_s": ordered[len(ordered) // 4],
-            "p75_step_s": ordered[(3 * len(ordered)) // 4], "steps_timed": len(times[name]),
-            "peak_memory_bytes": max(r["peak_memory_bytes"] for r in finals[name]),
-            "reducer_stats": finals[name][0]["reducer_stats"],
-            f"max_param_diff_vs_{reference}_after_2_steps": float((checks[name] - checks[reference]).abs().max()),
-        })
+        records.append(DdpRecord(
+            world_size=world_size, model=model_name, batch_per_rank=batch, accumulation=accumulation,
+            candidate=name, **candidates[name],
+            median_step_s=common.median(times[name]), p25_step_s=ordered[len(ordered) // 4],
+            p75_step_s=ordered[(3 * len(ordered)) // 4], steps_timed=len(times[name]),
+            peak_memory_bytes=max(r["peak_memory_bytes"] for r in finals[name]),
+            reducer_stats=finals[name][0]["reducer_stats"],
+            **{f"max_param_diff_vs_{reference}_after_2_steps": float((checks[name] - checks[reference]).abs().max())},
+        ))
     return records
 
 
@@ -195,13 +196,13 @@ def main() -> None:
                                                             "p25_step_s", "peak_memory_bytes"])
     summary = {}
     for record in records:
-        if record["candidate"] == "torch":
+        if record.candidate == "torch":
             continue
-        torch_record = next(r for r in records if r["candidate"] == "torch" and r["model"] == record["model"]
-                            and r["accumulation"] == record["accumulation"])
-        key = f"{record['candidate']} {record['model']} acc={record['accumulation']}"
-        summary[key] = {"time_ratio": record["median_step_s"] / torch_record["median_step_s"],
-                        "memory_ratio": record["peak_memory_bytes"] / torch_record["peak_memory_bytes"]}
+        torch_record = next(r for r in records if r.candidate == "torch" and r.model == record.model
+                            and r.accumulation == record.accumulation)
+        key = f"{record.candidate} {record.model} acc={record.accumulation}"
+        summary[key] = {"time_ratio": record.median_step_s / torch_record.median_step_s,
+                        "memory_ratio": record.peak_memory_bytes / torch_record.peak_memory_bytes}
     path = common.write_results("ddp_cuda" if args.device == "cuda" else "ddp", backend=backend, device_type=args.device,
                                 settings={"world_size": args.world_size, "models": args.models,
                                           "accumulation": args.accumulation, "blocks": args.blocks,

@@ -44,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleave, median, print_table, write_results  # noqa: E402
+from records import SyncBatchNormRecord  # noqa: E402
 
 import ddpkit  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
@@ -274,7 +275,7 @@ def inputs(shape, seed: int):
     return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
 
 
-def summarize(per_rank: list, world_size: int, shape) -> dict:
+def summarize(per_rank: list, world_size: int, shape) -> SyncBatchNormRecord:
     """One record from every rank's results: per-repetition max over ranks, then the median."""
     names = per_rank[0]["times"].keys()
     step = {name: median(max(rank["times"][name][i] for rank in per_rank) for i in range(len(per_rank[0]["times"][name])))
@@ -282,6 +283,7 @@ def summarize(per_rank: list, world_size: int, shape) -> dict:
     memory = {name: {key: (max(rank["memory"][name][key] for rank in per_rank)
                            if per_rank[0]["memory"][name][key] is not None else None)
                      for key in ("alloc", "rss")} for name in per_rank[0]["memory"]}
+    # The record's fields by name: the per-candidate ones are named after the candidates.
     record = {"world_size": world_size, "shape": list(shape), "features": shape[1], "global_batch": shape[0],
               "local_batch": -(-shape[0] // world_size), "threads_per_rank": per_rank[0]["threads"],
               "kernels": per_rank[0]["kernels"], "repetitions": len(next(iter(per_rank[0]["times"].values())))}
@@ -309,7 +311,7 @@ def summarize(per_rank: list, world_size: int, shape) -> dict:
         record["ratio"] = record["t_ddpkit"] / record["t_torch_bn_local"]
         record["alloc_extra"] = record["alloc_ddpkit"] - record["alloc_torch_bn_local"]
     record["alloc_extra_per_channel"] = record["alloc_extra"] / shape[1]
-    return record
+    return SyncBatchNormRecord(**record)
 
 
 def check_outputs(per_rank: list, x: torch.Tensor, grad: torch.Tensor) -> float:
@@ -385,14 +387,19 @@ def main() -> None:
             worst_error = max(worst_error, check_outputs([measure(x, grad, 0, 0, True, **options)], x, grad))
             records.append(summarize([measure(x, grad, reps, warmup, **options)], 1, shape))
 
-    distributed = [r for r in records if r["world_size"] > 1]
-    two = [r for r in distributed if r["world_size"] == 2]
-    local = [r for r in records if r["world_size"] == 1]
+    distributed = [r for r in records if r.world_size > 1]
+    two = [r for r in distributed if r.world_size == 2]
+    local = [r for r in records if r.world_size == 1]
+
+    def ratios(key: str) -> list[float]:
+        """The 2-worker records' ``key`` ratio, where they have it."""
+        return [getattr(r, key) for r in two if getattr(r, key) is not None]
+
     def worst(key: str):
-        return max((r[key] for r in two if key in r), default=None)
+        return max(ratios(key), default=None)
 
     def within(key: str) -> int:
-        return sum(r[key] <= TARGET_RATIO_DISTRIBUTED for r in two if key in r)
+        return sum(ratio <= TARGET_RATIO_DISTRIBUTED for ratio in ratios(key))
 
     summary = {
         "max_check_error": worst_error,
@@ -408,8 +415,8 @@ def main() -> None:
         "max_ratio_local_compute_2_workers": worst("ratio_local_compute"),
         "max_ratio_pg_vs_emulated_2_workers": worst("ratio_pg_vs_emulated"),
         "configs_2_workers": len(two),
-        "local_ratios": {f"{tuple(r['shape'])} threads={r['threads_per_rank']}": r["ratio"] for r in local},
-        "max_alloc_extra_per_channel_bytes": max(r["alloc_extra_per_channel"] for r in records),
+        "local_ratios": {f"{tuple(r.shape)} threads={r.threads_per_rank}": r.ratio for r in local},
+        "max_alloc_extra_per_channel_bytes": max(r.alloc_extra_per_channel for r in records),
     }
     settings = {
         "configs_global_batch_x_features": configs, "conv_shape": list(shapes[-1]), "world_sizes": world_sizes,
@@ -446,8 +453,8 @@ def main() -> None:
                "t_ddpkit_local", "t_torch_bn_local", "t_gloo_two_all_reduces", "t_torch_emulated", "t_torch_syncbn", "ratio",
                "ratio_pg", "ratio_unchecked", "ratio_emulated", "ratio_local_compute", "alloc_ddpkit", "alloc_torch_bn_local",
                "alloc_extra", "alloc_ddpkit_pg", "alloc_torch_syncbn", "rss_ddpkit", "rss_torch_bn_local"]
-    columns = [c for c in columns if any(c in r for r in records)]
-    print_table([{**r, "shape": "x".join(map(str, r["shape"]))} for r in records], columns)
+    rows = [{**r.to_dict(), "shape": "x".join(map(str, r.shape))} for r in records]
+    print_table(rows, [c for c in columns if any(c in row for row in rows)])
     print({k: v for k, v in summary.items()})
     print(f"wrote {path}")
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+from records import TrainingRecord, load_records  # noqa: E402
 
 from ddpkit.training.data import dataset_name  # noqa: E402
 from ddpkit.launch import DistInfo  # noqa: E402
@@ -164,22 +165,22 @@ def main() -> None:
     records = []
     for name, config in configs.items():
         history = epochs_by_name[name]
-        records.append({
-            "candidate": name, "impl": config.impl, "sync_bn": config.sync_bn, "world_size": args.world_size,
-            "notes": built[name]["notes"], "global_batch": built[name]["global_batch"],
-            "optimizer_steps": built[name]["total_steps"], "epochs": history,
-            "final_test_accuracy": history[-1]["test_accuracy"], "final_test_loss": history[-1]["test_loss"],
-            "median_epoch_time_s": common.median(r["epoch_time_s"] for r in history),
-            "peak_rss_bytes": finals[name]["peak_rss_bytes"],
-            "loss_curve": finals[name]["losses"],
-        })
-    by_name = {record["candidate"]: record for record in records}
+        records.append(TrainingRecord(
+            candidate=name, impl=config.impl, sync_bn=config.sync_bn, world_size=args.world_size,
+            notes=built[name]["notes"], global_batch=built[name]["global_batch"],
+            optimizer_steps=built[name]["total_steps"], epochs=history,
+            final_test_accuracy=history[-1]["test_accuracy"], final_test_loss=history[-1]["test_loss"],
+            median_epoch_time_s=common.median(r["epoch_time_s"] for r in history),
+            peak_rss_bytes=finals[name]["peak_rss_bytes"],
+            loss_curve=finals[name]["losses"],
+        ))
+    by_name = {record.candidate: record for record in records}
 
     def compare(name: str) -> dict:
         mine, theirs = by_name[name], by_name["torch"]
-        return {"accuracy_difference_pp": 100 * (mine["final_test_accuracy"] - theirs["final_test_accuracy"]),
-                "epoch_time_ratio": mine["median_epoch_time_s"] / theirs["median_epoch_time_s"],
-                "memory_ratio": mine["peak_rss_bytes"] / theirs["peak_rss_bytes"]}
+        return {"accuracy_difference_pp": 100 * (mine.final_test_accuracy - theirs.final_test_accuracy),
+                "epoch_time_ratio": mine.median_epoch_time_s / theirs.median_epoch_time_s,
+                "memory_ratio": mine.peak_rss_bytes / theirs.peak_rss_bytes}
 
     summary = compare("ddpkit")
     if "ddpkit_plain_bn" in by_name:
@@ -198,7 +199,7 @@ def main() -> None:
         if ratios:
             print(f"{name} vs torch: accuracy difference {ratios['accuracy_difference_pp']:+.2f} pp, epoch time "
                   f"x{ratios['epoch_time_ratio']:.3f}, memory x{ratios['memory_ratio']:.3f}")
-    for note in sorted({note for record in records for note in record["notes"]}):
+    for note in sorted({note for record in records for note in record.notes}):
         print(f"note: {note}")
     print(f"training took {elapsed / 60:.1f} minutes; wrote {path}")
     if args.plot:
@@ -208,17 +209,17 @@ def main() -> None:
             print("no plot: matplotlib is missing (pip install -e '.[report]')")
 
 
-def print_comparison(records: list[dict], by_name: dict) -> None:
+def print_comparison(records: list[TrainingRecord], by_name: dict) -> None:
     """The pipelines side by side, with each one's ratios to torch's."""
     torch_record = by_name["torch"]
     rows = [{
-        "pipeline": r["candidate"],
-        "final test accuracy": f"{100 * r['final_test_accuracy']:.2f}%",
-        "vs torch (pp)": f"{100 * (r['final_test_accuracy'] - torch_record['final_test_accuracy']):+.2f}",
-        "median epoch time": f"{r['median_epoch_time_s']:.1f} s",
-        "vs torch (time)": f"x{r['median_epoch_time_s'] / torch_record['median_epoch_time_s']:.3f}",
-        "peak memory": f"{r['peak_rss_bytes'] / 2**20:.0f} MiB",
-        "vs torch (memory)": f"x{r['peak_rss_bytes'] / torch_record['peak_rss_bytes']:.3f}",
+        "pipeline": r.candidate,
+        "final test accuracy": f"{100 * r.final_test_accuracy:.2f}%",
+        "vs torch (pp)": f"{100 * (r.final_test_accuracy - torch_record.final_test_accuracy):+.2f}",
+        "median epoch time": f"{r.median_epoch_time_s:.1f} s",
+        "vs torch (time)": f"x{r.median_epoch_time_s / torch_record.median_epoch_time_s:.3f}",
+        "peak memory": f"{r.peak_rss_bytes / 2**20:.0f} MiB",
+        "vs torch (memory)": f"x{r.peak_rss_bytes / torch_record.peak_rss_bytes:.3f}",
     } for r in records]
     common.print_table(rows, list(rows[0]))
 
@@ -230,24 +231,24 @@ def plot(document: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    records, settings = document["records"], document["settings"]
+    records, settings = load_records(document, without_kind=TrainingRecord), document["settings"]
     fig, axes = plt.subplots(1, 4, figsize=(18, 4), gridspec_kw={"width_ratios": [3, 3, 2, 2]})
     loss_axis, accuracy_axis, time_axis, memory_axis = axes
-    names = [r["candidate"] for r in records]
+    names = [r.candidate for r in records]
     colors = [f"C{i}" for i in range(len(records))]
     for record, color in zip(records, colors):
-        losses = record["loss_curve"]
+        losses = record.loss_curve
         window = max(1, len(losses) // 100)
         smooth = [statistics.fmean(losses[i:i + window]) for i in range(0, len(losses) - window + 1, window)]
-        loss_axis.plot([i * window for i in range(len(smooth))], smooth, color=color, label=record["candidate"])
-        accuracy_axis.plot([e["epoch"] + 1 for e in record["epochs"]], [100 * e["test_accuracy"] for e in record["epochs"]],
-                           marker="o", color=color, label=record["candidate"])
+        loss_axis.plot([i * window for i in range(len(smooth))], smooth, color=color, label=record.candidate)
+        accuracy_axis.plot([e["epoch"] + 1 for e in record.epochs], [100 * e["test_accuracy"] for e in record.epochs],
+                           marker="o", color=color, label=record.candidate)
     loss_axis.set(xlabel="optimizer step", ylabel="training loss (rank 0, smoothed)")
     accuracy_axis.set(xlabel="epoch", ylabel="test accuracy (%)")
     accuracy_axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-    time_axis.bar(names, [r["median_epoch_time_s"] for r in records], color=colors)
+    time_axis.bar(names, [r.median_epoch_time_s for r in records], color=colors)
     time_axis.set(ylabel="median epoch time (s)")
-    memory_axis.bar(names, [r["peak_rss_bytes"] / 2**20 for r in records], color=colors)
+    memory_axis.bar(names, [r.peak_rss_bytes / 2**20 for r in records], color=colors)
     memory_axis.set(ylabel="peak memory, max over ranks (MiB)")
     for axis in axes:
         axis.grid(alpha=0.3)

@@ -5,8 +5,8 @@ goes through ``interleave``, which runs each candidate once per repetition in an
 (A B C, B C A, C A B, ...), so that the machine's noise and drift hit every candidate alike; the
 figure reported is the median. What a candidate's measurement is (its synchronisation, its clock,
 ``time_per_call`` or CUDA events) stays the script's. Results go to
-``benchmarks/results/<name>.json`` in the schema of ``benchmarks/README.md``; ``write_results`` adds
-the context (command, commit, machine, torch).
+``benchmarks/results/<name>.json`` in the schema of ``benchmarks/README.md``, their records typed by
+``records.py``; ``write_results`` adds the context (command, commit, machine, torch).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterable, Mapping, Optional, Sequence, TypeVar, Union
 
 import torch
 
 from ddpkit.atomic import write_atomically
+from records import Record
 
 SCHEMA_VERSION = 1
 # benchmarks/run_all.sh --quick points this elsewhere, so smoke runs never replace measured results.
@@ -88,7 +89,7 @@ def _nvidia_driver() -> Optional[str]:
         return None
 
 
-def write_results(name: str, *, backend: str, device_type: str, settings: dict, records: list[dict],
+def write_results(name: str, *, backend: str, device_type: str, settings: dict, records: Sequence[Record],
                   summary: Optional[dict] = None, directory: Optional[Path] = None) -> Path:
     """Writes ``<directory>/<name>.json`` (default directory: ``RESULTS_DIR``) atomically and returns its path."""
     directory = Path(directory) if directory is not None else RESULTS_DIR
@@ -98,7 +99,7 @@ def write_results(name: str, *, backend: str, device_type: str, settings: dict, 
         "benchmark": name,
         "environment": environment(backend, device_type),
         "settings": settings,
-        "records": records,
+        "records": [record.to_dict() for record in records],
         "summary": summary or {},
     }
     text = json.dumps(document, indent=1, sort_keys=False) + "\n"
@@ -148,9 +149,10 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def print_table(rows: list[dict], columns: list[str]) -> None:
-    """A plain fixed-width table on stdout."""
-    cells = [[_format(row.get(col)) for col in columns] for row in rows]
+def print_table(rows: Sequence[Union[Mapping, Record]], columns: list[str]) -> None:
+    """A plain fixed-width table on stdout, of dicts or records (a field a record lacks: blank)."""
+    cells = [[_format((row.to_dict() if isinstance(row, Record) else row).get(col)) for col in columns]
+             for row in rows]
     widths = [max(len(col), *(len(c[i]) for c in cells)) if cells else len(col) for i, col in enumerate(columns)]
     print("  ".join(col.rjust(w) for col, w in zip(columns, widths)))
     for row in cells:

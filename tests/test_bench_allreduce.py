@@ -62,8 +62,13 @@ def test_candidate_names():
             bench.parse_candidate("ddpkit:ring:shm")
 
 
-def _record(n, numel, candidate, median, **extra):
-    return {"world_size": n, "numel": numel, "candidate": candidate, "kind": "time", "median_s": median, **extra}
+def _record(n, numel, candidate, median, cut_off=False):
+    """A time record of one repetition at ``median`` seconds (None: not measured)."""
+    if median is None:
+        return bench._time_record(bench.parse_candidate(candidate), n, numel, [], status="not measured: test",
+                                  batch=1, cut_off=cut_off, max_abs_error_of_mean=None)
+    return bench._time_record(bench.parse_candidate(candidate), n, numel, [median], batch=1, reps_planned=1,
+                              cut_off=cut_off, max_abs_error_of_mean=None)
 
 
 def test_summary_bars():
@@ -92,6 +97,8 @@ def test_peer_records_keep_missing_points():
                "cut_off": True, "warmup_s": 4e-6, "max_abs_error_of_mean": 1e-7, "library": "MPICH 4.1.2"}]
     records = bench.peer_records("mpich", 4, [1_000, 64_000_000], points, "job time limit (250 s)")
     measured, missing = records
-    assert measured["median_s"] == 2e-6 and measured["cut_off"] and measured["reps"] == 3
-    assert measured["bus_bandwidth_GBps"] == pytest.approx(4000 / 2e-6 * 1.5 / 1e9)
-    assert missing["median_s"] is None and missing["status"] == "not measured: job time limit (250 s)"
+    assert measured.median_s == 2e-6 and measured.cut_off and measured.reps == 3
+    assert measured.bus_bandwidth_GBps == pytest.approx(4000 / 2e-6 * 1.5 / 1e9)
+    assert (measured.library, measured.status) == ("MPICH 4.1.2", "measured")
+    assert missing.median_s is None and missing.status == "not measured: job time limit (250 s)"
+    assert "reps_planned" not in missing.to_dict() and missing.to_dict()["bus_bandwidth_GBps"] is None

@@ -1,0 +1,259 @@
+"""The records of benchmarks/results/*.json, typed: one frozen dataclass per kind of record.
+
+The benchmark scripts build their records as these classes, ``common.write_results`` writes each
+one's ``to_dict()``, and the report (notebooks/report.py) reads them back with ``load_records``. A
+record's JSON keys are its field names. A field without a default is always written (``null`` where
+it has no value); a field made by ``optional()`` is one that only some records have (a peer's
+``library``, a SyncBatchNorm candidate that does not run at that world size): it is None when
+absent and then left out of the JSON, so that the files keep the keys they have always had. A key
+that no field knows is an error, so that a script and the report cannot drift apart unnoticed.
+
+Pure Python (no torch): the report's kernel and the tests import it on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+_LEFT_OUT_WHEN_NONE = "left_out_when_none"
+
+
+def optional() -> Any:
+    """A field that only some records have: None by default, and then not written."""
+    return field(default=None, metadata={_LEFT_OUT_WHEN_NONE: True})
+
+
+class Record:
+    """What every record class shares: its JSON object, and reading one back."""
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            if f.metadata.get(_LEFT_OUT_WHEN_NONE) and data[f.name] is None:
+                del data[f.name]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Record":
+        """The record of a JSON object; raises ValueError on a key no field knows or a required one missing."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(data.keys() - fields.keys())
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)} (benchmarks/records.py)")
+        missing = sorted(name for name, f in fields.items() if f.init and name not in data
+                         and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise ValueError(f"{cls.__name__} lacks {', '.join(missing)}")
+        for name, f in fields.items():
+            if not f.init and name in data and data[name] != f.default:  # the "kind" the class stands for
+                raise ValueError(f"{cls.__name__} has {name} {f.default!r}, not {data[name]!r}")
+        return cls(**{name: value for name, value in data.items() if fields[name].init})
+
+
+def _kind(value: str) -> Any:
+    """The ``kind`` of a class whose records all carry it (the results files that mix kinds)."""
+    return field(default=value, init=False)
+
+
+# -- bench_allreduce.py: allreduce.json, allreduce_checks.json -------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllreduceTimeRecord(Record):
+    """One candidate at one (world size, vector size): time per call of the slowest rank, over repetitions."""
+    world_size: int
+    numel: int
+    candidate: str
+    kind: str = _kind("time")
+    implementation: str                      # ddpkit, gloo, floor, mpich, deepspeed
+    algorithm: Optional[str]                 # ddpkit's algorithm argument
+    transport: Optional[str]                 # ddpkit's transport, its default resolved
+    checked: Optional[bool]                  # ddpkit's Note [Collective checks]
+    resolved_algorithm: Optional[str] = optional()  # what "auto" chose, where ddpkit can tell (process group)
+    median_s: Optional[float]                # None: not measured (see status)
+    p25_s: Optional[float]
+    p75_s: Optional[float]
+    reps: int
+    status: str                              # "measured", or "not measured: <why>"
+    algorithm_bandwidth_GBps: Optional[float]
+    bus_bandwidth_GBps: Optional[float]      # None for the floor and at one process
+    batch: int                               # back-to-back calls per repetition
+    reps_planned: Optional[int] = optional()
+    cut_off: bool                            # fewer repetitions ran than planned (a peer's time budget; not measured)
+    warmup_s: Optional[float] = optional()   # a peer's warm-up repetition, which planned its repetitions
+    library: Optional[str] = optional()      # a peer's library version
+    max_abs_error_of_mean: Optional[float]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllreduceMemoryRecord(Record):
+    """Peak resident-set increase of one warm all-reduce, the maximum over ranks."""
+    world_size: int
+    numel: int
+    candidate: str
+    kind: str = _kind("memory")
+    peak_memory_increase_bytes: int
+    input_bytes: int
+
+
+# -- bench_backend.py: backend.json (and DdpRecord with kind "ddp") ---------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveRecord(Record):
+    """One collective through one candidate (gloo, the "ddpkit" backend, ddpkit's own function)."""
+    kind: str = _kind("collective")
+    collective: str
+    candidate: str
+    world_size: int
+    numel: int
+    bytes: int
+    median_s: float
+    p25_s: float
+    p75_s: float
+    reps: int
+    busbw_GBps: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerRecord(Record):
+    """One all-reduce through one layer of the torch.distributed stack."""
+    kind: str = _kind("layers")
+    layer: str
+    world_size: int
+    numel: int
+    median_s: float
+    reps: int
+
+
+# -- bench_ddp.py: ddp.json, ddp_cuda.json ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class DdpRecord(Record):
+    """One DDP candidate on one (model, accumulation): step time and peak memory."""
+    kind: Optional[Literal["ddp"]] = optional()  # only in backend.json, beside its other kinds
+    world_size: int
+    model: str
+    batch_per_rank: int
+    accumulation: int
+    candidate: str
+    # The candidate's settings (bench_ddp.run_config's ``candidates``).
+    impl: str
+    algorithm: Optional[str] = optional()
+    backend: Optional[str] = optional()
+    env: Optional[dict] = optional()
+    median_step_s: float
+    p25_step_s: float
+    p75_step_s: float
+    steps_timed: int
+    peak_memory_bytes: int
+    reducer_stats: Optional[dict]
+    # Named after run_config's reference candidate: torch (bench_ddp.py), torch_gloo (bench_backend.py).
+    max_param_diff_vs_torch_after_2_steps: Optional[float] = optional()
+    max_param_diff_vs_torch_gloo_after_2_steps: Optional[float] = optional()
+
+
+# -- bench_syncbn.py: syncbn.json, syncbn_cuda.json -------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncBatchNormRecord(Record):
+    """One input shape at one world size. Per candidate (bench_syncbn.py's settings.candidates, present
+    where it ran): ``t_<name>`` the median step time, ``alloc_<name>`` and ``rss_<name>`` its memory."""
+    world_size: int
+    shape: list[int]
+    features: int
+    global_batch: int
+    local_batch: int
+    threads_per_rank: int
+    kernels: str
+    repetitions: int
+    t_ddpkit: Optional[float] = optional()
+    t_ddpkit_pg: Optional[float] = optional()
+    t_ddpkit_unchecked: Optional[float] = optional()
+    t_torch_bn_local: Optional[float] = optional()
+    t_torch_syncbn: Optional[float] = optional()
+    t_ddpkit_local: Optional[float] = optional()
+    t_gloo_two_all_reduces: Optional[float] = optional()
+    t_torch_emulated: Optional[float] = optional()
+    alloc_ddpkit: Optional[int] = optional()
+    rss_ddpkit: Optional[int] = optional()
+    alloc_ddpkit_pg: Optional[int] = optional()
+    rss_ddpkit_pg: Optional[int] = optional()
+    alloc_ddpkit_unchecked: Optional[int] = optional()
+    rss_ddpkit_unchecked: Optional[int] = optional()
+    alloc_torch_bn_local: Optional[int] = optional()
+    rss_torch_bn_local: Optional[int] = optional()
+    alloc_torch_syncbn: Optional[int] = optional()
+    rss_torch_syncbn: Optional[int] = optional()
+    t_floor: Optional[float] = optional()    # CPU, world size > 1: torch BatchNorm + two gloo all-reduces
+    ratio: float                             # ddpkit against the baseline (bench_syncbn.summarize)
+    ratio_pg: Optional[float] = optional()
+    ratio_unchecked: Optional[float] = optional()
+    ratio_emulated: Optional[float] = optional()
+    ratio_local_compute: Optional[float] = optional()
+    ratio_pg_vs_emulated: Optional[float] = optional()
+    alloc_extra: int
+    alloc_extra_per_channel: float
+
+
+# -- bench_training.py: training.json, training_main.json -------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingRecord(Record):
+    """One pipeline's whole training run."""
+    candidate: str
+    impl: str
+    sync_bn: bool
+    world_size: int
+    notes: list[str]
+    global_batch: int
+    optimizer_steps: int
+    epochs: list[dict]                       # ddpkit.training.Trainer.train_epoch's records, one per epoch
+    final_test_accuracy: float
+    final_test_loss: float
+    median_epoch_time_s: float
+    peak_rss_bytes: int
+    loss_curve: list[float]                  # rank 0's loss at every micro-batch
+
+
+# A record with a "kind" is of the class of its kind; a record without one, of the class of its file.
+BY_KIND: dict[str, type[Record]] = {"time": AllreduceTimeRecord, "memory": AllreduceMemoryRecord,
+                                    "collective": CollectiveRecord, "layers": LayerRecord, "ddp": DdpRecord}
+BY_BENCHMARK: dict[str, type[Record]] = {"syncbn": SyncBatchNormRecord, "ddp": DdpRecord, "training": TrainingRecord}
+
+
+def load_records(source: Union[str, Path, dict], without_kind: Optional[type[Record]] = None) -> list[Record]:
+    """The typed records of a results file, given its path or its parsed JSON document.
+
+    A record without a ``kind`` is of ``without_kind``, by default of the class ``BY_BENCHMARK`` gives
+    the benchmark's name up to its first "_" (syncbn_cuda: syncbn; training_main: training).
+    Raises ValueError, naming the file and the record, on a record that does not fit its class.
+    """
+    if isinstance(source, dict):
+        document, where = source, f"results {source.get('benchmark')!r}"
+    else:
+        document, where = json.loads(Path(source).read_text()), str(source)
+    family = str(document.get("benchmark", "")).split("_")[0]
+    records = []
+    for index, data in enumerate(document["records"]):
+        if "kind" in data:
+            cls = BY_KIND.get(data["kind"])
+            if cls is None:
+                raise ValueError(f"{where}, record {index}: unknown kind {data['kind']!r} (benchmarks/records.py)")
+        else:
+            cls = without_kind or BY_BENCHMARK.get(family)
+            if cls is None:
+                raise ValueError(f"{where}, record {index}: no kind, and no record class for benchmark "
+                                 f"{document.get('benchmark')!r} (pass without_kind)")
+        try:
+            records.append(cls.from_dict(data))
+        except ValueError as error:
+            raise ValueError(f"{where}, record {index}: {error}") from None
+    return records
