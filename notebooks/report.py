@@ -3,9 +3,10 @@
     python notebooks/report.py                                   # benchmarks/results -> notebooks/report.ipynb
     python notebooks/report.py --results DIR --output PATH       # e.g. the --quick results of run_all.sh
 
-The notebook reads only ``<results>/*.json`` (schema: benchmarks/README.md). Every number in its
-text is computed from those files when it runs; nothing is typed in. The cells are defined here so
-that the report's source is reviewable as code; edit this file, not the .ipynb.
+The notebook reads only ``<results>/*.json`` (schema: benchmarks/README.md), their records as the
+typed records of benchmarks/records.py (``r.median_s``). Every number in its text is computed from
+those files when it runs; nothing is typed in. The cells are defined here so that the report's
+source is reviewable as code; edit this file, not the .ipynb.
 """
 
 from __future__ import annotations
@@ -24,16 +25,24 @@ OPTIONAL = ["syncbn_cuda", "ddp_cuda", "training_main"]
 
 SETUP = r'''
 %matplotlib inline
-import json, os, statistics
+import json, os, statistics, sys
 from pathlib import Path
 import matplotlib.pyplot as plt
 from IPython.display import HTML, Markdown, display
 
+sys.path.insert(0, str(Path("../benchmarks").resolve()))  # the notebook runs in notebooks/
+from records import load_records
+
 RESULTS = Path(os.environ.get("DDPKIT_REPORT_RESULTS", "../benchmarks/results"))
 EXPECTED = __EXPECTED__
-R = {name: json.loads((RESULTS / f"{name}.json").read_text()) for name in EXPECTED}
-R.update({name: json.loads((RESULTS / f"{name}.json").read_text()) for name in __OPTIONAL__
-          if (RESULTS / f"{name}.json").exists()})
+
+def load(name):
+    """A results file, its records typed (benchmarks/records.py: r.median_s, r.kind, ...)."""
+    document = json.loads((RESULTS / f"{name}.json").read_text())
+    return {**document, "records": load_records(document)}
+
+R = {name: load(name) for name in EXPECTED}
+R.update({name: load(name) for name in __OPTIONAL__ if (RESULTS / f"{name}.json").exists()})
 
 def table(rows, columns, formats=None):
     """An HTML table of dict rows."""
@@ -102,13 +111,8 @@ slowest rank's; the figure is the median over interleaved repetitions (method: `
 ALLREDUCE_TIME = r'''
 command("allreduce")
 A = R["allreduce"]
-candidate_of = lambda r: r.get("candidate", r.get("algorithm"))  # files before the candidate grid: "algorithm"
-timed = [r for r in A["records"] if r["kind"] == "time" and r.get("median_s")]
-missing = [r for r in A["records"] if r["kind"] == "time" and not r.get("median_s")]
-if A["settings"].get("format") != "candidates-v2":
-    display(Markdown("**This file predates the candidate grid** (ddpkit's algorithms over the process group against "
-                     "gloo, up to 100,000 floats): re-run `python benchmarks/bench_allreduce.py` for the grid "
-                     "with the transports, the floor and the external peers."))
+timed = [r for r in A["records"] if r.kind == "time" and r.median_s]
+missing = [r for r in A["records"] if r.kind == "time" and not r.median_s]
 statuses = A["settings"].get("candidates", {})
 if statuses:
     table([{"candidate": k, "status": v["status"], "how": v.get("launcher", v.get("install", ""))}
@@ -117,18 +121,17 @@ if statuses:
                      + ("" if A["settings"]["ddpkit_transport_argument"] else
                         " (this ddpkit had no `transport` argument: everything of ddpkit's ran over the process group)")
                      + "."))
-sizes = sorted({r["numel"] for r in timed})
-world_sizes = sorted({r["world_size"] for r in timed})
-candidates = list(dict.fromkeys(candidate_of(r) for r in timed))
-STYLE = {"gloo": dict(color="black", linewidth=2.5), "torch.distributed": dict(color="black", linewidth=2.5),
-         "floor": dict(color="gray", linestyle="--"), "ddpkit": dict(color="tab:red", linewidth=2.5)}
+sizes = sorted({r.numel for r in timed})
+world_sizes = sorted({r.world_size for r in timed})
+candidates = list(dict.fromkeys(r.candidate for r in timed))
+STYLE = {"gloo": dict(color="black", linewidth=2.5), "floor": dict(color="gray", linestyle="--"),
+         "ddpkit": dict(color="tab:red", linewidth=2.5)}
 columns = min(4, len(world_sizes))
 fig, axes = plt.subplots(-(-len(world_sizes) // columns), columns, figsize=(4.3 * columns, 3.3 * -(-len(world_sizes) // columns)),
                          sharey=True, squeeze=False)
 for ax, ws in zip(axes.flat, world_sizes):
     for c in candidates:
-        points = sorted((r["numel"], r["median_s"], bool(r.get("cut_off"))) for r in timed
-                        if r["world_size"] == ws and candidate_of(r) == c)
+        points = sorted((r.numel, r.median_s, r.cut_off) for r in timed if r.world_size == ws and r.candidate == c)
         if not points:
             continue
         line, = ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", markersize=3, label=c,
@@ -144,47 +147,38 @@ for row in axes:
 axes.flat[0].legend(fontsize=7)
 plt.tight_layout(); plt.show()
 display(Markdown("× marks a point cut short by its time budget (fewer repetitions than planned). " +
-                 (f"Not measured: {', '.join(sorted({candidate_of(r) + ' n=' + str(r['world_size']) for r in missing}))}."
+                 (f"Not measured: {', '.join(sorted({f'{r.candidate} n={r.world_size}' for r in missing}))}."
                   if missing else "")))
 '''
 
 ALLREDUCE_RING = r'''
-by = {(r["world_size"], r["numel"], candidate_of(r)): r for r in timed}
+by = {(r.world_size, r.numel, r.candidate): r for r in timed}
 summary = A["summary"]
-if "ddpkit_over_gloo" in summary:
-    grid = [n for n in (2, 4, 8) if n in world_sizes]
-    rows = []
-    for ws in grid:
-        row = {"n": ws}
-        for numel in sizes:
-            row[f"{numel:,}"] = summary["ddpkit_over_gloo"].get(f"n={ws} numel={numel}")
-        rows.append(row)
-    table(rows, ["n"] + [f"{n:,}" for n in sizes], {f"{n:,}": ratio for n in sizes})
-    worst = summary["ddpkit_over_gloo_max"]
-    lines = [f"**ddpkit / gloo** (table above; bar ≤ 0.2 at n ∈ {{2, 4, 8}} × 1k–16M floats): worst "
-             f"{worst:.2f}× — {'met' if summary['ddpkit_over_gloo_bar_met'] else 'not met'}." if worst is not None
-             else "**ddpkit / gloo**: not measured."]
-    peers = summary["ddpkit_over_best_peer_n2"]
-    if peers:
-        lines.append("**ddpkit / best of MPICH and DeepSpeed at n = 2**: " + ", ".join(
-            f"{int(k.split('=')[1]):,} floats {v['ratio']:.2f}× ({v['best_peer']})" for k, v in peers.items()) + ".")
-    floor = summary["ddpkit_over_floor_n2"]
-    if floor:
-        lines.append("**ddpkit / floor at n = 2** (bar ≤ 3 from 1M floats): " + ", ".join(
-            f"{int(k.split('=')[1]):,} floats {v:.1f}×" for k, v in floor.items()) +
-            f" — {'met' if summary['ddpkit_over_floor_bar_met'] else 'not met'}.")
-    if summary.get("cut_off_points"):
-        lines.append(f"Cut off by the time budget: {len(summary['cut_off_points'])} points "
-                     f"({', '.join(summary['cut_off_points'][:8])}{' …' if len(summary['cut_off_points']) > 8 else ''}).")
-    display(Markdown("\n\n".join(lines)))
-else:  # a file from before the candidate grid
-    ring_bar = summary["ring_100k_at_2_and_4"]
-    display(Markdown(
-        "**Ring vs torch at 100,000 floats** (target ≤ 1.2×): " +
-        ", ".join(f"{k.split()[1]}: {v:.2f}×" for k, v in ring_bar.items()) +
-        f" — {'met' if summary['ring_bar_met'] else 'not met'}. "
-        f"**auto vs torch**, worst point up to 8 processes: {summary['auto_worst_ratio_up_to_8']:.2f}× "
-        f"(target ≤ 1.0×, {'met' if summary['auto_bar_met'] else 'not met'})."))
+grid = [n for n in (2, 4, 8) if n in world_sizes]
+rows = []
+for ws in grid:
+    row = {"n": ws}
+    for numel in sizes:
+        row[f"{numel:,}"] = summary["ddpkit_over_gloo"].get(f"n={ws} numel={numel}")
+    rows.append(row)
+table(rows, ["n"] + [f"{n:,}" for n in sizes], {f"{n:,}": ratio for n in sizes})
+worst = summary["ddpkit_over_gloo_max"]
+lines = [f"**ddpkit / gloo** (table above; bar ≤ 0.2 at n ∈ {{2, 4, 8}} × 1k–16M floats): worst "
+         f"{worst:.2f}× — {'met' if summary['ddpkit_over_gloo_bar_met'] else 'not met'}." if worst is not None
+         else "**ddpkit / gloo**: not measured."]
+peers = summary["ddpkit_over_best_peer_n2"]
+if peers:
+    lines.append("**ddpkit / best of MPICH and DeepSpeed at n = 2**: " + ", ".join(
+        f"{int(k.split('=')[1]):,} floats {v['ratio']:.2f}× ({v['best_peer']})" for k, v in peers.items()) + ".")
+floor = summary["ddpkit_over_floor_n2"]
+if floor:
+    lines.append("**ddpkit / floor at n = 2** (bar ≤ 3 from 1M floats): " + ", ".join(
+        f"{int(k.split('=')[1]):,} floats {v:.1f}×" for k, v in floor.items()) +
+        f" — {'met' if summary['ddpkit_over_floor_bar_met'] else 'not met'}.")
+if summary.get("cut_off_points"):
+    lines.append(f"Cut off by the time budget: {len(summary['cut_off_points'])} points "
+                 f"({', '.join(summary['cut_off_points'][:8])}{' …' if len(summary['cut_off_points']) > 8 else ''}).")
+display(Markdown("\n\n".join(lines)))
 '''
 
 ALLREDUCE_SPREAD = r'''
@@ -194,7 +188,7 @@ for ws in [w for w in world_sizes if w <= 8]:
         row = {"n": ws, "floats": f"{numel:,}"}
         for c in candidates:
             r = by.get((ws, numel, c))
-            row[c] = r.get("bus_bandwidth_GBps") if r else None
+            row[c] = r.bus_bandwidth_GBps if r else None
         if any(row[c] is not None for c in candidates):
             rows.append(row)
 shown = [c for c in candidates if any(row[c] is not None for row in rows)]
@@ -207,8 +201,8 @@ for ws in [2, 4, 8]:
         for c in candidates:
             r = by.get((ws, numel, c))
             if r:
-                rows.append({"n": ws, "floats": f"{numel:,}", "candidate": c, "p25": r["p25_s"], "median": r["median_s"],
-                             "p75": r["p75_s"], "reps": r.get("reps"), "cut off": r.get("cut_off")})
+                rows.append({"n": ws, "floats": f"{numel:,}", "candidate": c, "p25": r.p25_s, "median": r.median_s,
+                             "p75": r.p75_s, "reps": r.reps, "cut off": r.cut_off})
 table(rows, ["n", "floats", "candidate", "p25", "median", "p75", "reps", "cut off"],
       {"p25": us, "median": us, "p75": us})
 display(Markdown(
@@ -222,8 +216,8 @@ rows = []
 for ws in world_sizes:
     row = {"world size": ws}
     for c in candidates:
-        errors = [r["max_abs_error_of_mean"] for r in timed
-                  if r["world_size"] == ws and candidate_of(r) == c and r.get("max_abs_error_of_mean") is not None]
+        errors = [r.max_abs_error_of_mean for r in timed
+                  if r.world_size == ws and r.candidate == c and r.max_abs_error_of_mean is not None]
         row[c] = max(errors) if errors else None
     rows.append(row)
 measured = [c for c in candidates if any(row[c] is not None for row in rows)]
@@ -233,12 +227,11 @@ display(Markdown("Accuracy of averaging: max |result − float64 mean| over the 
 '''
 
 ALLREDUCE_MEMORY = r'''
-memory = [r for r in A["records"] if r["kind"] == "memory"]
-big = max(r["numel"] for r in memory)
+memory = [r for r in A["records"] if r.kind == "memory"]
+big = max(r.numel for r in memory)
 fig, ax = plt.subplots(figsize=(8, 4))
-for c in dict.fromkeys(candidate_of(r) for r in memory):
-    points = sorted((r["world_size"], r["peak_memory_increase_bytes"]) for r in memory
-                    if r["numel"] == big and candidate_of(r) == c)
+for c in dict.fromkeys(r.candidate for r in memory):
+    points = sorted((r.world_size, r.peak_memory_increase_bytes) for r in memory if r.numel == big and r.candidate == c)
     ax.plot([p[0] for p in points], [p[1] / 2**20 for p in points], marker="o", label=c)
 ax.set_xscale("log", base=2); ax.set_xlabel("world size"); ax.set_ylabel("peak RSS increase (MiB)")
 ax.set_title(f"memory of one warm all-reduce of {big:,} floats ({big * 4 / 2**20:.0f} MiB), max over ranks")
@@ -265,12 +258,13 @@ SYNCBN_TABLE = r'''
 command("syncbn")
 s = R["syncbn"]
 records = s["records"]
-distributed = [r for r in records if r["world_size"] > 1]
+distributed = [r for r in records if r.world_size > 1]
 # On CUDA the baseline is torch.nn.SyncBatchNorm itself; on CPU, where torch has none, the floor.
-rows = [{"workers": r["world_size"], "shape": "×".join(map(str, r["shape"])), "ddpkit (auto)": r["t_ddpkit"],
-         "ddpkit (process_group)": r["t_ddpkit_pg"], "baseline": r.get("t_torch_syncbn", r.get("t_floor")),
-         "auto/baseline": r["ratio"], "pg/baseline": r["ratio_pg"], "unchecked/baseline": r.get("ratio_unchecked"),
-         "local kernels/BN": r.get("ratio_local_compute")}
+rows = [{"workers": r.world_size, "shape": "×".join(map(str, r.shape)), "ddpkit (auto)": r.t_ddpkit,
+         "ddpkit (process_group)": r.t_ddpkit_pg,
+         "baseline": r.t_torch_syncbn if r.t_torch_syncbn is not None else r.t_floor,
+         "auto/baseline": r.ratio, "pg/baseline": r.ratio_pg, "unchecked/baseline": r.ratio_unchecked,
+         "local kernels/BN": r.ratio_local_compute}
         for r in distributed]
 table(rows, ["workers", "shape", "ddpkit (auto)", "ddpkit (process_group)", "baseline", "auto/baseline",
              "pg/baseline", "unchecked/baseline", "local kernels/BN"],
@@ -284,15 +278,16 @@ display(Markdown(
 
 SYNCBN_PLOT = r'''
 fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharey=True)
-for ax, ws in zip(axes, sorted({r["world_size"] for r in distributed})):
-    rows = [r for r in distributed if r["world_size"] == ws]
-    labels = ["×".join(map(str, r["shape"])) for r in rows]
+for ax, ws in zip(axes, sorted({r.world_size for r in distributed})):
+    rows = [r for r in distributed if r.world_size == ws]
+    labels = ["×".join(map(str, r.shape)) for r in rows]
     xs = range(len(rows))
     for offset, key, label in [(-0.3, "ratio", "ddpkit (auto)"), (-0.1, "ratio_unchecked", "ddpkit (auto, unchecked)"),
                                (0.1, "ratio_pg", "ddpkit (process_group)"),
                                (0.3, "ratio_emulated", "torch's parts in one step")]:
-        if all(key in r for r in rows):  # the emulation exists only where torch has no SyncBatchNorm (CPU)
-            ax.bar([x + offset for x in xs], [r[key] for r in rows], width=0.18, label=label)
+        # The emulation exists only where torch has no SyncBatchNorm (CPU).
+        if all(getattr(r, key) is not None for r in rows):
+            ax.bar([x + offset for x in xs], [getattr(r, key) for r in rows], width=0.18, label=label)
     ax.axhline(1.15, color="black", linestyle="--", linewidth=1, label="target 1.15")
     ax.axhline(1.0, color="gray", linewidth=0.8)
     ax.set_xticks(list(xs), labels, rotation=30, fontsize=8); ax.set_title(f"{ws} workers: time / baseline")
@@ -300,13 +295,13 @@ axes[0].legend(fontsize=8); plt.tight_layout(); plt.show()
 '''
 
 SYNCBN_LOCAL = r'''
-two = [r for r in distributed if r["world_size"] == 2]
-best = [min(r["ratio"], r["ratio_pg"]) for r in two]
+two = [r for r in distributed if r.world_size == 2]
+best = [min(r.ratio, r.ratio_pg) for r in two]
 local = s["summary"]["local_ratios"]
 table([{"shape / threads": k, "ddpkit local / torch BN": v} for k, v in local.items()],
       ["shape / threads", "ddpkit local / torch BN"], {"ddpkit local / torch BN": ratio})
-memory_rows = [{"workers": r["world_size"], "shape": "×".join(map(str, r["shape"])), "ddpkit bytes": r["alloc_ddpkit"],
-                "BatchNorm bytes": r["alloc_torch_bn_local"], "extra per channel": r["alloc_extra_per_channel"]}
+memory_rows = [{"workers": r.world_size, "shape": "×".join(map(str, r.shape)), "ddpkit bytes": r.alloc_ddpkit,
+                "BatchNorm bytes": r.alloc_torch_bn_local, "extra per channel": r.alloc_extra_per_channel}
                for r in distributed]
 table(memory_rows, ["workers", "shape", "ddpkit bytes", "BatchNorm bytes", "extra per channel"],
       {"ddpkit bytes": kib, "BatchNorm bytes": kib, "extra per channel": lambda v: f"{v:.1f} B"})
@@ -315,13 +310,13 @@ display(Markdown(
     f"({sum(b <= 1.15 for b in best)} of {len(best)} configurations within 1.15×); the local kernels alone are "
     f"{min(local.values()):.2f}–{max(local.values()):.2f}× torch's CPU batch norm (target ≤ 1.0×); memory is at most "
     f"{s['summary']['max_alloc_extra_per_channel_bytes']:.1f} bytes per channel above BatchNorm's."))
-unchecked = [r["ratio_unchecked"] for r in two if "ratio_unchecked" in r]
+unchecked = [r.ratio_unchecked for r in two if r.ratio_unchecked is not None]
 if unchecked:
     display(Markdown(
         f"With Note [Collective checks] off (one header round trip less per all-reduce), `auto` is "
         f"{min(unchecked):.2f}–{max(unchecked):.2f}× the floor at 2 workers ({sum(u <= 1.15 for u in unchecked)} of "
-        f"{len(unchecked)} within 1.15×), against {min(r['ratio'] for r in two):.2f}–{max(r['ratio'] for r in two):.2f}× "
-        f"with them on (median {statistics.median(unchecked):.2f}× vs {statistics.median(r['ratio'] for r in two):.2f}×)."))
+        f"{len(unchecked)} within 1.15×), against {min(r.ratio for r in two):.2f}–{max(r.ratio for r in two):.2f}× "
+        f"with them on (median {statistics.median(unchecked):.2f}× vs {statistics.median(r.ratio for r in two):.2f}×)."))
 '''
 
 DDP = r'''
@@ -331,9 +326,9 @@ DDP = r'''
 DDP_TABLE = r'''
 command("ddp")
 d = R["ddp"]
-rows = [{"model": r["model"], "accumulation": r["accumulation"], "candidate": r["candidate"],
-         "median step": r["median_step_s"], "p25 step": r["p25_step_s"], "peak memory": r["peak_memory_bytes"],
-         "buckets": (r["reducer_stats"] or {}).get("buckets")} for r in d["records"]]
+rows = [{"model": r.model, "accumulation": r.accumulation, "candidate": r.candidate,
+         "median step": r.median_step_s, "p25 step": r.p25_step_s, "peak memory": r.peak_memory_bytes,
+         "buckets": (r.reducer_stats or {}).get("buckets")} for r in d["records"]]
 table(rows, ["model", "accumulation", "candidate", "median step", "p25 step", "peak memory", "buckets"],
       {"median step": ms, "p25 step": ms, "peak memory": mib})
 fig, ax = plt.subplots(figsize=(10, 3.5))
@@ -367,23 +362,23 @@ t = R["training"]
 settings = t["settings"]
 fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4))
 for record in t["records"]:
-    losses = record["loss_curve"]
+    losses = record.loss_curve
     window = max(1, len(losses) // 100)
     smooth = [statistics.fmean(losses[i:i + window]) for i in range(0, len(losses) - window + 1, window)]
-    left.plot([i * window for i in range(len(smooth))], smooth, label=record["candidate"])
-    right.plot([e["epoch"] + 1 for e in record["epochs"]], [100 * e["test_accuracy"] for e in record["epochs"]],
-               marker="o", label=record["candidate"])
+    left.plot([i * window for i in range(len(smooth))], smooth, label=record.candidate)
+    right.plot([e["epoch"] + 1 for e in record.epochs], [100 * e["test_accuracy"] for e in record.epochs],
+               marker="o", label=record.candidate)
 left.set_xlabel("optimizer step"); left.set_ylabel("training loss (rank 0, smoothed)"); left.legend(); left.grid(alpha=0.3)
 right.set_xlabel("epoch"); right.set_ylabel("test accuracy (%)"); right.legend(); right.grid(alpha=0.3)
 plt.tight_layout(); plt.show()
-rows = [{"pipeline": r["candidate"], "final test accuracy": r["final_test_accuracy"], "final test loss": r["final_test_loss"],
-         "median epoch time": r["median_epoch_time_s"], "peak memory": r["peak_rss_bytes"],
-         "notes": "; ".join(r["notes"])} for r in t["records"]]
+rows = [{"pipeline": r.candidate, "final test accuracy": r.final_test_accuracy, "final test loss": r.final_test_loss,
+         "median epoch time": r.median_epoch_time_s, "peak memory": r.peak_rss_bytes,
+         "notes": "; ".join(r.notes)} for r in t["records"]]
 table(rows, ["pipeline", "final test accuracy", "final test loss", "median epoch time", "peak memory", "notes"],
       {"final test accuracy": lambda v: f"{100 * v:.2f}%", "median epoch time": lambda v: f"{v:.1f} s",
        "peak memory": mib})
 summary = t["summary"]
-by_candidate = {r["candidate"]: r for r in t["records"]}
+by_candidate = {r.candidate: r for r in t["records"]}
 display(Markdown(
     f"{settings['dataset']}, model `{settings['model']}`, {settings['world_size']} processes, "
     f"accumulation {settings['accumulation_steps']}, {settings['epochs']} epochs, same seed: ddpkit's final accuracy is "
@@ -391,13 +386,13 @@ display(Markdown(
     f"{summary['epoch_time_ratio']:.2f}× and peak memory {summary['memory_ratio']:.2f}× torch's (targets ≤ 1.0×)."))
 control = summary.get("plain_bn_vs_torch")
 if control:
-    sync_cost = by_candidate["ddpkit"]["median_epoch_time_s"] - by_candidate["ddpkit_plain_bn"]["median_epoch_time_s"]
+    sync_cost = by_candidate["ddpkit"].median_epoch_time_s - by_candidate["ddpkit_plain_bn"].median_epoch_time_s
     display(Markdown(
         f"On CPU torch's pipeline cannot synchronize BatchNorm, so `ddpkit_plain_bn` (ddpkit's DDP, plain BatchNorm) "
         f"is the like-for-like control: epoch time {control['epoch_time_ratio']:.2f}×, peak memory "
         f"{control['memory_ratio']:.2f}×, accuracy {control['accuracy_difference_pp']:+.2f} pp against torch. "
         f"Synchronizing the batch statistics costs {sync_cost:.1f} s per epoch "
-        f"({by_candidate['ddpkit']['optimizer_steps'] // settings['epochs'] * settings['accumulation_steps']} "
+        f"({by_candidate['ddpkit'].optimizer_steps // settings['epochs'] * settings['accumulation_steps']} "
         f"micro-batches per epoch, two all-reduces per BatchNorm layer each)."))
 '''
 
@@ -433,12 +428,13 @@ else:
                      f"torch {g['environment']['torch_version']}."))
     rows = []
     for r in g["records"]:
-        baseline = r.get("t_torch_syncbn", r.get("t_torch_bn_local"))
-        base_alloc = r.get("alloc_torch_syncbn", r.get("alloc_torch_bn_local"))
-        rows.append({"world size": r["world_size"], "shape": "x".join(map(str, r["shape"])),
-                     "ddpkit": r["t_ddpkit"], "ddpkit (process_group)": r.get("t_ddpkit_pg"),
-                     "torch": baseline, "baseline": "nn.SyncBatchNorm" if "t_torch_syncbn" in r else "BatchNorm (cuDNN)",
-                     "ratio": r["ratio"], "memory ratio": r["alloc_ddpkit"] / base_alloc})
+        synchronized = r.t_torch_syncbn is not None  # world size 2; at 1 the baseline is torch's CUDA BatchNorm
+        baseline = r.t_torch_syncbn if synchronized else r.t_torch_bn_local
+        base_alloc = r.alloc_torch_syncbn if synchronized else r.alloc_torch_bn_local
+        rows.append({"world size": r.world_size, "shape": "x".join(map(str, r.shape)),
+                     "ddpkit": r.t_ddpkit, "ddpkit (process_group)": r.t_ddpkit_pg,
+                     "torch": baseline, "baseline": "nn.SyncBatchNorm" if synchronized else "BatchNorm (cuDNN)",
+                     "ratio": r.ratio, "memory ratio": r.alloc_ddpkit / base_alloc})
     table(rows, ["world size", "shape", "ddpkit", "ddpkit (process_group)", "torch", "baseline", "ratio", "memory ratio"],
           {"ddpkit": ms, "ddpkit (process_group)": ms, "torch": ms, "ratio": ratio,
            "memory ratio": lambda x: f"{x:.4f}×"})
@@ -466,42 +462,43 @@ own `DistributedDataParallel`, unchanged, on both backends.
 BACKEND_TABLES = r'''
 b = R["backend"]
 command("backend")
-coll = [r for r in b["records"] if r["kind"] == "collective"]
-by = {(r["collective"], r["world_size"], r["numel"], r["candidate"]): r for r in coll}
+coll = [r for r in b["records"] if r.kind == "collective"]
+by = {(r.collective, r.world_size, r.numel, r.candidate): r for r in coll}
 rows = []
 for (collective, n, numel, candidate), r in sorted(by.items()):
     if candidate != "backend":
         continue
-    rows.append({"collective": collective, "n": n, "size": numel, "gloo": by[(collective, n, numel, "gloo")]["median_s"],
-                 "backend": r["median_s"], "ddpkit": by[(collective, n, numel, "ddpkit")]["median_s"],
-                 "backend / gloo": r["median_s"] / by[(collective, n, numel, "gloo")]["median_s"],
-                 "backend / ddpkit": r["median_s"] / by[(collective, n, numel, "ddpkit")]["median_s"],
-                 "busbw backend": r["busbw_GBps"]})
+    rows.append({"collective": collective, "n": n, "size": numel, "gloo": by[(collective, n, numel, "gloo")].median_s,
+                 "backend": r.median_s, "ddpkit": by[(collective, n, numel, "ddpkit")].median_s,
+                 "backend / gloo": r.median_s / by[(collective, n, numel, "gloo")].median_s,
+                 "backend / ddpkit": r.median_s / by[(collective, n, numel, "ddpkit")].median_s,
+                 "busbw backend": r.busbw_GBps})
 table(rows, ["collective", "n", "size", "gloo", "backend", "ddpkit", "backend / gloo", "backend / ddpkit", "busbw backend"],
       {"gloo": us, "backend": us, "ddpkit": us, "backend / gloo": ratio, "backend / ddpkit": ratio,
        "busbw backend": lambda v: f"{v:.2f} GB/s"})
 fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
 for ax, collective in zip(axes, ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"]):
-    for n in sorted({r["world_size"] for r in coll}):
-        sizes = sorted({r["numel"] for r in coll if r["world_size"] == n and r["collective"] == collective})
+    for n in sorted({r.world_size for r in coll}):
+        sizes = sorted({r.numel for r in coll if r.world_size == n and r.collective == collective})
         for candidate, style in (("gloo", "--"), ("backend", "-")):
-            ax.loglog(sizes, [by[(collective, n, s, candidate)]["median_s"] for s in sizes], style, marker="o",
+            ax.loglog(sizes, [by[(collective, n, s, candidate)].median_s for s in sizes], style, marker="o",
                       label=f"{candidate} n={n}")
     ax.set_title(collective); ax.set_xlabel("floats"); ax.grid(True, which="both", alpha=0.3)
 axes[0].set_ylabel("seconds per call (median, slowest rank)"); axes[0].legend()
 plt.show()
-layers = [r for r in b["records"] if r["kind"] == "layers"]
+layers = [r for r in b["records"] if r.kind == "layers"]
 if layers:
     display(Markdown("One all-reduce through each layer, 2 processes: where the time above `ddpkit.all_reduce` goes."))
-    table([{"layer": r["layer"], "size": r["numel"], "time per call": r["median_s"]} for r in layers],
+    table([{"layer": r.layer, "size": r.numel, "time per call": r.median_s} for r in layers],
           ["layer", "size", "time per call"], {"time per call": lambda v: f"{v * 1e6:.1f} µs"})
-ddp = [r for r in b["records"] if r["kind"] == "ddp"]
+ddp = [r for r in b["records"] if r.kind == "ddp"]
 if ddp:
-    base = {(r["model"], r["accumulation"]): r for r in ddp if r["candidate"] == "torch_gloo"}
-    rows = [{"model": r["model"], "accumulation": r["accumulation"], "torch DDP on gloo": base[(r["model"], r["accumulation"])]["median_step_s"],
-             "on ddpkit": r["median_step_s"], "time ratio": r["median_step_s"] / base[(r["model"], r["accumulation"])]["median_step_s"],
-             "memory ratio": r["peak_memory_bytes"] / base[(r["model"], r["accumulation"])]["peak_memory_bytes"]}
-            for r in ddp if r["candidate"] == "torch_ddpkit"]
+    base = {(r.model, r.accumulation): r for r in ddp if r.candidate == "torch_gloo"}
+    rows = [{"model": r.model, "accumulation": r.accumulation,
+             "torch DDP on gloo": base[(r.model, r.accumulation)].median_step_s, "on ddpkit": r.median_step_s,
+             "time ratio": r.median_step_s / base[(r.model, r.accumulation)].median_step_s,
+             "memory ratio": r.peak_memory_bytes / base[(r.model, r.accumulation)].peak_memory_bytes}
+            for r in ddp if r.candidate == "torch_ddpkit"]
     table(rows, ["model", "accumulation", "torch DDP on gloo", "on ddpkit", "time ratio", "memory ratio"],
           {"torch DDP on gloo": ms, "on ddpkit": ms, "time ratio": ratio, "memory ratio": ratio})
 '''
