@@ -5,7 +5,8 @@ one's ``to_dict()``, and the report (notebooks/report.py) reads them back with `
 record's JSON keys are its field names. A field without a default is always written (``null`` where
 it has no value); a field made by ``optional()`` is one that only some records have (a peer's
 ``library``, a SyncBatchNorm candidate that does not run at that world size): it is None when
-absent and then left out of the JSON, so that the files keep the keys they have always had. A key
+absent and then left out of the JSON (also where a script measured it as None: the CUDA
+SyncBatchNorm runs have no ``rss_`` figures, which older files wrote as ``null``). A key
 that no field knows is an error, so that a script and the report cannot drift apart unnoticed.
 
 Pure Python (no torch): the report's kernel and the tests import it on its own.

@@ -75,7 +75,7 @@ def test_timeout_kills_the_pool():
 
 
 def test_explicit_launch_arguments_are_checked():
-    with pytest.raises(ValueError, match="needs --world-size and --rank"):
+    with pytest.raises(ValueError, match="master_addr needs world_size and rank"):
         init_distributed(master_addr="127.0.0.1", master_port=29500)
     with pytest.raises(ValueError, match=r"rank 3 is not in \[0, world_size=2\)"):
         init_distributed(master_addr="127.0.0.1", master_port=29500, world_size=2, rank=3)

@@ -290,7 +290,7 @@ def test_torchrun_user_error_is_reported_once_and_no_rank_prints_a_traceback(tmp
     assert output.count("Fashion-MNIST not found") == 1, output
     # torchrun's own launcher reports the failed workers with a traceback of torch/distributed/run.py;
     # none comes from a worker (no frame of train.py or ddpkit).
-    assert str(TRAIN) + '", line' not in output and "ddpkit/" + 'train.py", line' not in output, output
+    assert str(TRAIN) + '", line' not in output and "ddpkit/training/" + 'train.py", line' not in output, output
 
 
 @pytest.mark.parametrize("spelling,name", [

@@ -4,7 +4,7 @@ Importing ddpkit loads its C++ extension, which registers the ``torch.ops.ddpkit
 the ``"ddpkit"`` torch.distributed backend. The library is ``comm``, ``syncbn``, ``ddp``, ``backend``
 and ``launch``; ``ddpkit.testing`` is the multi-process harness of the tests and benchmarks, and
 ``ddpkit.training`` the training application (datasets, models, trainer), which the library never
-imports.
+imports. ``ddpkit.spawn`` (run a function on N fresh processes) is the harness's, re-exported.
 """
 
 import torch

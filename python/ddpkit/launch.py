@@ -46,7 +46,7 @@ def init_distributed(backend: Optional[str] = None, *, master_addr: Optional[str
     group_timeout = datetime.timedelta(seconds=timeout)
     if master_addr is not None:
         if world_size is None or rank is None:
-            raise ValueError("ddpkit: --master-addr needs --world-size and --rank")
+            raise ValueError("ddpkit: master_addr needs world_size and rank")
         if not 0 <= rank < world_size:
             raise ValueError(f"ddpkit: rank {rank} is not in [0, world_size={world_size})")
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",

@@ -210,7 +210,7 @@ class WorkerPool:
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"ddpkit.WorkerPool: ranks {sorted(pending)} did not finish within the timeout; "
+                raise TimeoutError(f"ddpkit.testing.WorkerPool: ranks {sorted(pending)} did not finish within the timeout; "
                                    "the pool was killed")
             waitables = {conn: rank for rank, conn in pending.items()}
             waitables.update({self._processes[rank].sentinel: rank for rank in pending})

@@ -626,7 +626,3 @@ def main(argv: Optional[list[str]] = None) -> None:
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
