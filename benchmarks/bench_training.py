@@ -1,7 +1,7 @@
 """Training: the ddpkit pipeline (DDP + SyncBatchNorm) against PyTorch's (DDP + SyncBatchNorm).
 
     python benchmarks/bench_training.py          # `make main`: 3 epochs on 30000 samples, under 10 minutes on 2 cores
-    python benchmarks/bench_training.py --full   # the full-length comparison: 15 epochs on all 60000 (about 45 minutes)
+    python benchmarks/bench_training.py --full   # the full-length comparison: 15 epochs on all 60000 (about 35 minutes)
     python benchmarks/bench_training.py --dataset cifar100 --model resnet18 --epochs 30   # where CIFAR-100 is present
     python benchmarks/bench_training.py --quick  # a smoke run
     python benchmarks/bench_training.py --plot-from benchmarks/results/training.json   # only redraw a saved run
@@ -89,7 +89,7 @@ def main() -> None:
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--full", action="store_true",
                         help=f"the full-length comparison ({FULL['epochs']} epochs on the whole training set, about "
-                             "45 minutes on 2 cores), written where the report reads it")
+                             "35 minutes on 2 cores), written where the report reads it")
     length.add_argument("--quick", action="store_true",
                         help=f"a smoke run ({QUICK['epochs']} epochs on {QUICK['limit_train']} samples)")
     parser.add_argument("--dataset", default="fashion_mnist")
