@@ -58,7 +58,6 @@ import importlib.util
 import inspect
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys

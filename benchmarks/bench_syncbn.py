@@ -44,6 +44,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleave, median, print_table, write_results  # noqa: E402
+from peers import timing  # noqa: E402
 from records import SyncBatchNormRecord  # noqa: E402
 
 import ddpkit  # noqa: E402
@@ -278,8 +279,7 @@ def inputs(shape, seed: int):
 def summarize(per_rank: list, world_size: int, shape) -> SyncBatchNormRecord:
     """One record from every rank's results: per-repetition max over ranks, then the median."""
     names = per_rank[0]["times"].keys()
-    step = {name: median(max(rank["times"][name][i] for rank in per_rank) for i in range(len(per_rank[0]["times"][name])))
-            for name in names}
+    step = {name: median(timing.slowest_per_rep([rank["times"][name] for rank in per_rank])) for name in names}
     memory = {name: {key: (max(rank["memory"][name][key] for rank in per_rank)
                            if per_rank[0]["memory"][name][key] is not None else None)
                      for key in ("alloc", "rss")} for name in per_rank[0]["memory"]}
