@@ -26,17 +26,22 @@ ALGORITHMS = tuple(torch.ops.ddpkit.algorithms())
 TRANSPORTS = tuple(torch.ops.ddpkit.transports())
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
+_DISTRIBUTED_AVAILABLE = dist.is_available()
 _TORCH_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
 def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     """The registered name of ``group`` (default: the world group), which the C++ ops resolve."""
-    if not dist.is_available() or not dist.is_initialized():
+    # On every collective's path: one attribute read when the group is given, two for the default.
+    if group is not None:
+        return group.group_name
+    world = dist.group.WORLD if _DISTRIBUTED_AVAILABLE else None
+    if world is None:
         raise RuntimeError(
             "ddpkit: torch.distributed is not initialized; call ddpkit.init_distributed() "
             "(or torch.distributed.init_process_group) first"
         )
-    return (group if group is not None else dist.group.WORLD).group_name
+    return world.group_name
 
 
 def _op_name(op: Union[str, dist.ReduceOp]) -> str:
@@ -51,51 +56,52 @@ def _op_name(op: Union[str, dist.ReduceOp]) -> str:
 def all_reduce(tensor: Tensor, op: Union[str, dist.ReduceOp] = "sum", algorithm: str = "auto",
                group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
     """Reduces ``tensor`` across all ranks in place; every rank ends with the same bits."""
-    return torch.ops.ddpkit.all_reduce_(tensor, _op_name(op), algorithm, group_name(group), transport)
+    return torch.ops.ddpkit.all_reduce_.default(tensor, _op_name(op), algorithm, group_name(group), transport)
 
 
 def broadcast(tensor: Tensor, src: int = 0, group: Optional[dist.ProcessGroup] = None,
               transport: str = "auto") -> Tensor:
     """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank (binomial tree)."""
-    return torch.ops.ddpkit.broadcast_(tensor, src, group_name(group), transport)
+    return torch.ops.ddpkit.broadcast_.default(tensor, src, group_name(group), transport)
 
 
 def reduce(tensor: Tensor, dst: int = 0, op: Union[str, dist.ReduceOp] = "sum",
            group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
     """Leaves the reduction in rank ``dst``'s ``tensor``; other ranks' tensors hold partial results."""
-    return torch.ops.ddpkit.reduce_(tensor, dst, _op_name(op), group_name(group), transport)
+    return torch.ops.ddpkit.reduce_.default(tensor, dst, _op_name(op), group_name(group), transport)
 
 
 def gather(tensor: Tensor, dst: int = 0, group: Optional[dist.ProcessGroup] = None,
            transport: str = "auto") -> Optional[Tensor]:
     """On rank ``dst``: a ``[world_size, *tensor.shape]`` tensor of every rank's ``tensor``; elsewhere None."""
     name = group_name(group)
-    gathered = torch.ops.ddpkit.gather(tensor, dst, name, transport)
+    gathered = torch.ops.ddpkit.gather.default(tensor, dst, name, transport)
     return gathered if dist.get_rank(group) == dst else None
 
 
 def scatter(output: Tensor, chunks: Optional[Tensor] = None, src: int = 0,
             group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
     """Writes row ``i`` of rank ``src``'s ``chunks`` (shape ``[world_size, *output.shape]``) into rank i's ``output``."""
-    return torch.ops.ddpkit.scatter_(output, chunks, src, group_name(group), transport)
+    return torch.ops.ddpkit.scatter_.default(output, chunks, src, group_name(group), transport)
 
 
 def all_gather_into_tensor(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
                            algorithm: str = "auto", transport: str = "auto") -> Tensor:
     """Writes rank i's ``input`` into block i of ``output`` (``world_size * input.numel()`` elements) everywhere."""
-    return torch.ops.ddpkit.all_gather_into_tensor_(output, input, algorithm, group_name(group), transport)
+    return torch.ops.ddpkit.all_gather_into_tensor_.default(output, input, algorithm, group_name(group), transport)
 
 
 def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Union[str, dist.ReduceOp] = "sum",
                           group: Optional[dist.ProcessGroup] = None, algorithm: str = "auto",
                           transport: str = "auto") -> Tensor:
     """Writes the reduction over ranks of block ``rank`` of ``input`` into ``output``; ``input`` is unchanged."""
-    return torch.ops.ddpkit.reduce_scatter_tensor_(output, input, _op_name(op), algorithm, group_name(group), transport)
+    return torch.ops.ddpkit.reduce_scatter_tensor_.default(output, input, _op_name(op), algorithm, group_name(group),
+                                                          transport)
 
 
 def barrier(group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> None:
     """Returns when every rank of ``group`` has called it."""
-    torch.ops.ddpkit.barrier(group_name(group), transport)
+    torch.ops.ddpkit.barrier.default(group_name(group), transport)
 
 
 def resolved_transport(group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> str:
