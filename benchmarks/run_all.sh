@@ -17,7 +17,7 @@ if [ "${1:-}" = "--quick" ]; then
   REPORT+=(--results "$DDPKIT_RESULTS_DIR" --output "$DDPKIT_RESULTS_DIR/report.ipynb")
 fi
 $PY benchmarks/bench_allreduce.py "${QUICK[@]}"
-$PY benchmarks/bench_allreduce.py "${QUICK[@]}" --check-overhead --world-sizes 2 4 8 --output allreduce_checks
+$PY benchmarks/bench_allreduce.py "${QUICK[@]}" --check-overhead --world-sizes 2 4 8 --reps 300 --output allreduce_checks
 $PY benchmarks/bench_syncbn.py "${QUICK[@]}"
 $PY benchmarks/bench_ddp.py "${QUICK[@]}"
 $PY benchmarks/bench_backend.py "${QUICK[@]}"

@@ -510,7 +510,7 @@ COMMANDS = r'''
 |---|---|
 | everything, then this notebook | `bash benchmarks/run_all.sh` (`--quick` for a smoke run) |
 | all-reduce grid | `bash benchmarks/peers/install.sh` (MPICH, DeepSpeed; once), then `python benchmarks/bench_allreduce.py` |
-| checked-mode overhead | `python benchmarks/bench_allreduce.py --check-overhead --world-sizes 2 4 8 --output allreduce_checks` |
+| checked-mode overhead | `python benchmarks/bench_allreduce.py --check-overhead --world-sizes 2 4 8 --reps 300 --output allreduce_checks` |
 | SyncBatchNorm | `python benchmarks/bench_syncbn.py` |
 | DDP | `python benchmarks/bench_ddp.py` |
 | the ddpkit torch.distributed backend | `python benchmarks/bench_backend.py` |
