@@ -5,10 +5,11 @@
     python benchmarks/bench_ddp.py --device cuda   # the ranks share GPU 0 over gloo: ddp_cuda.json
 
 Each candidate trains in its own pool of ``--world-size`` processes (so that peak memory is its
-own): ddpkit DDP with its default all-reduce, ddpkit DDP over the group's own all-reduce, and
-torch DDP (``no_sync`` on accumulation micro-batches). All start from the same weights and see the
-same synthetic batches; after a few steps their parameters must agree (else the run stops) before
-anything is timed. Timing: blocks of steps alternate between the candidates (order rotating,
+own): ddpkit DDP with its default all-reduce, ddpkit DDP over the group's own all-reduce,
+torch DDP (``no_sync`` on accumulation micro-batches), and ``floor``: the same steps with no
+gradient communication at all, the least any data-parallel wrapper could take. All start from the
+same weights and see the same synthetic batches; after a few steps their parameters must agree
+(else the run stops; ``floor`` does not average, so it is exempt) before anything is timed. Timing: blocks of steps alternate between the candidates (order rotating,
 ``common.interleave``); a step is k micro-batches of forward+backward plus the optimizer step, its
 time is the slowest rank's, the figure is the median step. Memory: peak RSS, the largest over the
 ranks (``max_memory_allocated`` on GPU). Results: benchmarks/results/ddp.json.
@@ -38,6 +39,7 @@ CANDIDATES = {
     "ddpkit": {"impl": "ddpkit", "algorithm": ddpkit.ddp.DEFAULT_ALGORITHM},
     "ddpkit_pg": {"impl": "ddpkit", "algorithm": "process_group"},
     "torch": {"impl": "torch"},
+    "floor": {"impl": "floor"},
 }
 
 _state: dict = {}  # per worker process: the model under test and its data
