@@ -8,6 +8,7 @@ threads, and the promise that nothing is left in /dev/shm.
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -127,9 +128,31 @@ def case_two_groups_two_threads(iterations):
 
 
 def case_segments_visible():
-    ddpkit.all_reduce(torch.ones(10))
+    # A new group: its segment is created (and must be unlinked) during this call, not reused.
+    group = dist.new_group(list(range(dist.get_world_size())))
+    ddpkit.all_reduce(torch.ones(10), group=group)
+    transport = ddpkit.comm.resolved_transport(group)
     dist.barrier()
-    return ddpkit_segments()
+    seen = ddpkit_segments()
+    dist.destroy_process_group(group)
+    return transport, seen
+
+
+def case_busy_receiver(numel):
+    """Rank 1 still waits for rank 2 in a gather when rank 0, done with it, starts a large broadcast.
+    Unchecked, so rank 0's payload leaves at once (a checked collective first waits for every rank)."""
+    rank = dist.get_rank()
+    ddpkit.all_reduce(torch.ones(1), transport="shm")  # the segment's rendezvous waits for every rank
+    ddpkit.set_collective_checks(False)
+    ddpkit.reset_comm_counters()
+    if rank == 2:
+        time.sleep(0.5)
+    gathered = ddpkit.gather(torch.full((4,), float(rank)), dst=1, transport="shm")
+    tensor = rank_input(0, numel, integer=True) if rank == 0 else torch.zeros(numel)
+    ddpkit.broadcast(tensor, src=0, transport="shm")
+    dist.barrier()
+    ddpkit.set_collective_checks(True)
+    return gathered, tensor, ddpkit.comm_counters()["peak_buffered_bytes"]
 
 
 # --- tests ---------------------------------------------------------------------------------------
@@ -147,6 +170,23 @@ def test_environment_forces_the_process_group():
         outcomes = worker_pool.run(case_direct_all_reduce, return_exceptions=True)
         for outcome in outcomes:
             assert isinstance(outcome, RuntimeError) and "needs the shared-memory transport" in str(outcome), outcome
+    finally:
+        worker_pool.close()
+
+
+@pytest.mark.parametrize("value", ["shm", "tcp"])
+def test_environment_forces_shared_memory_or_names_a_bad_value(value):
+    worker_pool = WorkerPool(2, timeout=120, group_timeout=30, env={"DDPKIT_TRANSPORT": value})
+    try:
+        outcomes = worker_pool.run(case_resolved, "auto", return_exceptions=True)
+        if value == "shm":
+            assert outcomes == ["shm", "shm"]
+            for reduced in worker_pool.run(case_direct_all_reduce):
+                assert torch.equal(reduced, torch.full((4,), 2.0))
+        else:
+            for outcome in outcomes:
+                assert isinstance(outcome, RuntimeError) and "DDPKIT_TRANSPORT=tcp is not one of" in str(outcome), \
+                    outcome
     finally:
         worker_pool.close()
 
@@ -243,8 +283,22 @@ def test_two_groups_from_two_threads_never_cross(pool):
 def test_segments_are_unlinked_once_mapped(pool):
     """The segment's name is gone from /dev/shm as soon as every rank has mapped it."""
     before = ddpkit_segments()
-    for seen in pool(4).run(case_segments_visible):
+    for transport, seen in pool(4).run(case_segments_visible):
+        assert transport == "shm"
         assert [name for name in seen if name not in before] == []
+
+
+def test_early_messages_wait_in_shared_memory(pool):
+    """A message whose receive is not posted yet waits in its channel (its sender waits for room):
+    a rank busy with an earlier collective holds nothing of a 16 MB broadcast on the heap
+    (Note [Shared-memory messages])."""
+    world_size, numel = 3, 4_000_000
+    outcomes = pool(world_size).run(case_busy_receiver, numel)
+    for rank, (gathered, tensor, peak_buffered) in enumerate(outcomes):
+        if rank == 1:
+            assert torch.equal(gathered, torch.arange(world_size, dtype=torch.float32)[:, None].expand(-1, 4))
+        assert torch.equal(tensor, rank_input(0, numel, integer=True)), rank
+        assert peak_buffered == 0, f"rank {rank} buffered {peak_buffered} bytes of early messages"
 
 
 def test_nothing_left_in_dev_shm_after_a_kill():

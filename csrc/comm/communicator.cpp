@@ -23,6 +23,7 @@ std::atomic<bool> checked{true};
 std::atomic<int64_t> collective_count{0};
 std::atomic<int64_t> message_count{0};
 std::atomic<int64_t> byte_count{0};
+std::atomic<int64_t> peak_buffered{0};
 
 }  // namespace
 
@@ -30,13 +31,20 @@ void set_checked(bool value) { checked.store(value); }
 bool is_checked() { return checked.load(); }
 
 CommCounters counters() {
-  return CommCounters{collective_count.load(), message_count.load(), byte_count.load()};
+  return CommCounters{collective_count.load(), message_count.load(), byte_count.load(), peak_buffered.load()};
 }
 
 void reset_counters() {
   collective_count.store(0);
   message_count.store(0);
   byte_count.store(0);
+  peak_buffered.store(0);
+}
+
+void note_buffered_bytes(int64_t bytes) {
+  int64_t peak = peak_buffered.load(std::memory_order_relaxed);
+  while (bytes > peak && !peak_buffered.compare_exchange_weak(peak, bytes, std::memory_order_relaxed)) {
+  }
 }
 
 Communicator::Communicator(int rank, int size, c10::DeviceType device_type,

@@ -69,9 +69,14 @@ struct CommCounters {
   int64_t collectives = 0;
   int64_t messages_sent = 0;
   int64_t bytes_sent = 0;
+  // The most bytes of not-yet-received messages held outside shared memory at any one time by one
+  // transport of this process (Note [Shared-memory messages]).
+  int64_t peak_buffered_bytes = 0;
 };
 CommCounters counters();
 void reset_counters();
+// Records that a transport now holds `bytes` of early messages on the heap (for peak_buffered_bytes).
+void note_buffered_bytes(int64_t bytes);
 
 // One posted point-to-point message: its work and the peer at the other end (for error messages).
 struct Message {

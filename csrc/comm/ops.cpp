@@ -71,7 +71,7 @@ bool collective_checks_enabled_op() { return is_checked(); }
 
 std::vector<int64_t> comm_counters_op() {
   const CommCounters c = counters();
-  return {c.collectives, c.messages_sent, c.bytes_sent};
+  return {c.collectives, c.messages_sent, c.bytes_sent, c.peak_buffered_bytes};
 }
 
 void reset_comm_counters_op() { reset_counters(); }

@@ -1,4 +1,5 @@
 #include "comm/shm.h"
+#include "comm/communicator.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -642,6 +643,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::recv(const at::Tensor& tensor, int 
       message->moved_ = early.received;
       complete = early.received == early.total;
     }
+    buffered_bytes_ -= static_cast<int64_t>(early.bytes.size());
     unexpected_[src].erase(found);
   }
   if (complete) {
@@ -709,10 +711,17 @@ bool ShmTransport::progress_locked() {
           message.done_ = true;
           posted.erase(match);
         }
+      } else if (posted.empty()) {
+        break;  // stays in the channel until its receive is posted (Note [Shared-memory messages])
       } else {
+        // A posted receive waits behind this chunk: move it aside so the channel does not block.
         Unexpected& early = unexpected_[src][static_cast<int>(header.tag)];
-        early.total = header.total;
-        early.bytes.resize(static_cast<size_t>(header.total));
+        if (early.bytes.empty() && header.total > 0) {
+          early.total = header.total;
+          early.bytes.resize(static_cast<size_t>(header.total));
+          buffered_bytes_ += header.total;
+          note_buffered_bytes(buffered_bytes_);
+        }
         if (header.length > 0) std::memcpy(early.bytes.data() + header.offset, chunk + kChunkHeaderBytes, header.length);
         early.received += header.length;
       }

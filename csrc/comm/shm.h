@@ -170,9 +170,18 @@ class ShmSegment {
 // its tensor into the channel chunk by chunk (eager: a send is complete when its last chunk is in
 // shared memory, so its tensor is free again); a receive copies chunks out into its tensor. Progress
 // is made by whichever thread waits: it pushes pending sends while the channel has room and drains
-// every incoming channel, a chunk whose tag no posted receive has yet going to a heap buffer kept
-// for the receive to come (so a channel never stays blocked by an unexpected message). Sends to
-// one peer leave in the order they were posted; receives match by (peer, tag).
+// every incoming channel into the posted receives. Sends to one peer leave in the order they were
+// posted; receives match by (peer, tag).
+//
+// A chunk whose receive is not posted yet stays in the channel (its sender waits for room), so the
+// memory a rank uses is the segment's whatever the message size. Only when a posted receive from
+// the same peer waits behind such a chunk is the chunk moved to a heap buffer kept for its receive,
+// so that a channel never stays blocked. The schedules of collectives.cpp post their receives round
+// by round ahead of their sends (Note [Pre-posted receives]) and send to a peer in round order, so
+// that case needs a peer that sends what this rank never receives (a mismatched schedule, or the
+// rest of an aborted collective); comm_counters' peak_buffered_bytes shows what it ever held. No
+// rank waits forever on a parked chunk: the rank furthest behind has posted the receives of its
+// current round, so the chunks its peers send it are taken.
 class ShmTransport final : public Transport {
  public:
   explicit ShmTransport(std::shared_ptr<ShmSegment> segment);
@@ -200,6 +209,7 @@ class ShmTransport final : public Transport {
     int64_t received = 0;
   };
   std::vector<std::map<int, Unexpected>> unexpected_;  // per source, by tag
+  int64_t buffered_bytes_ = 0;                          // bytes held in unexpected_
 };
 
 }  // namespace ddpkit::comm

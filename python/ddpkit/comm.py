@@ -126,8 +126,9 @@ def collective_checks_enabled() -> bool:
 
 def comm_counters() -> dict:
     """What this process's ddpkit collectives did since the last reset."""
-    collectives, messages, nbytes = torch.ops.ddpkit.comm_counters()
-    return {"collectives": collectives, "messages_sent": messages, "bytes_sent": nbytes}
+    collectives, messages, nbytes, peak_buffered = torch.ops.ddpkit.comm_counters()
+    return {"collectives": collectives, "messages_sent": messages, "bytes_sent": nbytes,
+            "peak_buffered_bytes": peak_buffered}
 
 
 def reset_comm_counters() -> None:
