@@ -324,3 +324,18 @@ def test_auto_choice_is_a_real_algorithm():
     for world_size in (1, 2, 3, 4, 8, 16, 32):
         for nbytes in (4, 4000, 400_000, 40_000_000):
             assert ddpkit.comm.choose_algorithm(nbytes, world_size) in ALGORITHMS[:-2]
+
+
+def test_auto_choice_follows_the_note():
+    """Note [Choosing an algorithm]: direct over shared memory; over the process group the star up to
+    512 KiB while rank 0 receives at most 16 MiB in all, then halving-doubling (powers of two) or the ring."""
+    choose = ddpkit.comm.choose_algorithm
+    for world_size in (2, 3, 8, 32):
+        for nbytes in (4, 512 * 1024, 64 * 2**20):
+            assert choose(nbytes, world_size, shared_memory=True) == "direct"
+    large = "halving_doubling"
+    assert choose(512 * 1024, 2) == "star" and choose(512 * 1024 + 4, 2) == large
+    assert choose(512 * 1024, 3) == "star" and choose(512 * 1024 + 4, 3) == "ring"
+    # From 34 ranks on, rank 0's share caps the star below 512 KiB: at 64, 16 MiB / 63 per message.
+    assert choose(16 * 2**20 // 63, 64) == "star" and choose(16 * 2**20 // 63 + 4, 64) == large
+    assert choose(40_000_000, 6) == "ring" and choose(40_000_000, 8) == large
