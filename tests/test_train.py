@@ -103,8 +103,11 @@ def transform(images):
 
 
 def case_evaluate(count, batch_size):
+    import ddpkit
     model, images, labels = make_eval_problem(count)
-    return evaluate(model, images, labels, transform, batch_size, torch.device("cpu"))
+    ddpkit.reset_comm_counters()
+    result = evaluate(model, images, labels, transform, batch_size, torch.device("cpu"))
+    return result, ddpkit.comm_counters()["collectives"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -115,7 +118,8 @@ def test_distributed_validation_equals_single_process(pool, world_size):
         logits = model(transform(images))
     expected_accuracy = float((logits.argmax(1) == labels).double().mean())
     expected_loss = float(nn.functional.cross_entropy(logits.double(), labels))
-    result = pool(world_size).run(case_evaluate, count, 64)[0]
+    result, collectives = pool(world_size).run(case_evaluate, count, 64)[0]
+    assert collectives == 2  # the shards' scatter and the sums' reduce, both ddpkit's
     assert result["samples"] == count
     assert result["accuracy"] == pytest.approx(expected_accuracy, abs=1e-12)
     assert result["loss"] == pytest.approx(expected_loss, rel=1e-6)

@@ -15,7 +15,7 @@ CPU torch has none, so plain BatchNorm, and the log says so) and
 augmentation, optimizer, schedule. ``--accumulation-steps k`` runs k micro-batches per optimizer
 step with no gradient all-reduce on the first k-1. Only rank 0 prints; after every epoch the test
 set is evaluated in a distributed way (rank 0 scatters shard indices with
-``torch.distributed.scatter``, each rank counts its correct predictions, rank 0 combines them).
+``ddpkit.scatter``, each rank counts its correct predictions, rank 0 combines them).
 Rank 0 writes ``<out>/metrics.json``, ``<out>/model.pt`` and a resumable ``<out>/checkpoint.pt``
 (atomically: temp file, then rename); a restarted run (e.g. ``torchrun --max-restarts 1``)
 continues from the checkpoint exactly.
@@ -255,7 +255,7 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
     """Exact test loss and accuracy over all of ``images``, computed by all ranks together.
 
     Rank 0 splits the indices 0..N-1 into world_size contiguous shards (sizes differing by at most
-    one, padded with -1 to a common length) and hands them out with ``torch.distributed.scatter``;
+    one, padded with -1 to a common length) and hands them out with ``ddpkit.scatter``;
     each rank sums the loss and counts the correct predictions of its shard; ``ddpkit.reduce``
     brings the sums to rank 0, which divides by N. Every rank returns the same dict only on rank 0;
     the others get their local part.
@@ -266,10 +266,10 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
     shard = torch.empty(shard_length, dtype=torch.int64)
     chunks = None
     if rank == 0:
-        chunks = [torch.full((shard_length,), -1, dtype=torch.int64) for _ in range(world_size)]
+        chunks = torch.full((world_size, shard_length), -1, dtype=torch.int64)
         for r, part in enumerate(torch.arange(count).tensor_split(world_size)):
-            chunks[r][:len(part)] = part
-    dist.scatter(shard, chunks, src=0)
+            chunks[r, :len(part)] = part
+    comm.scatter(shard, chunks, src=0)
     mine = shard[shard >= 0]
 
     was_training = model.training
@@ -520,7 +520,7 @@ class Trainer:
                 stats = self.model.reducer_stats()
                 record["comm_wait_s"] = stats["last_wait_us"] / 1e6
             if self.step % config.log_every == 0 or self.step == self.total_steps:
-                dist.all_reduce(loss_sum)
+                comm.all_reduce(loss_sum)
                 record["loss"] = float(loss_sum[0] / loss_sum[1])
                 self._log(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} loss {record['loss']:.4f} "
                     f"lr {record['lr']:.4g}")
@@ -559,7 +559,7 @@ class Trainer:
 
     def summary(self) -> dict:
         peak = torch.tensor([float(_peak_rss_bytes())], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        comm.all_reduce(peak, op="max")
         last = self.history["epochs"][-1] if self.history["epochs"] else {}
         return {"config": dataclasses.asdict(self.config), "world_size": self.world_size,
                 "global_batch_size": self.global_batch, "micro_batch_per_rank": self.micro_batch,
