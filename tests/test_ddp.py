@@ -9,6 +9,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.ddp import assign_buckets
+from ddpkit.testing import WorkerPool
 
 GLOBAL_BATCH = 16
 FEATURES = 12
@@ -278,6 +279,30 @@ def test_matches_single_process_training(pool, world_size, name):
         results = pool(world_size).run(case_train, name, STEPS, grad_sync, algorithm)
         for state, _, _ in results:
             assert_states_close(state, expected)
+
+
+def case_backward_messages():
+    """Messages sent by one backward's buckets (algorithm "auto"), and the group's transport."""
+    ddp = ddpkit.DistributedDataParallel(make_model("tied", seed=0), bucket_cap_mb=0.002)
+    x, y = global_batch(0, 0)
+    ddpkit.reset_comm_counters()
+    loss_fn(ddp(x), y).backward()
+    return ddpkit.comm_counters()["messages_sent"], ddpkit.comm.resolved_transport()
+
+
+def test_matches_single_process_training_over_the_process_group_transport():
+    """DDPKIT_TRANSPORT=process_group: the buckets' schedules run over torch.distributed send/recv."""
+    expected = train_reference("tied", STEPS)
+    worker_pool = WorkerPool(2, timeout=120, group_timeout=60, env={"DDPKIT_TRANSPORT": "process_group"})
+    try:
+        for algorithm in ("auto", "ring"):
+            for state, _, _ in worker_pool.run(case_train, "tied", STEPS, "bucketed", algorithm):
+                assert_states_close(state, expected)
+        for messages, transport in worker_pool.run(case_backward_messages):
+            # Over shared memory "auto" is the direct all-reduce, which sends no messages.
+            assert transport == "process_group" and messages > 0, (transport, messages)
+    finally:
+        worker_pool.close()
 
 
 @pytest.mark.parametrize("accumulation", [2, 4])

@@ -16,14 +16,7 @@ struct RegistryEntry {
 }  // namespace
 
 TransportKind parse_transport(std::string_view name) {
-  if (name == "auto") {
-    const char* forced = std::getenv("DDPKIT_TRANSPORT");
-    const std::string_view value = forced == nullptr ? std::string_view() : std::string_view(forced);
-    if (value.empty() || value == "auto") return TransportKind::kAuto;
-    TORCH_CHECK(value == "shm" || value == "process_group", "ddpkit: DDPKIT_TRANSPORT=", value,
-                " is not one of auto, shm, process_group");
-    return parse_transport(value);
-  }
+  if (name == "auto") return TransportKind::kAuto;
   if (name == "shm") return TransportKind::kShm;
   if (name == "process_group") return TransportKind::kProcessGroup;
   TORCH_CHECK(false, "ddpkit: unknown transport '", name, "'; expected one of auto, shm, process_group");
@@ -207,7 +200,17 @@ c10::intrusive_ptr<c10d::Backend> Engine::backend(c10::DeviceType device) {
   return backend;
 }
 
+TransportKind forced_by_environment() {
+  const char* forced = std::getenv("DDPKIT_TRANSPORT");
+  const std::string_view value = forced == nullptr ? std::string_view() : std::string_view(forced);
+  if (value.empty() || value == "auto") return TransportKind::kAuto;
+  TORCH_CHECK(value == "shm" || value == "process_group", "ddpkit: DDPKIT_TRANSPORT=", value,
+              " is not one of auto, shm, process_group");
+  return parse_transport(value);
+}
+
 TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind requested) {
+  if (requested == TransportKind::kAuto) requested = forced_by_environment();
   if (requested == TransportKind::kProcessGroup || group_.size == 1) return TransportKind::kProcessGroup;
   if (device != c10::kCPU) {
     TORCH_CHECK(requested != TransportKind::kShm, "ddpkit: transport 'shm' carries CPU tensors only, got a ",

@@ -54,9 +54,12 @@ enum class TransportKind : int64_t {
   kShm = 1,           // shared memory, or an error when the ranks are not all on this host
   kProcessGroup = 2,  // the group's own send/recv (gloo, NCCL)
 };
-// Parses "auto" | "shm" | "process_group". "auto" reads DDPKIT_TRANSPORT (shm | process_group)
-// when it is set, so a whole program can be switched without changing its calls.
+// Parses "auto" | "shm" | "process_group".
 TransportKind parse_transport(std::string_view name);
+// What DDPKIT_TRANSPORT (auto | shm | process_group) forces in place of kAuto, so that a whole
+// program, the DDP reducer's buckets and SyncBatchNorm's passes included, can be switched without
+// changing its calls; kAuto when it is unset. TORCH_CHECK-fails on any other value.
+TransportKind forced_by_environment();
 std::string_view transport_name(TransportKind kind);
 
 // What an Engine needs of its group. For a torch.distributed process group (Engine::of) these come
