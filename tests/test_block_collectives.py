@@ -439,7 +439,7 @@ def case_fresh_group_segments():
 # --- tests ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
 def test_every_block_collective_matches_the_reference(pool, world_size, transport):
     numels = block_numels(world_size)
     results = pool(world_size).run(case_every_block_collective, transport, numels)

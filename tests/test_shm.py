@@ -78,6 +78,14 @@ def case_dtypes(transport):
             tensor = rank_input(rank, 1003, integer=True).to(dtype)
             ddpkit.all_reduce(tensor, algorithm=algorithm, transport=transport)
             out[(dtype, algorithm)] = tensor
+        for numel in (0, 1, 1003):
+            tensor = rank_input(rank, numel, integer=True).to(dtype)
+            ddpkit.broadcast(tensor, src=1, transport=transport)
+            out[(dtype, "broadcast", numel)] = tensor
+            tensor = rank_input(rank, numel, integer=True).to(dtype)
+            ddpkit.reduce(tensor, dst=2, transport=transport)
+            out[(dtype, "reduce", numel)] = tensor
+        out[(dtype, "gather")] = ddpkit.gather(rank_input(rank, 7, integer=True).to(dtype), dst=0, transport=transport)
     return out
 
 
@@ -227,13 +235,28 @@ def test_every_dtype(pool, transport):
     world_size = 3
     results = pool(world_size).run(case_dtypes, transport)
     exact = all_inputs(world_size, 1003, integer=True).sum(0)
-    for (dtype, algorithm), tensor in results[0].items():
+    for key, tensor in results[0].items():
+        if len(key) != 2 or key[1] == "gather":
+            continue
+        dtype, algorithm = key
         assert tensor.dtype == dtype
         for rank in range(1, world_size):
             assert torch.equal(tensor, results[rank][(dtype, algorithm)]), (dtype, algorithm)
         # |sums| <= 3000: exact in every dtype but the 8-bit-mantissa bfloat16, which rounds once.
         atol = 16 if dtype == torch.bfloat16 else 2 if dtype == torch.float16 else 0
         torch.testing.assert_close(tensor.double(), exact, rtol=0, atol=atol, msg=f"{dtype} {algorithm}")
+    for dtype in {key[0] for key in results[0]}:
+        for numel in (0, 1, 1003):
+            for rank in range(world_size):
+                broadcast = results[rank][(dtype, "broadcast", numel)]
+                assert broadcast.dtype == dtype and torch.equal(broadcast, rank_input(1, numel, integer=True).to(dtype))
+            reduced = results[2][(dtype, "reduce", numel)]
+            atol = 16 if dtype == torch.bfloat16 else 2 if dtype == torch.float16 else 0
+            torch.testing.assert_close(reduced.double(), all_inputs(world_size, numel, integer=True).sum(0), rtol=0,
+                                       atol=atol, msg=f"reduce {dtype} {numel}")
+        gathered = results[0][(dtype, "gather")]
+        expected = torch.stack([rank_input(r, 7, integer=True).to(dtype) for r in range(world_size)])
+        assert gathered.dtype == dtype and torch.equal(gathered, expected), dtype
 
 
 def test_many_small_chunks_and_slots():
