@@ -5,7 +5,10 @@ the ``"ddpkit"`` torch.distributed backend. The library is ``comm``, ``syncbn``,
 and ``launch``; ``ddpkit.testing`` is the multi-process harness of the tests and benchmarks, and
 ``ddpkit.training`` the training application (datasets, models, trainer), which the library never
 imports. ``ddpkit.spawn`` (run a function on N fresh processes) is the harness's, re-exported.
+``ddpkit.__version__`` is the installed distribution's version (pyproject.toml's).
 """
+
+from importlib.metadata import PackageNotFoundError, version as _distribution_version
 
 import torch
 import torch.distributed  # noqa: F401  (before _C: its backend class derives from torch's)
@@ -32,6 +35,11 @@ from .syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
 from .testing import spawn
 
 _register_backend()
+
+try:
+    __version__ = _distribution_version("ddpkit")
+except PackageNotFoundError:  # the package imported from a source tree that pip never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "DistributedDataParallel",

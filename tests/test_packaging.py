@@ -1,0 +1,39 @@
+"""What a torch user expects of an installed package: version, license, authors, typing marker, changelog."""
+
+import importlib.metadata
+import re
+import tomllib
+from pathlib import Path
+
+import ddpkit
+
+REPO = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+def test_version_comes_from_the_installed_metadata():
+    assert ddpkit.__version__ == importlib.metadata.version("ddpkit") == PYPROJECT["project"]["version"]
+
+
+def test_license_and_authors_are_declared_and_shipped():
+    metadata = importlib.metadata.metadata("ddpkit")
+    assert metadata["License-Expression"] == "BSD-3-Clause"
+    assert metadata["Author"] == "the ddpkit developers"
+    assert "Typing :: Typed" in metadata.get_all("Classifier")
+    text = (REPO / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License") and "the ddpkit developers" in text
+    # The metadata names the file it ships (wheels put it under .dist-info/licenses/).
+    assert metadata.get_all("License-File") == ["LICENSE"]
+
+
+def test_the_package_carries_its_typing_marker():
+    # pyproject's wheel.packages ships every file of python/ddpkit, py.typed included (checked on a built
+    # wheel: ddpkit/py.typed is listed beside the modules).
+    assert (Path(ddpkit.__file__).parent / "py.typed").is_file()
+
+
+def test_changelog_has_an_unreleased_section_and_the_current_version():
+    text = (REPO / "CHANGELOG.md").read_text()
+    headings = re.findall(r"^## (.+)$", text, flags=re.MULTILINE)
+    assert headings[0] == "Unreleased"
+    assert any(heading.startswith(PYPROJECT["project"]["version"]) for heading in headings[1:]), headings
