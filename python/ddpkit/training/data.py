@@ -262,7 +262,7 @@ def load_cifar(name: str, root: Optional[PathLike] = None, train: bool = True,
         try:
             _download_cifar(source, root)
         except Exception as exc:
-            raise FileNotFoundError(f"{_cifar_missing_message(source, root)} The download failed: {exc}") from exc
+            raise FileNotFoundError(_cifar_download_failed_message(source, root, exc)) from exc
     batch_names = source.train_batches if train else source.test_batches
     if directory.is_dir():
         batches = []
@@ -287,6 +287,16 @@ def _cifar_missing_message(source: _CifarSource, root: Path) -> str:
             f"{root / source.archive}. Download it with --download (download=True), or fetch {source.url} "
             f"(md5 {source.md5}) yourself and put it in {root}, extracted or not; set the root argument or the "
             "DDPKIT_DATA environment variable to use another directory.")
+
+
+def _cifar_download_failed_message(source: _CifarSource, root: Path, error: Exception) -> str:
+    # The download was asked for and failed (no network, a proxy, a corrupt transfer): what is left is
+    # bringing the archive in by hand.
+    return (f"ddpkit: {source.title} not found in {root} and the download failed: {error}. Without network here, "
+            f"download {source.url} on another machine, check its md5 is {source.md5}, and copy it to "
+            f"{root / source.archive} (or extract it there as {root / source.directory}); then run again without "
+            "--download. The DDPKIT_DATA environment variable or the root argument (--data-root) picks another "
+            "directory.")
 
 
 def _unpickle_cifar_batch(file, origin: str) -> dict:

@@ -47,7 +47,8 @@ from .. import comm
 from ..atomic import write_atomically
 from ..ddp import DEFAULT_ALGORITHM, GRAD_SYNC_MODES, DistributedDataParallel, GradientAccumulation
 from ..launch import DEFAULT_GROUP_TIMEOUT_S, DistInfo, init_distributed
-from .data import DATASETS, ShardedBatches, dataset_info, dataset_name, load_dataset, normalize, random_crop_flip
+from .data import (DATA_ROOT, DATASETS, FASHION_MNIST_ROOT, ShardedBatches, dataset_info, dataset_name, load_dataset,
+                   normalize, random_crop_flip)
 from .models import MODELS, build_model
 
 
@@ -83,18 +84,37 @@ def positive_float(text: str) -> float:
     return value
 
 
+BACKENDS = ("gloo", "nccl", "ddpkit")
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def backend_argument(text: str) -> str:
+    """A torch.distributed backend: one of ``BACKENDS``, or a device map such as ``cpu:ddpkit,cuda:nccl``."""
+    if text in BACKENDS:
+        return text
+    for entry in text.split(","):
+        device, _, backend = entry.partition(":")
+        if device not in DEVICE_TYPES or backend not in BACKENDS:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {text!r} (choose from {', '.join(BACKENDS)}, or map devices to them as in "
+                "cpu:ddpkit,cuda:nccl)")
+    return text
+
+
 def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the flags for launching one process per node without torchrun."""
-    group = parser.add_argument_group("launch without torchrun (one command per node)")
-    group.add_argument("--master-addr", help="address of rank 0's node (enables explicit launch)")
-    group.add_argument("--master-port", type=port_number, default=29500, help="free TCP port on rank 0's node")
-    group.add_argument("--world-size", type=positive_int, help="total number of processes")
-    group.add_argument("--rank", type=non_negative_int, help="this process's rank")
-    group.add_argument("--backend", choices=("gloo", "nccl", "ddpkit", "cpu:ddpkit,cuda:nccl"),
-                       help="torch.distributed backend (default: nccl with CUDA, else gloo); 'ddpkit' runs "
-                            "torch's own collectives on ddpkit's (ddpkit.backend)")
+    """Adds the process-group flags: the backend, and launching one process per node without torchrun."""
+    group = parser.add_argument_group("process group (under torchrun, only --backend and --timeout apply)")
+    group.add_argument("--backend", type=backend_argument, metavar="{" + ",".join(BACKENDS) + "}",
+                       help="torch.distributed backend (default: nccl with CUDA, else gloo); 'ddpkit' runs torch's "
+                            "own collectives on ddpkit's engine. A device map such as cpu:ddpkit,cuda:nccl is "
+                            "accepted too")
     group.add_argument("--timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
                        help="process-group timeout in seconds (a dead peer is reported within it)")
+    group.add_argument("--master-addr", help="launch without torchrun: address of rank 0's node")
+    group.add_argument("--master-port", type=port_number, default=29500,
+                       help="launch without torchrun: a free TCP port on rank 0's node")
+    group.add_argument("--world-size", type=positive_int, help="launch without torchrun: total number of processes")
+    group.add_argument("--rank", type=non_negative_int, help="launch without torchrun: this process's rank")
 
 
 def init_from_args(args: argparse.Namespace) -> DistInfo:
@@ -156,11 +176,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2)
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except where there is none to show (None: the help says what happens)."""
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows defaults, except where there is none to show (None: the help says what happens); the
+    epilog's examples keep their lines."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _program_name() -> Optional[str]:
+    """``python -m ddpkit.training`` where ``-m`` started it (argparse would say ``__main__.py``), else
+    argparse's own (the script's name: ``train.py``)."""
+    return "python -m ddpkit.training" if sys.argv and Path(sys.argv[0]).name == "__main__.py" else None
+
+
+_EPILOG = """examples:
+  torchrun --nproc_per_node 2 -m ddpkit.training --dataset fashion_mnist --epochs 10 --accumulation-steps 2
+  torchrun --nproc_per_node 2 -m ddpkit.training --impl torch --dataset fashion_mnist   # PyTorch's DDP
+  torchrun --nproc_per_node 4 -m ddpkit.training --dataset cifar100 --model resnet18 --download
+(in the repository, train.py is the same program: torchrun --nproc_per_node 2 train.py ...)"""
 
 
 def _dataset_argument(text: str) -> str:
@@ -173,43 +207,61 @@ def _dataset_argument(text: str) -> str:
 
 def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.Namespace]:
     defaults = TrainConfig()
-    parser = _Parser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+    parser = _Parser(prog=_program_name(), description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter,
+                     epilog=_EPILOG)
     parser.add_argument("--dataset", type=_dataset_argument, default=defaults.dataset,
                         metavar="{" + ",".join(sorted(DATASETS)) + "}",
                         help="fashion-mnist, cifar-10 and the like are accepted too")
-    parser.add_argument("--data-root", help="where the dataset lives (default: the dataset's standard place)")
-    parser.add_argument("--download", action="store_true", help="download CIFAR if it is missing")
-    parser.add_argument("--model", choices=MODELS, default=defaults.model)
-    parser.add_argument("--impl", choices=("ddpkit", "torch"), default=defaults.impl)
-    parser.add_argument("--no-sync-bn", dest="sync_bn", action="store_false", help="keep plain BatchNorm")
+    parser.add_argument("--data-root",
+                        help=f"where the dataset lives (default: for CIFAR $DDPKIT_DATA, else {DATA_ROOT} under the "
+                             f"current directory; for Fashion-MNIST $DDPKIT_FASHION_MNIST, else {FASHION_MNIST_ROOT}, "
+                             "where apt-get install dataset-fashion-mnist puts it)")
+    parser.add_argument("--download", action=argparse.BooleanOptionalAction, default=defaults.download,
+                        help="download CIFAR into --data-root if it is missing (md5-checked)")
+    parser.add_argument("--model", choices=MODELS, default=defaults.model, help="the network")
+    parser.add_argument("--impl", choices=("ddpkit", "torch"), default=defaults.impl,
+                        help="ddpkit: ddpkit.DistributedDataParallel and ddpkit.SyncBatchNorm; torch: "
+                             "torch.nn.parallel.DistributedDataParallel and torch.nn.SyncBatchNorm (CUDA only: "
+                             "plain BatchNorm on CPU)")
+    parser.add_argument("--sync-bn", action=argparse.BooleanOptionalAction, default=defaults.sync_bn,
+                        help="synchronize BatchNorm statistics across ranks (--no-sync-bn: plain BatchNorm)")
     parser.add_argument("--grad-sync", choices=GRAD_SYNC_MODES,
-                        help=f"ddpkit only (default: {defaults.grad_sync})")
+                        help=f"how ddpkit's DDP averages gradients, --impl ddpkit only (default: {defaults.grad_sync})")
     parser.add_argument("--algorithm", choices=comm.ALGORITHMS,
-                        help=f"ddpkit's all-reduce, ddpkit only (default: {defaults.algorithm})")
-    parser.add_argument("--epochs", type=positive_int, default=defaults.epochs)
+                        help=f"ddpkit's all-reduce algorithm, --impl ddpkit only (default: {defaults.algorithm})")
+    parser.add_argument("--epochs", type=positive_int, default=defaults.epochs,
+                        help="epochs to train (a larger value continues a finished run)")
     parser.add_argument("--batch-size", type=positive_int,
                         help=f"samples per rank and micro-batch (default: {defaults.batch_size})")
     parser.add_argument("--global-batch-size", type=positive_int,
                         help="samples per optimizer step over all ranks (sets --batch-size)")
-    parser.add_argument("--accumulation-steps", type=positive_int, default=defaults.accumulation_steps)
-    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default=defaults.optimizer)
-    parser.add_argument("--lr", type=positive_float, default=defaults.lr)
-    parser.add_argument("--momentum", type=float, default=defaults.momentum)
-    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    parser.add_argument("--schedule", choices=("cosine", "constant"), default=defaults.schedule)
+    parser.add_argument("--accumulation-steps", type=positive_int, default=defaults.accumulation_steps,
+                        help="micro-batches per optimizer step; gradients are all-reduced on the last one only")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default=defaults.optimizer, help="the optimizer")
+    parser.add_argument("--lr", type=positive_float, default=defaults.lr, help="peak learning rate")
+    parser.add_argument("--momentum", type=float, default=defaults.momentum, help="SGD momentum")
+    parser.add_argument("--weight-decay", type=float, default=defaults.weight_decay, help="weight decay")
+    parser.add_argument("--schedule", choices=("cosine", "constant"), default=defaults.schedule,
+                        help="learning-rate schedule over all optimizer steps")
     parser.add_argument("--augment", action=argparse.BooleanOptionalAction, default=None,
-                        help="random crop + flip (default: on for CIFAR)")
-    parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--log-every", type=positive_int, default=defaults.log_every, help="optimizer steps")
-    parser.add_argument("--eval-batch-size", type=positive_int, default=defaults.eval_batch_size)
+                        help="random crop + flip (default: on for CIFAR, off for Fashion-MNIST)")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="seed of weights, data order and augmentation")
+    parser.add_argument("--log-every", type=positive_int, default=defaults.log_every,
+                        help="optimizer steps between loss lines")
+    parser.add_argument("--eval-batch-size", type=positive_int, default=defaults.eval_batch_size,
+                        help="samples per rank and batch in evaluation")
     parser.add_argument("--limit-train", type=positive_int, help="use only the first N training samples")
     parser.add_argument("--limit-test", type=positive_int, help="use only the first N test samples")
     parser.add_argument("--max-steps", type=positive_int, help="stop after N optimizer steps")
-    parser.add_argument("--out", dest="out_dir", default=defaults.out_dir, help="metrics, model and checkpoint")
+    parser.add_argument("--out", dest="out_dir", default=defaults.out_dir,
+                        help="directory of metrics.json, model.pt and checkpoint.pt")
     parser.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
-                        help="optimizer steps between checkpoints (0: after every epoch)")
-    parser.add_argument("--no-resume", dest="resume", action="store_false", help="ignore an existing checkpoint")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+                        help="optimizer steps between checkpoints (0: after every epoch only)")
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=defaults.resume,
+                        help="continue from <out>/checkpoint.pt if it exists (--no-resume: start afresh and "
+                             "overwrite it)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=defaults.progress,
+                        help="a progress bar per epoch on stderr")
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
     if args.checkpoint_every < 0:
@@ -336,15 +388,20 @@ class Trainer:
         torch.manual_seed(config.seed)
         model = build_model(config.model, self.info.channels, self.info.num_classes, self.info.image_size)
         self.notes = []
+        # What this run's BatchNorm layers really are (the model may have none): "ddpkit.SyncBatchNorm",
+        # "torch.nn.SyncBatchNorm" or "BatchNorm" (plain, statistics of each rank's own batch).
+        self.batch_norm = "BatchNorm"
         if config.impl == "ddpkit":
             if config.sync_bn:
                 from ..syncbn import convert_sync_batchnorm
                 model = convert_sync_batchnorm(model)
+                self.batch_norm = "ddpkit.SyncBatchNorm"
             model = model.to(self.device)
             self.model = DistributedDataParallel(model, grad_sync=config.grad_sync, algorithm=config.algorithm)
         else:
             if config.sync_bn and self.device.type == "cuda":
                 model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+                self.batch_norm = "torch.nn.SyncBatchNorm"
             elif config.sync_bn:
                 self.notes.append("torch.nn.SyncBatchNorm needs CUDA: the torch pipeline uses plain BatchNorm on CPU")
             model = model.to(self.device)
@@ -367,6 +424,7 @@ class Trainer:
         self.epoch = 0
         self.step = 0
         self.history: dict = {"epochs": [], "steps": []}
+        self.resumed_from: Optional[Path] = None  # the checkpoint this run continues, if any
         if config.resume:
             self._resume()
 
@@ -465,8 +523,12 @@ class Trainer:
             raise UsageError(f"ddpkit: checkpoint {path} was written by {state['world_size']} ranks, this run has "
                              f"{self.world_size}; use another --out or --no-resume")
         saved = state["config"]
+        # More epochs continue a run that has finished all of its own; anywhere else a different
+        # length would change the learning-rate schedule under the run.
+        extending = (self.config.epochs > saved["epochs"] and state["epoch"] >= saved["epochs"]
+                     and not saved.get("max_steps"))
         changed = [f"{name} {saved.get(name)!r} -> {getattr(self.config, name)!r}" for name in _RUN_DEFINING
-                   if saved.get(name) != getattr(self.config, name)]
+                   if saved.get(name) != getattr(self.config, name) and not (name == "epochs" and extending)]
         if changed:
             raise UsageError(f"ddpkit: checkpoint {path} belongs to a different run ({', '.join(changed)}); "
                              "resuming it would mix two runs: use another --out or --no-resume")
@@ -477,7 +539,26 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.accumulate.load_state_dict(state["accumulate"])
         self.epoch, self.step, self.history = state["epoch"], state["step"], state["history"]
-        self._log(f"resumed from {path}: epoch {self.epoch + 1}, optimizer step {self.step}")
+        self.resumed_from = path
+        if extending:
+            self._stretch_schedule()
+            self._log(f"continuing {path}, finished at epoch {self.epoch}, to epoch {self.config.epochs}"
+                      + (f": the cosine schedule now spans {self.config.epochs} epochs, learning rate "
+                         f"{self.optimizer.param_groups[0]['lr']:.4g} from here" if self.scheduler else ""))
+        elif not self.done():
+            self._log(f"resumed from {path}: epoch {self.epoch + 1}, optimizer step {self.step}")
+
+    def _stretch_schedule(self) -> None:
+        """Puts the cosine schedule of a finished run onto the new number of steps, at the current step
+        (its saved state ends at the old length, where it would turn back up)."""
+        if self.scheduler is None:
+            return
+        # Built with last_epoch = step - 1, the scheduler's initial step puts it at `step`; it keeps the
+        # current learning rate there, so that is set to the curve's value, from which its later steps go on.
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.total_steps,
+                                                                    last_epoch=self.step - 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * (1 + math.cos(math.pi * self.step / self.total_steps)) / 2
 
     # -- training ------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -563,22 +644,47 @@ class Trainer:
         last = self.history["epochs"][-1] if self.history["epochs"] else {}
         return {"config": dataclasses.asdict(self.config), "world_size": self.world_size,
                 "global_batch_size": self.global_batch, "micro_batch_per_rank": self.micro_batch,
-                "notes": self.notes, "final_test_accuracy": last.get("test_accuracy"),
+                "batch_norm": self.batch_norm, "notes": self.notes, "final_test_accuracy": last.get("test_accuracy"),
                 "final_test_loss": last.get("test_loss"), "peak_rss_bytes_max_over_ranks": int(peak),
                 "history": self.history}
 
+    def header(self) -> str:
+        """What runs, in two lines: the pipeline, then the process group and how its collectives travel.
+
+        Collective (``comm.resolved_transport``): every rank must call it."""
+        transport = comm.resolved_transport()
+        transport_words = {"shm": "shared memory", "process_group": "the process group's send/recv"}
+        ddp = "ddpkit.DistributedDataParallel" if self.config.impl == "ddpkit" else \
+            "torch.nn.parallel.DistributedDataParallel"
+        return (f"training {self.config.model} on {self.config.dataset} with {ddp} and {self.batch_norm}: "
+                f"micro-batch {self.micro_batch}/rank, accumulation {self.config.accumulation_steps}, global batch "
+                f"{self.global_batch}, {self.total_steps} optimizer steps in {self.config.epochs} "
+                f"epoch{'' if self.config.epochs == 1 else 's'}\n"
+                f"process group: backend {dist.get_backend()}, world size {self.world_size}, device "
+                f"{self.device.type}; ddpkit's collectives over {transport_words.get(transport, transport)}")
+
     def run(self) -> dict:
+        """Trains to the end, writes the model and the metrics, and returns the metrics. A run whose
+        checkpoint has finished already trains nothing and writes nothing: it says so."""
+        header = self.header()
         for note in self.notes:
             self._log(f"note: {note}")
-        self._log(f"training {self.config.model} on {self.config.dataset} with {self.config.impl}: world size "
-            f"{self.world_size}, micro-batch {self.micro_batch}/rank, accumulation {self.config.accumulation_steps}, "
-            f"global batch {self.global_batch}, {self.total_steps} optimizer steps")
+        if self.done():
+            summary = self.summary()
+            finished = f"epoch {self.epoch}" if self.epoch >= self.config.epochs else f"optimizer step {self.step}"
+            how = (f"pass --epochs {self.config.epochs + 1} (or more) to continue" if not self.config.max_steps
+                   else "use another --out or --no-resume to train again")
+            self._log(f"{self.resumed_from}: the run already finished at {finished}; nothing to do ({how})")
+            return summary
+        self._log(header)
         while not self.done():
             self.train_epoch()
         summary = self.summary()
         if self.rank == 0 and self.out_dir:
             _save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
             _write_json_atomically(summary, self.out_dir / "metrics.json")
+            self._log(f"wrote {self.out_dir / 'metrics.json'}, {self.out_dir / 'model.pt'} and "
+                      f"{self.out_dir / 'checkpoint.pt'}")
         return summary
 
 

@@ -1,0 +1,117 @@
+"""The trainer's command line as a user meets it: --help, the installed entry point, finished runs, the
+header and the closing line, the files' permissions."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.training.data import FASHION_MNIST_ROOT
+from ddpkit.training.train import parse_args
+
+needs_fashion_mnist = pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(),
+                                         reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)")
+TINY = ["--dataset", "fashion_mnist", "--limit-train", "256", "--limit-test", "100", "--batch-size", "32",
+        "--no-progress"]
+
+
+def help_entries(capsys) -> dict:
+    """``--help``'s entries, option flags -> their help as one line (argparse wraps lines where it likes)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    entries, flags = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("  -"):  # an entry: its flags, then its help on the same line or the next
+            flags, _, rest = line.strip().partition("  ")
+            entries[flags] = rest.strip()
+        elif flags and line.startswith("    "):
+            entries[flags] = f"{entries[flags]} {line.strip()}".strip()
+        else:
+            flags = None
+    return entries
+
+
+def test_help_shows_every_default_and_booleans_both_ways(capsys):
+    entries = help_entries(capsys)
+    for flags, default in [("--epochs EPOCHS", "10"), ("--model {net,vgg11,resnet18,resnet34}", "net"),
+                           ("--impl {ddpkit,torch}", "ddpkit"), ("--lr LR", "0.05"),
+                           ("--dataset {cifar10,cifar100,fashion_mnist}", "cifar100"),
+                           ("--accumulation-steps ACCUMULATION_STEPS", "1"), ("--optimizer {sgd,adamw}", "sgd")]:
+        assert entries[flags].endswith(f"(default: {default})"), (flags, entries[flags])
+    # A boolean reads as the pair it is, its default the value of the positive flag.
+    for flag, default in [("sync-bn", True), ("resume", True), ("progress", True), ("download", False)]:
+        assert entries[f"--{flag}, --no-{flag}"].endswith(f"(default: {default})"), flag
+    assert "cpu:ddpkit,cuda:nccl" in entries["--backend {gloo,nccl,ddpkit}"]
+    # Every option says its default, or what happens without it.
+    assert all(help_ for help_ in entries.values()), [flags for flags, help_ in entries.items() if not help_]
+
+
+def test_boolean_flags_and_backend_maps_parse():
+    config, args = parse_args(["--no-sync-bn", "--no-resume", "--backend", "cpu:ddpkit,cuda:nccl"])
+    assert (config.sync_bn, config.resume, args.backend) == (False, False, "cpu:ddpkit,cuda:nccl")
+    config, args = parse_args(["--sync-bn", "--backend", "ddpkit"])
+    assert config.sync_bn and config.resume and args.backend == "ddpkit"
+
+
+@pytest.mark.parametrize("backend", ["mpi", "cpu:mpi", "tpu:gloo", "cpu:ddpkit,"])
+def test_unknown_backends_are_refused(capsys, backend):
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", backend])
+    assert "choose from gloo, nccl, ddpkit, or map devices to them as in cpu:ddpkit,cuda:nccl" in capsys.readouterr().err
+
+
+def run_outside_the_repository(command, cwd, timeout=240):
+    """``command`` in ``cwd`` with the usual umask and no repository on the module path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=lambda: os.umask(0o022))
+
+
+@needs_fashion_mnist
+def test_torchrun_trains_the_installed_module_outside_the_repository(tmp_path):
+    result = run_outside_the_repository(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ddpkit.training", *TINY,
+         "--epochs", "1"], cwd=tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    out = Path("runs/latest")  # the default, under the directory it ran in
+    assert "process group: backend gloo, world size 2, device cpu; ddpkit's collectives over shared memory" \
+        in result.stdout, output
+    assert "with ddpkit.DistributedDataParallel and ddpkit.SyncBatchNorm" in result.stdout, output
+    assert result.stdout.strip().splitlines()[-1] == \
+        f"wrote {out / 'metrics.json'}, {out / 'model.pt'} and {out / 'checkpoint.pt'}", output
+    for name in ("metrics.json", "model.pt", "checkpoint.pt"):
+        assert stat.S_IMODE((tmp_path / out / name).stat().st_mode) == 0o644, name
+
+
+@needs_fashion_mnist
+def test_a_finished_run_says_so_and_more_epochs_continue_it(tmp_path):
+    command = [sys.executable, "-m", "ddpkit.training", *TINY, "--out", "run"]
+    first = run_outside_the_repository([*command, "--epochs", "1"], cwd=tmp_path)
+    assert first.returncode == 0, first.stdout + first.stderr
+    metrics = (tmp_path / "run" / "metrics.json").read_bytes()
+
+    again = run_outside_the_repository([*command, "--epochs", "1"], cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert again.stdout.strip() == ("run/checkpoint.pt: the run already finished at epoch 1; nothing to do "
+                                    "(pass --epochs 2 (or more) to continue)"), again.stdout + again.stderr
+    assert (tmp_path / "run" / "metrics.json").read_bytes() == metrics  # nothing rewritten
+
+    longer = run_outside_the_repository([*command, "--epochs", "2"], cwd=tmp_path)
+    assert longer.returncode == 0, longer.stdout + longer.stderr
+    assert "continuing run/checkpoint.pt, finished at epoch 1, to epoch 2: the cosine schedule now spans 2 " \
+           "epochs, learning rate 0.025 from here" in longer.stdout, longer.stdout
+    epochs = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]["epochs"]
+    assert [e["epoch"] for e in epochs] == [0, 1]
+
+    # Mid-run, a different length would change the schedule under the run: still refused.
+    fresh = run_outside_the_repository([*command, "--out", "other", "--epochs", "2", "--max-steps", "3"], cwd=tmp_path)
+    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+    refused = run_outside_the_repository([*command, "--out", "other", "--epochs", "3"], cwd=tmp_path)
+    assert refused.returncode == 1 and "belongs to a different run (epochs 2 -> 3, max_steps 3 -> None)" \
+        in refused.stderr, refused.stderr
