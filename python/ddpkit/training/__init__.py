@@ -1,10 +1,11 @@
 """The training application built on ddpkit: datasets, models, the trainer and its command line.
 
 The library (``ddpkit.comm``, ``ddpkit.syncbn``, ``ddpkit.ddp``, ``ddpkit.launch``) does not import
-this package; ``import ddpkit`` leaves it unloaded. The one entry point is
-``main`` (the repository's ``train.py`` calls it)::
+this package; ``import ddpkit`` leaves it unloaded. The one entry point is ``main``, which
+``python -m ddpkit.training`` runs (``__main__.py``) and the repository's ``train.py`` calls::
 
-    torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --epochs 10 --accumulation-steps 2
+    torchrun --nproc_per_node 2 -m ddpkit.training --dataset fashion_mnist --epochs 10 --accumulation-steps 2
+    torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --epochs 10 --accumulation-steps 2   # the same
 """
 
 from .train import TrainConfig, Trainer, main, parse_args

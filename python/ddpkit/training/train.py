@@ -1,5 +1,7 @@
 """Data-parallel training with ddpkit (DDP + SyncBatchNorm) or with PyTorch's built-ins.
 
+    torchrun --nproc_per_node 2 -m ddpkit.training --dataset fashion_mnist --epochs 10 --accumulation-steps 2
+    # in the repository, train.py is the same program:
     torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --epochs 10 --accumulation-steps 2
     torchrun --nproc_per_node 2 train.py --impl torch ...                     # the PyTorch pipeline
     torchrun --nproc_per_node 4 train.py --dataset cifar100 --model resnet18 --download
