@@ -589,13 +589,7 @@ def main() -> None:
                 print(f"{name} at {world_size} processes: {problem}", flush=True)
             new += peer_records(name, world_size, sizes, points, problem)
         records.extend(new)
-        print(f"world size {world_size}: {time.monotonic() - started:.0f}s elapsed", flush=True)
-        common.print_table([r for r in new if isinstance(r, AllreduceTimeRecord)],
-                           ["world_size", "numel", "candidate", "median_s", "p25_s", "p75_s", "reps",
-                            "bus_bandwidth_GBps", "max_abs_error_of_mean", "cut_off"])
-        memory = [r for r in new if isinstance(r, AllreduceMemoryRecord)]
-        if memory:
-            common.print_table(memory, ["world_size", "numel", "candidate", "peak_memory_increase_bytes"])
+        print(f"{world_size} processes: done, {time.monotonic() - started:.0f} s since the start", flush=True)
     summary = summarize(records)
     for name in runnable_peers:
         statuses[name]["world_sizes"] = [n for n in args.world_sizes if 2 <= n <= args.peer_max_world_size]
@@ -623,17 +617,50 @@ def main() -> None:
                   "timing": "per repetition: synchronise through the candidate itself, time a batch of back-to-back "
                             "calls on every rank; slowest rank per repetition, median over interleaved repetitions; "
                             "mpich and deepspeed in separate jobs right after the others for each world size"},
-        records=records, summary=summary)
-    print("ddpkit / gloo, worst at n in {2,4,8} x 1k..16M:", summary["ddpkit_over_gloo_max"],
-          "(bar <= 0.2:", summary["ddpkit_over_gloo_bar_met"], ")")
-    print("ddpkit / best peer at n=2:", {k: (round(v["ratio"], 3), v["best_peer"])
-                                         for k, v in summary["ddpkit_over_best_peer_n2"].items()})
-    print("ddpkit / floor at n=2:", {k: round(v, 2) for k, v in summary["ddpkit_over_floor_n2"].items()})
-    if summary["checked_over_unchecked"]:
-        print("checked / unchecked:", {k: round(v, 3) for k, v in summary["checked_over_unchecked"].items()})
-    if summary["cut_off_points"]:
-        print("cut off:", summary["cut_off_points"])
+        records=records, summary=summary, quick=args.quick)
+    print_summary(records, summary)
     print(f"wrote {path}")
+
+
+def print_summary(records: list[Record], summary: dict) -> None:
+    """Every point's time per call, bandwidth and error; then the ratios the summary holds."""
+    timed = [r for r in records if isinstance(r, AllreduceTimeRecord)]
+    gloo = {(r.world_size, r.numel): r.median_s for r in timed if r.candidate == "gloo" and r.median_s}
+    rows = [{**r.to_dict(), "over_gloo": r.median_s / gloo[(r.world_size, r.numel)]
+             if r.median_s and (r.world_size, r.numel) in gloo else None, "cut_off": "cut off" if r.cut_off else ""}
+            for r in timed]
+    print("\nall-reduce of float32 vectors: median time per call of the slowest rank (p25, p75), against gloo")
+    common.print_table(rows, ["world_size", "numel", "candidate", "median_s", "p25_s", "p75_s", "over_gloo",
+                              "bus_bandwidth_GBps", "max_abs_error_of_mean", "reps", "cut_off", "status"],
+                       align_left={"candidate", "status"},
+                       headers={"world_size": "ranks", "numel": "floats", "median_s": "median", "p25_s": "p25",
+                                "p75_s": "p75", "over_gloo": "/gloo", "bus_bandwidth_GBps": "bus bandwidth",
+                                "max_abs_error_of_mean": "error of mean", "cut_off": ""},
+                       formats={"median_s": common.seconds, "p25_s": common.seconds, "p75_s": common.seconds,
+                                "over_gloo": common.times, "bus_bandwidth_GBps": common.gigabytes_per_second,
+                                "max_abs_error_of_mean": lambda v: f"{v:.1e}",
+                                "status": lambda v: "" if v == "measured" else v})
+    memory = [r for r in records if isinstance(r, AllreduceMemoryRecord)]
+    if memory:
+        print("\npeak resident memory added by one warm all-reduce (max over ranks)")
+        common.print_table(memory, ["world_size", "numel", "candidate", "peak_memory_increase_bytes", "input_bytes"],
+                           align_left={"candidate"},
+                           headers={"world_size": "ranks", "numel": "floats", "peak_memory_increase_bytes": "added",
+                                    "input_bytes": "vector"},
+                           formats={"peak_memory_increase_bytes": common.mebibytes, "input_bytes": common.mebibytes})
+    print()
+    worst = summary["ddpkit_over_gloo_max"]
+    if worst is not None:
+        print(f"ddpkit / gloo at n in {{2, 4, 8}} x 1k-16M floats: worst {worst:.3f}x (target <= 0.2x: "
+              f"{'met' if summary['ddpkit_over_gloo_bar_met'] else 'not met'})")
+    for key, value in summary["ddpkit_over_best_peer_n2"].items():
+        print(f"ddpkit / best peer at n = 2, {key}: {value['ratio']:.3f}x ({value['best_peer']})")
+    for key, value in summary["ddpkit_over_floor_n2"].items():
+        print(f"ddpkit / floor at n = 2, {key}: {value:.2f}x (target <= 3x)")
+    for key, value in summary["checked_over_unchecked"].items():
+        print(f"checked / unchecked, {key}: {value:.3f}x")
+    if summary["cut_off_points"]:
+        print(f"cut off by their time budget: {', '.join(summary['cut_off_points'])}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 import warnings
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ddp  # noqa: E402
 import common  # noqa: E402
 from peers import timing  # noqa: E402
-from records import CollectiveRecord, DdpRecord, LayerRecord, Record, load_records  # noqa: E402
+from records import CollectiveRecord, DdpRecord, LayerRecord, Record  # noqa: E402
 
 import ddpkit  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
@@ -236,9 +235,6 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--blocks", type=int, default=12, help="alternating DDP blocks per candidate")
     parser.add_argument("--skip-ddp", action="store_true")
-    parser.add_argument("--ddp-from", type=Path,
-                        help="take the DDP records from this earlier results file (its command and commit are "
-                             "recorded in settings) instead of measuring them again")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--output", default="backend")
     args = parser.parse_args()
@@ -248,19 +244,12 @@ def main() -> None:
     for world_size in args.world_sizes:
         started = time.monotonic()
         records += collective_records(world_size, args.sizes, args.reps)
-        print(f"collectives at n={world_size}: {time.monotonic() - started:.0f}s", flush=True)
-    common.print_table([r for r in records if isinstance(r, CollectiveRecord)],
-                       ["collective", "world_size", "numel", "candidate", "median_s", "busbw_GBps"])
+        print(f"collectives at {world_size} processes: measured in {time.monotonic() - started:.0f} s", flush=True)
+    started = time.monotonic()
     records += layer_records(args.layer_sizes, 15)
-    common.print_table([r for r in records if isinstance(r, LayerRecord)], ["layer", "numel", "median_s"])
+    print(f"layers: measured in {time.monotonic() - started:.0f} s", flush=True)
     batch_for, steps_for = {"net": 64, "resnet18": 16}, {"net": 10, "resnet18": 2}
-    ddp_source = None
-    if args.ddp_from:
-        earlier = json.loads(args.ddp_from.read_text())
-        records += [r for r in load_records(earlier) if isinstance(r, DdpRecord)]
-        ddp_source = {"command": earlier["environment"]["command"], "git_commit": earlier["environment"]["git_commit"],
-                      "date": earlier["environment"]["date"], "ddp_blocks": earlier["settings"]["ddp_blocks"]}
-    elif not args.skip_ddp:
+    if not args.skip_ddp:
         for model_name in args.models:
             for accumulation in args.accumulation:
                 started = time.monotonic()
@@ -268,20 +257,48 @@ def main() -> None:
                                            steps_for[model_name], "gloo", candidates=DDP_CANDIDATES,
                                            reference="torch_gloo")
                 records += [dataclasses.replace(r, kind="ddp") for r in ddp]
-                print(f"torch DDP {model_name} accumulation {accumulation}: {time.monotonic() - started:.0f}s", flush=True)
-                common.print_table(ddp, ["model", "accumulation", "candidate", "median_step_s", "peak_memory_bytes"])
+                print(f"torch DDP {model_name} accumulation {accumulation}: measured in "
+                      f"{time.monotonic() - started:.0f} s", flush=True)
     summary = summarize(records)
     path = common.write_results(args.output, backend="ddpkit vs gloo", device_type="cpu",
                                 settings={"world_sizes": args.world_sizes, "sizes": args.sizes, "reps": args.reps,
                                           "dtype": "float32", "collectives": list(COLLECTIVES),
                                           "candidates": list(CANDIDATES), "ddp_models": args.models,
                                           "ddp_accumulation": args.accumulation, "ddp_blocks": args.blocks,
-                                          "ddp_skipped": args.skip_ddp, "ddp_records_from": ddp_source,
+                                          "ddp_skipped": args.skip_ddp,
                                           "ddp_batch_per_rank": batch_for, "ddp_steps_per_block": steps_for},
-                                records=records, summary=summary)
-    for key, value in summary.items():
-        print(f"{key}: {value:.3f}")
+                                records=records, summary=summary, quick=args.quick)
+    print_summary(records)
     print(f"wrote {path}")
+
+
+def print_summary(records: list[Record]) -> None:
+    """The collectives per candidate with the backend's ratios, the layers, and torch DDP on both backends."""
+    collectives = [r for r in records if isinstance(r, CollectiveRecord)]
+    times = {(r.collective, r.world_size, r.numel, r.candidate): r.median_s for r in collectives}
+    rows = [{"collective": collective, "world_size": n, "numel": numel,
+             **{candidate: times[(collective, n, numel, candidate)] for candidate in CANDIDATES},
+             "backend_over_gloo": times[(collective, n, numel, "backend")] / times[(collective, n, numel, "gloo")],
+             "backend_over_ddpkit": times[(collective, n, numel, "backend")] / times[(collective, n, numel, "ddpkit")]}
+            for (collective, n, numel, candidate) in times if candidate == "backend"]
+    print("\ntorch.distributed's collectives on the ddpkit backend (backend) against gloo and against ddpkit's own "
+          "function on the same group (ddpkit); median time per call of the slowest rank, float32")
+    common.print_table(rows, ["collective", "world_size", "numel", *CANDIDATES, "backend_over_gloo",
+                              "backend_over_ddpkit"], align_left={"collective"},
+                       headers={"world_size": "ranks", "numel": "floats", "backend_over_gloo": "backend/gloo",
+                                "backend_over_ddpkit": "backend/ddpkit"},
+                       formats={**{candidate: common.seconds for candidate in CANDIDATES},
+                                "backend_over_gloo": common.times, "backend_over_ddpkit": common.times})
+    layers = [r for r in records if isinstance(r, LayerRecord)]
+    own = {r.numel: r.median_s for r in layers if r.layer == "ddpkit.all_reduce"}
+    print("\none all-reduce through each layer of torch.distributed (2 processes), against ddpkit.all_reduce")
+    common.print_table([{**r.to_dict(), "ratio": r.median_s / own[r.numel]} for r in layers],
+                       ["layer", "numel", "median_s", "ratio"], align_left={"layer"},
+                       headers={"numel": "floats", "median_s": "time per call", "ratio": "/ddpkit.all_reduce"},
+                       formats={"median_s": common.seconds, "ratio": common.times})
+    ddp = [r for r in records if isinstance(r, DdpRecord)]
+    if ddp:
+        bench_ddp.print_summary(ddp, reference="torch_gloo")
 
 
 if __name__ == "__main__":

@@ -193,9 +193,8 @@ def main() -> None:
             started = time.monotonic()
             records += run_config(model_name, batch_for[model_name], accumulation, args.world_size, args.blocks,
                                   steps_for[model_name], backend, args.device)
-            print(f"{model_name} accumulation {accumulation}: {time.monotonic() - started:.0f}s", flush=True)
-            common.print_table(records[-len(CANDIDATES):], ["model", "accumulation", "candidate", "median_step_s",
-                                                            "p25_step_s", "peak_memory_bytes"])
+            print(f"{model_name} accumulation {accumulation}: measured in {time.monotonic() - started:.0f} s",
+                  flush=True)
     summary = {}
     for record in records:
         if record.candidate == "torch":
@@ -213,10 +212,27 @@ def main() -> None:
                                           "threads_per_process": max(1, (torch.get_num_threads()) // args.world_size),
                                           "data": "synthetic CIFAR-shaped batches (3x32x32, 100 classes)",
                                           "memory": "peak RSS per process (max over ranks); GPU: max_memory_allocated"},
-                                records=records, summary=summary)
-    for key, value in summary.items():
-        print(f"{key}: time x{value['time_ratio']:.3f}, memory x{value['memory_ratio']:.3f}")
+                                records=records, summary=summary, quick=args.quick)
+    print_summary(records, reference="torch")
     print(f"wrote {path}")
+
+
+def print_summary(records: list[DdpRecord], reference: str) -> None:
+    """Every candidate's step time (median, interquartile range) and peak memory, with its ratios to ``reference``'s."""
+    base = {(r.model, r.accumulation): r for r in records if r.candidate == reference}
+    rows = [{**r.to_dict(), "time_ratio": r.median_step_s / base[(r.model, r.accumulation)].median_step_s,
+             "memory_ratio": r.peak_memory_bytes / base[(r.model, r.accumulation)].peak_memory_bytes}
+            for r in records]
+    print(f"\nDDP step (forward + backward of every micro-batch + optimizer step; median of the slowest rank) against "
+          f"{reference}; floor: the same steps without any gradient communication")
+    common.print_table(rows, ["model", "accumulation", "candidate", "median_step_s", "p25_step_s", "p75_step_s",
+                              "time_ratio", "peak_memory_bytes", "memory_ratio"], align_left={"candidate"},
+                       headers={"median_step_s": "median step", "p25_step_s": "p25", "p75_step_s": "p75",
+                                "time_ratio": f"time/{reference}", "peak_memory_bytes": "peak memory",
+                                "memory_ratio": f"memory/{reference}"},
+                       formats={"median_step_s": common.seconds, "p25_step_s": common.seconds,
+                                "p75_step_s": common.seconds, "time_ratio": common.times,
+                                "peak_memory_bytes": common.mebibytes, "memory_ratio": common.times})
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from common import interleave, median, print_table, write_results  # noqa: E402
 from peers import timing  # noqa: E402
 from records import SyncBatchNormRecord  # noqa: E402
@@ -57,6 +59,11 @@ CONV_SHAPE_CUDA = (32, 256, 32, 32)
 TARGET_RATIO_DISTRIBUTED = 1.15
 TARGET_RATIO_LOCAL = 1.0
 CHECK_ATOL = 1e-3
+
+# The memory pass runs torch.profiler once per layer and step, and its kineto library writes a
+# "profiler_start"/"profiler_stop" line to stderr each time (hundreds per run; its level "USDT" is
+# above ERROR, so only KINETO_LOG_LEVEL=6 silences it). Set before any worker starts, so they inherit it.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 MEMORY_METHOD = (
     "Per rank, after the timed repetitions, one more forward+backward of each layer: "
@@ -448,15 +455,55 @@ def main() -> None:
         "memory_method": MEMORY_METHOD,
     }
     path = write_results("syncbn_cuda" if cuda else "syncbn", backend=backend, device_type=device_type,
-                         settings=settings, records=records, summary=summary)
-    columns = ["world_size", "shape", "threads_per_rank", "t_ddpkit", "t_ddpkit_pg", "t_ddpkit_unchecked",
-               "t_ddpkit_local", "t_torch_bn_local", "t_gloo_two_all_reduces", "t_torch_emulated", "t_torch_syncbn", "ratio",
-               "ratio_pg", "ratio_unchecked", "ratio_emulated", "ratio_local_compute", "alloc_ddpkit", "alloc_torch_bn_local",
-               "alloc_extra", "alloc_ddpkit_pg", "alloc_torch_syncbn", "rss_ddpkit", "rss_torch_bn_local"]
-    rows = [{**r.to_dict(), "shape": "x".join(map(str, r.shape))} for r in records]
-    print_table(rows, [c for c in columns if any(c in row for row in rows)])
-    print({k: v for k, v in summary.items()})
+                         settings=settings, records=records, summary=summary, quick=args.quick)
+    print_summary(records, summary, cuda)
     print(f"wrote {path}")
+
+
+def print_summary(records: list[SyncBatchNormRecord], summary: dict, cuda: bool) -> None:
+    """Times per forward+backward step, their ratios to the baseline, memory, and the targets."""
+    baseline = "torch.nn.SyncBatchNorm" if cuda else "floor"
+    rows = []
+    for r in records:
+        row = {**r.to_dict(), "shape": "x".join(map(str, r.shape))}
+        if r.world_size == 1:
+            row["baseline"] = r.t_torch_bn_local  # the local kernels against torch's BatchNorm
+        else:
+            row["baseline"] = r.t_torch_syncbn if cuda else r.t_floor
+        row["alloc_baseline"] = r.alloc_torch_syncbn if r.alloc_torch_syncbn is not None else r.alloc_torch_bn_local
+        rows.append(row)
+    columns = ["world_size", "shape", "threads_per_rank", "t_ddpkit", "t_ddpkit_pg", "t_ddpkit_unchecked", "baseline",
+               "ratio", "ratio_pg", "ratio_unchecked", "ratio_local_compute", "alloc_ddpkit", "alloc_baseline",
+               "alloc_extra_per_channel"]
+    print(f"\nSyncBatchNorm forward + backward per step (median of the slowest rank); baseline: {baseline} at "
+          "world size > 1 (on CPU torch's BatchNorm plus two gloo all-reduces), torch's BatchNorm at world size 1")
+    print_table(rows, [c for c in columns if any(row.get(c) is not None for row in rows)],
+                headers={"world_size": "ranks", "threads_per_rank": "threads", "t_ddpkit": "ddpkit auto",
+                         "t_ddpkit_pg": "ddpkit process_group", "t_ddpkit_unchecked": "auto unchecked",
+                         "ratio": "auto/baseline", "ratio_pg": "pg/baseline", "ratio_unchecked": "unchecked/baseline",
+                         "ratio_local_compute": "local kernels/BN", "alloc_ddpkit": "ddpkit memory",
+                         "alloc_baseline": "baseline memory", "alloc_extra_per_channel": "extra per channel"},
+                formats={"t_ddpkit": common.seconds, "t_ddpkit_pg": common.seconds,
+                         "t_ddpkit_unchecked": common.seconds, "baseline": common.seconds, "ratio": common.times,
+                         "ratio_pg": common.times, "ratio_unchecked": common.times,
+                         "ratio_local_compute": common.times, "alloc_ddpkit": _kibibytes, "alloc_baseline": _kibibytes,
+                         "alloc_extra_per_channel": lambda v: f"{v:.1f} B"})
+    configs = summary["configs_2_workers"]
+    if configs:
+        print(f"at 2 workers, ddpkit auto within {TARGET_RATIO_DISTRIBUTED}x the baseline in "
+              f"{summary['configs_within_target_2_workers']} of {configs} configurations (worst "
+              f"{summary['max_ratio_2_workers']:.3f}x); process_group in {summary['configs_within_target_pg_2_workers']} "
+              f"(worst {summary['max_ratio_pg_2_workers']:.3f}x)")
+    if summary["local_ratios"]:
+        local = summary["local_ratios"].values()
+        print(f"world size 1: ddpkit's kernels take {min(local):.3f}x-{max(local):.3f}x the time of torch's BatchNorm "
+              f"(target {TARGET_RATIO_LOCAL}x)")
+    print(f"memory: at most {summary['max_alloc_extra_per_channel_bytes']:.1f} bytes per channel above the baseline's; "
+          f"largest difference from BatchNorm on the whole batch: {summary['max_check_error']:.2e}")
+
+
+def _kibibytes(value: float) -> str:
+    return f"{value / 2**10:.0f} KiB"
 
 
 if __name__ == "__main__":

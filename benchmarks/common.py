@@ -31,9 +31,17 @@ from ddpkit.atomic import write_atomically
 from records import Record
 
 SCHEMA_VERSION = 1
-# benchmarks/run_all.sh --quick points this elsewhere, so smoke runs never replace measured results.
-RESULTS_DIR = Path(os.environ.get("DDPKIT_RESULTS_DIR", Path(__file__).resolve().parent / "results")).resolve()
 REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"  # the measured results, committed; the report reads them
+QUICK_RESULTS_DIR = RESULTS_DIR / "quick"  # smoke runs (--quick), git-ignored
+
+
+def results_dir(quick: bool) -> Path:
+    """Where a script writes its results: ``$DDPKIT_RESULTS_DIR`` if set, else ``QUICK_RESULTS_DIR`` for a
+    smoke run (so that one never replaces a measured result), else ``RESULTS_DIR``."""
+    if os.environ.get("DDPKIT_RESULTS_DIR"):
+        return Path(os.environ["DDPKIT_RESULTS_DIR"]).resolve()
+    return QUICK_RESULTS_DIR if quick else RESULTS_DIR
 
 
 def _cpu_model() -> str:
@@ -90,9 +98,10 @@ def _nvidia_driver() -> Optional[str]:
 
 
 def write_results(name: str, *, backend: str, device_type: str, settings: dict, records: Sequence[Record],
-                  summary: Optional[dict] = None, directory: Optional[Path] = None) -> Path:
-    """Writes ``<directory>/<name>.json`` (default directory: ``RESULTS_DIR``) atomically and returns its path."""
-    directory = Path(directory) if directory is not None else RESULTS_DIR
+                  summary: Optional[dict] = None, quick: bool = False, directory: Optional[Path] = None) -> Path:
+    """Writes ``<directory>/<name>.json`` atomically and returns its path; the directory is
+    ``results_dir(quick)`` unless given."""
+    directory = Path(directory) if directory is not None else results_dir(quick)
     directory.mkdir(parents=True, exist_ok=True)
     document = {
         "schema_version": SCHEMA_VERSION,
@@ -149,17 +158,59 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def print_table(rows: Sequence[Union[Mapping, Record]], columns: list[str]) -> None:
-    """A plain fixed-width table on stdout, of dicts or records (a field a record lacks: blank)."""
-    cells = [[_format((row.to_dict() if isinstance(row, Record) else row).get(col)) for col in columns]
-             for row in rows]
-    widths = [max(len(col), *(len(c[i]) for c in cells)) if cells else len(col) for i, col in enumerate(columns)]
-    print("  ".join(col.rjust(w) for col, w in zip(columns, widths)))
+def print_table(rows: Sequence[Union[Mapping, Record]], columns: list[str], *,
+                headers: Optional[Mapping[str, str]] = None, formats: Optional[Mapping[str, Callable[[Any], str]]] = None,
+                align_left: Iterable[str] = ()) -> None:
+    """A plain fixed-width table on stdout, of dicts or records (a field a row lacks: blank).
+
+    ``headers`` renames columns (default: the key), ``formats`` turns a column's values into text
+    with their unit (``seconds``, ``mebibytes``, ``times``; default: 4 significant digits), and the
+    columns in ``align_left`` are aligned left (names), the others right (numbers).
+    """
+    headers, formats, align_left = headers or {}, formats or {}, set(align_left)
+    cells = []
+    for row in rows:
+        values = row.to_dict() if isinstance(row, Record) else row
+        cells.append([_format(values.get(col), formats.get(col)) for col in columns])
+    titles = [headers.get(col, col) for col in columns]
+    widths = [max(len(title), *(len(c[i]) for c in cells)) if cells else len(title) for i, title in enumerate(titles)]
+
+    def line(texts: Sequence[str]) -> str:
+        return "  ".join(text.ljust(w) if col in align_left else text.rjust(w)
+                         for col, text, w in zip(columns, texts, widths)).rstrip()
+
+    print(line(titles))
     for row in cells:
-        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+        print(line(row))
 
 
-def _format(value: Any) -> str:
+def _format(value: Any, format: Optional[Callable[[Any], str]] = None) -> str:
+    if value is None:
+        return ""
+    if format is not None:
+        return format(value)
     if isinstance(value, float):
         return f"{value:.4g}"
-    return "" if value is None else str(value)
+    return str(value)
+
+
+def seconds(value: float) -> str:
+    """A duration with the unit that keeps it readable: 12.3 µs, 4.56 ms, 7.89 s."""
+    if abs(value) < 1e-3:
+        return f"{value * 1e6:.1f} µs"
+    if abs(value) < 1:
+        return f"{value * 1e3:.2f} ms"
+    return f"{value:.2f} s"
+
+
+def mebibytes(value: float) -> str:
+    return f"{value / 2**20:.1f} MiB"
+
+
+def times(value: float) -> str:
+    """A ratio: 0.84x."""
+    return f"{value:.3f}x"
+
+
+def gigabytes_per_second(value: float) -> str:
+    return f"{value:.3g} GB/s"

@@ -31,3 +31,25 @@ def test_time_per_call_makes_the_calls_back_to_back():
     seconds = common.time_per_call(seen.append, "call", calls=5)
     assert seen == ["call"] * 5
     assert isinstance(seconds, float)
+
+
+def test_a_smoke_run_never_writes_where_the_measured_results_are(monkeypatch, tmp_path):
+    monkeypatch.delenv("DDPKIT_RESULTS_DIR", raising=False)
+    assert common.results_dir(quick=False) == BENCHMARKS / "results"
+    assert common.results_dir(quick=True) == BENCHMARKS / "results" / "quick"
+    monkeypatch.setenv("DDPKIT_RESULTS_DIR", str(tmp_path))
+    assert common.results_dir(quick=True) == common.results_dir(quick=False) == tmp_path
+
+
+def test_tables_print_values_with_their_units(capsys):
+    rows = [{"candidate": "ddpkit", "median_s": 42e-6, "memory": 3 * 2**20, "ratio": 0.5},
+            {"candidate": "torch", "median_s": 1.5, "memory": None, "ratio": 1.0}]
+    common.print_table(rows, ["candidate", "median_s", "memory", "ratio"], align_left={"candidate"},
+                       headers={"median_s": "median"},
+                       formats={"median_s": common.seconds, "memory": common.mebibytes, "ratio": common.times})
+    assert capsys.readouterr().out.splitlines() == [
+        "candidate   median   memory   ratio",
+        "ddpkit     42.0 µs  3.0 MiB  0.500x",
+        "torch       1.50 s           1.000x",
+    ]
+    assert [common.seconds(s) for s in (2e-6, 2e-3, 2.0)] == ["2.0 µs", "2.00 ms", "2.00 s"]
