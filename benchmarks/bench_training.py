@@ -1,4 +1,4 @@
-"""Training: the ddpkit pipeline (DDP + SyncBatchNorm) against PyTorch's (DDP + SyncBatchNorm).
+"""Training: ddpkit's pipeline against PyTorch's, like for like (same DDP job, same BatchNorm).
 
     python benchmarks/bench_training.py          # `make main`: 3 epochs on 30000 samples, under 10 minutes on 2 cores
     python benchmarks/bench_training.py --full   # the full-length comparison: 15 epochs on all 60000 (about 35 minutes)
@@ -6,21 +6,23 @@
     python benchmarks/bench_training.py --quick  # a smoke run
     python benchmarks/bench_training.py --plot-from benchmarks/results/training.json   # only redraw a saved run
 
-Both pipelines are ``ddpkit.training.Trainer`` with the same configuration (seed, data order,
+Every pipeline is ``ddpkit.training.Trainer`` with the same configuration (seed, data order,
 augmentation, optimizer, schedule; ``--world-size`` >= 2 ranks, ``--accumulation-steps`` >= 2)
-except ``--impl``. On CPU torch has no SyncBatchNorm: its pipeline then uses plain BatchNorm (the
-results say so), and a third pipeline, ``ddpkit_plain_bn`` (ddpkit's DDP with plain BatchNorm,
-``--no-sync-bn``), is the like-for-like control: the difference between it and ``ddpkit`` is the cost
-of synchronizing batch statistics. Each runs in its own pool of processes, kept alive across the run,
-and they alternate epoch by epoch (order rotating, ``common.interleave``) so that machine noise hits
-all alike. Reported:
-time per epoch, peak memory (RSS, max over ranks), loss curve, test accuracy after every epoch.
-A progress bar follows each epoch; at the end a table compares the pipelines and a plot (loss curves,
-accuracy per epoch, epoch time, peak memory) is saved next to the results as a PNG.
+except ``--impl`` and ``--sync-bn``. The headline compares ``ddpkit`` (ddpkit's DDP) with ``torch``
+(torch's DDP) on the same BatchNorm: on CUDA both synchronize it (ddpkit.SyncBatchNorm against
+torch.nn.SyncBatchNorm); on CPU, where torch has no SyncBatchNorm, both run plain BatchNorm, and a
+third pipeline, ``ddpkit_sync_bn`` (ddpkit's DDP with ddpkit.SyncBatchNorm), is its own row: the
+difference between it and ``ddpkit`` is the cost of synchronizing batch statistics. Each pipeline runs
+in its own pool of processes, kept alive across the run, and they alternate epoch by epoch (order
+rotating, ``common.interleave``) so that machine noise hits all alike. Reported: time per epoch
+(median, min and max over the epochs), peak memory (RSS, max over ranks), loss curve, test accuracy
+after every epoch; each record says which BatchNorm really ran (``batch_norm``). A progress bar
+follows each epoch; at the end a table compares the pipelines and a plot (loss curves, accuracy per
+epoch, epoch time, peak memory) is saved next to the results as a PNG.
 
-Where results go: ``--full`` and ``--quick`` write ``training.json`` (+ ``training.png``) to
-benchmarks/results/ (or ``$DDPKIT_RESULTS_DIR``), the measured figures the report reads; the short
-default run writes ``runs/main/training.json`` and ``runs/main/training.png``, so that it never
+Where results go: ``--full`` writes ``training.json`` (+ ``training.png``) to benchmarks/results/,
+the measured figures the report reads, ``--quick`` to benchmarks/results/quick/ (``$DDPKIT_RESULTS_DIR``
+overrides both); the short default run writes ``runs/main/training.json`` and ``runs/main/training.png``, so that it never
 replaces the full-length results (``--results-dir`` puts either elsewhere). The short run evaluates
 on the whole test set, so its final accuracies compare with the full run's, a little lower.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -59,7 +62,8 @@ def build(config: TrainConfig, label: str = "") -> dict:
     trainer.progress_label = label
     trainer.verbose = False  # the parent prints one line per epoch
     _state["trainer"] = trainer
-    return {"notes": trainer.notes, "total_steps": trainer.total_steps, "global_batch": trainer.global_batch}
+    return {"notes": trainer.notes, "total_steps": trainer.total_steps, "global_batch": trainer.global_batch,
+            "batch_norm": trainer.batch_norm}
 
 
 def epoch() -> dict:
@@ -76,6 +80,15 @@ def finish() -> dict:
     summary = _state["trainer"].summary()
     return {"peak_rss_bytes": summary["peak_rss_bytes_max_over_ranks"],
             "losses": [s["local_loss"] for s in summary["history"]["steps"]]}
+
+
+def pipelines(backend: str) -> dict[str, tuple[str, bool]]:
+    """The pipelines to compare, name -> (impl, sync_bn). "ddpkit" and "torch" are the like-for-like pair:
+    torch synchronizes BatchNorm only on CUDA (nccl), so elsewhere both run plain BatchNorm and ddpkit's
+    SyncBatchNorm is a row of its own."""
+    if backend == "nccl":
+        return {"ddpkit": ("ddpkit", True), "torch": ("torch", True)}
+    return {"ddpkit": ("ddpkit", False), "torch": ("torch", False), "ddpkit_sync_bn": ("ddpkit", True)}
 
 
 # The settings of the runs (per rank and micro-batch: --batch-size).
@@ -107,7 +120,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="training", help="results name: <results-dir>/<output>.json and .png")
     parser.add_argument("--results-dir",
-                        help=f"default: {common.RESULTS_DIR} with --full/--quick, else {common.REPO_ROOT / 'runs/main'}")
+                        help=f"default: {common.RESULTS_DIR} with --full, {common.QUICK_RESULTS_DIR} with --quick, "
+                             f"else {common.REPO_ROOT / 'runs/main'} ($DDPKIT_RESULTS_DIR overrides the first two)")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="no PNG")
     parser.add_argument("--plot-from", metavar="JSON", help="only draw the plot of saved results (next to them)")
@@ -125,14 +139,11 @@ def main() -> None:
     epochs = args.epochs if args.epochs is not None else length["epochs"]
     limit_train = args.limit_train if args.limit_train is not None else length["limit_train"]
     results_dir = Path(args.results_dir) if args.results_dir else (
-        common.RESULTS_DIR if args.full or args.quick else common.REPO_ROOT / "runs" / "main")
+        common.results_dir(args.quick) if args.full or args.quick else common.REPO_ROOT / "runs" / "main")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
 
     runs_dir = Path(tempfile.mkdtemp(prefix="ddpkit-bench-training-"))
-    # candidate -> (impl, sync_bn); torch's pipeline synchronizes BatchNorm only where it can (CUDA).
-    candidates = {"ddpkit": ("ddpkit", True), "torch": ("torch", True)}
-    if backend != "nccl":
-        candidates["ddpkit_plain_bn"] = ("ddpkit", False)
+    candidates = pipelines(backend)
     configs = {name: TrainConfig(dataset=args.dataset, data_root=args.data_root, model=args.model, impl=impl,
                                  sync_bn=sync_bn, epochs=epochs, batch_size=args.batch_size,
                                  accumulation_steps=args.accumulation_steps, lr=args.lr, optimizer=args.optimizer,
@@ -165,9 +176,10 @@ def main() -> None:
     records = []
     for name, config in configs.items():
         history = epochs_by_name[name]
+        batch_norm = built[name]["batch_norm"]  # what ran, which need not be what was asked for
         records.append(TrainingRecord(
-            candidate=name, impl=config.impl, sync_bn=config.sync_bn, world_size=args.world_size,
-            notes=built[name]["notes"], global_batch=built[name]["global_batch"],
+            candidate=name, impl=config.impl, sync_bn=batch_norm != "BatchNorm", batch_norm=batch_norm,
+            world_size=args.world_size, notes=built[name]["notes"], global_batch=built[name]["global_batch"],
             optimizer_steps=built[name]["total_steps"], epochs=history,
             final_test_accuracy=history[-1]["test_accuracy"], final_test_loss=history[-1]["test_loss"],
             median_epoch_time_s=common.median(r["epoch_time_s"] for r in history),
@@ -182,23 +194,22 @@ def main() -> None:
                 "epoch_time_ratio": mine.median_epoch_time_s / theirs.median_epoch_time_s,
                 "memory_ratio": mine.peak_rss_bytes / theirs.peak_rss_bytes}
 
-    summary = compare("ddpkit")
-    if "ddpkit_plain_bn" in by_name:
-        summary["plain_bn_vs_torch"] = compare("ddpkit_plain_bn")
+    # The headline: ddpkit against torch on the same BatchNorm; ddpkit's SyncBatchNorm (CPU) beside it.
+    summary = {"batch_norm": by_name["ddpkit"].batch_norm, **compare("ddpkit")}
+    if "ddpkit_sync_bn" in by_name:
+        summary["ddpkit_sync_bn_vs_torch"] = compare("ddpkit_sync_bn")
     path = common.write_results(
         args.output, backend=backend, device_type="cuda" if torch.cuda.is_available() else "cpu",
         settings={**{k: v for k, v in dataclasses.asdict(configs["ddpkit"]).items()
                      if k not in ("impl", "sync_bn", "out_dir", "progress")},
                   "world_size": args.world_size, "threads_per_process": pools["ddpkit"].threads,
-                  "candidates": {name: {"impl": impl, "sync_bn": sync_bn} for name, (impl, sync_bn) in candidates.items()},
+                  "candidates": {r.candidate: {"impl": r.impl, "sync_bn": r.sync_bn, "batch_norm": r.batch_norm}
+                                 for r in records},
+                  "headline": "ddpkit against torch, both with the same BatchNorm",
                   "interleaving": "epochs alternate between the pipelines, order rotating"},
         records=records, summary=summary, directory=results_dir)
     print()
     print_comparison(records, by_name)
-    for name, ratios in [("ddpkit", summary), ("ddpkit_plain_bn", summary.get("plain_bn_vs_torch"))]:
-        if ratios:
-            print(f"{name} vs torch: accuracy difference {ratios['accuracy_difference_pp']:+.2f} pp, epoch time "
-                  f"x{ratios['epoch_time_ratio']:.3f}, memory x{ratios['memory_ratio']:.3f}")
     for note in sorted({note for record in records for note in record.notes}):
         print(f"note: {note}")
     print(f"training took {elapsed / 60:.1f} minutes; wrote {path}")
@@ -210,55 +221,79 @@ def main() -> None:
 
 
 def print_comparison(records: list[TrainingRecord], by_name: dict) -> None:
-    """The pipelines side by side, with each one's ratios to torch's."""
-    torch_record = by_name["torch"]
+    """The pipelines side by side, each with its ratios to torch's; the like-for-like pair first."""
+    base = by_name["torch"]
     rows = [{
-        "pipeline": r.candidate,
-        "final test accuracy": f"{100 * r.final_test_accuracy:.2f}%",
-        "vs torch (pp)": f"{100 * (r.final_test_accuracy - torch_record.final_test_accuracy):+.2f}",
-        "median epoch time": f"{r.median_epoch_time_s:.1f} s",
-        "vs torch (time)": f"x{r.median_epoch_time_s / torch_record.median_epoch_time_s:.3f}",
-        "peak memory": f"{r.peak_rss_bytes / 2**20:.0f} MiB",
-        "vs torch (memory)": f"x{r.peak_rss_bytes / torch_record.peak_rss_bytes:.3f}",
+        "pipeline": f"{r.candidate}: {r.label}",
+        "accuracy": f"{100 * r.final_test_accuracy:.2f} %",
+        "accuracy_vs_torch": f"{100 * (r.final_test_accuracy - base.final_test_accuracy):+.2f} pp",
+        "epoch_time": f"{r.median_epoch_time_s:.1f} s [{min(r.epoch_times_s):.1f}, {max(r.epoch_times_s):.1f}]",
+        "time_vs_torch": r.median_epoch_time_s / base.median_epoch_time_s,
+        "memory": r.peak_rss_bytes,
+        "memory_vs_torch": r.peak_rss_bytes / base.peak_rss_bytes,
     } for r in records]
-    common.print_table(rows, list(rows[0]))
+    common.print_table(rows, list(rows[0]), align_left={"pipeline"},
+                       headers={"accuracy": "final test accuracy", "accuracy_vs_torch": "vs torch",
+                                "epoch_time": "epoch time: median [min, max]", "time_vs_torch": "vs torch",
+                                "memory": "peak memory", "memory_vs_torch": "vs torch"},
+                       formats={"time_vs_torch": common.times, "memory": common.mebibytes,
+                                "memory_vs_torch": common.times})
+    like = by_name["ddpkit"]
+    print(f"headline, like for like: {like.label} against {base.label}: epoch time "
+          f"{like.median_epoch_time_s / base.median_epoch_time_s:.3f}x, final accuracy "
+          f"{100 * (like.final_test_accuracy - base.final_test_accuracy):+.2f} pp, peak memory "
+          f"{like.peak_rss_bytes / base.peak_rss_bytes:.3f}x (below 1x: ddpkit takes less)")
 
 
 def plot(document: dict, path: Path) -> Path:
-    """Loss curves, test accuracy per epoch, median epoch time and peak memory of every pipeline, as a PNG."""
+    """Loss curves, test accuracy per epoch, epoch time (median, min-max whiskers) and peak memory of
+    every pipeline, as a PNG; each pipeline is labelled with the DDP and the BatchNorm it ran."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     records, settings = load_records(document, without_kind=TrainingRecord), document["settings"]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4), gridspec_kw={"width_ratios": [3, 3, 2, 2]})
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.8), gridspec_kw={"width_ratios": [3, 3, 2.4, 2.4]})
     loss_axis, accuracy_axis, time_axis, memory_axis = axes
-    names = [r.candidate for r in records]
+    labels = [record.label for record in records]
     colors = [f"C{i}" for i in range(len(records))]
-    for record, color in zip(records, colors):
+    for record, label, color in zip(records, labels, colors):
         losses = record.loss_curve
         window = max(1, len(losses) // 100)
         smooth = [statistics.fmean(losses[i:i + window]) for i in range(0, len(losses) - window + 1, window)]
-        loss_axis.plot([i * window for i in range(len(smooth))], smooth, color=color, label=record.candidate)
+        loss_axis.plot([i * window for i in range(len(smooth))], smooth, color=color, label=label)
         accuracy_axis.plot([e["epoch"] + 1 for e in record.epochs], [100 * e["test_accuracy"] for e in record.epochs],
-                           marker="o", color=color, label=record.candidate)
+                           marker="o", color=color, label=label)
     loss_axis.set(xlabel="optimizer step", ylabel="training loss (rank 0, smoothed)")
-    accuracy_axis.set(xlabel="epoch", ylabel="test accuracy (%)")
+    # The accuracies differ by tenths of a point: the axis is zoomed to where they are, and says so.
+    lowest = min(100 * e["test_accuracy"] for r in records for e in r.epochs)
+    floor = 5 * math.floor((lowest - 1) / 5)
+    accuracy_axis.set_ylim(bottom=floor)
+    accuracy_axis.set(xlabel="epoch", ylabel=f"test accuracy (%), axis from {floor} %")
     accuracy_axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-    time_axis.bar(names, [r.median_epoch_time_s for r in records], color=colors)
-    time_axis.set(ylabel="median epoch time (s)")
-    memory_axis.bar(names, [r.peak_rss_bytes / 2**20 for r in records], color=colors)
+    short = [label.replace(", ", "\n") for label in labels]
+    medians = [r.median_epoch_time_s for r in records]
+    time_axis.bar(short, medians, color=colors,
+                  yerr=[[m - min(r.epoch_times_s) for m, r in zip(medians, records)],
+                        [max(r.epoch_times_s) - m for m, r in zip(medians, records)]], capsize=6)
+    time_axis.set(ylabel=f"epoch time (s): median, min-max of {len(records[0].epochs)}")
+    memory_axis.bar(short, [r.peak_rss_bytes / 2**20 for r in records], color=colors)
     memory_axis.set(ylabel="peak memory, max over ranks (MiB)")
     for axis in axes:
         axis.grid(alpha=0.3)
     for axis in (time_axis, memory_axis):
-        axis.tick_params(axis="x", labelrotation=20)
-    loss_axis.legend()
-    accuracy_axis.legend()
+        axis.tick_params(axis="x", labelsize=7)
+    loss_axis.legend(fontsize=8)
+    accuracy_axis.legend(fontsize=8)
+    environment = document["environment"]
+    commit = str(environment["git_commit"])
+    commit = commit[:10] + (" (uncommitted changes)" if commit.endswith("-dirty") else "")
     fig.suptitle(f"{settings['dataset']}, {settings['model']}: {settings['world_size']} processes, "
                  f"{settings['epochs']} epochs on {settings.get('limit_train') or 'all'} training samples, "
-                 f"accumulation {settings['accumulation_steps']} ({document['environment']['date']})")
+                 f"accumulation {settings['accumulation_steps']}; ddpkit against torch with the same BatchNorm "
+                 f"({environment['device_type']}, commit {commit}, "
+                 f"{environment['date'][:10]})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

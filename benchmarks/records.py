@@ -203,15 +203,23 @@ class SyncBatchNormRecord(Record):
     alloc_extra_per_channel: float
 
 
-# -- bench_training.py: training.json, training_main.json -------------------------------------------------
+# -- bench_training.py: training.json, and the short run of `make main` (runs/main/training.json) -------
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingRecord(Record):
-    """One pipeline's whole training run."""
+    """One pipeline's whole training run.
+
+    ``sync_bn`` and ``batch_norm`` say what ran: ``batch_norm`` is ``Trainer.batch_norm``
+    ("BatchNorm" for plain batch norm, "ddpkit.SyncBatchNorm", "torch.nn.SyncBatchNorm"). Files
+    written before it was recorded lack it, and there torch's CPU pipeline has ``sync_bn`` true (what
+    it was asked for) beside a note that it ran plain BatchNorm: ``synchronized`` and ``label`` read
+    both kinds right.
+    """
     candidate: str
     impl: str
     sync_bn: bool
+    batch_norm: Optional[str] = optional()
     world_size: int
     notes: list[str]
     global_batch: int
@@ -221,7 +229,25 @@ class TrainingRecord(Record):
     final_test_loss: float
     median_epoch_time_s: float
     peak_rss_bytes: int
-    loss_curve: list[float]                  # rank 0's loss at every micro-batch
+    loss_curve: list[float]                  # rank 0's loss at every optimizer step (its last micro-batch)
+
+    @property
+    def synchronized(self) -> bool:
+        """Whether the run's BatchNorm layers synchronized their statistics across ranks."""
+        if self.batch_norm is not None:
+            return self.batch_norm != "BatchNorm"
+        return self.sync_bn and not any("plain BatchNorm" in note for note in self.notes)
+
+    @property
+    def label(self) -> str:
+        """The pipeline in words, e.g. "ddpkit DDP, plain BatchNorm" or "torch DDP, torch.nn.SyncBatchNorm"."""
+        if not self.synchronized:
+            return f"{self.impl} DDP, plain BatchNorm"
+        return f"{self.impl} DDP, {self.batch_norm or ('ddpkit.SyncBatchNorm' if self.impl == 'ddpkit' else 'torch.nn.SyncBatchNorm')}"
+
+    @property
+    def epoch_times_s(self) -> list[float]:
+        return [epoch["epoch_time_s"] for epoch in self.epochs]
 
 
 # A record with a "kind" is of the class of its kind; a record without one, of the class of its file.
@@ -234,7 +260,7 @@ def load_records(source: Union[str, Path, dict], without_kind: Optional[type[Rec
     """The typed records of a results file, given its path or its parsed JSON document.
 
     A record without a ``kind`` is of ``without_kind``, by default of the class ``BY_BENCHMARK`` gives
-    the benchmark's name up to its first "_" (syncbn_cuda: syncbn; training_main: training).
+    the benchmark's name up to its first "_" (syncbn_cuda: syncbn; ddp_cuda: ddp).
     Raises ValueError, naming the file and the record, on a record that does not fit its class.
     """
     if isinstance(source, dict):

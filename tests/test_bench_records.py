@@ -17,7 +17,7 @@ CLASSES = {"allreduce": {records.AllreduceTimeRecord, records.AllreduceMemoryRec
            "backend": {records.CollectiveRecord, records.LayerRecord, records.DdpRecord},
            "ddp": {records.DdpRecord}, "ddp_cuda": {records.DdpRecord},
            "syncbn": {records.SyncBatchNormRecord}, "syncbn_cuda": {records.SyncBatchNormRecord},
-           "training": {records.TrainingRecord}, "training_main": {records.TrainingRecord}}
+           "training": {records.TrainingRecord}}
 
 
 def _left_out_when_none(record) -> set:
@@ -79,3 +79,18 @@ def test_optional_fields_are_left_out_when_none_and_required_ones_written():
     assert dataclasses.replace(record, kind="ddp").to_dict()["kind"] == "ddp"
     with pytest.raises(dataclasses.FrozenInstanceError):
         record.model = "resnet18"
+
+
+def test_training_records_say_which_batch_norm_ran():
+    # The committed training.json comes from before batch_norm was recorded: torch's CPU pipeline says
+    # sync_bn True beside its note that it ran plain BatchNorm.
+    by_candidate = {r.candidate: r for r in records.load_records(BENCHMARKS / "results" / "training.json")}
+    assert by_candidate["torch"].sync_bn and not by_candidate["torch"].synchronized
+    assert by_candidate["torch"].label == "torch DDP, plain BatchNorm"
+    assert by_candidate["ddpkit"].label == "ddpkit DDP, ddpkit.SyncBatchNorm"
+    assert by_candidate["ddpkit_plain_bn"].label == "ddpkit DDP, plain BatchNorm"
+    # Newer records name it.
+    record = dataclasses.replace(by_candidate["torch"], sync_bn=False, batch_norm="BatchNorm", notes=[])
+    assert not record.synchronized and record.to_dict()["batch_norm"] == "BatchNorm"
+    assert dataclasses.replace(record, sync_bn=True, batch_norm="torch.nn.SyncBatchNorm").label == \
+        "torch DDP, torch.nn.SyncBatchNorm"

@@ -1,0 +1,37 @@
+"""benchmarks/bench_training.py compares like for like and records what each pipeline really ran."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpkit.training.data import FASHION_MNIST_ROOT
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+import bench_training  # noqa: E402
+
+
+def test_the_headline_pair_runs_the_same_batch_norm():
+    cpu = bench_training.pipelines("gloo")
+    assert cpu["ddpkit"] == ("ddpkit", False) and cpu["torch"] == ("torch", False)  # plain BatchNorm both
+    assert cpu["ddpkit_sync_bn"] == ("ddpkit", True)  # ddpkit's SyncBatchNorm: a row of its own
+    assert bench_training.pipelines("nccl") == {"ddpkit": ("ddpkit", True), "torch": ("torch", True)}
+
+
+@pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(), reason="apt-get install dataset-fashion-mnist")
+def test_a_tiny_run_records_what_ran_and_plots_it(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_training.py"), "--quick", "--epochs", "2", "--limit-train",
+         "512", "--no-progress", "--results-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    document = json.loads((tmp_path / "training.json").read_text())
+    ran = {r["candidate"]: (r["impl"], r["sync_bn"], r["batch_norm"]) for r in document["records"]}
+    assert ran == {"ddpkit": ("ddpkit", False, "BatchNorm"), "torch": ("torch", False, "BatchNorm"),
+                   "ddpkit_sync_bn": ("ddpkit", True, "ddpkit.SyncBatchNorm")}
+    assert document["settings"]["candidates"]["torch"] == {"impl": "torch", "sync_bn": False, "batch_norm": "BatchNorm"}
+    assert document["summary"]["batch_norm"] == "BatchNorm" and "ddpkit_sync_bn_vs_torch" in document["summary"]
+    assert "headline, like for like: ddpkit DDP, plain BatchNorm against torch DDP, plain BatchNorm" in result.stdout
+    assert (tmp_path / "training.png").stat().st_size > 0
