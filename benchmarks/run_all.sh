@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Re-runs every benchmark with the assignment-sized settings, then executes notebooks/report.ipynb.
+# Measures every result notebooks/report.ipynb shows, from this tree and nothing outside it, then
+# rebuilds and executes the notebook.
 #   bash benchmarks/run_all.sh           # full: about 2 hours on 2 cores; results in benchmarks/results/
 #   bash benchmarks/run_all.sh --quick   # smoke check in a few minutes; results in benchmarks/results/quick/
-# Run it on an otherwise idle machine: every figure is a ratio measured in one run, but a busy
-# neighbour still adds noise.
+# Each result records the commit it was measured at, with "-dirty" when tracked files had uncommitted
+# changes: commit first, so that the whole report comes from one commit (the notebook warns otherwise).
+# With a GPU, the CUDA benchmarks (syncbn_cuda.json, ddp_cuda.json) run too; without one, the report
+# keeps the GPU results it has and says which commit they come from. Run it on an otherwise idle
+# machine: every figure is a ratio measured in one run, but a busy neighbour still adds noise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -11,15 +15,35 @@ QUICK=()
 TRAINING=(--full)  # bench_training.py's default is the short run of `make main`
 REPORT=(notebooks/report.py)
 if [ "${1:-}" = "--quick" ]; then
-  QUICK=(--quick)
+  QUICK=(--quick)  # every script then writes to benchmarks/results/quick/
   TRAINING=(--quick)
-  export DDPKIT_RESULTS_DIR="$PWD/benchmarks/results/quick"
-  REPORT+=(--results "$DDPKIT_RESULTS_DIR" --output "$DDPKIT_RESULTS_DIR/report.ipynb")
+  REPORT+=(--results benchmarks/results/quick --output benchmarks/results/quick/report.ipynb)
 fi
-$PY benchmarks/bench_allreduce.py "${QUICK[@]}"
-$PY benchmarks/bench_allreduce.py "${QUICK[@]}" --check-overhead --world-sizes 2 4 8 --reps 300 --output allreduce_checks
-$PY benchmarks/bench_syncbn.py "${QUICK[@]}"
-$PY benchmarks/bench_ddp.py "${QUICK[@]}"
-$PY benchmarks/bench_backend.py "${QUICK[@]}"
-$PY benchmarks/bench_training.py "${TRAINING[@]}"
-$PY "${REPORT[@]}"
+
+if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+  echo "run_all: tracked files have uncommitted changes: every result will say <commit>-dirty, and the report will warn" >&2
+fi
+if [ ! -x .venv/bin/mpiexec ] || ! $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then
+  echo "run_all: MPICH or DeepSpeed is not installed, so the all-reduce grid runs without it" \
+       "(bash benchmarks/peers/install.sh installs both)"
+fi
+
+run() {
+  echo
+  echo "== run_all: $*"
+  "$@"
+}
+started=$SECONDS
+run $PY benchmarks/bench_allreduce.py "${QUICK[@]}"
+run $PY benchmarks/bench_allreduce.py "${QUICK[@]}" --check-overhead --world-sizes 2 4 8 --reps 300 --output allreduce_checks
+run $PY benchmarks/bench_syncbn.py "${QUICK[@]}" --device cpu
+run $PY benchmarks/bench_ddp.py "${QUICK[@]}"
+run $PY benchmarks/bench_backend.py "${QUICK[@]}"
+run $PY benchmarks/bench_training.py "${TRAINING[@]}" --no-progress
+if $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  run $PY benchmarks/bench_syncbn.py "${QUICK[@]}" --device cuda
+  run $PY benchmarks/bench_ddp.py "${QUICK[@]}" --device cuda
+fi
+run $PY "${REPORT[@]}"
+echo
+echo "run_all: done in $(( (SECONDS - started) / 60 )) minutes"

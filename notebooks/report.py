@@ -19,15 +19,17 @@ import nbformat
 from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
-EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backend"]  # results/<name>.json the report reads
-# Shown when present: GPU results (they need a GPU to produce) and make main's short training run.
-OPTIONAL = ["syncbn_cuda", "ddp_cuda", "training_main"]
+# results/<name>.json the report reads: benchmarks/run_all.sh produces every one of them from the current tree.
+EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backend"]
+# Shown when present: the GPU results, which run_all.sh produces only on a machine with a GPU.
+OPTIONAL = ["syncbn_cuda", "ddp_cuda"]
 
 SETUP = r'''
 %matplotlib inline
-import json, os, statistics, sys
+import json, math, os, statistics, sys
 from pathlib import Path
 import matplotlib.pyplot as plt
+from matplotlib.lines import Line2D
 from IPython.display import HTML, Markdown, display
 
 sys.path.insert(0, str(Path("../benchmarks").resolve()))  # the notebook runs in notebooks/
@@ -58,9 +60,62 @@ def table(rows, columns, formats=None):
     body = "".join("<tr>" + "".join(f"<td>{cell(r, c)}</td>" for c in columns) + "</tr>" for r in rows)
     display(HTML(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"))
 
+def commit_of(name):
+    """(commit, dirty) of a result: git_commit is "<sha>" or "<sha>-dirty" (tracked files had uncommitted changes)."""
+    recorded = R[name]["environment"]["git_commit"] or "unknown"
+    return recorded.removesuffix("-dirty"), recorded.endswith("-dirty")
+
+# The report's commit: the one most of the expected results were measured at (the latest of a tie).
+_by_commit = {}
+for _name in sorted(EXPECTED, key=lambda name: R[name]["environment"]["date"]):
+    _by_commit.setdefault(commit_of(_name)[0], []).append(_name)
+COMMIT = max(_by_commit, key=lambda commit: len(_by_commit[commit]))
+
+def provenance_problem(name):
+    """Why a result is not of the report's commit, in words, or None."""
+    commit, dirty = commit_of(name)
+    problems = []
+    if commit != COMMIT:
+        problems.append(f"it was measured at commit `{commit[:10]}`, not at `{COMMIT[:10]}` like this report")
+    if dirty:
+        problems.append("the tree it was measured from had uncommitted changes, so no commit holds the code that "
+                        "produced it")
+    return " and ".join(problems) or None
+
+def warn(text):
+    display(HTML(f'<div style="border-left: 6px solid #d9822b; background: #fff4e5; padding: 6px 12px; '
+                 f'margin: 6px 0">⚠ {text}</div>'))
+
 def command(name):
     env = R[name]["environment"]
-    display(Markdown(f"Produced by `{env['command']}` at commit `{env['git_commit']}` on {env['date']}."))
+    display(Markdown(f"Produced by `{env['command']}` on {env['date'][:16].replace('T', ' ')} UTC."))
+    problem = provenance_problem(name)
+    if problem:
+        warn(f"`{name}.json`: {problem}. Run `bash benchmarks/run_all.sh` on a clean checkout to measure every "
+             "result from one commit.")
+
+def below_floor(records, names=None):
+    """A paragraph on every DDP record whose median step is below the no-communication floor's, or None."""
+    floors = {(r.model, r.accumulation): r for r in records if r.candidate == "floor"}
+    cases = [(r, floors[(r.model, r.accumulation)]) for r in records if r.candidate != "floor"
+             and (r.model, r.accumulation) in floors and r.median_step_s < floors[(r.model, r.accumulation)].median_step_s]
+    if not cases:
+        return None
+    def overlap(r, f):
+        return max(r.p25_step_s, f.p25_step_s) <= min(r.p75_step_s, f.p75_step_s)
+    described = "; ".join(
+        f"`{(names or {}).get(r.candidate, r.candidate)}` {r.model}, accumulation {r.accumulation}: "
+        f"{ms(r.median_step_s)} (middle half {ms(r.p25_step_s)}–{ms(r.p75_step_s)}) against the floor's "
+        f"{ms(f.median_step_s)} ({ms(f.p25_step_s)}–{ms(f.p75_step_s)})" for r, f in cases)
+    ties = sum(overlap(r, f) for r, f in cases)
+    text = (f"Below the floor: {described}. No wrapper can be faster than the same steps without any communication; "
+            "each candidate runs in processes of its own, on 2 cores shared with the other candidates' idle "
+            "processes, so its steps and the floor's differ by where and when the scheduler runs them. ")
+    if ties == len(cases):
+        return text + ("In every case the middle halves of the repetitions overlap: the candidate and the floor are "
+                       "tied within the spread of the measurement, not faster.")
+    return text + (f"In {len(cases) - ties} of them the middle halves do not overlap: a difference this benchmark "
+                   "does not explain; re-measure before reading anything into it.")
 
 us = lambda s: f"{s * 1e6:.0f} µs"
 ms = lambda s: f"{s * 1e3:.1f} ms"
@@ -73,20 +128,33 @@ INTRO = r'''
 # ddpkit report
 
 Every figure below is read from `benchmarks/results/*.json` and was measured side by side with the
-PyTorch baseline in the same run (candidates interleaved, median of repetitions). Re-run everything
-with `bash benchmarks/run_all.sh` (about 2 hours on 2 cores) or `bash benchmarks/run_all.sh --quick`;
-each section names the exact command that produced its file.
+PyTorch baseline in the same run (candidates interleaved, median of repetitions). `bash
+benchmarks/run_all.sh` (about 2 hours on 2 cores) measures all of them again from the checked-out
+tree and rebuilds this notebook; `bash benchmarks/run_all.sh --quick` is a smoke run of the same.
+Each section names the exact command that produced its file.
+'''
+
+PROVENANCE = r'''
+display(Markdown(f"**These results were measured at commit `{COMMIT}`**, the commit of most of them."))
+problems = {name: provenance_problem(name) for name in R}
+for name, problem in problems.items():
+    if problem:
+        warn(f"`{name}.json`: {problem}.")
+if not any(problems.values()):
+    display(Markdown("Every result comes from that commit, measured on a tree without uncommitted changes."))
 '''
 
 INFRA = r'''
 env = R["allreduce"]["environment"]
 rows = []
-for name in EXPECTED:
+for name in R:
     e = R[name]["environment"]
-    rows.append({"benchmark": name, "date": e["date"][:16], "torch": e["torch_version"], "backend": e["backend"],
-                 "device": e["device_type"], "CPU": f"{e['cpu_model']} × {e['cpu_count']}",
-                 "GPU": (e["gpu"] or {}).get("gpu_name", "none"), "commit": (e["git_commit"] or "")[:10]})
-table(rows, ["benchmark", "date", "torch", "backend", "device", "CPU", "GPU", "commit"])
+    commit, dirty = commit_of(name)
+    rows.append({"benchmark": name, "date": e["date"][:16].replace("T", " "), "torch": e["torch_version"],
+                 "backend": e["backend"], "device": e["device_type"], "host": e["hostname"],
+                 "CPU": f"{e['cpu_model']} × {e['cpu_count']}", "GPU": (e["gpu"] or {}).get("gpu_name", "none"),
+                 "commit": commit[:10] + (" + uncommitted changes" if dirty else "")})
+table(rows, ["benchmark", "date", "torch", "backend", "device", "host", "CPU", "GPU", "commit"])
 gpu = env["gpu"]
 display(Markdown(
     f"Python {env['python_version']} on `{env['hostname']}`: {env['cpu_count']} cores of a {env['cpu_model']}, " +
@@ -130,24 +198,34 @@ STYLE = {"gloo": dict(color="black", linewidth=2.5), "floor": dict(color="gray",
 columns = min(4, len(world_sizes))
 fig, axes = plt.subplots(-(-len(world_sizes) // columns), columns, figsize=(4.3 * columns, 3.3 * -(-len(world_sizes) // columns)),
                          sharey=True, squeeze=False)
+colors = {c: STYLE.get(c, {}).get("color", f"C{i}") for i, c in enumerate(candidates)}
+CUT = "point cut short by its time budget"
 for ax, ws in zip(axes.flat, world_sizes):
     for c in candidates:
         points = sorted((r.numel, r.median_s, r.cut_off) for r in timed if r.world_size == ws and r.candidate == c)
         if not points:
             continue
-        line, = ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", markersize=3, label=c,
-                        **STYLE.get(c, {}))
+        ax.plot([p[0] for p in points], [p[1] * 1e3 for p in points], marker="o", markersize=3, label=c,
+                **{**STYLE.get(c, {}), "color": colors[c]})
         cut = [p for p in points if p[2]]
-        ax.plot([p[0] for p in cut], [p[1] * 1e3 for p in cut], "x", color=line.get_color(), markersize=9)
-    ax.set_xscale("log"); ax.set_yscale("log"); ax.set_title(f"n = {ws} processes", fontsize=10)
+        if cut:
+            ax.plot([p[0] for p in cut], [p[1] * 1e3 for p in cut], "x", color=colors[c], markersize=9, label=CUT)
+    ax.set_xscale("log"); ax.set_yscale("log"); ax.set_title(f"n = {ws} process{'es' if ws > 1 else ''}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3); ax.set_xlabel("floats", fontsize=8)
 for ax in axes.flat[len(world_sizes):]:
     ax.axis("off")
 for row in axes:
     row[0].set_ylabel("median time (ms)")
-axes.flat[0].legend(fontsize=7)
-plt.tight_layout(); plt.show()
-display(Markdown("× marks a point cut short by its time budget (fewer repetitions than planned). " +
+# One legend for the whole figure: a candidate may be missing from some panels (the peers run from n = 2 up).
+legend = {}
+for ax in axes.flat:
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+        legend.setdefault(label, handle)
+if CUT in legend:  # one black × for the markers of every candidate
+    legend[CUT] = Line2D([], [], marker="x", linestyle="", color="black", markersize=9)
+fig.legend(legend.values(), legend.keys(), loc="upper center", ncol=len(legend), fontsize=8, bbox_to_anchor=(0.5, 1.0))
+plt.tight_layout(rect=(0, 0, 1, 0.95)); plt.show()
+display(Markdown("A × marks a point cut short by its time budget (fewer repetitions than planned). " +
                  (f"Not measured: {', '.join(sorted({f'{r.candidate} n={r.world_size}' for r in missing}))}."
                   if missing else "")))
 '''
@@ -164,7 +242,7 @@ for ws in grid:
     rows.append(row)
 table(rows, ["n"] + [f"{n:,}" for n in sizes], {f"{n:,}": ratio for n in sizes})
 worst = summary["ddpkit_over_gloo_max"]
-lines = [f"**ddpkit / gloo** (table above; bar ≤ 0.2 at n ∈ {{2, 4, 8}} × 1k–16M floats): worst "
+lines = [f"**ddpkit / gloo** (table above; target ≤ 0.2 at n ∈ {{2, 4, 8}} × 1k–16M floats): worst "
          f"{worst:.2f}× — {'met' if summary['ddpkit_over_gloo_bar_met'] else 'not met'}." if worst is not None
          else "**ddpkit / gloo**: not measured."]
 peers = summary["ddpkit_over_best_peer_n2"]
@@ -173,7 +251,7 @@ if peers:
         f"{int(k.split('=')[1]):,} floats {v['ratio']:.2f}× ({v['best_peer']})" for k, v in peers.items()) + ".")
 floor = summary["ddpkit_over_floor_n2"]
 if floor:
-    lines.append("**ddpkit / floor at n = 2** (bar ≤ 3 from 1M floats): " + ", ".join(
+    lines.append("**ddpkit / floor at n = 2** (target ≤ 3 from 1M floats): " + ", ".join(
         f"{int(k.split('=')[1]):,} floats {v:.1f}×" for k, v in floor.items()) +
         f" — {'met' if summary['ddpkit_over_floor_bar_met'] else 'not met'}.")
 if summary.get("cut_off_points"):
@@ -246,7 +324,8 @@ rows = [{"point": k, "checked / unchecked": v} for k, v in sorted(overhead.items
 table(rows, ["point", "checked / unchecked"], {"checked / unchecked": ratio})
 values = list(overhead.values())
 display(Markdown(
-    f"Note [Collective checks] (header exchange before any payload; on by default) costs a median "
+    f"The collective checks (before any payload, the ranks exchange a small header naming the collective, so that "
+    f"mismatched calls raise on every rank instead of hanging; on by default) cost a median "
     f"{statistics.median(values):.2f}× (range {min(values):.2f}–{max(values):.2f}×) over the same algorithm "
     "unchecked, on these latency-bound sizes."))
 '''
@@ -275,6 +354,17 @@ display(Markdown(
     "Forward + backward of one layer, global batch split evenly. On CPU torch has no SyncBatchNorm, so the baseline is "
     "its floor measured in the same run: torch BatchNorm forward+backward on the local batch plus one gloo all-reduce "
     "of 2C+1 and one of 2C float64 values. Target at 2 workers: ≤ 1.15× the floor."))
+below = [r for r in distributed if r.t_floor is not None and r.ratio < 1]
+if below:
+    display(Markdown(
+        f"ddpkit comes out below this floor in {len(below)} of {len(distributed)} configurations "
+        f"(down to {min(r.ratio for r in below):.2f}×): the floor is the least torch's own parts can take, not the "
+        "least a SyncBatchNorm can take. Its two all-reduces go through gloo over loopback TCP, "
+        f"{ms(statistics.median(r.t_gloo_two_all_reduces for r in below))} per step (median of these "
+        "configurations), while ddpkit's go through shared memory and its local kernels take "
+        f"{statistics.median(r.ratio_local_compute for r in below):.2f}× torch's BatchNorm time. Over the process "
+        "group (`ddpkit (process_group)`, the same transport as the floor) ddpkit is "
+        f"{min(r.ratio_pg for r in below):.2f}–{max(r.ratio_pg for r in below):.2f}× the floor."))
 '''
 
 SYNCBN_PLOT = r'''
@@ -290,7 +380,7 @@ for ax, ws in zip(axes, sorted({r.world_size for r in distributed})):
         if all(getattr(r, key) is not None for r in rows):
             ax.bar([x + offset for x in xs], [getattr(r, key) for r in rows], width=0.18, label=label)
     ax.axhline(1.15, color="black", linestyle="--", linewidth=1, label="target 1.15")
-    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.axhline(1.0, color="gray", linewidth=0.8, label="the baseline (1)")
     ax.set_xticks(list(xs), labels, rotation=30, fontsize=8); ax.set_title(f"{ws} workers: time / baseline")
 axes[0].legend(fontsize=8); plt.tight_layout(); plt.show()
 '''
@@ -314,7 +404,7 @@ display(Markdown(
 unchecked = [r.ratio_unchecked for r in two if r.ratio_unchecked is not None]
 if unchecked:
     display(Markdown(
-        f"With Note [Collective checks] off (one header round trip less per all-reduce), `auto` is "
+        f"With the collective checks off (one header exchange less per all-reduce), `auto` is "
         f"{min(unchecked):.2f}–{max(unchecked):.2f}× the floor at 2 workers ({sum(u <= 1.15 for u in unchecked)} of "
         f"{len(unchecked)} within 1.15×), against {min(r.ratio for r in two):.2f}–{max(r.ratio for r in two):.2f}× "
         f"with them on (median {statistics.median(unchecked):.2f}× vs {statistics.median(r.ratio for r in two):.2f}×)."))
@@ -328,17 +418,17 @@ DDP_TABLE = r'''
 command("ddp")
 d = R["ddp"]
 rows = [{"model": r.model, "accumulation": r.accumulation, "candidate": r.candidate,
-         "median step": r.median_step_s, "p25 step": r.p25_step_s, "peak memory": r.peak_memory_bytes,
-         "buckets": (r.reducer_stats or {}).get("buckets")} for r in d["records"]]
-table(rows, ["model", "accumulation", "candidate", "median step", "p25 step", "peak memory", "buckets"],
-      {"median step": ms, "p25 step": ms, "peak memory": mib})
+         "median step": r.median_step_s, "p25 step": r.p25_step_s, "p75 step": r.p75_step_s,
+         "peak memory": r.peak_memory_bytes, "buckets": (r.reducer_stats or {}).get("buckets")} for r in d["records"]]
+table(rows, ["model", "accumulation", "candidate", "median step", "p25 step", "p75 step", "peak memory", "buckets"],
+      {"median step": ms, "p25 step": ms, "p75 step": ms, "peak memory": mib})
 fig, ax = plt.subplots(figsize=(10, 3.5))
 names = list(d["summary"])
 ax.bar([i - 0.2 for i in range(len(names))], [d["summary"][n]["time_ratio"] for n in names], width=0.4, label="step time")
 ax.bar([i + 0.2 for i in range(len(names))], [d["summary"][n]["memory_ratio"] for n in names], width=0.4,
        label="peak memory")
-ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
-ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8); ax.set_ylabel("ddpkit / torch DDP")
+ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="torch DDP (1)")
+ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8); ax.set_ylabel("candidate / torch DDP")
 ax.legend(fontsize=8); plt.tight_layout(); plt.show()
 rows = [{"configuration": k, "time vs torch DDP": v["time_ratio"], "memory vs torch DDP": v["memory_ratio"]}
         for k, v in d["summary"].items()]
@@ -349,62 +439,75 @@ display(Markdown(
     f"{d['settings']['world_size']} processes, synthetic CIFAR-shaped batches. ddpkit with its default all-reduce: "
     f"step time {min(v['time_ratio'] for v in default.values()):.2f}–{max(v['time_ratio'] for v in default.values()):.2f}× "
     f"torch DDP, peak memory {min(v['memory_ratio'] for v in default.values()):.2f}–"
-    f"{max(v['memory_ratio'] for v in default.values()):.2f}× (bars: time ≤ 0.9×, memory ≤ 1.0×). Accumulation 4 "
+    f"{max(v['memory_ratio'] for v in default.values()):.2f}× (targets: time ≤ 0.9×, memory ≤ 1.0×). Accumulation 4 "
     "uses `no_sync` on 3 of every 4 micro-batches in both. `floor` (where measured) is the same steps with no "
     "gradient communication at all: no data-parallel wrapper can take less."))
+floor_text = below_floor(d["records"])
+if floor_text:
+    display(Markdown(floor_text))
 '''
 
 TRAINING = r'''
-## 4. Training: ddpkit pipeline vs PyTorch pipeline
+## 4. Training: ddpkit's pipeline against PyTorch's, like for like
 '''
 
 TRAINING_PLOTS = r'''
 command("training")
 t = R["training"]
 settings = t["settings"]
-fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4))
-for record in t["records"]:
+# The headline pair: ddpkit's DDP and torch's with the same BatchNorm (both plain on CPU, where torch has no
+# SyncBatchNorm); any other pipeline (ddpkit's SyncBatchNorm on CPU) is a row of its own.
+torch_run = next(r for r in t["records"] if r.impl == "torch")
+like = next(r for r in t["records"] if r.impl == "ddpkit" and r.synchronized == torch_run.synchronized)
+pipelines = [like, torch_run, *(r for r in t["records"] if r is not like and r is not torch_run)]
+fig, (loss_ax, accuracy_ax, time_ax) = plt.subplots(1, 3, figsize=(17, 4.2), gridspec_kw={"width_ratios": [3, 3, 2]})
+for i, record in enumerate(pipelines):
     losses = record.loss_curve
     window = max(1, len(losses) // 100)
-    smooth = [statistics.fmean(losses[i:i + window]) for i in range(0, len(losses) - window + 1, window)]
-    left.plot([i * window for i in range(len(smooth))], smooth, label=record.candidate)
-    right.plot([e["epoch"] + 1 for e in record.epochs], [100 * e["test_accuracy"] for e in record.epochs],
-               marker="o", label=record.candidate)
-left.set_xlabel("optimizer step"); left.set_ylabel("training loss (rank 0, smoothed)"); left.legend(); left.grid(alpha=0.3)
-right.set_xlabel("epoch"); right.set_ylabel("test accuracy (%)"); right.legend(); right.grid(alpha=0.3)
+    smooth = [statistics.fmean(losses[j:j + window]) for j in range(0, len(losses) - window + 1, window)]
+    loss_ax.plot([j * window for j in range(len(smooth))], smooth, color=f"C{i}", label=record.label)
+    accuracy_ax.plot([e["epoch"] + 1 for e in record.epochs], [100 * e["test_accuracy"] for e in record.epochs],
+                     marker="o", color=f"C{i}", label=record.label)
+loss_ax.set_xlabel("optimizer step"); loss_ax.set_ylabel("training loss (rank 0, smoothed)")
+# The accuracies differ by tenths of a point: the axis is zoomed to where they are, and its label says so.
+floor = 5 * math.floor((min(100 * e["test_accuracy"] for r in pipelines for e in r.epochs) - 1) / 5)
+accuracy_ax.set_ylim(bottom=floor)
+accuracy_ax.set_xlabel("epoch"); accuracy_ax.set_ylabel(f"test accuracy (%), axis from {floor} %")
+medians = [r.median_epoch_time_s for r in pipelines]
+time_ax.bar(range(len(pipelines)), medians, color=[f"C{i}" for i in range(len(pipelines))],
+            yerr=[[m - min(r.epoch_times_s) for m, r in zip(medians, pipelines)],
+                  [max(r.epoch_times_s) - m for m, r in zip(medians, pipelines)]], capsize=6)
+time_ax.set_xticks(range(len(pipelines)), [r.label.replace(", ", "\n") for r in pipelines], fontsize=8)
+time_ax.set_ylabel(f"epoch time (s): median, min–max of {len(like.epochs)}")
+for ax in (loss_ax, accuracy_ax, time_ax):
+    ax.grid(alpha=0.3)
+loss_ax.legend(fontsize=8); accuracy_ax.legend(fontsize=8)
 plt.tight_layout(); plt.show()
-rows = [{"pipeline": r.candidate, "final test accuracy": r.final_test_accuracy, "final test loss": r.final_test_loss,
-         "median epoch time": r.median_epoch_time_s, "peak memory": r.peak_rss_bytes,
-         "notes": "; ".join(r.notes)} for r in t["records"]]
-table(rows, ["pipeline", "final test accuracy", "final test loss", "median epoch time", "peak memory", "notes"],
-      {"final test accuracy": lambda v: f"{100 * v:.2f}%", "median epoch time": lambda v: f"{v:.1f} s",
-       "peak memory": mib})
-summary = t["summary"]
-by_candidate = {r.candidate: r for r in t["records"]}
+rows = [{"pipeline": r.label, "final test accuracy": r.final_test_accuracy,
+         "vs torch": 100 * (r.final_test_accuracy - torch_run.final_test_accuracy),
+         "epoch time": r, "time vs torch": r.median_epoch_time_s / torch_run.median_epoch_time_s,
+         "peak memory": r.peak_rss_bytes, "memory vs torch": r.peak_rss_bytes / torch_run.peak_rss_bytes}
+        for r in pipelines]
+table(rows, ["pipeline", "final test accuracy", "vs torch", "epoch time", "time vs torch", "peak memory",
+             "memory vs torch"],
+      {"final test accuracy": lambda v: f"{100 * v:.2f} %", "vs torch": lambda v: f"{v:+.2f} pp",
+       "epoch time": lambda r: f"{r.median_epoch_time_s:.1f} s ({min(r.epoch_times_s):.1f}–{max(r.epoch_times_s):.1f})",
+       "time vs torch": ratio, "peak memory": mib, "memory vs torch": ratio})
 display(Markdown(
-    f"{settings['dataset']}, model `{settings['model']}`, {settings['world_size']} processes, "
-    f"accumulation {settings['accumulation_steps']}, {settings['epochs']} epochs, same seed: ddpkit's final accuracy is "
-    f"{summary['accuracy_difference_pp']:+.2f} percentage points from torch's (target within 0.5), epoch time "
-    f"{summary['epoch_time_ratio']:.2f}× and peak memory {summary['memory_ratio']:.2f}× torch's (targets ≤ 1.0×)."))
-control = summary.get("plain_bn_vs_torch")
-if control:
-    sync_cost = by_candidate["ddpkit"].median_epoch_time_s - by_candidate["ddpkit_plain_bn"].median_epoch_time_s
+    f"{settings['dataset']}, model `{settings['model']}`, {settings['world_size']} processes, accumulation "
+    f"{settings['accumulation_steps']}, {settings['epochs']} epochs, same seed and data order. Epoch time: the median "
+    f"over the epochs, their range in brackets. **Like for like** ({like.label} against {torch_run.label}): ddpkit's "
+    f"final accuracy is {100 * (like.final_test_accuracy - torch_run.final_test_accuracy):+.2f} percentage points "
+    f"from torch's (target within 0.5), its epoch time {like.median_epoch_time_s / torch_run.median_epoch_time_s:.2f}× "
+    f"and its peak memory {like.peak_rss_bytes / torch_run.peak_rss_bytes:.2f}× torch's (targets ≤ 1.0×)."))
+for other in pipelines[2:]:
+    micro_batches = other.optimizer_steps // settings["epochs"] * settings["accumulation_steps"]
     display(Markdown(
-        f"On CPU torch's pipeline cannot synchronize BatchNorm, so `ddpkit_plain_bn` (ddpkit's DDP, plain BatchNorm) "
-        f"is the like-for-like control: epoch time {control['epoch_time_ratio']:.2f}×, peak memory "
-        f"{control['memory_ratio']:.2f}×, accuracy {control['accuracy_difference_pp']:+.2f} pp against torch. "
-        f"Synchronizing the batch statistics costs {sync_cost:.1f} s per epoch "
-        f"({by_candidate['ddpkit'].optimizer_steps // settings['epochs'] * settings['accumulation_steps']} "
-        f"micro-batches per epoch, two all-reduces per BatchNorm layer each)."))
-'''
-
-TRAINING_MAIN = r'''
-if "training_main" in R:
-    t = R["training_main"]
-    command("training_main")
-    display(Markdown("The short comparison `make main` runs (the README's first command), re-measured after "
-                     "the full run above: " + ", ".join(f"{k.replace('_', ' ')} {v:.3g}" for k, v in t["summary"].items()
-                                                         if isinstance(v, (int, float))) + "."))
+        f"**{other.label}** is a row of its own: torch has no SyncBatchNorm on CPU to compare it with. Against ddpkit "
+        f"with plain BatchNorm, synchronizing the batch statistics costs "
+        f"{other.median_epoch_time_s - like.median_epoch_time_s:+.1f} s per epoch ({micro_batches} micro-batches per "
+        f"epoch, two all-reduces per BatchNorm layer each) and changes the final accuracy by "
+        f"{100 * (other.final_test_accuracy - like.final_test_accuracy):+.2f} points."))
 '''
 
 GPU = r'''
@@ -414,7 +517,8 @@ GPU = r'''
 backward sums and element pass; planar and channels-last). With two processes on one GPU the group
 is gloo (NCCL refuses two ranks on one device) for both implementations: torch's SyncBatchNorm
 gathers the statistics through gloo's staged collectives, ddpkit copies its one buffer per pass to
-the host and all-reduces it over shared memory (Note [Device tensors on a host group]). At world
+the host and all-reduces it over shared memory (see "Device tensors on a host group" in
+`csrc/comm/engine.h`). At world
 size 1 the baseline is torch's CUDA BatchNorm (cuDNN). Times by CUDA events, memory by
 `torch.cuda.max_memory_allocated`.
 '''
@@ -452,8 +556,8 @@ if "ddp_cuda" in R:
 BACKEND = r'''
 ## 6. The "ddpkit" torch.distributed backend
 
-`dist.init_process_group("ddpkit")` puts torch's own collectives on ddpkit's engine (Note [The ddpkit
-backend] in `csrc/backend/backend.h`). Below, in one set of processes: torch.distributed's call on a
+`dist.init_process_group("ddpkit")` puts torch's own collectives on ddpkit's engine (which calls go
+where, op by op, is described at the top of `csrc/backend/backend.h`). Below, in one set of processes: torch.distributed's call on a
 gloo group of the same ranks (`gloo`), the same call on the ddpkit group (`backend`), and ddpkit's own
 function on that group (`ddpkit`: same engine and segment, so `backend / ddpkit` is the cost of the
 backend layer: torch.distributed's Python wrapper, the dispatcher, the Work object). `size` is the
@@ -496,30 +600,40 @@ if layers:
 ddp = [r for r in b["records"] if r.kind == "ddp"]
 if ddp:
     base = {(r.model, r.accumulation): r for r in ddp if r.candidate == "torch_gloo"}
+    floor = {(r.model, r.accumulation): r.median_step_s for r in ddp if r.candidate == "floor"}
     rows = [{"model": r.model, "accumulation": r.accumulation,
              "torch DDP on gloo": base[(r.model, r.accumulation)].median_step_s, "on ddpkit": r.median_step_s,
+             "no communication": floor.get((r.model, r.accumulation)),
              "time ratio": r.median_step_s / base[(r.model, r.accumulation)].median_step_s,
              "memory ratio": r.peak_memory_bytes / base[(r.model, r.accumulation)].peak_memory_bytes}
             for r in ddp if r.candidate == "torch_ddpkit"]
-    table(rows, ["model", "accumulation", "torch DDP on gloo", "on ddpkit", "time ratio", "memory ratio"],
-          {"torch DDP on gloo": ms, "on ddpkit": ms, "time ratio": ratio, "memory ratio": ratio})
+    table(rows, ["model", "accumulation", "torch DDP on gloo", "on ddpkit", "no communication", "time ratio",
+                 "memory ratio"],
+          {"torch DDP on gloo": ms, "on ddpkit": ms, "no communication": ms, "time ratio": ratio, "memory ratio": ratio})
+    display(Markdown("Median step of torch's DDP (2 processes) on each backend, and of the same steps without any "
+                     "gradient communication (`no communication`: the least a backend can reach)."))
+    floor_text = below_floor(ddp, names={"torch_ddpkit": "torch DDP on ddpkit", "torch_gloo": "torch DDP on gloo"})
+    if floor_text:
+        display(Markdown(floor_text))
 '''
 
 COMMANDS = r'''
 ## 7. Reproduce
 
+From the repository, after `make main` (which sets up `.venv`):
+
 | what | command |
 |---|---|
-| everything, then this notebook | `bash benchmarks/run_all.sh` (`--quick` for a smoke run) |
-| all-reduce grid | `bash benchmarks/peers/install.sh` (MPICH, DeepSpeed; once), then `python benchmarks/bench_allreduce.py` |
-| checked-mode overhead | `python benchmarks/bench_allreduce.py --check-overhead --world-sizes 2 4 8 --reps 300 --output allreduce_checks` |
-| SyncBatchNorm | `python benchmarks/bench_syncbn.py` |
-| DDP | `python benchmarks/bench_ddp.py` |
-| the ddpkit torch.distributed backend | `python benchmarks/bench_backend.py` |
-| training comparison | `python benchmarks/bench_training.py --full` (`make main`: the short run) |
+| everything, then this notebook | `bash benchmarks/run_all.sh` (`--quick` for a smoke run into `benchmarks/results/quick/`) |
+| all-reduce grid | `bash benchmarks/peers/install.sh` (MPICH, DeepSpeed; once), then `.venv/bin/python benchmarks/bench_allreduce.py` |
+| checked-mode overhead | `.venv/bin/python benchmarks/bench_allreduce.py --check-overhead --world-sizes 2 4 8 --reps 300 --output allreduce_checks` |
+| SyncBatchNorm | `.venv/bin/python benchmarks/bench_syncbn.py --device cpu` |
+| DDP | `.venv/bin/python benchmarks/bench_ddp.py` |
+| the ddpkit torch.distributed backend | `.venv/bin/python benchmarks/bench_backend.py` |
+| training comparison | `.venv/bin/python benchmarks/bench_training.py --full` (`make main`: the short run) |
 | GPU: build, CUDA tests, GPU benchmarks | `bash scripts/gpu_checks.sh build test bench` |
-| this notebook only | `python notebooks/report.py` |
-| one training run | `torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --accumulation-steps 2` |
+| this notebook only | `.venv/bin/python notebooks/report.py` |
+| one training run | `.venv/bin/torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --accumulation-steps 2` |
 '''
 
 
@@ -528,6 +642,7 @@ def build() -> nbformat.NotebookNode:
         nbformat.v4.new_markdown_cell(INTRO.strip()),
         nbformat.v4.new_code_cell(SETUP.strip().replace("__EXPECTED__", repr(EXPECTED))
                                  .replace("__OPTIONAL__", repr(OPTIONAL))),
+        nbformat.v4.new_code_cell(PROVENANCE.strip()),
         nbformat.v4.new_markdown_cell("## 0. Infrastructure"),
         nbformat.v4.new_code_cell(INFRA.strip()),
         nbformat.v4.new_markdown_cell(ALLREDUCE_INTRO.strip()),
@@ -545,7 +660,6 @@ def build() -> nbformat.NotebookNode:
         nbformat.v4.new_code_cell(DDP_TABLE.strip()),
         nbformat.v4.new_markdown_cell(TRAINING.strip()),
         nbformat.v4.new_code_cell(TRAINING_PLOTS.strip()),
-        nbformat.v4.new_code_cell(TRAINING_MAIN.strip()),
         nbformat.v4.new_markdown_cell(GPU.strip()),
         nbformat.v4.new_code_cell(GPU_TABLES.strip()),
         nbformat.v4.new_markdown_cell(BACKEND.strip()),

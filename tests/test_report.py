@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -38,13 +39,89 @@ def test_results_exist_and_follow_the_schema(name):
     assert isinstance(document["summary"], dict) and document["summary"]
 
 
+# Run before the report's cells: every figure shown must have a legend entry for each of its lines.
+LEGEND_CHECK = r"""
+import matplotlib.pyplot as plt
+UNLEGENDED = []
+_show = plt.show
+def _show_checking_legends(*args, **kwargs):
+    figure = plt.gcf()
+    legends = [*figure.legends, *(axis.get_legend() for axis in figure.axes)]
+    labels = {text.get_text() for legend in legends if legend is not None for text in legend.get_texts()}
+    for axis in figure.axes:
+        for line in axis.get_lines():
+            # "_nolegend_": matplotlib's own lines, such as the caps of error bars.
+            if len(line.get_xdata()) and line.get_label() != "_nolegend_" and line.get_label() not in labels:
+                UNLEGENDED.append(f"{axis.get_title() or axis.get_ylabel()}: {line.get_label()}")
+    _show(*args, **kwargs)
+plt.show = _show_checking_legends
+"""
+
+
+def outputs_of(notebook):
+    return [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])]
+
+
+def text_of(outputs) -> str:
+    return "\n".join(str(o.get("data", {}).get("text/markdown", "")) + str(o.get("data", {}).get("text/html", ""))
+                     for o in outputs)
+
+
 def test_committed_notebook_executes_without_errors(tmp_path):
     copy = tmp_path / "report.ipynb"
     shutil.copy(NOTEBOOK, copy)
-    notebook = report.execute(nbformat.read(copy, as_version=4), RESULTS, timeout=120)
-    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])]
-    assert not [o for o in outputs if o.get("output_type") == "error"]
+    notebook = nbformat.read(copy, as_version=4)
+    notebook.cells.insert(1, nbformat.v4.new_code_cell(LEGEND_CHECK))
+    notebook.cells.append(nbformat.v4.new_code_cell("assert not UNLEGENDED, UNLEGENDED"))
+    outputs = outputs_of(report.execute(notebook, RESULTS, timeout=120))
+    assert not [o for o in outputs if o.get("output_type") == "error"], \
+        [o.get("evalue") for o in outputs if o.get("output_type") == "error"]
     assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 6  # every plot rendered
+
+
+def results_copy(tmp_path, commits: dict):
+    """The committed results with their recorded commits replaced (name -> git_commit; the others: "c0ffee")."""
+    tmp_path.mkdir()
+    for path in RESULTS.glob("*.json"):
+        document = json.loads(path.read_text())
+        document["environment"]["git_commit"] = commits.get(path.stem, "c0ffee")
+        (tmp_path / path.name).write_text(json.dumps(document))
+    return tmp_path
+
+
+def test_the_report_states_its_commit_once_and_warns_about_results_of_others(tmp_path):
+    notebook = report.execute(report.build(), results_copy(tmp_path / "one", {}), timeout=120)
+    text = text_of(outputs_of(notebook))
+    assert text.count("These results were measured at commit `c0ffee`") == 1
+    assert "⚠" not in text and "Every result comes from that commit" in text
+
+    notebook = report.execute(report.build(), results_copy(tmp_path / "mixed", {"ddp": "c0ffee-dirty",
+                                                                                 "backend": "badbeef"}), timeout=120)
+    text = text_of(outputs_of(notebook))
+    assert text.count("These results were measured at commit `c0ffee`") == 1
+    assert "`ddp.json`: the tree it was measured from had uncommitted changes" in text
+    assert "`backend.json`: it was measured at commit `badbeef`, not at `c0ffee`" in text
+    assert text.count("⚠") == 4  # each of the two once at the top and once in its section
+    assert "Every result comes from that commit" not in text
+
+
+def test_the_report_reads_only_what_run_all_produces():
+    run_all = (REPO / "benchmarks" / "run_all.sh").read_text()
+    scripts = {"allreduce": "bench_allreduce.py", "allreduce_checks": "--output allreduce_checks",
+               "syncbn": "bench_syncbn.py", "ddp": "bench_ddp.py", "training": "bench_training.py",
+               "backend": "bench_backend.py", "syncbn_cuda": "bench_syncbn.py \"${QUICK[@]}\" --device cuda",
+               "ddp_cuda": "bench_ddp.py \"${QUICK[@]}\" --device cuda"}
+    assert set(report.EXPECTED + report.OPTIONAL) == scripts.keys()
+    assert all(command in run_all for command in scripts.values())
+    # Nothing from outside the repository: no absolute path, no option that reads an earlier run's file.
+    assert "/tmp" not in run_all and "--ddp-from" not in (REPO / "benchmarks" / "bench_backend.py").read_text()
+
+
+def test_the_notebook_speaks_plainly():
+    sources = "\n".join(cell.source for cell in report.build().cells)
+    assert "Note [" not in sources
+    assert not re.search(r"\bbars?\b[^(]", sources.replace("ax.bar(", "").replace("time_ax.bar(", "")), \
+        "say target, not bar"
 
 
 def test_committed_notebook_is_the_built_one():
