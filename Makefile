@@ -1,8 +1,9 @@
 # The README's first two commands: `make main` runs the main job, `make test` the whole test suite.
-# Both set everything up first (scripts/setup.sh is idempotent).
+# Both set everything up first (scripts/setup.sh is idempotent: the first time it installs torch and
+# builds the extension, later it only rebuilds what changed).
 # `make main` trains ddpkit's and torch's pipelines side by side on Fashion-MNIST, short (3 epochs on
-# 30000 samples, under 10 minutes on 2 cores), into runs/main/ (training.json, training.png); the
-# full-length comparison the report shows (about 35 minutes) is `.venv/bin/python benchmarks/bench_training.py --full`.
+# 30000 samples), into runs/main/ (training.json, training.png); the full-length comparison the report
+# shows is `.venv/bin/python benchmarks/bench_training.py --full` (about 35 minutes on 2 cores).
 PY := .venv/bin/python
 
 .PHONY: setup main test
@@ -11,7 +12,9 @@ setup:
 	bash scripts/setup.sh
 
 main: setup
+	@echo "== main: ddpkit's and torch's training pipelines side by side (benchmarks/bench_training.py)"
 	$(PY) benchmarks/bench_training.py
 
 test: setup
+	@echo "== test: the whole suite (what CI runs)"
 	$(PY) -m pytest -q

@@ -1,24 +1,48 @@
 #!/usr/bin/env bash
 # Everything ddpkit needs on a fresh Debian machine, idempotent: apt data, a venv with the CPU torch,
 # and an editable build of the C++ extension against that torch (never an isolated build, which
-# would download another, multi-GB CUDA torch).
+# would download another, multi-GB CUDA torch). Each step says what it does; the build shows its
+# progress ([compiled/total] file), and its whole log goes to build/setup.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ ! -d /usr/share/datasets/fashion-mnist ]; then
-  echo "== apt: Fashion-MNIST (dataset-fashion-mnist)"
+  echo "== apt: Fashion-MNIST (dataset-fashion-mnist, 30 MB)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then
-  echo "== venv"
+  echo "== venv: .venv"
   python3 -m venv .venv
 fi
-PIP=".venv/bin/pip --disable-pip-version-check -q"
-echo "== pip: torch 2.13.0 (CPU) and build tools"
-$PIP install "torch==2.13.0" "scikit-build-core>=0.10" ninja
-echo "== build: ddpkit (C++ extension, editable)"
-$PIP install --no-build-isolation -e ".[test,report]"
-.venv/bin/python -c "import ddpkit, torch; print('ddpkit ready: torch', torch.__version__)"
+PIP=".venv/bin/pip --disable-pip-version-check"
+if .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+  echo "== pip: torch 2.13.0 is installed"
+else
+  echo "== pip: torch 2.13.0 (CPU; the first time this downloads about 200 MB)"
+  $PIP install --progress-bar off "torch==2.13.0" | grep --line-buffered -E "^(Collecting|Successfully installed)" || true
+fi
+$PIP install -q "scikit-build-core>=0.11" ninja
+
+echo "== build: ddpkit's C++ extension and its Python dependencies (the first time about 2 minutes on 2 cores)"
+mkdir -p build
+log=build/setup.log
+# pip shows a build's output only with -v; of that, the compiler steps ("[3/41] Building CXX object
+# CMakeFiles/_C.dir/csrc/comm/shm.cpp.o", shortened to "[3/41] csrc/comm/shm.cpp (_C)") and what is
+# installed make the progress.
+set +e
+$PIP install -v --no-build-isolation -e ".[test,report]" 2>&1 | tee "$log" \
+  | sed -nu -E 's#^ *(\[[0-9]+/[0-9]+\]) Building CXX object CMakeFiles/([^/]*)\.dir/(.*)\.o$#  \1 \3 (\2)#p
+                s#^ *(\[[0-9]+/[0-9]+\]) Linking CXX .*$#  \1 linking#p
+                s#^.*(ddpkit: CUDA kernels .*)$#  \1#p
+                s#^(Successfully installed .*)$#  \1#p'
+status=${PIPESTATUS[0]}
+set -e
+if [ "$status" -ne 0 ]; then
+  tail -n 40 "$log"
+  echo "setup: the build failed (exit status $status); its whole log is $log" >&2
+  exit "$status"
+fi
+.venv/bin/python -c "import ddpkit, torch; print(f'ddpkit {ddpkit.__version__} ready: torch {torch.__version__}')"
