@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Everything ddpkit needs on a fresh Debian machine, idempotent: apt data, a venv with the CPU torch,
 # and an editable build of the C++ extension against that torch (never an isolated build, which
-# would download another, multi-GB CUDA torch). Each step says what it does; the build shows its
-# progress ([compiled/total] file), and its whole log goes to build/setup.log.
+# would download another, multi-GB CUDA torch). Each step says what it does and shows its progress.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,32 +16,41 @@ if [ ! -x .venv/bin/python ]; then
   echo "== venv: .venv"
   python3 -m venv .venv
 fi
+
+# pip's output goes whole to build/setup.log; the terminal gets the lines that show progress (what is
+# collected and installed, each file compiled), and the end of the log if a step fails.
+mkdir -p build
+log=build/setup.log
+: > "$log"
+logged() {  # logged SED_SCRIPT COMMAND...: runs COMMAND, showing the lines SED_SCRIPT prints
+  local script=$1
+  shift
+  set +e
+  "$@" 2>&1 | tee -a "$log" | sed -nu -E "$script"
+  local status=${PIPESTATUS[0]}
+  set -e
+  if [ "$status" -ne 0 ]; then
+    tail -n 40 "$log"
+    echo "setup: '$*' failed with exit status $status; the whole log is $log" >&2
+    exit "$status"
+  fi
+}
 PIP=".venv/bin/pip --disable-pip-version-check"
+INSTALLS='s#^(Collecting [^ ]*|Successfully installed .*)$#  \1#p'
 if .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
   echo "== pip: torch 2.13.0 is installed"
 else
   echo "== pip: torch 2.13.0 (CPU; the first time this downloads about 200 MB)"
-  $PIP install --progress-bar off "torch==2.13.0" | grep --line-buffered -E "^(Collecting|Successfully installed)" || true
+  logged "$INSTALLS" $PIP install --progress-bar off "torch==2.13.0"
 fi
-$PIP install -q "scikit-build-core>=0.11" ninja
+logged "$INSTALLS" $PIP install --progress-bar off "scikit-build-core>=0.11" ninja
 
 echo "== build: ddpkit's C++ extension and its Python dependencies (the first time about 2 minutes on 2 cores)"
-mkdir -p build
-log=build/setup.log
-# pip shows a build's output only with -v; of that, the compiler steps ("[3/41] Building CXX object
-# CMakeFiles/_C.dir/csrc/comm/shm.cpp.o", shortened to "[3/41] csrc/comm/shm.cpp (_C)") and what is
-# installed make the progress.
-set +e
-$PIP install -v --no-build-isolation -e ".[test,report]" 2>&1 | tee "$log" \
-  | sed -nu -E 's#^ *(\[[0-9]+/[0-9]+\]) Building CXX object CMakeFiles/([^/]*)\.dir/(.*)\.o$#  \1 \3 (\2)#p
-                s#^ *(\[[0-9]+/[0-9]+\]) Linking CXX .*$#  \1 linking#p
-                s#^.*(ddpkit: CUDA kernels .*)$#  \1#p
-                s#^(Successfully installed .*)$#  \1#p'
-status=${PIPESTATUS[0]}
-set -e
-if [ "$status" -ne 0 ]; then
-  tail -n 40 "$log"
-  echo "setup: the build failed (exit status $status); its whole log is $log" >&2
-  exit "$status"
-fi
+# pip shows a build's output only with -v. Its compiler steps, "[3/41] Building CXX object
+# CMakeFiles/_C.dir/csrc/comm/shm.cpp.o", show as "[3/41] csrc/comm/shm.cpp (_C)".
+logged "$INSTALLS
+        s#^ *(\[[0-9]+/[0-9]+\]) Building CXX object CMakeFiles/([^/]*)\.dir/(.*)\.o\$#  \1 \3 (\2)#p
+        s#^ *(\[[0-9]+/[0-9]+\]) Linking CXX .*\$#  \1 linking#p
+        s#^.*(ddpkit: CUDA kernels .*)\$#  \1#p" \
+  $PIP install -v --progress-bar off --no-build-isolation -e ".[test,report]"
 .venv/bin/python -c "import ddpkit, torch; print(f'ddpkit {ddpkit.__version__} ready: torch {torch.__version__}')"
