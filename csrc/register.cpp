@@ -45,6 +45,10 @@ TORCH_LIBRARY(ddpkit, m) {
       "reduce_scatter_tensor_(Tensor(a!) output, Tensor input, str op, str algorithm, str group_name, "
       "str transport=\"auto\") -> Tensor(a!)");
   m.def("barrier(str group_name, str transport=\"auto\") -> ()", &ddpkit::comm::barrier_op);
+  // The collective check of `collective` for meta tensors (no data): what the collectives' fake
+  // kernels run for real meta tensors, so that a meta tensor on one rank raises on every rank.
+  m.def("meta_collective(str collective, Tensor tensor, str op, str algorithm, int root, str group_name, "
+        "str transport=\"auto\") -> ()");
   m.def("set_collective_checks(bool enabled) -> ()", &ddpkit::comm::set_collective_checks_op);
   m.def("collective_checks_enabled() -> bool", &ddpkit::comm::collective_checks_enabled_op);
   m.def("comm_counters() -> int[]", &ddpkit::comm::comm_counters_op);
@@ -53,6 +57,8 @@ TORCH_LIBRARY(ddpkit, m) {
         &ddpkit::comm::choose_algorithm_op);
   m.def("algorithms() -> str[]", &ddpkit::comm::algorithms_op);
   m.def("transports() -> str[]", &ddpkit::comm::transports_op);
+  m.def("reduce_ops() -> str[]", &ddpkit::comm::reduce_ops_op);
+  m.def("collectives() -> str[]", &ddpkit::comm::collectives_op);
   m.def("resolved_transport(str group_name, str transport=\"auto\") -> str", &ddpkit::comm::resolved_transport_op);
 
   // Gradient bucketing DDP (csrc/ddp): the pure bucket assignment and the reducer.
@@ -95,6 +101,7 @@ TORCH_LIBRARY_IMPL(ddpkit, CompositeExplicitAutograd, m) {
   m.impl("scatter_", &ddpkit::comm::scatter_op);
   m.impl("all_gather_into_tensor_", &ddpkit::comm::all_gather_into_tensor_op);
   m.impl("reduce_scatter_tensor_", &ddpkit::comm::reduce_scatter_tensor_op);
+  m.impl("meta_collective", &ddpkit::comm::meta_collective_op);
   // CPU tensors run the vectorised kernels, other devices ATen-generic code (syncbn/kernels.h).
   m.impl("sync_batch_norm", &ddpkit::syncbn::sync_batch_norm);
   m.impl("sync_batch_norm_backward", &ddpkit::syncbn::sync_batch_norm_backward);

@@ -344,12 +344,12 @@ BAD_ARGUMENT_MESSAGES = {
     "scatter_non_contiguous_output": "ddpkit.reduce_scatter_tensor: expected a contiguous tensor",
     "scatter_mean_of_integers": "ddpkit.reduce_scatter_tensor: op 'mean' needs a floating-point tensor, got Long",
     "scatter_unsupported_dtype": "ddpkit.reduce_scatter_tensor: unsupported dtype Bool",
-    "scatter_unsupported_torch_op": "unsupported reduce op",
+    "scatter_unsupported_torch_op": "unknown reduce op 'product'",
     "gather_not_a_block_algorithm": "ddpkit.all_gather_into_tensor: algorithm must be 'auto', 'ring', "
                                     "'halving_doubling' or 'direct', got 'star'",
     "scatter_not_a_block_algorithm": "ddpkit.reduce_scatter_tensor: algorithm must be 'auto', 'ring', "
                                      "'halving_doubling' or 'direct', got 'butterfly'",
-    "gather_unknown_algorithm": "unknown all-reduce algorithm 'telepathy'",
+    "gather_unknown_algorithm": "unknown algorithm 'telepathy'",
 }
 
 

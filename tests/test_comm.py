@@ -265,7 +265,7 @@ BAD_ARGUMENT_MESSAGES = {
     "unsupported_dtype": "unsupported dtype Bool",
     "complex_dtype": "unsupported dtype ComplexFloat",
     "mean_of_integers": "op 'mean' needs a floating-point tensor",
-    "unknown_algorithm": "unknown all-reduce algorithm 'telepathy'",
+    "unknown_algorithm": "unknown algorithm 'telepathy'",
     "unknown_op": "unknown reduce op 'product'",
     "src_out_of_range": "src=2 is not a rank of this group",
     "reduce_dst_out_of_range": "reduce: dst=-1 is not a rank of this group (size 2)",
@@ -274,18 +274,39 @@ BAD_ARGUMENT_MESSAGES = {
 }
 
 
-def case_meta_tensors():
-    """Meta tensors take the ops' fake kernels (python/ddpkit/comm.py): shapes only, no communication."""
-    before = ddpkit.comm_counters()["collectives"]
-    tensor = torch.empty(3, device="meta")
-    reduced = ddpkit.all_reduce(tensor)
-    gathered = ddpkit.gather(torch.empty(2, 5, device="meta"), dst=0)
-    return reduced is tensor, None if gathered is None else tuple(gathered.shape), \
-        ddpkit.comm_counters()["collectives"] - before
+def case_meta_tensors(meta_ranks):
+    """Meta tensors take the ops' fake kernels (python/ddpkit/comm.py), which still take part in the
+    collective check (no data): meta on every rank agrees; meta on some ranks raises on every rank."""
+    rank = dist.get_rank()
+    device = "meta" if rank in meta_ranks else "cpu"
+    before = ddpkit.comm_counters()
+    out = {}
+    try:
+        tensor = torch.ones(3, device=device)
+        out["all_reduce_is_tensor"] = ddpkit.all_reduce(tensor) is tensor
+        gathered = ddpkit.gather(torch.ones(2, 5, device=device), dst=0)
+        out["gathered_shape"] = None if gathered is None else tuple(gathered.shape)
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    after = torch.full((10,), float(rank + 1))
+    ddpkit.all_reduce(after)  # the group still pairs its calls
+    out["after"] = after[0].item()
+    out["bytes_sent"] = ddpkit.comm_counters()["bytes_sent"] - before["bytes_sent"]
+    return out
 
 
-def test_meta_tensors_take_the_fake_kernels(pool):
-    assert pool(2).run(case_meta_tensors) == [(True, (2, 2, 5), 0), (True, None, 0)]
+def test_meta_tensors_on_every_rank_take_the_fake_kernels(pool):
+    for out in pool(2).run(case_meta_tensors, (0, 1)):
+        assert out["all_reduce_is_tensor"] and "error" not in out and out["after"] == 3.0
+    results = pool(2).run(case_meta_tensors, (0, 1))
+    assert results[0]["gathered_shape"] == (2, 2, 5) and results[1]["gathered_shape"] is None
+
+
+def test_a_meta_tensor_on_one_rank_raises_on_every_rank(pool):
+    outcomes = pool(2).run(case_meta_tensors, (1,))
+    for rank, out in enumerate(outcomes):
+        assert "rank 1 passed tensor on the meta device (no data), rank 0 passed tensor with data" in out["error"], out
+        assert out["after"] == 3.0  # and the next all-reduce paired correctly
 
 
 @pytest.mark.parametrize("case", sorted(BAD_ARGUMENT_MESSAGES))

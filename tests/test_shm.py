@@ -3,7 +3,7 @@
 Every collective runs over shared memory and over the process group's send/recv on the same inputs
 and is compared with a float64 reference (integer-valued inputs exactly) and across ranks (identical
 bits); the direct all-reduce's checks, chunking, transport selection, concurrency across groups and
-threads, and the promise that nothing is left in /dev/shm.
+threads, and the promise that nothing is ever in /dev/shm.
 """
 
 import os
@@ -136,7 +136,7 @@ def case_two_groups_two_threads(iterations):
 
 
 def case_segments_visible():
-    # A new group: its segment is created (and must be unlinked) during this call, not reused.
+    # A new group: its segment is created during this call, not reused.
     group = dist.new_group(list(range(dist.get_world_size())))
     ddpkit.all_reduce(torch.ones(10), group=group)
     transport = ddpkit.comm.resolved_transport(group)
@@ -303,8 +303,8 @@ def test_two_groups_from_two_threads_never_cross(pool):
         assert torch.equal(results["other"], torch.full((200_000,), float(expected_sum)))
 
 
-def test_segments_are_unlinked_once_mapped(pool):
-    """The segment's name is gone from /dev/shm as soon as every rank has mapped it."""
+def test_segments_never_appear_in_dev_shm(pool):
+    """The segment is an anonymous memfd (Note [Shared-memory segment]): no name in /dev/shm, ever."""
     before = ddpkit_segments()
     for transport, seen in pool(4).run(case_segments_visible):
         assert transport == "shm"

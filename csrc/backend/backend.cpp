@@ -62,6 +62,19 @@ void check_cpu(const std::vector<at::Tensor>& tensors, std::string_view what) {
   for (const auto& t : tensors) check_cpu(t, what);
 }
 
+// Why `checks` (a function of TORCH_CHECKs on this rank's arguments) fails, or "" when it passes.
+// The backend never raises before a collective is numbered: a rank whose arguments fail rejects them
+// inside the collective (Backend::reject), so that every rank raises and the next calls pair.
+template <class Checks>
+std::string error_of(Checks&& checks) {
+  try {
+    checks();
+    return {};
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+}
+
 // The concatenation of `tensors`, flattened, as one contiguous vector (empty when there are none).
 at::Tensor flat_cat(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> flat;
@@ -116,6 +129,13 @@ c10::intrusive_ptr<c10d::Work> Backend::launch(c10d::OpType type, bool async, st
   return work;
 }
 
+c10::intrusive_ptr<c10d::Work> Backend::reject(c10d::OpType type, bool async, comm::CollectiveKind kind,
+                                               std::string error) {
+  return launch(type, async, {}, [kind, error = std::move(error)](comm::Communicator& comm) {
+    comm::reject(kind, error, comm);
+  });
+}
+
 c10::intrusive_ptr<c10d::Work> Backend::delegate(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
                                                  comm::CollectiveHeader header,
                                                  std::function<c10::intrusive_ptr<c10d::Work>()> op) {
@@ -128,8 +148,11 @@ c10::intrusive_ptr<c10d::Work> Backend::delegate(c10d::OpType type, bool async, 
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
-  check_single(tensors, "all_reduce");
-  check_cpu(tensors, "all_reduce");
+  const std::string error = error_of([&] {
+    check_single(tensors, "all_reduce");
+    check_cpu(tensors, "all_reduce");
+  });
+  if (!error.empty()) return reject(c10d::OpType::ALLREDUCE, opts.asyncOp, comm::CollectiveKind::kAllReduce, error);
   at::Tensor tensor = tensors[0];
   const auto op = own_reduction(opts.reduceOp, tensor);
   if (!op) {
@@ -152,7 +175,10 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                             const c10d::AllreduceCoalescedOptions& opts) {
-  check_cpu(tensors, "all_reduce_coalesced");
+  const std::string error = error_of([&] { check_cpu(tensors, "all_reduce_coalesced"); });
+  if (!error.empty()) {
+    return reject(c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp, comm::CollectiveKind::kAllReduce, error);
+  }
   bool own = !tensors.empty();
   for (const auto& t : tensors) {
     own = own && own_reduction(opts.reduceOp, t) && t.scalar_type() == tensors[0].scalar_type();
@@ -179,9 +205,12 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tens
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
-  check_single(tensors, "broadcast");
-  check_cpu(tensors, "broadcast");
-  TORCH_CHECK(opts.rootTensor == 0, "ddpkit backend: broadcast takes rootTensor 0, got ", opts.rootTensor);
+  const std::string error = error_of([&] {
+    check_single(tensors, "broadcast");
+    check_cpu(tensors, "broadcast");
+    TORCH_CHECK(opts.rootTensor == 0, "ddpkit backend: broadcast takes rootTensor 0, got ", opts.rootTensor);
+  });
+  if (!error.empty()) return reject(c10d::OpType::BROADCAST, opts.asyncOp, comm::CollectiveKind::kBroadcast, error);
   at::Tensor tensor = tensors[0];
   const int root = static_cast<int>(opts.rootRank);
   return launch(c10d::OpType::BROADCAST, opts.asyncOp, tensors,
@@ -189,8 +218,11 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
-  check_single(tensors, "reduce");
-  check_cpu(tensors, "reduce");
+  const std::string error = error_of([&] {
+    check_single(tensors, "reduce");
+    check_cpu(tensors, "reduce");
+  });
+  if (!error.empty()) return reject(c10d::OpType::REDUCE, opts.asyncOp, comm::CollectiveKind::kReduce, error);
   at::Tensor tensor = tensors[0];
   const auto op = own_reduction(opts.reduceOp, tensor);
   if (!op) {
@@ -206,10 +238,13 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                   std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
-  check_single(inputs, "all_gather");
-  check_cpu(inputs, "all_gather");
-  TORCH_CHECK(outputs.size() == 1, "ddpkit backend: all_gather takes one output list per rank, got ", outputs.size());
-  check_cpu(outputs[0], "all_gather");
+  const std::string error = error_of([&] {
+    check_single(inputs, "all_gather");
+    check_cpu(inputs, "all_gather");
+    TORCH_CHECK(outputs.size() == 1, "ddpkit backend: all_gather takes one output list per rank, got ", outputs.size());
+    check_cpu(outputs[0], "all_gather");
+  });
+  if (!error.empty()) return reject(c10d::OpType::ALLGATHER, opts.asyncOp, comm::CollectiveKind::kAllGather, error);
   const at::Tensor input = inputs[0].contiguous();
   std::vector<at::Tensor> targets = outputs[0];
   const int n = getSize();
@@ -229,8 +264,13 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                         const c10d::AllgatherOptions& opts) {
-  check_cpu(output, "all_gather_into_tensor");
-  check_cpu(input, "all_gather_into_tensor");
+  const std::string error = error_of([&] {
+    check_cpu(output, "all_gather_into_tensor");
+    check_cpu(input, "all_gather_into_tensor");
+  });
+  if (!error.empty()) {
+    return reject(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, comm::CollectiveKind::kAllGather, error);
+  }
   at::Tensor out = output;
   const at::Tensor in = input;
   return launch(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, {output}, [out, in](comm::Communicator& comm) mutable {
@@ -252,18 +292,21 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<std::vec
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                         std::vector<at::Tensor>& inputs,
                                                                         const c10d::AllgatherOptions& opts) {
-  check_cpu(outputs, "all_gather_into_tensor_coalesced");
-  check_cpu(inputs, "all_gather_into_tensor_coalesced");
-  TORCH_CHECK(outputs.size() == inputs.size(), "ddpkit backend: all_gather_into_tensor_coalesced got ", inputs.size(),
-              " inputs and ", outputs.size(), " outputs");
-  bool one_dtype = true;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    one_dtype = one_dtype && inputs[i].scalar_type() == inputs[0].scalar_type() &&
-                outputs[i].scalar_type() == inputs[0].scalar_type() &&
-                outputs[i].numel() == inputs[i].numel() * getSize();
-  }
-  TORCH_CHECK(one_dtype, "ddpkit backend: all_gather_into_tensor_coalesced needs one dtype and outputs of world size "
-                         "times their input's elements");
+  const std::string error = error_of([&] {
+    check_cpu(outputs, "all_gather_into_tensor_coalesced");
+    check_cpu(inputs, "all_gather_into_tensor_coalesced");
+    TORCH_CHECK(outputs.size() == inputs.size(), "ddpkit backend: all_gather_into_tensor_coalesced got ", inputs.size(),
+                " inputs and ", outputs.size(), " outputs");
+    bool one_dtype = true;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      one_dtype = one_dtype && inputs[i].scalar_type() == inputs[0].scalar_type() &&
+                  outputs[i].scalar_type() == inputs[0].scalar_type() &&
+                  outputs[i].numel() == inputs[i].numel() * getSize();
+    }
+    TORCH_CHECK(one_dtype, "ddpkit backend: all_gather_into_tensor_coalesced needs one dtype and outputs of world "
+                           "size times their input's elements");
+  });
+  if (!error.empty()) return reject(c10d::OpType::COALESCED, opts.asyncOp, comm::CollectiveKind::kAllGather, error);
   const int n = getSize();
   return launch(c10d::OpType::COALESCED, opts.asyncOp, outputs, [outputs, inputs, n](comm::Communicator& comm) mutable {
     // All inputs side by side, gathered at once: row i of `gathered` is rank i's concatenation.
@@ -282,13 +325,16 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vec
 
 c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  check_single(inputs, "gather");
-  check_cpu(inputs, "gather");
   const int root = static_cast<int>(opts.rootRank);
-  const at::Tensor input = inputs[0].contiguous();
   // A bad list on the root is rejected inside the collective (gather_into), so every rank raises.
   std::vector<at::Tensor> targets = getRank() == root && outputs.size() == 1 ? outputs[0] : std::vector<at::Tensor>();
-  check_cpu(targets, "gather");
+  const std::string error = error_of([&] {
+    check_single(inputs, "gather");
+    check_cpu(inputs, "gather");
+    check_cpu(targets, "gather");
+  });
+  if (!error.empty()) return reject(c10d::OpType::GATHER, opts.asyncOp, comm::CollectiveKind::kGather, error);
+  const at::Tensor input = inputs[0].contiguous();
   return launch(c10d::OpType::GATHER, opts.asyncOp, targets, [input, targets, root](comm::Communicator& comm) mutable {
     comm::gather_into(targets, input, root, comm);
   });
@@ -297,12 +343,15 @@ c10::intrusive_ptr<c10d::Work> Backend::gather(std::vector<std::vector<at::Tenso
 c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ScatterOptions& opts) {
-  check_single(outputs, "scatter");
-  check_cpu(outputs, "scatter");
   const int root = static_cast<int>(opts.rootRank);
   // A bad list on the root is rejected inside the collective (scatter_from), so every rank raises.
   std::vector<at::Tensor> sources = getRank() == root && inputs.size() == 1 ? inputs[0] : std::vector<at::Tensor>();
-  check_cpu(sources, "scatter");
+  const std::string error = error_of([&] {
+    check_single(outputs, "scatter");
+    check_cpu(outputs, "scatter");
+    check_cpu(sources, "scatter");
+  });
+  if (!error.empty()) return reject(c10d::OpType::SCATTER, opts.asyncOp, comm::CollectiveKind::kScatter, error);
   at::Tensor output = outputs[0];
   return launch(c10d::OpType::SCATTER, opts.asyncOp, outputs, [output, sources, root](comm::Communicator& comm) mutable {
     at::Tensor target = output.is_contiguous() ? output : output.contiguous();
@@ -314,10 +363,15 @@ c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                        std::vector<std::vector<at::Tensor>>& inputs,
                                                        const c10d::ReduceScatterOptions& opts) {
-  check_single(outputs, "reduce_scatter");
-  check_cpu(outputs, "reduce_scatter");
-  TORCH_CHECK(inputs.size() == 1, "ddpkit backend: reduce_scatter takes one input list per rank, got ", inputs.size());
-  check_cpu(inputs[0], "reduce_scatter");
+  const std::string error = error_of([&] {
+    check_single(outputs, "reduce_scatter");
+    check_cpu(outputs, "reduce_scatter");
+    TORCH_CHECK(inputs.size() == 1, "ddpkit backend: reduce_scatter takes one input list per rank, got ", inputs.size());
+    check_cpu(inputs[0], "reduce_scatter");
+  });
+  if (!error.empty()) {
+    return reject(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, comm::CollectiveKind::kReduceScatter, error);
+  }
   const auto op = own_reduction(opts.reduceOp, outputs[0]);
   if (!op) {
     return delegate(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs,
@@ -340,8 +394,13 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                              const c10d::ReduceScatterOptions& opts) {
-  check_cpu(output, "reduce_scatter_tensor");
-  check_cpu(input, "reduce_scatter_tensor");
+  const std::string error = error_of([&] {
+    check_cpu(output, "reduce_scatter_tensor");
+    check_cpu(input, "reduce_scatter_tensor");
+  });
+  if (!error.empty()) {
+    return reject(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, comm::CollectiveKind::kReduceScatter, error);
+  }
   const auto op = own_reduction(opts.reduceOp, output);
   if (!op) {
     return delegate(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output},
@@ -358,18 +417,23 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output,
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                         std::vector<at::Tensor>& inputs,
                                                                         const c10d::ReduceScatterOptions& opts) {
-  check_cpu(outputs, "reduce_scatter_tensor_coalesced");
-  check_cpu(inputs, "reduce_scatter_tensor_coalesced");
-  TORCH_CHECK(outputs.size() == inputs.size() && !outputs.empty(), "ddpkit backend: reduce_scatter_tensor_coalesced got ",
-              inputs.size(), " inputs and ", outputs.size(), " outputs");
   const int n = getSize();
-  bool own = true;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    own = own && own_reduction(opts.reduceOp, outputs[i]) && outputs[i].scalar_type() == outputs[0].scalar_type() &&
-          inputs[i].scalar_type() == outputs[0].scalar_type() && inputs[i].numel() == outputs[i].numel() * n;
-  }
-  TORCH_CHECK(own, "ddpkit backend: reduce_scatter_tensor_coalesced needs one dtype ddpkit reduces (float32/64, "
-                   "float16, bfloat16, int32/64), sum/avg/max/min, and inputs of world size times their output's elements");
+  const std::string error = error_of([&] {
+    check_cpu(outputs, "reduce_scatter_tensor_coalesced");
+    check_cpu(inputs, "reduce_scatter_tensor_coalesced");
+    TORCH_CHECK(outputs.size() == inputs.size() && !outputs.empty(),
+                "ddpkit backend: reduce_scatter_tensor_coalesced got ", inputs.size(), " inputs and ", outputs.size(),
+                " outputs");
+    bool own = true;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      own = own && own_reduction(opts.reduceOp, outputs[i]) && outputs[i].scalar_type() == outputs[0].scalar_type() &&
+            inputs[i].scalar_type() == outputs[0].scalar_type() && inputs[i].numel() == outputs[i].numel() * n;
+    }
+    TORCH_CHECK(own, "ddpkit backend: reduce_scatter_tensor_coalesced needs one dtype ddpkit reduces (float32/64, "
+                     "float16, bfloat16, int32/64), sum/avg/max/min, and inputs of world size times their output's "
+                     "elements");
+  });
+  if (!error.empty()) return reject(c10d::OpType::COALESCED, opts.asyncOp, comm::CollectiveKind::kReduceScatter, error);
   const comm::ReduceOp op = *own_reduction(opts.reduceOp, outputs[0]);
   return launch(c10d::OpType::COALESCED, opts.asyncOp, outputs, [outputs, inputs, op, n](comm::Communicator& comm) mutable {
     // Block r of the combined input is every input's block r side by side.
@@ -394,8 +458,6 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
                                                       std::vector<int64_t>& output_split_sizes,
                                                       std::vector<int64_t>& input_split_sizes,
                                                       const c10d::AllToAllOptions& opts) {
-  check_cpu(output, "all_to_all_single");
-  check_cpu(input, "all_to_all_single");
   const int n = getSize();
   // Rows of dim 0 per rank: the given split sizes, or equal parts.
   auto pieces = [n](const at::Tensor& t, const std::vector<int64_t>& splits, std::string_view which) {
@@ -420,9 +482,16 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
                 ", the tensor has ", rows, " rows");
     return parts;
   };
-  TORCH_CHECK(output.is_contiguous() && input.is_contiguous(), "ddpkit backend: all_to_all_single needs contiguous tensors");
-  std::vector<at::Tensor> outs = pieces(output, output_split_sizes, "output");
-  const std::vector<at::Tensor> ins = pieces(input, input_split_sizes, "input");
+  std::vector<at::Tensor> outs, ins;
+  const std::string error = error_of([&] {
+    check_cpu(output, "all_to_all_single");
+    check_cpu(input, "all_to_all_single");
+    TORCH_CHECK(output.is_contiguous() && input.is_contiguous(),
+                "ddpkit backend: all_to_all_single needs contiguous tensors");
+    outs = pieces(output, output_split_sizes, "output");
+    ins = pieces(input, input_split_sizes, "input");
+  });
+  if (!error.empty()) return reject(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, comm::CollectiveKind::kAllToAll, error);
   return launch(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, {output}, [outs, ins](comm::Communicator& comm) mutable {
     comm::all_to_all_(outs, ins, comm);
   });
@@ -430,8 +499,11 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
 
 c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                                  const c10d::AllToAllOptions& opts) {
-  check_cpu(outputs, "all_to_all");
-  check_cpu(inputs, "all_to_all");
+  const std::string error = error_of([&] {
+    check_cpu(outputs, "all_to_all");
+    check_cpu(inputs, "all_to_all");
+  });
+  if (!error.empty()) return reject(c10d::OpType::ALLTOALL, opts.asyncOp, comm::CollectiveKind::kAllToAll, error);
   std::vector<at::Tensor> targets = outputs;
   std::vector<at::Tensor> sources = inputs;
   return launch(c10d::OpType::ALLTOALL, opts.asyncOp, outputs, [targets, sources](comm::Communicator& comm) mutable {

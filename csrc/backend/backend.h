@@ -101,6 +101,9 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   // completed Work), else on the engine's thread. `outputs` become the Work's result.
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
                                         comm::Engine::Body body);
+  // Runs the group's next collective, a `kind`, as a rank that rejected its arguments for `error`:
+  // every rank raises (comm::reject).
+  c10::intrusive_ptr<c10d::Work> reject(c10d::OpType type, bool async, comm::CollectiveKind kind, std::string error);
   // Runs the inner gloo backend's operation `op` as the group's next collective, after the
   // collective check of `header` (Note [The ddpkit backend]).
   c10::intrusive_ptr<c10d::Work> delegate(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,

@@ -208,14 +208,14 @@ Schedule star_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
 }
 
 Schedule gather_scatter_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
+  // The parameter server: rank 0 reduces the gathered [n, N] buffer row by row, in rank order, with
+  // the same reduction as every other path (Note [Reductions]), then sends the result back.
   return rooted_schedule(flat, n, r, [=](const at::Tensor& gathered) mutable {
     gathered[0].copy_(flat);
-    switch (op) {
-      case ReduceOp::kSum: flat.copy_(gathered.sum(0)); break;
-      case ReduceOp::kMean: flat.copy_(gathered.mean(0)); break;
-      case ReduceOp::kMax: flat.copy_(gathered.amax(0)); break;
-      case ReduceOp::kMin: flat.copy_(gathered.amin(0)); break;
-    }
+    at::Tensor total = gathered[0];
+    for (int peer = 1; peer < n; ++peer) combine_(total, gathered[peer], op);
+    finish_reduction_(total, op, n);
+    flat.copy_(total);
   });
 }
 
@@ -279,8 +279,10 @@ Schedule recursive_doubling_schedule(const at::Tensor& flat, ReduceOp op, int n,
       const int partner = f.real_rank(q ^ mask);
       at::Tensor incoming = scratch[(core.size() + 1) % 2];
       const bool last = (mask << 1) >= f.p;
+      // Both ranks of the pair compute the same sum: the lower rank's operand first (Note [Reductions]).
+      const bool partner_first = partner < r;
       core.push_back(Round{{{flat, partner}}, {{incoming, partner}}, [=]() mutable {
-                             combine_(flat, incoming, op);
+                             combine_(flat, incoming, op, partner_first);
                              if (last) finish_reduction_(flat, op, n);
                            }});
     }
@@ -331,33 +333,18 @@ Schedule halving_doubling_schedule(const at::Tensor& flat, ReduceOp op, int n, i
 }  // namespace
 
 Algorithm parse_algorithm(std::string_view name) {
-  if (name == "ring") return Algorithm::kRing;
-  if (name == "butterfly") return Algorithm::kButterfly;
-  if (name == "star") return Algorithm::kStar;
-  if (name == "gather_scatter") return Algorithm::kGatherScatter;
-  if (name == "recursive_doubling") return Algorithm::kRecursiveDoubling;
-  if (name == "halving_doubling") return Algorithm::kHalvingDoubling;
-  if (name == "auto") return Algorithm::kAuto;
-  if (name == "process_group") return Algorithm::kProcessGroup;
-  if (name == "direct") return Algorithm::kDirect;
-  TORCH_CHECK(false, "ddpkit: unknown all-reduce algorithm '", name,
-              "'; expected one of ring, butterfly, star, gather_scatter, recursive_doubling, halving_doubling, direct, "
-              "auto, process_group");
+  for (size_t i = 0; i < kAlgorithmNames.size(); ++i) {
+    if (kAlgorithmNames[i] == name) return static_cast<Algorithm>(i);
+  }
+  std::string expected;
+  for (std::string_view known : kAlgorithmNames) expected += c10::str(expected.empty() ? "" : ", ", known);
+  TORCH_CHECK(false, "ddpkit: unknown algorithm '", name, "'; expected one of ", expected);
 }
 
 std::string_view algorithm_name(Algorithm algorithm) {
-  switch (algorithm) {
-    case Algorithm::kRing: return "ring";
-    case Algorithm::kButterfly: return "butterfly";
-    case Algorithm::kStar: return "star";
-    case Algorithm::kGatherScatter: return "gather_scatter";
-    case Algorithm::kRecursiveDoubling: return "recursive_doubling";
-    case Algorithm::kHalvingDoubling: return "halving_doubling";
-    case Algorithm::kAuto: return "auto";
-    case Algorithm::kProcessGroup: return "process_group";
-    case Algorithm::kDirect: return "direct";
-  }
-  TORCH_INTERNAL_ASSERT(false, "unreachable algorithm");
+  const auto index = static_cast<size_t>(algorithm);
+  TORCH_INTERNAL_ASSERT(index < kAlgorithmNames.size(), "unknown algorithm ", index);
+  return kAlgorithmNames[index];
 }
 
 Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device, bool shared_memory) {
@@ -882,6 +869,28 @@ void barrier(Communicator& comm) {
   }
   Schedule schedule{in, out};
   run_schedule(comm, schedule);
+}
+
+void reject(CollectiveKind kind, const std::string& error, Communicator& comm) {
+  TORCH_INTERNAL_ASSERT(!error.empty());
+  CollectiveHeader header;
+  header.kind = static_cast<int64_t>(kind);
+  comm.begin(header, error);
+  comm.settle_header();
+  TORCH_INTERNAL_ASSERT(false, "a rejected collective returned");
+}
+
+void meta_collective(CollectiveKind kind, const at::Tensor& tensor, std::optional<ReduceOp> op,
+                     std::optional<Algorithm> algorithm, int root, Communicator& comm, std::string error) {
+  const std::string_view what = collective_name(kind);
+  if (error.empty() && root != -1) error = root_error(root, comm.size(), what, kind == CollectiveKind::kGather ||
+                                                                                   kind == CollectiveKind::kReduce
+                                                                               ? "dst"
+                                                                               : "src");
+  CollectiveHeader header = make_header(kind, tensor, op, algorithm, root);
+  header.meta = 1;
+  comm.begin(header, error);
+  comm.settle_header();
 }
 
 }  // namespace ddpkit::comm

@@ -14,7 +14,9 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -74,8 +76,11 @@ enum class Algorithm : int64_t {
   kDirect = 8,
 };
 
-// Parses "ring" | "butterfly" | "star" | "gather_scatter" | "recursive_doubling" |
-// "halving_doubling" | "direct" | "auto" | "process_group"; TORCH_CHECK-fails otherwise.
+// One name per Algorithm, in enum order (what the Python API and errors say).
+inline constexpr std::array<std::string_view, 9> kAlgorithmNames = {
+    "ring", "butterfly", "star", "gather_scatter", "recursive_doubling", "halving_doubling", "auto", "process_group",
+    "direct"};
+// Parses a name of kAlgorithmNames; TORCH_CHECK-fails otherwise.
 Algorithm parse_algorithm(std::string_view name);
 std::string_view algorithm_name(Algorithm algorithm);
 
@@ -146,5 +151,20 @@ void all_to_all_(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>
 
 // Returns when every rank of the group has called it.
 void barrier(Communicator& comm);
+
+// Takes part in the group's next collective, a `kind`, as a rank that rejected its own arguments for
+// the reason `error` (a bad op, algorithm or transport name, a tensor a collective cannot take):
+// every rank of the group raises, its peers naming this rank, and the group stays usable (Note
+// [Collective checks]). Always throws `error` here.
+[[noreturn]] void reject(CollectiveKind kind, const std::string& error, Communicator& comm);
+
+// Takes part in the group's next collective with meta tensors: the collective check alone, with a
+// header marked "meta" and the fields the real collective would have, and no data. When every rank
+// passes meta tensors they agree and nothing moves; when some rank passes real ones, every rank
+// raises, naming the difference (a meta tensor on one rank would otherwise skip the collective
+// there, pairing that rank's next collective with its peers' current one). A non-empty `error`
+// rejects this rank's arguments, as in reject().
+void meta_collective(CollectiveKind kind, const at::Tensor& tensor, std::optional<ReduceOp> op,
+                     std::optional<Algorithm> algorithm, int root, Communicator& comm, std::string error = {});
 
 }  // namespace ddpkit::comm

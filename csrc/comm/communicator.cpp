@@ -2,6 +2,7 @@
 
 #include "comm/shm.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <atomic>
@@ -77,7 +78,14 @@ int Communicator::tag(int round) const {
 void Communicator::begin(const CollectiveHeader& header, const std::string& local_error, bool exchange_header) {
   note_collective(static_cast<CollectiveKind>(header.kind));
   local_error_ = local_error;
-  if (size_ == 1 || !is_checked() || !exchange_header) {
+  if (size_ == 1 || !exchange_header) {
+    TORCH_CHECK(local_error.empty(), local_error);
+    return;
+  }
+  if (!is_checked()) {
+    // Nobody learns of this rank's rejection, so its peers wait for it; over shared memory its next
+    // collective would take their current one's step: stop this rank's transport instead.
+    if (!local_error.empty() && shm_ != nullptr) shm_->reject_unchecked(what_);
     TORCH_CHECK(local_error.empty(), local_error);
     return;
   }
@@ -135,12 +143,28 @@ void Communicator::settle_header() {
     }
     wait(header_messages_);  // a verdict send left pending would outlive its buffer
   } else {
-    wait(header_messages_);
-    if (!independent_messages_) {
-      start_group();
-      irecv(verdict_, kCheckRoot, kVerdictRound);
-      header_messages_.push_back(end_group());
-      wait(header_messages_);
+    // Longer than the root's own wait for the headers, so that when a rank never sends its header the
+    // root's verdict naming it arrives here before this wait times out knowing nothing.
+    std::chrono::milliseconds verdict_timeout = ::kNoTimeout;
+    try {
+      const auto group_timeout = backend_->getBackendOptions()->timeout;
+      verdict_timeout = group_timeout + std::max(std::chrono::milliseconds(2000), group_timeout / 4);
+    } catch (const std::exception&) {
+    }
+    try {
+      wait(header_messages_, verdict_timeout);
+      if (!independent_messages_) {
+        start_group();
+        irecv(verdict_, kCheckRoot, kVerdictRound);
+        header_messages_.push_back(end_group());
+        wait(header_messages_);
+      }
+    } catch (const c10::Error& e) {
+      // gloo closes every connection of a group whose wait timed out, so a root that waited in vain
+      // for some rank's header cannot send its verdict naming it: say where that name is.
+      TORCH_CHECK(false, e.what_without_backtrace(), "; rank ", kCheckRoot,
+                  " gathers every rank's header for the collective check: when it gives up, its own error names "
+                  "the rank it waited for");
     }
     verdict = verdict_;
   }
@@ -204,8 +228,8 @@ std::string Communicator::describe_verdict(const at::Tensor& verdict) const {
   }
   if (v[1] == kVerdictMismatch) {
     CollectiveHeader reference, theirs;
-    std::memcpy(&reference, v + 3, sizeof(CollectiveHeader));
-    std::memcpy(&theirs, v + 3 + kHeaderWords, sizeof(CollectiveHeader));
+    std::memcpy(static_cast<void*>(&reference), v + 3, sizeof(CollectiveHeader));
+    std::memcpy(static_cast<void*>(&theirs), v + 3 + kHeaderWords, sizeof(CollectiveHeader));
     return describe_mismatch(static_cast<int>(v[2]), theirs, reference, what_);
   }
   return {};
@@ -213,37 +237,63 @@ std::string Communicator::describe_verdict(const at::Tensor& verdict) const {
 
 Message Communicator::isend(const at::Tensor& tensor, int dst, int round) {
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
-  message_count.fetch_add(1, std::memory_order_relaxed);
-  byte_count.fetch_add(tensor.numel() * tensor.element_size(), std::memory_order_relaxed);
-  return Message{transport_->send(tensor, dst, tag(round)), dst, true};
+  if (counted_) {
+    message_count.fetch_add(1, std::memory_order_relaxed);
+    byte_count.fetch_add(tensor.numel() * tensor.element_size(), std::memory_order_relaxed);
+  }
+  try {
+    return Message{transport_->send(tensor, dst, tag(round)), dst, true};
+  } catch (const std::exception& e) {  // gloo refuses a message to a peer whose connection closed
+    fail(Message{{}, dst, true}, e, {});
+  }
 }
 
 Message Communicator::irecv(const at::Tensor& tensor, int src, int round) {
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
-  return Message{transport_->recv(tensor, src, tag(round)), src, false};
+  try {
+    return Message{transport_->recv(tensor, src, tag(round)), src, false};
+  } catch (const std::exception& e) {
+    fail(Message{{}, src, false}, e, {});
+  }
 }
 
-void Communicator::wait(MessageList& messages) {
+void Communicator::wait(MessageList& messages, std::chrono::milliseconds timeout) {
   for (size_t i = 0; i < messages.size(); ++i) {
     try {
-      if (messages[i].work) messages[i].work->wait();
+      if (messages[i].work) messages[i].work->wait(timeout);
     } catch (const std::exception& e) {
       const Message failed = messages[i];
-      failed_peer_ = failed.peer;
       messages.erase(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+      // Whoever else has not answered by now is named too: a timeout is seldom one rank's alone.
+      std::vector<int> silent;
+      for (auto& other : messages) {
+        if (other.work && !other.is_send && other.peer >= 0 && other.peer != failed.peer && !other.work->isCompleted() &&
+            std::find(silent.begin(), silent.end(), other.peer) == silent.end()) {
+          silent.push_back(other.peer);
+        }
+      }
       abort_all(messages);
-      const std::string peer = failed.peer < 0 ? std::string("a peer")
-                                                : c10::str("rank ", failed.peer);
-      // The cause without the C++ backtrace c10::Error carries: it ends up in a Python message.
-      const auto* error = dynamic_cast<const c10::Error*>(&e);
-      const std::string cause = error != nullptr ? error->what_without_backtrace() : e.what();
-      TORCH_CHECK(false, "ddpkit.", what_, " (rank ", rank_, " of ", size_, "): ",
-                  failed.is_send ? "sending to " : "receiving from ", peer, " failed: ", cause,
-                  " (a peer that died, stopped calling this collective or sent another size ends a message "
-                  "this way, as does the group's timeout)");
+      fail(failed, e, silent);
     }
   }
   messages.clear();
+}
+
+void Communicator::fail(const Message& failed, const std::exception& cause, const std::vector<int>& silent) {
+  failed_peer_ = failed.peer;
+  std::string peer = failed.peer < 0 ? std::string("a peer") : c10::str("rank ", failed.peer);
+  if (!silent.empty()) {
+    peer += silent.size() == 1 ? " (rank" : " (ranks";
+    for (size_t k = 0; k < silent.size(); ++k) peer += c10::str(k == 0 ? " " : ", ", silent[k]);
+    peer += " had not answered yet)";
+  }
+  // The cause without the C++ backtrace c10::Error carries: it ends up in a Python message.
+  const auto* error = dynamic_cast<const c10::Error*>(&cause);
+  const std::string text = error != nullptr ? error->what_without_backtrace() : cause.what();
+  C10_THROW_ERROR(Error, c10::str("ddpkit.", what_, " (rank ", rank_, " of ", size_, "): ",
+                                  failed.is_send ? "sending to " : "receiving from ", peer, " failed: ", text,
+                                  " (a peer that died, stopped calling this collective or sent another size ends a "
+                                  "message this way, as does the group's timeout)"));
 }
 
 c10::intrusive_ptr<c10d::Work> Communicator::process_group_all_reduce(at::Tensor& tensor, ReduceOp op) {

@@ -20,20 +20,30 @@ namespace ddpkit::comm {
 // Every ddpkit collective takes the next sequence number of its process group when it is *issued*
 // (on the issuing thread, in program order, which is identical on all ranks; Note [Collective
 // engine]) and tags each of its messages with (sequence, round). Messages of two collectives
-// therefore never match each other, whatever the transport.
-// A rank that issues an extra collective shifts its sequence; its peers then see no matching
-// message and fail at the group's timeout instead of exchanging wrong data.
+// therefore never match each other, whatever the transport. A call is numbered before anything of
+// it can fail on one rank alone: arguments a rank rejects (a bad op, algorithm or transport name, a
+// tensor the collective cannot take, a meta tensor among real ones, the backend's and
+// SyncBatchNorm's own argument checks) are rejected inside the numbered collective (Note
+// [Collective checks]), so every rank raises and the next calls pair.
+//
+// What the numbers cannot see: a rank that skips a collective, or issues an extra one, still
+// numbers its next call as its peers number their current one. When the two calls differ in any
+// header field (collective, elements, dtype, op, algorithm, root, meta or not), the check raises on
+// every rank, naming the difference. Two calls that agree in every field pair as if they were one
+// (as in gloo and NCCL, which check nothing): no header can tell them apart without naming the
+// program's call site. The last call left unpaired then waits for a peer that never comes and
+// fails at the group's timeout, naming the ranks it waited for.
 
 // Note [Collective checks]
 // torch's TORCH_DISTRIBUTED_DEBUG does not fingerprint point-to-point traffic, so ddpkit does its
 // own: in checked mode (the default) every rank sends a small header (kind, numel, dtype, op,
-// algorithm, root) to rank 0, which compares them and sends every rank a verdict: agreement, or the
-// first rank that differs from rank 0 and how. No rank sends any payload before it holds the
+// algorithm, root, meta) to rank 0, which compares them and sends every rank a verdict: agreement,
+// or the first rank that differs from rank 0 and how. No rank sends any payload before it holds the
 // verdict (settle_header), so a disagreement never moves data: every rank raises the same error and
 // the receives posted meanwhile (Note [Pre-posted receives]) are aborted safely, leaving the group
-// usable. A rank that rejects its own arguments still sends a header marked "rejected", and a root
-// that loses a peer while collecting headers still tells the others, so they fail at once instead
-// of at the timeout. Two one-way messages per rank, rather than an exchange
+// usable. A rank that rejects its own arguments still sends a header marked "rejected" (reject() in
+// collectives.h), and a root that loses a peer while collecting headers still tells the others, so
+// they fail at once instead of at the timeout. Two one-way messages per rank, rather than an exchange
 // with every peer: on an oversubscribed CPU the number of messages and of busy threads is what
 // costs (Note [Choosing an algorithm]). See set_checked().
 // On shared memory no message is needed: the direct all-reduce carries each rank's header in the
@@ -41,6 +51,11 @@ namespace ddpkit::comm {
 // all-reduce]); every other collective over shared memory takes one step of the same protocol with
 // the header alone (ShmSegment::check_header) before its first message. So the check costs a few
 // loads, and a direct all-reduce called against a broadcast is caught like any other mismatch.
+// Meta tensors (the collectives' Meta kernels) take part in the check alone, marked "meta": all
+// ranks meta agree and move nothing; meta against real data raises everywhere.
+// With checks off, nothing is compared and a rank that rejects its arguments raises alone; its
+// peers wait for it, so over shared memory its transport stops there (reject_unchecked: its next
+// collective would otherwise take its peers' current step) and they learn it from the segment.
 // Headers are the plain struct CollectiveHeader (header.h), compared field by field by name.
 
 // Note [Pre-posted receives]
@@ -107,6 +122,15 @@ class Communicator {
   // Counts the collective and names it in errors; begin() does it, collectives that do their own
   // checks (Note [Direct all-reduce]) call it instead.
   void note_collective(CollectiveKind kind);
+  // Makes this communicator carry the one-time set-up of a transport (Note [Shared-memory
+  // segment]): `what` names it in errors, and its messages stay out of the counters, which count
+  // what collectives send.
+  void use_for_setup(std::string_view what) {
+    what_ = what;
+    counted_ = false;
+  }
+  // The peer of the last message whose wait failed, or -1.
+  int failed_peer() const { return failed_peer_; }
 
   // Binds this communicator to the collective described by `header`; in checked mode starts the
   // header check (Note [Collective checks]), which settle_header() completes.
@@ -131,7 +155,8 @@ class Communicator {
   // Waits for `messages`. On a failure (a peer that died, the group's timeout) it aborts the
   // rest of `messages`, so that nothing waits out a second timeout, and throws an error naming the
   // collective and the peer.
-  void wait(MessageList& messages);
+  // `timeout` (default: the backend's own) bounds each message's wait.
+  void wait(MessageList& messages, std::chrono::milliseconds timeout = ::kNoTimeout);
 
   // True when sends and receives complete independently of each other (gloo, shared memory):
   // receives can be posted ahead (Note [Pre-posted receives]). False for backends that must group
@@ -147,6 +172,9 @@ class Communicator {
 
  private:
   int tag(int round) const;
+  // Raises the error of a message to or from `failed.peer` that failed for `cause`, naming that peer
+  // and the `silent` ones still awaited; records the peer for failed_peer().
+  [[noreturn]] void fail(const Message& failed, const std::exception& cause, const std::vector<int>& silent);
   at::Tensor make_verdict() const;                                // on the root
   void send_failure_verdict();                                    // on the root, when a header never came
   std::string describe_verdict(const at::Tensor& verdict) const;  // "" when the ranks agree
@@ -158,6 +186,7 @@ class Communicator {
   std::shared_ptr<Transport> transport_;
   ShmSegment* shm_ = nullptr;
   bool independent_messages_ = true;
+  bool counted_ = true;
   uint64_t sequence_ = 0;
   std::string_view what_ = "collective";
   std::string local_error_;

@@ -2,6 +2,7 @@
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 
@@ -13,23 +14,19 @@ struct RegistryEntry {
   std::shared_ptr<Engine> engine;
 };
 
-}  // namespace
-
-TransportKind parse_transport(std::string_view name) {
-  if (name == "auto") return TransportKind::kAuto;
-  if (name == "shm") return TransportKind::kShm;
-  if (name == "process_group") return TransportKind::kProcessGroup;
-  TORCH_CHECK(false, "ddpkit: unknown transport '", name, "'; expected one of auto, shm, process_group");
-}
-
-std::string_view transport_name(TransportKind kind) {
-  switch (kind) {
-    case TransportKind::kAuto: return "auto";
-    case TransportKind::kShm: return "shm";
-    case TransportKind::kProcessGroup: return "process_group";
+// True while the group `entry` was made for is alive and still registered under `name`.
+bool registered(const std::string& name, const RegistryEntry& entry) {
+  if (!entry.group) return false;
+  c10::intrusive_ptr<c10d::ProcessGroup> alive = entry.group->lock();
+  if (!alive) return false;
+  try {
+    return c10d::resolve_process_group(name).get() == alive.get();
+  } catch (const std::exception&) {
+    return false;  // destroy_process_group unregistered it
   }
-  TORCH_INTERNAL_ASSERT(false, "unreachable transport");
 }
+
+}  // namespace
 
 CollectiveWork::CollectiveWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
     : c10d::Work(rank, type), outputs_(std::move(outputs)) {}
@@ -90,6 +87,16 @@ std::shared_ptr<Engine> Engine::of(const std::string& group_name) {
   std::lock_guard<std::mutex> lock(*registry_mutex);
   RegistryEntry& entry = (*registry)[group_name];
   if (!entry.engine || entry.group->lock().get() != group.get()) {
+    // A new engine: first free those of destroyed groups (their threads, segments and the backends
+    // they hold), so that creating and destroying groups holds memory, threads and fds flat. Not
+    // per call: resolving every registered name costs a lookup each.
+    for (auto it = registry->begin(); it != registry->end();) {
+      if (&it->second != &entry && !registered(it->first, it->second)) {
+        it = registry->erase(it);
+      } else {
+        ++it;
+      }
+    }
     entry.group.emplace(group);
     c10::weak_intrusive_ptr<c10d::ProcessGroup> weak(group);
     EngineGroup handle;
@@ -204,12 +211,12 @@ TransportKind forced_by_environment() {
   const char* forced = std::getenv("DDPKIT_TRANSPORT");
   const std::string_view value = forced == nullptr ? std::string_view() : std::string_view(forced);
   if (value.empty() || value == "auto") return TransportKind::kAuto;
-  TORCH_CHECK(value == "shm" || value == "process_group", "ddpkit: DDPKIT_TRANSPORT=", value,
-              " is not one of auto, shm, process_group");
+  const bool known = std::find(kTransportNames.begin(), kTransportNames.end(), value) != kTransportNames.end();
+  TORCH_CHECK(known, "ddpkit: DDPKIT_TRANSPORT=", value, " is not one of auto, shm, process_group");
   return parse_transport(value);
 }
 
-TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind requested) {
+TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind requested, uint64_t sequence) {
   if (requested == TransportKind::kAuto) requested = forced_by_environment();
   if (requested == TransportKind::kProcessGroup || group_.size == 1) return TransportKind::kProcessGroup;
   if (device != c10::kCPU) {
@@ -218,13 +225,16 @@ TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind re
     return TransportKind::kProcessGroup;
   }
   if (shm_state_ == ShmState::kUntried) {
+    c10::intrusive_ptr<c10d::Backend> cpu = backend(c10::kCPU);
     std::chrono::milliseconds timeout{300000};
     try {
-      timeout = backend(device)->getBackendOptions()->timeout;
+      timeout = cpu->getBackendOptions()->timeout;
     } catch (const std::exception&) {
     }
-    segment_ = group_.store ? ShmSegment::create(group_.store(), group_.name, group_.rank, group_.size, timeout)
-                            : nullptr;
+    // Note [Shared-memory segment]: set up over the group's own messages, as part of this collective.
+    Communicator setup(group_.rank, group_.size, c10::kCPU, cpu, process_group_transport(c10::kCPU), nullptr, sequence);
+    setup.use_for_setup("shared-memory set-up");
+    segment_ = ShmSegment::create(setup, timeout);
     shm_state_ = segment_ ? ShmState::kAvailable : ShmState::kUnavailable;
     if (segment_) shm_transport_ = std::make_shared<ShmTransport>(segment_);
   }
@@ -233,6 +243,12 @@ TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind re
               "ddpkit: transport 'shm' needs every rank of the group on this host; use transport='auto' or "
               "'process_group'");
   return TransportKind::kProcessGroup;
+}
+
+std::shared_ptr<Transport> Engine::process_group_transport(c10::DeviceType device) {
+  auto& cached = pg_transports_[static_cast<int>(device)];
+  if (!cached) cached = std::make_shared<ProcessGroupTransport>(backend(device));
+  return cached;
 }
 
 bool Engine::stages_through_host(c10::DeviceType device) {
@@ -250,16 +266,10 @@ bool Engine::stages_through_host(c10::DeviceType device) {
 
 void Engine::execute(c10::DeviceType device, TransportKind requested, uint64_t sequence, const Body& body) {
   if (stages_through_host(device)) device = c10::kCPU;
-  const TransportKind kind = resolve_transport(device, requested);
+  const TransportKind kind = resolve_transport(device, requested, sequence);
   c10::intrusive_ptr<c10d::Backend> device_backend = backend(device);
-  std::shared_ptr<Transport> transport;
-  if (kind == TransportKind::kShm) {
-    transport = shm_transport_;
-  } else {
-    auto& cached = pg_transports_[static_cast<int>(device)];
-    if (!cached) cached = std::make_shared<ProcessGroupTransport>(device_backend);
-    transport = cached;
-  }
+  std::shared_ptr<Transport> transport =
+      kind == TransportKind::kShm ? std::shared_ptr<Transport>(shm_transport_) : process_group_transport(device);
   Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport),
                     kind == TransportKind::kShm ? segment_.get() : nullptr, sequence);
   body(comm);

@@ -49,18 +49,10 @@ namespace ddpkit::comm {
 // sees everything queued before it and the caller sees the result after it. Groups whose backend
 // carries device pointers (NCCL) send the device tensors themselves.
 
-enum class TransportKind : int64_t {
-  kAuto = 0,          // shared memory when every rank is on this host and the tensor is on CPU
-  kShm = 1,           // shared memory, or an error when the ranks are not all on this host
-  kProcessGroup = 2,  // the group's own send/recv (gloo, NCCL)
-};
-// Parses "auto" | "shm" | "process_group".
-TransportKind parse_transport(std::string_view name);
 // What DDPKIT_TRANSPORT (auto | shm | process_group) forces in place of kAuto, so that a whole
 // program, the DDP reducer's buckets and SyncBatchNorm's passes included, can be switched without
 // changing its calls; kAuto when it is unset. TORCH_CHECK-fails on any other value.
 TransportKind forced_by_environment();
-std::string_view transport_name(TransportKind kind);
 
 // What an Engine needs of its group. For a torch.distributed process group (Engine::of) these come
 // from the group; the "ddpkit" torch.distributed backend (csrc/backend) passes its own.
@@ -133,9 +125,6 @@ class Engine {
   int size() const { return group_.size; }
   const std::string& name() const { return group_.name; }
 
-  // What `requested` resolves to for a `device` tensor; may set up the shared-memory segment, which
-  // is collective: call it only from inside a running collective.
-  TransportKind resolve_transport(c10::DeviceType device, TransportKind requested);
 
   ~Engine();
   Engine(const Engine&) = delete;
@@ -155,6 +144,11 @@ class Engine {
                                                     uint64_t sequence, Body body, c10d::OpType type,
                                                     std::vector<at::Tensor> outputs);
   void worker_loop();
+  // What `requested` resolves to for a `device` tensor in collective `sequence`; the first time it
+  // takes shared memory, it sets the segment up as part of that collective (Note [Shared-memory
+  // segment]), so every rank must resolve the same request there.
+  TransportKind resolve_transport(c10::DeviceType device, TransportKind requested, uint64_t sequence);
+  std::shared_ptr<Transport> process_group_transport(c10::DeviceType device);
   c10::intrusive_ptr<c10d::Backend> backend(c10::DeviceType device);
   // True when `device` tensors travel through host copies (Note [Device tensors on a host group]).
   bool stages_through_host(c10::DeviceType device);

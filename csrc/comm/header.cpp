@@ -6,34 +6,43 @@
 namespace ddpkit::comm {
 
 std::string_view collective_name(CollectiveKind kind) {
-  switch (kind) {
-    case CollectiveKind::kAllReduce: return "all_reduce";
-    case CollectiveKind::kBroadcast: return "broadcast";
-    case CollectiveKind::kReduce: return "reduce";
-    case CollectiveKind::kGather: return "gather";
-    case CollectiveKind::kScatter: return "scatter";
-    case CollectiveKind::kAllGather: return "all_gather_into_tensor";
-    case CollectiveKind::kReduceScatter: return "reduce_scatter_tensor";
-    case CollectiveKind::kBarrier: return "barrier";
-    case CollectiveKind::kAllToAll: return "all_to_all";
+  const int64_t index = static_cast<int64_t>(kind) - static_cast<int64_t>(CollectiveKind::kAllReduce);
+  if (index < 0 || index >= static_cast<int64_t>(kCollectiveNames.size())) return "unknown collective";
+  return kCollectiveNames[static_cast<size_t>(index)];
+}
+
+CollectiveKind parse_collective_kind(std::string_view name) {
+  for (size_t i = 0; i < kCollectiveNames.size(); ++i) {
+    if (kCollectiveNames[i] == name) {
+      return static_cast<CollectiveKind>(static_cast<int64_t>(CollectiveKind::kAllReduce) + static_cast<int64_t>(i));
+    }
   }
-  return "unknown collective";
+  TORCH_CHECK(false, "ddpkit: unknown collective '", name, "'");
 }
 
 namespace {
 
+// A header field's value in the words of an error. Headers may come from a peer's slot, so any
+// value outside its enum is named as such rather than trusted.
 std::string field_value(const HeaderField& field, int64_t value) {
   if (field.member == &CollectiveHeader::kind) return std::string(collective_name(static_cast<CollectiveKind>(value)));
+  if (field.member == &CollectiveHeader::meta) return value != 0 ? "on the meta device (no data)" : "with data";
   if (field.member == &CollectiveHeader::dtype) {
-    return value < 0 ? std::string("none") : std::string(c10::toString(static_cast<c10::ScalarType>(value)));
+    if (value < 0) return "none";
+    if (value >= static_cast<int64_t>(c10::ScalarType::NumOptions)) return c10::str("invalid dtype ", value);
+    return std::string(c10::toString(static_cast<c10::ScalarType>(value)));
   }
   if (field.member == &CollectiveHeader::op && value >= kDelegatedOp) {
     static constexpr const char* kTorchOps[] = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"};
     const int64_t code = value - kDelegatedOp;
     return c10::str(code < 9 ? kTorchOps[code] : "op " + std::to_string(code), " (gloo)");
   }
-  if (field.member == &CollectiveHeader::op && value >= 0) return std::string(reduce_op_name(static_cast<ReduceOp>(value)));
+  if (field.member == &CollectiveHeader::op && value >= 0) {
+    if (value >= static_cast<int64_t>(kReduceOpNames.size())) return c10::str("invalid op ", value);
+    return std::string(reduce_op_name(static_cast<ReduceOp>(value)));
+  }
   if (field.member == &CollectiveHeader::algorithm && value >= 0) {
+    if (value >= static_cast<int64_t>(kAlgorithmNames.size())) return c10::str("invalid algorithm ", value);
     return std::string(algorithm_name(static_cast<Algorithm>(value)));
   }
   return std::to_string(value);

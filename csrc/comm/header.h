@@ -21,7 +21,14 @@ enum class CollectiveKind : int64_t {
   kBarrier = 8,
   kAllToAll = 9,
 };
+// One name per CollectiveKind, in enum order from kAllReduce (as the Python API spells them).
+inline constexpr std::array<std::string_view, 9> kCollectiveNames = {
+    "all_reduce", "broadcast", "reduce", "gather", "scatter", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "barrier", "all_to_all"};
+// The name of `kind`, or "unknown collective" for a value outside the enum (a corrupt header).
 std::string_view collective_name(CollectiveKind kind);
+// Parses a name of kCollectiveNames; TORCH_CHECK-fails otherwise.
+CollectiveKind parse_collective_kind(std::string_view name);
 
 // Identical on all ranks for a well-formed program. Plain data: it travels as its own bytes, in a
 // message (process-group transport) or in a shared-memory slot; every field is compared by name
@@ -35,6 +42,7 @@ struct CollectiveHeader {
   int64_t op = -1;        // ReduceOp, or -1 where there is none
   int64_t algorithm = -1; // Algorithm, or -1 where there is none
   int64_t root = -1;      // src/dst rank, or -1
+  int64_t meta = 0;       // 1 when this rank's tensors are meta tensors: a check with no data (Note [Collective checks])
 };
 static_assert(std::is_trivially_copyable_v<CollectiveHeader>);
 constexpr int64_t kHeaderWords = sizeof(CollectiveHeader) / sizeof(int64_t);
@@ -52,9 +60,10 @@ struct HeaderField {
   int64_t CollectiveHeader::*member;
 };
 // The fields compared across ranks, in the order mismatches are reported.
-constexpr std::array<HeaderField, 7> kHeaderFields = {{
+constexpr std::array<HeaderField, 8> kHeaderFields = {{
     {"sequence", &CollectiveHeader::sequence},
     {"collective", &CollectiveHeader::kind},
+    {"tensor", &CollectiveHeader::meta},
     {"elements", &CollectiveHeader::numel},
     {"dtype", &CollectiveHeader::dtype},
     {"op", &CollectiveHeader::op},

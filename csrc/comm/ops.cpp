@@ -4,40 +4,70 @@
 #include "comm/engine.h"
 
 namespace ddpkit::comm {
+namespace {
+
+// `text` parsed by `parse`, or `fallback` when it cannot be, with why in `error` (the first reason
+// kept). A rank never raises before its collective is numbered: it rejects its arguments inside
+// the collective instead, so that every rank raises and the next calls pair (Note [Collective checks]).
+template <class T>
+T parse_or_note(T (*parse)(std::string_view), std::string_view text, T fallback, std::string& error) {
+  try {
+    return parse(text);
+  } catch (const c10::Error& e) {
+    if (error.empty()) error = e.what_without_backtrace();
+    return fallback;
+  }
+}
+
+// Runs `collective` as the group's next `kind` over `transport` (an unparseable name means "auto"
+// and a rejection); a rank holding an `error` rejects its arguments in the collective instead.
+template <class Collective>
+void run_collective(const std::string& group_name, c10::DeviceType device, std::string_view transport,
+                    CollectiveKind kind, std::string error, Collective&& collective) {
+  const TransportKind parsed = parse_or_note(parse_transport, transport, TransportKind::kAuto, error);
+  Engine::of(group_name)->run(device, parsed, [&](Communicator& comm) {
+    if (!error.empty()) reject(kind, error, comm);
+    collective(comm);
+  });
+}
+
+}  // namespace
 
 at::Tensor& all_reduce_op(at::Tensor& tensor, std::string_view op, std::string_view algorithm,
                           const std::string& group_name, std::string_view transport) {
-  const ReduceOp reduce_op = parse_reduce_op(op);
-  const Algorithm parsed = parse_algorithm(algorithm);
-  Engine::of(group_name)->run(tensor.device().type(), parse_transport(transport),
-                              [&](Communicator& comm) { all_reduce_(tensor, reduce_op, parsed, comm); });
+  std::string error;
+  const ReduceOp reduce_op = parse_or_note(parse_reduce_op, op, ReduceOp::kSum, error);
+  const Algorithm parsed = parse_or_note(parse_algorithm, algorithm, Algorithm::kAuto, error);
+  run_collective(group_name, tensor.device().type(), transport, CollectiveKind::kAllReduce, error,
+                 [&](Communicator& comm) { all_reduce_(tensor, reduce_op, parsed, comm); });
   return tensor;
 }
 
 at::Tensor& broadcast_op(at::Tensor& tensor, int64_t src, const std::string& group_name, std::string_view transport) {
-  Engine::of(group_name)->run(tensor.device().type(), parse_transport(transport),
-                              [&](Communicator& comm) { broadcast_(tensor, static_cast<int>(src), comm); });
+  run_collective(group_name, tensor.device().type(), transport, CollectiveKind::kBroadcast, {},
+                 [&](Communicator& comm) { broadcast_(tensor, static_cast<int>(src), comm); });
   return tensor;
 }
 
 at::Tensor& reduce_op(at::Tensor& tensor, int64_t dst, std::string_view op, const std::string& group_name,
                       std::string_view transport) {
-  const ReduceOp reduce_op = parse_reduce_op(op);
-  Engine::of(group_name)->run(tensor.device().type(), parse_transport(transport),
-                              [&](Communicator& comm) { reduce_(tensor, static_cast<int>(dst), reduce_op, comm); });
+  std::string error;
+  const ReduceOp reduce_op = parse_or_note(parse_reduce_op, op, ReduceOp::kSum, error);
+  run_collective(group_name, tensor.device().type(), transport, CollectiveKind::kReduce, error,
+                 [&](Communicator& comm) { reduce_(tensor, static_cast<int>(dst), reduce_op, comm); });
   return tensor;
 }
 
 at::Tensor gather_op(const at::Tensor& tensor, int64_t dst, const std::string& group_name, std::string_view transport) {
   at::Tensor gathered;
-  Engine::of(group_name)->run(tensor.device().type(), parse_transport(transport),
-                              [&](Communicator& comm) { gathered = gather(tensor, static_cast<int>(dst), comm); });
+  run_collective(group_name, tensor.device().type(), transport, CollectiveKind::kGather, {},
+                 [&](Communicator& comm) { gathered = gather(tensor, static_cast<int>(dst), comm); });
   return gathered;
 }
 
 at::Tensor& scatter_op(at::Tensor& output, const std::optional<at::Tensor>& chunks, int64_t src,
                        const std::string& group_name, std::string_view transport) {
-  Engine::of(group_name)->run(output.device().type(), parse_transport(transport), [&](Communicator& comm) {
+  run_collective(group_name, output.device().type(), transport, CollectiveKind::kScatter, {}, [&](Communicator& comm) {
     scatter_(output, chunks.value_or(at::Tensor()), static_cast<int>(src), comm);
   });
   return output;
@@ -45,25 +75,42 @@ at::Tensor& scatter_op(at::Tensor& output, const std::optional<at::Tensor>& chun
 
 at::Tensor& all_gather_into_tensor_op(at::Tensor& output, const at::Tensor& input, std::string_view algorithm,
                                       const std::string& group_name, std::string_view transport) {
-  const Algorithm parsed = parse_algorithm(algorithm);
-  Engine::of(group_name)->run(output.device().type(), parse_transport(transport),
-                              [&](Communicator& comm) { all_gather_into_tensor_(output, input, parsed, comm); });
+  std::string error;
+  const Algorithm parsed = parse_or_note(parse_algorithm, algorithm, Algorithm::kAuto, error);
+  run_collective(group_name, output.device().type(), transport, CollectiveKind::kAllGather, error,
+                 [&](Communicator& comm) { all_gather_into_tensor_(output, input, parsed, comm); });
   return output;
 }
 
 at::Tensor& reduce_scatter_tensor_op(at::Tensor& output, const at::Tensor& input, std::string_view op,
                                      std::string_view algorithm, const std::string& group_name,
                                      std::string_view transport) {
-  const ReduceOp reduce_op = parse_reduce_op(op);
-  const Algorithm parsed = parse_algorithm(algorithm);
-  Engine::of(group_name)->run(output.device().type(), parse_transport(transport), [&](Communicator& comm) {
-    reduce_scatter_tensor_(output, input, reduce_op, parsed, comm);
-  });
+  std::string error;
+  const ReduceOp reduce_op = parse_or_note(parse_reduce_op, op, ReduceOp::kSum, error);
+  const Algorithm parsed = parse_or_note(parse_algorithm, algorithm, Algorithm::kAuto, error);
+  run_collective(group_name, output.device().type(), transport, CollectiveKind::kReduceScatter, error,
+                 [&](Communicator& comm) { reduce_scatter_tensor_(output, input, reduce_op, parsed, comm); });
   return output;
 }
 
 void barrier_op(const std::string& group_name, std::string_view transport) {
-  Engine::of(group_name)->run(c10::kCPU, parse_transport(transport), [&](Communicator& comm) { barrier(comm); });
+  run_collective(group_name, c10::kCPU, transport, CollectiveKind::kBarrier, {},
+                 [&](Communicator& comm) { barrier(comm); });
+}
+
+void meta_collective_op(std::string_view collective, const at::Tensor& tensor, std::string_view op,
+                        std::string_view algorithm, int64_t root, const std::string& group_name,
+                        std::string_view transport) {
+  const CollectiveKind kind = parse_collective_kind(collective);
+  std::string error;
+  std::optional<ReduceOp> reduce_op;
+  std::optional<Algorithm> parsed;
+  if (!op.empty()) reduce_op = parse_or_note(parse_reduce_op, op, ReduceOp::kSum, error);
+  if (!algorithm.empty()) parsed = parse_or_note(parse_algorithm, algorithm, Algorithm::kAuto, error);
+  // The transport a CPU tensor would take, so that the check meets its peers' real collective.
+  run_collective(group_name, c10::kCPU, transport, kind, {}, [&](Communicator& comm) {
+    meta_collective(kind, tensor, reduce_op, parsed, static_cast<int>(root), comm, error);
+  });
 }
 
 void set_collective_checks_op(bool enabled) { set_checked(enabled); }
@@ -81,27 +128,26 @@ std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_m
   return std::string(algorithm_name(choose_algorithm(bytes, static_cast<int>(world_size), c10::kCPU, shared_memory)));
 }
 
-std::vector<std::string> algorithms_op() {
-  std::vector<std::string> names;
-  for (Algorithm a : {Algorithm::kRing, Algorithm::kButterfly, Algorithm::kStar, Algorithm::kGatherScatter,
-                      Algorithm::kRecursiveDoubling, Algorithm::kHalvingDoubling, Algorithm::kDirect, Algorithm::kAuto,
-                      Algorithm::kProcessGroup}) {
-    names.emplace_back(algorithm_name(a));
-  }
-  return names;
+namespace {
+
+template <size_t N>
+std::vector<std::string> names_of(const std::array<std::string_view, N>& table) {
+  return std::vector<std::string>(table.begin(), table.end());
 }
 
-std::vector<std::string> transports_op() {
-  return {std::string(transport_name(TransportKind::kAuto)), std::string(transport_name(TransportKind::kShm)),
-          std::string(transport_name(TransportKind::kProcessGroup))};
-}
+}  // namespace
+
+std::vector<std::string> algorithms_op() { return names_of(kAlgorithmNames); }
+std::vector<std::string> transports_op() { return names_of(kTransportNames); }
+std::vector<std::string> reduce_ops_op() { return names_of(kReduceOpNames); }
+std::vector<std::string> collectives_op() { return names_of(kCollectiveNames); }
 
 std::string resolved_transport_op(const std::string& group_name, std::string_view transport) {
   TransportKind resolved = TransportKind::kProcessGroup;
-  auto engine = Engine::of(group_name);
   // Resolving may set up the segment, which is collective: it runs in the group's order.
-  engine->run(c10::kCPU, parse_transport(transport),
-              [&](Communicator& comm) { resolved = comm.shm() ? TransportKind::kShm : TransportKind::kProcessGroup; });
+  run_collective(group_name, c10::kCPU, transport, CollectiveKind::kBarrier, {}, [&](Communicator& comm) {
+    resolved = comm.shm() ? TransportKind::kShm : TransportKind::kProcessGroup;
+  });
   return std::string(transport_name(resolved));
 }
 

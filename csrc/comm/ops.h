@@ -26,6 +26,11 @@ at::Tensor& reduce_scatter_tensor_op(at::Tensor& output, const at::Tensor& input
                                      std::string_view algorithm, const std::string& group_name,
                                      std::string_view transport);
 void barrier_op(const std::string& group_name, std::string_view transport);
+// The collective `collective` (a name of kCollectiveNames) with meta tensors: its check alone, no
+// data (comm::meta_collective). `op` and `algorithm` are "" where the collective has none.
+void meta_collective_op(std::string_view collective, const at::Tensor& tensor, std::string_view op,
+                        std::string_view algorithm, int64_t root, const std::string& group_name,
+                        std::string_view transport);
 
 void set_collective_checks_op(bool enabled);
 bool collective_checks_enabled_op();
@@ -33,9 +38,11 @@ bool collective_checks_enabled_op();
 std::vector<int64_t> comm_counters_op();
 void reset_comm_counters_op();
 std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory);
-// The names the string arguments accept, from the C++ enums (Python reads them from here).
+// The names the string arguments accept, from the C++ enums' name tables (Python reads them here).
 std::vector<std::string> algorithms_op();
 std::vector<std::string> transports_op();
+std::vector<std::string> reduce_ops_op();
+std::vector<std::string> collectives_op();
 // What `transport` resolves to for CPU tensors of the group (a collective: every rank calls it).
 std::string resolved_transport_op(const std::string& group_name, std::string_view transport);
 

@@ -1,5 +1,6 @@
 #include "comm/shm.h"
 #include "comm/communicator.h"
+#include "comm/faults.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -85,53 +86,26 @@ std::string host_identity() {
                   "|", pid_ns.st_ino);
 }
 
-// A pid whose process has exited (or is a zombie waiting to be reaped) is dead.
-bool process_alive(int pid) {
+// The state letter of /proc/<pid>/stat ('R', 'S', 'T' for stopped, 'Z' for a zombie, ...), or 'X'
+// when there is no such process.
+char process_state(int pid) {
   std::ifstream stat_file(c10::str("/proc/", pid, "/stat"));
-  if (!stat_file) return false;
+  if (!stat_file) return 'X';
   std::string content;
   std::getline(stat_file, content);
   const size_t paren = content.rfind(')');
-  if (paren == std::string::npos || paren + 2 >= content.size()) return false;
-  const char state = content[paren + 2];
-  return state != 'Z' && state != 'X';
+  if (paren == std::string::npos || paren + 2 >= content.size()) return 'X';
+  return content[paren + 2];
 }
 
-std::vector<uint8_t> bytes_of(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
-std::string string_of(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
-
-// The nth segment made for a group of this name in this process: part of the store keys, so that a
-// group destroyed and made again under the same name never reads the keys of the old one.
-int64_t next_instance(const std::string& group_name) {
-  static std::mutex mutex;
-  static std::unordered_map<std::string, int64_t> instances;
-  std::lock_guard<std::mutex> lock(mutex);
-  return instances[group_name]++;
+// A pid whose process has exited (or is a zombie waiting to be reaped) is dead.
+bool process_alive(int pid) {
+  const char state = process_state(pid);
+  return state != 'Z' && state != 'X';
 }
 
 // Balanced split of `numel` elements into `parts` slices (the same rule as the ring's chunks).
 int64_t slice_start(int64_t numel, int64_t parts, int64_t i) { return i * (numel / parts) + std::min(i, numel % parts); }
-
-template <class T>
-T combine_values(T a, T b, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kMean: return a + b;
-    case ReduceOp::kMax:
-      if constexpr (std::is_floating_point_v<T>) {
-        if (a != a) return a;
-        if (b != b) return b;
-      }
-      return a > b ? a : b;
-    case ReduceOp::kMin:
-      if constexpr (std::is_floating_point_v<T>) {
-        if (a != a) return a;
-        if (b != b) return b;
-      }
-      return a < b ? a : b;
-  }
-  return a;
-}
 
 // out[i] = src[0][i] op src[1][i] op ... op src[n-1][i] (then / n for kMean), in the order given, so
 // the bits depend only on the inputs and that order. `out` may be src[0], no other source. Blocks
@@ -158,10 +132,10 @@ void reduce_sources(T* out, const std::vector<const char*>& sources, int64_t off
           for (int64_t i = 0; i < m; ++i) o[i] = a[i] + s[i];
           break;
         case ReduceOp::kMax:
-          for (int64_t i = 0; i < m; ++i) o[i] = combine_values(a[i], s[i], ReduceOp::kMax);
+          for (int64_t i = 0; i < m; ++i) o[i] = reduce_value(a[i], s[i], ReduceOp::kMax);
           break;
         case ReduceOp::kMin:
-          for (int64_t i = 0; i < m; ++i) o[i] = combine_values(a[i], s[i], ReduceOp::kMin);
+          for (int64_t i = 0; i < m; ++i) o[i] = reduce_value(a[i], s[i], ReduceOp::kMin);
           break;
       }
     }
@@ -226,97 +200,386 @@ void Signal::bump() {
   if (sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&value);
 }
 
-std::shared_ptr<ShmSegment> ShmSegment::create(const c10::intrusive_ptr<c10d::Store>& store,
-                                               const std::string& group_name, int rank, int size,
-                                               std::chrono::milliseconds timeout) {
-  if (!store) return nullptr;
-  const std::string prefix = c10::str("ddpkit/shm/", group_name, "/", next_instance(group_name), "/");
+// ---- Set-up (Note [Shared-memory segment]) ----
 
-  // Note [Shared-memory segment]
-  const std::string identity = host_identity();
-  store->set(c10::str(prefix, "host/", rank), bytes_of(c10::str(getpid(), "@", identity)));
-  std::vector<int> pids(size);
-  bool same_host = true;
-  for (int peer = 0; peer < size; ++peer) {
-    const std::string entry = string_of(store->get(c10::str(prefix, "host/", peer)));
-    const size_t at = entry.find('@');
-    TORCH_INTERNAL_ASSERT(at != std::string::npos, "malformed ddpkit shm rendezvous entry '", entry, "'");
-    pids[peer] = std::stoi(entry.substr(0, at));
-    same_host = same_host && entry.substr(at + 1) == identity;
+namespace {
+
+constexpr uint64_t kSegmentMagic = 0x31306d6873706464;  // "ddpshm01"
+// Round tags of the set-up's messages, inside the collective that sets the segment up (Note [Tags]).
+constexpr int kHelloRound = 250;
+constexpr int kOfferRound = 251;
+constexpr int kAckRound = 252;
+constexpr int kVerdictRound = 253;
+constexpr size_t kIdentityBytes = 512;
+constexpr size_t kBrokenWhyBytes = 512;
+
+enum SetupStatus : int64_t { kSetupOk = 1, kNotShared = 2, kSetupFailed = 3 };
+// Why a rank could not take part; one table, so that every rank words a failure alike.
+enum SetupFailure : int64_t {
+  kNoFailure = 0,
+  kCreateFailed,
+  kOpenFailed,
+  kNotRegularFile,
+  kWrongOwner,
+  kWrongMode,
+  kWrongSize,
+  kMapFailed,
+  kWrongHeader,
+  kPeerFailed,
+};
+
+std::string describe_failure(int64_t failure, int64_t error_number) {
+  const std::string errno_text = error_number != 0 ? c10::str(": ", std::strerror(static_cast<int>(error_number))) : "";
+  switch (failure) {
+    case kCreateFailed: return c10::str("creating the segment (memfd_create, ftruncate, mmap) failed", errno_text);
+    case kOpenFailed: return c10::str("opening rank 0's segment through /proc failed", errno_text);
+    case kNotRegularFile: return "the descriptor rank 0 named is not a regular file";
+    case kWrongOwner: return "the segment is not owned by this rank's user";
+    case kWrongMode: return "the segment's mode is not 0600";
+    case kWrongSize: return "the segment does not have the size rank 0 announced";
+    case kMapFailed: return c10::str("mapping the segment failed", errno_text);
+    case kWrongHeader: return "the segment's header (magic, layout or nonce) is not the one rank 0 announced";
+    case kPeerFailed: return "it died or stopped answering during the set-up";
   }
-  if (!same_host) return nullptr;
+  return c10::str("unknown failure ", failure);
+}
+
+struct Hello {
+  int64_t pid;
+  int64_t euid;
+  char identity[kIdentityBytes];
+};
+
+struct Offer {
+  int64_t status;  // SetupStatus
+  int64_t failure;  // SetupFailure, with status kSetupFailed
+  int64_t failed_rank;
+  int64_t error_number;
+  int64_t pid;     // of rank 0
+  int64_t fd;      // rank 0's descriptor of the segment
+  int64_t bytes;
+  uint64_t nonce[2];
+  int64_t slot_bytes;
+  int64_t whole_bytes;
+  int64_t chunk_bytes;
+  // followed by one int64 pid per rank
+};
+
+struct Answer {  // a rank's acknowledgement to rank 0, and rank 0's verdict to every rank
+  int64_t status;
+  int64_t failure;
+  int64_t failed_rank;
+  int64_t error_number;
+};
+
+template <class T>
+at::Tensor message_of(const T& value, size_t extra_bytes = 0) {
+  at::Tensor bytes = at::zeros({static_cast<int64_t>(sizeof(T) + extra_bytes)}, at::kByte);
+  std::memcpy(bytes.data_ptr(), &value, sizeof(T));
+  return bytes;
+}
+
+template <class T>
+T value_of(const at::Tensor& bytes) {
+  TORCH_INTERNAL_ASSERT(bytes.numel() >= static_cast<int64_t>(sizeof(T)));
+  T value;
+  std::memcpy(&value, bytes.data_ptr(), sizeof(T));
+  return value;
+}
+
+// A set-up failure of this rank: what it tells rank 0, and the error it raises itself.
+struct LocalFailure {
+  int64_t failure = kNoFailure;
+  int64_t error_number = 0;
+};
+
+}  // namespace
+
+struct ShmSegment::SegmentHeader {
+  uint64_t magic;
+  uint64_t nonce[2];
+  int64_t bytes;
+  int64_t size;
+  int64_t slot_bytes;
+  int64_t whole_bytes;
+  int64_t chunk_bytes;
+  // 1 + the first rank any rank found dead (Note [Waiting on shared memory]); 0 while none has.
+  alignas(kLine) std::atomic<int32_t> first_dead;
+  // The first rank whose transport failed (mark_broken): 0 while none has, -(rank + 1) while it
+  // writes broken_why, rank + 1 once it has.
+  std::atomic<int32_t> broken_by;
+  char broken_why[kBrokenWhyBytes];  // its reason, NUL-terminated
+};
+
+// What fixes the segment's layout: decided by rank 0 (its environment) and sent to every rank.
+struct ShmSegment::Layout {
+  int64_t size;
+  int64_t slot_bytes;
+  int64_t whole_bytes;
+  int64_t chunk_bytes;
+
+  size_t header_bytes() const { return round_up(sizeof(SegmentHeader), kLine); }
+  size_t controls_offset() const { return header_bytes(); }
+  size_t slots_offset() const {
+    return round_up(controls_offset() + round_up(sizeof(RankControl), kLine) * static_cast<size_t>(size), 4096);
+  }
+  size_t slot_stride() const { return round_up(kSlotHeaderBytes + static_cast<size_t>(slot_bytes), 4096); }
+  size_t channels_offset() const { return slots_offset() + slot_stride() * 2 * static_cast<size_t>(size); }
+  size_t channel_stride() const {
+    return round_up(offsetof(Channel, chunks) + kChannelSlots * (kChunkHeaderBytes + static_cast<size_t>(chunk_bytes)),
+                    4096);
+  }
+  size_t bytes() const { return channels_offset() + channel_stride() * static_cast<size_t>(size * size); }
+  bool valid() const {
+    return size >= 1 && size <= (1 << 16) && slot_bytes >= 4096 && slot_bytes <= (1LL << 30) && whole_bytes >= 0 &&
+           chunk_bytes >= 4096 && chunk_bytes <= (1LL << 30) && slot_bytes % kLine == 0 && chunk_bytes % kLine == 0;
+  }
+};
+
+std::shared_ptr<ShmSegment> ShmSegment::create(Communicator& setup, std::chrono::milliseconds timeout) {
+  const int rank = setup.rank();
+  const int size = setup.size();
+  const std::string identity = host_identity();
+  Hello mine{};
+  mine.pid = getpid();
+  mine.euid = static_cast<int64_t>(geteuid());
+  std::memcpy(mine.identity, identity.data(), std::min(identity.size(), kIdentityBytes - 1));
+  const auto what = [&] { return c10::str("ddpkit: setting up the shared-memory transport (rank ", rank, " of ", size, ")"); };
+  const std::string hint = "; set DDPKIT_TRANSPORT=process_group to run without shared memory";
+  const int64_t offer_bytes = static_cast<int64_t>(sizeof(Offer)) + 8 * size;
 
   std::shared_ptr<ShmSegment> segment(new ShmSegment());
   segment->rank_ = rank;
   segment->size_ = size;
   segment->timeout_ = timeout;
-  segment->pids_ = pids;
   segment->spin_ = size <= static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+
+  if (rank != 0) {
+    faults::die_if_armed("die_at_hello", rank);
+    MessageList messages;
+    at::Tensor offer_message = at::empty({offer_bytes}, at::kByte);
+    messages.push_back(setup.irecv(offer_message, 0, kOfferRound));
+    messages.push_back(setup.isend(message_of(mine), 0, kHelloRound));
+    setup.wait(messages);
+    const Offer offer = value_of<Offer>(offer_message);
+    if (offer.status == kNotShared) return nullptr;
+    TORCH_CHECK(offer.status == kSetupOk, what(), ": rank ", offer.failed_rank, " failed: ",
+                describe_failure(offer.failure, offer.error_number), " (rank 0 reported it)", hint);
+    const int64_t* pids = reinterpret_cast<const int64_t*>(offer_message.data_ptr<uint8_t>() + sizeof(Offer));
+    segment->pids_.assign(pids, pids + size);
+    const Layout layout{size, offer.slot_bytes, offer.whole_bytes, offer.chunk_bytes};
+    LocalFailure failed;
+    if (!layout.valid() || static_cast<int64_t>(layout.bytes()) != offer.bytes) {
+      failed.failure = kWrongSize;
+    } else {
+      const std::string path = c10::str("/proc/", offer.pid, "/fd/", offer.fd);
+      const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+      struct stat info {};
+      if (fd < 0) {
+        failed = {kOpenFailed, errno};
+      } else if (fstat(fd, &info) != 0) {
+        failed = {kOpenFailed, errno};
+      } else if (!S_ISREG(info.st_mode)) {
+        failed.failure = kNotRegularFile;
+      } else if (info.st_uid != geteuid()) {
+        failed.failure = kWrongOwner;
+      } else if ((info.st_mode & 07777) != 0600) {
+        failed.failure = kWrongMode;
+      } else if (info.st_size != offer.bytes) {
+        failed.failure = kWrongSize;
+      } else {
+        try {
+          segment->map(fd, static_cast<size_t>(offer.bytes), layout);
+        } catch (const c10::Error&) {
+          failed.failure = kMapFailed;
+        }
+        if (failed.failure == kNoFailure) {
+          const SegmentHeader& header = segment->header();
+          const bool matches = header.magic == kSegmentMagic && header.nonce[0] == offer.nonce[0] &&
+                               header.nonce[1] == offer.nonce[1] && header.bytes == offer.bytes &&
+                               header.size == size && header.slot_bytes == layout.slot_bytes &&
+                               header.whole_bytes == layout.whole_bytes && header.chunk_bytes == layout.chunk_bytes;
+          if (!matches) failed.failure = kWrongHeader;
+        }
+      }
+      if (fd >= 0) close(fd);  // the mapping keeps the memory
+    }
+    if (failed.failure != kNoFailure && segment->base_ != nullptr) {
+      munmap(segment->base_, segment->bytes_);
+      segment->base_ = nullptr;
+    }
+    const bool ok = failed.failure == kNoFailure;
+    faults::die_if_armed("die_at_map", rank);
+    at::Tensor verdict_message = at::empty({static_cast<int64_t>(sizeof(Answer))}, at::kByte);
+    messages.push_back(setup.irecv(verdict_message, 0, kVerdictRound));
+    messages.push_back(setup.isend(
+        message_of(Answer{ok ? kSetupOk : kSetupFailed, failed.failure, rank, failed.error_number}), 0, kAckRound));
+    setup.wait(messages);
+    TORCH_CHECK(ok, what(), ": ", describe_failure(failed.failure, failed.error_number), hint);
+    const Answer verdict = value_of<Answer>(verdict_message);
+    TORCH_CHECK(verdict.status == kSetupOk, what(), ": rank ", verdict.failed_rank, " failed: ",
+                describe_failure(verdict.failure, verdict.error_number), " (rank 0 reported it)", hint);
+    return segment;
+  }
+
+  // Rank 0. Tells every peer but `skip` that `failed_rank` failed, as best it can (a peer it cannot
+  // reach fails on its own), so that none waits out the group's timeout.
+  auto tell_failure = [&](auto&& make_message, int round, int skip) {
+    for (int peer = 1; peer < size; ++peer) {
+      if (peer == skip) continue;
+      MessageList one;
+      try {
+        one.push_back(setup.isend(make_message(), peer, round));
+        setup.wait(one);
+      } catch (const std::exception&) {
+      }
+    }
+  };
+  auto failed_offer = [&](int64_t failure, int64_t failed_rank, int64_t error_number) {
+    Offer offer{};
+    offer.status = kSetupFailed;
+    offer.failure = failure;
+    offer.failed_rank = failed_rank;
+    offer.error_number = error_number;
+    return message_of(offer, 8 * static_cast<size_t>(size));
+  };
+
+  std::vector<at::Tensor> hellos(size);
+  MessageList messages;
+  try {
+    for (int peer = 1; peer < size; ++peer) {
+      hellos[peer] = at::empty({static_cast<int64_t>(sizeof(Hello))}, at::kByte);
+      messages.push_back(setup.irecv(hellos[peer], peer, kHelloRound));
+    }
+    setup.wait(messages);
+  } catch (...) {
+    abort_all(messages);
+    const int failed = setup.failed_peer();
+    tell_failure([&] { return failed_offer(kPeerFailed, failed, 0); }, kOfferRound, failed);
+    throw;
+  }
+  std::vector<int64_t> pids(size);
+  pids[0] = mine.pid;
+  bool shared = true;
+  for (int peer = 1; peer < size; ++peer) {
+    const Hello hello = value_of<Hello>(hellos[peer]);
+    pids[peer] = hello.pid;
+    shared = shared && hello.euid == mine.euid &&
+             std::memcmp(hello.identity, mine.identity, kIdentityBytes) == 0;
+  }
+  if (!shared) {
+    Offer offer{};
+    offer.status = kNotShared;
+    tell_failure([&] { return message_of(offer, 8 * static_cast<size_t>(size)); }, kOfferRound, -1);
+    return nullptr;
+  }
+  segment->pids_.assign(pids.begin(), pids.end());
+
   // Note [Direct all-reduce]: two slots per rank; Note [Shared-memory messages]: kChannelSlots
   // chunks per ordered pair, shrinking with the world size, so the whole segment stays bounded.
-  segment->slot_bytes_ = env_bytes("DDPKIT_SHM_SLOT_BYTES", kSlotBytes);
-  segment->whole_bytes_ = env_bytes("DDPKIT_SHM_WHOLE_BYTES", kDirectWholeBytes);
-  segment->chunk_bytes_ = env_bytes(
-      "DDPKIT_SHM_CHUNK_BYTES",
-      std::clamp<int64_t>(round_up((1 << 20) / std::max(1, size - 1), kLine), 64 << 10, 512 << 10));
-  segment->channel_slots_ = kChannelSlots;
-  size_t offset = 0;
-  segment->controls_offset_ = offset;
-  offset += round_up(sizeof(RankControl), kLine) * size;
-  offset = round_up(offset, 4096);
-  segment->slots_offset_ = offset;
-  segment->slot_stride_ = round_up(kSlotHeaderBytes + segment->slot_bytes_, 4096);
-  offset += segment->slot_stride_ * 2 * size;
-  segment->channels_offset_ = offset;
-  segment->channel_stride_ =
-      round_up(offsetof(Channel, chunks) + kChannelSlots * (kChunkHeaderBytes + segment->chunk_bytes_), 4096);
-  offset += segment->channel_stride_ * size * size;
-  const size_t bytes = offset;
-
-  const std::string name_key = prefix + "name";
-  const std::string mapped_key = prefix + "mapped";
-  if (rank == 0) {
-    std::random_device random;
-    const std::string name = c10::str("/ddpkit-", getpid(), "-", std::hex, random(), random());
-    const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    TORCH_CHECK(fd >= 0, "ddpkit: shm_open(", name, ") failed: ", std::strerror(errno),
-                "; set DDPKIT_TRANSPORT=process_group to run without shared memory");
-    struct Unlink {
-      std::string name;
-      ~Unlink() { shm_unlink(name.c_str()); }
-    } unlink_at_exit{name};  // also when anything below throws
-    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
-      const int error = errno;
-      close(fd);
-      TORCH_CHECK(false, "ddpkit: sizing the shared-memory segment (", bytes, " bytes) failed: ", std::strerror(error));
+  const Layout layout{size, env_bytes("DDPKIT_SHM_SLOT_BYTES", kSlotBytes),
+                      env_bytes("DDPKIT_SHM_WHOLE_BYTES", kDirectWholeBytes),
+                      env_bytes("DDPKIT_SHM_CHUNK_BYTES",
+                                std::clamp<int64_t>(round_up((1 << 20) / std::max(1, size - 1), kLine), 64 << 10,
+                                                    512 << 10))};
+  TORCH_CHECK(layout.valid(), what(), ": the DDPKIT_SHM_* sizes give an invalid layout");
+  const size_t bytes = layout.bytes();
+  std::random_device random;
+  uint64_t nonce[2];
+  for (uint64_t& word : nonce) word = (static_cast<uint64_t>(random()) << 32) ^ random();
+  const int fd = memfd_create("ddpkit", MFD_CLOEXEC);
+  int error_number = fd < 0 ? errno : 0;
+  if (fd >= 0 && (fchmod(fd, 0600) != 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0)) error_number = errno;
+  if (error_number == 0) {
+    try {
+      segment->map(fd, bytes, layout);
+    } catch (const c10::Error&) {
+      error_number = errno != 0 ? errno : EINVAL;
     }
-    segment->map(fd, bytes);
-    store->set(name_key, bytes_of(name));
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (store->add(mapped_key, 0) < size - 1) {
-      TORCH_CHECK(std::chrono::steady_clock::now() < deadline,
-                  "ddpkit: ranks did not map the shared-memory segment within the group's timeout");
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-  } else {
-    const std::string name = string_of(store->get(name_key));
-    const int fd = shm_open(name.c_str(), O_RDWR, 0600);
-    TORCH_CHECK(fd >= 0, "ddpkit: opening the shared-memory segment ", name, " of rank 0 failed: ",
-                std::strerror(errno));
-    segment->map(fd, bytes);
-    store->add(mapped_key, 1);
   }
+  struct CloseAtExit {
+    int fd;
+    ~CloseAtExit() {
+      if (fd >= 0) close(fd);
+    }
+  } close_at_exit{fd};  // the mapping keeps the memory; the descriptor is only for the peers' open
+  if (error_number != 0) {
+    tell_failure([&] { return failed_offer(kCreateFailed, 0, error_number); }, kOfferRound, -1);
+    TORCH_CHECK(false, what(), ": ", describe_failure(kCreateFailed, error_number), hint);
+  }
+  SegmentHeader& header = segment->header();
+  header.magic = kSegmentMagic;
+  header.nonce[0] = nonce[0];
+  header.nonce[1] = nonce[1];
+  header.bytes = static_cast<int64_t>(bytes);
+  header.size = size;
+  header.slot_bytes = layout.slot_bytes;
+  header.whole_bytes = layout.whole_bytes;
+  header.chunk_bytes = layout.chunk_bytes;
+
+  Offer offer{};
+  offer.status = kSetupOk;
+  offer.pid = mine.pid;
+  offer.fd = fd;
+  offer.bytes = static_cast<int64_t>(bytes);
+  offer.nonce[0] = nonce[0];
+  offer.nonce[1] = nonce[1];
+  offer.slot_bytes = layout.slot_bytes;
+  offer.whole_bytes = layout.whole_bytes;
+  offer.chunk_bytes = layout.chunk_bytes;
+  faults::die_if_armed("die_at_offer", rank);
+  at::Tensor offer_message = message_of(offer, 8 * static_cast<size_t>(size));
+  std::memcpy(offer_message.data_ptr<uint8_t>() + sizeof(Offer), pids.data(), 8 * static_cast<size_t>(size));
+  std::vector<at::Tensor> acks(size);
+  try {
+    for (int peer = 1; peer < size; ++peer) {
+      acks[peer] = at::empty({static_cast<int64_t>(sizeof(Answer))}, at::kByte);
+      messages.push_back(setup.irecv(acks[peer], peer, kAckRound));
+      messages.push_back(setup.isend(offer_message, peer, kOfferRound));
+    }
+    setup.wait(messages);
+  } catch (...) {
+    abort_all(messages);
+    const int failed = setup.failed_peer();
+    tell_failure([&] { return message_of(Answer{kSetupFailed, kPeerFailed, failed, 0}); }, kVerdictRound, failed);
+    throw;
+  }
+  Answer verdict{kSetupOk, kNoFailure, -1, 0};
+  for (int peer = 1; peer < size && verdict.status == kSetupOk; ++peer) {
+    const Answer ack = value_of<Answer>(acks[peer]);
+    if (ack.status != kSetupOk) verdict = Answer{kSetupFailed, ack.failure, peer, ack.error_number};
+  }
+  faults::die_if_armed("die_at_verdict", rank);
+  at::Tensor verdict_message = message_of(verdict);
+  for (int peer = 1; peer < size; ++peer) messages.push_back(setup.isend(verdict_message, peer, kVerdictRound));
+  setup.wait(messages);
+  TORCH_CHECK(verdict.status == kSetupOk, what(), ": rank ", verdict.failed_rank, " failed: ",
+              describe_failure(verdict.failure, verdict.error_number), hint);
   return segment;
 }
 
-void ShmSegment::map(int fd, size_t bytes) {
+void ShmSegment::map(int fd, size_t bytes, const Layout& layout) {
+  errno = 0;
   void* address = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int error = errno;
-  close(fd);
   TORCH_CHECK(address != MAP_FAILED, "ddpkit: mapping the shared-memory segment (", bytes, " bytes) failed: ",
               std::strerror(error));
   base_ = static_cast<char*>(address);
   bytes_ = bytes;
+  slot_bytes_ = layout.slot_bytes;
+  whole_bytes_ = layout.whole_bytes;
+  chunk_bytes_ = layout.chunk_bytes;
+  channel_slots_ = kChannelSlots;
+  header_offset_ = 0;
+  controls_offset_ = layout.controls_offset();
+  slots_offset_ = layout.slots_offset();
+  slot_stride_ = layout.slot_stride();
+  channels_offset_ = layout.channels_offset();
+  channel_stride_ = layout.channel_stride();
+}
+
+ShmSegment::SegmentHeader& ShmSegment::header() const {
+  return *reinterpret_cast<SegmentHeader*>(base_ + header_offset_);
 }
 
 ShmSegment::~ShmSegment() {
@@ -340,31 +603,109 @@ char* ShmSegment::slot(int rank, int set) const {
 }
 
 void ShmSegment::mark_broken(const std::string& why) const {
-  std::lock_guard<std::mutex> lock(broken_mutex_);
-  if (broken_.empty()) broken_ = why;
+  {
+    std::lock_guard<std::mutex> lock(broken_mutex_);
+    if (broken_.empty()) broken_ = why;
+  }
+  broken_flag_.store(true, std::memory_order_release);
+  // Every peer stops too, at its next collective or within a liveness period of its current wait,
+  // and says why (peer_failure).
+  SegmentHeader& shared = header();
+  int32_t none = 0;
+  if (shared.broken_by.compare_exchange_strong(none, -(rank_ + 1))) {
+    const size_t length = std::min(why.size(), kBrokenWhyBytes - 1);
+    std::memcpy(shared.broken_why, why.data(), length);
+    shared.broken_why[length] = '\0';
+    shared.broken_by.store(rank_ + 1, std::memory_order_release);
+  }
+}
+
+std::string ShmSegment::peer_failure() const {
+  const int32_t by = header().broken_by.load(std::memory_order_acquire);
+  const int rank = by > 0 ? by - 1 : -by - 1;
+  if (by == 0 || rank == rank_ || rank < 0 || rank >= size_) return {};
+  if (by < 0) return c10::str("rank ", rank, "'s shared-memory transport failed");
+  char why[kBrokenWhyBytes];
+  std::memcpy(why, header().broken_why, kBrokenWhyBytes);
+  why[kBrokenWhyBytes - 1] = '\0';  // whatever the segment holds, read no further
+  return c10::str("rank ", rank, " gave up: ", why);
+}
+
+void ShmSegment::reject_unchecked(std::string_view what) const {
+  mark_broken(c10::str("this rank rejected the arguments of a ", what,
+                       " with collective checks off, so its peers could not learn it and wait for it"));
 }
 
 void ShmSegment::check_usable(std::string_view what) const {
-  std::lock_guard<std::mutex> lock(broken_mutex_);
-  TORCH_CHECK(broken_.empty(), "ddpkit.", what, ": this process group's shared-memory transport failed earlier (",
-              broken_, "); destroy the group and create a new one");
+  if (!broken_flag_.load(std::memory_order_acquire) && header().broken_by.load(std::memory_order_acquire) == 0) return;
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(broken_mutex_);
+    why = broken_;
+  }
+  if (why.empty()) why = peer_failure();
+  if (why.empty()) return;  // this rank's own failure, still being recorded by another of its threads
+  TORCH_CHECK(false, "ddpkit.", what, " (rank ", rank_, " of ", size_,
+              "): this process group's shared-memory transport failed (", why,
+              "); destroy the group and create a new one");
+}
+
+int ShmSegment::blame(int peer) const {
+  std::atomic<int32_t>& first_dead = header().first_dead;
+  int32_t expected = 0;
+  if (first_dead.compare_exchange_strong(expected, peer + 1)) return peer;
+  const int blamed = expected - 1;
+  return blamed >= 0 && blamed < size_ ? blamed : peer;  // a value out of range is not trusted
+}
+
+std::string ShmSegment::describe_rank(int peer) const {
+  const char state = process_state(pids_[peer]);
+  const char* note = state == 'T' || state == 't' ? ", stopped" : state == 'Z' || state == 'X' ? ", dead" : "";
+  return c10::str("rank ", peer, " (pid ", pids_[peer], note, ")");
+}
+
+std::string ShmSegment::describe_awaited(const WaitContext& context) const {
+  std::vector<int> missing;
+  if (context.awaited == WaitContext::Awaited::kPeer) {
+    if (context.peer >= 0) missing.push_back(context.peer);
+  } else {
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) continue;
+      const Signal& counter = context.awaited == WaitContext::Awaited::kArrived ? control(peer).arrived : control(peer).reduced;
+      if (!reached(counter.value.load(std::memory_order_acquire), context.step)) missing.push_back(peer);
+    }
+  }
+  if (missing.empty()) return "the peers";
+  std::string text;
+  for (size_t i = 0; i < missing.size(); ++i) {
+    text += (i == 0 ? "" : i + 1 == missing.size() ? " and " : ", ") + describe_rank(missing[i]);
+  }
+  return text;
 }
 
 void ShmSegment::check_peers(const WaitContext& context) const {
-  auto fail = [&](int peer) {
-    const std::string why = c10::str("rank ", peer, " (pid ", pids_[peer], ") failed: the process died");
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_ || process_alive(pids_[peer])) continue;
+    const int dead = blame(peer);
+    const std::string why = c10::str("rank ", dead, " (pid ", pids_[dead], ") failed: the process died");
     mark_broken(why);
     TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): ", why,
                 " during the collective (shared-memory transport)");
-  };
-  for (int peer = 0; peer < size_; ++peer) {
-    if (peer != rank_ && !process_alive(pids_[peer])) fail(peer);
   }
+  const std::string given_up = peer_failure();
+  if (!given_up.empty()) {
+    const std::string awaited = describe_awaited(context);
+    mark_broken(given_up);
+    TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): waiting for ", awaited,
+                " failed: ", given_up, "; destroy the group and create a new one");
+  }
+  check_usable(context.what);
   if (std::chrono::steady_clock::now() > context.deadline) {
-    const std::string why = c10::str("no progress within the group's timeout (", timeout_.count(), " ms)");
-    mark_broken(why);
-    TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): waiting for the peers failed: ",
-                why, "; a peer stopped calling this collective or called another one");
+    const std::string awaited = describe_awaited(context);
+    mark_broken(c10::str("no progress within the group's timeout (", timeout_.count(), " ms) waiting for ", awaited));
+    TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): waiting for ", awaited,
+                " failed: no progress within the group's timeout (", timeout_.count(),
+                " ms); they stopped calling this collective or called another one");
   }
 }
 
@@ -420,6 +761,7 @@ void ShmSegment::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeade
   constexpr std::string_view kWhat = "all_reduce";
   check_usable(kWhat);
   const bool rejected = !local_error.empty();
+  if (rejected && !checked) reject_unchecked(kWhat);
   TORCH_CHECK(checked || !rejected, local_error);
   const WaitContext context{this, std::chrono::steady_clock::now() + timeout_, kWhat};
   const at::ScalarType dtype = rejected ? at::kByte : flat.scalar_type();
@@ -467,10 +809,13 @@ void ShmSegment::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeade
     reduce_sources(dtype, chunk + start * element, sources, start, length, op, mine + start * element);
     std::rotate(sources.begin(), sources.begin() + 1, sources.begin() + rank_ + 1);
     control(rank_).reduced.post(target);
+    WaitContext reductions = context;
+    reductions.awaited = WaitContext::Awaited::kReduced;
+    reductions.step = target;
     for (int peer = 0; peer < size_; ++peer) {
       if (peer == rank_) continue;
       Signal& reduced = control(peer).reduced;
-      wait_for(reduced, [&] { return reached(reduced.value.load(std::memory_order_acquire), target); }, context);
+      wait_for(reduced, [&] { return reached(reduced.value.load(std::memory_order_acquire), target); }, reductions);
       const int64_t their_start = slice_start(count, size_, peer);
       const int64_t their_length = slice_start(count, size_, peer + 1) - their_start;
       std::memcpy(chunk + their_start * element, sources[peer] + their_start * element, their_length * element);
@@ -483,6 +828,7 @@ void ShmSegment::all_gather(const at::Tensor& output, const at::Tensor& input, c
   constexpr std::string_view kWhat = "all_gather_into_tensor";
   check_usable(kWhat);
   const bool rejected = !local_error.empty();
+  if (rejected && !checked) reject_unchecked(kWhat);
   TORCH_CHECK(checked || !rejected, local_error);
   const WaitContext context{this, std::chrono::steady_clock::now() + timeout_, kWhat};
   const int64_t bytes = rejected ? 0 : static_cast<int64_t>(input.numel() * input.element_size());
@@ -511,6 +857,7 @@ void ShmSegment::reduce_scatter(const at::Tensor& output, const at::Tensor& inpu
   constexpr std::string_view kWhat = "reduce_scatter_tensor";
   check_usable(kWhat);
   const bool rejected = !local_error.empty();
+  if (rejected && !checked) reject_unchecked(kWhat);
   TORCH_CHECK(checked || !rejected, local_error);
   const WaitContext context{this, std::chrono::steady_clock::now() + timeout_, kWhat};
   const at::ScalarType dtype = rejected ? at::kByte : output.scalar_type();
@@ -545,10 +892,13 @@ void ShmSegment::reduce_scatter(const at::Tensor& output, const at::Tensor& inpu
 
 void ShmSegment::arrive_and_wait(uint32_t target, const WaitContext& context) {
   control(rank_).arrived.post(target);
+  WaitContext arrivals = context;
+  arrivals.awaited = WaitContext::Awaited::kArrived;
+  arrivals.step = target;
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
     Signal& arrived = control(peer).arrived;
-    wait_for(arrived, [&] { return reached(arrived.value.load(std::memory_order_acquire), target); }, context);
+    wait_for(arrived, [&] { return reached(arrived.value.load(std::memory_order_acquire), target); }, arrivals);
   }
 }
 
@@ -612,11 +962,13 @@ ShmTransport::ShmTransport(std::shared_ptr<ShmSegment> segment)
     : segment_(std::move(segment)),
       sends_(segment_->size()),
       recvs_(segment_->size()),
-      unexpected_(segment_->size()) {}
+      unexpected_(segment_->size()),
+      corrupt_next_chunk_(faults::armed("corrupt_chunk", segment_->rank())) {}
 
 ShmTransport::~ShmTransport() = default;
 
 c10::intrusive_ptr<c10d::Work> ShmTransport::send(const at::Tensor& tensor, int dst, int tag) {
+  segment_->check_usable("collective");
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous() && tensor.device().is_cpu());
   TORCH_INTERNAL_ASSERT(dst >= 0 && dst < segment_->size() && dst != segment_->rank());
   auto message = c10::make_intrusive<Message>(this, true, dst, tag, tensor);
@@ -627,6 +979,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::send(const at::Tensor& tensor, int 
 }
 
 c10::intrusive_ptr<c10d::Work> ShmTransport::recv(const at::Tensor& tensor, int src, int tag) {
+  segment_->check_usable("collective");
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous() && tensor.device().is_cpu());
   TORCH_INTERNAL_ASSERT(src >= 0 && src < segment_->size() && src != segment_->rank());
   auto message = c10::make_intrusive<Message>(this, false, src, tag, tensor);
@@ -655,6 +1008,14 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::recv(const at::Tensor& tensor, int 
   return message;
 }
 
+void ShmTransport::corrupt(int peer, const std::string& what) const {
+  const std::string why = c10::str("rank ", peer, "'s channel holds inconsistent data (", what, ")");
+  segment_->mark_broken(why);
+  C10_THROW_ERROR(Error, c10::str("ddpkit (rank ", segment_->rank(), " of ", segment_->size(),
+                                  "): the shared-memory transport failed: ", why,
+                                  "; destroy the group and create a new one"));
+}
+
 bool ShmTransport::progress_locked() {
   ShmSegment& segment = *segment_;
   const int me = segment.rank();
@@ -670,10 +1031,17 @@ bool ShmTransport::progress_locked() {
     while (!queue.empty()) {
       Message& message = *queue.front();
       const uint64_t tail = channel.tail.load(std::memory_order_acquire);
-      if (head - tail >= static_cast<uint64_t>(kChannelSlots)) break;
+      if (head - tail > static_cast<uint64_t>(kChannelSlots)) {
+        corrupt(dst, c10::str("its receive counter ", tail, " is not within ", kChannelSlots, " chunks of ", head));
+      }
+      if (head - tail == static_cast<uint64_t>(kChannelSlots)) break;
       char* chunk = channel.chunks + (head % kChannelSlots) * chunk_stride;
       const int64_t length = std::min(chunk_bytes, message.total_ - message.moved_);
       *reinterpret_cast<ChunkHeader*>(chunk) = ChunkHeader{message.tag_, message.total_, message.moved_, length};
+      if (corrupt_next_chunk_) {  // faults.h: corrupt_chunk
+        reinterpret_cast<ChunkHeader*>(chunk)->offset = int64_t{1} << 46;
+        corrupt_next_chunk_ = false;
+      }
       if (length > 0) std::memcpy(chunk + kChunkHeaderBytes, message.data_ + message.moved_, length);
       channel.head.store(++head, std::memory_order_release);
       message.moved_ += length;
@@ -693,9 +1061,20 @@ bool ShmTransport::progress_locked() {
     ShmSegment::Channel& channel = segment.channel(src, me);
     uint64_t tail = channel.tail.load(std::memory_order_relaxed);
     bool took = false;
-    while (tail < channel.head.load(std::memory_order_acquire)) {
+    for (;;) {
+      const uint64_t head = channel.head.load(std::memory_order_acquire);
+      if (head - tail > static_cast<uint64_t>(kChannelSlots)) {
+        corrupt(src, c10::str("its send counter ", head, " is not within ", kChannelSlots, " chunks of ", tail));
+      }
+      if (head == tail) break;
       const char* chunk = channel.chunks + (tail % kChannelSlots) * chunk_stride;
       const ChunkHeader header = *reinterpret_cast<const ChunkHeader*>(chunk);
+      // Note [Shared-memory segment]: nothing read from the segment is used unchecked.
+      if (header.total < 0 || header.offset < 0 || header.length < 0 || header.length > chunk_bytes ||
+          header.offset > header.total - header.length) {
+        corrupt(src, c10::str("a chunk of ", header.length, " bytes at offset ", header.offset, " of a ", header.total,
+                              "-byte message"));
+      }
       auto& posted = recvs_[src];
       auto match = std::find_if(posted.begin(), posted.end(),
                                 [&](const c10::intrusive_ptr<Message>& m) { return m->tag_ == header.tag; });
@@ -703,6 +1082,8 @@ bool ShmTransport::progress_locked() {
         Message& message = **match;
         if (header.total != message.total_) {
           message.error_ = c10::str("rank ", src, " sent ", header.total, " bytes, this rank expected ", message.total_);
+        } else if (header.offset != message.moved_) {
+          corrupt(src, c10::str("a chunk at offset ", header.offset, " where offset ", message.moved_, " comes next"));
         } else if (header.length > 0) {
           std::memcpy(message.data_ + header.offset, chunk + kChunkHeaderBytes, header.length);
         }
@@ -722,6 +1103,10 @@ bool ShmTransport::progress_locked() {
           buffered_bytes_ += header.total;
           note_buffered_bytes(buffered_bytes_);
         }
+        if (header.total != early.total || header.offset != early.received) {
+          corrupt(src, c10::str("a chunk at offset ", header.offset, " of a ", header.total, "-byte message where offset ",
+                                early.received, " of a ", early.total, "-byte one comes next"));
+        }
         if (header.length > 0) std::memcpy(early.bytes.data() + header.offset, chunk + kChunkHeaderBytes, header.length);
         early.received += header.length;
       }
@@ -737,7 +1122,8 @@ bool ShmTransport::progress_locked() {
 }
 
 void ShmTransport::wait_for_message(Message& message, std::string_view what) {
-  const WaitContext context{segment_.get(), std::chrono::steady_clock::now() + segment_->timeout(), what};
+  WaitContext context{segment_.get(), std::chrono::steady_clock::now() + segment_->timeout(), what};
+  context.peer = message.peer_;
   segment_->wait_for(
       segment_->control(segment_->rank()).doorbell,
       [&] {

@@ -22,20 +22,41 @@
 namespace ddpkit::comm {
 
 // Note [Shared-memory segment]
-// Rendezvous goes through the group's store, under keys unique to the group and to this creation
-// (ddpkit/shm/<group name>/<nth segment of this group in this process>/...; torchrun restarts get
-// a fresh store prefix): every rank publishes its host identity (hostname, boot id and the device of
-// /dev/shm, so that two containers on one kernel with private /dev/shm are told apart) and its pid.
-// If any differs, every rank sees the same keys and returns no segment (the caller falls back to the
-// process group). Otherwise rank 0 creates the segment (shm_open, O_EXCL, a name with its pid and a
-// random part), publishes the name, the others map it and count themselves in, and rank 0 unlinks
-// the name as soon as all have: from then on the memory lives only in the mappings, so nothing is
-// left in /dev/shm however the processes end (a SIGKILL included). The window between create and
-// unlink is the rendezvous itself; rank 0 also unlinks when the rendezvous fails.
+// One segment per group whose ranks all run on this host, made by a collective of the group that
+// runs over the group's own point-to-point messages (the process group's connections), never
+// through the store:
+//  1. every rank sends rank 0 its pid, effective uid and host identity (hostname, boot id, the
+//     device of /dev/shm and the pid namespace, so that two containers or network namespaces with
+//     private /dev/shm on one kernel are told apart);
+//  2. if any differs, rank 0 answers "not shared" and every rank returns no segment (the caller
+//     falls back to the process group); otherwise rank 0 creates an anonymous memfd of the layout's
+//     size (mode 0600, never a name in /dev/shm), writes a header with a fresh 128-bit nonce into it
+//     and sends every rank its pid, the fd's number, the layout, the nonce and all pids;
+//  3. each rank opens /proc/<rank 0's pid>/fd/<fd>, requires a regular file of its own uid, mode
+//     0600 and the exact size, maps it, requires the header's magic, layout and nonce, and answers;
+//  4. rank 0 sends every rank the verdict (every rank mapped it, or which rank failed and why) and
+//     closes its fd: from then on the memory lives only in the mappings.
+// A rank that dies or stops at any step is reported by its peers' process-group waits (its
+// connection closes, or the group's timeout expires), naming it; rank 0 relays a failure it sees to
+// the others, so no rank waits out the timeout for a peer that is gone. Nothing is ever left in
+// /dev/shm: the memfd has no name, and the kernel frees it with its last mapping or descriptor.
 //
-// Layout: a RankControl per rank, then per rank two collective slots (Note [Direct all-reduce]),
-// then one channel per ordered pair of ranks (Note [Shared-memory messages]). Sizes are fixed at
-// creation from the world size, so memory per rank is bounded whatever the message size.
+// Threat model. The store is a TCP server that any local user can read and write, so nothing about
+// the segment travels through it. A local user of another uid cannot open the segment (it has no
+// name, and the kernel lets only processes of the ranks' uid, or root, open /proc/<pid>/fd), cannot
+// make a rank map memory of theirs (a rank maps only the descriptor rank 0 named over the process
+// group, and only when its owner, mode, size, header and nonce are those rank 0 set), and so can
+// neither read a payload nor write one. They can still deny service as for any torch.distributed
+// job: disturb the store's own keys or its port, or exhaust memory. A process of the ranks' own uid
+// (or root) can read and write their memory anyway (ptrace), so it is outside this model. Every
+// offset and length read from the segment (chunk headers, channel counters, peers' headers) is
+// checked against the layout before use, so even a corrupted segment raises, naming the peer whose
+// data is bad, instead of writing outside a buffer.
+//
+// Layout: a SegmentHeader, a RankControl per rank, then per rank two collective slots (Note [Direct
+// all-reduce]), then one channel per ordered pair of ranks (Note [Shared-memory messages]). Sizes
+// are fixed at creation from the world size and rank 0's settings, so memory per rank is bounded
+// whatever the message size.
 //
 // Note [Waiting on shared memory]
 // Every wait is on a 32-bit word of the segment (a Signal): spin briefly while it may change soon,
@@ -45,7 +66,12 @@ namespace ddpkit::comm {
 // takes the core from the peer it waits for (the collapse of busy-polling MPI on oversubscribed
 // hosts). Sleeps are bounded (kLivenessMillis): each timeout checks that the peers still live
 // (their pid in /proc, zombies counting as dead) and the group's timeout, so a peer killed in the
-// middle of a collective is reported within a fraction of a second, naming it.
+// middle of a collective is reported within a fraction of a second, naming it. The first rank any
+// rank finds dead is recorded in the segment, and every later report names that rank, so a survivor
+// that reported it and exited is never blamed in its place. A rank whose transport fails (a dead
+// peer, a timeout, corrupt data) records that and why in the segment too (mark_broken), so every
+// peer stops within a liveness period, saying which rank gave up and why. A timeout names the
+// ranks still awaited, and says which of them are stopped (SIGSTOP) or gone.
 
 struct Signal {
   std::atomic<uint32_t> value{0};
@@ -57,24 +83,29 @@ struct Signal {
 };
 
 class ShmSegment;
+class Communicator;
 
-// What a wait on shared memory needs beyond the word: the ranks that could be holding it up (for the
-// liveness check and the error), the deadline, and what to call the operation in errors.
+// What a wait on shared memory needs beyond the word: the deadline, what to call the operation in
+// errors, and whom it waits for, so that a timeout names the ranks that never arrived: one `peer`,
+// or every peer whose `arrived` (or `reduced`) counter has not reached `step`.
 struct WaitContext {
   const ShmSegment* segment = nullptr;
   std::chrono::steady_clock::time_point deadline;
   std::string_view what = "collective";
+  enum class Awaited { kPeer, kArrived, kReduced } awaited = Awaited::kPeer;
+  int peer = -1;
+  uint32_t step = 0;
 };
 
 class ShmSegment {
  public:
-  // Collective over the `size` ranks of group `group_name` that share `store` (every rank calls it
-  // at the same point of its program). Returns nullptr on every rank when the ranks are not all on
-  // this host or there is no store; throws when the rendezvous or the mapping fails. `timeout`
-  // bounds the rendezvous and every later wait.
-  static std::shared_ptr<ShmSegment> create(const c10::intrusive_ptr<c10d::Store>& store,
-                                            const std::string& group_name, int rank, int size,
-                                            std::chrono::milliseconds timeout);
+  // Collective over the ranks of `setup`'s group (Note [Shared-memory segment]): `setup` is a
+  // Communicator of the process-group transport for the collective being run, whose messages carry
+  // the set-up. Returns nullptr on every rank when the ranks are not all on this host (or not all
+  // one user); throws on every rank, naming the rank and the reason, when a rank could not create,
+  // open, verify or map the segment or died during set-up. `timeout` bounds every later wait on
+  // the segment (the set-up's own waits are the process group's, bounded by the group's timeout).
+  static std::shared_ptr<ShmSegment> create(Communicator& setup, std::chrono::milliseconds timeout);
   ~ShmSegment();
 
   ShmSegment(const ShmSegment&) = delete;
@@ -127,10 +158,19 @@ class ShmSegment {
   // Throws when a rank of the group died, or the deadline passed (after marking the segment broken).
   void check_peers(const WaitContext& context) const;
 
-  // After a failure in the middle of a collective the slots' state is unknown: every later use raises.
+  // After a failure in the middle of a collective the slots' state is unknown: every later use raises,
+  // on this rank and (through the segment) on every peer.
   void mark_broken(const std::string& why) const;
+  // This rank rejected the arguments of a `what` with the collective checks off: its peers never
+  // learn it and wait for it, so its own collectives must not go on (each would take the step of
+  // its peers' current one): marks the segment broken.
+  void reject_unchecked(std::string_view what) const;
+  // Raises when this rank's or a peer's transport failed (mark_broken).
   void check_usable(std::string_view what) const;
+  // How a peer's transport failed ("rank 1 gave up: ..."), read from the segment; "" when none has.
+  std::string peer_failure() const;
 
+  struct SegmentHeader;
   struct RankControl;
   struct Channel;
   RankControl& control(int rank) const;
@@ -140,7 +180,17 @@ class ShmSegment {
 
  private:
   ShmSegment() = default;
-  void map(int fd, size_t bytes);
+  struct Layout;
+  // Maps `bytes` of `fd` and lays out the segment for `size` ranks with `layout`'s settings.
+  void map(int fd, size_t bytes, const Layout& layout);
+  SegmentHeader& header() const;
+  // The rank a failure is blamed on: the first rank any rank of the group found dead (so that a
+  // survivor that reported it and exited is never blamed in its place), else `peer`.
+  int blame(int peer) const;
+  // "rank 2 (pid 1234)" and, when it is stopped (SIGSTOP) or gone, that too.
+  std::string describe_rank(int peer) const;
+  // The ranks `context` still waits for, in the words of an error ("rank 1 (pid 42, stopped)").
+  std::string describe_awaited(const WaitContext& context) const;
   // Posts this rank's arrival at step `target` and waits for every peer's.
   void arrive_and_wait(uint32_t target, const WaitContext& context);
   // Compares the headers of every rank in slot set `set`; throws `local_error` first if there is one.
@@ -156,11 +206,12 @@ class ShmSegment {
   int64_t whole_bytes_ = 0;  // n·chunk bytes up to which the direct all-reduce reduces whole chunks
   int64_t chunk_bytes_ = 0;  // data bytes of one channel chunk
   int64_t channel_slots_ = 0;
-  size_t controls_offset_ = 0, slots_offset_ = 0, slot_stride_ = 0, channels_offset_ = 0, channel_stride_ = 0;
+  size_t header_offset_ = 0, controls_offset_ = 0, slots_offset_ = 0, slot_stride_ = 0, channels_offset_ = 0, channel_stride_ = 0;
   uint32_t step_ = 0;        // collective steps taken (Note [Direct all-reduce]); the same on every rank
   bool spin_ = true;
   mutable std::mutex broken_mutex_;
-  mutable std::string broken_;
+  mutable std::string broken_;  // why this rank's transport failed (guarded by broken_mutex_)
+  mutable std::atomic<bool> broken_flag_{false};  // broken_ is set: the lock-free test of check_usable
 };
 
 // Note [Shared-memory messages]
@@ -196,6 +247,8 @@ class ShmTransport final : public Transport {
   friend class Message;
   // Moves every message as far as the channels allow; true if anything moved. Call with mutex_ held.
   bool progress_locked();
+  // Raises (and marks the segment broken) for data from `peer`'s channel that cannot be right.
+  [[noreturn]] void corrupt(int peer, const std::string& what) const;
   void wait_for_message(Message& message, std::string_view what);
   void abort_message(Message& message);
 
@@ -210,6 +263,7 @@ class ShmTransport final : public Transport {
   };
   std::vector<std::map<int, Unexpected>> unexpected_;  // per source, by tag
   int64_t buffered_bytes_ = 0;                          // bytes held in unexpected_
+  bool corrupt_next_chunk_ = false;                     // test-only (faults.h)
 };
 
 }  // namespace ddpkit::comm

@@ -67,6 +67,31 @@ int all_reduce(at::Tensor& buffer, comm::Algorithm algorithm, std::string_view g
   return engine->size();
 }
 
+// Runs `checks` of this rank's arguments. When they fail and the pass would all-reduce over
+// `group_name`, this rank first takes part in that all-reduce as a rank that rejects its arguments,
+// so that every rank of the group raises instead of waiting for it and the next passes pair (Note
+// [Collective checks]); then it raises its own error.
+template <class Checks>
+void check_or_reject(Checks&& checks, const at::Tensor& input, bool communicates,
+                     std::optional<std::string_view> group_name) {
+  try {
+    checks();
+  } catch (const c10::Error& e) {
+    if (communicates && group_name) {
+      const std::string error = e.what_without_backtrace();
+      const c10::DeviceType device = input.defined() ? input.device().type() : c10::kCPU;
+      try {
+        comm::Engine::of(std::string(*group_name))->run(device, comm::TransportKind::kAuto, [&](comm::Communicator& comm) {
+          comm::reject(comm::CollectiveKind::kAllReduce, error, comm);
+        });
+      } catch (const std::exception&) {
+        // reject always raises; this rank's own error (below) is the one to report
+      }
+    }
+    throw;
+  }
+}
+
 using ForwardFn = decltype(sync_batch_norm);
 using BackwardFn = decltype(sync_batch_norm_backward);
 
@@ -140,17 +165,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
     double momentum, double eps, std::string_view algorithm, std::optional<std::string_view> group_name) {
-  check_input(input);
   std::optional<at::ScalarType> parameter_dtype;
-  check_per_channel(weight, "weight", input, parameter_dtype);
-  check_per_channel(bias, "bias", input, parameter_dtype);
-  check_per_channel(running_mean, "running_mean", input, parameter_dtype);
-  check_per_channel(running_var, "running_var", input, parameter_dtype);
   const bool has_running = running_mean && running_mean->defined();
-  TORCH_CHECK(has_running == (running_var && running_var->defined()), kName,
-              ": running_mean and running_var must be given together");
-  TORCH_CHECK(training || has_running, kName, ": running_mean and running_var are required when training=False");
-  const comm::Algorithm parsed = comm::parse_algorithm(algorithm);
+  comm::Algorithm parsed = comm::Algorithm::kAuto;
+  check_or_reject(
+      [&] {
+        check_input(input);
+        check_per_channel(weight, "weight", input, parameter_dtype);
+        check_per_channel(bias, "bias", input, parameter_dtype);
+        check_per_channel(running_mean, "running_mean", input, parameter_dtype);
+        check_per_channel(running_var, "running_var", input, parameter_dtype);
+        TORCH_CHECK(has_running == (running_var && running_var->defined()), kName,
+                    ": running_mean and running_var must be given together");
+        TORCH_CHECK(training || has_running, kName,
+                    ": running_mean and running_var are required when training=False");
+        parsed = comm::parse_algorithm(algorithm);
+      },
+      input, training, group_name);
 
   const LocalInput in = prepare_input(input);
   const at::Tensor w = weight.value_or(at::Tensor()), b = bias.value_or(at::Tensor());
@@ -182,18 +213,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& weight,
     const at::Tensor& mean, const at::Tensor& invstd, bool training, int64_t count, std::string_view algorithm,
     std::optional<std::string_view> group_name, std::array<bool, 3> output_mask) {
-  check_input(input);
-  TORCH_CHECK(grad_output.sizes() == input.sizes() && grad_output.scalar_type() == input.scalar_type() &&
-                  grad_output.device() == input.device(),
-              kName, "_backward: grad_output must match the input's shape, dtype and device; got ",
-              grad_output.sizes(), " ", grad_output.scalar_type(), " on ", grad_output.device(), " for an input ",
-              input.sizes(), " ", input.scalar_type(), " on ", input.device());
   std::optional<at::ScalarType> parameter_dtype;
-  check_per_channel(weight, "weight", input, parameter_dtype);
-  check_statistic(mean, "mean", input);
-  check_statistic(invstd, "invstd", input);
-  const comm::Algorithm parsed = comm::parse_algorithm(algorithm);
+  comm::Algorithm parsed = comm::Algorithm::kAuto;
   const auto [want_input, want_weight, want_bias] = output_mask;
+  check_or_reject(
+      [&] {
+        check_input(input);
+        TORCH_CHECK(grad_output.sizes() == input.sizes() && grad_output.scalar_type() == input.scalar_type() &&
+                        grad_output.device() == input.device(),
+                    kName, "_backward: grad_output must match the input's shape, dtype and device; got ",
+                    grad_output.sizes(), " ", grad_output.scalar_type(), " on ", grad_output.device(),
+                    " for an input ", input.sizes(), " ", input.scalar_type(), " on ", input.device());
+        check_per_channel(weight, "weight", input, parameter_dtype);
+        check_statistic(mean, "mean", input);
+        check_statistic(invstd, "invstd", input);
+        parsed = comm::parse_algorithm(algorithm);
+      },
+      input, want_input && training, group_name);
 
   const LocalInput in = prepare_input(input);
   const at::Tensor dy = match_layout(in, grad_output);

@@ -18,13 +18,14 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _C  # noqa: F401  (registers torch.ops.ddpkit.*)
 
-# The names the C++ side accepts, read from its enums (one source for each contract).
+# The names the C++ side accepts, read from its enums' name tables (one source for each contract).
 ALGORITHMS = tuple(torch.ops.ddpkit.algorithms())
 TRANSPORTS = tuple(torch.ops.ddpkit.transports())
-REDUCE_OPS = ("sum", "mean", "max", "min")
+REDUCE_OPS = tuple(torch.ops.ddpkit.reduce_ops())
 
 _DISTRIBUTED_AVAILABLE = dist.is_available()
 _TORCH_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
@@ -34,7 +35,10 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     """The registered name of ``group`` (default: the world group), which the C++ ops resolve."""
     # On every collective's path: one attribute read when the group is given, two for the default.
     if group is not None:
-        return group.group_name
+        try:
+            return group.group_name
+        except AttributeError:
+            raise ValueError(_not_a_group(group)) from None
     world = dist.group.WORLD if _DISTRIBUTED_AVAILABLE else None
     if world is None:
         raise RuntimeError(
@@ -44,13 +48,23 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     return world.group_name
 
 
+def _not_a_group(group: object) -> str:
+    if _DISTRIBUTED_AVAILABLE and group is dist.GroupMember.NON_GROUP_MEMBER:
+        return ("ddpkit: this rank is not a member of the group (torch.distributed.new_group returns "
+                "GroupMember.NON_GROUP_MEMBER to the ranks it leaves out); call collectives of a group only "
+                "on its members")
+    return f"ddpkit: group must be a torch.distributed ProcessGroup or None, got {group!r}"
+
+
 def _op_name(op: Union[str, dist.ReduceOp]) -> str:
+    # An op ddpkit does not reduce is passed on by name: the C++ side rejects it inside the
+    # collective, so that every rank raises (Note [Collective checks]).
     if isinstance(op, str):
         return op
     try:
         return _TORCH_OPS[op]
     except (KeyError, TypeError):
-        raise ValueError(f"ddpkit: unsupported reduce op {op!r}; expected one of {REDUCE_OPS}") from None
+        return str(op).rsplit(".", 1)[-1].lower()  # RedOpType.PRODUCT -> "product"
 
 
 def all_reduce(tensor: Tensor, op: Union[str, dist.ReduceOp] = "sum", algorithm: str = "auto",
@@ -140,20 +154,60 @@ def choose_algorithm(nbytes: int, world_size: int, shared_memory: bool = False) 
     return torch.ops.ddpkit.choose_algorithm(nbytes, world_size, shared_memory)
 
 
-# Fake (meta) kernels: what each collective returns, from shapes and the group's size alone, so that
-# torch.compile, torch.export, torch.library.opcheck and meta tensors can trace calls to them. The
-# in-place ops return their (mutated) argument, as their schemas say; nothing communicates. (barrier
-# takes no tensor: it needs none.)
-def _returns_argument(name: str) -> None:
-    torch.library.register_fake(f"ddpkit::{name}")(lambda tensor, *args, **kwargs: tensor)
+# Fake kernels: what each collective returns, from shapes and the group's size alone, so that
+# torch.compile, torch.export and torch.library.opcheck can trace calls to them (FakeTensors:
+# nothing communicates). They are also the ops' Meta kernels: real meta tensors still take part in
+# the group's collective check (ddpkit::meta_collective, no data), so that a meta tensor on one rank
+# raises on every rank instead of skipping the collective there. The in-place ops return their
+# (mutated) argument, as their schemas say.
+def _meta_check(collective: str, tensor: Tensor, op: str, algorithm: str, root: int, group_name: str,
+                transport: str) -> None:
+    if not isinstance(tensor, FakeTensor):
+        torch.ops.ddpkit.meta_collective.default(collective, tensor, op, algorithm, root, group_name, transport)
 
 
-for _name in ("all_reduce_", "broadcast_", "reduce_", "scatter_", "all_gather_into_tensor_", "reduce_scatter_tensor_"):
-    _returns_argument(_name)
+@torch.library.register_fake("ddpkit::all_reduce_")
+def _all_reduce_fake(tensor: Tensor, op: str, algorithm: str, group_name: str, transport: str = "auto") -> Tensor:
+    _meta_check("all_reduce", tensor, op, algorithm, -1, group_name, transport)
+    return tensor
+
+
+@torch.library.register_fake("ddpkit::broadcast_")
+def _broadcast_fake(tensor: Tensor, src: int, group_name: str, transport: str = "auto") -> Tensor:
+    _meta_check("broadcast", tensor, "", "", src, group_name, transport)
+    return tensor
+
+
+@torch.library.register_fake("ddpkit::reduce_")
+def _reduce_fake(tensor: Tensor, dst: int, op: str, group_name: str, transport: str = "auto") -> Tensor:
+    _meta_check("reduce", tensor, op, "", dst, group_name, transport)
+    return tensor
+
+
+@torch.library.register_fake("ddpkit::scatter_")
+def _scatter_fake(output: Tensor, chunks: Optional[Tensor], src: int, group_name: str,
+                  transport: str = "auto") -> Tensor:
+    _meta_check("scatter", output, "", "", src, group_name, transport)
+    return output
+
+
+@torch.library.register_fake("ddpkit::all_gather_into_tensor_")
+def _all_gather_fake(output: Tensor, input: Tensor, algorithm: str, group_name: str,
+                     transport: str = "auto") -> Tensor:
+    _meta_check("all_gather_into_tensor", input, "", algorithm, -1, group_name, transport)
+    return output
+
+
+@torch.library.register_fake("ddpkit::reduce_scatter_tensor_")
+def _reduce_scatter_fake(output: Tensor, input: Tensor, op: str, algorithm: str, group_name: str,
+                         transport: str = "auto") -> Tensor:
+    _meta_check("reduce_scatter_tensor", output, op, algorithm, -1, group_name, transport)
+    return output
 
 
 @torch.library.register_fake("ddpkit::gather")
 def _gather_fake(tensor: Tensor, dst: int, group_name: str, transport: str = "auto") -> Tensor:
+    _meta_check("gather", tensor, "", "", dst, group_name, transport)
     group = dist.distributed_c10d._resolve_process_group(group_name)
     shape = (group.size(), *tensor.shape) if group.rank() == dst else (0,)
     return tensor.new_empty(shape)

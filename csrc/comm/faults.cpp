@@ -1,0 +1,43 @@
+#include "comm/faults.h"
+
+#include <csignal>
+#include <cstdlib>
+#include <string>
+
+#include <unistd.h>
+
+namespace ddpkit::comm::faults {
+namespace {
+
+struct Armed {
+  std::string fault;
+  int rank = -1;
+};
+
+const Armed& configured() {
+  static const Armed armed = [] {
+    Armed parsed;
+    const char* value = std::getenv("DDPKIT_TEST_FAULT");
+    if (value == nullptr) return parsed;
+    const std::string text(value);
+    const size_t colon = text.rfind(':');
+    if (colon == std::string::npos) return parsed;
+    parsed.fault = text.substr(0, colon);
+    parsed.rank = std::atoi(text.c_str() + colon + 1);
+    return parsed;
+  }();
+  return armed;
+}
+
+}  // namespace
+
+bool armed(std::string_view fault, int rank) {
+  const Armed& set = configured();
+  return set.rank == rank && set.fault == fault;
+}
+
+void die_if_armed(std::string_view fault, int rank) {
+  if (armed(fault, rank)) kill(getpid(), SIGKILL);
+}
+
+}  // namespace ddpkit::comm::faults

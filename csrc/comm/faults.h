@@ -1,0 +1,22 @@
+#pragma once
+// Test-only fault injection: DDPKIT_TEST_FAULT=<fault>:<rank> makes that rank fail at a chosen point
+// that no test could otherwise hit at the right moment. Read once per process; unset (always, outside
+// the tests) it costs one load of a flag.
+//  die_at_hello, die_at_offer, die_at_map, die_at_verdict: the rank SIGKILLs itself at that step of
+//    the shared-memory set-up (Note [Shared-memory segment]): before sending its hello; rank 0 after
+//    creating the segment, before offering it; after mapping it, before answering; rank 0 after the
+//    answers, before the verdict.
+//  corrupt_chunk: the rank's first shared-memory message chunk claims to lie at offset 2^46 of its
+//    message (Note [Shared-memory messages]), as a forged or corrupted segment would.
+
+#include <string_view>
+
+namespace ddpkit::comm::faults {
+
+// True when DDPKIT_TEST_FAULT names `fault` for `rank`.
+bool armed(std::string_view fault, int rank);
+
+// SIGKILLs this process when DDPKIT_TEST_FAULT names `fault` for `rank`.
+void die_if_armed(std::string_view fault, int rank);
+
+}  // namespace ddpkit::comm::faults
