@@ -41,7 +41,7 @@ if .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')
   echo "== pip: torch 2.13.0 is installed"
 else
   echo "== pip: torch 2.13.0 (CPU; the first time this downloads about 200 MB)"
-  logged "$INSTALLS" $PIP install --progress-bar off "torch==2.13.0"
+  $PIP install "torch==2.13.0"  # unfiltered: pip's own progress bar shows the download
 fi
 logged "$INSTALLS" $PIP install --progress-bar off "scikit-build-core>=0.11" ninja
 
