@@ -87,6 +87,12 @@ def case_every_block_collective(transport, numels):
             returned = ddpkit.all_gather_into_tensor(output, source, algorithm=algorithm, transport=transport)
             assert returned is output or returned.data_ptr() == output.data_ptr(), "all_gather must fill `output`"
             out[("all_gather", algorithm, numel)] = output
+            # In place, as FSDP2 calls it: the input is this rank's block of the output.
+            output = torch.full((world_size * numel,), float("nan"))
+            own = output[rank * numel:(rank + 1) * numel]
+            own.copy_(source)
+            ddpkit.all_gather_into_tensor(output, own, algorithm=algorithm, transport=transport)
+            out[("all_gather_in_place", algorithm, numel)] = output
             for op in REDUCE_OPS:
                 source = rank_input(rank, world_size * numel, integer=True)
                 before = source.clone()
@@ -98,6 +104,10 @@ def case_every_block_collective(transport, numels):
                 out[("reduce_scatter", algorithm, numel, op)] = output
                 if not torch.equal(source, before):
                     inputs_changed.append((algorithm, numel, op))
+                # In place: the output is this rank's block of the input.
+                own = source[rank * numel:(rank + 1) * numel]
+                ddpkit.reduce_scatter_tensor(own, source, op=op, algorithm=algorithm, transport=transport)
+                out[("reduce_scatter_in_place", algorithm, numel, op)] = own.clone()
     return out, inputs_changed
 
 
@@ -307,9 +317,10 @@ BAD_CALLS = {
         torch.empty(n * 4, dtype=torch.float64), torch.ones(4), transport=t),
     "scatter_dtypes_differ": lambda n, t: ddpkit.reduce_scatter_tensor(
         torch.empty(4, dtype=torch.float64), torch.ones(n * 4), transport=t),
-    "gather_aliased": lambda n, t: (lambda out: ddpkit.all_gather_into_tensor(out, out[:4], transport=t))(
+    # overlapping, but no rank's own block (which would be the accepted in-place form)
+    "gather_aliased": lambda n, t: (lambda out: ddpkit.all_gather_into_tensor(out, out[1:5], transport=t))(
         torch.ones(n * 4)),
-    "scatter_aliased": lambda n, t: (lambda inp: ddpkit.reduce_scatter_tensor(inp[:4], inp, transport=t))(
+    "scatter_aliased": lambda n, t: (lambda inp: ddpkit.reduce_scatter_tensor(inp[1:5], inp, transport=t))(
         torch.ones(n * 4)),
     "gather_non_contiguous": lambda n, t: ddpkit.all_gather_into_tensor(
         torch.empty(n * 4, 4), torch.ones(4, 4).t(), transport=t),
@@ -338,8 +349,10 @@ BAD_ARGUMENT_MESSAGES = {
                             "got Float on cpu and Double on cpu",
     "scatter_dtypes_differ": "ddpkit.reduce_scatter_tensor: input and output must have the same dtype and device, "
                              "got Float on cpu and Double on cpu",
-    "gather_aliased": "ddpkit.all_gather_into_tensor: output and input must not share memory",
-    "scatter_aliased": "ddpkit.reduce_scatter_tensor: output and input must not share memory",
+    "gather_aliased": "ddpkit.all_gather_into_tensor: output and input must not share memory, except an input "
+                      "that is this rank's block of the output",
+    "scatter_aliased": "ddpkit.reduce_scatter_tensor: output and input must not share memory, except an output "
+                       "that is this rank's block of the input",
     "gather_non_contiguous": "ddpkit.all_gather_into_tensor: expected a contiguous tensor",
     "scatter_non_contiguous_output": "ddpkit.reduce_scatter_tensor: expected a contiguous tensor",
     "scatter_mean_of_integers": "ddpkit.reduce_scatter_tensor: op 'mean' needs a floating-point tensor, got Long",
@@ -447,7 +460,7 @@ def test_every_block_collective_matches_the_reference(pool, world_size, transpor
         assert inputs_changed == [], f"rank {rank}: reduce_scatter changed its input for {inputs_changed}"
         assert sorted({key[1] for key in out}) == sorted(algorithms_for(transport, world_size))
         for key, tensor in out.items():
-            if key[0] == "all_gather":
+            if key[0].startswith("all_gather"):
                 _, algorithm, numel = key
                 assert tensor.shape == (world_size * numel,) and tensor.dtype == torch.float32
                 assert torch.equal(tensor, gathered_reference(world_size, numel)), (rank, key)
@@ -566,9 +579,10 @@ def test_many_small_slots_and_chunks():
         worker_pool.close()
     for rank, (out, inputs_changed) in enumerate(results):
         assert inputs_changed == []
-        assert len(out) == len(numels) * len(algorithms_for("shm", world_size)) * (1 + len(REDUCE_OPS))
+        # each once as it is and once in place
+        assert len(out) == 2 * len(numels) * len(algorithms_for("shm", world_size)) * (1 + len(REDUCE_OPS))
         for key, tensor in out.items():
-            if key[0] == "all_gather":
+            if key[0].startswith("all_gather"):
                 assert torch.equal(tensor, gathered_reference(world_size, key[2])), (rank, key)
             else:
                 assert torch.equal(tensor, scattered_reference(world_size, key[2], rank, key[3])), (rank, key)

@@ -12,6 +12,7 @@ csrc/comm/communicator.h).
 - max/min with NaN and signed zeros: one deliberate semantics, identical bits everywhere.
 """
 
+import datetime
 import json
 import os
 import pwd
@@ -611,3 +612,32 @@ def test_nan_and_signed_zeros_reduce_alike_on_every_algorithm(pool, world_size, 
         expected_bits = expected.view(int_dtype).clone()
         expected_bits[expected.isnan()] = canonical
         assert torch.equal(bits, expected_bits), f"{key}: {bits.view(dtype)} vs {expected}"
+
+
+# --- the group's timeout from its first collective ----------------------------------------------------
+
+def case_first_collective_alone(backend):
+    group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=2))
+    if dist.get_rank() == 1:
+        time.sleep(8)  # never enters the barrier in time
+        return None
+    try:
+        if backend == "ddpkit":
+            dist.barrier(group=group)
+        else:
+            ddpkit.barrier(group=group)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ddpkit"])
+def test_the_first_collective_of_a_group_waits_the_group_timeout_and_names_what_it_waited_for(backend):
+    """The shared-memory set-up of a group's first collective runs over the group's own messages, so
+    the group's 2-second timeout bounds it (it used to wait with the store's, 16-61 s), and its error
+    names the collective, the group and the rank that never came."""
+    outcomes = run_and_kill(fresh_pool(2), case_first_collective_alone, backend)
+    error = outcomes[0]
+    assert isinstance(error, str), error
+    assert "barrier's shared-memory set-up (rank 0 of 2 in group '" in error, error
+    assert "receiving from rank 1 failed" in error and "Timed out waiting 2000ms" in error, error

@@ -167,7 +167,7 @@ def test_dead_worker_under_torchrun_stops_the_whole_job(tmp_path):
     assert launcher.returncode != 0
     assert survivors_stopped_after < GROUP_TIMEOUT_S + 30, survivors_stopped_after
     assert "exitcode" in stderr and "-9" in stderr, stderr[-2000:]
-    messages = re.findall(r"RuntimeError: (ddpkit\.\w+ \(rank ([02]) of 3\): .*)", stderr)
+    messages = re.findall(r"RuntimeError: (ddpkit\.\w+ \(rank ([02]) of 3[^)]*\): .*)", stderr)
     assert {rank for _, rank in messages} == {"0", "2"}, stderr[-4000:]
     assert all("rank 1 (pid" in message and "died" in message for message, _ in messages), messages
     time.sleep(1)

@@ -2,6 +2,8 @@
 
 #include "comm/collectives.h"
 
+#include <algorithm>
+#include <cctype>
 #include <optional>
 
 namespace ddpkit::backend {
@@ -121,9 +123,12 @@ std::shared_ptr<comm::Engine> Backend::engine() {
 
 c10::intrusive_ptr<c10d::Work> Backend::launch(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
                                                comm::Engine::Body body) {
+  collectives_launched_.fetch_add(1);
   auto engine = this->engine();
-  if (async) return engine->submit(c10::kCPU, transport_, std::move(body), type, std::move(outputs));
-  engine->run(c10::kCPU, transport_, body);
+  std::string what = c10d::opTypeToString(type);  // "ALLREDUCE": errors say "ddpkit.allreduce"
+  std::transform(what.begin(), what.end(), what.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (async) return engine->submit(c10::kCPU, transport_, what, std::move(body), type, std::move(outputs));
+  engine->run(c10::kCPU, transport_, what, body);
   auto work = c10::make_intrusive<comm::CollectiveWork>(getRank(), type, std::move(outputs));
   work->complete(nullptr);
   return work;

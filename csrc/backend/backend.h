@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -54,6 +55,12 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
   // The group's engine, made on first use (the group's name is known by then).
   std::shared_ptr<comm::Engine> engine() override;
+
+  // torch's sequence numbers (what TORCH_DISTRIBUTED_DEBUG=INFO/DETAIL's ProcessGroupWrapper reads):
+  // the collectives this backend has launched since the last reset, alike on every rank of a
+  // well-formed program, as gloo counts them.
+  void setSequenceNumberForGroup() override { collectives_launched_.store(0); }
+  uint64_t getSequenceNumberForGroup() override { return collectives_launched_.load(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
@@ -117,6 +124,7 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   comm::TransportKind transport_;
   std::mutex engine_mutex_;
   std::shared_ptr<comm::Engine> engine_;
+  std::atomic<uint64_t> collectives_launched_{0};
 };
 
 }  // namespace ddpkit::backend

@@ -615,9 +615,17 @@ void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int
 
 namespace {
 
+// True when `part` is exactly block `rank` of `whole` (contiguous, the same dtype): the in-place
+// forms torch's backends accept (Note [All-gather and reduce-scatter]).
+bool is_own_block(const at::Tensor& whole, const at::Tensor& part, int rank) {
+  const auto element = static_cast<intptr_t>(whole.element_size());
+  return static_cast<const char*>(part.data_ptr()) ==
+         static_cast<const char*>(whole.data_ptr()) + static_cast<intptr_t>(rank) * part.numel() * element;
+}
+
 // The reason `output`/`input` cannot take part in an all-gather (`gather` true) or reduce-scatter of
-// `n` ranks, or "" when they can.
-std::string gather_scatter_error(const at::Tensor& output, const at::Tensor& input, int n, bool gather,
+// `n` ranks as rank `rank`, or "" when they can.
+std::string gather_scatter_error(const at::Tensor& output, const at::Tensor& input, int n, int rank, bool gather,
                                  std::optional<ReduceOp> op) {
   const std::string_view what = gather ? "all_gather_into_tensor" : "reduce_scatter_tensor";
   std::string error = tensor_error(output, what, op);
@@ -634,8 +642,11 @@ std::string gather_scatter_error(const at::Tensor& output, const at::Tensor& inp
     return c10::str("ddpkit.", what, ": input and output must have the same dtype and device, got ",
                     input.scalar_type(), " on ", input.device(), " and ", output.scalar_type(), " on ", output.device());
   }
-  if (output.numel() > 0 && output.is_alias_of(input)) {
-    return c10::str("ddpkit.", what, ": output and input must not share memory");
+  if (output.numel() > 0 && output.is_alias_of(input) && !is_own_block(whole, part, rank)) {
+    return c10::str("ddpkit.", what, ": output and input must not share memory, except ",
+                    gather ? "an input that is this rank's block of the output"
+                           : "an output that is this rank's block of the input",
+                    " (block ", rank, ")");
   }
   return {};
 }
@@ -677,7 +688,7 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
   }
   const int n = comm.size();
   const int r = comm.rank();
-  std::string error = gather_scatter_error(output, input, n, /*gather=*/true, std::nullopt);
+  std::string error = gather_scatter_error(output, input, n, r, /*gather=*/true, std::nullopt);
   const Algorithm requested = algorithm;
   algorithm = resolve_block_algorithm(algorithm, comm, "all_gather_into_tensor", error);
   CollectiveHeader header = make_header(CollectiveKind::kAllGather, input, std::nullopt, requested, -1);
@@ -691,7 +702,7 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
   comm.begin(header, error);
   const int64_t m = input.numel();
   at::Tensor flat = output.view(-1);
-  if (m > 0) slice(flat, r * m, (r + 1) * m).copy_(input.reshape(-1));
+  if (m > 0 && !is_own_block(output, input, r)) slice(flat, r * m, (r + 1) * m).copy_(input.reshape(-1));
   if (n == 1 || m == 0) {
     comm.settle_header();
     return;
@@ -728,7 +739,7 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   }
   const int n = comm.size();
   const int r = comm.rank();
-  std::string error = gather_scatter_error(output, input, n, /*gather=*/false, op);
+  std::string error = gather_scatter_error(output, input, n, r, /*gather=*/false, op);
   const Algorithm requested = algorithm;
   algorithm = resolve_block_algorithm(algorithm, comm, "reduce_scatter_tensor", error);
   CollectiveHeader header = make_header(CollectiveKind::kReduceScatter, output, op, requested, -1);

@@ -132,6 +132,9 @@ void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int
 //  kAuto    kDirect over shared memory, else kRing.
 // An algorithm a rank cannot run (kDirect without shared memory, kHalvingDoubling on another n, any
 // other) rejects that rank's arguments in the collective check, so every rank raises.
+// In place, as torch's backends allow (FSDP2 all-gathers this way): the all-gather's input may be
+// exactly this rank's block of its output, and the reduce-scatter's output exactly this rank's
+// block of its input; no other overlap of the two is accepted.
 
 // Writes rank i's `input` into block i of `output` (contiguous, n·input.numel() elements, the same
 // dtype) on every rank. Any dtype.

@@ -50,16 +50,19 @@ void note_buffered_bytes(int64_t bytes) {
 
 Communicator::Communicator(int rank, int size, c10::DeviceType device_type,
                            c10::intrusive_ptr<c10d::Backend> backend, std::shared_ptr<Transport> transport,
-                           ShmSegment* shm, uint64_t sequence)
+                           ShmSegment* shm, uint64_t sequence, std::string_view group)
     : rank_(rank),
       size_(size),
       device_type_(device_type),
       backend_(std::move(backend)),
       transport_(std::move(transport)),
       shm_(shm),
-      sequence_(sequence) {
+      sequence_(sequence),
+      group_(group) {
   independent_messages_ = shm_ != nullptr || !(device_type != c10::kCPU && backend_->supportsCoalescing());
 }
+
+std::string Communicator::where() const { return c10::str("rank ", rank_, " of ", size_, " in group '", group_, "'"); }
 
 void Communicator::note_collective(CollectiveKind kind) {
   what_ = collective_name(kind);
@@ -223,7 +226,7 @@ std::string Communicator::describe_verdict(const at::Tensor& verdict) const {
     return c10::str("ddpkit.", what_, ": rank ", v[2], " rejected its arguments (its own error says why)");
   }
   if (v[1] == kVerdictPeerFailed) {
-    return c10::str("ddpkit.", what_, " (rank ", rank_, " of ", size_, "): rank ", v[2],
+    return c10::str("ddpkit.", what_, " (", where(), "): rank ", v[2],
                     " failed or died during the collective check (rank 0 reported it)");
   }
   if (v[1] == kVerdictMismatch) {
@@ -290,7 +293,7 @@ void Communicator::fail(const Message& failed, const std::exception& cause, cons
   // The cause without the C++ backtrace c10::Error carries: it ends up in a Python message.
   const auto* error = dynamic_cast<const c10::Error*>(&cause);
   const std::string text = error != nullptr ? error->what_without_backtrace() : cause.what();
-  C10_THROW_ERROR(Error, c10::str("ddpkit.", what_, " (rank ", rank_, " of ", size_, "): ",
+  C10_THROW_ERROR(Error, c10::str("ddpkit.", what_, " (", where(), "): ",
                                   failed.is_send ? "sending to " : "receiving from ", peer, " failed: ", text,
                                   " (a peer that died, stopped calling this collective or sent another size ends a "
                                   "message this way, as does the group's timeout)"));

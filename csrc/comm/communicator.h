@@ -108,11 +108,16 @@ class Communicator {
   // Made by the group's Engine for one collective: `backend` is the group's backend for `device_type`
   // (the group's own collectives), `transport` carries the point-to-point messages, `shm` is the
   // shared-memory segment when `transport` is shared memory (else null), `sequence` the collective's
-  // number (Note [Tags]).
+  // number (Note [Tags]), `group` the group's name for errors (it must outlive the communicator).
   Communicator(int rank, int size, c10::DeviceType device_type, c10::intrusive_ptr<c10d::Backend> backend,
-               std::shared_ptr<Transport> transport, ShmSegment* shm, uint64_t sequence);
+               std::shared_ptr<Transport> transport, ShmSegment* shm, uint64_t sequence, std::string_view group);
 
   int rank() const { return rank_; }
+  // "rank 0 of 4 in group '1'": where an error happened.
+  std::string where() const;
+  std::string_view group() const { return group_; }
+  // What the current collective is called in errors ("all_reduce").
+  std::string_view what() const { return what_; }
   int size() const { return size_; }
   uint64_t sequence() const { return sequence_; }
   c10::DeviceType device_type() const { return device_type_; }
@@ -188,6 +193,7 @@ class Communicator {
   bool independent_messages_ = true;
   bool counted_ = true;
   uint64_t sequence_ = 0;
+  std::string_view group_;
   std::string_view what_ = "collective";
   std::string local_error_;
   bool header_pending_ = false;

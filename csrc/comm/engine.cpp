@@ -26,6 +26,55 @@ bool registered(const std::string& name, const RegistryEntry& entry) {
   }
 }
 
+// Note [Future callbacks]
+// A Work's future runs its then() callbacks on the thread that completes it. Those callbacks may
+// start collectives of the same group and wait for them (PowerSGD's hook does, and so may any user
+// hook), so they must never run on the engine's thread, which alone runs the group's queued
+// collectives: the engine's thread finishes the Work (waking wait()) and hands the future to this
+// pool, which runs each completion on an idle thread of its own, or on a new one when all are busy,
+// so that a callback blocked on a later collective never holds up that collective's completion.
+// Threads idle for kIdleSeconds exit, so a program without futures keeps none.
+class CompletionPool {
+ public:
+  static CompletionPool& instance() {
+    static auto* pool = new CompletionPool();  // never destroyed: its threads may outlive static destructors
+    return *pool;
+  }
+
+  void post(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back(std::move(task));
+    if (idle_ > 0) {
+      cv_.notify_one();
+    } else {
+      std::thread([this] { loop(); }).detach();
+    }
+  }
+
+ private:
+  static constexpr auto kIdleSeconds = std::chrono::seconds(10);
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      ++idle_;
+      const bool woken = cv_.wait_for(lock, kIdleSeconds, [&] { return !tasks_.empty(); });
+      --idle_;
+      if (!woken) return;
+      std::function<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      task();
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  int idle_ = 0;
+};
+
 }  // namespace
 
 CollectiveWork::CollectiveWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
@@ -40,7 +89,13 @@ void CollectiveWork::complete(std::exception_ptr error) {
     error_ = error;
     future = future_;
   }
-  if (future) settle(*future);  // outside the lock: the future runs its callbacks here
+  // Outside the lock, and off this thread (Note [Future callbacks]): the future runs its callbacks
+  // on whichever thread settles it.
+  if (future) {
+    CompletionPool::instance().post([self = c10::intrusive_ptr<CollectiveWork>::reclaim_copy(this), future] {
+      self->settle(*future);
+    });
+  }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> CollectiveWork::getFuture() {
@@ -137,11 +192,11 @@ Engine::~Engine() {
   if (worker_.joinable()) worker_.join();
 }
 
-void Engine::run(c10::DeviceType device, TransportKind requested, const Body& body) {
+void Engine::run(c10::DeviceType device, TransportKind requested, std::string_view what, const Body& body) {
   std::unique_lock<std::mutex> lock(mutex_);
   const uint64_t sequence = next_sequence_++;
   if (busy_ || !queue_.empty()) {
-    auto work = enqueue_locked(device, requested, sequence, body, c10d::OpType::UNKNOWN, {});
+    auto work = enqueue_locked(device, requested, what, sequence, body, c10d::OpType::UNKNOWN, {});
     lock.unlock();
     work->wait();
     return;
@@ -156,20 +211,21 @@ void Engine::run(c10::DeviceType device, TransportKind requested, const Body& bo
       if (!engine->queue_.empty()) engine->cv_.notify_all();
     }
   } done{this};
-  execute(device, requested, sequence, body);
+  execute(device, requested, what, sequence, body);
 }
 
-c10::intrusive_ptr<CollectiveWork> Engine::submit(c10::DeviceType device, TransportKind requested, Body body,
-                                                  c10d::OpType type, std::vector<at::Tensor> outputs) {
+c10::intrusive_ptr<CollectiveWork> Engine::submit(c10::DeviceType device, TransportKind requested,
+                                                  std::string_view what, Body body, c10d::OpType type,
+                                                  std::vector<at::Tensor> outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return enqueue_locked(device, requested, next_sequence_++, std::move(body), type, std::move(outputs));
+  return enqueue_locked(device, requested, what, next_sequence_++, std::move(body), type, std::move(outputs));
 }
 
 c10::intrusive_ptr<CollectiveWork> Engine::enqueue_locked(c10::DeviceType device, TransportKind requested,
-                                                          uint64_t sequence, Body body, c10d::OpType type,
-                                                          std::vector<at::Tensor> outputs) {
+                                                          std::string_view what, uint64_t sequence, Body body,
+                                                          c10d::OpType type, std::vector<at::Tensor> outputs) {
   auto work = c10::make_intrusive<CollectiveWork>(group_.rank, type, std::move(outputs));
-  queue_.push_back(Task{device, requested, sequence, std::move(body), work});
+  queue_.push_back(Task{device, requested, std::string(what), sequence, std::move(body), work});
   if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
   cv_.notify_all();
   return work;
@@ -186,7 +242,7 @@ void Engine::worker_loop() {
     lock.unlock();
     std::exception_ptr error;
     try {
-      execute(task.device, task.requested, task.sequence, task.body);
+      execute(task.device, task.requested, task.what, task.sequence, task.body);
     } catch (...) {
       error = std::current_exception();
     }
@@ -216,7 +272,8 @@ TransportKind forced_by_environment() {
   return parse_transport(value);
 }
 
-TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind requested, uint64_t sequence) {
+TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind requested, std::string_view what,
+                                        uint64_t sequence) {
   if (requested == TransportKind::kAuto) requested = forced_by_environment();
   if (requested == TransportKind::kProcessGroup || group_.size == 1) return TransportKind::kProcessGroup;
   if (device != c10::kCPU) {
@@ -232,8 +289,10 @@ TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind re
     } catch (const std::exception&) {
     }
     // Note [Shared-memory segment]: set up over the group's own messages, as part of this collective.
-    Communicator setup(group_.rank, group_.size, c10::kCPU, cpu, process_group_transport(c10::kCPU), nullptr, sequence);
-    setup.use_for_setup("shared-memory set-up");
+    Communicator setup(group_.rank, group_.size, c10::kCPU, cpu, process_group_transport(c10::kCPU), nullptr, sequence,
+                       group_.name);
+    const std::string setup_what = c10::str(what, "'s shared-memory set-up");
+    setup.use_for_setup(setup_what);
     segment_ = ShmSegment::create(setup, timeout);
     shm_state_ = segment_ ? ShmState::kAvailable : ShmState::kUnavailable;
     if (segment_) shm_transport_ = std::make_shared<ShmTransport>(segment_);
@@ -264,14 +323,15 @@ bool Engine::stages_through_host(c10::DeviceType device) {
   return device_backend->getBackendName() == "gloo";
 }
 
-void Engine::execute(c10::DeviceType device, TransportKind requested, uint64_t sequence, const Body& body) {
+void Engine::execute(c10::DeviceType device, TransportKind requested, std::string_view what, uint64_t sequence,
+                     const Body& body) {
   if (stages_through_host(device)) device = c10::kCPU;
-  const TransportKind kind = resolve_transport(device, requested, sequence);
+  const TransportKind kind = resolve_transport(device, requested, what, sequence);
   c10::intrusive_ptr<c10d::Backend> device_backend = backend(device);
   std::shared_ptr<Transport> transport =
       kind == TransportKind::kShm ? std::shared_ptr<Transport>(shm_transport_) : process_group_transport(device);
   Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport),
-                    kind == TransportKind::kShm ? segment_.get() : nullptr, sequence);
+                    kind == TransportKind::kShm ? segment_.get() : nullptr, sequence, group_.name);
   body(comm);
 }
 

@@ -79,7 +79,8 @@ class EngineBackend {
 // The Work of a collective run by an Engine: wait() returns when it ran (rethrowing its error),
 // result() and getFuture()'s value are `outputs` (a list of tensors, as torch's backends give
 // DistributedDataParallel's communication hooks). The future is made only when asked for: a
-// synchronous collective, waited on at once, never pays for it.
+// synchronous collective, waited on at once, never pays for it. Its callbacks never run on the
+// engine's thread (Note [Future callbacks] in engine.cpp), so they may start collectives and wait.
 class CollectiveWork final : public c10d::Work {
  public:
   CollectiveWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
@@ -112,13 +113,15 @@ class Engine {
   // Runs `body` as the group's next collective with a Communicator for `device`'s backend (the CPU
   // one for a device whose tensors travel through host copies, Note [Device tensors on a host
   // group]) and the transport `requested` resolves to; returns when it has run (rethrowing its error).
-  void run(c10::DeviceType device, TransportKind requested, const Body& body);
+  // `what` names the collective ("all_reduce") in errors raised before `body` runs (the shared-memory
+  // set-up its first use may make).
+  void run(c10::DeviceType device, TransportKind requested, std::string_view what, const Body& body);
 
   // Queues `body` as the group's next collective; the returned Work completes (or fails) when it has
   // run on the engine's thread, its future then holding `outputs`. Everything `body` touches must
   // stay alive until then (capture tensors by value).
-  c10::intrusive_ptr<CollectiveWork> submit(c10::DeviceType device, TransportKind requested, Body body,
-                                            c10d::OpType type = c10d::OpType::UNKNOWN,
+  c10::intrusive_ptr<CollectiveWork> submit(c10::DeviceType device, TransportKind requested, std::string_view what,
+                                            Body body, c10d::OpType type = c10d::OpType::UNKNOWN,
                                             std::vector<at::Tensor> outputs = {});
 
   int rank() const { return group_.rank; }
@@ -135,19 +138,22 @@ class Engine {
   struct Task {
     c10::DeviceType device;
     TransportKind requested;
+    std::string what;
     uint64_t sequence;
     Body body;
     c10::intrusive_ptr<CollectiveWork> work;
   };
-  void execute(c10::DeviceType device, TransportKind requested, uint64_t sequence, const Body& body);
+  void execute(c10::DeviceType device, TransportKind requested, std::string_view what, uint64_t sequence,
+               const Body& body);
   c10::intrusive_ptr<CollectiveWork> enqueue_locked(c10::DeviceType device, TransportKind requested,
-                                                    uint64_t sequence, Body body, c10d::OpType type,
-                                                    std::vector<at::Tensor> outputs);
+                                                    std::string_view what, uint64_t sequence, Body body,
+                                                    c10d::OpType type, std::vector<at::Tensor> outputs);
   void worker_loop();
   // What `requested` resolves to for a `device` tensor in collective `sequence`; the first time it
   // takes shared memory, it sets the segment up as part of that collective (Note [Shared-memory
   // segment]), so every rank must resolve the same request there.
-  TransportKind resolve_transport(c10::DeviceType device, TransportKind requested, uint64_t sequence);
+  TransportKind resolve_transport(c10::DeviceType device, TransportKind requested, std::string_view what,
+                                  uint64_t sequence);
   std::shared_ptr<Transport> process_group_transport(c10::DeviceType device);
   c10::intrusive_ptr<c10d::Backend> backend(c10::DeviceType device);
   // True when `device` tensors travel through host copies (Note [Device tensors on a host group]).

@@ -25,7 +25,7 @@ template <class Collective>
 void run_collective(const std::string& group_name, c10::DeviceType device, std::string_view transport,
                     CollectiveKind kind, std::string error, Collective&& collective) {
   const TransportKind parsed = parse_or_note(parse_transport, transport, TransportKind::kAuto, error);
-  Engine::of(group_name)->run(device, parsed, [&](Communicator& comm) {
+  Engine::of(group_name)->run(device, parsed, collective_name(kind), [&](Communicator& comm) {
     if (!error.empty()) reject(kind, error, comm);
     collective(comm);
   });

@@ -344,13 +344,14 @@ std::shared_ptr<ShmSegment> ShmSegment::create(Communicator& setup, std::chrono:
   mine.pid = getpid();
   mine.euid = static_cast<int64_t>(geteuid());
   std::memcpy(mine.identity, identity.data(), std::min(identity.size(), kIdentityBytes - 1));
-  const auto what = [&] { return c10::str("ddpkit: setting up the shared-memory transport (rank ", rank, " of ", size, ")"); };
+  const auto what = [&] { return c10::str("ddpkit.", setup.what(), " (", setup.where(), ")"); };
   const std::string hint = "; set DDPKIT_TRANSPORT=process_group to run without shared memory";
   const int64_t offer_bytes = static_cast<int64_t>(sizeof(Offer)) + 8 * size;
 
   std::shared_ptr<ShmSegment> segment(new ShmSegment());
   segment->rank_ = rank;
   segment->size_ = size;
+  segment->group_ = setup.group();
   segment->timeout_ = timeout;
   segment->spin_ = size <= static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
@@ -645,10 +646,12 @@ void ShmSegment::check_usable(std::string_view what) const {
   }
   if (why.empty()) why = peer_failure();
   if (why.empty()) return;  // this rank's own failure, still being recorded by another of its threads
-  TORCH_CHECK(false, "ddpkit.", what, " (rank ", rank_, " of ", size_,
+  TORCH_CHECK(false, "ddpkit.", what, " (", where(),
               "): this process group's shared-memory transport failed (", why,
               "); destroy the group and create a new one");
 }
+
+std::string ShmSegment::where() const { return c10::str("rank ", rank_, " of ", size_, " in group '", group_, "'"); }
 
 int ShmSegment::blame(int peer) const {
   std::atomic<int32_t>& first_dead = header().first_dead;
@@ -689,21 +692,21 @@ void ShmSegment::check_peers(const WaitContext& context) const {
     const int dead = blame(peer);
     const std::string why = c10::str("rank ", dead, " (pid ", pids_[dead], ") failed: the process died");
     mark_broken(why);
-    TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): ", why,
+    TORCH_CHECK(false, "ddpkit.", context.what, " (", where(), "): ", why,
                 " during the collective (shared-memory transport)");
   }
   const std::string given_up = peer_failure();
   if (!given_up.empty()) {
     const std::string awaited = describe_awaited(context);
     mark_broken(given_up);
-    TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): waiting for ", awaited,
+    TORCH_CHECK(false, "ddpkit.", context.what, " (", where(), "): waiting for ", awaited,
                 " failed: ", given_up, "; destroy the group and create a new one");
   }
   check_usable(context.what);
   if (std::chrono::steady_clock::now() > context.deadline) {
     const std::string awaited = describe_awaited(context);
     mark_broken(c10::str("no progress within the group's timeout (", timeout_.count(), " ms) waiting for ", awaited));
-    TORCH_CHECK(false, "ddpkit.", context.what, " (rank ", rank_, " of ", size_, "): waiting for ", awaited,
+    TORCH_CHECK(false, "ddpkit.", context.what, " (", where(), "): waiting for ", awaited,
                 " failed: no progress within the group's timeout (", timeout_.count(),
                 " ms); they stopped calling this collective or called another one");
   }
@@ -846,8 +849,9 @@ void ShmSegment::all_gather(const at::Tensor& output, const at::Tensor& input, c
     if (c == 0 && checked) compare_headers(set, local_error, kWhat);
     if (length <= 0) continue;
     for (int peer = 0; peer < size_; ++peer) {
+      char* to = out + peer * bytes + begin;
       const char* from = peer == rank_ ? in + begin : slot(peer, set);
-      std::memcpy(out + peer * bytes + begin, from, length);
+      if (to != from) std::memcpy(to, from, length);  // in place, this rank's block is already there
     }
   }
 }
@@ -883,8 +887,11 @@ void ShmSegment::reduce_scatter(const at::Tensor& output, const at::Tensor& inpu
     arrive_and_wait(target, context);
     if (c == 0 && checked) compare_headers(set, local_error, kWhat);
     if (count <= 0) continue;
-    for (int peer = 0; peer < size_; ++peer) {
-      sources[peer] = peer == rank_ ? in + (rank_ * block + begin) * element : slot(peer, set) + rank_ * piece * element;
+    // This rank's own piece first: the output may be that very piece (in place), and reduce_sources
+    // lets `out` alias only its first source.
+    sources[0] = in + (rank_ * block + begin) * element;
+    for (int peer = 0, next = 1; peer < size_; ++peer) {
+      if (peer != rank_) sources[next++] = slot(peer, set) + rank_ * piece * element;
     }
     reduce_sources(dtype, out + begin * element, sources, 0, count, op);
   }
@@ -1011,8 +1018,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::recv(const at::Tensor& tensor, int 
 void ShmTransport::corrupt(int peer, const std::string& what) const {
   const std::string why = c10::str("rank ", peer, "'s channel holds inconsistent data (", what, ")");
   segment_->mark_broken(why);
-  C10_THROW_ERROR(Error, c10::str("ddpkit (rank ", segment_->rank(), " of ", segment_->size(),
-                                  "): the shared-memory transport failed: ", why,
+  C10_THROW_ERROR(Error, c10::str("ddpkit (", segment_->where(), "): the shared-memory transport failed: ", why,
                                   "; destroy the group and create a new one"));
 }
 

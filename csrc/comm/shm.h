@@ -113,6 +113,8 @@ class ShmSegment {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // "rank 0 of 4 in group '1'": where an error happened.
+  std::string where() const;
   std::chrono::milliseconds timeout() const { return timeout_; }
   int64_t slot_bytes() const { return slot_bytes_; }
   int64_t channel_chunk_bytes() const { return chunk_bytes_; }
@@ -130,11 +132,12 @@ class ShmSegment {
   // Note [Direct all-gather and reduce-scatter]: the same steps as the direct all-reduce, each rank
   // publishing part of its input in its slot (header in the first step's), then reading what it
   // needs from every peer's slot; synchronous, one collective of the group at a time.
-  //  all_gather: `input` is `bytes` bytes (any dtype: only bytes move); `output` n·bytes, rank i's
-  //    input at offset i·bytes. Per step each rank publishes up to a slot of its input and copies
-  //    every peer's out: one copy in, n-1 copies out.
+  //  all_gather: `input` is `bytes` bytes (any dtype: only bytes move; it may be exactly this rank's
+  //    block of `output`); `output` n·bytes, rank i's input at offset i·bytes. Per step each rank
+  //    publishes up to a slot of its input and copies every peer's out: one copy in, n-1 copies out.
   //  reduce_scatter: `input` holds n blocks of `output.numel()` elements (float32/float64/int32/int64);
-  //    `output` (not overlapping `input`) receives op over the ranks' block `rank`. Per step each
+  //    `output` (not overlapping `input`, or exactly its block `rank`) receives op over the ranks'
+  //    block `rank`, this rank's own piece first. Per step each
   //    rank publishes a 1/n-slot piece of every peer's block and reduces its own block's piece
   //    straight from the peers' slots and its own input.
   // A rejected rank (`local_error` non-empty) passes undefined tensors; checks as in all_reduce.
@@ -198,6 +201,7 @@ class ShmSegment {
 
   int rank_ = 0;
   int size_ = 1;
+  std::string group_;
   std::chrono::milliseconds timeout_{0};
   std::vector<int> pids_;
   char* base_ = nullptr;

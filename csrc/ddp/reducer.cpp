@@ -178,7 +178,7 @@ void Reducer::launch(Bucket& bucket) {
   // Note [Overlap]: queued on the group's engine, which runs it while backward goes on.
   at::Tensor flat = bucket.flat;
   const comm::Algorithm algorithm = algorithm_;
-  bucket.work = engine_->submit(flat.device().type(), comm::TransportKind::kAuto, [flat, algorithm](comm::Communicator& comm) mutable {
+  bucket.work = engine_->submit(flat.device().type(), comm::TransportKind::kAuto, "all_reduce", [flat, algorithm](comm::Communicator& comm) mutable {
     comm::all_reduce_(flat, comm::ReduceOp::kSum, algorithm, comm);
   });
 }
@@ -237,7 +237,7 @@ void Reducer::finish_per_parameter() {
     at::Tensor& grad = params_[i].mutable_grad();
     if (!grad.defined()) grad = at::zeros_like(params_[i]);  // every rank must issue the same collectives
     at::Tensor contiguous = grad.is_contiguous() ? grad : grad.contiguous();
-    engine_->run(contiguous.device().type(), comm::TransportKind::kAuto,
+    engine_->run(contiguous.device().type(), comm::TransportKind::kAuto, "all_reduce",
                  [&](comm::Communicator& comm) { comm::all_reduce_(contiguous, comm::ReduceOp::kMean, algorithm, comm); });
     if (!contiguous.is_same(grad)) grad.copy_(contiguous);
     ++collectives_;

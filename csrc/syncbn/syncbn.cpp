@@ -62,7 +62,7 @@ void check_statistic(const at::Tensor& t, const char* name, const at::Tensor& in
 // Runs the pass's one all-reduce (Note [One all-reduce per pass]); returns the group's size.
 int all_reduce(at::Tensor& buffer, comm::Algorithm algorithm, std::string_view group_name) {
   auto engine = comm::Engine::of(std::string(group_name));
-  engine->run(buffer.device().type(), comm::TransportKind::kAuto,
+  engine->run(buffer.device().type(), comm::TransportKind::kAuto, "all_reduce",
               [&](comm::Communicator& comm) { comm::all_reduce_(buffer, comm::ReduceOp::kSum, algorithm, comm); });
   return engine->size();
 }
@@ -81,7 +81,8 @@ void check_or_reject(Checks&& checks, const at::Tensor& input, bool communicates
       const std::string error = e.what_without_backtrace();
       const c10::DeviceType device = input.defined() ? input.device().type() : c10::kCPU;
       try {
-        comm::Engine::of(std::string(*group_name))->run(device, comm::TransportKind::kAuto, [&](comm::Communicator& comm) {
+        comm::Engine::of(std::string(*group_name))->run(device, comm::TransportKind::kAuto, "all_reduce",
+                                                        [&](comm::Communicator& comm) {
           comm::reject(comm::CollectiveKind::kAllReduce, error, comm);
         });
       } catch (const std::exception&) {
