@@ -2,7 +2,7 @@
 
     BACKEND=ddpkit python -m pytest tests/torch_suite.py -k test_all_reduce_sum      # one test, on ddpkit
     BACKEND=gloo   python -m pytest tests/torch_suite.py                             # all of it, on gloo
-    python scripts/torch_suite.py                     # both backends, the table of differences
+    python scripts/run_torch_suite.py                     # both backends, the table of differences
 
 ``torch.testing._internal.distributed.distributed_test`` (shipped in the wheel) defines the suite as
 ``DistributedTest._DistTestBase`` over ``TestDistBackend``; torch runs it through
