@@ -16,7 +16,7 @@ reason that is ``torch``'s own, named); a test that fails on one backend only is
 (``--reruns``), and one that passes then is listed as flaky, not as a difference (the machine is
 shared: the suite's own file barrier gives up after 10 s). A difference that ``REASONS`` does not know is written as
 ``unclassified`` and the script exits with status 1: read the failure and add it. Results:
-``benchmarks/results/torch_suite.json`` (every test's outcome on both backends, the differences,
+``docs/torch_suite.json`` (every test's outcome on both backends, the differences,
 the run's duration) and ``docs/torch_suite.md`` (the table of differences); with ``--tests`` or
 ``--output`` the default files are left alone.
 """
@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results" / "torch_suite.json"
+# (not in benchmarks/results/: every file there holds typed benchmark records, tests/test_bench_records.py)
+RESULTS = REPO_ROOT / "docs" / "torch_suite.json"
 TABLE = REPO_ROOT / "docs" / "torch_suite.md"
 BACKENDS = ("gloo", "ddpkit")
 
@@ -230,7 +231,7 @@ def markdown(document: dict) -> str:
         "`torch.testing._internal.distributed.distributed_test` (`TestDistBackend`, `DistributedTest._DistTestBase`), run "
         "by `tests/torch_suite.py` with forked ranks; \"ddpkit\" is in the suite's `plugin`, `ddp` and `subgroup` feature "
         "sets and its literal gloo gates are opened (see that module). Every result is in "
-        "`benchmarks/results/torch_suite.json`.",
+        "`docs/torch_suite.json`.",
         "",
         "| backend | tests | passed | failed / error | skipped | run time |",
         "|---|---:|---:|---:|---:|---:|",
@@ -280,7 +281,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tests", nargs="+", help="test names (default: the whole suite)")
     parser.add_argument("--test-timeout", type=int, default=120, help="seconds before a test's ranks are killed (120)")
     parser.add_argument("--budget", type=float, default=3600, help="seconds one backend's run may take in all (3600)")
-    parser.add_argument("--output", type=Path, help="results file (default benchmarks/results/torch_suite.json and "
+    parser.add_argument("--output", type=Path, help="results file (default docs/torch_suite.json and "
                         "docs/torch_suite.md; not written with --tests unless given)")
     parser.add_argument("--quiet", action="store_true", help="no line per test")
     parser.add_argument("--reruns", type=int, choices=(0, 1), default=1,

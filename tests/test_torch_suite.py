@@ -1,7 +1,7 @@
 """CI's selection of torch's distributed test suite on "ddpkit" (issue 25, item 5).
 
 The selection is every test that passes on gloo in the committed run of the whole suite
-(``benchmarks/results/torch_suite.json``, written by ``scripts/run_torch_suite.py``; 91 of 285 at world
+(``docs/torch_suite.json``, written by ``scripts/run_torch_suite.py``; 91 of 285 at world
 size 2), run at ``BACKEND=ddpkit`` in one process (``scripts/run_torch_suite.py --backends ddpkit``,
 forked ranks, each test killed after 60 s, the whole run after 170 s): about a minute on 2 cores.
 Each must pass, except the differences that ``scripts/run_torch_suite.py``'s ``REASONS`` names as
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS = REPO_ROOT / "benchmarks" / "results" / "torch_suite.json"
+RESULTS = REPO_ROOT / "docs" / "torch_suite.json"
 SCRIPT = REPO_ROOT / "scripts" / "run_torch_suite.py"
 
 
