@@ -5,7 +5,7 @@ runs on ddpkit's engine, over shared memory when the ranks share a host.
     torchrun --nproc_per_node 2 examples/torch_ddp_on_ddpkit.py
 
 ``import ddpkit`` registers the backend. With GPUs, ``init_process_group("cpu:ddpkit,cuda:nccl")``
-keeps CUDA tensors on NCCL. (FSDP2 on the "ddpkit" backend does not work yet.)
+keeps CUDA tensors on NCCL.
 """
 
 import torch
