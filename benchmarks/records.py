@@ -250,9 +250,43 @@ class TrainingRecord(Record):
         return [epoch["epoch_time_s"] for epoch in self.epochs]
 
 
+# -- bench_multihost.py: multihost.json ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultihostRecord(Record):
+    """One all-reduce candidate across simulated hosts at one size: time per call of the slowest rank."""
+    kind: str = _kind("multihost_all_reduce")
+    topology: str                 # "2x2": hosts x ranks per host
+    link: str                     # "unshaped", or the tbf rate ("1gbit")
+    numel: int
+    candidate: str                # ddpkit, ddpkit_flat, ddpkit_backend, gloo
+    median_s: float
+    p25_s: float
+    p75_s: float
+    reps: int
+    batch: int                    # back-to-back calls per repetition
+    ratio_to_gloo: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultihostDdpRecord(Record):
+    """One DDP candidate's step across simulated hosts, slowest rank."""
+    kind: str = _kind("multihost_ddp")
+    topology: str
+    link: str
+    candidate: str                # ddpkit_ddp, torch_ddp_gloo, torch_ddp_ddpkit
+    median_s: float
+    p25_s: float
+    p75_s: float
+    reps: int
+    ratio_to_torch_ddp_gloo: float
+
+
 # A record with a "kind" is of the class of its kind; a record without one, of the class of its file.
 BY_KIND: dict[str, type[Record]] = {"time": AllreduceTimeRecord, "memory": AllreduceMemoryRecord,
-                                    "collective": CollectiveRecord, "layers": LayerRecord, "ddp": DdpRecord}
+                                    "collective": CollectiveRecord, "layers": LayerRecord, "ddp": DdpRecord,
+                                    "multihost_all_reduce": MultihostRecord, "multihost_ddp": MultihostDdpRecord}
 BY_BENCHMARK: dict[str, type[Record]] = {"syncbn": SyncBatchNormRecord, "ddp": DdpRecord, "training": TrainingRecord}
 
 

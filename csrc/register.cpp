@@ -53,13 +53,15 @@ TORCH_LIBRARY(ddpkit, m) {
   m.def("collective_checks_enabled() -> bool", &ddpkit::comm::collective_checks_enabled_op);
   m.def("comm_counters() -> int[]", &ddpkit::comm::comm_counters_op);
   m.def("reset_comm_counters() -> ()", &ddpkit::comm::reset_comm_counters_op);
-  m.def("choose_algorithm(int bytes, int world_size, bool shared_memory=False) -> str",
+  m.def("choose_algorithm(int bytes, int world_size, bool shared_memory=False, bool hierarchical=False, "
+        "str op=\"sum\") -> str",
         &ddpkit::comm::choose_algorithm_op);
   m.def("algorithms() -> str[]", &ddpkit::comm::algorithms_op);
   m.def("transports() -> str[]", &ddpkit::comm::transports_op);
   m.def("reduce_ops() -> str[]", &ddpkit::comm::reduce_ops_op);
   m.def("collectives() -> str[]", &ddpkit::comm::collectives_op);
   m.def("resolved_transport(str group_name, str transport=\"auto\") -> str", &ddpkit::comm::resolved_transport_op);
+  m.def("topology(str group_name) -> int[]", &ddpkit::comm::topology_op);
 
   // Gradient bucketing DDP (csrc/ddp): the pure bucket assignment and the reducer.
   m.def("grad_sync_modes() -> str[]", &ddpkit::ddp::grad_sync_modes);

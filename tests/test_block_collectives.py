@@ -1,11 +1,11 @@
 """all_gather_into_tensor, reduce_scatter_tensor and barrier (Note [All-gather and reduce-scatter] in
-csrc/comm/collectives.h, Note [Direct all-gather and reduce-scatter] in csrc/comm/shm.h).
+csrc/comm/collectives.h, Note [Direct all-gather and reduce-scatter] in csrc/comm/shm_direct.h).
 
 Every algorithm valid for each transport runs on the same integer-valued inputs and is compared
 exactly with a float64 reference built here from the same seeds (sums, maxima and minima of
 integers below 2^24 are exact in float32; a mean is the exact sum divided once, so one correctly
 rounded division); all-gathered outputs must have identical bits on every rank. Block sizes cover
-0, 1, n-1, odd and larger than a shared-memory slot (kSlotBytes in csrc/comm/shm.cpp, 256 KiB), so
+0, 1, n-1, odd and larger than a shared-memory slot (kSlotBytes in csrc/comm/shm_segment.cpp, 256 KiB), so
 the direct paths take many steps. Mismatched calls raise on every rank, naming the difference, and
 leave the group usable; the barrier blocks; nothing is left in /dev/shm.
 """
@@ -26,7 +26,7 @@ from test_shm import ddpkit_segments
 TRANSPORTS = ["shm", "process_group"]
 BLOCK_ALGORITHMS = ("auto", "ring", "halving_doubling", "direct")
 REDUCE_OPS = ("sum", "mean", "max", "min")
-LARGE = 600_000  # float32 elements per block: 2.4 MB, ten 256 KiB slots (kSlotBytes in csrc/comm/shm.cpp)
+LARGE = 600_000  # float32 elements per block: 2.4 MB, ten 256 KiB slots (kSlotBytes in csrc/comm/shm_segment.cpp)
 
 
 def algorithms_for(transport: str, world_size: int | None = None) -> list[str]:

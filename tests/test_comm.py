@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.comm import ALGORITHMS
+from ddpkit.comm import ONE_HOST_ALGORITHMS as ALGORITHMS
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 
@@ -344,19 +344,27 @@ def test_many_mixed_collectives_are_exact(pool):
 def test_auto_choice_is_a_real_algorithm():
     for world_size in (1, 2, 3, 4, 8, 16, 32):
         for nbytes in (4, 4000, 400_000, 40_000_000):
-            assert ddpkit.comm.choose_algorithm(nbytes, world_size) in ALGORITHMS[:-2]
+            for op in ("sum", "max"):
+                assert ddpkit.comm.choose_algorithm(nbytes, world_size, op=op) in (
+                    "ring", "butterfly", "star", "gather_scatter", "recursive_doubling", "halving_doubling",
+                    "process_group")
 
 
 def test_auto_choice_follows_the_note():
-    """Note [Choosing an algorithm]: direct over shared memory; over the process group the star up to
-    512 KiB while rank 0 receives at most 16 MiB in all, then halving-doubling (powers of two) or the ring."""
+    """Note [Choosing an algorithm]: direct over shared memory; hierarchical across hosts with a host of
+    several ranks; over the process group the star up to 512 KiB while rank 0 receives at most 16 MiB in
+    all, then the group's own all-reduce for sums and means, halving-doubling (powers of two) or the ring
+    for max and min."""
     choose = ddpkit.comm.choose_algorithm
     for world_size in (2, 3, 8, 32):
         for nbytes in (4, 512 * 1024, 64 * 2**20):
             assert choose(nbytes, world_size, shared_memory=True) == "direct"
-    large = "halving_doubling"
-    assert choose(512 * 1024, 2) == "star" and choose(512 * 1024 + 4, 2) == large
-    assert choose(512 * 1024, 3) == "star" and choose(512 * 1024 + 4, 3) == "ring"
-    # From 34 ranks on, rank 0's share caps the star below 512 KiB: at 64, 16 MiB / 63 per message.
-    assert choose(16 * 2**20 // 63, 64) == "star" and choose(16 * 2**20 // 63 + 4, 64) == large
-    assert choose(40_000_000, 6) == "ring" and choose(40_000_000, 8) == large
+            assert choose(nbytes, world_size, hierarchical=True) == "hierarchical"
+    for op, large in (("sum", "process_group"), ("mean", "process_group"), ("max", "halving_doubling"),
+                      ("min", "halving_doubling")):
+        ring = "ring" if large == "halving_doubling" else large
+        assert choose(512 * 1024, 2, op=op) == "star" and choose(512 * 1024 + 4, 2, op=op) == large
+        assert choose(512 * 1024, 3, op=op) == "star" and choose(512 * 1024 + 4, 3, op=op) == ring
+        # From 34 ranks on, rank 0's share caps the star below 512 KiB: at 64, 16 MiB / 63 per message.
+        assert choose(16 * 2**20 // 63, 64, op=op) == "star" and choose(16 * 2**20 // 63 + 4, 64, op=op) == large
+        assert choose(40_000_000, 6, op=op) == ring and choose(40_000_000, 8, op=op) == large

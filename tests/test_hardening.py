@@ -1,5 +1,5 @@
 """ddpkit under faults, bad input and a hostile local user: every case here failed before it was
-fixed (see Note [Shared-memory segment] in csrc/comm/shm.h and Note [Collective checks] in
+fixed (see Note [Shared-memory segment] in csrc/comm/shm_segment.h and Note [Collective checks] in
 csrc/comm/communicator.h).
 
 - A local user of another uid cannot feed a rank a segment, read or write one, whatever it writes

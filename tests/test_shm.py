@@ -1,4 +1,4 @@
-"""The shared-memory transport and the collective engine (csrc/comm/shm.h, csrc/comm/engine.h).
+"""The shared-memory transport and the collective engine (csrc/comm/shm_segment.h, shm_direct.h, shm_channels.h, csrc/comm/engine.h).
 
 Every collective runs over shared memory and over the process group's send/recv on the same inputs
 and is compared with a float64 reference (integer-valued inputs exactly) and across ranks (identical
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.comm import ALGORITHMS
+from ddpkit.comm import ONE_HOST_ALGORITHMS as ALGORITHMS
 from ddpkit.testing import WorkerPool
 
 from test_comm import all_inputs, rank_input, reference

@@ -1,6 +1,6 @@
 #include "comm/collectives.h"
 
-#include "comm/shm.h"
+#include "comm/split.h"
 
 #include <algorithm>
 #include <bit>
@@ -11,16 +11,6 @@
 
 namespace ddpkit::comm {
 namespace {
-
-
-// Balanced split of `numel` elements into `parts` chunks: the first numel % parts chunks get one more.
-struct Chunks {
-  int64_t numel;
-  int64_t parts;
-  int64_t start(int64_t i) const { return i * (numel / parts) + std::min(i, numel % parts); }
-  int64_t length(int64_t i) const { return start(i + 1) - start(i); }
-  int64_t max_length() const { return (numel + parts - 1) / parts; }
-};
 
 at::Tensor slice(const at::Tensor& flat, int64_t begin, int64_t end) { return flat.narrow(0, begin, end - begin); }
 
@@ -141,7 +131,7 @@ void run_schedule(Communicator& comm, Schedule& schedule, size_t look_ahead = 1)
 Schedule ring_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
   const int right = (r + 1) % n;
   const int left = (r + n - 1) % n;
-  const Chunks chunks{flat.numel(), n};
+  const BalancedSplit chunks{flat.numel(), n};
   auto chunk = [=](int64_t i) { return flat.narrow(0, chunks.start(i), chunks.length(i)); };
   // One scratch chunk per reduce-scatter step, so that every receive of the ring can be posted at the
   // start (Note [Ring receives up front]).
@@ -165,7 +155,7 @@ Schedule ring_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
 }
 
 Schedule butterfly_schedule(const at::Tensor& flat, ReduceOp op, int n, int r) {
-  const Chunks chunks{flat.numel(), n};
+  const BalancedSplit chunks{flat.numel(), n};
   auto chunk = [=](int64_t i) { return flat.narrow(0, chunks.start(i), chunks.length(i)); };
   at::Tensor owned = chunk(r);
   at::Tensor received = at::empty({n, chunks.length(r)}, flat.options());
@@ -297,7 +287,7 @@ Schedule halving_doubling_schedule(const at::Tensor& flat, ReduceOp op, int n, i
   Schedule core;
   if (!f.sits_out()) {
     const int q = f.folded_rank();
-    const Chunks chunks{flat.numel(), f.p};
+    const BalancedSplit chunks{flat.numel(), f.p};
     auto range = [=](int lo, int hi) { return slice(flat, chunks.start(lo), chunks.start(hi)); };
     int lo = 0, hi = f.p;
     // Reduce-scatter by recursive halving: keep the half holding chunk q, hand the other half over.
@@ -347,9 +337,11 @@ std::string_view algorithm_name(Algorithm algorithm) {
   return kAlgorithmNames[index];
 }
 
-Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device, bool shared_memory) {
+Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device, bool shared_memory,
+                           bool hierarchical, ReduceOp op) {
   if (device != c10::kCPU) return Algorithm::kProcessGroup;
   if (shared_memory) return Algorithm::kDirect;
+  if (hierarchical) return Algorithm::kHierarchical;
   // Note [Choosing an algorithm]: small messages go through the star, large ones through the
   // schedules that spread the reduction evenly over the ranks.
   constexpr int64_t kStarMaxBytes = 512 * 1024;
@@ -357,6 +349,7 @@ Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device
   if (bytes <= kStarMaxBytes && static_cast<int64_t>(world_size - 1) * bytes <= kStarBudgetBytes) {
     return Algorithm::kStar;
   }
+  if (op == ReduceOp::kSum || op == ReduceOp::kMean) return Algorithm::kProcessGroup;
   const bool power_of_two = (world_size & (world_size - 1)) == 0;
   return power_of_two ? Algorithm::kHalvingDoubling : Algorithm::kRing;
 }
@@ -381,6 +374,74 @@ void on_host_copy(at::Tensor& tensor, Collective&& collective) {
 
 }  // namespace
 
+namespace {
+
+// The all-reduce of `block` among the ranks `h.cross` spans (one per host), in place (Note
+// [Hierarchical collectives]): gloo's own for sums, ddpkit's ring for max and min. A kMean is summed
+// here; the caller divides once.
+void cross_host_all_reduce(at::Tensor& block, ReduceOp op, const Hierarchy& h, Communicator& comm) {
+  if (h.cross_size == 1 || block.numel() == 0) return;
+  try {
+    if (op == ReduceOp::kSum || op == ReduceOp::kMean) {
+      c10d::AllreduceOptions options;
+      options.reduceOp = c10d::ReduceOp::SUM;
+      std::vector<at::Tensor> tensors{block};
+      h.cross->allreduce(tensors, options)->wait();
+      return;
+    }
+    Communicator cross(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
+    Schedule schedule = ring_schedule(block, op, h.cross_size, h.cross_rank);
+    run_schedule(cross, schedule, schedule.size());
+  } catch (const c10::Error& e) {
+    std::string ranks;
+    for (int rank : h.cross_ranks) ranks += c10::str(ranks.empty() ? "" : ", ", rank);
+    TORCH_CHECK(false, "ddpkit.", comm.what(), " (", comm.where(), "): the step across hosts, among ranks ", ranks,
+                ", failed: ", e.what_without_backtrace());
+  }
+}
+
+}  // namespace
+
+void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, Communicator& comm) {
+  const Topology& topology = h.topology;
+  DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+  // Inside a host the mean is a sum: the division by the group's size comes once, at the end.
+  const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  // Unchecked steps: the group's check already ran over the process group.
+  CollectiveHeader header = comm.stamp(make_header(CollectiveKind::kAllReduce, flat, local_op, Algorithm::kHierarchical, -1), {});
+  try {
+    if (h.uniform) {
+      // Horovod's split: reduce-scatter in the host, the slices across hosts, all-gather in the host.
+      const int64_t parts = topology.local_size();
+      const int64_t m = (flat.numel() + parts - 1) / parts;
+      at::Tensor padded = flat;
+      if (m * parts != flat.numel()) {
+        padded = at::zeros({m * parts}, flat.options());
+        padded.narrow(0, 0, flat.numel()).copy_(flat);
+      }
+      at::Tensor block = padded.narrow(0, topology.local_rank() * m, m);
+      if (local != nullptr) local->reduce_scatter(block, padded, local_op, header, {}, /*checked=*/false);
+      cross_host_all_reduce(block, op, h, comm);
+      finish_reduction_(block, op, comm.size());
+      if (local != nullptr) local->all_gather(padded, block, header, {}, /*checked=*/false);
+      if (!padded.is_same(flat)) flat.copy_(padded.narrow(0, 0, flat.numel()));
+    } else {
+      // The leaders' form: all-reduce in the host, the leaders across hosts, broadcast in the host.
+      at::Tensor whole = flat;
+      if (local != nullptr) local->all_reduce(whole, local_op, header, {}, /*checked=*/false);
+      if (topology.local_rank() == 0) {
+        cross_host_all_reduce(whole, op, h, comm);
+        finish_reduction_(whole, op, comm.size());
+      }
+      if (local != nullptr) local->broadcast(whole, 0, header, {}, /*checked=*/false);
+    }
+  } catch (const c10::Error& e) {
+    // This host's other ranks may be waiting for this one in a step inside the host: stop them too.
+    if (local != nullptr) local->abandon(e.what_without_backtrace());
+    throw;
+  }
+}
+
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm) {
   if (staged(tensor, comm)) {
     return on_host_copy(tensor, [&](at::Tensor& host) { all_reduce_(host, op, algorithm, comm); });
@@ -389,7 +450,7 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   const int n = comm.size();
   const int r = comm.rank();
   const Algorithm requested = algorithm;
-  if (algorithm == Algorithm::kDirect && comm.shm() == nullptr && n > 1) {
+  if (algorithm == Algorithm::kDirect && !comm.has_direct() && n > 1) {
     // Rejected like any bad argument, so that the peers learn it (Note [Collective checks]).
     if (error.empty()) {
       error = "ddpkit.all_reduce: algorithm 'direct' needs the shared-memory transport (every rank on this host, "
@@ -397,30 +458,43 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
     }
     algorithm = Algorithm::kAuto;
   }
+  if (algorithm == Algorithm::kHierarchical && comm.hierarchy() == nullptr) {
+    if (error.empty()) {
+      error = "ddpkit.all_reduce: algorithm 'hierarchical' needs a group spanning hosts, some with several ranks, "
+              "and CPU tensors over transport 'auto'";
+    }
+    algorithm = Algorithm::kAuto;
+  }
   if (algorithm == Algorithm::kAuto) {
     const int64_t bytes = error.empty() ? tensor.numel() * static_cast<int64_t>(tensor.element_size()) : 0;
-    algorithm = choose_algorithm(bytes, n, comm.device_type(), comm.shm() != nullptr);
+    algorithm = choose_algorithm(bytes, n, comm.device_type(), comm.has_direct(), comm.hierarchy() != nullptr, op);
   }
   if (algorithm == Algorithm::kDirect && n > 1) {
-    // Note [Direct all-reduce]: the header check rides in the shared-memory slots, no messages.
-    comm.note_collective(CollectiveKind::kAllReduce);
-    CollectiveHeader header = make_header(CollectiveKind::kAllReduce, tensor, op, requested, -1);
-    header.magic = error.empty() ? kHeaderMagic : kRejectedMagic;
-    header.sequence = static_cast<int64_t>(comm.sequence() & 0x7FFFFF);
+    // Note [Direct all-reduce]: the header check rides in the transport's first step, no messages.
     at::Tensor work = error.empty() ? working_copy(tensor) : at::Tensor();
     at::Tensor flat = work.defined() ? work.view(-1) : work;
-    comm.shm()->all_reduce(flat, op, header, error, is_checked());
+    comm.run_direct(make_header(CollectiveKind::kAllReduce, tensor, op, requested, -1), error,
+                    [&](DirectCollectives& direct, const CollectiveHeader& header, bool checked) {
+                      direct.all_reduce(flat, op, header, error, checked);
+                    });
     write_back(tensor, work);
     return;
   }
+  // The group's own all-reduce asked for by name is the unchecked baseline (Note [Choosing an algorithm]).
   comm.begin(make_header(CollectiveKind::kAllReduce, tensor, op, requested, -1), error,
-             /*exchange_header=*/algorithm != Algorithm::kProcessGroup);
+             /*exchange_header=*/requested != Algorithm::kProcessGroup);
   if (tensor.numel() == 0 || n == 1) {
     comm.settle_header();
     return;
   }
   at::Tensor work = working_copy(tensor);
   at::Tensor flat = work.view(-1);
+  if (algorithm == Algorithm::kHierarchical) {
+    comm.settle_header();
+    hierarchical_all_reduce(flat, op, *comm.hierarchy(), comm);
+    write_back(tensor, work);
+    return;
+  }
   if (algorithm == Algorithm::kProcessGroup) {
     comm.settle_header();
     comm.process_group_all_reduce(work, op)->wait();
@@ -438,6 +512,7 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
     case Algorithm::kHalvingDoubling: schedule = halving_doubling_schedule(flat, op, n, r); break;
     case Algorithm::kAuto:
     case Algorithm::kDirect:
+    case Algorithm::kHierarchical:
     case Algorithm::kProcessGroup: TORCH_INTERNAL_ASSERT(false, "resolved above");
   }
   // Note [Ring receives up front]: the ring's every receive may be posted before its first send.
@@ -657,13 +732,13 @@ std::string gather_scatter_error(const at::Tensor& output, const at::Tensor& inp
 // which meets its peers' first step whatever they chose.
 Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm, std::string_view what,
                                   std::string& error) {
-  const Algorithm automatic = comm.shm() != nullptr ? Algorithm::kDirect : Algorithm::kRing;
+  const Algorithm automatic = comm.has_direct() ? Algorithm::kDirect : Algorithm::kRing;
   std::string problem;
   if (algorithm != Algorithm::kAuto && algorithm != Algorithm::kRing && algorithm != Algorithm::kDirect &&
       algorithm != Algorithm::kHalvingDoubling) {
     problem = c10::str("ddpkit.", what, ": algorithm must be 'auto', 'ring', 'halving_doubling' or 'direct', got '",
                        algorithm_name(algorithm), "'");
-  } else if (algorithm == Algorithm::kDirect && comm.shm() == nullptr && comm.size() > 1) {
+  } else if (algorithm == Algorithm::kDirect && !comm.has_direct() && comm.size() > 1) {
     problem = c10::str("ddpkit.", what,
                        ": algorithm 'direct' needs the shared-memory transport (every rank on this host, CPU tensors)");
   } else if (algorithm == Algorithm::kHalvingDoubling && !std::has_single_bit(static_cast<unsigned>(comm.size()))) {
@@ -691,12 +766,11 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
   std::string error = gather_scatter_error(output, input, n, r, /*gather=*/true, std::nullopt);
   const Algorithm requested = algorithm;
   algorithm = resolve_block_algorithm(algorithm, comm, "all_gather_into_tensor", error);
-  CollectiveHeader header = make_header(CollectiveKind::kAllGather, input, std::nullopt, requested, -1);
+  const CollectiveHeader header = make_header(CollectiveKind::kAllGather, input, std::nullopt, requested, -1);
   if (algorithm == Algorithm::kDirect && n > 1) {
-    comm.note_collective(CollectiveKind::kAllGather);
-    header.magic = error.empty() ? kHeaderMagic : kRejectedMagic;
-    header.sequence = static_cast<int64_t>(comm.sequence() & 0x7FFFFF);
-    comm.shm()->all_gather(output, input, header, error, is_checked());
+    comm.run_direct(header, error, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool checked) {
+      direct.all_gather(output, input, stamped, error, checked);
+    });
     return;
   }
   comm.begin(header, error);
@@ -742,16 +816,15 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   std::string error = gather_scatter_error(output, input, n, r, /*gather=*/false, op);
   const Algorithm requested = algorithm;
   algorithm = resolve_block_algorithm(algorithm, comm, "reduce_scatter_tensor", error);
-  CollectiveHeader header = make_header(CollectiveKind::kReduceScatter, output, op, requested, -1);
+  const CollectiveHeader header = make_header(CollectiveKind::kReduceScatter, output, op, requested, -1);
   const bool narrow_float = error.empty() && (output.scalar_type() == at::kHalf || output.scalar_type() == at::kBFloat16);
   if (algorithm == Algorithm::kDirect && n > 1) {
-    comm.note_collective(CollectiveKind::kReduceScatter);
-    header.magic = error.empty() ? kHeaderMagic : kRejectedMagic;
-    header.sequence = static_cast<int64_t>(comm.sequence() & 0x7FFFFF);
     // float16/bfloat16 are reduced in float32, like every reduction (collectives.h).
     const at::Tensor work_in = narrow_float ? input.to(at::kFloat) : input;
     at::Tensor work_out = narrow_float ? at::empty(output.sizes(), output.options().dtype(at::kFloat)) : output;
-    comm.shm()->reduce_scatter(work_out, work_in, op, header, error, is_checked());
+    comm.run_direct(header, error, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool checked) {
+      direct.reduce_scatter(work_out, work_in, op, stamped, error, checked);
+    });
     write_back(output, work_out);
     return;
   }
@@ -850,12 +923,11 @@ void all_to_all_(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>
 void barrier(Communicator& comm) {
   CollectiveHeader header;
   header.kind = static_cast<int64_t>(CollectiveKind::kBarrier);
-  if (comm.shm() != nullptr) {
-    // One step of the slot protocol is a barrier in itself, whether checks are on or off.
-    comm.note_collective(CollectiveKind::kBarrier);
-    header.magic = kHeaderMagic;
-    header.sequence = static_cast<int64_t>(comm.sequence() & 0x7FFFFF);
-    comm.shm()->check_header(header, "", "barrier");
+  if (comm.has_direct()) {
+    // One step of the direct collectives is a barrier in itself, whether checks are on or off.
+    comm.run_direct(header, {}, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool) {
+      direct.check(stamped, {}, "barrier");
+    });
     return;
   }
   comm.begin(header);

@@ -41,6 +41,8 @@ namespace ddpkit::comm {
 //  kDirect            shared memory only, no messages: every rank publishes its vector in its slot
 //                     and reduces its 1/n slice (or, small, the whole vector) straight from its
 //                     peers' slots: one copy in, one reduce pass, one copy out (Note [Direct all-reduce]).
+//  kHierarchical      a group spanning hosts: shared memory inside each host, the process group's
+//                     own all-reduce across them (Note [Hierarchical collectives] in hierarchy.h).
 // For n not a power of two, the recursive algorithms first fold the 2·(n-p) lowest ranks pairwise
 // (p the largest power of two below n) and unfold at the end: two more rounds of the whole vector.
 // kAuto picks by message size and n (choose_algorithm), from benchmarks/bench_allreduce.py on
@@ -61,8 +63,13 @@ namespace ddpkit::comm {
 // anyway, and the star's rank 0, which alone receives, reduces and returns the whole vector,
 // finishes a 25 MB bucket far later than a ring that spreads that work evenly. So over the process
 // group kAuto takes the star up to kStarMaxBytes while rank 0's share, (n-1)·bytes, stays within
-// kStarBudgetBytes, and beyond that halving-doubling for powers of two, else the ring. On GPUs it
-// takes the group's own all-reduce: NCCL's kernels beat any schedule of point-to-point calls.
+// kStarBudgetBytes; beyond that, sums and means take the group's own all-reduce (gloo's pipelined
+// TCP ring: point-to-point schedules over its send/recv lost to it there, 1.2x at 1M floats across
+// two hosts), max and min halving-doubling for powers of two, else the ring (they keep Note
+// [Reductions]'s semantics, which gloo's do not). A group spanning hosts where some host holds more
+// than one rank takes kHierarchical at every size. On GPUs kAuto takes the group's own all-reduce:
+// NCCL's kernels beat any schedule of point-to-point calls. The collective check runs whichever
+// algorithm kAuto takes; only kProcessGroup asked for by name skips it (the baseline).
 
 enum class Algorithm : int64_t {
   kRing = 0,
@@ -74,12 +81,13 @@ enum class Algorithm : int64_t {
   kAuto = 6,
   kProcessGroup = 7,
   kDirect = 8,
+  kHierarchical = 9,
 };
 
 // One name per Algorithm, in enum order (what the Python API and errors say).
-inline constexpr std::array<std::string_view, 9> kAlgorithmNames = {
+inline constexpr std::array<std::string_view, 10> kAlgorithmNames = {
     "ring", "butterfly", "star", "gather_scatter", "recursive_doubling", "halving_doubling", "auto", "process_group",
-    "direct"};
+    "direct", "hierarchical"};
 // Parses a name of kAlgorithmNames; TORCH_CHECK-fails otherwise.
 Algorithm parse_algorithm(std::string_view name);
 std::string_view algorithm_name(Algorithm algorithm);
@@ -87,11 +95,15 @@ std::string_view algorithm_name(Algorithm algorithm);
 // What kAuto runs for a message of `bytes` bytes on `world_size` ranks of a `device` tensor, over
 // shared memory or not (never kAuto); Note [Choosing an algorithm].
 Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device = c10::kCPU,
-                           bool shared_memory = false);
+                           bool shared_memory = false, bool hierarchical = false, ReduceOp op = ReduceOp::kSum);
 
 // All-reduce `tensor` in place: on return every rank holds op(tensor of rank 0, ..., rank n-1),
 // bitwise identical on all ranks.
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm);
+
+// The data part of kHierarchical (Note [Hierarchical collectives]) on `flat` (contiguous, float32/64 or
+// int32/64), in place, after the collective check ran: every rank ends with the same bits.
+void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, Communicator& comm);
 
 // Copies `tensor` of rank `src` into `tensor` of every rank (binomial tree, ceil(log2 n) rounds).
 void broadcast_(at::Tensor& tensor, int src, Communicator& comm);
@@ -128,7 +140,7 @@ void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int
 //           the run of blocks it keeps each round (d = n/2 .. 1), all-gather doubles the run it
 //           holds (d = 1 .. n/2): the ring's bytes in log2(n) rounds instead of n-1.
 //  kDirect  shared memory only: every rank publishes its input in its slot and reads what it needs
-//           from its peers' (Note [Direct all-gather and reduce-scatter] in shm.h).
+//           from its peers' (Note [Direct all-gather and reduce-scatter] in shm_direct.h).
 //  kAuto    kDirect over shared memory, else kRing.
 // An algorithm a rank cannot run (kDirect without shared memory, kHalvingDoubling on another n, any
 // other) rejects that rank's arguments in the collective check, so every rank raises.

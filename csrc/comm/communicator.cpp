@@ -1,6 +1,5 @@
 #include "comm/communicator.h"
 
-#include "comm/shm.h"
 
 #include <algorithm>
 #include <cstring>
@@ -50,16 +49,15 @@ void note_buffered_bytes(int64_t bytes) {
 
 Communicator::Communicator(int rank, int size, c10::DeviceType device_type,
                            c10::intrusive_ptr<c10d::Backend> backend, std::shared_ptr<Transport> transport,
-                           ShmSegment* shm, uint64_t sequence, std::string_view group)
+                           uint64_t sequence, std::string_view group)
     : rank_(rank),
       size_(size),
       device_type_(device_type),
       backend_(std::move(backend)),
       transport_(std::move(transport)),
-      shm_(shm),
       sequence_(sequence),
       group_(group) {
-  independent_messages_ = shm_ != nullptr || !(device_type != c10::kCPU && backend_->supportsCoalescing());
+  independent_messages_ = transport_->posts_ahead();
 }
 
 std::string Communicator::where() const { return c10::str("rank ", rank_, " of ", size_, " in group '", group_, "'"); }
@@ -78,6 +76,13 @@ int Communicator::tag(int round) const {
   return static_cast<int>(((sequence_ & 0x7FFFFF) << 8) | round_bits);
 }
 
+CollectiveHeader Communicator::stamp(const CollectiveHeader& header, const std::string& local_error) const {
+  CollectiveHeader stamped = header;
+  stamped.magic = local_error.empty() ? kHeaderMagic : kRejectedMagic;
+  stamped.sequence = static_cast<int64_t>(sequence_ & 0x7FFFFF);
+  return stamped;
+}
+
 void Communicator::begin(const CollectiveHeader& header, const std::string& local_error, bool exchange_header) {
   note_collective(static_cast<CollectiveKind>(header.kind));
   local_error_ = local_error;
@@ -88,15 +93,13 @@ void Communicator::begin(const CollectiveHeader& header, const std::string& loca
   if (!is_checked()) {
     // Nobody learns of this rank's rejection, so its peers wait for it; over shared memory its next
     // collective would take their current one's step: stop this rank's transport instead.
-    if (!local_error.empty() && shm_ != nullptr) shm_->reject_unchecked(what_);
+    if (!local_error.empty() && transport_->direct() != nullptr) transport_->direct()->reject_unchecked(what_);
     TORCH_CHECK(local_error.empty(), local_error);
     return;
   }
-  CollectiveHeader words = header;
-  words.magic = local_error.empty() ? kHeaderMagic : kRejectedMagic;
-  words.sequence = static_cast<int64_t>(sequence_ & 0x7FFFFF);
-  if (shm_ != nullptr) {
-    shm_->check_header(words, local_error, what_);  // Note [Collective checks]: through the slots
+  CollectiveHeader words = stamp(header, local_error);
+  if (DirectCollectives* direct = transport_->direct()) {
+    direct->check(words, local_error, what_);  // Note [Collective checks]: one step, no messages
     return;
   }
   const auto device_options = at::TensorOptions().dtype(at::kLong).device(device_type_);

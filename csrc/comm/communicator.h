@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include "comm/header.h"
+#include "comm/hierarchy.h"
 #include "comm/reduce_op.h"
 #include "comm/transport.h"
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -49,7 +50,7 @@ namespace ddpkit::comm {
 // On shared memory no message is needed: the direct all-reduce carries each rank's header in the
 // slot of its first chunk and every rank compares all of them after the first barrier (Note [Direct
 // all-reduce]); every other collective over shared memory takes one step of the same protocol with
-// the header alone (ShmSegment::check_header) before its first message. So the check costs a few
+// the header alone (DirectCollectives::check) before its first message. So the check costs a few
 // loads, and a direct all-reduce called against a broadcast is caught like any other mismatch.
 // Meta tensors (the collectives' Meta kernels) take part in the check alone, marked "meta": all
 // ranks meta agree and move nothing; meta against real data raises everywhere.
@@ -101,16 +102,14 @@ struct Message {
 };
 using MessageList = std::vector<Message>;
 
-class ShmSegment;
-
 class Communicator {
  public:
   // Made by the group's Engine for one collective: `backend` is the group's backend for `device_type`
-  // (the group's own collectives), `transport` carries the point-to-point messages, `shm` is the
-  // shared-memory segment when `transport` is shared memory (else null), `sequence` the collective's
-  // number (Note [Tags]), `group` the group's name for errors (it must outlive the communicator).
+  // (the group's own collectives), `transport` carries the collective (its messages, and its direct
+  // collectives where it has them), `sequence` is the collective's number (Note [Tags]), `group` the
+  // group's name for errors (it must outlive the communicator).
   Communicator(int rank, int size, c10::DeviceType device_type, c10::intrusive_ptr<c10d::Backend> backend,
-               std::shared_ptr<Transport> transport, ShmSegment* shm, uint64_t sequence, std::string_view group);
+               std::shared_ptr<Transport> transport, uint64_t sequence, std::string_view group);
 
   int rank() const { return rank_; }
   // "rank 0 of 4 in group '1'": where an error happened.
@@ -121,8 +120,29 @@ class Communicator {
   int size() const { return size_; }
   uint64_t sequence() const { return sequence_; }
   c10::DeviceType device_type() const { return device_type_; }
-  // The shared-memory segment, when this collective runs over shared memory; null otherwise.
-  ShmSegment* shm() const { return shm_; }
+  // The transport's name (a name of kTransportNames).
+  std::string_view transport_name() const { return transport_->name(); }
+  // True when the transport runs collectives itself, without messages (Transport::direct()).
+  bool has_direct() const { return transport_->direct() != nullptr; }
+  // The group's hierarchy when this collective may take the hierarchical path (Note [Hierarchical
+  // collectives]): CPU tensors of a group spanning hosts; else null.
+  const Hierarchy* hierarchy() const { return hierarchy_; }
+  void use_hierarchy(const Hierarchy* hierarchy) { hierarchy_ = hierarchy; }
+
+  // `header` as this rank sends it: its magic (rejected when `local_error` is non-empty) and this
+  // collective's sequence number (its low 23 bits, as in the tags). The one place headers are stamped.
+  CollectiveHeader stamp(const CollectiveHeader& header, const std::string& local_error) const;
+
+  // Runs this collective on the transport's direct collectives (has_direct()): stamps `header`
+  // (Note [Collective checks]: rejected when `local_error` is non-empty, and numbered), counts the
+  // collective, then calls `run(direct, stamped_header, checked)`.
+  template <class Run>
+  void run_direct(const CollectiveHeader& header, const std::string& local_error, Run&& run) {
+    note_collective(static_cast<CollectiveKind>(header.kind));
+    DirectCollectives* direct = transport_->direct();
+    TORCH_INTERNAL_ASSERT(direct != nullptr, "run_direct on a transport without direct collectives");
+    run(*direct, stamp(header, local_error), is_checked());
+  }
 
   // Counts the collective and names it in errors; begin() does it, collectives that do their own
   // checks (Note [Direct all-reduce]) call it instead.
@@ -163,9 +183,8 @@ class Communicator {
   // `timeout` (default: the backend's own) bounds each message's wait.
   void wait(MessageList& messages, std::chrono::milliseconds timeout = ::kNoTimeout);
 
-  // True when sends and receives complete independently of each other (gloo, shared memory):
-  // receives can be posted ahead (Note [Pre-posted receives]). False for backends that must group
-  // each round's sends and receives (NCCL); those rounds go through start_group()/end_group().
+  // Transport::posts_ahead(): receives can be posted rounds ahead (Note [Pre-posted receives]); when
+  // false, each round's sends and receives go through start_group()/end_group().
   bool independent_messages() const { return independent_messages_; }
   void start_group();
   // Ends a group started by start_group(): the returned message stands for all of it.
@@ -189,8 +208,8 @@ class Communicator {
   c10::DeviceType device_type_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::shared_ptr<Transport> transport_;
-  ShmSegment* shm_ = nullptr;
   bool independent_messages_ = true;
+  const Hierarchy* hierarchy_ = nullptr;
   bool counted_ = true;
   uint64_t sequence_ = 0;
   std::string_view group_;

@@ -1,6 +1,7 @@
 #include "comm/engine.h"
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <cstdlib>
@@ -281,32 +282,80 @@ TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind re
                 c10::DeviceTypeName(device, /*lower_case=*/true), " tensor");
     return TransportKind::kProcessGroup;
   }
-  if (shm_state_ == ShmState::kUntried) {
-    c10::intrusive_ptr<c10d::Backend> cpu = backend(c10::kCPU);
-    std::chrono::milliseconds timeout{300000};
-    try {
-      timeout = cpu->getBackendOptions()->timeout;
-    } catch (const std::exception&) {
-    }
-    // Note [Shared-memory segment]: set up over the group's own messages, as part of this collective.
-    Communicator setup(group_.rank, group_.size, c10::kCPU, cpu, process_group_transport(c10::kCPU), nullptr, sequence,
-                       group_.name);
-    const std::string setup_what = c10::str(what, "'s shared-memory set-up");
-    setup.use_for_setup(setup_what);
-    segment_ = ShmSegment::create(setup, timeout);
-    shm_state_ = segment_ ? ShmState::kAvailable : ShmState::kUnavailable;
-    if (segment_) shm_transport_ = std::make_shared<ShmTransport>(segment_);
-  }
-  if (shm_state_ == ShmState::kAvailable) return TransportKind::kShm;
+  set_up(what, sequence);
+  if (topology_.single_host()) return TransportKind::kShm;
   TORCH_CHECK(requested != TransportKind::kShm,
               "ddpkit: transport 'shm' needs every rank of the group on this host; use transport='auto' or "
               "'process_group'");
   return TransportKind::kProcessGroup;
 }
 
+void Engine::set_up(std::string_view what, uint64_t sequence) {
+  if (set_up_) return;
+  c10::intrusive_ptr<c10d::Backend> cpu = backend(c10::kCPU);
+  std::chrono::milliseconds timeout{300000};
+  try {
+    timeout = cpu->getBackendOptions()->timeout;
+  } catch (const std::exception&) {
+  }
+  // Note [Shared-memory segment]: over the group's own messages, as part of this collective.
+  Communicator setup(group_.rank, group_.size, c10::kCPU, cpu, process_group_transport(c10::kCPU), sequence,
+                     group_.name);
+  const std::string setup_what = c10::str(what, "'s shared-memory set-up");
+  setup.use_for_setup(setup_what);
+  ShmSegment::SetUp result = ShmSegment::set_up(setup, timeout);
+  topology_ = result.topology;
+  if (result.segment) shm_transport_ = std::make_shared<ShmTransport>(result.segment);
+  if (topology_.hierarchical()) {
+    // Note [Hierarchical collectives]: the ranks this rank crosses hosts with.
+    auto hierarchy = std::make_unique<Hierarchy>();
+    hierarchy->topology = topology_;
+    hierarchy->local = shm_transport_;
+    hierarchy->uniform = topology_.uniform();
+    std::vector<int> cross;
+    if (hierarchy->uniform) {
+      for (const auto& host : topology_.hosts) cross.push_back(host[topology_.local_rank()]);
+    } else if (topology_.local_rank() == 0) {
+      for (const auto& host : topology_.hosts) cross.push_back(host.front());
+    }
+    if (!cross.empty()) {
+      hierarchy->cross = cross_backend(cross, result.nonce, hierarchy->uniform ? topology_.local_rank() : 0);
+      hierarchy->cross_ranks = cross;
+      hierarchy->cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), group_.rank) - cross.begin());
+      hierarchy->cross_size = static_cast<int>(cross.size());
+      if (hierarchy->cross) hierarchy->cross_messages = std::make_shared<ProcessGroupTransport>(hierarchy->cross, c10::kCPU);
+    }
+    // Every rank of the group must agree: no gloo backend to split anywhere means none on every rank.
+    if (hierarchy->cross || cross.empty()) hierarchy_ = std::move(hierarchy);
+  }
+  set_up_ = true;
+}
+
+c10::intrusive_ptr<c10d::Backend> Engine::cross_backend(const std::vector<int>& ranks, uint64_t nonce, int index) {
+  c10::intrusive_ptr<c10d::Backend> parent = backend(c10::kCPU);
+  if (!parent->supportsSplitting() || !group_.store) return {};
+  // gloo's split takes the parent's options (its devices, so GLOO_SOCKET_IFNAME's interface, and its
+  // timeout) and writes the subgroup's ranks into them; the parent keeps its own.
+  c10::intrusive_ptr<c10d::Backend::Options> options = parent->getBackendOptions();
+  const std::vector<uint64_t> parent_ranks = options->global_ranks_in_group;
+  auto store = c10::make_intrusive<c10d::PrefixStore>(c10::str("ddpkit/cross/", nonce, "/", index, "/"), group_.store());
+  c10::intrusive_ptr<c10d::Backend> cross = parent->split(store, ranks, options);
+  options->global_ranks_in_group = parent_ranks;
+  return cross;
+}
+
+Topology Engine::topology() {
+  Topology result;
+  run(c10::kCPU, TransportKind::kProcessGroup, "topology", [&](Communicator& comm) {
+    set_up("topology", comm.sequence());
+    result = topology_;
+  });
+  return result;
+}
+
 std::shared_ptr<Transport> Engine::process_group_transport(c10::DeviceType device) {
   auto& cached = pg_transports_[static_cast<int>(device)];
-  if (!cached) cached = std::make_shared<ProcessGroupTransport>(backend(device));
+  if (!cached) cached = std::make_shared<ProcessGroupTransport>(backend(device), device);
   return cached;
 }
 
@@ -330,8 +379,12 @@ void Engine::execute(c10::DeviceType device, TransportKind requested, std::strin
   c10::intrusive_ptr<c10d::Backend> device_backend = backend(device);
   std::shared_ptr<Transport> transport =
       kind == TransportKind::kShm ? std::shared_ptr<Transport>(shm_transport_) : process_group_transport(device);
-  Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport),
-                    kind == TransportKind::kShm ? segment_.get() : nullptr, sequence, group_.name);
+  Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport), sequence, group_.name);
+  // Across hosts, CPU collectives over the process group may take the hierarchical path.
+  if (device == c10::kCPU && kind == TransportKind::kProcessGroup && hierarchy_ && requested != TransportKind::kProcessGroup &&
+      forced_by_environment() != TransportKind::kProcessGroup) {
+    comm.use_hierarchy(hierarchy_.get());
+  }
   body(comm);
 }
 

@@ -2,7 +2,8 @@
 // One entry point per process group for every ddpkit collective (Note [Collective engine]).
 
 #include "comm/communicator.h"
-#include "comm/shm.h"
+#include "comm/hierarchy.h"
+#include "comm/shm_channels.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -128,6 +129,10 @@ class Engine {
   int size() const { return group_.size; }
   const std::string& name() const { return group_.name; }
 
+  // Which of the group's ranks share a host (Note [Topology]): a collective of the group (its
+  // first, when nothing set the group up yet), so every rank calls it at the same point.
+  Topology topology();
+
 
   ~Engine();
   Engine(const Engine&) = delete;
@@ -154,6 +159,13 @@ class Engine {
   // segment]), so every rank must resolve the same request there.
   TransportKind resolve_transport(c10::DeviceType device, TransportKind requested, std::string_view what,
                                   uint64_t sequence);
+  // Sets the group up (Note [Shared-memory segment], Note [Hierarchical collectives]) as part of
+  // collective `sequence`, once; every rank must reach it in the same collective.
+  void set_up(std::string_view what, uint64_t sequence);
+  // The subgroup of the process group's CPU backend over `ranks` (this rank among them) for the
+  // cross-host steps, made with its own store connection (split clones the store), or null when
+  // that backend cannot be split.
+  c10::intrusive_ptr<c10d::Backend> cross_backend(const std::vector<int>& ranks, uint64_t nonce, int index);
   std::shared_ptr<Transport> process_group_transport(c10::DeviceType device);
   c10::intrusive_ptr<c10d::Backend> backend(c10::DeviceType device);
   // True when `device` tensors travel through host copies (Note [Device tensors on a host group]).
@@ -162,9 +174,10 @@ class Engine {
   const EngineGroup group_;
   std::unordered_map<int, c10::intrusive_ptr<c10d::Backend>> backends_;  // by device type; execution thread only
   std::unordered_map<int, std::shared_ptr<Transport>> pg_transports_;
-  enum class ShmState { kUntried, kAvailable, kUnavailable } shm_state_ = ShmState::kUntried;
-  std::shared_ptr<ShmSegment> segment_;
-  std::shared_ptr<ShmTransport> shm_transport_;
+  bool set_up_ = false;
+  Topology topology_;
+  std::shared_ptr<ShmTransport> shm_transport_;  // this host's shared memory, when it holds more ranks
+  std::unique_ptr<Hierarchy> hierarchy_;         // when the group spans hosts (Note [Hierarchical collectives])
 
   std::mutex mutex_;  // guards everything below
   std::condition_variable cv_;

@@ -40,4 +40,19 @@ void die_if_armed(std::string_view fault, int rank) {
   if (armed(fault, rank)) kill(getpid(), SIGKILL);
 }
 
+std::string test_host() {
+  const char* value = std::getenv("DDPKIT_TEST_HOSTS");
+  const char* process_rank = std::getenv("RANK");  // the process's, whatever group asks
+  if (value == nullptr || process_rank == nullptr) return {};
+  const int rank = std::atoi(process_rank);
+  const std::string labels(value);
+  size_t start = 0;
+  for (int r = 0; r < rank; ++r) {
+    start = labels.find(',', start);
+    if (start == std::string::npos) return {};
+    ++start;
+  }
+  return labels.substr(start, labels.find(',', start) - start);
+}
+
 }  // namespace ddpkit::comm::faults

@@ -8,7 +8,12 @@
 //    answers, before the verdict.
 //  corrupt_chunk: the rank's first shared-memory message chunk claims to lie at offset 2^46 of its
 //    message (Note [Shared-memory messages]), as a forged or corrupted segment would.
+// DDPKIT_TEST_HOSTS=<label of rank 0>,<label of rank 1>,... splits one machine into hosts for the
+// tests (Note [Topology]): processes whose RANK (torchrun's) has different labels count as different
+// hosts, in every group. The tests of real
+// hosts use network and mount namespaces instead (tests/test_multihost.py).
 
+#include <string>
 #include <string_view>
 
 namespace ddpkit::comm::faults {
@@ -18,5 +23,8 @@ bool armed(std::string_view fault, int rank);
 
 // SIGKILLs this process when DDPKIT_TEST_FAULT names `fault` for `rank`.
 void die_if_armed(std::string_view fault, int rank);
+
+// This process's label in DDPKIT_TEST_HOSTS (by its RANK), or "" when either is unset.
+std::string test_host();
 
 }  // namespace ddpkit::comm::faults

@@ -123,9 +123,11 @@ std::vector<int64_t> comm_counters_op() {
 
 void reset_comm_counters_op() { reset_counters(); }
 
-std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory) {
+std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory, bool hierarchical,
+                                std::string_view op) {
   TORCH_CHECK(world_size >= 1, "ddpkit.choose_algorithm: world_size must be >= 1, got ", world_size);
-  return std::string(algorithm_name(choose_algorithm(bytes, static_cast<int>(world_size), c10::kCPU, shared_memory)));
+  return std::string(algorithm_name(choose_algorithm(bytes, static_cast<int>(world_size), c10::kCPU, shared_memory,
+                                                     hierarchical, parse_reduce_op(op))));
 }
 
 namespace {
@@ -142,11 +144,16 @@ std::vector<std::string> transports_op() { return names_of(kTransportNames); }
 std::vector<std::string> reduce_ops_op() { return names_of(kReduceOpNames); }
 std::vector<std::string> collectives_op() { return names_of(kCollectiveNames); }
 
+std::vector<int64_t> topology_op(const std::string& group_name) {
+  const Topology topology = Engine::of(group_name)->topology();
+  return std::vector<int64_t>(topology.host_of.begin(), topology.host_of.end());
+}
+
 std::string resolved_transport_op(const std::string& group_name, std::string_view transport) {
   TransportKind resolved = TransportKind::kProcessGroup;
   // Resolving may set up the segment, which is collective: it runs in the group's order.
   run_collective(group_name, c10::kCPU, transport, CollectiveKind::kBarrier, {}, [&](Communicator& comm) {
-    resolved = comm.shm() ? TransportKind::kShm : TransportKind::kProcessGroup;
+    resolved = parse_transport(comm.transport_name());
   });
   return std::string(transport_name(resolved));
 }

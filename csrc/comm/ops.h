@@ -37,12 +37,16 @@ bool collective_checks_enabled_op();
 // [collectives, messages sent, bytes sent] since the last reset, for this process.
 std::vector<int64_t> comm_counters_op();
 void reset_comm_counters_op();
-std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory);
+std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory, bool hierarchical,
+                                std::string_view op);
 // The names the string arguments accept, from the C++ enums' name tables (Python reads them here).
 std::vector<std::string> algorithms_op();
 std::vector<std::string> transports_op();
 std::vector<std::string> reduce_ops_op();
 std::vector<std::string> collectives_op();
+// Each rank's host (Note [Topology]), hosts numbered by their lowest rank (a collective: every rank
+// calls it).
+std::vector<int64_t> topology_op(const std::string& group_name);
 // What `transport` resolves to for CPU tensors of the group (a collective: every rank calls it).
 std::string resolved_transport_op(const std::string& group_name, std::string_view transport);
 

@@ -1,11 +1,17 @@
 #pragma once
-// How a Communicator moves the bytes of its point-to-point messages.
+// How a Communicator moves a collective's bytes: a transport's point-to-point messages, and what
+// else it can do. A collective asks its transport for a capability, never which transport it is
+// (NCCL's struct ncclTransport is the model).
+
+#include "comm/header.h"
+#include "comm/reduce_op.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <array>
+#include <string>
 #include <string_view>
 
 namespace ddpkit::comm {
@@ -16,7 +22,8 @@ enum class TransportKind : int64_t {
   kShm = 1,           // shared memory, or an error when the ranks are not all on this host
   kProcessGroup = 2,  // the group's own send/recv (gloo, NCCL)
 };
-// One name per TransportKind, in enum order (what the Python API and DDPKIT_TRANSPORT accept).
+// One name per TransportKind, in enum order (what the Python API and DDPKIT_TRANSPORT accept, and
+// what Transport::name() returns).
 inline constexpr std::array<std::string_view, 3> kTransportNames = {"auto", "shm", "process_group"};
 
 // Parses a name of kTransportNames; TORCH_CHECK-fails otherwise.
@@ -33,25 +40,67 @@ inline std::string_view transport_name(TransportKind kind) {
   return kTransportNames[index];
 }
 
-// Tagged, asynchronous point-to-point messages of contiguous tensors between the ranks of one group.
-// send/recv return at once; the tensor must stay alive and untouched until the returned Work's
-// wait() returns. wait() throws (naming the peer's fate where it knows it) when the peer died or
-// the group's timeout expired; abort() gives up a message that will never complete. Messages
-// between two ranks match by tag; a tag is used by at most one message in flight per direction.
+// The collectives a transport runs itself, with no messages: every rank publishes its data where its
+// peers read it in place (shared memory). Each call is one collective of the group, synchronous,
+// one at a time (the engine's order), taking the same number of steps on every rank. `header` is
+// this rank's, stamped (magic, sequence); with `checked`, every rank compares all headers in the
+// first step, and a mismatch or a rank that rejected its arguments (`local_error` non-empty: its
+// tensors may be undefined) raises the same error on every rank without touching any tensor.
+class DirectCollectives {
+ public:
+  virtual ~DirectCollectives() = default;
+  // The collective check alone, one step (Note [Collective checks]); also a barrier.
+  virtual void check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) = 0;
+  // In place on `flat` (contiguous; float32/float64/int32/int64): every rank ends with the same bits.
+  virtual void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
+                          const std::string& local_error, bool checked) = 0;
+  // torch's all_gather_into_tensor: `input` is rank i's block i of `output` everywhere.
+  virtual void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
+                          const std::string& local_error, bool checked) = 0;
+  // torch's reduce_scatter_tensor: `output` receives op over the ranks' block `rank` of `input`.
+  virtual void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                              const CollectiveHeader& header, const std::string& local_error, bool checked) = 0;
+  // Copies `tensor` (contiguous, any dtype) of rank `root` into `tensor` of every rank.
+  virtual void broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header,
+                         const std::string& local_error, bool checked) = 0;
+  // This rank rejected the arguments of a `what` with checks off, so its peers never learn it and
+  // wait: stops the transport on this rank and, through it, on theirs (no call may pair wrongly).
+  virtual void reject_unchecked(std::string_view what) = 0;
+  // This rank gives up the current collective for `why` (a failure elsewhere, such as across hosts):
+  // stops the transport on this rank and, through it, on its peers, who report `why`.
+  virtual void abandon(const std::string& why) = 0;
+};
+
+// Tagged, asynchronous point-to-point messages of contiguous tensors between the ranks of one group,
+// and the transport's capabilities. send/recv return at once; the tensor must stay alive and
+// untouched until the returned Work's wait() returns. wait() throws (naming the peer's fate where it
+// knows it) when the peer died or the group's timeout expired; abort() gives up a message that will
+// never complete. Messages between two ranks match by tag; a tag is used by at most one message in
+// flight per direction.
 class Transport {
  public:
   virtual ~Transport() = default;
+  // A name of kTransportNames.
   virtual std::string_view name() const = 0;
   virtual c10::intrusive_ptr<c10d::Work> send(const at::Tensor& tensor, int dst, int tag) = 0;
   virtual c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& tensor, int src, int tag) = 0;
+
+  // Capabilities.
+  // The collectives it runs without messages, or null.
+  virtual DirectCollectives* direct() { return nullptr; }
+  // True when its sends and receives complete independently of each other, so that receives can be
+  // posted rounds ahead (Note [Pre-posted receives]); false where each round's sends and receives
+  // must be grouped (NCCL), through start_group()/end_group() on the backend.
+  virtual bool posts_ahead() const { return true; }
 };
 
-// The process group's own send/recv: across hosts, CUDA tensors (NCCL), and wherever only the
-// point-to-point calls of torch.distributed may carry the data.
+// The process group's own send/recv for `device` tensors: across hosts, CUDA tensors (NCCL), and
+// wherever only the point-to-point calls of torch.distributed may carry the data.
 class ProcessGroupTransport final : public Transport {
  public:
-  explicit ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend) : backend_(std::move(backend)) {}
-  std::string_view name() const override { return "process_group"; }
+  ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend, c10::DeviceType device)
+      : backend_(std::move(backend)), posts_ahead_(device == c10::kCPU || !backend_->supportsCoalescing()) {}
+  std::string_view name() const override { return transport_name(TransportKind::kProcessGroup); }
   c10::intrusive_ptr<c10d::Work> send(const at::Tensor& tensor, int dst, int tag) override {
     std::vector<at::Tensor> tensors{tensor};
     return backend_->send(tensors, dst, tag);
@@ -60,9 +109,11 @@ class ProcessGroupTransport final : public Transport {
     std::vector<at::Tensor> tensors{tensor};
     return backend_->recv(tensors, src, tag);
   }
+  bool posts_ahead() const override { return posts_ahead_; }
 
  private:
   c10::intrusive_ptr<c10d::Backend> backend_;
+  bool posts_ahead_;
 };
 
 }  // namespace ddpkit::comm

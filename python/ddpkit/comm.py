@@ -13,7 +13,7 @@ process_group`` forces one for every ``"auto"`` call of the program (set it alik
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,8 @@ from . import _C  # noqa: F401  (registers torch.ops.ddpkit.*)
 
 # The names the C++ side accepts, read from its enums' name tables (one source for each contract).
 ALGORITHMS = tuple(torch.ops.ddpkit.algorithms())
+# Those a group on one host runs ("hierarchical" needs a group spanning hosts).
+ONE_HOST_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "hierarchical")
 TRANSPORTS = tuple(torch.ops.ddpkit.transports())
 REDUCE_OPS = tuple(torch.ops.ddpkit.reduce_ops())
 
@@ -126,6 +128,27 @@ def resolved_transport(group: Optional[dist.ProcessGroup] = None, transport: str
     return torch.ops.ddpkit.resolved_transport(group_name(group), transport)
 
 
+class Topology(NamedTuple):
+    """Which ranks of a group share a host: ``hosts[h]`` lists host h's ranks (hosts numbered by their
+    lowest rank); ``local_rank`` is this rank's index among its host's ranks, ``local_size`` their number."""
+    hosts: tuple
+    local_rank: int
+    local_size: int
+
+
+def topology(group: Optional[dist.ProcessGroup] = None) -> Topology:
+    """The hosts of ``group`` as its ranks see them (Note [Topology], csrc/comm/topology.h): learnt
+    from each rank's host identity over the group's own messages, so subgroups and meshes get their own.
+
+    Collective: every rank of the group must call it at the same point.
+    """
+    host_of = torch.ops.ddpkit.topology(group_name(group))
+    hosts = tuple(tuple(r for r, h in enumerate(host_of) if h == host) for host in range(max(host_of) + 1))
+    rank = dist.get_rank(group)
+    mine = hosts[host_of[rank]]
+    return Topology(hosts, mine.index(rank), len(mine))
+
+
 def set_collective_checks(enabled: bool) -> None:
     """Turns the header exchange that detects mismatched collectives on or off (on by default).
 
@@ -149,9 +172,11 @@ def reset_comm_counters() -> None:
     torch.ops.ddpkit.reset_comm_counters()
 
 
-def choose_algorithm(nbytes: int, world_size: int, shared_memory: bool = False) -> str:
-    """The algorithm ``algorithm="auto"`` runs for a CPU message of ``nbytes`` on ``world_size`` ranks."""
-    return torch.ops.ddpkit.choose_algorithm(nbytes, world_size, shared_memory)
+def choose_algorithm(nbytes: int, world_size: int, shared_memory: bool = False, hierarchical: bool = False,
+                     op: str = "sum") -> str:
+    """The algorithm ``algorithm="auto"`` runs for a CPU message of ``nbytes`` on ``world_size`` ranks, over
+    shared memory or not, in a group spanning hosts or not (Note [Choosing an algorithm])."""
+    return torch.ops.ddpkit.choose_algorithm(nbytes, world_size, shared_memory, hierarchical, op)
 
 
 # Fake kernels: what each collective returns, from shapes and the group's size alone, so that

@@ -1,25 +1,36 @@
 #pragma once
-// The shared-memory transport: one segment per process group whose ranks all run on this host,
-// carrying point-to-point messages (ShmTransport) and ddpkit's direct all-reduce (ShmSegment::all_reduce).
+// The shared-memory segment of a process group whose ranks all run on this host: its set-up, layout,
+// liveness and waits. The transport built on it is ShmTransport (shm_channels.h): point-to-point
+// messages through channels, and the direct collectives of shm_direct.h.
 
 #include "comm/header.h"
-#include "comm/reduce_op.h"
-#include "comm/transport.h"
+#include "comm/topology.h"
 
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <deque>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace ddpkit::comm {
+
+// Note [Shared-memory vocabulary]
+// Words the shared-memory code uses in one sense only:
+//  segment  one anonymous shared mapping per group (Note [Shared-memory segment]), mapped by every rank.
+//  slot     where a rank publishes data for the direct collectives: two per rank (sets 0 and 1,
+//           alternating by step), each a header line then slot_bytes() of data.
+//  step     one round of the direct collectives: every rank fills its slot of the step's set, posts
+//           its `arrived` counter and waits for every peer's. Every rank takes the same steps, so
+//           the counters agree on every rank.
+//  chunk    the part of a tensor one step carries (at most a slot); in a channel, the unit a message
+//           moves in (at most channel_chunk_bytes()).
+//  slice    rank r's share of a chunk (BalancedSplit, split.h), which rank r alone reduces.
+//  channel  per ordered pair of ranks, a ring of kChannelSlots chunks carrying point-to-point messages.
 
 // Note [Shared-memory segment]
 // One segment per group whose ranks all run on this host, made by a collective of the group that
@@ -73,6 +84,25 @@ namespace ddpkit::comm {
 // peer stops within a liveness period, saying which rank gave up and why. A timeout names the
 // ranks still awaited, and says which of them are stopped (SIGSTOP) or gone.
 
+namespace shm_detail {
+
+constexpr size_t kLine = 128;               // two cache lines: no false sharing with the adjacent-line prefetcher
+constexpr int64_t kChannelSlots = 4;        // chunks per channel
+constexpr size_t kChunkHeaderBytes = 64;    // a channel chunk's header (shm_channels.cpp)
+constexpr size_t kSlotHeaderBytes = kLine;  // a CollectiveHeader, padded
+constexpr auto kSpinMicros = std::chrono::microseconds(30);
+constexpr int kLivenessMillis = 50;
+static_assert(sizeof(CollectiveHeader) <= kSlotHeaderBytes);
+
+// True when the 32-bit counter `value` has reached `target` (counters wrap).
+inline bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
+
+void cpu_relax();
+// Sleeps in futex(FUTEX_WAIT) while `*word` holds `expected`, for at most `millis`.
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int millis);
+
+}  // namespace shm_detail
+
 struct Signal {
   std::atomic<uint32_t> value{0};
   std::atomic<uint32_t> sleepers{0};
@@ -99,66 +129,44 @@ struct WaitContext {
 
 class ShmSegment {
  public:
+  // What a group's set-up learnt: which of its ranks share a host (Note [Topology]), the segment
+  // of this rank's host (null when this rank is alone on its host), and a number fresh for this
+  // set-up, alike on every rank (it names what the group's ranks make together later).
+  struct SetUp {
+    Topology topology;
+    std::shared_ptr<ShmSegment> segment;
+    uint64_t nonce = 0;
+  };
+
   // Collective over the ranks of `setup`'s group (Note [Shared-memory segment]): `setup` is a
   // Communicator of the process-group transport for the collective being run, whose messages carry
-  // the set-up. Returns nullptr on every rank when the ranks are not all on this host (or not all
-  // one user); throws on every rank, naming the rank and the reason, when a rank could not create,
-  // open, verify or map the segment or died during set-up. `timeout` bounds every later wait on
-  // the segment (the set-up's own waits are the process group's, bounded by the group's timeout).
-  static std::shared_ptr<ShmSegment> create(Communicator& setup, std::chrono::milliseconds timeout);
+  // the set-up. Throws on every rank, naming the rank and the reason, when a rank could not create,
+  // open, verify or map its host's segment or died during set-up. `timeout` bounds every later wait
+  // on the segment (the set-up's own waits are the process group's, bounded by the group's timeout).
+  static SetUp set_up(Communicator& setup, std::chrono::milliseconds timeout);
   ~ShmSegment();
 
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
 
+  // This rank's index among the segment's ranks (its host's), and their number.
   int rank() const { return rank_; }
   int size() const { return size_; }
-  // "rank 0 of 4 in group '1'": where an error happened.
+  // The group's rank of the segment's rank `local`.
+  int group_rank(int local) const { return ranks_[local]; }
+  // "rank 0 of 4 in group '1'": where an error happened (the group's numbering).
   std::string where() const;
   std::chrono::milliseconds timeout() const { return timeout_; }
   int64_t slot_bytes() const { return slot_bytes_; }
   int64_t channel_chunk_bytes() const { return chunk_bytes_; }
 
-  // Note [Direct all-reduce]: reduces `flat` (contiguous, float32/float64/int32/int64, the same
-  // numel on every rank) in place with `op`; every rank ends with the same bits. Synchronous; only
-  // one collective of the group runs at a time (the engine's order, Note [Collective engine]).
-  // With `checked`, the rank's header rides in the slot of the first chunk and every rank compares
-  // all of them (Note [Collective checks]): a mismatch, or a rank that rejected its arguments
-  // (`local_error` non-empty; `flat` may then be undefined), raises the same error on every rank
-  // without touching any tensor, and the segment stays usable.
-  void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
-                  bool checked);
-
-  // Note [Direct all-gather and reduce-scatter]: the same steps as the direct all-reduce, each rank
-  // publishing part of its input in its slot (header in the first step's), then reading what it
-  // needs from every peer's slot; synchronous, one collective of the group at a time.
-  //  all_gather: `input` is `bytes` bytes (any dtype: only bytes move; it may be exactly this rank's
-  //    block of `output`); `output` n·bytes, rank i's input at offset i·bytes. Per step each rank
-  //    publishes up to a slot of its input and copies every peer's out: one copy in, n-1 copies out.
-  //  reduce_scatter: `input` holds n blocks of `output.numel()` elements (float32/float64/int32/int64);
-  //    `output` (not overlapping `input`, or exactly its block `rank`) receives op over the ranks'
-  //    block `rank`, this rank's own piece first. Per step each
-  //    rank publishes a 1/n-slot piece of every peer's block and reduces its own block's piece
-  //    straight from the peers' slots and its own input.
-  // A rejected rank (`local_error` non-empty) passes undefined tensors; checks as in all_reduce.
-  void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
-                  const std::string& local_error, bool checked);
-  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, const CollectiveHeader& header,
-                      const std::string& local_error, bool checked);
-
-  // The collective check of a collective that runs over messages (Note [Collective checks]): one
-  // step of the direct all-reduce's protocol carrying only `header` (its magic says whether this
-  // rank rejected its arguments, `local_error` then being its own error). Every rank compares all
-  // headers and raises the same error on a mismatch; a direct all-reduce and a message-based
-  // collective called against each other therefore meet in the same step and both report it.
-  void check_header(const CollectiveHeader& header, const std::string& local_error, std::string_view what);
-
   // Waits until `ready()` holds, sleeping on `signal` (Note [Waiting on shared memory]). Throws,
-  // naming the peer, when a peer died, or when the deadline passed.
+  // naming the peer, when a peer died or gave up, or when the deadline passed.
   template <class Ready>
   void wait_for(Signal& signal, Ready ready, const WaitContext& context) const;
 
-  // Throws when a rank of the group died, or the deadline passed (after marking the segment broken).
+  // Throws when a rank of the group died or gave up, or the deadline passed (after marking the
+  // segment broken).
   void check_peers(const WaitContext& context) const;
 
   // After a failure in the middle of a collective the slots' state is unknown: every later use raises,
@@ -173,20 +181,44 @@ class ShmSegment {
   // How a peer's transport failed ("rank 1 gave up: ..."), read from the segment; "" when none has.
   std::string peer_failure() const;
 
+ private:
+  // The transport's two halves lay their data out in the segment.
+  friend class ShmDirect;
+  friend class ShmTransport;
+
   struct SegmentHeader;
-  struct RankControl;
-  struct Channel;
+  struct Layout;
+  // The first failure of a set-up step, as far as this rank knows it: a SetupFailure (shm_segment.cpp),
+  // the errno it came with, and the group's rank it happened on.
+  struct HostFailure {
+    int64_t failure = 0;
+    int64_t error_number = 0;
+    int64_t rank = -1;
+  };
+  struct RankControl {
+    alignas(shm_detail::kLine) Signal arrived;   // steps whose slot this rank has filled (Note [Direct all-reduce])
+    alignas(shm_detail::kLine) Signal reduced;   // steps whose slice this rank has reduced
+    alignas(shm_detail::kLine) Signal doorbell;  // bumped when a chunk arrives for this rank, or one it sent was taken
+  };
+  struct Channel {
+    alignas(shm_detail::kLine) std::atomic<uint64_t> head;  // chunks written by the sender
+    alignas(shm_detail::kLine) std::atomic<uint64_t> tail;  // chunks taken by the receiver
+    alignas(shm_detail::kLine) char chunks[1];              // kChannelSlots x (chunk header + chunk bytes)
+  };
+
+  ShmSegment() = default;
+  // Set-up step 3 on the host's leader: creates the segment and offers it to the host's other ranks;
+  // records the host's first failure in `failed`.
+  void offer_to_host(Communicator& setup, HostFailure& failed);
+  // Set-up step 3 on the host's other ranks: opens, verifies and maps `leader`'s segment and answers.
+  void accept_from_leader(Communicator& setup, int leader, HostFailure& failed);
+  // Maps `bytes` of `fd` and lays out the segment for `size` ranks with `layout`'s settings.
+  void map(int fd, size_t bytes, const Layout& layout);
+  SegmentHeader& header() const;
   RankControl& control(int rank) const;
   Channel& channel(int src, int dst) const;
   char* slot(int rank, int set) const;  // the data of rank's collective slot `set` (0 or 1)
   CollectiveHeader& slot_header(int rank, int set) const;
-
- private:
-  ShmSegment() = default;
-  struct Layout;
-  // Maps `bytes` of `fd` and lays out the segment for `size` ranks with `layout`'s settings.
-  void map(int fd, size_t bytes, const Layout& layout);
-  SegmentHeader& header() const;
   // The rank a failure is blamed on: the first rank any rank of the group found dead (so that a
   // survivor that reported it and exited is never blamed in its place), else `peer`.
   int blame(int peer) const;
@@ -194,13 +226,12 @@ class ShmSegment {
   std::string describe_rank(int peer) const;
   // The ranks `context` still waits for, in the words of an error ("rank 1 (pid 42, stopped)").
   std::string describe_awaited(const WaitContext& context) const;
-  // Posts this rank's arrival at step `target` and waits for every peer's.
-  void arrive_and_wait(uint32_t target, const WaitContext& context);
-  // Compares the headers of every rank in slot set `set`; throws `local_error` first if there is one.
-  void compare_headers(int set, const std::string& local_error, std::string_view what) const;
 
   int rank_ = 0;
   int size_ = 1;
+  std::vector<int> ranks_;  // the group's rank of each of the segment's ranks
+  int group_rank_ = 0;
+  int group_size_ = 1;
   std::string group_;
   std::chrono::milliseconds timeout_{0};
   std::vector<int> pids_;
@@ -209,65 +240,41 @@ class ShmSegment {
   int64_t slot_bytes_ = 0;   // data bytes of one collective slot
   int64_t whole_bytes_ = 0;  // n·chunk bytes up to which the direct all-reduce reduces whole chunks
   int64_t chunk_bytes_ = 0;  // data bytes of one channel chunk
-  int64_t channel_slots_ = 0;
-  size_t header_offset_ = 0, controls_offset_ = 0, slots_offset_ = 0, slot_stride_ = 0, channels_offset_ = 0, channel_stride_ = 0;
-  uint32_t step_ = 0;        // collective steps taken (Note [Direct all-reduce]); the same on every rank
+  size_t header_offset_ = 0, controls_offset_ = 0, slots_offset_ = 0, slot_stride_ = 0, channels_offset_ = 0,
+         channel_stride_ = 0;
   bool spin_ = true;
   mutable std::mutex broken_mutex_;
   mutable std::string broken_;  // why this rank's transport failed (guarded by broken_mutex_)
   mutable std::atomic<bool> broken_flag_{false};  // broken_ is set: the lock-free test of check_usable
 };
 
-// Note [Shared-memory messages]
-// Point-to-point messages between ranks of one host, so that every schedule of collectives.cpp runs
-// unchanged over shared memory. Each ordered pair (src, dst) has a channel: a ring of fixed-size
-// chunks, each tagged with the message's tag, its total size and the chunk's offset. A send copies
-// its tensor into the channel chunk by chunk (eager: a send is complete when its last chunk is in
-// shared memory, so its tensor is free again); a receive copies chunks out into its tensor. Progress
-// is made by whichever thread waits: it pushes pending sends while the channel has room and drains
-// every incoming channel into the posted receives. Sends to one peer leave in the order they were
-// posted; receives match by (peer, tag).
-//
-// A chunk whose receive is not posted yet stays in the channel (its sender waits for room), so the
-// memory a rank uses is the segment's whatever the message size. Only when a posted receive from
-// the same peer waits behind such a chunk is the chunk moved to a heap buffer kept for its receive,
-// so that a channel never stays blocked. The schedules of collectives.cpp post their receives round
-// by round ahead of their sends (Note [Pre-posted receives]) and send to a peer in round order, so
-// that case needs a peer that sends what this rank never receives (a mismatched schedule, or the
-// rest of an aborted collective); comm_counters' peak_buffered_bytes shows what it ever held. No
-// rank waits forever on a parked chunk: the rank furthest behind has posted the receives of its
-// current round, so the chunks its peers send it are taken.
-class ShmTransport final : public Transport {
- public:
-  explicit ShmTransport(std::shared_ptr<ShmSegment> segment);
-  ~ShmTransport() override;
-  std::string_view name() const override { return "shm"; }
-  c10::intrusive_ptr<c10d::Work> send(const at::Tensor& tensor, int dst, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(const at::Tensor& tensor, int src, int tag) override;
+template <class Ready>
+void ShmSegment::wait_for(Signal& signal, Ready ready, const WaitContext& context) const {
+  if (ready()) return;
+  // Note [Waiting on shared memory]
+  if (spin_) {
+    const auto spin_until = std::chrono::steady_clock::now() + shm_detail::kSpinMicros;
+    for (int i = 1;; ++i) {
+      shm_detail::cpu_relax();
+      if (ready()) return;
+      if ((i & 63) == 0 && std::chrono::steady_clock::now() > spin_until) break;
+    }
+  }
+  auto next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(shm_detail::kLivenessMillis);
+  for (;;) {
+    const uint32_t observed = signal.value.load(std::memory_order_seq_cst);
+    if (ready()) return;
+    signal.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (signal.value.load(std::memory_order_seq_cst) == observed) shm_detail::futex_wait(&signal.value, observed, shm_detail::kLivenessMillis);
+    signal.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (ready()) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= next_check) {
+      check_peers(context);
+      next_check = now + std::chrono::milliseconds(shm_detail::kLivenessMillis);
+    }
+  }
+}
 
-  class Message;  // the Work of one send or receive
-
- private:
-  friend class Message;
-  // Moves every message as far as the channels allow; true if anything moved. Call with mutex_ held.
-  bool progress_locked();
-  // Raises (and marks the segment broken) for data from `peer`'s channel that cannot be right.
-  [[noreturn]] void corrupt(int peer, const std::string& what) const;
-  void wait_for_message(Message& message, std::string_view what);
-  void abort_message(Message& message);
-
-  std::shared_ptr<ShmSegment> segment_;
-  std::mutex mutex_;
-  std::vector<std::deque<c10::intrusive_ptr<Message>>> sends_;  // per destination, in posting order
-  std::vector<std::vector<c10::intrusive_ptr<Message>>> recvs_;  // per source, posted and incomplete
-  struct Unexpected {
-    std::vector<char> bytes;
-    int64_t total = 0;
-    int64_t received = 0;
-  };
-  std::vector<std::map<int, Unexpected>> unexpected_;  // per source, by tag
-  int64_t buffered_bytes_ = 0;                          // bytes held in unexpected_
-  bool corrupt_next_chunk_ = false;                     // test-only (faults.h)
-};
 
 }  // namespace ddpkit::comm

@@ -1,0 +1,47 @@
+#pragma once
+// What a group that spans hosts needs for its hierarchical collectives (Note [Hierarchical collectives]).
+
+#include "comm/topology.h"
+#include "comm/transport.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <memory>
+#include <vector>
+
+namespace ddpkit::comm {
+
+// Note [Hierarchical collectives]
+// When a group spans more than one host and some host holds more than one rank (Note [Topology]),
+// shared memory carries what stays on a host and the process group what crosses hosts. The
+// all-reduce, with L ranks on every host (Horovod's split):
+//  1. reduce-scatter inside each host over shared memory: local rank j holds the host's sum of
+//     slice j of L;
+//  2. every local rank at once all-reduces its slice with the ranks of the same local rank on the
+//     other hosts, through the process group's own all-reduce on that subgroup ("cross"; gloo's TCP
+//     ring is pipelined and tuned), so each host's link carries 2(H-1)/H of the vector once;
+//  3. all-gather inside each host over shared memory.
+// Hosts with different numbers of ranks take the leaders' form instead: an all-reduce inside each
+// host, the all-reduce of the hosts' leaders (their lowest ranks) across hosts, and a broadcast from
+// the leader inside each host. The steps inside a host move no messages (the direct collectives of
+// shm_direct.h, unchecked: the group's collective check already ran over the process group, so a
+// mismatched call raises on every rank of every host). sum and mean cross hosts through gloo's
+// all-reduce; max and min through ddpkit's ring on the same subgroup, so that they keep Note
+// [Reductions]'s semantics (gloo's max drops a NaN held by a later rank). Every slice is reduced in
+// one place and copied from there, so every rank ends with the same bits.
+struct Hierarchy {
+  Topology topology;
+  // This host's shared memory (null when this rank is alone on its host).
+  std::shared_ptr<Transport> local;
+  // The process group's own backend on the ranks this rank crosses hosts with: the ranks of its
+  // local rank on every host (every host holding the same number of ranks), or the hosts' leaders
+  // (null on the other ranks).
+  c10::intrusive_ptr<c10d::Backend> cross;
+  std::shared_ptr<Transport> cross_messages;  // point-to-point messages on `cross`
+  std::vector<int> cross_ranks;               // the group's ranks `cross` spans, in its order
+  int cross_rank = 0;
+  int cross_size = 1;
+  bool uniform = true;  // topology.uniform(): the split form, else the leaders' form
+};
+
+}  // namespace ddpkit::comm

@@ -1,0 +1,270 @@
+#include "comm/shm_direct.h"
+
+#include "comm/split.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace ddpkit::comm {
+
+using namespace shm_detail;
+
+namespace {
+
+// out[i] = src[0][i] op src[1][i] op ... op src[n-1][i] (then / n for kMean), in the order given, so
+// the bits depend only on the inputs and that order. `out` may be src[0], no other source. Blocks
+// keep `out` in L1 across the passes; `also` (when not null) receives a copy of each finished block
+// from L1, which costs only its writes.
+template <class T>
+void reduce_sources(T* out, const std::vector<const char*>& sources, int64_t offset_elems, int64_t count, ReduceOp op,
+                    T* also) {
+  constexpr int64_t kBlock = 4096 / sizeof(T) * 4;
+  const int n = static_cast<int>(sources.size());
+  for (int64_t b = 0; b < count; b += kBlock) {
+    const int64_t m = std::min(kBlock, count - b);
+    T* o = out + b;
+    const T* s0 = reinterpret_cast<const T*>(sources[0]) + offset_elems + b;
+    if (n == 1) {
+      if (o != s0) std::memmove(o, s0, m * sizeof(T));
+    }
+    for (int j = 1; j < n; ++j) {
+      const T* a = j == 1 ? s0 : o;
+      const T* s = reinterpret_cast<const T*>(sources[j]) + offset_elems + b;
+      switch (op) {
+        case ReduceOp::kSum:
+        case ReduceOp::kMean:
+          for (int64_t i = 0; i < m; ++i) o[i] = a[i] + s[i];
+          break;
+        case ReduceOp::kMax:
+          for (int64_t i = 0; i < m; ++i) o[i] = reduce_value(a[i], s[i], ReduceOp::kMax);
+          break;
+        case ReduceOp::kMin:
+          for (int64_t i = 0; i < m; ++i) o[i] = reduce_value(a[i], s[i], ReduceOp::kMin);
+          break;
+      }
+    }
+    if (op == ReduceOp::kMean) {
+      if constexpr (std::is_floating_point_v<T>) {
+        const T divisor = static_cast<T>(n);
+        for (int64_t i = 0; i < m; ++i) o[i] = o[i] / divisor;
+      }
+    }
+    if (also != nullptr) std::memcpy(also + b, o, m * sizeof(T));
+  }
+}
+
+void reduce_sources(at::ScalarType dtype, char* out, const std::vector<const char*>& sources, int64_t offset_elems,
+                    int64_t count, ReduceOp op, char* also = nullptr) {
+  switch (dtype) {
+    case at::kFloat:
+      return reduce_sources(reinterpret_cast<float*>(out), sources, offset_elems, count, op, reinterpret_cast<float*>(also));
+    case at::kDouble:
+      return reduce_sources(reinterpret_cast<double*>(out), sources, offset_elems, count, op,
+                            reinterpret_cast<double*>(also));
+    case at::kInt:
+      return reduce_sources(reinterpret_cast<int32_t*>(out), sources, offset_elems, count, op,
+                            reinterpret_cast<int32_t*>(also));
+    case at::kLong:
+      return reduce_sources(reinterpret_cast<int64_t*>(out), sources, offset_elems, count, op,
+                            reinterpret_cast<int64_t*>(also));
+    default: TORCH_INTERNAL_ASSERT(false, "the direct all-reduce reduces float32/64 and int32/64, got ", dtype);
+  }
+}
+
+}  // namespace
+
+void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
+                            const std::string& local_error, bool checked) {
+  constexpr std::string_view kWhat = "all_reduce";
+  seg_.check_usable(kWhat);
+  const bool rejected = !local_error.empty();
+  if (rejected && !checked) seg_.reject_unchecked(kWhat);
+  TORCH_CHECK(checked || !rejected, local_error);
+  const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), kWhat};
+  const at::ScalarType dtype = rejected ? at::kByte : flat.scalar_type();
+  const int64_t element = rejected ? 1 : static_cast<int64_t>(flat.element_size());
+  const int64_t numel = rejected ? 0 : flat.numel();
+  char* const data = rejected || numel == 0 ? nullptr : static_cast<char*>(flat.data_ptr());
+  const int64_t chunk_elems = seg_.slot_bytes() / element;
+  const int64_t chunks = std::max<int64_t>(1, (numel + chunk_elems - 1) / chunk_elems);
+  std::vector<const char*> sources(seg_.size());
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint32_t target = ++step_;
+    const int set = static_cast<int>(target & 1);
+    const int64_t begin = c * chunk_elems;
+    const int64_t count = std::min(chunk_elems, numel - begin);
+    const bool whole = count * element * seg_.size() <= seg_.whole_bytes_;
+    const BalancedSplit slices{count, seg_.size()};
+    const int64_t start = slices.start(seg_.rank());
+    const int64_t length = slices.length(seg_.rank());
+    char* const chunk = data == nullptr ? nullptr : data + begin * element;
+    char* mine = seg_.slot(seg_.rank(), set);
+    if (c == 0) seg_.slot_header(seg_.rank(), set) = header;
+    if (count > 0 && whole) {
+      std::memcpy(mine, chunk, count * element);
+    } else if (count > 0) {
+      // Only the slices the peers reduce: this rank reads its own slice from its tensor (below).
+      std::memcpy(mine, chunk, start * element);
+      std::memcpy(mine + (start + length) * element, chunk + (start + length) * element,
+                  (count - start - length) * element);
+    }
+    arrive_and_wait(target, context);
+    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
+    if (count == 0) continue;
+    for (int peer = 0; peer < seg_.size(); ++peer) sources[peer] = seg_.slot(peer, set);
+    if (whole) {
+      reduce_sources(dtype, chunk, sources, 0, count, op);
+      // Not waited on here, but kept current so that a later sliced step never compares a stale,
+      // wrapped-around counter.
+      seg_.control(seg_.rank()).reduced.value.store(target, std::memory_order_release);
+      continue;
+    }
+    // This rank's slice, reduced by this rank alone (so every rank gets the same bits), in place in
+    // its tensor, which comes first among the sources (`out` may only alias the first), and copied
+    // block by block from L1 into its slot for the peers.
+    sources[seg_.rank()] = chunk;
+    std::rotate(sources.begin(), sources.begin() + seg_.rank(), sources.begin() + seg_.rank() + 1);
+    reduce_sources(dtype, chunk + start * element, sources, start, length, op, mine + start * element);
+    std::rotate(sources.begin(), sources.begin() + 1, sources.begin() + seg_.rank() + 1);
+    seg_.control(seg_.rank()).reduced.post(target);
+    WaitContext reductions = context;
+    reductions.awaited = WaitContext::Awaited::kReduced;
+    reductions.step = target;
+    for (int peer = 0; peer < seg_.size(); ++peer) {
+      if (peer == seg_.rank()) continue;
+      Signal& reduced = seg_.control(peer).reduced;
+      seg_.wait_for(reduced, [&] { return reached(reduced.value.load(std::memory_order_acquire), target); }, reductions);
+      const int64_t their_start = slices.start(peer);
+      const int64_t their_length = slices.length(peer);
+      std::memcpy(chunk + their_start * element, sources[peer] + their_start * element, their_length * element);
+    }
+  }
+}
+
+void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
+                            const std::string& local_error, bool checked) {
+  constexpr std::string_view kWhat = "all_gather_into_tensor";
+  seg_.check_usable(kWhat);
+  const bool rejected = !local_error.empty();
+  if (rejected && !checked) seg_.reject_unchecked(kWhat);
+  TORCH_CHECK(checked || !rejected, local_error);
+  const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), kWhat};
+  const int64_t bytes = rejected ? 0 : static_cast<int64_t>(input.numel() * input.element_size());
+  const char* const in = bytes == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
+  char* const out = bytes == 0 ? nullptr : static_cast<char*>(output.data_ptr());
+  const int64_t steps = std::max<int64_t>(1, (bytes + seg_.slot_bytes() - 1) / seg_.slot_bytes());
+  for (int64_t c = 0; c < steps; ++c) {
+    const uint32_t target = ++step_;
+    const int set = static_cast<int>(target & 1);
+    const int64_t begin = c * seg_.slot_bytes();
+    const int64_t length = std::min(seg_.slot_bytes(), bytes - begin);
+    if (c == 0) seg_.slot_header(seg_.rank(), set) = header;
+    if (length > 0) std::memcpy(seg_.slot(seg_.rank(), set), in + begin, length);
+    arrive_and_wait(target, context);
+    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
+    if (length <= 0) continue;
+    for (int peer = 0; peer < seg_.size(); ++peer) {
+      char* to = out + peer * bytes + begin;
+      const char* from = peer == seg_.rank() ? in + begin : seg_.slot(peer, set);
+      if (to != from) std::memcpy(to, from, length);  // in place, this rank's block is already there
+    }
+  }
+}
+
+void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                                const CollectiveHeader& header, const std::string& local_error, bool checked) {
+  constexpr std::string_view kWhat = "reduce_scatter_tensor";
+  seg_.check_usable(kWhat);
+  const bool rejected = !local_error.empty();
+  if (rejected && !checked) seg_.reject_unchecked(kWhat);
+  TORCH_CHECK(checked || !rejected, local_error);
+  const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), kWhat};
+  const at::ScalarType dtype = rejected ? at::kByte : output.scalar_type();
+  const int64_t element = rejected ? 1 : static_cast<int64_t>(output.element_size());
+  const int64_t block = rejected ? 0 : output.numel();  // elements per rank
+  const char* const in = block == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
+  char* const out = block == 0 ? nullptr : static_cast<char*>(output.data_ptr());
+  // Each step carries a piece of every block: n pieces of `piece` elements per slot, cache-line aligned.
+  const int64_t piece = std::max<int64_t>(1, (seg_.slot_bytes() / seg_.size()) / static_cast<int64_t>(kLine) * static_cast<int64_t>(kLine) / element);
+  const int64_t steps = std::max<int64_t>(1, (block + piece - 1) / piece);
+  std::vector<const char*> sources(seg_.size());
+  for (int64_t c = 0; c < steps; ++c) {
+    const uint32_t target = ++step_;
+    const int set = static_cast<int>(target & 1);
+    const int64_t begin = c * piece;
+    const int64_t count = std::min(piece, block - begin);
+    char* const mine = seg_.slot(seg_.rank(), set);
+    if (c == 0) seg_.slot_header(seg_.rank(), set) = header;
+    for (int peer = 0; count > 0 && peer < seg_.size(); ++peer) {
+      if (peer == seg_.rank()) continue;  // this rank's own block is read from its input below
+      std::memcpy(mine + peer * piece * element, in + (peer * block + begin) * element, count * element);
+    }
+    arrive_and_wait(target, context);
+    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
+    if (count <= 0) continue;
+    // This rank's own piece first: the output may be that very piece (in place), and reduce_sources
+    // lets `out` alias only its first source.
+    sources[0] = in + (seg_.rank() * block + begin) * element;
+    for (int peer = 0, next = 1; peer < seg_.size(); ++peer) {
+      if (peer != seg_.rank()) sources[next++] = seg_.slot(peer, set) + seg_.rank() * piece * element;
+    }
+    reduce_sources(dtype, out + begin * element, sources, 0, count, op);
+  }
+}
+
+void ShmDirect::broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header,
+                          const std::string& local_error, bool checked) {
+  constexpr std::string_view kWhat = "broadcast";
+  seg_.check_usable(kWhat);
+  const bool rejected = !local_error.empty();
+  if (rejected && !checked) seg_.reject_unchecked(kWhat);
+  TORCH_CHECK(checked || !rejected, local_error);
+  const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), kWhat};
+  const int64_t bytes = rejected ? 0 : static_cast<int64_t>(tensor.numel() * tensor.element_size());
+  char* const data = bytes == 0 ? nullptr : static_cast<char*>(tensor.data_ptr());
+  const int64_t steps = std::max<int64_t>(1, (bytes + seg_.slot_bytes() - 1) / seg_.slot_bytes());
+  for (int64_t c = 0; c < steps; ++c) {
+    const uint32_t target = ++step_;
+    const int set = static_cast<int>(target & 1);
+    const int64_t begin = c * seg_.slot_bytes();
+    const int64_t length = std::min(seg_.slot_bytes(), bytes - begin);
+    if (c == 0) seg_.slot_header(seg_.rank(), set) = header;
+    if (seg_.rank() == root && length > 0) std::memcpy(seg_.slot(root, set), data + begin, length);
+    arrive_and_wait(target, context);
+    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
+    if (seg_.rank() != root && length > 0) std::memcpy(data + begin, seg_.slot(root, set), length);
+  }
+}
+
+void ShmDirect::arrive_and_wait(uint32_t target, const WaitContext& context) {
+  seg_.control(seg_.rank()).arrived.post(target);
+  WaitContext arrivals = context;
+  arrivals.awaited = WaitContext::Awaited::kArrived;
+  arrivals.step = target;
+  for (int peer = 0; peer < seg_.size(); ++peer) {
+    if (peer == seg_.rank()) continue;
+    Signal& arrived = seg_.control(peer).arrived;
+    seg_.wait_for(arrived, [&] { return reached(arrived.value.load(std::memory_order_acquire), target); }, arrivals);
+  }
+}
+
+void ShmDirect::compare_headers(int set, const std::string& local_error, std::string_view what) const {
+  std::vector<CollectiveHeader> headers(seg_.size());
+  for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = seg_.slot_header(peer, set);
+  const std::string error = describe_headers(headers.data(), seg_.size(), what);
+  TORCH_CHECK(local_error.empty(), local_error);
+  TORCH_CHECK(error.empty(), error);
+}
+
+void ShmDirect::check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) {
+  seg_.check_usable(what);
+  const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), what};
+  const uint32_t target = ++step_;
+  const int set = static_cast<int>(target & 1);
+  seg_.slot_header(seg_.rank(), set) = header;
+  arrive_and_wait(target, context);
+  compare_headers(set, local_error, what);
+}
+
+}  // namespace ddpkit::comm

@@ -1,0 +1,228 @@
+"""Groups spanning hosts: topology, hierarchical collectives, checks and faults across hosts.
+
+Real hosts are simulated with namespaces (ddpkit.testing.HostPool: a network and a mount namespace
+per host, a private /dev/shm and hostname each, veth links to a bridge, one launcher per host); they
+need root, as CI has. The broad matrix also runs inside an ordinary worker pool split into hosts by
+DDPKIT_TEST_HOSTS (csrc/comm/faults.h), which needs nothing. See Note [Topology] and Note
+[Hierarchical collectives] in csrc/comm/.
+"""
+
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.testing import HostPool, WorkerFailure, WorkerPool
+
+from test_comm import rank_input
+
+needs_hosts = pytest.mark.skipif(HostPool.unavailable() is not None, reason=str(HostPool.unavailable()))
+GROUP_TIMEOUT_S = 15.0
+TOPOLOGIES = {"2x2": [2, 2], "2x1": [1, 1], "3x1": [1, 1, 1], "1+3": [1, 3]}
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+
+
+def expected_hosts(ranks_per_host):
+    hosts, first = [], 0
+    for count in ranks_per_host:
+        hosts.append(tuple(range(first, first + count)))
+        first += count
+    return tuple(hosts)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """``hosts(name)``: a live HostPool of the topology ``name`` (TOPOLOGIES), made on first use; at
+    the end every host's /dev/shm must be empty."""
+    pools = {}
+
+    def get(name, backend="gloo"):
+        key = (name, backend)
+        if key not in pools:
+            pools[key] = HostPool(TOPOLOGIES[name], backend=backend, group_timeout=GROUP_TIMEOUT_S)
+        return pools[key]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+        assert all(left == [] for left in pool.leftovers.values()), f"left in /dev/shm: {pool.leftovers}"
+
+
+# --- cases run on every rank ----------------------------------------------------------------------
+
+def case_every_collective(numels):
+    """Every collective, dtype and size; integer-valued inputs, so that every result is exact."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {"topology": ddpkit.comm.topology()}
+    for dtype in DTYPES:
+        ops = ("sum", "max", "min") + (("mean",) if dtype.is_floating_point else ())
+        sizes = numels if dtype == torch.float32 else numels[:3]
+        for numel in sizes:
+            for op in ops:
+                for algorithm in ("auto", "ring"):
+                    tensor = rank_input(rank, numel, integer=True).to(dtype)
+                    ddpkit.all_reduce(tensor, op=op, algorithm=algorithm)
+                    out[("all_reduce", str(dtype), numel, op, algorithm)] = tensor
+            for root in (0, world_size - 1):
+                tensor = rank_input(rank, numel, integer=True).to(dtype)
+                ddpkit.broadcast(tensor, src=root)
+                out[("broadcast", str(dtype), numel, root)] = tensor
+                tensor = rank_input(rank, numel, integer=True).to(dtype)
+                ddpkit.reduce(tensor, dst=root)
+                out[("reduce", str(dtype), numel, root)] = tensor if rank == root else None
+            gathered = torch.empty(world_size * numel, dtype=dtype)
+            ddpkit.all_gather_into_tensor(gathered, rank_input(rank, numel, integer=True).to(dtype))
+            out[("all_gather", str(dtype), numel)] = gathered
+            scattered = torch.empty(numel, dtype=dtype)
+            ddpkit.reduce_scatter_tensor(scattered, rank_input(rank, world_size * numel, integer=True).to(dtype))
+            out[("reduce_scatter", str(dtype), numel)] = scattered
+    ddpkit.barrier()
+    return out
+
+
+def reference_of(key, world_size):
+    kind, dtype_name, numel = key[0], key[1], key[2]
+    dtype = next(d for d in DTYPES if str(d) == dtype_name)
+    inputs = torch.stack([rank_input(r, numel, integer=True).to(dtype).double() for r in range(world_size)])
+    if kind == "all_reduce":
+        op = key[3]
+        reduced = {"sum": inputs.sum(0), "max": inputs.amax(0), "min": inputs.amin(0), "mean": inputs.mean(0)}[op]
+        return reduced.to(dtype)
+    if kind == "broadcast":
+        return inputs[key[3]].to(dtype)
+    if kind == "reduce":
+        return inputs.sum(0).to(dtype)
+    if kind == "all_gather":
+        return inputs.reshape(-1).to(dtype)
+    raise KeyError(kind)
+
+
+def check_every_collective(per_rank, ranks_per_host):
+    world_size = len(per_rank)
+    for rank, out in enumerate(per_rank):
+        assert out["topology"].hosts == expected_hosts(ranks_per_host), out["topology"]
+        for key, tensor in out.items():
+            if key == "topology" or tensor is None:
+                continue
+            if key[0] == "reduce_scatter":
+                numel, dtype = key[2], next(d for d in DTYPES if str(d) == key[1])
+                inputs = torch.stack([rank_input(r, world_size * numel, integer=True).to(dtype).double()
+                                      for r in range(world_size)])
+                expected = inputs.sum(0)[rank * numel:(rank + 1) * numel].to(dtype)
+            else:
+                expected = reference_of(key, world_size)
+            if key[0] == "all_reduce" and key[3] == "mean" and key[1] in (str(torch.float16), str(torch.bfloat16)):
+                torch.testing.assert_close(tensor, expected, rtol=1e-2, atol=1e-2, msg=str(key))
+            elif key[0] == "all_reduce" and key[3] == "mean":
+                torch.testing.assert_close(tensor, expected, rtol=1e-6, atol=1e-5, msg=str(key))
+            else:
+                assert torch.equal(tensor, expected), (rank, key)
+            if key[0] in ("all_reduce", "broadcast", "all_gather"):
+                assert torch.equal(tensor.view(-1).view(torch.uint8), per_rank[0][key].view(-1).view(torch.uint8)), \
+                    f"{key}: rank {rank}'s bits differ from rank 0's"
+
+
+def case_mismatch(culprit):
+    rank = dist.get_rank()
+    try:
+        ddpkit.all_reduce(torch.ones(1000 + (rank == culprit)))
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    after = torch.full((10_000,), float(rank))
+    ddpkit.all_reduce(after)  # the group survives a detected mismatch
+    return error, after[0].item()
+
+
+def case_die(victim):
+    rank = dist.get_rank()
+    for iteration in range(10_000):
+        if rank == victim and iteration == 20:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ddpkit.all_reduce(torch.ones(100_000))
+    return None
+
+
+# --- simulated hosts --------------------------------------------------------------------------------
+
+@needs_hosts
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+def test_every_collective_across_hosts_is_exact_with_identical_bits(hosts, name):
+    per_rank = hosts(name).run(case_every_collective, [0, 1, 1001, 300_003], timeout=300)
+    check_every_collective(per_rank, TOPOLOGIES[name])
+
+
+@needs_hosts
+def test_a_mismatch_on_another_host_raises_on_every_rank_of_every_host(hosts):
+    world_size = sum(TOPOLOGIES["2x2"])
+    outcomes = hosts("2x2").run(case_mismatch, 3)
+    for rank, (error, after) in enumerate(outcomes):
+        assert error is not None and "rank 3 passed elements 1001, rank 0 passed elements 1000" in error, error
+        assert after == sum(range(world_size))
+
+
+@needs_hosts
+def test_a_rank_killed_on_one_host_is_reported_on_every_host():
+    pool = HostPool([2, 2], group_timeout=GROUP_TIMEOUT_S)
+    try:
+        outcomes = pool.run(case_die, 2, return_exceptions=True, timeout=4 * GROUP_TIMEOUT_S)
+    finally:
+        pool.close()
+    assert isinstance(outcomes[2], WorkerFailure)
+    for rank in (0, 1, 3):
+        assert isinstance(outcomes[rank], RuntimeError), f"rank {rank}: {outcomes[rank]!r}"
+        # its host's other rank watches its pid, its partners lose their connection to it, and rank 0,
+        # which gathers every rank's collective check, tells the others
+        assert "rank 2" in str(outcomes[rank]), f"rank {rank}: {outcomes[rank]}"
+
+
+def case_ddpkit_ddp_and_syncbn():
+    from test_ddp import STEPS, case_train
+    from test_syncbn import even_sizes, run_step
+    torch.manual_seed(5)
+    x = torch.randn(32, 64)
+    syncbn = run_step(x, even_sizes(32, dist.get_world_size()), 64, 16, "auto", {})
+    return case_train("tied", STEPS, "bucketed", "auto"), syncbn
+
+
+@needs_hosts
+def test_ddpkit_ddp_and_syncbatchnorm_across_hosts_match_one_process(hosts):
+    from test_ddp import STEPS, assert_states_close, train_reference
+    from test_syncbn import TIGHT, reference
+    expected_state = train_reference("tied", STEPS)
+    torch.manual_seed(5)
+    x = torch.randn(32, 64)
+    y_ref, grad_ref = reference(x, torch.nn.BatchNorm1d(64), 16)
+    per_rank = hosts("2x2").run(case_ddpkit_ddp_and_syncbn, timeout=300)
+    for (state, _, _), _ in per_rank:
+        assert_states_close(state, expected_state)
+    torch.testing.assert_close(torch.cat([s["y"] for _, s in per_rank]), y_ref, atol=TIGHT, rtol=0)
+    torch.testing.assert_close(torch.cat([s["grad"] for _, s in per_rank]), grad_ref, atol=TIGHT, rtol=0)
+
+
+def case_torch_ddp_on_ddpkit():
+    from test_backend import case_torch_ddp
+    return case_torch_ddp(["plain", "no_sync"], 3)
+
+
+@needs_hosts
+def test_torch_ddp_on_the_ddpkit_backend_across_hosts_matches_gloo(hosts):
+    per_rank = hosts("2x2", backend="ddpkit").run(case_torch_ddp_on_ddpkit, timeout=300)
+    for rank, results in enumerate(per_rank):
+        for name, (ours, theirs) in results.items():
+            for key in ours:
+                torch.testing.assert_close(ours[key], theirs[key], rtol=1e-6, atol=1e-6, msg=f"{rank} {name} {key}")
+
+
+# --- one machine split by DDPKIT_TEST_HOSTS -----------------------------------------------------------
+
+@pytest.mark.parametrize("labels", ["a,a,b,b", "a,b,b,b", "a,a,b,b,c,c"])
+def test_every_collective_with_test_hosts_is_exact_with_identical_bits(labels):
+    ranks_per_host = [labels.split(",").count(label) for label in dict.fromkeys(labels.split(","))]
+    with WorkerPool(len(labels.split(",")), timeout=300, group_timeout=60,
+                    env={"DDPKIT_TEST_HOSTS": labels}) as pool:
+        per_rank = pool.run(case_every_collective, [0, 1, 7, 1001, 300_003], timeout=300)
+    check_every_collective(per_rank, ranks_per_host)
