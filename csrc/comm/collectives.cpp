@@ -376,6 +376,21 @@ void on_host_copy(at::Tensor& tensor, Collective&& collective) {
 
 namespace {
 
+// An exception's message without the C++ backtrace a c10::Error carries.
+std::string without_backtrace(const std::exception& e) {
+  const auto* error = dynamic_cast<const c10::Error*>(&e);
+  return error != nullptr ? error->what_without_backtrace() : e.what();
+}
+
+// "rank 2" or "ranks 2, 4": the ranks this one crosses hosts with, for errors.
+std::string cross_ranks_text(const Hierarchy& h) {
+  std::string ranks;
+  for (int j = 0; j < h.cross_size; ++j) {
+    if (j != h.cross_rank) ranks += c10::str(ranks.empty() ? "" : ", ", h.cross_ranks[j]);
+  }
+  return c10::str(h.cross_size > 2 ? "ranks " : "rank ", ranks);
+}
+
 // The all-reduce of `block` among the ranks `h.cross` spans (one per host), in place (Note
 // [Hierarchical collectives]): gloo's own for sums, ddpkit's ring for max and min. A kMean is summed
 // here; the caller divides once.
@@ -392,15 +407,95 @@ void cross_host_all_reduce(at::Tensor& block, ReduceOp op, const Hierarchy& h, C
     Communicator cross(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
     Schedule schedule = ring_schedule(block, op, h.cross_size, h.cross_rank);
     run_schedule(cross, schedule, schedule.size());
-  } catch (const c10::Error& e) {
-    std::string ranks;
-    for (int rank : h.cross_ranks) ranks += c10::str(ranks.empty() ? "" : ", ", rank);
-    TORCH_CHECK(false, "ddpkit.", comm.what(), " (", comm.where(), "): the step across hosts, among ranks ", ranks,
-                ", failed: ", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ddpkit.", comm.what(), " (", comm.where(), "): the step across hosts, with ",
+                cross_ranks_text(h), ", failed: ", without_backtrace(e));
   }
 }
 
 }  // namespace
+
+void hierarchical_check(const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
+                        Communicator& comm) {
+  comm.note_collective(static_cast<CollectiveKind>(header.kind));
+  DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+  if (!is_checked()) {
+    if (!error.empty() && local != nullptr) local->reject_unchecked(comm.what());
+    TORCH_CHECK(error.empty(), error);
+    return;
+  }
+  const CollectiveHeader stamped = comm.stamp(header, error);
+  // This host's headers, and the first of them that differs from the first (or was rejected).
+  std::vector<CollectiveHeader> host{stamped};
+  std::string host_error;  // this host's step failed (a rank died or gave up): its ranks still tell their partners
+  int failed = -1;
+  if (local != nullptr) {
+    try {
+      host = local->exchange_headers(stamped, comm.what());
+    } catch (const std::exception& e) {
+      host_error = without_backtrace(e);
+      failed = local->failed_rank();
+      host = {stamped};
+    }
+  }
+  int culprit = -1;
+  for (size_t i = 0; i < host.size() && culprit < 0; ++i) {
+    if (host[i].magic != kHeaderMagic || !describe_mismatch(0, host[i], host[0], comm.what()).empty()) {
+      culprit = static_cast<int>(i);
+    }
+  }
+  // Across hosts, each rank's words: its own header, then its host's culprit (-1: none) with the
+  // culprit's header and its host's first header, so that every rank of every host can name it, then
+  // the rank its host lost (-1: none).
+  constexpr int64_t kWords = 3 * kHeaderWords + 2;
+  at::Tensor mine = at::zeros({kWords}, at::kLong);
+  int64_t* out = mine.data_ptr<int64_t>();
+  std::memcpy(out, &stamped, sizeof(CollectiveHeader));
+  out[kHeaderWords] = culprit < 0 ? -1 : (local != nullptr ? local->group_rank(culprit) : comm.rank());
+  if (culprit >= 0) {
+    std::memcpy(out + kHeaderWords + 1, &host[culprit], sizeof(CollectiveHeader));
+    std::memcpy(out + 2 * kHeaderWords + 1, &host[0], sizeof(CollectiveHeader));
+  }
+  out[3 * kHeaderWords + 1] = host_error.empty() ? -1 : failed >= 0 ? failed : comm.rank();
+  at::Tensor all = at::empty({h.cross_size * kWords}, at::kLong);
+  try {
+    h.cross->_allgather_base(all, mine)->wait();
+  } catch (const std::exception& e) {
+    const std::string why = c10::str("ddpkit.", comm.what(), " (", comm.where(), "): the collective check across hosts, "
+                                     "with ", cross_ranks_text(h), ", failed: ", without_backtrace(e));
+    if (local != nullptr) local->abandon(why);
+    TORCH_CHECK(false, why);
+  }
+  TORCH_CHECK(host_error.empty(), host_error);
+  TORCH_CHECK(error.empty(), error);  // this rank's own rejection, before anyone else's
+  const int64_t* words = all.data_ptr<int64_t>();
+  for (int j = 0; j < h.cross_size; ++j) {  // a rank lost on another host first
+    const int64_t lost = words[j * kWords + 3 * kHeaderWords + 1];
+    TORCH_CHECK(lost < 0, "ddpkit.", comm.what(), " (", comm.where(), "): rank ", lost,
+                " failed on its host: the process died or its transport gave up (rank ", h.cross_ranks[j],
+                " reported it)");
+  }
+  auto header_at = [&](const int64_t* at) {
+    CollectiveHeader value;
+    std::memcpy(static_cast<void*>(&value), at, sizeof(CollectiveHeader));
+    return value;
+  };
+  for (int j = 0; j < h.cross_size; ++j) {  // a culprit on some host first: its host saw how it differs
+    const int64_t* theirs = words + j * kWords;
+    if (theirs[kHeaderWords] < 0) continue;
+    const int rank = static_cast<int>(theirs[kHeaderWords]);
+    const CollectiveHeader bad = header_at(theirs + kHeaderWords + 1);
+    TORCH_CHECK(bad.magic == kHeaderMagic, "ddpkit.", comm.what(), ": rank ", rank,
+                " rejected its arguments (its own error says why)");
+    const int host_first = h.topology.hosts[h.topology.host_of[rank]].front();
+    TORCH_CHECK(false, describe_mismatch(rank, bad, header_at(theirs + 2 * kHeaderWords + 1), comm.what(), host_first));
+  }
+  for (int j = 0; j < h.cross_size; ++j) {  // else the hosts' own headers, against this rank's
+    const CollectiveHeader theirs = header_at(words + j * kWords);
+    const std::string mismatch = describe_mismatch(h.cross_ranks[j], theirs, stamped, comm.what(), comm.rank());
+    TORCH_CHECK(mismatch.empty(), mismatch);
+  }
+}
 
 void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   const Topology& topology = h.topology;
@@ -435,9 +530,9 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
       }
       if (local != nullptr) local->broadcast(whole, 0, header, {}, /*checked=*/false);
     }
-  } catch (const c10::Error& e) {
+  } catch (const std::exception& e) {
     // This host's other ranks may be waiting for this one in a step inside the host: stop them too.
-    if (local != nullptr) local->abandon(e.what_without_backtrace());
+    if (local != nullptr) local->abandon(without_backtrace(e));
     throw;
   }
 }
@@ -477,6 +572,15 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
                     [&](DirectCollectives& direct, const CollectiveHeader& header, bool checked) {
                       direct.all_reduce(flat, op, header, error, checked);
                     });
+    write_back(tensor, work);
+    return;
+  }
+  if (algorithm == Algorithm::kHierarchical && comm.hierarchy()->uniform && n > 1) {
+    hierarchical_check(make_header(CollectiveKind::kAllReduce, tensor, op, requested, -1), error, *comm.hierarchy(),
+                       comm);
+    if (tensor.numel() == 0) return;
+    at::Tensor work = working_copy(tensor);
+    hierarchical_all_reduce(work.view(-1), op, *comm.hierarchy(), comm);
     write_back(tensor, work);
     return;
   }

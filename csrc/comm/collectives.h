@@ -101,6 +101,13 @@ Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device
 // bitwise identical on all ranks.
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm);
 
+// The collective check of kHierarchical when every host holds the same number of ranks (Note
+// [Hierarchical collectives]): one step over the host's shared memory, then an all-gather, among the
+// ranks of this rank's local rank on every host, of each one's header and whether its host agreed;
+// every rank agrees with every other by transitivity, or every rank raises. Counts the collective.
+void hierarchical_check(const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
+                        Communicator& comm);
+
 // The data part of kHierarchical (Note [Hierarchical collectives]) on `flat` (contiguous, float32/64 or
 // int32/64), in place, after the collective check ran: every rank ends with the same bits.
 void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, Communicator& comm);

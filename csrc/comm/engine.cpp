@@ -338,6 +338,11 @@ c10::intrusive_ptr<c10d::Backend> Engine::cross_backend(const std::vector<int>& 
   // timeout) and writes the subgroup's ranks into them; the parent keeps its own.
   c10::intrusive_ptr<c10d::Backend::Options> options = parent->getBackendOptions();
   const std::vector<uint64_t> parent_ranks = options->global_ranks_in_group;
+  if (options->global_ranks_in_group.empty()) {
+    // A gloo backend made outside init_process_group/new_group (the "ddpkit" backend's inner one)
+    // has no ranks recorded, and split reads one per member: they are the group's own.
+    for (int r = 0; r < group_.size; ++r) options->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
+  }
   auto store = c10::make_intrusive<c10d::PrefixStore>(c10::str("ddpkit/cross/", nonce, "/", index, "/"), group_.store());
   c10::intrusive_ptr<c10d::Backend> cross = parent->split(store, ranks, options);
   options->global_ranks_in_group = parent_ranks;

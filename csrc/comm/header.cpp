@@ -51,25 +51,28 @@ std::string field_value(const HeaderField& field, int64_t value) {
 }  // namespace
 
 std::string describe_mismatch(int rank, const CollectiveHeader& theirs, const CollectiveHeader& reference,
-                              std::string_view what) {
+                              std::string_view what, int reference_rank) {
   for (const HeaderField& field : kHeaderFields) {
     const int64_t value = theirs.*field.member;
     const int64_t expected = reference.*field.member;
     if (value == expected) continue;
     return c10::str("ddpkit.", what, ": ranks called mismatched collectives: rank ", rank, " passed ", field.name, " ",
-                    field_value(field, value), ", rank 0 passed ", field.name, " ", field_value(field, expected));
+                    field_value(field, value), ", rank ", reference_rank, " passed ", field.name, " ",
+                    field_value(field, expected));
   }
   return {};
 }
 
-std::string describe_headers(const CollectiveHeader* headers, int size, std::string_view what) {
+std::string describe_headers(const CollectiveHeader* headers, int size, std::string_view what,
+                             const int* group_ranks) {
+  auto rank_of = [&](int peer) { return group_ranks != nullptr ? group_ranks[peer] : peer; };
   for (int peer = 0; peer < size; ++peer) {
     if (headers[peer].magic != kHeaderMagic) {
-      return c10::str("ddpkit.", what, ": rank ", peer, " rejected its arguments (its own error says why)");
+      return c10::str("ddpkit.", what, ": rank ", rank_of(peer), " rejected its arguments (its own error says why)");
     }
   }
   for (int peer = 1; peer < size; ++peer) {
-    std::string error = describe_mismatch(peer, headers[peer], headers[0], what);
+    std::string error = describe_mismatch(rank_of(peer), headers[peer], headers[0], what, rank_of(0));
     if (!error.empty()) return error;
   }
   return {};

@@ -71,13 +71,15 @@ constexpr std::array<HeaderField, 8> kHeaderFields = {{
     {"root", &CollectiveHeader::root},
 }};
 
-// How rank `rank`'s header differs from rank 0's, in the words of an error ("" when they agree).
-// `what` names the collective ("all_reduce").
+// How rank `rank`'s header differs from rank `reference_rank`'s, in the words of an error ("" when
+// they agree). `what` names the collective ("all_reduce").
 std::string describe_mismatch(int rank, const CollectiveHeader& theirs, const CollectiveHeader& reference,
-                              std::string_view what);
+                              std::string_view what, int reference_rank = 0);
 
 // The first difference among the headers of ranks 0..size-1, in the words of an error: "" when all
-// agree; "rank 2 rejected its arguments ..." when a header carries kRejectedMagic.
-std::string describe_headers(const CollectiveHeader* headers, int size, std::string_view what);
+// agree; "rank 2 rejected its arguments ..." when a header carries kRejectedMagic. `group_ranks`
+// (when given) is the group's rank of each, for the error's words.
+std::string describe_headers(const CollectiveHeader* headers, int size, std::string_view what,
+                             const int* group_ranks = nullptr);
 
 }  // namespace ddpkit::comm

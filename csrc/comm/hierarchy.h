@@ -24,8 +24,11 @@ namespace ddpkit::comm {
 // Hosts with different numbers of ranks take the leaders' form instead: an all-reduce inside each
 // host, the all-reduce of the hosts' leaders (their lowest ranks) across hosts, and a broadcast from
 // the leader inside each host. The steps inside a host move no messages (the direct collectives of
-// shm_direct.h, unchecked: the group's collective check already ran over the process group, so a
-// mismatched call raises on every rank of every host). sum and mean cross hosts through gloo's
+// shm_direct.h). The collective check runs first and the data steps unchecked: with equal hosts, one
+// step of each host's shared memory and an all-gather of headers among the ranks of each local rank
+// (hierarchical_check: one round trip across hosts, where the process group's check takes two);
+// with unequal hosts, the process group's check through rank 0. Either way a mismatched call raises
+// on every rank of every host. sum and mean cross hosts through gloo's
 // all-reduce; max and min through ddpkit's ring on the same subgroup, so that they keep Note
 // [Reductions]'s semantics (gloo's max drops a NaN held by a later rank). Every slice is reduced in
 // one place and copied from there, so every rank ends with the same bits.

@@ -252,19 +252,28 @@ void ShmDirect::arrive_and_wait(uint32_t target, const WaitContext& context) {
 void ShmDirect::compare_headers(int set, const std::string& local_error, std::string_view what) const {
   std::vector<CollectiveHeader> headers(seg_.size());
   for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = seg_.slot_header(peer, set);
-  const std::string error = describe_headers(headers.data(), seg_.size(), what);
+  const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.ranks_.data());
   TORCH_CHECK(local_error.empty(), local_error);
   TORCH_CHECK(error.empty(), error);
 }
 
 void ShmDirect::check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) {
+  const std::vector<CollectiveHeader> headers = exchange_headers(header, what);
+  const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.ranks_.data());
+  TORCH_CHECK(local_error.empty(), local_error);
+  TORCH_CHECK(error.empty(), error);
+}
+
+std::vector<CollectiveHeader> ShmDirect::exchange_headers(const CollectiveHeader& header, std::string_view what) {
   seg_.check_usable(what);
   const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), what};
   const uint32_t target = ++step_;
   const int set = static_cast<int>(target & 1);
   seg_.slot_header(seg_.rank(), set) = header;
   arrive_and_wait(target, context);
-  compare_headers(set, local_error, what);
+  std::vector<CollectiveHeader> headers(seg_.size());
+  for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = seg_.slot_header(peer, set);
+  return headers;
 }
 
 }  // namespace ddpkit::comm

@@ -52,6 +52,9 @@ class ShmDirect final : public DirectCollectives {
   explicit ShmDirect(std::shared_ptr<ShmSegment> segment) : segment_(std::move(segment)), seg_(*segment_) {}
 
   void check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) override;
+  std::vector<CollectiveHeader> exchange_headers(const CollectiveHeader& header, std::string_view what) override;
+  int group_rank(int rank) const override { return seg_.group_rank(rank); }
+  int failed_rank() const override { return seg_.failed_group_rank(); }
   void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
                   bool checked) override;
   void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,

@@ -623,6 +623,14 @@ void ShmSegment::mark_broken(const std::string& why) const {
   }
 }
 
+int ShmSegment::failed_group_rank() const {
+  const int dead = header().first_dead.load(std::memory_order_acquire) - 1;
+  if (dead >= 0 && dead < size_) return ranks_[dead];
+  const int32_t by = header().broken_by.load(std::memory_order_acquire);
+  const int gave_up = by > 0 ? by - 1 : -by - 1;
+  return by != 0 && gave_up < size_ ? ranks_[gave_up] : -1;
+}
+
 std::string ShmSegment::peer_failure() const {
   const int32_t by = header().broken_by.load(std::memory_order_acquire);
   const int rank = by > 0 ? by - 1 : -by - 1;

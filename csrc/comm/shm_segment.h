@@ -180,6 +180,8 @@ class ShmSegment {
   void check_usable(std::string_view what) const;
   // How a peer's transport failed ("rank 1 gave up: ..."), read from the segment; "" when none has.
   std::string peer_failure() const;
+  // The group's rank that died first, else the one whose transport failed first; -1 when none.
+  int failed_group_rank() const;
 
  private:
   // The transport's two halves lay their data out in the segment.

@@ -13,6 +13,7 @@
 #include <array>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace ddpkit::comm {
 
@@ -51,6 +52,12 @@ class DirectCollectives {
   virtual ~DirectCollectives() = default;
   // The collective check alone, one step (Note [Collective checks]); also a barrier.
   virtual void check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) = 0;
+  // One step like check(), which returns every rank's header (in rank order) instead of comparing them.
+  virtual std::vector<CollectiveHeader> exchange_headers(const CollectiveHeader& header, std::string_view what) = 0;
+  // The group's rank of this transport's rank `rank` (they differ where it spans a host of a larger group).
+  virtual int group_rank(int rank) const = 0;
+  // After a failure: the group's rank that died or gave up first, as far as this transport knows; -1.
+  virtual int failed_rank() const = 0;
   // In place on `flat` (contiguous; float32/float64/int32/int64): every rank ends with the same bits.
   virtual void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
                           const std::string& local_error, bool checked) = 0;

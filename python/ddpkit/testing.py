@@ -82,6 +82,9 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, grou
             task = conn.recv()
         except EOFError:
             break
+        except Exception as exc:  # a task this process cannot unpickle (a function it cannot import)
+            conn.send(_error_message(exc))
+            continue
         if task is None:
             break
         fn, args, kwargs = task
