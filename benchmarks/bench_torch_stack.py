@@ -51,7 +51,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from records import Record, _kind, optional  # noqa: E402
+from records import TorchStackRecord  # noqa: E402
 
 import ddpkit  # noqa: E402,F401
 from ddpkit.testing import WorkerPool  # noqa: E402
@@ -62,25 +62,6 @@ CANDIDATES = ("gloo", "ddpkit")
 EXTRA = {"tp_mlp": ("floor",)}
 WORKLOADS = ("fsdp2", "ddp_powerSGD", "ddp_fp16", "tp_mlp")
 BARS = {"fsdp2": 0.6, "tp_mlp": 0.5}
-
-
-@dataclass(frozen=True, kw_only=True)
-class TorchStackRecord(Record):
-    """One workload on one candidate at one world size: step time (the slowest rank's, over repetitions)."""
-    kind: str = _kind("torch_stack")
-    workload: str                            # fsdp2, ddp_powerSGD, ddp_fp16, tp_mlp
-    candidate: str                           # gloo, ddpkit; floor (tp_mlp: a mesh of one rank, no communication)
-    world_size: int
-    model: str                               # e.g. "mlp 6x2048"
-    batch_per_rank: int
-    median_step_s: float
-    p25_step_s: float
-    p75_step_s: float
-    reps: int
-    steps_per_rep: int
-    max_param_diff_vs_gloo: float            # after the warm-up steps (tp_mlp: output and gradients of a step)
-    peak_rss_bytes: Optional[int] = optional()           # fsdp2: the candidate alone, max over ranks
-    peak_rss_increase_bytes: Optional[int] = optional()  # over the RSS before the model was built
 
 
 # --- on every rank ---------------------------------------------------------------------------------------

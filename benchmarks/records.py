@@ -283,10 +283,33 @@ class MultihostDdpRecord(Record):
     ratio_to_torch_ddp_gloo: float
 
 
+# -- bench_torch_stack.py: torch_stack.json -----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class TorchStackRecord(Record):
+    """One workload on one candidate at one world size: step time (the slowest rank's, over repetitions)."""
+    kind: str = _kind("torch_stack")
+    workload: str                            # fsdp2, ddp_powerSGD, ddp_fp16, tp_mlp
+    candidate: str                           # gloo, ddpkit; floor (tp_mlp: a mesh of one rank, no communication)
+    world_size: int
+    model: str                               # e.g. "mlp 6x2048"
+    batch_per_rank: int
+    median_step_s: float
+    p25_step_s: float
+    p75_step_s: float
+    reps: int
+    steps_per_rep: int
+    max_param_diff_vs_gloo: float            # after the warm-up steps (tp_mlp: output and gradients of a step)
+    peak_rss_bytes: Optional[int] = optional()           # fsdp2: the candidate alone, max over ranks
+    peak_rss_increase_bytes: Optional[int] = optional()  # over the RSS before the model was built
+
+
 # A record with a "kind" is of the class of its kind; a record without one, of the class of its file.
 BY_KIND: dict[str, type[Record]] = {"time": AllreduceTimeRecord, "memory": AllreduceMemoryRecord,
                                     "collective": CollectiveRecord, "layers": LayerRecord, "ddp": DdpRecord,
-                                    "multihost_all_reduce": MultihostRecord, "multihost_ddp": MultihostDdpRecord}
+                                    "multihost_all_reduce": MultihostRecord, "multihost_ddp": MultihostDdpRecord,
+                                    "torch_stack": TorchStackRecord}
 BY_BENCHMARK: dict[str, type[Record]] = {"syncbn": SyncBatchNormRecord, "ddp": DdpRecord, "training": TrainingRecord}
 
 

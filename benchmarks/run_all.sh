@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Measures every result notebooks/report.ipynb shows, from this tree and nothing outside it, then
 # rebuilds and executes the notebook.
-#   bash benchmarks/run_all.sh           # full: about 2 hours on 2 cores; results in benchmarks/results/
+#   bash benchmarks/run_all.sh           # full: about 2.5 hours on 2 cores; results in benchmarks/results/
 #   bash benchmarks/run_all.sh --quick   # smoke check in a few minutes; results in benchmarks/results/quick/
 # Each result records the commit it was measured at, with "-dirty" when tracked files had uncommitted
 # changes: commit first, so that the whole report comes from one commit (the notebook warns otherwise).
@@ -40,6 +40,12 @@ run $PY benchmarks/bench_syncbn.py "${QUICK[@]}" --device cpu
 run $PY benchmarks/bench_ddp.py "${QUICK[@]}"
 run $PY benchmarks/bench_backend.py "${QUICK[@]}"
 run $PY benchmarks/bench_training.py "${TRAINING[@]}" --no-progress
+run $PY benchmarks/bench_torch_stack.py "${QUICK[@]}"
+if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null && command -v unshare >/dev/null; then
+  run $PY benchmarks/bench_multihost.py "${QUICK[@]}"  # simulated hosts: network and mount namespaces
+else
+  echo "run_all: bench_multihost.py needs root and iproute2 (its hosts are namespaces); the report keeps its result"
+fi
 if $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   run $PY benchmarks/bench_syncbn.py "${QUICK[@]}" --device cuda
   run $PY benchmarks/bench_ddp.py "${QUICK[@]}" --device cuda

@@ -17,7 +17,8 @@ CLASSES = {"allreduce": {records.AllreduceTimeRecord, records.AllreduceMemoryRec
            "backend": {records.CollectiveRecord, records.LayerRecord, records.DdpRecord},
            "ddp": {records.DdpRecord}, "ddp_cuda": {records.DdpRecord},
            "syncbn": {records.SyncBatchNormRecord}, "syncbn_cuda": {records.SyncBatchNormRecord},
-           "training": {records.TrainingRecord}}
+           "training": {records.TrainingRecord}, "torch_stack": {records.TorchStackRecord},
+           "multihost": {records.MultihostRecord, records.MultihostDdpRecord}}
 
 
 def _left_out_when_none(record) -> set:

@@ -54,6 +54,14 @@ CollectiveHeader make_header(CollectiveKind kind, const at::Tensor& tensor, std:
   return header;
 }
 
+// The dtype a reduction of `tensor` runs in: float16/bfloat16 in float32, the rest as they are.
+at::ScalarType working_dtype(const at::Tensor& tensor) {
+  const auto dtype = tensor.scalar_type();
+  return dtype == at::kHalf || dtype == at::kBFloat16 ? at::kFloat : dtype;
+}
+
+size_t working_element_size(const at::Tensor& tensor) { return c10::elementSize(working_dtype(tensor)); }
+
 // float16/bfloat16 are reduced in float32; everything else in place.
 at::Tensor working_copy(const at::Tensor& tensor) {
   const auto dtype = tensor.scalar_type();
@@ -415,6 +423,92 @@ void cross_host_all_reduce(at::Tensor& block, ReduceOp op, const Hierarchy& h, C
 
 }  // namespace
 
+namespace {
+
+// Each rank's words in the check across hosts (Note [Hierarchical collectives]): its own header,
+// its host's culprit (-1: none) with the culprit's header and its host's first header, so that
+// every rank of every host can name it, then the rank its host lost (-1: none).
+constexpr int64_t kCheckWords = 3 * kHeaderWords + 2;
+
+// This rank's part of the check: one step over its host's shared memory, and its words.
+struct HostCheck {
+  CollectiveHeader stamped;
+  std::string host_error;  // the host's step failed (a rank died or gave up): its ranks still tell their partners
+  at::Tensor words;        // kCheckWords int64
+};
+
+HostCheck check_host(const CollectiveHeader& header, const std::string& error, const Hierarchy& h, Communicator& comm) {
+  DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+  HostCheck check{comm.stamp(header, error), {}, at::zeros({kCheckWords}, at::kLong)};
+  std::vector<CollectiveHeader> host{check.stamped};
+  int failed = -1;
+  if (local != nullptr) {
+    try {
+      host = local->exchange_headers(check.stamped, comm.what());
+    } catch (const std::exception& e) {
+      check.host_error = without_backtrace(e);
+      failed = local->failed_rank();
+      host = {check.stamped};
+    }
+  }
+  int culprit = -1;  // the first of the host's headers that differs from its first (or was rejected)
+  for (size_t i = 0; i < host.size() && culprit < 0; ++i) {
+    if (host[i].magic != kHeaderMagic || !describe_mismatch(0, host[i], host[0], comm.what()).empty()) {
+      culprit = static_cast<int>(i);
+    }
+  }
+  int64_t* out = check.words.data_ptr<int64_t>();
+  std::memcpy(out, &check.stamped, sizeof(CollectiveHeader));
+  out[kHeaderWords] = culprit < 0 ? -1 : (local != nullptr ? local->group_rank(culprit) : comm.rank());
+  if (culprit >= 0) {
+    std::memcpy(out + kHeaderWords + 1, &host[culprit], sizeof(CollectiveHeader));
+    std::memcpy(out + 2 * kHeaderWords + 1, &host[0], sizeof(CollectiveHeader));
+  }
+  out[3 * kHeaderWords + 1] = check.host_error.empty() ? -1 : failed >= 0 ? failed : comm.rank();
+  return check;
+}
+
+// Raises, alike on every rank, unless every host's words (`words_of(j)` for cross rank j, null where
+// they never came) say that all agree.
+template <class WordsOf>
+void verify_hosts(const HostCheck& check, const std::string& error, WordsOf words_of, const Hierarchy& h,
+                  Communicator& comm) {
+  TORCH_CHECK(check.host_error.empty(), check.host_error);
+  TORCH_CHECK(error.empty(), error);  // this rank's own rejection, before anyone else's
+  auto header_at = [](const int64_t* at) {
+    CollectiveHeader value;
+    std::memcpy(static_cast<void*>(&value), at, sizeof(CollectiveHeader));
+    return value;
+  };
+  for (int j = 0; j < h.cross_size; ++j) {  // a rank lost on another host first
+    const int64_t* theirs = words_of(j);
+    if (theirs == nullptr) continue;
+    const int64_t lost = theirs[3 * kHeaderWords + 1];
+    TORCH_CHECK(lost < 0, "ddpkit.", comm.what(), " (", comm.where(), "): rank ", lost,
+                " failed on its host: the process died or its transport gave up (rank ", h.cross_ranks[j],
+                " reported it)");
+  }
+  for (int j = 0; j < h.cross_size; ++j) {  // then a culprit on some host: its host saw how it differs
+    const int64_t* theirs = words_of(j);
+    if (theirs == nullptr || theirs[kHeaderWords] < 0) continue;
+    const int rank = static_cast<int>(theirs[kHeaderWords]);
+    const CollectiveHeader bad = header_at(theirs + kHeaderWords + 1);
+    TORCH_CHECK(bad.magic == kHeaderMagic, "ddpkit.", comm.what(), ": rank ", rank,
+                " rejected its arguments (its own error says why)");
+    const int host_first = h.topology.hosts[h.topology.host_of[rank]].front();
+    TORCH_CHECK(false, describe_mismatch(rank, bad, header_at(theirs + 2 * kHeaderWords + 1), comm.what(), host_first));
+  }
+  for (int j = 0; j < h.cross_size; ++j) {  // else the hosts' own headers, against this rank's
+    const int64_t* theirs = words_of(j);
+    if (theirs == nullptr) continue;
+    const std::string mismatch =
+        describe_mismatch(h.cross_ranks[j], header_at(theirs), check.stamped, comm.what(), comm.rank());
+    TORCH_CHECK(mismatch.empty(), mismatch);
+  }
+}
+
+}  // namespace
+
 void hierarchical_check(const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
                         Communicator& comm) {
   comm.note_collective(static_cast<CollectiveKind>(header.kind));
@@ -424,41 +518,10 @@ void hierarchical_check(const CollectiveHeader& header, const std::string& error
     TORCH_CHECK(error.empty(), error);
     return;
   }
-  const CollectiveHeader stamped = comm.stamp(header, error);
-  // This host's headers, and the first of them that differs from the first (or was rejected).
-  std::vector<CollectiveHeader> host{stamped};
-  std::string host_error;  // this host's step failed (a rank died or gave up): its ranks still tell their partners
-  int failed = -1;
-  if (local != nullptr) {
-    try {
-      host = local->exchange_headers(stamped, comm.what());
-    } catch (const std::exception& e) {
-      host_error = without_backtrace(e);
-      failed = local->failed_rank();
-      host = {stamped};
-    }
-  }
-  int culprit = -1;
-  for (size_t i = 0; i < host.size() && culprit < 0; ++i) {
-    if (host[i].magic != kHeaderMagic || !describe_mismatch(0, host[i], host[0], comm.what()).empty()) {
-      culprit = static_cast<int>(i);
-    }
-  }
-  // Across hosts, each rank's words: its own header, then its host's culprit (-1: none) with the
-  // culprit's header and its host's first header, so that every rank of every host can name it, then
-  // the rank its host lost (-1: none).
-  constexpr int64_t kWords = 3 * kHeaderWords + 2;
-  at::Tensor mine = at::zeros({kWords}, at::kLong);
-  int64_t* out = mine.data_ptr<int64_t>();
-  std::memcpy(out, &stamped, sizeof(CollectiveHeader));
-  out[kHeaderWords] = culprit < 0 ? -1 : (local != nullptr ? local->group_rank(culprit) : comm.rank());
-  if (culprit >= 0) {
-    std::memcpy(out + kHeaderWords + 1, &host[culprit], sizeof(CollectiveHeader));
-    std::memcpy(out + 2 * kHeaderWords + 1, &host[0], sizeof(CollectiveHeader));
-  }
-  out[3 * kHeaderWords + 1] = host_error.empty() ? -1 : failed >= 0 ? failed : comm.rank();
-  at::Tensor all = at::empty({h.cross_size * kWords}, at::kLong);
+  const HostCheck check = check_host(header, error, h, comm);
+  at::Tensor all = at::empty({h.cross_size * kCheckWords}, at::kLong);
   try {
+    at::Tensor mine = check.words;
     h.cross->_allgather_base(all, mine)->wait();
   } catch (const std::exception& e) {
     const std::string why = c10::str("ddpkit.", comm.what(), " (", comm.where(), "): the collective check across hosts, "
@@ -466,35 +529,71 @@ void hierarchical_check(const CollectiveHeader& header, const std::string& error
     if (local != nullptr) local->abandon(why);
     TORCH_CHECK(false, why);
   }
-  TORCH_CHECK(host_error.empty(), host_error);
-  TORCH_CHECK(error.empty(), error);  // this rank's own rejection, before anyone else's
   const int64_t* words = all.data_ptr<int64_t>();
-  for (int j = 0; j < h.cross_size; ++j) {  // a rank lost on another host first
-    const int64_t lost = words[j * kWords + 3 * kHeaderWords + 1];
-    TORCH_CHECK(lost < 0, "ddpkit.", comm.what(), " (", comm.where(), "): rank ", lost,
-                " failed on its host: the process died or its transport gave up (rank ", h.cross_ranks[j],
-                " reported it)");
+  verify_hosts(check, error, [&](int j) { return words + j * kCheckWords; }, h, comm);
+}
+
+bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op, const CollectiveHeader& header,
+                                          const std::string& error, const Hierarchy& h, Communicator& comm) {
+  if (!is_checked() || !h.uniform || !error.empty() || !reduces_natively(working_dtype(tensor)) ||
+      tensor.numel() * static_cast<int64_t>(working_element_size(tensor)) > kOneRoundMaxBytes) {
+    return false;
   }
-  auto header_at = [&](const int64_t* at) {
-    CollectiveHeader value;
-    std::memcpy(static_cast<void*>(&value), at, sizeof(CollectiveHeader));
-    return value;
+  comm.note_collective(CollectiveKind::kAllReduce);
+  DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+  const HostCheck check = check_host(header, error, h, comm);
+  const bool host_agrees = check.host_error.empty() && check.words.data_ptr<int64_t>()[kHeaderWords] < 0;
+  at::Tensor work = working_copy(tensor);
+  at::Tensor flat = work.view(-1);
+  const ReduceOp sum_or_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  // A failure of the transports (not a disagreement, which leaves the group usable) stops this host's
+  // other ranks too.
+  auto abandoning = [&](auto&& step) {
+    try {
+      step();
+    } catch (const std::exception& e) {
+      if (local != nullptr) local->abandon(without_backtrace(e));
+      throw;
+    }
   };
-  for (int j = 0; j < h.cross_size; ++j) {  // a culprit on some host first: its host saw how it differs
-    const int64_t* theirs = words + j * kWords;
-    if (theirs[kHeaderWords] < 0) continue;
-    const int rank = static_cast<int>(theirs[kHeaderWords]);
-    const CollectiveHeader bad = header_at(theirs + kHeaderWords + 1);
-    TORCH_CHECK(bad.magic == kHeaderMagic, "ddpkit.", comm.what(), ": rank ", rank,
-                " rejected its arguments (its own error says why)");
-    const int host_first = h.topology.hosts[h.topology.host_of[rank]].front();
-    TORCH_CHECK(false, describe_mismatch(rank, bad, header_at(theirs + 2 * kHeaderWords + 1), comm.what(), host_first));
+  // The host's result on every rank of the host, where the host's ranks agreed.
+  if (local != nullptr && host_agrees && flat.numel() > 0) {
+    abandoning([&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false); });
   }
-  for (int j = 0; j < h.cross_size; ++j) {  // else the hosts' own headers, against this rank's
-    const CollectiveHeader theirs = header_at(words + j * kWords);
-    const std::string mismatch = describe_mismatch(h.cross_ranks[j], theirs, stamped, comm.what(), comm.rank());
-    TORCH_CHECK(mismatch.empty(), mismatch);
+  // One round across hosts: to every partner, one message of a fixed size (so that calls that disagree
+  // never exchange messages of different sizes, which gloo cannot take) holding the check's words and
+  // the host's result.
+  Communicator cross(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
+  constexpr int64_t kWordBytes = kCheckWords * static_cast<int64_t>(sizeof(int64_t));
+  const int64_t data_bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
+  at::Tensor messages_in = at::empty({h.cross_size, kWordBytes + kOneRoundMaxBytes}, at::kByte);
+  at::Tensor mine = messages_in[h.cross_rank];
+  std::memcpy(mine.data_ptr(), check.words.data_ptr(), kWordBytes);
+  if (data_bytes > 0) std::memcpy(static_cast<char*>(mine.data_ptr()) + kWordBytes, flat.data_ptr(), data_bytes);
+  abandoning([&] {
+    MessageList messages;
+    for (int j = 0; j < h.cross_size; ++j) {
+      if (j != h.cross_rank) messages.push_back(cross.irecv(messages_in[j], j, 0));
+    }
+    for (int j = 0; j < h.cross_size; ++j) {
+      if (j != h.cross_rank) messages.push_back(cross.isend(mine, j, 0));
+    }
+    cross.wait(messages);
+  });
+  auto words_of = [&](int j) { return reinterpret_cast<const int64_t*>(messages_in[j].data_ptr()); };
+  verify_hosts(check, error, words_of, h, comm);
+  // Every rank reduces the hosts' results in host order: the same bits everywhere.
+  auto result_of = [&](int j) {
+    return messages_in[j].narrow(0, kWordBytes, data_bytes).view(flat.scalar_type());
+  };
+  if (data_bytes > 0) {
+    at::Tensor total = result_of(0);
+    for (int j = 1; j < h.cross_size; ++j) combine_(total, result_of(j), sum_or_op);
+    finish_reduction_(total, op, comm.size());
+    flat.copy_(total);
   }
+  write_back(const_cast<at::Tensor&>(tensor), work);
+  return true;
 }
 
 void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, Communicator& comm) {
@@ -573,6 +672,11 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
                       direct.all_reduce(flat, op, header, error, checked);
                     });
     write_back(tensor, work);
+    return;
+  }
+  if (algorithm == Algorithm::kHierarchical && n > 1 &&
+      hierarchical_all_reduce_in_one_round(tensor, op, make_header(CollectiveKind::kAllReduce, tensor, op, requested, -1),
+                                           error, *comm.hierarchy(), comm)) {
     return;
   }
   if (algorithm == Algorithm::kHierarchical && comm.hierarchy()->uniform && n > 1) {

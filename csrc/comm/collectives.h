@@ -108,6 +108,16 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
 void hierarchical_check(const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
                         Communicator& comm);
 
+// Small all-reduces of kHierarchical with equal hosts (up to kOneRoundMaxBytes, checks on): the
+// check's step on each host, the host's all-reduce over shared memory, then one round across hosts in
+// which every rank sends its partners one message of a fixed size with its check words and its host's
+// result (padded to kOneRoundMaxBytes), and every rank reduces
+// the hosts' results in host order (Note [Hierarchical collectives]). Returns false, doing nothing,
+// where it does not apply; else runs the whole collective (counted) and returns true.
+constexpr int64_t kOneRoundMaxBytes = 64 * 1024;
+bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op, const CollectiveHeader& header,
+                                          const std::string& error, const Hierarchy& h, Communicator& comm);
+
 // The data part of kHierarchical (Note [Hierarchical collectives]) on `flat` (contiguous, float32/64 or
 // int32/64), in place, after the collective check ran: every rank ends with the same bits.
 void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, Communicator& comm);
