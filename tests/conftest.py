@@ -1,25 +1,84 @@
-"""Shared fixtures: one pool of gloo worker processes per world size for the whole session."""
+"""Shared fixtures: one pool of gloo worker processes per world size for the whole session, and the
+check that the session leaves nothing behind."""
 
+import os
+import re
 from pathlib import Path
 
 import pytest
 
 from ddpkit.testing import WorkerPool
 
+# Processes of this session (this pytest and everything it started), seen so far: what a leftover
+# must come from to count as this session's, so that another job on the host never fails the suite.
+_SESSION_PIDS: set = set()
 
-def _ddpkit_segments() -> set:
+
+def _descendants(pid: int) -> set:
+    found, stack = set(), [pid]
+    while stack:
+        parent = stack.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            for child in children:
+                if child not in found:
+                    found.add(child)
+                    stack.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return False
+    return "zombie" not in state
+
+
+def _named_segments_of(pids: set) -> set:
+    """Names in /dev/shm that a process of `pids` created: "ddpkit-<pid>-..." (ddpkit's segments are
+    anonymous now, Note [Shared-memory segment]; a name would be a regression)."""
     shm = Path("/dev/shm")
-    return {p.name for p in shm.iterdir() if p.name.startswith("ddpkit-")} if shm.is_dir() else set()
+    names = set()
+    for entry in shm.iterdir() if shm.is_dir() else []:
+        match = re.match(r"ddpkit-(\d+)-", entry.name)
+        if match and int(match.group(1)) in pids:
+            names.add(entry.name)
+    return names
+
+
+@pytest.fixture(autouse=True)
+def _record_session_processes():
+    yield
+    _SESSION_PIDS.update(_descendants(os.getpid()))
 
 
 @pytest.fixture(scope="session", autouse=True)
-def no_shared_memory_left_behind():
-    """After the whole suite (pools closed, killed ranks included) no ddpkit segment is in /dev/shm:
-    names are unlinked as soon as every rank has mapped them (Note [Shared-memory segment])."""
-    before = _ddpkit_segments()
+def nothing_left_behind():
+    """After the whole suite (pools closed, killed ranks included): no process this session started is
+    still running (the multiprocessing helpers excepted), and no shared-memory name a process of this
+    session created is in /dev/shm. Only this session's: another job on the host never fails it."""
+    _SESSION_PIDS.add(os.getpid())
     yield
-    left = _ddpkit_segments() - before
-    assert not left, f"shared-memory segments left in /dev/shm: {sorted(left)}"
+    helpers = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+    left = []
+    for pid in _descendants(os.getpid()):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if _alive(pid) and not any(helper in command for helper in helpers):
+            left.append((pid, command[:160]))
+    assert not left, f"processes this session started are still running: {left}"
+    named = _named_segments_of(_SESSION_PIDS | _descendants(os.getpid()))
+    assert not named, f"shared-memory names this session created are in /dev/shm: {sorted(named)}"
 
 
 @pytest.fixture(scope="session")
