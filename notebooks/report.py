@@ -3,8 +3,9 @@
     python notebooks/report.py                                   # benchmarks/results -> notebooks/report.ipynb
     python notebooks/report.py --results DIR --output PATH       # e.g. the --quick results of run_all.sh
 
-The notebook reads only ``<results>/*.json`` (schema: benchmarks/README.md), their records as the
-typed records of benchmarks/records.py (``r.median_s``). Every number in its text is computed from
+The notebook reads ``<results>/*.json`` (schema: benchmarks/README.md), their records as the
+typed records of benchmarks/records.py (``r.median_s``), and SUITE (torch's distributed test suite on
+both backends, written by scripts/run_torch_suite.py). Every number in its text is computed from
 those files when it runs; nothing is typed in. The cells are defined here so that the report's
 source is reviewable as code; edit this file, not the .ipynb.
 """
@@ -21,12 +22,17 @@ from nbclient import NotebookClient
 HERE = Path(__file__).resolve().parent
 # results/<name>.json the report reads: benchmarks/run_all.sh produces every one of them from the current tree.
 EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backend"]
-# Shown when present: the GPU results, which run_all.sh produces only on a machine with a GPU.
-OPTIONAL = ["syncbn_cuda", "ddp_cuda"]
+# Shown when present, a sentence in their place when not: the GPU results, which run_all.sh produces only on a
+# machine with a GPU; torch_stack (bench_torch_stack.py); multihost (bench_multihost.py, which needs root).
+OPTIONAL = ["syncbn_cuda", "ddp_cuda", "torch_stack", "multihost"]
+# Read from the repository, not from the results folder: torch's own distributed test suite on gloo and on
+# "ddpkit", written by scripts/run_torch_suite.py (run_all.sh does not run it); a sentence in its place when absent.
+SUITE = "docs/torch_suite.json"
 
 SETUP = r'''
 %matplotlib inline
-import json, math, os, statistics, sys
+import collections, json, math, os, re, statistics, sys
+from html import escape
 from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
@@ -37,6 +43,7 @@ from records import load_records
 
 RESULTS = Path(os.environ.get("DDPKIT_REPORT_RESULTS", "../benchmarks/results"))
 EXPECTED = __EXPECTED__
+SUITE = Path("..") / __SUITE__
 
 def load(name):
     """A results file, its records typed (benchmarks/records.py: r.median_s, r.kind, ...)."""
@@ -128,7 +135,8 @@ INTRO = r'''
 # ddpkit report
 
 Every figure below is read from `benchmarks/results/*.json` and was measured side by side with the
-PyTorch baseline in the same run (candidates interleaved, median of repetitions). `bash
+PyTorch baseline in the same run (candidates interleaved, median of repetitions); the outcomes of
+torch's own distributed test suite on both backends come from `docs/torch_suite.json`. `bash
 benchmarks/run_all.sh` (about 2 hours on 2 cores) measures all of them again from the checked-out
 tree and rebuilds this notebook; `bash benchmarks/run_all.sh --quick` is a smoke run of the same.
 Each section names the exact command that produced its file.
@@ -617,8 +625,340 @@ if ddp:
         display(Markdown(floor_text))
 '''
 
+MULTIHOST = r'''
+## 7. Across hosts
+
+ddpkit's all-reduce and DDP with the ranks on different hosts. The hosts are simulated on this one machine
+(`ddpkit.testing.HostPool`): each is a network namespace and a mount namespace with a hostname and a `/dev/shm` of
+its own, so ranks on different hosts share no memory and reach each other only over the network, a veth link from
+each host to a bridge. The link is left as it is (`unshaped`: as fast as the kernel copies) or limited by tc's token
+bucket filter (`tbf`) to 10 Gbit/s (`10gbit`) or 1 Gbit/s (`1gbit`): bandwidth only, no added latency (this kernel
+has no netem). `2x2` is 2 hosts × 2 ranks, `2x1` 2 hosts × 1 rank. Every process runs on the same 2 cores (4 of
+them at 2x2), so the network costs CPU too: the kernel copies every byte through the veth pair and the bridge on the
+cores that run the ranks, where a real network card would take that work off them. Candidates, float32 vectors, all
+interleaved in the same repetitions:
+
+| name | what runs |
+|---|---|
+| `ddpkit` | `ddpkit.all_reduce(t)` on the gloo group (`algorithm="auto"`). At 2x2 that is ddpkit's hierarchical all-reduce: up to 64 KiB, the host's all-reduce over its shared memory, then one message to the other host carrying its result; above, a reduce-scatter over each host's shared memory, every rank all-reducing its slice with its counterpart on the other host through gloo, and an all-gather over shared memory. At 2x1 no host holds two ranks: `auto` picks among ddpkit's schedules over the process group |
+| `ddpkit_flat` | `ddpkit.all_reduce(t, algorithm="halving_doubling")`: a ddpkit schedule over gloo's send/recv that ignores the hosts |
+| `ddpkit_backend` | `torch.distributed.all_reduce` on a group of the "ddpkit" backend: ddpkit's engine behind torch's own API |
+| `gloo` | `torch.distributed.all_reduce` on the gloo group: the baseline |
+
+A repetition synchronises the ranks through the candidate itself, then every rank times a batch of back-to-back
+calls; a point is the slowest rank's time per call, the median over the repetitions. Then one DDP training step
+across 2x2 on the unshaped link (8 linear layers 1024 wide, batch 8 per rank, SGD): ddpkit's DDP (`ddpkit_ddp`),
+torch's `DistributedDataParallel` on gloo (`torch_ddp_gloo`) and torch's on the "ddpkit" backend
+(`torch_ddp_ddpkit`). The command runs as root, because it makes namespaces:
+`sudo .venv/bin/python benchmarks/bench_multihost.py` (`run_all.sh` runs it when it runs as root).
+'''
+
+MULTIHOST_PLOT = r'''
+def floats(n):
+    """1000 -> "1k", 16000000 -> "16M"."""
+    for unit, size in (("M", 10**6), ("k", 10**3)):
+        if n >= size and n % size == 0:
+            return f"{n // size:,}{unit}"
+    return f"{n:,}"
+
+if "multihost" not in R:
+    display(Markdown(f"No `multihost.json` in this results folder, so nothing across hosts is shown: "
+                     "`sudo .venv/bin/python benchmarks/bench_multihost.py` measures it (as root: its hosts are "
+                     "namespaces)."))
+else:
+    command("multihost")
+    M = R["multihost"]
+    reduces = [r for r in M["records"] if r.kind == "multihost_all_reduce"]
+    steps = [r for r in M["records"] if r.kind == "multihost_ddp"]
+    HOSTS = {"2x2": "2 hosts × 2 ranks", "2x1": "2 hosts × 1 rank"}
+    LINKS = {"unshaped": "unshaped link", "10gbit": "10 Gbit/s", "1gbit": "1 Gbit/s"}
+    topologies = [t for t in M["settings"]["topologies"] if any(r.topology == t for r in reduces)]
+    links = [l for l in M["settings"]["links"] if any(r.link == l for r in reduces)]
+    others = [c for c in M["settings"]["candidates"] if c != "gloo"]
+    # The issue's targets for ddpkit's time over gloo's, by (hosts x ranks, link) and size (None: no target there);
+    # 2 hosts x 1 rank's target, 1.0 everywhere, is the gloo line itself.
+    MH_TARGET = {("2x2", "unshaped"): lambda n: 0.5 if n >= 16_000_000 else 0.6,
+                 ("2x2", "1gbit"): lambda n: 0.75 if n >= 1_000_000 else None}
+    MH_STYLE = {"ddpkit": dict(color="tab:red", linewidth=2.5), "ddpkit_flat": dict(color="tab:blue"),
+                "ddpkit_backend": dict(color="tab:green", linestyle="-.")}
+    fig, axes = plt.subplots(len(topologies), len(links), figsize=(4.6 * len(links), 3.4 * len(topologies)),
+                             sharex=True, sharey=True, squeeze=False)
+    for row, topology in zip(axes, topologies):
+        for ax, link in zip(row, links):
+            panel = [r for r in reduces if r.topology == topology and r.link == link]
+            for c in others:
+                points = sorted((r.numel, r.ratio_to_gloo) for r in panel if r.candidate == c)
+                if points:
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=4, label=c,
+                            **MH_STYLE.get(c, {}))
+            ax.axhline(1.0, color="black", linestyle="--", linewidth=1.2, label="gloo (1.0)")
+            goals = sorted((r.numel, MH_TARGET[(topology, link)](r.numel)) for r in panel
+                           if r.candidate == "ddpkit" and (topology, link) in MH_TARGET)
+            goals = [g for g in goals if g[1] is not None]
+            if goals:
+                ax.plot([g[0] for g in goals], [g[1] for g in goals], linestyle=":", color="gray", marker="_",
+                        markersize=14, drawstyle="steps-post", label="target for ddpkit")
+            ax.set_xscale("log"); ax.grid(True, which="both", alpha=0.3)
+            ax.set_title(f"{HOSTS.get(topology, topology)}, {LINKS.get(link, link)}"
+                         + ("" if panel else ": not measured"), fontsize=10)
+    axes[0][0].set_ylim(0, 1.08 * max([1.0, *(r.ratio_to_gloo for r in reduces)]))  # the axes share it
+    for ax in axes[-1]:
+        ax.set_xlabel("floats (float32)")
+    for row in axes:
+        row[0].set_ylabel("time / gloo's (median)")
+    legend = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.legend(legend.values(), legend.keys(), loc="upper center", ncol=len(legend), fontsize=9,
+               bbox_to_anchor=(0.5, 1.0))
+    plt.tight_layout(rect=(0, 0, 1, 0.93)); plt.show()
+    by_point = {(r.topology, r.link, r.numel, r.candidate): r for r in reduces}
+    rows = []
+    for topology in topologies:
+        for link in links:
+            for numel in sorted({r.numel for r in reduces if r.topology == topology and r.link == link}):
+                gloo = by_point.get((topology, link, numel, "gloo"))
+                row = {"hosts × ranks": topology, "link": link, "floats": floats(numel),
+                       "gloo": gloo.median_s if gloo else None}
+                for c in others:
+                    r = by_point.get((topology, link, numel, c))
+                    row[c] = r.ratio_to_gloo if r else None
+                backend = by_point.get((topology, link, numel, "ddpkit_backend"))
+                own = by_point.get((topology, link, numel, "ddpkit"))
+                row["backend / ddpkit"] = backend.median_s / own.median_s if backend and own else None
+                row["reps"] = gloo.reps if gloo else None
+                rows.append(row)
+    table(rows, ["hosts × ranks", "link", "floats", "gloo", *others, "backend / ddpkit", "reps"],
+          {"gloo": lambda s: ms(s) if s >= 1e-3 else us(s), **{c: ratio for c in others}, "backend / ddpkit": ratio})
+    display(Markdown("`gloo`: its time per call (median); the candidates' columns: their time over gloo's; "
+                     "`backend / ddpkit`: the \"ddpkit\" backend's time over `ddpkit.all_reduce`'s, the cost of going "
+                     "through torch's API."))
+    if steps:
+        names = {"ddpkit_ddp": "ddpkit's DDP (on the gloo group)", "torch_ddp_gloo": "torch DDP on gloo",
+                 "torch_ddp_ddpkit": "torch DDP on the \"ddpkit\" backend"}
+        table([{"hosts × ranks": r.topology, "link": r.link, "candidate": names.get(r.candidate, r.candidate),
+                "median step": r.median_s, "p25–p75": f"{ms(r.p25_s)}–{ms(r.p75_s)}", "reps": r.reps,
+                "/ torch DDP on gloo": r.ratio_to_torch_ddp_gloo} for r in steps],
+              ["hosts × ranks", "link", "candidate", "median step", "p25–p75", "reps", "/ torch DDP on gloo"],
+              {"median step": ms, "/ torch DDP on gloo": ratio})
+        display(Markdown("One DDP training step (forward, backward with its gradient all-reduces, SGD step), the "
+                         "slowest rank's, median over the repetitions."))
+    else:
+        display(Markdown("No DDP step across hosts in this file."))
+'''
+
+MULTIHOST_TARGETS = r'''
+if "multihost" in R:
+    def target(text, points, limit, expected=()):
+        # A row of the targets' table. points: {where: ratio}; expected: the points the target names.
+        missing = [p for p in expected if p not in points]
+        worst = max(points, key=points.get) if points else None
+        result = "not measured" if not points else "met" if points[worst] <= limit else "not met"
+        return {"target": text, "limit": limit, "worst": f"{points[worst]:.2f}× ({worst})" if points else "",
+                "measured at": ", ".join(points) or "—", "not measured at": ", ".join(missing), "result": result}
+
+    def ratios(topology, link, candidate, low=0, high=float("inf")):
+        # {where: time / gloo's} of one candidate; link None: every link.
+        chosen = sorted((r for r in reduces if r.topology == topology and r.candidate == candidate
+                         and (link is None or r.link == link) and low <= r.numel <= high),
+                        key=lambda r: (links.index(r.link), r.numel))
+        return {(floats(r.numel) if link else f"{r.link} {floats(r.numel)}"): r.ratio_to_gloo for r in chosen}
+
+    SIZES = [floats(n) for n in (1_000, 100_000, 1_000_000, 16_000_000)]  # the sizes the targets name
+    own = {r.numel: r.median_s for r in reduces if (r.topology, r.link, r.candidate) == ("2x2", "unshaped", "ddpkit")}
+    backend_over_own = {floats(r.numel): r.median_s / own[r.numel] for r in reduces
+                        if (r.topology, r.link, r.candidate) == ("2x2", "unshaped", "ddpkit_backend") and r.numel in own}
+    ddp = {r.candidate: r.ratio_to_torch_ddp_gloo for r in steps if r.topology == "2x2"}
+    rows = [
+        target("2 hosts × 2 ranks, unshaped: <code>ddpkit</code> ≤ 0.6× gloo at every size from 1k to 16M floats",
+               ratios("2x2", "unshaped", "ddpkit", 1_000, 16_000_000), 0.6, SIZES),
+        target("2 hosts × 2 ranks, unshaped: <code>ddpkit</code> ≤ 0.5× gloo at 16M floats",
+               ratios("2x2", "unshaped", "ddpkit", 16_000_000, 16_000_000), 0.5, SIZES[-1:]),
+        target("2 hosts × 2 ranks, unshaped: the \"ddpkit\" backend within 1.1× of <code>ddpkit.all_reduce</code> (the "
+               "backend's time over ddpkit's own)", backend_over_own, 1.1, SIZES),
+        target("2 hosts × 1 rank: <code>ddpkit</code> ≤ 1.0× gloo everywhere (every link, every size)",
+               ratios("2x1", None, "ddpkit"), 1.0),
+        target("2 hosts × 2 ranks at 1 Gbit/s: <code>ddpkit</code> ≤ 0.75× gloo from 1M floats up",
+               ratios("2x2", "1gbit", "ddpkit", 1_000_000), 0.75, SIZES[2:]),
+        target("DDP step across 2 hosts × 2 ranks: ddpkit's DDP ≤ 0.8× torch DDP on gloo",
+               {"step": ddp["ddpkit_ddp"]} if "ddpkit_ddp" in ddp else {}, 0.8),
+        target("DDP step across 2 hosts × 2 ranks: torch DDP on the \"ddpkit\" backend ≤ 0.85× torch DDP on gloo",
+               {"step": ddp["torch_ddp_ddpkit"]} if "torch_ddp_ddpkit" in ddp else {}, 0.85),
+    ]
+    partial = any(r["not measured at"] for r in rows)
+    table(rows, ["target", "worst", "measured at", *(["not measured at"] if partial else []), "result"])
+    count = lambda result: sum(r["result"] == result for r in rows)
+    lines = [f"The issue's targets against these figures (<code>worst</code>: the largest ratio among the points a target "
+             f"covers, the one that decides it): **{count('met')} of {len(rows)} met**, {count('not met')} not met"
+             + (f", {count('not measured')} not measured in this file" if count("not measured") else "") + "."]
+    lines += [f"- Not met: {r['target']}: {r['worst']}." for r in rows if r["result"] == "not met"]
+    lines += [f"- Judged on part of its points only: {r['target']} (not measured at {r['not measured at']})."
+              for r in rows if r["not measured at"] and r["result"] != "not measured"]
+    display(Markdown(lines[0] + "\n\n" + "\n".join(lines[1:])))
+'''
+
+TORCH_STACK = r'''
+## 8. torch's own stack on the ddpkit backend
+
+What torch builds on `torch.distributed`, unchanged, on the "ddpkit" backend against gloo, one host, CPU:
+
+| workload | what runs |
+|---|---|
+| `fsdp2` | FSDP2: `fully_shard` on each linear layer and on the root, on `DeviceMesh.from_group(group, "cpu")`, AdamW; a model whose gradients dominate the step |
+| `ddp_powerSGD` | torch DDP with the `powerSGD_hook` communication hook (low-rank gradient compression, one bucket), SGD |
+| `ddp_fp16` | torch DDP with `fp16_compress_hook` (gradients all-reduced as float16), SGD |
+| `tp_mlp` | a tensor-parallel MLP (`ColwiseParallel` then `RowwiseParallel`, DTensor), forward and backward; its messages are small |
+
+Both candidates run side by side in the same processes: one copy of the model (same seed, same data) on a group of
+each backend, repetitions interleaved; a repetition's figure is the slowest rank's time per step, the figure shown the
+median over repetitions. Before timing, the copies take the same warm-up steps and their parameters must agree with
+gloo's (`max |param diff|`). For `tp_mlp` a third candidate, `floor`, runs the same model on a mesh of one rank: the
+step without any communication, the least any backend could reach. FSDP2's memory: each candidate alone in fresh
+processes, the peak resident memory's increase over what the processes held before the model was built, the largest
+over ranks. Command: `.venv/bin/python benchmarks/bench_torch_stack.py`.
+'''
+
+TORCH_STACK_TABLE = r'''
+if "torch_stack" not in R:
+    display(Markdown("No `torch_stack.json` in this results folder, so torch's FSDP2, DDP hooks and tensor "
+                     "parallelism on the ddpkit backend are not shown: `.venv/bin/python benchmarks/bench_torch_stack.py` "
+                     "measures them."))
+else:
+    command("torch_stack")
+    T = R["torch_stack"]
+    by = {(r.workload, r.world_size, r.candidate): r for r in T["records"]}
+    TARGETS = {"fsdp2": 0.6, "tp_mlp": 0.5}
+    rows = []
+    for (workload, n, candidate), r in by.items():
+        g, floor = by.get((workload, n, "gloo")), by.get((workload, n, "floor"))
+        if candidate != "ddpkit" or g is None:
+            continue
+        rows.append({"workload": workload, "n": n, "model": r.model, "batch per rank": r.batch_per_rank,
+                     "gloo step": g.median_step_s, "ddpkit step": r.median_step_s,
+                     "ddpkit / gloo": r.median_step_s / g.median_step_s,
+                     "target": f"≤ {TARGETS[workload]}×" if workload in TARGETS else "",
+                     "floor step": floor.median_step_s if floor else None,
+                     "floor / gloo": floor.median_step_s / g.median_step_s if floor else None,
+                     "gloo memory": g.peak_rss_increase_bytes, "ddpkit memory": r.peak_rss_increase_bytes,
+                     "memory ddpkit / gloo": (r.peak_rss_increase_bytes / g.peak_rss_increase_bytes
+                                              if r.peak_rss_increase_bytes is not None and g.peak_rss_increase_bytes
+                                              else None),
+                     "max |param diff|": r.max_param_diff_vs_gloo})
+    step = lambda s: ms(s) if s >= 1e-3 else us(s)
+    table(rows, ["workload", "n", "model", "batch per rank", "gloo step", "ddpkit step", "ddpkit / gloo", "target",
+                 "floor step", "floor / gloo", "gloo memory", "ddpkit memory", "memory ddpkit / gloo",
+                 "max |param diff|"],
+          {"gloo step": step, "ddpkit step": step, "ddpkit / gloo": ratio, "floor step": step, "floor / gloo": ratio,
+           "gloo memory": mib, "ddpkit memory": mib, "memory ddpkit / gloo": ratio,
+           "max |param diff|": lambda v: f"{v:.1e}"})
+    display(Markdown("`n`: processes. Steps: median of the slowest rank. Memory (FSDP2 only): the peak resident "
+                     "memory's increase over the processes' memory before the model was built, the largest over ranks, "
+                     "each backend alone."))
+    lines = []
+    fsdp = [row for row in rows if row["workload"] == "fsdp2"]
+    wanted = [2, 4]
+    missing = [n for n in wanted if n not in {row["n"] for row in fsdp}]
+    if fsdp:
+        met = all(row["ddpkit / gloo"] <= TARGETS["fsdp2"] for row in fsdp)
+        lines.append(
+            f"**FSDP2** (target ≤ {TARGETS['fsdp2']}× gloo at 2 and 4 processes): "
+            + ", ".join(f"{row['ddpkit / gloo']:.2f}× at {row['n']}" for row in fsdp)
+            + f" — {'met' if met else 'not met'}" + (f" where measured (not measured at "
+                                                   f"{', '.join(map(str, missing))} processes)" if missing else "")
+            + "." + "".join(f" Memory at {row['n']}: {row['memory ddpkit / gloo']:.2f}× gloo's."
+                            for row in fsdp if row["memory ddpkit / gloo"] is not None))
+    else:
+        lines.append("**FSDP2**: not measured in this file.")
+    for row in (row for row in rows if row["workload"] == "tp_mlp"):
+        limit = TARGETS["tp_mlp"]
+        text = (f"**Tensor-parallel MLP** at {row['n']} processes (target ≤ {limit}× gloo): "
+                f"{row['ddpkit / gloo']:.2f}× — {'met' if row['ddpkit / gloo'] <= limit else 'not met'}.")
+        if row["floor / gloo"] is not None:
+            gloo_s, ddpkit_s, floor_s = row["gloo step"], row["ddpkit step"], row["floor step"]
+            text += (f" The floor, the same step on a mesh of one rank with no communication at all, takes "
+                     f"{row['floor / gloo']:.2f}× gloo's step ({step(floor_s)} of {step(gloo_s)})")
+            if row["floor / gloo"] > limit:
+                text += (f": above the target, so no backend can reach it. Most of the step is not communication but "
+                         "the model's own work and DTensor's dispatch in Python, which run the same on any backend.")
+            else:
+                text += ": below the target, so a backend could reach it."
+            if gloo_s > floor_s:
+                text += (f" Of what communicating adds to the step over gloo ({step(gloo_s - floor_s)}), ddpkit "
+                         f"saves {100 * (gloo_s - ddpkit_s) / (gloo_s - floor_s):.0f} %.")
+        lines.append(text)
+    others = [row for row in rows if row["workload"] not in TARGETS]
+    if others:
+        lines.append("Without a target: " + ", ".join(f"{row['workload']} {row['ddpkit / gloo']:.2f}× gloo at "
+                                                      f"{row['n']} processes" for row in others) + ".")
+    diff = max(r.max_param_diff_vs_gloo for r in T["records"] if r.candidate == "ddpkit")
+    lines.append(f"Every ddpkit copy agreed with gloo's before timing: largest difference {diff:.1e}.")
+    display(Markdown("\n\n".join(lines)))
+'''
+
+TORCH_SUITE = r'''
+if not SUITE.exists():
+    display(Markdown(f"No `{SUITE.relative_to('..')}`, so torch's own distributed test suite on the ddpkit backend "
+                     "is not summarised here: `.venv/bin/python scripts/run_torch_suite.py` runs it."))
+else:
+    suite = json.loads(SUITE.read_text())
+    display(Markdown(
+        f"**torch's own distributed test suite** (`torch.testing._internal.distributed.distributed_test`, "
+        f"{suite['tests']} tests, {suite['world_size']} processes), run on gloo and on \"ddpkit\" one after the other by "
+        f"`.venv/bin/python scripts/run_torch_suite.py` on {suite['date'][:16].replace('T', ' ')} UTC, at commit "
+        f"`{suite['git_commit']}` (ddpkit built from `{suite['ddpkit_commit']}`), torch {suite['torch_version']}. "
+        f"Every outcome is in `{SUITE.relative_to('..')}`, the differences also in `docs/torch_suite.md`."))
+    runs = suite["runs"]
+    table([{"backend": name, "tests": len(run["records"]), "passed": run["counts"].get("passed", 0),
+            "failed or error": run["counts"].get("failed", 0) + run["counts"].get("error", 0),
+            "skipped": run["counts"].get("skipped", 0), "run time": run["seconds"]} for name, run in runs.items()],
+          ["backend", "tests", "passed", "failed or error", "skipped", "run time"],
+          {"run time": lambda s: f"{s / 60:.1f} min"})
+    gloo_runs, ddpkit_runs = runs["gloo"]["records"], runs["ddpkit"]["records"]
+    passed = lambda run, name: run.get(name, {}).get("outcome") == "passed"
+    only_gloo = sorted(name for name in gloo_runs if passed(gloo_runs, name) and not passed(ddpkit_runs, name))
+    only_ddpkit = sorted(name for name in ddpkit_runs if passed(ddpkit_runs, name) and not passed(gloo_runs, name))
+    skipped = [n for n in gloo_runs if gloo_runs[n]["outcome"] == "skipped"]
+    reasons = {d["test"]: d for d in suite["differences"]}
+    html = lambda text: re.sub(r"`([^`]*)`", r"<code>\1</code>", escape(text))
+    causes = {"torch": "torch's own code", "ddpkit bug": "a ddpkit bug", "unclassified": "not yet read"}
+    display(Markdown(
+        f"gloo passes {sum(passed(gloo_runs, n) for n in gloo_runs)} tests and \"ddpkit\" "
+        f"{sum(passed(ddpkit_runs, n) for n in ddpkit_runs)}: {len(only_gloo)} pass on gloo only"
+        + (f", {len(only_ddpkit)} on \"ddpkit\" only" if only_ddpkit else ", none on \"ddpkit\" only") + "."
+        + (" Each test gloo passes and \"ddpkit\" does not, with its reason:" if only_gloo else "")))
+    if only_gloo:
+        table([{"test": f"<code>{name}</code>",
+                "on ddpkit": f"{ddpkit_runs.get(name, {}).get('outcome', 'not run')}: "
+                             f"<code>{escape(ddpkit_runs.get(name, {}).get('summary', ''))}</code>",
+                "why": html(reasons.get(name, {}).get("reason", "no reason recorded")),
+                "cause": causes.get(reasons.get(name, {}).get("kind"), reasons.get(name, {}).get("kind", "—"))}
+               for name in only_gloo], ["test", "on ddpkit", "why", "cause"])
+    if only_ddpkit:
+        table([{"test": f"<code>{name}</code>", "on gloo": f"{gloo_runs.get(name, {}).get('outcome', 'not run')}: "
+                f"<code>{escape(gloo_runs.get(name, {}).get('summary', ''))}</code>"} for name in only_ddpkit],
+              ["test", "on gloo"])
+    if suite.get("flaky"):
+        display(Markdown("Failed once and passed when run again (the machine was shared while the suite ran): "
+                         + ", ".join(f"`{f['test']}` on {f['backend']}" for f in suite["flaky"]) + "."))
+    def skip_reason(summary):
+        text = summary.lower()
+        return ("CUDA" if "cuda" in text else "NCCL or MPI only" if "nccl" in text or "mpi" in text
+                else "another world size" if "world size" in text
+                else "disabled upstream" if "github.com/pytorch" in text or "flak" in text or "failing" in text
+                else "other")
+    both = [gloo_runs[n]["summary"] for n in gloo_runs
+            if gloo_runs[n]["outcome"] == "skipped" and ddpkit_runs.get(n, {}).get("outcome") == "skipped"]
+    kinds = collections.Counter(map(skip_reason, both))
+    display(Markdown(
+        f"Skipped on both backends: {len(both)} tests, by the reason the suite gives: "
+        + ", ".join(f"{kind} {count}" for kind, count in kinds.most_common())
+        + " (\"disabled upstream\": torch's own skip, an issue or a flaky test). `tests/test_torch_suite.py` runs "
+        "every test gloo passes on \"ddpkit\"."))
+'''
+
 COMMANDS = r'''
-## 7. Reproduce
+## 9. Reproduce
 
 From the repository, after `make main` (which sets up `.venv`):
 
@@ -630,6 +970,9 @@ From the repository, after `make main` (which sets up `.venv`):
 | SyncBatchNorm | `.venv/bin/python benchmarks/bench_syncbn.py --device cpu` |
 | DDP | `.venv/bin/python benchmarks/bench_ddp.py` |
 | the ddpkit torch.distributed backend | `.venv/bin/python benchmarks/bench_backend.py` |
+| across simulated hosts (root: the hosts are namespaces) | `sudo .venv/bin/python benchmarks/bench_multihost.py` |
+| FSDP2, DDP communication hooks, tensor parallelism on the ddpkit backend | `.venv/bin/python benchmarks/bench_torch_stack.py` |
+| torch's distributed test suite on gloo and on ddpkit | `.venv/bin/python scripts/run_torch_suite.py` (writes `docs/torch_suite.json`, `docs/torch_suite.md`) |
 | training comparison | `.venv/bin/python benchmarks/bench_training.py --full` (`make main`: the short run) |
 | GPU: build, CUDA tests, GPU benchmarks | `bash scripts/gpu_checks.sh build test bench` |
 | this notebook only | `.venv/bin/python notebooks/report.py` |
@@ -641,7 +984,7 @@ def build() -> nbformat.NotebookNode:
     cells = [
         nbformat.v4.new_markdown_cell(INTRO.strip()),
         nbformat.v4.new_code_cell(SETUP.strip().replace("__EXPECTED__", repr(EXPECTED))
-                                 .replace("__OPTIONAL__", repr(OPTIONAL))),
+                                 .replace("__OPTIONAL__", repr(OPTIONAL)).replace("__SUITE__", repr(SUITE))),
         nbformat.v4.new_code_cell(PROVENANCE.strip()),
         nbformat.v4.new_markdown_cell("## 0. Infrastructure"),
         nbformat.v4.new_code_cell(INFRA.strip()),
@@ -664,6 +1007,12 @@ def build() -> nbformat.NotebookNode:
         nbformat.v4.new_code_cell(GPU_TABLES.strip()),
         nbformat.v4.new_markdown_cell(BACKEND.strip()),
         nbformat.v4.new_code_cell(BACKEND_TABLES.strip()),
+        nbformat.v4.new_markdown_cell(MULTIHOST.strip()),
+        nbformat.v4.new_code_cell(MULTIHOST_PLOT.strip()),
+        nbformat.v4.new_code_cell(MULTIHOST_TARGETS.strip()),
+        nbformat.v4.new_markdown_cell(TORCH_STACK.strip()),
+        nbformat.v4.new_code_cell(TORCH_STACK_TABLE.strip()),
+        nbformat.v4.new_code_cell(TORCH_SUITE.strip()),
         nbformat.v4.new_markdown_cell(COMMANDS.strip()),
     ]
     notebook = nbformat.v4.new_notebook(cells=cells)

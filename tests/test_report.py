@@ -35,7 +35,9 @@ def test_results_exist_and_follow_the_schema(name):
     assert document["environment"]["command"] and document["environment"]["torch_version"]
     assert isinstance(document["settings"], dict) and document["settings"]
     assert isinstance(document["records"], list) and document["records"]
-    assert all(isinstance(record, dict) and "world_size" in record for record in document["records"])
+    # A record says how many processes it ran: world_size, or (multihost.json) topology, "<hosts>x<ranks per host>".
+    assert all(isinstance(record, dict) and ("world_size" in record or re.fullmatch(r"\d+x\d+", record.get("topology", "")))
+               for record in document["records"])
     assert isinstance(document["summary"], dict) and document["summary"]
 
 
@@ -76,13 +78,15 @@ def test_committed_notebook_executes_without_errors(tmp_path):
     outputs = outputs_of(report.execute(notebook, RESULTS, timeout=120))
     assert not [o for o in outputs if o.get("output_type") == "error"], \
         [o.get("evalue") for o in outputs if o.get("output_type") == "error"]
-    assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 6  # every plot rendered
+    # every plot rendered: one per section, two in the all-reduce's, one more for multihost.json where it exists
+    assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 6 + (RESULTS / "multihost.json").exists()
 
 
-def results_copy(tmp_path, commits: dict):
-    """The committed results with their recorded commits replaced (name -> git_commit; the others: "c0ffee")."""
+def results_copy(tmp_path, commits: dict, names=None):
+    """The committed results (of names: by default every one the report reads) with their recorded commits replaced
+    (name -> git_commit; the others: "c0ffee")."""
     tmp_path.mkdir()
-    for name in report.EXPECTED + report.OPTIONAL:
+    for name in report.EXPECTED + report.OPTIONAL if names is None else names:
         path = RESULTS / f"{name}.json"
         if not path.exists():
             continue
@@ -108,14 +112,28 @@ def test_the_report_states_its_commit_once_and_warns_about_results_of_others(tmp
     assert "Every result comes from that commit" not in text
 
 
+def test_the_optional_results_missing_are_a_sentence_each(tmp_path):
+    notebook = report.execute(report.build(), results_copy(tmp_path / "expected", {}, report.EXPECTED), timeout=120)
+    outputs = outputs_of(notebook)
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    text = text_of(outputs)
+    assert "No GPU results in this results folder" in text
+    assert "No `multihost.json` in this results folder" in text
+    assert "No `torch_stack.json` in this results folder" in text
+
+
 def test_the_report_reads_only_what_run_all_produces():
     run_all = (REPO / "benchmarks" / "run_all.sh").read_text()
     scripts = {"allreduce": "bench_allreduce.py", "allreduce_checks": "--output allreduce_checks",
                "syncbn": "bench_syncbn.py", "ddp": "bench_ddp.py", "training": "bench_training.py",
                "backend": "bench_backend.py", "syncbn_cuda": "bench_syncbn.py \"${QUICK[@]}\" --device cuda",
-               "ddp_cuda": "bench_ddp.py \"${QUICK[@]}\" --device cuda"}
+               "ddp_cuda": "bench_ddp.py \"${QUICK[@]}\" --device cuda",
+               "torch_stack": "bench_torch_stack.py \"${QUICK[@]}\"", "multihost": "bench_multihost.py \"${QUICK[@]}\""}
     assert set(report.EXPECTED + report.OPTIONAL) == scripts.keys()
     assert all(command in run_all for command in scripts.values())
+    # The one input from outside the results folder: torch's suite, which scripts/run_torch_suite.py writes.
+    suite = Path(report.SUITE)
+    assert f'"{suite.parent}" / "{suite.name}"' in (REPO / "scripts" / "run_torch_suite.py").read_text()
     # Nothing from outside the repository: no absolute path, no option that reads an earlier run's file.
     assert "/tmp" not in run_all and "--ddp-from" not in (REPO / "benchmarks" / "bench_backend.py").read_text()
 
