@@ -74,14 +74,19 @@ void reduce_sources(at::ScalarType dtype, char* out, const std::vector<const cha
 
 }  // namespace
 
+WaitContext ShmDirect::begin(std::string_view what, const std::string& local_error, bool checked) {
+  seg_.check_usable(what);
+  const bool rejected = !local_error.empty();
+  if (rejected && !checked) seg_.reject_unchecked(what);
+  TORCH_CHECK(checked || !rejected, local_error);
+  return WaitContext{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), what};
+}
+
 void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
                             const std::string& local_error, bool checked) {
   constexpr std::string_view kWhat = "all_reduce";
-  seg_.check_usable(kWhat);
   const bool rejected = !local_error.empty();
-  if (rejected && !checked) seg_.reject_unchecked(kWhat);
-  TORCH_CHECK(checked || !rejected, local_error);
-  const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), kWhat};
+  const WaitContext context = begin(kWhat, local_error, checked);
   const at::ScalarType dtype = rejected ? at::kByte : flat.scalar_type();
   const int64_t element = rejected ? 1 : static_cast<int64_t>(flat.element_size());
   const int64_t numel = rejected ? 0 : flat.numel();
@@ -145,11 +150,8 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
 void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
                             const std::string& local_error, bool checked) {
   constexpr std::string_view kWhat = "all_gather_into_tensor";
-  seg_.check_usable(kWhat);
   const bool rejected = !local_error.empty();
-  if (rejected && !checked) seg_.reject_unchecked(kWhat);
-  TORCH_CHECK(checked || !rejected, local_error);
-  const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), kWhat};
+  const WaitContext context = begin(kWhat, local_error, checked);
   const int64_t bytes = rejected ? 0 : static_cast<int64_t>(input.numel() * input.element_size());
   const char* const in = bytes == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
   char* const out = bytes == 0 ? nullptr : static_cast<char*>(output.data_ptr());
@@ -175,11 +177,8 @@ void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, co
 void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
                                 const CollectiveHeader& header, const std::string& local_error, bool checked) {
   constexpr std::string_view kWhat = "reduce_scatter_tensor";
-  seg_.check_usable(kWhat);
   const bool rejected = !local_error.empty();
-  if (rejected && !checked) seg_.reject_unchecked(kWhat);
-  TORCH_CHECK(checked || !rejected, local_error);
-  const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), kWhat};
+  const WaitContext context = begin(kWhat, local_error, checked);
   const at::ScalarType dtype = rejected ? at::kByte : output.scalar_type();
   const int64_t element = rejected ? 1 : static_cast<int64_t>(output.element_size());
   const int64_t block = rejected ? 0 : output.numel();  // elements per rank
@@ -216,11 +215,8 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
 void ShmDirect::broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header,
                           const std::string& local_error, bool checked) {
   constexpr std::string_view kWhat = "broadcast";
-  seg_.check_usable(kWhat);
   const bool rejected = !local_error.empty();
-  if (rejected && !checked) seg_.reject_unchecked(kWhat);
-  TORCH_CHECK(checked || !rejected, local_error);
-  const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), kWhat};
+  const WaitContext context = begin(kWhat, local_error, checked);
   const int64_t bytes = rejected ? 0 : static_cast<int64_t>(tensor.numel() * tensor.element_size());
   char* const data = bytes == 0 ? nullptr : static_cast<char*>(tensor.data_ptr());
   const int64_t steps = std::max<int64_t>(1, (bytes + seg_.slot_bytes() - 1) / seg_.slot_bytes());

@@ -67,6 +67,9 @@ class ShmDirect final : public DirectCollectives {
   void abandon(const std::string& why) override { seg_.mark_broken(why); }
 
  private:
+  // What every collective does first: raises if the transport failed earlier, or (checks off) if this
+  // rank rejected its arguments (stopping the transport: reject_unchecked); the context of its waits.
+  WaitContext begin(std::string_view what, const std::string& local_error, bool checked);
   // Posts this rank's arrival at step `target` and waits for every peer's.
   void arrive_and_wait(uint32_t target, const WaitContext& context);
   // Compares the headers of every rank in slot set `set`; throws `local_error` first if there is one.

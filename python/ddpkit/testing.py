@@ -168,11 +168,7 @@ class WorkerPool:
 
     def close(self) -> None:
         """Asks workers to exit cleanly, then kills any that do not."""
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
+        self._ask_workers_to_exit()
         deadline = time.monotonic() + 10
         for process in self._processes:
             process.join(max(0.0, deadline - time.monotonic()))
@@ -252,6 +248,13 @@ class WorkerPool:
         if failed:
             self.kill()
         return results
+
+    def _ask_workers_to_exit(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (OSError, BrokenPipeError):
+                pass
 
     def _sentinel(self, rank: int):
         """What becomes ready when ``rank``'s process ends (besides its connection), or None."""
@@ -411,11 +414,7 @@ class HostPool(WorkerPool):
         return " | ".join(t for t in text if t) or "nothing"
 
     def close(self) -> None:
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except (OSError, BrokenPipeError):
-                pass
+        self._ask_workers_to_exit()
         for host, launcher in enumerate(self._launchers):
             try:
                 out, _ = launcher.communicate(timeout=30)
