@@ -13,15 +13,19 @@ random output gradient.
   World size 1: every configuration, ddpkit's CUDA kernels against torch's CUDA BatchNorm. Steps
   are timed with CUDA events on the current stream; memory is torch.cuda.max_memory_allocated.
   Results go to syncbn_cuda.json (with the GPU's name and driver), never over the CPU results.
-* CPU (gloo), where torch has no SyncBatchNorm: the baseline is its floor, measured in the same
-  run: torch's BatchNorm1d/2d forward+backward on the local batch (compute) plus one gloo
-  all-reduce of 2C+1 and one of 2C float64 values (communication, torch.distributed.all_reduce:
-  the buffers ddpkit reduces). ratio = ddpkit / (compute floor + communication floor).
+* CPU (gloo), where torch has no SyncBatchNorm: the baseline is torch's BatchNorm1d/2d
+  forward+backward on the local batch alone, no communication at all (ratio = ddpkit / that: what
+  synchronizing costs on top of a plain batch norm). A secondary column keeps the older baseline,
+  the floor of torch's own parts: that BatchNorm plus one gloo all-reduce of 2C+1 and one of 2C
+  float64 values (ratio_floor = ddpkit / (BatchNorm + two gloo all-reduces)).
 * World size 1 (no torch.distributed): ddpkit's local kernels against torch's CPU batch norm.
 
-Candidates are interleaved within every repetition (in a rotating order, after a barrier:
-``common.interleave``; the first 10 repetitions, 2 with --quick, are a warm-up and dropped); a
-repetition's time is the slowest rank's, and the figure reported is the median over repetitions.
+A repetition times --steps forward+backward steps back to back (20 for (B, C) inputs, 3 for the
+convolution shape), as a training loop runs them, and divides by the steps: the barrier before it
+skews only its first step's start, never the steps in between. Candidates are interleaved within
+every repetition (in a rotating order, after a barrier: ``common.interleave``; the first 10
+repetitions, 2 with --quick, are a warm-up and dropped); a repetition's time is the slowest rank's,
+and the figure reported is the median over repetitions.
 Outputs and input gradients are checked against BatchNorm on the whole batch before timing.
 
     python benchmarks/bench_syncbn.py            # full run, writes benchmarks/results/syncbn.json
@@ -185,9 +189,10 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
 
 
 def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup: int, check_only: bool = False,
-            device_type: str = "cpu", cuda_algorithms: tuple = ("process_group",)) -> dict:
-    """Times the candidates on this rank's shard; returns per-repetition times, memory and the
-    outputs and input gradients of the first ddpkit step (for the correctness check)."""
+            device_type: str = "cpu", cuda_algorithms: tuple = ("process_group",), steps: int = 1) -> dict:
+    """Times the candidates on this rank's shard, ``steps`` back-to-back steps per repetition; returns
+    per-repetition seconds per step, memory and the outputs and input gradients of the first ddpkit
+    step (for the correctness check)."""
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = _device(device_type)
@@ -254,7 +259,12 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
         if distributed:
             dist.barrier()
         _sync(device)
-        return timed(candidates[name])
+        step = candidates[name]
+
+        def back_to_back() -> None:  # gradients accumulate across the steps, alike for every candidate
+            for _ in range(steps):
+                step()
+        return timed(back_to_back) / steps
 
     times = interleave(list(candidates), reps, measure_one, warmup=warmup)
 
@@ -283,7 +293,7 @@ def inputs(shape, seed: int):
     return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
 
 
-def summarize(per_rank: list, world_size: int, shape) -> SyncBatchNormRecord:
+def summarize(per_rank: list, world_size: int, shape, steps: int) -> SyncBatchNormRecord:
     """One record from every rank's results: per-repetition max over ranks, then the median."""
     names = per_rank[0]["times"].keys()
     step = {name: median(timing.slowest_per_rep([rank["times"][name] for rank in per_rank])) for name in names}
@@ -293,7 +303,8 @@ def summarize(per_rank: list, world_size: int, shape) -> SyncBatchNormRecord:
     # The record's fields by name: the per-candidate ones are named after the candidates.
     record = {"world_size": world_size, "shape": list(shape), "features": shape[1], "global_batch": shape[0],
               "local_batch": -(-shape[0] // world_size), "threads_per_rank": per_rank[0]["threads"],
-              "kernels": per_rank[0]["kernels"], "repetitions": len(next(iter(per_rank[0]["times"].values())))}
+              "kernels": per_rank[0]["kernels"], "repetitions": len(next(iter(per_rank[0]["times"].values()))),
+              "steps_per_repetition": steps}
     for name, seconds in step.items():
         record[f"t_{name}"] = seconds
     for name, values in memory.items():
@@ -305,14 +316,17 @@ def summarize(per_rank: list, world_size: int, shape) -> SyncBatchNormRecord:
         record["ratio_pg"] = record["t_ddpkit_pg"] / record["t_torch_syncbn"]
         record["alloc_extra"] = record[f"alloc_{main}"] - record["alloc_torch_syncbn"]
     elif world_size > 1:
-        floor = record["t_torch_bn_local"] + record["t_gloo_two_all_reduces"]
+        # The headline: what synchronizing costs over torch's plain BatchNorm on the same local batch.
+        local = record["t_torch_bn_local"]
+        floor = local + record["t_gloo_two_all_reduces"]
         record["t_floor"] = floor
-        record["ratio"] = record["t_ddpkit"] / floor
-        record["ratio_pg"] = record["t_ddpkit_pg"] / floor
-        record["ratio_unchecked"] = record["t_ddpkit_unchecked"] / floor
-        record["ratio_emulated"] = record["t_torch_emulated"] / floor
-        record["ratio_local_compute"] = record["t_ddpkit_local"] / record["t_torch_bn_local"]
+        record["ratio"] = record["t_ddpkit"] / local
+        record["ratio_pg"] = record["t_ddpkit_pg"] / local
+        record["ratio_unchecked"] = record["t_ddpkit_unchecked"] / local
+        record["ratio_emulated"] = record["t_torch_emulated"] / local
+        record["ratio_local_compute"] = record["t_ddpkit_local"] / local
         record["ratio_pg_vs_emulated"] = record["t_ddpkit_pg"] / record["t_torch_emulated"]
+        record["ratio_floor"] = record["t_ddpkit"] / floor
         record["alloc_extra"] = record["alloc_ddpkit"] - record["alloc_torch_bn_local"]
     else:
         record["ratio"] = record["t_ddpkit"] / record["t_torch_bn_local"]
@@ -344,7 +358,9 @@ def main() -> None:
     parser.add_argument("--cuda-algorithms", nargs="+", choices=("process_group", "auto"),
                         default=["process_group", "auto"], help="CUDA in a group: ddpkit's all-reduce algorithms to time")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=None, help="default: 2 4 on CPU, 2 on CUDA")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions per candidate (default 500; conv 60)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per candidate (default 100; conv 40)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="forward+backward steps back to back per repetition (default 20; conv 3)")
     parser.add_argument("--local-threads", type=int, nargs="+", default=[1, 2],
                         help="torch.set_num_threads values for the world-size-1 comparison (CPU)")
     args = parser.parse_args()
@@ -361,8 +377,9 @@ def main() -> None:
     if args.quick:
         configs = [(32, 128), (64, 1024)]
     shapes = configs + [conv_shape if not args.quick else (8, 16, 16, 16)]
-    reps_2d = args.reps or (10 if args.quick else 500)
-    reps_conv = args.reps or (5 if args.quick else 60)
+    reps_2d = args.reps or (10 if args.quick else 100)
+    reps_conv = args.reps or (5 if args.quick else 40)
+    steps_2d, steps_conv = (args.steps, args.steps) if args.steps else (20, 3)
     warmup = 2 if args.quick else 10
 
     records = []
@@ -373,10 +390,11 @@ def main() -> None:
         try:
             for seed, shape in enumerate(shapes):
                 x, grad = inputs(shape, seed)
-                reps = reps_conv if len(shape) == 4 else reps_2d
-                print(f"world_size={world_size} shape={shape} reps={reps}", flush=True)
+                reps, steps = (reps_conv, steps_conv) if len(shape) == 4 else (reps_2d, steps_2d)
+                print(f"world_size={world_size} shape={shape} reps={reps} steps={steps}", flush=True)
                 worst_error = max(worst_error, check_outputs(pool.run(measure, x, grad, 0, 0, True, **options), x, grad))
-                records.append(summarize(pool.run(measure, x, grad, reps, warmup, **options), world_size, shape))
+                records.append(summarize(pool.run(measure, x, grad, reps, warmup, steps=steps, **options),
+                                         world_size, shape, steps))
         finally:
             pool.close()
 
@@ -389,10 +407,10 @@ def main() -> None:
         torch.set_num_threads(threads)
         for seed, shape in enumerate(local_shapes):
             x, grad = inputs(shape, 100 + seed)
-            reps = reps_conv if len(shape) == 4 else reps_2d
-            print(f"world_size=1 threads={threads} shape={shape} reps={reps}", flush=True)
+            reps, steps = (reps_conv, steps_conv) if len(shape) == 4 else (reps_2d, steps_2d)
+            print(f"world_size=1 threads={threads} shape={shape} reps={reps} steps={steps}", flush=True)
             worst_error = max(worst_error, check_outputs([measure(x, grad, 0, 0, True, **options)], x, grad))
-            records.append(summarize([measure(x, grad, reps, warmup, **options)], 1, shape))
+            records.append(summarize([measure(x, grad, reps, warmup, steps=steps, **options)], 1, shape, steps))
 
     distributed = [r for r in records if r.world_size > 1]
     two = [r for r in distributed if r.world_size == 2]
@@ -421,6 +439,8 @@ def main() -> None:
         "max_ratio_emulated_2_workers": worst("ratio_emulated"),
         "max_ratio_local_compute_2_workers": worst("ratio_local_compute"),
         "max_ratio_pg_vs_emulated_2_workers": worst("ratio_pg_vs_emulated"),
+        "max_ratio_floor_2_workers": worst("ratio_floor"),
+        "configs_within_target_floor_2_workers": within("ratio_floor"),
         "configs_2_workers": len(two),
         "local_ratios": {f"{tuple(r.shape)} threads={r.threads_per_rank}": r.ratio for r in local},
         "max_alloc_extra_per_channel_bytes": max(r.alloc_extra_per_channel for r in records),
@@ -428,17 +448,20 @@ def main() -> None:
     settings = {
         "configs_global_batch_x_features": configs, "conv_shape": list(shapes[-1]), "world_sizes": world_sizes,
         "repetitions_2d": reps_2d, "repetitions_conv": reps_conv, "warmup": warmup, "quick": args.quick,
+        "steps_per_repetition_2d": steps_2d, "steps_per_repetition_conv": steps_conv,
         "local_threads": local_threads, "threads_per_rank": "cpu_count // world_size (recorded per record)",
         "affine": True, "dtype": "float32", "input_split": "global batch split evenly across ranks (tensor_split)",
         "gradient": "fixed standard-normal output gradient; step = layer(x).backward(grad)",
-        "timing": "candidates interleaved in a rotating order after a barrier; per repetition the slowest rank; "
+        "timing": "a repetition = steps_per_repetition forward+backward steps back to back, divided by the steps; "
+                  "candidates interleaved in a rotating order after a barrier; per repetition the slowest rank; "
                   "median over repetitions",
         "device": device_type, "backend": backend,
         "cuda_algorithms": list(cuda_algorithms) if cuda else None,
         "gpus": "every rank on GPU rank % device_count (one GPU: all ranks share it)" if cuda else None,
         "timing_clock": "CUDA events on the current stream around each step" if cuda else "time.perf_counter",
         "baseline": f"torch.nn.SyncBatchNorm over {backend}; world size 1: torch's CUDA BatchNorm" if cuda else
-                    "floor = torch BatchNorm fwd+bwd on the local batch + gloo all_reduce of 2C+1 and 2C float64",
+                    "torch BatchNorm fwd+bwd on the local batch alone (ratio, ratio_pg, ratio_unchecked); "
+                    "ratio_floor: against floor = that BatchNorm + gloo all_reduce of 2C+1 and 2C float64",
         "candidates": {
             "ddpkit": "ddpkit.SyncBatchNorm(algorithm='auto')",
             "ddpkit_pg": "ddpkit.SyncBatchNorm(algorithm='process_group'): the group's own all-reduce",
@@ -462,30 +485,32 @@ def main() -> None:
 
 def print_summary(records: list[SyncBatchNormRecord], summary: dict, cuda: bool) -> None:
     """Times per forward+backward step, their ratios to the baseline, memory, and the targets."""
-    baseline = "torch.nn.SyncBatchNorm" if cuda else "floor"
+    baseline = "torch.nn.SyncBatchNorm" if cuda else "torch's BatchNorm on the local batch"
     rows = []
     for r in records:
         row = {**r.to_dict(), "shape": "x".join(map(str, r.shape))}
         if r.world_size == 1:
             row["baseline"] = r.t_torch_bn_local  # the local kernels against torch's BatchNorm
         else:
-            row["baseline"] = r.t_torch_syncbn if cuda else r.t_floor
+            row["baseline"] = r.t_torch_syncbn if cuda else r.t_torch_bn_local
         row["alloc_baseline"] = r.alloc_torch_syncbn if r.alloc_torch_syncbn is not None else r.alloc_torch_bn_local
         rows.append(row)
     columns = ["world_size", "shape", "threads_per_rank", "t_ddpkit", "t_ddpkit_pg", "t_ddpkit_unchecked", "baseline",
-               "ratio", "ratio_pg", "ratio_unchecked", "ratio_local_compute", "alloc_ddpkit", "alloc_baseline",
-               "alloc_extra_per_channel"]
-    print(f"\nSyncBatchNorm forward + backward per step (median of the slowest rank); baseline: {baseline} at "
-          "world size > 1 (on CPU torch's BatchNorm plus two gloo all-reduces), torch's BatchNorm at world size 1")
+               "ratio", "ratio_pg", "ratio_unchecked", "ratio_floor", "ratio_local_compute", "alloc_ddpkit",
+               "alloc_baseline", "alloc_extra_per_channel"]
+    print(f"\nSyncBatchNorm forward + backward per step (steps back to back, median of the slowest rank); baseline: "
+          f"{baseline} at world size > 1, torch's BatchNorm at world size 1"
+          + ("" if cuda else "; auto/(BN+2 gloo): against the older floor, BatchNorm plus two gloo all-reduces"))
     print_table(rows, [c for c in columns if any(row.get(c) is not None for row in rows)],
                 headers={"world_size": "ranks", "threads_per_rank": "threads", "t_ddpkit": "ddpkit auto",
                          "t_ddpkit_pg": "ddpkit process_group", "t_ddpkit_unchecked": "auto unchecked",
                          "ratio": "auto/baseline", "ratio_pg": "pg/baseline", "ratio_unchecked": "unchecked/baseline",
+                         "ratio_floor": "auto/(BN+2 gloo)",
                          "ratio_local_compute": "local kernels/BN", "alloc_ddpkit": "ddpkit memory",
                          "alloc_baseline": "baseline memory", "alloc_extra_per_channel": "extra per channel"},
                 formats={"t_ddpkit": common.seconds, "t_ddpkit_pg": common.seconds,
                          "t_ddpkit_unchecked": common.seconds, "baseline": common.seconds, "ratio": common.times,
-                         "ratio_pg": common.times, "ratio_unchecked": common.times,
+                         "ratio_pg": common.times, "ratio_unchecked": common.times, "ratio_floor": common.times,
                          "ratio_local_compute": common.times, "alloc_ddpkit": _kibibytes, "alloc_baseline": _kibibytes,
                          "alloc_extra_per_channel": lambda v: f"{v:.1f} B"})
     configs = summary["configs_2_workers"]
@@ -493,7 +518,9 @@ def print_summary(records: list[SyncBatchNormRecord], summary: dict, cuda: bool)
         print(f"at 2 workers, ddpkit auto within {TARGET_RATIO_DISTRIBUTED}x the baseline in "
               f"{summary['configs_within_target_2_workers']} of {configs} configurations (worst "
               f"{summary['max_ratio_2_workers']:.3f}x); process_group in {summary['configs_within_target_pg_2_workers']} "
-              f"(worst {summary['max_ratio_pg_2_workers']:.3f}x)")
+              f"(worst {summary['max_ratio_pg_2_workers']:.3f}x)"
+              + ("" if cuda else f"; against BatchNorm plus two gloo all-reduces, auto within it in "
+                 f"{summary['configs_within_target_floor_2_workers']} (worst {summary['max_ratio_floor_2_workers']:.3f}x)"))
     if summary["local_ratios"]:
         local = summary["local_ratios"].values()
         print(f"world size 1: ddpkit's kernels take {min(local):.3f}x-{max(local):.3f}x the time of torch's BatchNorm "

@@ -174,6 +174,7 @@ class SyncBatchNormRecord(Record):
     threads_per_rank: int
     kernels: str
     repetitions: int
+    steps_per_repetition: Optional[int] = optional()  # timed back to back in one repetition (absent: 1)
     t_ddpkit: Optional[float] = optional()
     t_ddpkit_pg: Optional[float] = optional()
     t_ddpkit_unchecked: Optional[float] = optional()
@@ -193,12 +194,15 @@ class SyncBatchNormRecord(Record):
     alloc_torch_syncbn: Optional[int] = optional()
     rss_torch_syncbn: Optional[int] = optional()
     t_floor: Optional[float] = optional()    # CPU, world size > 1: torch BatchNorm + two gloo all-reduces
-    ratio: float                             # ddpkit against the baseline (bench_syncbn.summarize)
+    # ddpkit against the baseline (bench_syncbn.summarize): torch.nn.SyncBatchNorm on CUDA; on CPU torch's
+    # BatchNorm on the local batch alone (files without steps_per_repetition divided by t_floor instead)
+    ratio: float
     ratio_pg: Optional[float] = optional()
     ratio_unchecked: Optional[float] = optional()
     ratio_emulated: Optional[float] = optional()
     ratio_local_compute: Optional[float] = optional()
     ratio_pg_vs_emulated: Optional[float] = optional()
+    ratio_floor: Optional[float] = optional()  # CPU, world size > 1: t_ddpkit / t_floor
     alloc_extra: int
     alloc_extra_per_channel: float
 
