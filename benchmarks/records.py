@@ -309,11 +309,29 @@ class TorchStackRecord(Record):
     peak_rss_increase_bytes: Optional[int] = optional()  # over the RSS before the model was built
 
 
+# -- bench_latency.py: latency.json ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatencyRecord(Record):
+    """One layer of a small all-reduce's call path, looped back to back (bench_latency.STAGES)."""
+    kind: str = _kind("latency")
+    stage: str                               # e.g. "c++ engine", "python ddpkit.all_reduce"
+    loop: str                                # where the loop runs: "c++" (no Python, no dispatcher) or "python"
+    world_size: int
+    numel: int                               # float32 values all-reduced (0 for stages that move none)
+    median_s: float                          # per call: the slowest rank's, median over repetitions
+    p25_s: float
+    p75_s: float
+    reps: int
+    calls_per_rep: int
+
+
 # A record with a "kind" is of the class of its kind; a record without one, of the class of its file.
 BY_KIND: dict[str, type[Record]] = {"time": AllreduceTimeRecord, "memory": AllreduceMemoryRecord,
                                     "collective": CollectiveRecord, "layers": LayerRecord, "ddp": DdpRecord,
                                     "multihost_all_reduce": MultihostRecord, "multihost_ddp": MultihostDdpRecord,
-                                    "torch_stack": TorchStackRecord}
+                                    "torch_stack": TorchStackRecord, "latency": LatencyRecord}
 BY_BENCHMARK: dict[str, type[Record]] = {"syncbn": SyncBatchNormRecord, "ddp": DdpRecord, "training": TrainingRecord}
 
 

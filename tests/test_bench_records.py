@@ -18,7 +18,8 @@ CLASSES = {"allreduce": {records.AllreduceTimeRecord, records.AllreduceMemoryRec
            "ddp": {records.DdpRecord}, "ddp_cuda": {records.DdpRecord},
            "syncbn": {records.SyncBatchNormRecord}, "syncbn_cuda": {records.SyncBatchNormRecord},
            "training": {records.TrainingRecord}, "torch_stack": {records.TorchStackRecord},
-           "multihost": {records.MultihostRecord, records.MultihostDdpRecord}}
+           "multihost": {records.MultihostRecord, records.MultihostDdpRecord},
+           "latency": {records.LatencyRecord}}
 
 
 def _left_out_when_none(record) -> set:

@@ -331,6 +331,27 @@ def test_unchecked_mode_is_correct_and_counts(pool):
         assert counters["collectives"] >= 1 and counters["messages_sent"] >= 1
 
 
+def case_engine_loop():
+    per_call = {stage: ddpkit.comm.time_engine_loop(1000, 20, stage)
+                for stage in ("lookup", "engine", "all_reduce_unchecked", "all_reduce")}
+    try:
+        ddpkit.comm.time_engine_loop(1000, 20, "everything")
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    after = torch.full((5,), float(dist.get_rank()))
+    ddpkit.all_reduce(after)
+    return per_call, error, ddpkit.collective_checks_enabled(), after
+
+
+def test_the_engine_loop_benchmark_times_every_stage_and_leaves_the_group_as_it_was(pool):
+    for per_call, error, checked, after in pool(2).run(case_engine_loop):
+        assert all(seconds > 0 for seconds in per_call.values()), per_call
+        assert "unknown stage 'everything'" in error
+        assert checked  # the unchecked stage turns the checks back on
+        assert torch.equal(after, torch.ones(5))
+
+
 def test_gil_is_released_while_waiting(pool):
     spins, _ = pool(2).run(case_gil_released)
     assert spins > 1000, f"main thread made only {spins} iterations while the collective waited"

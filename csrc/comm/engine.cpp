@@ -233,6 +233,7 @@ c10::intrusive_ptr<CollectiveWork> Engine::enqueue_locked(c10::DeviceType device
 }
 
 void Engine::worker_loop() {
+  spin_briefly_on_this_thread();  // the process computes (backward) while this thread communicates
   for (;;) {
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait(lock, [&] { return (stopping_ && queue_.empty()) || (!queue_.empty() && !busy_); });

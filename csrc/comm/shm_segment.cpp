@@ -29,6 +29,14 @@ void shm_detail::cpu_relax() {
 #endif
 }
 
+namespace {
+thread_local std::chrono::microseconds spin_budget_of_this_thread = shm_detail::kCallerSpinMicros;
+}  // namespace
+
+std::chrono::microseconds shm_detail::spin_budget() { return spin_budget_of_this_thread; }
+
+void spin_briefly_on_this_thread() { spin_budget_of_this_thread = shm_detail::kSpinMicros; }
+
 void shm_detail::futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int millis) {
   timespec timeout{millis / 1000, (millis % 1000) * 1000000L};
   // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.

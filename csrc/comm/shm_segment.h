@@ -72,10 +72,15 @@ namespace ddpkit::comm {
 // Note [Waiting on shared memory]
 // Every wait is on a 32-bit word of the segment (a Signal): spin briefly while it may change soon,
 // then sleep in futex(FUTEX_WAIT) on the word itself; whoever changes the word wakes sleepers only
-// when the word's sleeper count says there are any, so the fast path makes no system call. Spinning
-// is short (kSpinMicros) and skipped when there are more ranks than CPUs, where a spinning rank only
-// takes the core from the peer it waits for (the collapse of busy-polling MPI on oversubscribed
-// hosts). Sleeps are bounded (kLivenessMillis): each timeout checks that the peers still live
+// when the word's sleeper count says there are any, so the fast path makes no system call. How long
+// a wait spins depends on its thread: the thread that called a synchronous collective is blocked on
+// it anyway, so it spins up to kCallerSpinMicros (a peer a little behind, e.g. still computing the
+// batch-norm statistics it brings to the same all-reduce, then costs no futex wake-up, which takes
+// tens of microseconds); a thread that runs collectives in the background (the engine's, for DDP
+// buckets) spins only kSpinMicros, since the core it holds is the one its process computes on
+// (spin_briefly_on_this_thread). Spinning is skipped when there are more ranks than CPUs, where a
+// spinning rank only takes the core from the peer it waits for (the collapse of busy-polling MPI on
+// oversubscribed hosts). Sleeps are bounded (kLivenessMillis): each timeout checks that the peers still live
 // (their pid in /proc, zombies counting as dead) and the group's timeout, so a peer killed in the
 // middle of a collective is reported within a fraction of a second, naming it. The first rank any
 // rank finds dead is recorded in the segment, and every later report names that rank, so a survivor
@@ -91,6 +96,10 @@ constexpr int64_t kChannelSlots = 4;        // chunks per channel
 constexpr size_t kChunkHeaderBytes = 64;    // a channel chunk's header (shm_channels.cpp)
 constexpr size_t kSlotHeaderBytes = kLine;  // a CollectiveHeader, padded
 constexpr auto kSpinMicros = std::chrono::microseconds(30);
+constexpr auto kCallerSpinMicros = std::chrono::microseconds(1000);
+// How long a wait on this thread spins before it sleeps: kCallerSpinMicros unless
+// spin_briefly_on_this_thread() was called on it.
+std::chrono::microseconds spin_budget();
 constexpr int kLivenessMillis = 50;
 static_assert(sizeof(CollectiveHeader) <= kSlotHeaderBytes);
 
@@ -102,6 +111,10 @@ void cpu_relax();
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int millis);
 
 }  // namespace shm_detail
+
+// Waits on this thread spin only briefly from now on (Note [Waiting on shared memory]): for a thread
+// that runs collectives while its process computes on another (the engine's).
+void spin_briefly_on_this_thread();
 
 struct Signal {
   std::atomic<uint32_t> value{0};
@@ -255,7 +268,7 @@ void ShmSegment::wait_for(Signal& signal, Ready ready, const WaitContext& contex
   if (ready()) return;
   // Note [Waiting on shared memory]
   if (spin_) {
-    const auto spin_until = std::chrono::steady_clock::now() + shm_detail::kSpinMicros;
+    const auto spin_until = std::chrono::steady_clock::now() + shm_detail::spin_budget();
     for (int i = 1;; ++i) {
       shm_detail::cpu_relax();
       if (ready()) return;
