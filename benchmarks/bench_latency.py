@@ -15,14 +15,16 @@ Two processes on one host (shared memory), float32 sums. Each stage adds one lay
     c++ all_reduce             + the collective check (header exchange), as ddpkit runs by default
   Python loops:
     python op call             torch.ops.ddpkit.collective_checks_enabled(): an op call with no work
-    python torch.ops           torch.ops.ddpkit.all_reduce_ (the custom op, no wrapper)
-    python ddpkit.all_reduce   the public wrapper, as users call it
+    python torch.ops           torch.ops.ddpkit.all_reduce_: the custom op through the dispatcher (what
+                               torch.compile and tensors the dispatcher must see take)
+    python ddpkit.all_reduce   the public wrapper as users call it: on plain CPU tensors it calls the
+                               kernel past the dispatcher (Note [Eager calls past the dispatcher])
 
 A repetition times ``--calls`` back-to-back calls of one stage on every rank (after a one-float
 all-reduce lines the ranks up) and divides by the calls; stages are interleaved in a rotating order
 (``common.interleave``, 2 warm-up repetitions dropped); a repetition's figure is the slowest rank's and
 the figure reported is the median over repetitions. The budget in the summary is the difference
-between adjacent layers. Results: benchmarks/results/latency.json.
+between a layer and the one it adds to (BUDGET). Results: benchmarks/results/latency.json.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ BUDGET = (
     ("engine: numbering, ordering, transport", "c++ engine", "c++ lookup"),
     ("communication: arrive, wait, copy, reduce", "c++ all_reduce unchecked", "c++ engine"),
     ("collective check (header exchange)", "c++ all_reduce", "c++ all_reduce unchecked"),
-    ("Python and the dispatcher (op call)", "python torch.ops", "c++ all_reduce"),
-    ("the Python wrapper", "python ddpkit.all_reduce", "python torch.ops"),
+    ("Python, through the dispatcher (torch.ops)", "python torch.ops", "c++ all_reduce"),
+    ("Python, ddpkit.all_reduce past the dispatcher", "python ddpkit.all_reduce", "c++ all_reduce"),
 )
 
 

@@ -36,6 +36,7 @@ run() {
 started=$SECONDS
 run $PY benchmarks/bench_allreduce.py "${QUICK[@]}"
 run $PY benchmarks/bench_allreduce.py "${QUICK[@]}" --check-overhead --world-sizes 2 4 8 --reps 300 --output allreduce_checks
+run $PY benchmarks/bench_latency.py "${QUICK[@]}"
 run $PY benchmarks/bench_syncbn.py "${QUICK[@]}" --device cpu
 run $PY benchmarks/bench_ddp.py "${QUICK[@]}"
 run $PY benchmarks/bench_backend.py "${QUICK[@]}"

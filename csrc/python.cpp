@@ -1,15 +1,50 @@
 // The Python module ddpkit._C. Importing it loads the library, which runs the static op
-// registrations (register.cpp: torch.ops.ddpkit.*), and binds the one class that has to cross
-// pybind11: the "ddpkit" torch.distributed backend, which torch.distributed wants as a Python
-// object derived from its own Backend class. The only file that includes pybind11 or Python
-// headers; compiled against torch's bundled pybind11 so the types cross between the two modules.
+// registrations (register.cpp: torch.ops.ddpkit.*), and binds what has to cross pybind11: the
+// "ddpkit" torch.distributed backend, which torch.distributed wants as a Python object derived from
+// its own Backend class, and the eager all-reduce (Note [Eager calls past the dispatcher]). The
+// only file that includes pybind11 or Python headers; compiled against torch's bundled pybind11 so
+// the types cross between the two modules.
 
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <pybind11/chrono.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/backend.h"
+#include "comm/ops.h"
 
 namespace py = pybind11;
+
+namespace {
+
+// Note [Eager calls past the dispatcher]
+// A Python call of torch.ops.ddpkit.all_reduce_ spends about 2 us in argument parsing and the
+// dispatcher before the kernel runs, as long as the whole all-reduce of 1k floats between two ranks
+// (Note [Where a small all-reduce's time goes]). ddpkit.all_reduce therefore calls the kernel
+// directly when nothing the dispatcher would do applies: a plain CPU torch.Tensor (not a subclass,
+// no Python or functionalization key, no conjugate or negative bit, not an inference tensor) that
+// does not require grad, with no torch function mode, no dispatch mode and no thread-local dispatch
+// key beyond the default ones (functorch transforms, meta tracing) in effect. It then does what the
+// op's ADInplaceOrView kernel would: bump the tensor's version counter, so autograd still sees the
+// in-place write. Anything else, and torch.compile (the wrapper checks), takes the op, which stays
+// the one definition: the same kernel, checks and errors.
+bool eager_all_reduce_applies(PyObject* object) {
+  if (!THPVariable_CheckExact(object)) return false;
+  const at::Tensor& tensor = THPVariable_Unpack(object);
+  constexpr c10::DispatchKeySet kUnhandled =
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                           c10::DispatchKey::Functionalize, c10::DispatchKey::Conjugate, c10::DispatchKey::Negative});
+  return tensor.defined() && tensor.device().is_cpu() && tensor.layout() == c10::kStrided && !tensor.requires_grad() &&
+         !tensor.is_inference() &&
+         !tensor.key_set().has_any(kUnhandled) && !at::impl::torch_function_mode_enabled() &&
+         !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
+         c10::impl::tls_local_dispatch_key_set().included_ == c10::default_included_set;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "ddpkit native ops (torch.ops.ddpkit) and the ddpkit torch.distributed backend";
@@ -22,4 +57,21 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("gloo"), py::arg("gloo_p2p"),
            "See Note [The ddpkit backend] in csrc/backend/backend.h; made by ddpkit.backend's creator.");
+  m.def(
+      "all_reduce_eager",
+      [](py::handle tensor, const std::string& op, const std::string& algorithm, const std::string& group_name,
+         const std::string& transport) -> bool {
+        HANDLE_TH_ERRORS
+        if (!eager_all_reduce_applies(tensor.ptr())) return false;
+        at::Tensor target = THPVariable_Unpack(tensor.ptr());
+        {
+          py::gil_scoped_release no_gil;
+          ddpkit::comm::all_reduce_op(target, op, algorithm, group_name, transport);
+        }
+        target.unsafeGetTensorImpl()->bump_version();
+        return true;
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      "ddpkit::all_reduce_'s kernel called directly, or False (nothing done) where the op must run: Note [Eager "
+      "calls past the dispatcher] in csrc/python.cpp.");
 }

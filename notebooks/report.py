@@ -23,8 +23,9 @@ HERE = Path(__file__).resolve().parent
 # results/<name>.json the report reads: benchmarks/run_all.sh produces every one of them from the current tree.
 EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backend"]
 # Shown when present, a sentence in their place when not: the GPU results, which run_all.sh produces only on a
-# machine with a GPU; torch_stack (bench_torch_stack.py); multihost (bench_multihost.py, which needs root).
-OPTIONAL = ["syncbn_cuda", "ddp_cuda", "torch_stack", "multihost"]
+# machine with a GPU; torch_stack (bench_torch_stack.py); multihost (bench_multihost.py, which needs root);
+# latency (bench_latency.py).
+OPTIONAL = ["syncbn_cuda", "ddp_cuda", "torch_stack", "multihost", "latency"]
 # Read from the repository, not from the results folder: torch's own distributed test suite on gloo and on
 # "ddpkit", written by scripts/run_torch_suite.py (run_all.sh does not run it); a sentence in its place when absent.
 SUITE = "docs/torch_suite.json"
@@ -336,6 +337,29 @@ display(Markdown(
     f"mismatched calls raise on every rank instead of hanging; on by default) cost a median "
     f"{statistics.median(values):.2f}× (range {min(values):.2f}–{max(values):.2f}×) over the same algorithm "
     "unchecked, on these latency-bound sizes."))
+'''
+
+LATENCY = r'''
+if "latency" not in R:
+    display(Markdown("No `latency.json` in this results folder, so the layers of a small all-reduce's call path are not "
+                     "shown: `.venv/bin/python benchmarks/bench_latency.py` measures them."))
+else:
+    command("latency")
+    L = R["latency"]
+    us1 = lambda s: f"{s * 1e6:.1f} µs"
+    sizes = sorted({r.numel for r in L["records"] if r.numel})
+    rows = [{"layer": stage, **{f"{n:,} floats": next((r.median_s for r in L["records"] if r.stage == stage
+                                                         and r.numel in (0, n)), None) for n in sizes}}
+            for stage in dict.fromkeys(r.stage for r in L["records"])]
+    table(rows, ["layer"] + [f"{n:,} floats" for n in sizes], {f"{n:,} floats": us1 for n in sizes})
+    budget = L["summary"]
+    lines = [f"| {label} | " + " | ".join(us1(budget[f"numel={n}"][label]) for n in sizes) + " |"
+             for label in budget[f"numel={sizes[0]}"]]
+    display(Markdown(
+        "Where a small all-reduce's time goes, 2 ranks on one host: each layer of `ddpkit.all_reduce`'s call path "
+        "looped back to back, the `c++` rows with the loop itself in C++ (no Python and no dispatcher between calls). "
+        "The budget is what each layer adds to the one below it (both Python rows add to `c++ all_reduce`):\n\n| layer | "
+        + " | ".join(f"{n:,} floats" for n in sizes) + " |\n|---|" + "---|" * len(sizes) + "\n" + "\n".join(lines)))
 '''
 
 SYNCBN = r'''
@@ -998,6 +1022,7 @@ def build() -> nbformat.NotebookNode:
         nbformat.v4.new_code_cell(ALLREDUCE_ACCURACY.strip()),
         nbformat.v4.new_code_cell(ALLREDUCE_MEMORY.strip()),
         nbformat.v4.new_code_cell(CHECKS.strip()),
+        nbformat.v4.new_code_cell(LATENCY.strip()),
         nbformat.v4.new_markdown_cell(SYNCBN.strip()),
         nbformat.v4.new_code_cell(SYNCBN_TABLE.strip()),
         nbformat.v4.new_code_cell(SYNCBN_PLOT.strip()),

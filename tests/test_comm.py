@@ -352,6 +352,57 @@ def test_the_engine_loop_benchmark_times_every_stage_and_leaves_the_group_as_it_
         assert torch.equal(after, torch.ones(5))
 
 
+def case_eager_and_op_paths():
+    """ddpkit.all_reduce past the dispatcher (a plain CPU tensor) and through the op (where the
+    dispatcher has work: a tensor requiring grad, a dispatch mode): same results, same version bumps,
+    and what must see the op still does (Note [Eager calls past the dispatcher])."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    rank = dist.get_rank()
+    out = {}
+    plain = torch.full((7,), float(rank + 1))
+    version = plain._version
+    ddpkit.all_reduce(plain)
+    out["plain"], out["plain_bumps"] = plain, plain._version - version
+    # A tensor autograd saved for backward and then reduced in place: backward must refuse it.
+    weight = torch.full((3,), 2.0)
+    x = torch.ones(3, requires_grad=True)
+    y = (x * weight).sum()
+    ddpkit.all_reduce(weight)
+    try:
+        y.backward()
+        out["saved_error"] = None
+    except RuntimeError as exc:
+        out["saved_error"] = str(exc)
+    leaf = torch.full((4,), float(rank + 1), requires_grad=True)
+    with torch.no_grad():
+        ddpkit.all_reduce(leaf)
+    out["leaf"] = leaf.detach()
+    with Seen() as seen:
+        moded = torch.full((5,), float(rank + 1))
+        ddpkit.all_reduce(moded)
+    out["moded"], out["seen"] = moded, seen.ops
+    return out
+
+
+def test_eager_calls_past_the_dispatcher_match_the_op(pool):
+    for out in pool(2).run(case_eager_and_op_paths):
+        assert torch.equal(out["plain"], torch.full((7,), 3.0)) and out["plain_bumps"] == 1
+        assert "modified by an inplace operation" in out["saved_error"]
+        assert torch.equal(out["leaf"], torch.full((4,), 3.0))
+        assert torch.equal(out["moded"], torch.full((5,), 3.0))
+        assert "ddpkit.all_reduce_.default" in out["seen"], out["seen"]
+
+
 def test_gil_is_released_while_waiting(pool):
     spins, _ = pool(2).run(case_gil_released)
     assert spins > 1000, f"main thread made only {spins} iterations while the collective waited"

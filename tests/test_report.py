@@ -120,6 +120,7 @@ def test_the_optional_results_missing_are_a_sentence_each(tmp_path):
     assert "No GPU results in this results folder" in text
     assert "No `multihost.json` in this results folder" in text
     assert "No `torch_stack.json` in this results folder" in text
+    assert "No `latency.json` in this results folder" in text
 
 
 def test_the_report_reads_only_what_run_all_produces():
@@ -128,7 +129,8 @@ def test_the_report_reads_only_what_run_all_produces():
                "syncbn": "bench_syncbn.py", "ddp": "bench_ddp.py", "training": "bench_training.py",
                "backend": "bench_backend.py", "syncbn_cuda": "bench_syncbn.py \"${QUICK[@]}\" --device cuda",
                "ddp_cuda": "bench_ddp.py \"${QUICK[@]}\" --device cuda",
-               "torch_stack": "bench_torch_stack.py \"${QUICK[@]}\"", "multihost": "bench_multihost.py \"${QUICK[@]}\""}
+               "torch_stack": "bench_torch_stack.py \"${QUICK[@]}\"", "multihost": "bench_multihost.py \"${QUICK[@]}\"",
+               "latency": "bench_latency.py \"${QUICK[@]}\""}
     assert set(report.EXPECTED + report.OPTIONAL) == scripts.keys()
     assert all(command in run_all for command in scripts.values())
     # The one input from outside the results folder: torch's suite, which scripts/run_torch_suite.py writes.

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from . import _C  # noqa: F401  (registers torch.ops.ddpkit.*)
+from . import _C  # registers torch.ops.ddpkit.*; all_reduce_eager
 
 # The names the C++ side accepts, read from its enums' name tables (one source for each contract).
 ALGORITHMS = tuple(torch.ops.ddpkit.algorithms())
@@ -72,7 +72,11 @@ def _op_name(op: Union[str, dist.ReduceOp]) -> str:
 def all_reduce(tensor: Tensor, op: Union[str, dist.ReduceOp] = "sum", algorithm: str = "auto",
                group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
     """Reduces ``tensor`` across all ranks in place; every rank ends with the same bits."""
-    return torch.ops.ddpkit.all_reduce_.default(tensor, _op_name(op), algorithm, group_name(group), transport)
+    op, name = _op_name(op), group_name(group)
+    # Eager calls skip the dispatcher where it would do nothing (Note [Eager calls past the dispatcher]).
+    if torch.compiler.is_compiling() or not _C.all_reduce_eager(tensor, op, algorithm, name, transport):
+        torch.ops.ddpkit.all_reduce_.default(tensor, op, algorithm, name, transport)
+    return tensor
 
 
 def broadcast(tensor: Tensor, src: int = 0, group: Optional[dist.ProcessGroup] = None,
