@@ -42,19 +42,20 @@ namespace ddpkit::comm {
 // Note [Where a small all-reduce's time goes]
 // benchmarks/bench_latency.py loops each layer of ddpkit.all_reduce's call path back to back, the
 // engine's layers from C++ (time_engine_loop in ops.h: no Python, no dispatcher between calls). At
-// n=2 on one host (2-vCPU VM, 1k floats, latency.json at 7b1c87c) a call of 5.0 us splits into:
+// n=2 on one host (2-vCPU VM, 1k floats; latency.json at 8648734, a noisy hour: figures vary by
+// about 30% between runs, the split between layers less) a call splits into:
 //   0.1 us  Engine::of: the group's engine from its name (torch's group registry, one map lookup);
 //   0.1 us  the engine: numbering, the in-order check, transport resolution, inline on the caller's
 //           thread (no queue, no thread hand-off, no heap allocation of its own, no store access);
-//   1.9 us  communication: copy into this rank's slot, one arrival, the wait for the peer, the
+//   2.2 us  communication: copy into this rank's slot, one arrival, the wait for the peer, the
 //           reduction of both slots (Note [Waiting on shared memory] for how the wait spins);
 //   0.1 us  the collective check: the header rides in the payload's slot and is compared after the
 //           same single arrival (at 10k floats: 0.3 us);
-//   2.2 us  Python and the dispatcher: torch.ops.ddpkit.all_reduce_ over the C++ loop;
-//   0.6 us  the Python wrapper (group name, op name).
-// So from C++ (SyncBatchNorm's passes, DDP's buckets) a small all-reduce is about 2 us; from Python
-// more than half of it is the op call. At 10k floats the communication is 10.6 us, the copies and
-// the reduction of 40 KB per slot.
+//   2.0 us  Python: ddpkit.all_reduce calling the kernel past the dispatcher (Note [Eager calls
+//           past the dispatcher] in csrc/python.cpp), where torch.ops.ddpkit.all_reduce_ costs 3.4 us.
+// So from C++ (SyncBatchNorm's passes, DDP's buckets) a small all-reduce is about 2.5 us, and from
+// Python the call itself is still close to half of it. At 10k floats the communication is 11.4 us,
+// the copies and the reduction of 40 KB per slot.
 
 // Note [Device tensors on a host group]
 // gloo's all-reduce stages CUDA tensors through host memory itself, but its send/recv hands the raw
