@@ -227,3 +227,44 @@ def test_every_collective_with_test_hosts_is_exact_with_identical_bits(labels):
                     env={"DDPKIT_TEST_HOSTS": labels}) as pool:
         per_rank = pool.run(case_every_collective, [0, 1, 7, 1001, 300_003], timeout=300)
     check_every_collective(per_rank, ranks_per_host)
+
+
+def case_broadcast_and_barrier_messages(numel):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ddpkit.barrier()  # the group's set-up, before counting
+    ddpkit.reset_comm_counters()
+    tensor = rank_input(rank, numel, integer=True)
+    ddpkit.broadcast(tensor, src=world_size - 1)
+    ddpkit.barrier()
+    return tensor, ddpkit.comm_counters()["messages_sent"]
+
+
+def test_broadcast_and_barrier_across_equal_hosts_send_no_point_to_point_message():
+    # Note [Hierarchical collectives]: shared memory inside each host, the process group's own
+    # broadcast and all-gather across hosts; the flat forms send ddpkit's messages over the group.
+    with WorkerPool(4, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": "a,a,b,b"}) as pool:
+        per_rank = pool.run(case_broadcast_and_barrier_messages, 100_003)
+    for tensor, messages in per_rank:
+        assert torch.equal(tensor, rank_input(3, 100_003, integer=True))
+        assert messages == 0
+
+
+def case_broadcast_root_mismatch():
+    rank = dist.get_rank()
+    try:
+        ddpkit.broadcast(torch.ones(10), src=1 if rank == 3 else 0)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    after = torch.full((10,), float(rank))
+    ddpkit.all_reduce(after)  # the group survives a detected mismatch
+    return error, after[0].item()
+
+
+@pytest.mark.parametrize("labels", ["a,a,b,b", "a,b,b,b"])
+def test_a_broadcast_root_mismatch_across_hosts_raises_on_every_rank(labels):
+    with WorkerPool(4, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": labels}) as pool:
+        outcomes = pool.run(case_broadcast_root_mismatch)
+    for rank, (error, after) in enumerate(outcomes):
+        assert error is not None and "mismatched" in error and "rank 3" in error, (rank, error)
+        assert after == 6

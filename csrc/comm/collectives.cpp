@@ -636,6 +636,53 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   }
 }
 
+namespace {
+
+// `flat` of cross rank `root` to the other ranks `h.cross` spans (one per host), through the process
+// group's own broadcast on that subgroup, as bytes (every dtype alike).
+void cross_host_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, Communicator& comm) {
+  if (h.cross_size == 1 || flat.numel() == 0) return;
+  try {
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    std::vector<at::Tensor> tensors{flat.view(at::kByte)};
+    h.cross->broadcast(tensors, options)->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ddpkit.", comm.what(), " (", comm.where(), "): the step across hosts, with ",
+                cross_ranks_text(h), ", failed: ", without_backtrace(e));
+  }
+}
+
+}  // namespace
+
+void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, Communicator& comm) {
+  const Topology& topology = h.topology;
+  DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+  const int root_host = topology.host_of[root];
+  const std::vector<int>& root_ranks = topology.hosts[root_host];
+  const int root_local = static_cast<int>(std::find(root_ranks.begin(), root_ranks.end(), root) - root_ranks.begin());
+  const CollectiveHeader header =
+      comm.stamp(make_header(CollectiveKind::kBroadcast, flat, std::nullopt, Algorithm::kHierarchical, root), {});
+  try {
+    if (h.uniform) {
+      // The ranks of the root's local rank carry the tensor across hosts (cross rank = host), then
+      // every host broadcasts it from that local rank over shared memory.
+      if (topology.local_rank() == root_local) cross_host_broadcast(flat, root_host, h, comm);
+      if (local != nullptr) local->broadcast(flat, root_local, header, {}, /*checked=*/false);
+    } else {
+      // The leaders' form: the root's host first (its leader among the receivers), the leaders
+      // across hosts, then every other host from its leader.
+      const bool root_side = topology.host() == root_host;
+      if (root_side && local != nullptr) local->broadcast(flat, root_local, header, {}, /*checked=*/false);
+      if (topology.local_rank() == 0) cross_host_broadcast(flat, root_host, h, comm);
+      if (!root_side && local != nullptr) local->broadcast(flat, 0, header, {}, /*checked=*/false);
+    }
+  } catch (const std::exception& e) {
+    if (local != nullptr) local->abandon(without_backtrace(e));
+    throw;
+  }
+}
+
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm) {
   if (staged(tensor, comm)) {
     return on_host_copy(tensor, [&](at::Tensor& host) { all_reduce_(host, op, algorithm, comm); });
@@ -733,7 +780,23 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
   const int n = comm.size();
   std::string error = tensor_error(tensor, "broadcast", std::nullopt);
   if (error.empty()) error = root_error(src, n, "broadcast", "src");
-  comm.begin(make_header(CollectiveKind::kBroadcast, tensor, std::nullopt, std::nullopt, src), error);
+  const CollectiveHeader header = make_header(CollectiveKind::kBroadcast, tensor, std::nullopt, std::nullopt, src);
+  if (comm.hierarchy() != nullptr && n > 1) {
+    // Across hosts (Note [Hierarchical collectives]): the check, then the tensor crosses each link once.
+    const Hierarchy& h = *comm.hierarchy();
+    if (h.uniform) {
+      hierarchical_check(header, error, h, comm);
+    } else {
+      comm.begin(header, error);
+      comm.settle_header();
+    }
+    if (tensor.numel() == 0) return;
+    at::Tensor work = working_copy(tensor);
+    hierarchical_broadcast(work.view(-1), src, h, comm);
+    write_back(tensor, work);
+    return;
+  }
+  comm.begin(header, error);
   if (n == 1 || tensor.numel() == 0) {
     comm.settle_header();
     return;
@@ -1131,6 +1194,13 @@ void all_to_all_(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>
 void barrier(Communicator& comm) {
   CollectiveHeader header;
   header.kind = static_cast<int64_t>(CollectiveKind::kBarrier);
+  if (comm.hierarchy() != nullptr && comm.hierarchy()->uniform && is_checked()) {
+    // Across equal hosts the check is a barrier in itself: a step of every host's shared memory,
+    // then an all-gather among the ranks of each local rank, which completes only once every host's
+    // step has (Note [Hierarchical collectives]).
+    hierarchical_check(header, {}, *comm.hierarchy(), comm);
+    return;
+  }
   if (comm.has_direct()) {
     // One step of the direct collectives is a barrier in itself, whether checks are on or off.
     comm.run_direct(header, {}, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool) {

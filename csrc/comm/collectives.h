@@ -122,7 +122,12 @@ bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
 // int32/64), in place, after the collective check ran: every rank ends with the same bits.
 void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, Communicator& comm);
 
-// Copies `tensor` of rank `src` into `tensor` of every rank (binomial tree, ceil(log2 n) rounds).
+// The data part of a hierarchical broadcast (Note [Hierarchical collectives]) of `flat` (contiguous)
+// from rank `root`, after the collective check ran.
+void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, Communicator& comm);
+
+// Copies `tensor` of rank `src` into `tensor` of every rank: across hosts hierarchically, else a
+// binomial tree (ceil(log2 n) rounds).
 void broadcast_(at::Tensor& tensor, int src, Communicator& comm);
 
 // Leaves op(tensor of all ranks) in `tensor` of rank `dst` (binomial tree). Like

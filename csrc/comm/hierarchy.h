@@ -32,6 +32,13 @@ namespace ddpkit::comm {
 // all-reduce; max and min through ddpkit's ring on the same subgroup, so that they keep Note
 // [Reductions]'s semantics (gloo's max drops a NaN held by a later rank). Every slice is reduced in
 // one place and copied from there, so every rank ends with the same bits.
+// The broadcast follows the same forms: with equal hosts, the ranks of the root's local rank carry
+// the tensor across hosts (the process group's broadcast on their subgroup), then every host
+// broadcasts it from that local rank over shared memory; with unequal hosts, the root's host
+// broadcasts first, then the hosts' leaders across hosts, then every other host from its leader. With
+// equal hosts and checks on, the barrier is the check alone: a step of every host's shared memory,
+// then an all-gather across hosts that completes only once every host's step has. reduce, the
+// all-gather, the reduce-scatter, gather, scatter and all_to_all run flat over the process group.
 struct Hierarchy {
   Topology topology;
   // This host's shared memory (null when this rank is alone on its host).
