@@ -125,10 +125,15 @@ def check_every_collective(per_rank, ranks_per_host):
                     f"{key}: rank {rank}'s bits differ from rank 0's"
 
 
-def case_mismatch(culprit):
+def case_mismatch(culprit, collective="all_reduce"):
+    """Rank ``culprit`` calls ``collective`` with another size (all_reduce) or root (broadcast): this
+    rank's error, or None, then the group's next all-reduce."""
     rank = dist.get_rank()
     try:
-        ddpkit.all_reduce(torch.ones(1000 + (rank == culprit)))
+        if collective == "all_reduce":
+            ddpkit.all_reduce(torch.ones(1000 + (rank == culprit)))
+        else:
+            ddpkit.broadcast(torch.ones(10), src=1 if rank == culprit else 0)
         error = None
     except RuntimeError as exc:
         error = str(exc)
@@ -249,22 +254,10 @@ def test_broadcast_and_barrier_across_equal_hosts_send_no_point_to_point_message
         assert messages == 0
 
 
-def case_broadcast_root_mismatch():
-    rank = dist.get_rank()
-    try:
-        ddpkit.broadcast(torch.ones(10), src=1 if rank == 3 else 0)
-        error = None
-    except RuntimeError as exc:
-        error = str(exc)
-    after = torch.full((10,), float(rank))
-    ddpkit.all_reduce(after)  # the group survives a detected mismatch
-    return error, after[0].item()
-
-
 @pytest.mark.parametrize("labels", ["a,a,b,b", "a,b,b,b"])
 def test_a_broadcast_root_mismatch_across_hosts_raises_on_every_rank(labels):
     with WorkerPool(4, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": labels}) as pool:
-        outcomes = pool.run(case_broadcast_root_mismatch)
+        outcomes = pool.run(case_mismatch, 3, "broadcast")
     for rank, (error, after) in enumerate(outcomes):
         assert error is not None and "mismatched" in error and "rank 3" in error, (rank, error)
         assert after == 6
