@@ -80,14 +80,14 @@ namespace ddpkit::comm {
 // buckets) spins only kSpinMicros, since the core it holds is the one its process computes on
 // (spin_briefly_on_this_thread). Spinning is skipped when there are more ranks than CPUs, where a
 // spinning rank only takes the core from the peer it waits for (the collapse of busy-polling MPI on
-// oversubscribed hosts). Sleeps are bounded (kLivenessMillis): each timeout checks that the peers still live
-// (their pid in /proc, zombies counting as dead) and the group's timeout, so a peer killed in the
-// middle of a collective is reported within a fraction of a second, naming it. The first rank any
-// rank finds dead is recorded in the segment, and every later report names that rank, so a survivor
-// that reported it and exited is never blamed in its place. A rank whose transport fails (a dead
-// peer, a timeout, corrupt data) records that and why in the segment too (mark_broken), so every
-// peer stops within a liveness period, saying which rank gave up and why. A timeout names the
-// ranks still awaited, and says which of them are stopped (SIGSTOP) or gone.
+// oversubscribed hosts). Sleeps are bounded (kLivenessMillis): each timeout checks that the peers
+// still live (their pid in /proc, zombies counting as dead) and the group's timeout, so a peer
+// killed in the middle of a collective is reported within a fraction of a second, naming it. The
+// first rank any rank finds dead is recorded in the segment, and every later report names that
+// rank, so a survivor that reported it and exited is never blamed in its place. A rank whose
+// transport fails (a dead peer, a timeout, corrupt data) records that and why in the segment too
+// (mark_broken), so every peer stops within a liveness period, saying which rank gave up and why. A
+// timeout names the ranks still awaited, and says which of them are stopped (SIGSTOP) or gone.
 
 namespace shm_detail {
 
