@@ -17,4 +17,4 @@ main: setup
 
 test: setup
 	@echo "== test: the whole suite (what CI runs)"
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
