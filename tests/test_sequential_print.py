@@ -27,7 +27,7 @@ def test_expected_output_format():
     assert iteration_order(1, 3, "ascending_descending") == [0, 1, 2, 2, 1, 0]
 
 
-@pytest.mark.parametrize("world_size,launches", [(1, 3), (2, 3), (4, 5), (8, 3)])
+@pytest.mark.parametrize("world_size,launches", [(1, 3), (2, 3), (4, 3), (8, 2)])
 def test_torchrun_output_is_deterministic(world_size, launches):
     expected = expected_output(world_size)
     for _ in range(launches):
