@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
