@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -67,21 +66,15 @@ def measure(numel: int, stages: list[str], reps: int, warmup: int, calls: int) -
     line_up = torch.ones(1)
     name = ddpkit.comm.group_name()
 
-    def python_loop(call) -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        return (time.perf_counter() - start) / calls
-
     def measure_one(stage: str) -> float:
         ddpkit.all_reduce(line_up)
         if stage in CPP_STAGES:
             return ddpkit.comm.time_engine_loop(numel, calls, CPP_STAGES[stage])
         if stage == "python op call":
-            return python_loop(torch.ops.ddpkit.collective_checks_enabled)
+            return common.time_per_call(torch.ops.ddpkit.collective_checks_enabled, calls=calls)
         if stage == "python torch.ops":
-            return python_loop(lambda: torch.ops.ddpkit.all_reduce_(tensor, "sum", "auto", name, "auto"))
-        return python_loop(lambda: ddpkit.all_reduce(tensor))
+            return common.time_per_call(torch.ops.ddpkit.all_reduce_, tensor, "sum", "auto", name, "auto", calls=calls)
+        return common.time_per_call(ddpkit.all_reduce, tensor, calls=calls)
 
     return interleave(stages, reps, measure_one, warmup=warmup)
 

@@ -402,9 +402,20 @@ std::string cross_ranks_text(const Hierarchy& h) {
 // The all-reduce of `block` among the ranks `h.cross` spans (one per host), in place (Note
 // [Hierarchical collectives]): gloo's own for sums, ddpkit's ring for max and min. A kMean is summed
 // here; the caller divides once.
+// Runs `step` among the ranks `h.cross` spans; its failure raises naming them.
+template <class Step>
+void across_hosts(const Hierarchy& h, Communicator& comm, Step&& step) {
+  try {
+    step();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "ddpkit.", comm.what(), " (", comm.where(), "): the step across hosts, with ",
+                cross_ranks_text(h), ", failed: ", without_backtrace(e));
+  }
+}
+
 void cross_host_all_reduce(at::Tensor& block, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || block.numel() == 0) return;
-  try {
+  across_hosts(h, comm, [&] {
     if (op == ReduceOp::kSum || op == ReduceOp::kMean) {
       c10d::AllreduceOptions options;
       options.reduceOp = c10d::ReduceOp::SUM;
@@ -415,10 +426,7 @@ void cross_host_all_reduce(at::Tensor& block, ReduceOp op, const Hierarchy& h, C
     Communicator cross(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
     Schedule schedule = ring_schedule(block, op, h.cross_size, h.cross_rank);
     run_schedule(cross, schedule, schedule.size());
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ddpkit.", comm.what(), " (", comm.where(), "): the step across hosts, with ",
-                cross_ranks_text(h), ", failed: ", without_backtrace(e));
-  }
+  });
 }
 
 }  // namespace
@@ -642,15 +650,12 @@ namespace {
 // group's own broadcast on that subgroup, as bytes (every dtype alike).
 void cross_host_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || flat.numel() == 0) return;
-  try {
+  across_hosts(h, comm, [&] {
     c10d::BroadcastOptions options;
     options.rootRank = root;
     std::vector<at::Tensor> tensors{flat.view(at::kByte)};
     h.cross->broadcast(tensors, options)->wait();
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, "ddpkit.", comm.what(), " (", comm.where(), "): the step across hosts, with ",
-                cross_ranks_text(h), ", failed: ", without_backtrace(e));
-  }
+  });
 }
 
 }  // namespace
