@@ -1,23 +1,28 @@
-"""All-reduce and DDP across simulated hosts: ddpkit's hierarchical collectives against gloo.
+"""All-reduce, the other collectives and DDP across simulated hosts: ddpkit's hierarchical collectives against gloo.
 
-    sudo .venv/bin/python benchmarks/bench_multihost.py            # about 25 minutes on 2 cores
+    sudo .venv/bin/python benchmarks/bench_multihost.py            # about 40 minutes on 2 cores
     sudo .venv/bin/python benchmarks/bench_multihost.py --quick    # a smoke run, into results/quick/
+    sudo .venv/bin/python benchmarks/bench_multihost.py --topologies 2x1 --collectives all_reduce \
+        --candidates ddpkit ddpkit_star ddpkit_recursive_doubling gloo --output multihost_2x1_algorithms
 
 Each host is a network and a mount namespace of this machine (ddpkit.testing.HostPool: a private
 /dev/shm and hostname, a veth link to a bridge, a launcher of its own), so it needs root. Links run
-unshaped and shaped with tc's tbf (no netem in this kernel: bandwidth only). Per (hosts, link, size)
-every candidate runs in the same repetitions, interleaved (common.interleave); per repetition each
-candidate first synchronises through itself, then every rank times a batch of back-to-back calls;
-the figure is the median over repetitions of the slowest rank. Candidates:
-  ddpkit          ddpkit.all_reduce, algorithm "auto" (hierarchical where some host holds several ranks)
-  ddpkit_flat     ddpkit.all_reduce, algorithm "halving_doubling": ddpkit's schedule over gloo's send/recv
-  ddpkit_backend  torch.distributed.all_reduce on a group of the "ddpkit" backend
-  gloo            torch.distributed.all_reduce on a gloo group (the baseline)
+unshaped and shaped with tc's tbf (no netem in this kernel: bandwidth only). Per (hosts, link,
+collective, size) every candidate runs in the same repetitions, interleaved (common.interleave); per
+repetition each candidate first synchronises through itself, then every rank times a batch of
+back-to-back calls; the figure is the median over repetitions of the slowest rank. Candidates:
+  ddpkit          ddpkit's collective, algorithm "auto" (hierarchical where some host holds several ranks)
+  ddpkit_flat     ddpkit's flat schedule over gloo's send/recv: the all-reduce's "halving_doubling",
+                  the others' transport "process_group" (no hierarchy)
+  ddpkit_<name>   the all-reduce with algorithm <name> ("star", "recursive_doubling", ...)
+  ddpkit_backend  torch.distributed's collective on a group of the "ddpkit" backend
+  gloo            torch.distributed's collective on a gloo group (the baseline)
+The size is the whole tensor: the all-reduce's, broadcast's and reduce's, the all-gather's output
+and the reduce-scatter's input (float32). The broadcast's and the reduce's root is the last rank.
 Then a DDP step across 2 hosts x 2 ranks on a communication-heavy model (8 linear layers 1024 wide,
 8.4M parameters, batch 8 per rank, SGD): ddpkit's DDP, torch DDP on gloo, torch DDP on "ddpkit".
 Results: benchmarks/results/multihost.json.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -32,12 +37,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from peers import timing  # noqa: E402
-from records import MultihostDdpRecord, MultihostRecord  # noqa: E402
+from records import MultihostCollectiveRecord, MultihostDdpRecord, MultihostRecord  # noqa: E402
 
 import ddpkit  # noqa: E402
 from ddpkit.testing import HostPool  # noqa: E402
 
 CANDIDATES = ("ddpkit", "ddpkit_flat", "ddpkit_backend", "gloo")
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
 DDP_CANDIDATES = ("ddpkit_ddp", "torch_ddp_gloo", "torch_ddp_ddpkit")
 
 
@@ -51,28 +57,47 @@ def _groups():
     return _GROUPS
 
 
-def _call(candidate: str, tensor: torch.Tensor) -> None:
+def _call(candidate: str, collective: str, tensor: torch.Tensor, block: torch.Tensor) -> None:
+    """One call of ``collective`` by ``candidate``; ``block`` is this rank's 1/n of ``tensor`` (the
+    all-gather's input, the reduce-scatter's output)."""
     groups = _groups()
-    if candidate == "ddpkit":
-        ddpkit.all_reduce(tensor, group=groups["gloo"])
-    elif candidate == "ddpkit_flat":
-        ddpkit.all_reduce(tensor, algorithm="halving_doubling", group=groups["gloo"])
-    elif candidate == "ddpkit_backend":
-        dist.all_reduce(tensor, group=groups["ddpkit"])
+    last = dist.get_world_size() - 1
+    if candidate in ("gloo", "ddpkit_backend"):
+        group = groups["gloo" if candidate == "gloo" else "ddpkit"]
+        calls = {"all_reduce": lambda: dist.all_reduce(tensor, group=group),
+                 "broadcast": lambda: dist.broadcast(tensor, src=last, group=group),
+                 "reduce": lambda: dist.reduce(tensor, dst=last, group=group),
+                 "all_gather": lambda: dist.all_gather_into_tensor(tensor, block, group=group),
+                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(block, tensor, group=group)}
     else:
-        dist.all_reduce(tensor, group=groups["gloo"])
+        options = {"group": groups["gloo"]}
+        if candidate == "ddpkit_flat":
+            options.update(algorithm="halving_doubling") if collective == "all_reduce" else \
+                options.update(transport="process_group")
+        elif candidate != "ddpkit":
+            assert collective == "all_reduce", f"{candidate} names an all-reduce algorithm"
+            options.update(algorithm=candidate[len("ddpkit_"):])
+        calls = {"all_reduce": lambda: ddpkit.all_reduce(tensor, **options),
+                 "broadcast": lambda: ddpkit.broadcast(tensor, src=last, **options),
+                 "reduce": lambda: ddpkit.reduce(tensor, dst=last, **options),
+                 "all_gather": lambda: ddpkit.all_gather_into_tensor(tensor, block, **options),
+                 "reduce_scatter": lambda: ddpkit.reduce_scatter_tensor(block, tensor, **options)}
+    calls[collective]()
 
 
-def case_all_reduce(numel: int, reps: int, calls: int, candidates: list) -> dict:
+def case_collective(collective: str, numel: int, reps: int, calls: int, candidates: list) -> dict:
     """Per candidate: this rank's seconds per call in each repetition."""
+    world_size = dist.get_world_size()
+    numel -= numel % world_size  # whole blocks for the all-gather and the reduce-scatter
     tensor = torch.ones(numel)
-    sync = torch.ones(1)
+    block = torch.ones(numel // world_size)
+    sync, sync_block = torch.ones(world_size), torch.ones(1)
     for candidate in candidates:  # warm: set-up, connections, caches
-        _call(candidate, tensor)
+        _call(candidate, collective, tensor, block)
 
     def measure(candidate: str) -> float:
-        _call(candidate, sync)
-        return common.time_per_call(_call, candidate, tensor, calls=calls)
+        _call(candidate, collective, sync, sync_block)
+        return common.time_per_call(_call, candidate, collective, tensor, block, calls=calls)
 
     return common.interleave(candidates, reps, measure, warmup=1)
 
@@ -123,42 +148,55 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topologies", nargs="+", default=["2x2", "2x1"])
     parser.add_argument("--links", nargs="+", default=["unshaped", "10gbit", "1gbit"])
-    parser.add_argument("--sizes", nargs="+", type=int, default=[1000, 100_000, 1_000_000, 16_000_000])
+    parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
+                        help="the all-reduce's; the other collectives take those of ddpkit, ddpkit_flat, "
+                             "ddpkit_backend and gloo among them (gloo is always measured)")
+    parser.add_argument("--sizes", nargs="+", type=int, default=[1000, 100_000, 1_000_000, 16_000_000],
+                        help="the all-reduce's")
+    parser.add_argument("--other-sizes", nargs="+", type=int, default=[1000, 1_000_000, 16_000_000],
+                        help="the other collectives'")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--ddp-reps", type=int, default=10)
+    parser.add_argument("--no-ddp", action="store_true", help="skip the DDP step")
+    parser.add_argument("--output", default="multihost", help="results file name, without .json")
     parser.add_argument("--quick", action="store_true", help="2x2 unshaped, small sizes, few repetitions")
     args = parser.parse_args()
     if args.quick:
-        args.topologies, args.links, args.sizes, args.reps, args.ddp_reps = ["2x2"], ["unshaped"], [1000, 100_000], 3, 2
+        args.topologies, args.links, args.sizes, args.other_sizes = ["2x2"], ["unshaped"], [1000, 100_000], [1000]
+        args.reps, args.ddp_reps = 3, 2
+    candidates = list(dict.fromkeys(args.candidates + ["gloo"]))
     reason = HostPool.unavailable()
     if reason:
         sys.exit(f"bench_multihost: {reason}")
     cases = importlib.import_module("bench_multihost")  # what the ranks can unpickle by name
     shapes = {"2x2": [2, 2], "2x1": [1, 1]}
-    records, rows = [], []
+    records = []
     for topology in args.topologies:
         for link in args.links:
             pool = HostPool(shapes[topology], group_timeout=600, timeout=3600,
                             rate=None if link == "unshaped" else link)
             try:
-                for numel in args.sizes:
-                    reps = args.reps if numel <= 1_000_000 else max(3, args.reps // 3)
-                    per_rank = pool.run(cases.case_all_reduce, numel, reps, calls_for(numel), list(CANDIDATES),
-                                        timeout=3600)
-                    gloo = common.median(slowest(per_rank, "gloo"))
-                    for candidate in CANDIDATES:
-                        times = slowest(per_rank, candidate)
-                        stats = timing.time_stats(times)
-                        record = MultihostRecord(topology=topology, link=link, numel=numel, candidate=candidate,
-                                                 median_s=stats["median_s"], p25_s=stats["p25_s"],
-                                                 p75_s=stats["p75_s"], reps=len(times), batch=calls_for(numel),
-                                                 ratio_to_gloo=stats["median_s"] / gloo)
-                        records.append(record)
-                        rows.append(record)
-                    print(f"{topology} {link} {numel}: " + ", ".join(
-                        f"{r.candidate} {common.seconds(r.median_s)} ({r.ratio_to_gloo:.2f}x)" for r in rows[-4:]),
-                        flush=True)
-                if topology == "2x2" and link == "unshaped":
+                for collective in args.collectives:
+                    names = candidates if collective == "all_reduce" else [c for c in candidates if c in CANDIDATES]
+                    for numel in args.sizes if collective == "all_reduce" else args.other_sizes:
+                        reps = args.reps if numel <= 1_000_000 else max(3, args.reps // 3)
+                        per_rank = pool.run(cases.case_collective, collective, numel, reps, calls_for(numel), names,
+                                            timeout=3600)
+                        gloo = common.median(slowest(per_rank, "gloo"))
+                        row = []
+                        for candidate in names:
+                            stats = timing.time_stats(slowest(per_rank, candidate))
+                            fields = dict(topology=topology, link=link, numel=numel, candidate=candidate,
+                                          median_s=stats["median_s"], p25_s=stats["p25_s"], p75_s=stats["p75_s"],
+                                          reps=reps, batch=calls_for(numel), ratio_to_gloo=stats["median_s"] / gloo)
+                            row.append(MultihostRecord(**fields) if collective == "all_reduce"
+                                       else MultihostCollectiveRecord(collective=collective, **fields))
+                        records += row
+                        print(f"{topology} {link} {collective} {numel}: " + ", ".join(
+                            f"{r.candidate} {common.seconds(r.median_s)} ({r.ratio_to_gloo:.2f}x)" for r in row),
+                            flush=True)
+                if topology == "2x2" and link == "unshaped" and not args.no_ddp:
                     per_rank = pool.run(cases.case_ddp, args.ddp_reps, 3, list(DDP_CANDIDATES), timeout=3600)
                     baseline = common.median(slowest(per_rank, "torch_ddp_gloo"))
                     for candidate in DDP_CANDIDATES:
@@ -172,23 +210,33 @@ def main() -> None:
                 pool.close()
     summary = {f"{r.topology} {r.link} numel={r.numel} {r.candidate}": r.ratio_to_gloo
                for r in records if isinstance(r, MultihostRecord) and r.candidate != "gloo"}
+    summary.update({f"{r.collective} {r.topology} {r.link} numel={r.numel} {r.candidate}": r.ratio_to_gloo
+                    for r in records if isinstance(r, MultihostCollectiveRecord) and r.candidate != "gloo"})
     summary.update({f"ddp {r.topology} {r.link} {r.candidate}": r.ratio_to_torch_ddp_gloo
                     for r in records if isinstance(r, MultihostDdpRecord)})
     path = common.write_results(
-        "multihost", backend="gloo", device_type="cpu", quick=args.quick, records=records, summary=summary,
-        settings={"topologies": args.topologies, "links": args.links, "sizes": args.sizes, "reps": args.reps,
-                  "ddp_reps": args.ddp_reps, "candidates": list(CANDIDATES), "ddp_candidates": list(DDP_CANDIDATES),
+        args.output, backend="gloo", device_type="cpu", quick=args.quick, records=records, summary=summary,
+        settings={"topologies": args.topologies, "links": args.links, "collectives": args.collectives,
+                  "sizes": args.sizes, "other_sizes": args.other_sizes, "reps": args.reps,
+                  "ddp_reps": 0 if args.no_ddp else args.ddp_reps, "candidates": candidates,
+                  "ddp_candidates": [] if args.no_ddp else list(DDP_CANDIDATES),
                   "dtype": "float32", "threads_per_process": 1,
                   "hosts": "network + mount namespaces, veth to a bridge, tc tbf shaping (ddpkit.testing.HostPool)",
                   "timing": "per repetition: one call of the candidate to synchronise, then a batch of back-to-back "
                             "calls timed on every rank; slowest rank per repetition, median over interleaved "
                             "repetitions"})
     print()
+    table = {"headers": {"median_s": "median", "ratio_to_gloo": "/ gloo"},
+             "formats": {"median_s": common.seconds, "ratio_to_gloo": common.times}}
     common.print_table([r for r in records if isinstance(r, MultihostRecord)],
                        ["topology", "link", "numel", "candidate", "median_s", "ratio_to_gloo"],
-                       headers={"median_s": "median", "ratio_to_gloo": "/ gloo"},
-                       formats={"median_s": common.seconds, "ratio_to_gloo": common.times},
-                       align_left=["topology", "link", "candidate"])
+                       align_left=["topology", "link", "candidate"], **table)
+    others = [r for r in records if isinstance(r, MultihostCollectiveRecord)]
+    if others:
+        print()
+        common.print_table(others, ["collective", "topology", "link", "numel", "candidate", "median_s",
+                                    "ratio_to_gloo"], align_left=["collective", "topology", "link", "candidate"],
+                           **table)
     ddp = [r for r in records if isinstance(r, MultihostDdpRecord)]
     if ddp:
         print()

@@ -264,12 +264,30 @@ class MultihostRecord(Record):
     topology: str                 # "2x2": hosts x ranks per host
     link: str                     # "unshaped", or the tbf rate ("1gbit")
     numel: int
-    candidate: str                # ddpkit, ddpkit_flat, ddpkit_backend, gloo
+    candidate: str                # ddpkit, ddpkit_flat, ddpkit_backend, gloo; ddpkit_<algorithm> by name
     median_s: float
     p25_s: float
     p75_s: float
     reps: int
     batch: int                    # back-to-back calls per repetition
+    ratio_to_gloo: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultihostCollectiveRecord(Record):
+    """One candidate of another collective across simulated hosts at one size (the whole tensor: the
+    broadcast's and the reduce's, the all-gather's output, the reduce-scatter's input)."""
+    kind: str = _kind("multihost_collective")
+    collective: str               # broadcast, reduce, all_gather, reduce_scatter
+    topology: str
+    link: str
+    numel: int
+    candidate: str                # ddpkit, ddpkit_flat, ddpkit_backend, gloo
+    median_s: float
+    p25_s: float
+    p75_s: float
+    reps: int
+    batch: int
     ratio_to_gloo: float
 
 
@@ -331,6 +349,7 @@ class LatencyRecord(Record):
 BY_KIND: dict[str, type[Record]] = {"time": AllreduceTimeRecord, "memory": AllreduceMemoryRecord,
                                     "collective": CollectiveRecord, "layers": LayerRecord, "ddp": DdpRecord,
                                     "multihost_all_reduce": MultihostRecord, "multihost_ddp": MultihostDdpRecord,
+                                    "multihost_collective": MultihostCollectiveRecord,
                                     "torch_stack": TorchStackRecord, "latency": LatencyRecord}
 BY_BENCHMARK: dict[str, type[Record]] = {"syncbn": SyncBatchNormRecord, "ddp": DdpRecord, "training": TrainingRecord}
 

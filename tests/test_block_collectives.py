@@ -359,9 +359,9 @@ BAD_ARGUMENT_MESSAGES = {
     "scatter_unsupported_dtype": "ddpkit.reduce_scatter_tensor: unsupported dtype Bool",
     "scatter_unsupported_torch_op": "unknown reduce op 'product'",
     "gather_not_a_block_algorithm": "ddpkit.all_gather_into_tensor: algorithm must be 'auto', 'ring', "
-                                    "'halving_doubling' or 'direct', got 'star'",
+                                    "'halving_doubling', 'direct' or 'hierarchical', got 'star'",
     "scatter_not_a_block_algorithm": "ddpkit.reduce_scatter_tensor: algorithm must be 'auto', 'ring', "
-                                     "'halving_doubling' or 'direct', got 'butterfly'",
+                                     "'halving_doubling', 'direct' or 'hierarchical', got 'butterfly'",
     "gather_unknown_algorithm": "unknown algorithm 'telepathy'",
 }
 
@@ -656,7 +656,8 @@ def test_an_algorithm_only_one_rank_cannot_run_is_reported_on_every_rank(collect
     finally:
         worker_pool.close()
     what = "all_gather_into_tensor" if collective == "all_gather" else "reduce_scatter_tensor"
-    own = {"star": f"ddpkit.{what}: algorithm must be 'auto', 'ring', 'halving_doubling' or 'direct', got 'star'",
+    own = {"star": f"ddpkit.{what}: algorithm must be 'auto', 'ring', 'halving_doubling', 'direct' or "
+                   "'hierarchical', got 'star'",
            "direct": f"ddpkit.{what}: algorithm 'direct' needs the shared-memory transport",
            "halving_doubling": f"ddpkit.{what}: algorithm 'halving_doubling' needs a power-of-two world size, got 3"}[
         algorithm]

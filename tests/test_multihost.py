@@ -126,14 +126,21 @@ def check_every_collective(per_rank, ranks_per_host):
 
 
 def case_mismatch(culprit, collective="all_reduce"):
-    """Rank ``culprit`` calls ``collective`` with another size (all_reduce) or root (broadcast): this
-    rank's error, or None, then the group's next all-reduce."""
-    rank = dist.get_rank()
+    """Rank ``culprit`` calls ``collective`` with another size (another root for broadcast and
+    reduce): this rank's error, or None, then the group's next all-reduce."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    odd = rank == culprit
     try:
         if collective == "all_reduce":
-            ddpkit.all_reduce(torch.ones(1000 + (rank == culprit)))
+            ddpkit.all_reduce(torch.ones(1000 + odd))
+        elif collective == "broadcast":
+            ddpkit.broadcast(torch.ones(10), src=1 if odd else 0)
+        elif collective == "reduce":
+            ddpkit.reduce(torch.ones(10), dst=1 if odd else 0)
+        elif collective == "all_gather":
+            ddpkit.all_gather_into_tensor(torch.empty(world_size * (10 + odd)), torch.ones(10 + odd))
         else:
-            ddpkit.broadcast(torch.ones(10), src=1 if rank == culprit else 0)
+            ddpkit.reduce_scatter_tensor(torch.empty(10 + odd), torch.ones(world_size * (10 + odd)))
         error = None
     except RuntimeError as exc:
         error = str(exc)
@@ -234,30 +241,76 @@ def test_every_collective_with_test_hosts_is_exact_with_identical_bits(labels):
     check_every_collective(per_rank, ranks_per_host)
 
 
-def case_broadcast_and_barrier_messages(numel):
+def case_collectives_and_their_messages(numel):
+    """Every collective that crosses hosts hierarchically, in place and not, some ops, and the
+    point-to-point messages ddpkit sent meanwhile."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     ddpkit.barrier()  # the group's set-up, before counting
     ddpkit.reset_comm_counters()
+    out = {}
     tensor = rank_input(rank, numel, integer=True)
     ddpkit.broadcast(tensor, src=world_size - 1)
+    out["broadcast"] = tensor
+    for op in ("sum", "mean", "max"):
+        for dst in (0, world_size - 1):
+            tensor = rank_input(rank, numel, integer=True)
+            ddpkit.reduce(tensor, dst=dst, op=op)
+            out[("reduce", op, dst)] = tensor if rank == dst else None
+        scattered = torch.empty(numel)
+        ddpkit.reduce_scatter_tensor(scattered, rank_input(rank, world_size * numel, integer=True), op=op)
+        out[("reduce_scatter", op)] = scattered
+    whole = rank_input(rank, world_size * numel, integer=True)
+    mine = whole[rank * numel:(rank + 1) * numel]
+    ddpkit.reduce_scatter_tensor(mine, whole)  # the output is this rank's block of the input
+    out[("reduce_scatter", "sum", "in place")] = mine.clone()
+    gathered = torch.empty(world_size * numel, dtype=torch.float64)
+    ddpkit.all_gather_into_tensor(gathered, rank_input(rank, numel, integer=True).double())
+    out["all_gather"] = gathered
+    gathered = torch.zeros(world_size * numel, dtype=torch.int32)
+    gathered[rank * numel:(rank + 1) * numel] = rank_input(rank, numel, integer=True).int()
+    ddpkit.all_gather_into_tensor(gathered, gathered[rank * numel:(rank + 1) * numel])  # in place
+    out[("all_gather", "in place")] = gathered
     ddpkit.barrier()
-    return tensor, ddpkit.comm_counters()["messages_sent"]
+    return out, ddpkit.comm_counters()["messages_sent"]
 
 
-def test_broadcast_and_barrier_across_equal_hosts_send_no_point_to_point_message():
-    # Note [Hierarchical collectives]: shared memory inside each host, the process group's own
-    # broadcast and all-gather across hosts; the flat forms send ddpkit's messages over the group.
-    with WorkerPool(4, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": "a,a,b,b"}) as pool:
-        per_rank = pool.run(case_broadcast_and_barrier_messages, 100_003)
-    for tensor, messages in per_rank:
-        assert torch.equal(tensor, rank_input(3, 100_003, integer=True))
-        assert messages == 0
-
-
+@pytest.mark.parametrize("labels", ["a,a,b,b", "a,b,b,b", "b,a,b,a"])
+@pytest.mark.parametrize("numel", [1001, 30_001])  # every collective in one round across hosts; none
+def test_collectives_across_hosts_are_exact_and_send_what_the_note_says(labels, numel):
+    # Note [Hierarchical collectives] and Note [One round across hosts]: shared memory inside each
+    # host; across hosts one message to the partner for the check (carrying the data where it fits),
+    # then, for larger tensors, the process group's own broadcast and all-gather, and ddpkit's
+    # binomial reduce and ring reduce-scatter.
+    world_size = 4
+    with WorkerPool(world_size, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": labels}) as pool:
+        per_rank = pool.run(case_collectives_and_their_messages, numel)
+    inputs = torch.stack([rank_input(r, numel, integer=True).double() for r in range(world_size)])
+    wide = torch.stack([rank_input(r, world_size * numel, integer=True).double() for r in range(world_size)])
+    reduced = {"sum": inputs.sum(0), "mean": inputs.mean(0), "max": inputs.amax(0)}
+    reduced_wide = {"sum": wide.sum(0), "mean": wide.mean(0), "max": wide.amax(0)}
+    for rank, (out, messages) in enumerate(per_rank):
+        assert torch.equal(out["broadcast"], inputs[3].float())
+        for op in ("sum", "mean", "max"):
+            for dst in (0, world_size - 1):
+                if rank == dst:
+                    torch.testing.assert_close(out[("reduce", op, dst)].double(), reduced[op], rtol=1e-6, atol=0)
+            block = reduced_wide[op][rank * numel:(rank + 1) * numel]
+            torch.testing.assert_close(out[("reduce_scatter", op)].double(), block, rtol=1e-6, atol=0)
+        assert torch.equal(out[("reduce_scatter", "sum", "in place")].double(),
+                           reduced_wide["sum"][rank * numel:(rank + 1) * numel])
+        assert torch.equal(out["all_gather"], inputs.reshape(-1))
+        assert torch.equal(out[("all_gather", "in place")], inputs.reshape(-1).int())
+        if labels != "a,b,b,b":
+            # Equal hosts: 14 collectives (a broadcast, 6 reduces, 4 reduce-scatters, 2 all-gathers,
+            # a barrier), one check message to the one partner each. Larger than a round carries,
+            # the reduces off the root's host send their slice (3 of 6) and every reduce-scatter
+            # one ring message.
+            assert messages == 14 + (0 if numel == 1001 else 3 + 4), (rank, messages)
 @pytest.mark.parametrize("labels", ["a,a,b,b", "a,b,b,b"])
-def test_a_broadcast_root_mismatch_across_hosts_raises_on_every_rank(labels):
+def test_a_mismatch_of_any_hierarchical_collective_raises_on_every_rank(labels):
     with WorkerPool(4, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": labels}) as pool:
-        outcomes = pool.run(case_mismatch, 3, "broadcast")
-    for rank, (error, after) in enumerate(outcomes):
-        assert error is not None and "mismatched" in error and "rank 3" in error, (rank, error)
-        assert after == 6
+        for collective in ("broadcast", "reduce", "all_gather", "reduce_scatter"):
+            outcomes = pool.run(case_mismatch, 3, collective)
+            for rank, (error, after) in enumerate(outcomes):
+                assert error is not None and "mismatched" in error and "rank 3" in error, (collective, rank, error)
+                assert after == 6, (collective, rank)

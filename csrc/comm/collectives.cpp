@@ -14,6 +14,10 @@ namespace {
 
 at::Tensor slice(const at::Tensor& flat, int64_t begin, int64_t end) { return flat.narrow(0, begin, end - begin); }
 
+// The blocks [first, first + count) of rank r's group of `count` ranks (count a power of two):
+// the aligned run of blocks that contains block r.
+int aligned_first(int r, int count) { return r & ~(count - 1); }
+
 // The reason `tensor` cannot take part in a ddpkit collective, or "" when it can. Collectives that
 // only move data (no `op`) take any dtype; reductions take the dtypes of collectives.h.
 std::string tensor_error(const at::Tensor& tensor, std::string_view what, std::optional<ReduceOp> op) {
@@ -328,6 +332,67 @@ Schedule halving_doubling_schedule(const at::Tensor& flat, ReduceOp op, int n, i
   return folded_schedule(flat, op, f, scratch[0], std::move(core), std::max<size_t>(1, 2 * log2_of(f.p)));
 }
 
+// The binomial tree towards `root`: every rank combines its children's partial results into `flat`,
+// then passes its own to its parent; `flat` of `root` ends with op over every rank's (before
+// finish_reduction_), the others with partial results.
+Schedule reduce_schedule(const at::Tensor& flat, ReduceOp op, int n, int r, int root) {
+  const int relative = (r - root + n) % n;
+  auto real = [=](int rel) { return (rel + root) % n; };
+  at::Tensor scratch;
+  Schedule schedule;
+  for (int mask = 1; mask < n; mask <<= 1) {
+    if (relative & mask) {
+      schedule.push_back(Round{{{flat, real(relative - mask)}}, {}, {}, 0});
+      break;
+    }
+    if (relative + mask < n) {
+      if (!scratch.defined()) scratch = at::empty({2, flat.numel()}, flat.options());
+      at::Tensor incoming = scratch[schedule.size() % 2];
+      schedule.push_back(Round{{}, {{incoming, real(relative + mask)}}, [=]() mutable { combine_(flat, incoming, op); }, 0});
+    }
+  }
+  return schedule;
+}
+
+// The reduce-scatter halves of Note [All-gather and reduce-scatter] on `acc`: n blocks of m elements,
+// partial sums accumulating in place. After the rounds block r holds op over every rank's block r
+// (before finish_reduction_). The ring takes any n; halving-doubling a power of two.
+Schedule ring_reduce_scatter_schedule(const at::Tensor& acc, int64_t m, ReduceOp op, int n, int r) {
+  auto block = [=](int b) { return slice(acc, ((b % n + n) % n) * m, ((b % n + n) % n + 1) * m); };
+  // Round t: send the partial sum of block r-t-1 to the right, add the left's partial sum of block
+  // r-t-2 to ours. Two scratch blocks alternate: round t+1's receive, posted ahead, never lands in
+  // round t's.
+  at::Tensor scratch = at::empty({2, m}, acc.options());
+  Schedule schedule;
+  for (int t = 0; t < n - 1; ++t) {
+    at::Tensor incoming = scratch[t % 2];
+    at::Tensor into = block(r - t - 2);
+    schedule.push_back(
+        Round{{{block(r - t - 1), (r + 1) % n}}, {{incoming, (r - 1 + n) % n}}, [=]() { combine_(into, incoming, op); }, t});
+  }
+  return schedule;
+}
+
+// Recursive halving: with the partner r^d (d = n/2, n/4, ..., 1), keep the half of the current
+// aligned run of 2d blocks that holds block r, send the other half's partial sums to the partner and
+// add the partner's partial sums of the kept half. Two scratch buffers alternate, as in the ring.
+Schedule halving_reduce_scatter_schedule(const at::Tensor& acc, int64_t m, ReduceOp op, int n, int r) {
+  auto run = [=](int first, int count) { return slice(acc, first * m, (first + count) * m); };
+  at::Tensor scratch = at::empty({2, (n / 2) * m}, acc.options());
+  Schedule schedule;
+  int round = 0;
+  for (int d = n / 2; d >= 1; d >>= 1, ++round) {
+    const int partner = r ^ d;
+    at::Tensor incoming = scratch[round % 2].narrow(0, 0, d * m);
+    at::Tensor kept = run(aligned_first(r, d), d);
+    schedule.push_back(Round{{{run(aligned_first(partner, d), d), partner}},
+                             {{incoming, partner}},
+                             [=]() { combine_(kept, incoming, op); },
+                             round});
+  }
+  return schedule;
+}
+
 }  // namespace
 
 Algorithm parse_algorithm(std::string_view name) {
@@ -413,6 +478,25 @@ void across_hosts(const Hierarchy& h, Communicator& comm, Step&& step) {
   }
 }
 
+// Runs the data steps of a hierarchical collective on this rank. A failure (a rank lost, a step across
+// hosts that failed) stops this host's other ranks too, who may be waiting for this one inside the
+// host, then raises here.
+template <class Steps>
+void on_hosts(const Hierarchy& h, Steps&& steps) {
+  try {
+    steps();
+  } catch (const std::exception& e) {
+    if (DirectCollectives* local = h.local ? h.local->direct() : nullptr) local->abandon(without_backtrace(e));
+    throw;
+  }
+}
+
+// A communicator for ddpkit's own schedules among the ranks `h.cross` spans, as part of `comm`'s
+// collective (its sequence number, so its tags).
+Communicator cross_communicator(const Hierarchy& h, const Communicator& comm) {
+  return Communicator(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
+}
+
 void cross_host_all_reduce(at::Tensor& block, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || block.numel() == 0) return;
   across_hosts(h, comm, [&] {
@@ -423,15 +507,11 @@ void cross_host_all_reduce(at::Tensor& block, ReduceOp op, const Hierarchy& h, C
       h.cross->allreduce(tensors, options)->wait();
       return;
     }
-    Communicator cross(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
+    Communicator cross = cross_communicator(h, comm);
     Schedule schedule = ring_schedule(block, op, h.cross_size, h.cross_rank);
     run_schedule(cross, schedule, schedule.size());
   });
 }
-
-}  // namespace
-
-namespace {
 
 // Each rank's words in the check across hosts (Note [Hierarchical collectives]): its own header,
 // its host's culprit (-1: none) with the culprit's header and its host's first header, so that
@@ -515,8 +595,70 @@ void verify_hosts(const HostCheck& check, const std::string& error, WordsOf word
   }
 }
 
-}  // namespace
+// Up to this many bytes of payload ride in the one round of the check across hosts (Note [One round
+// across hosts]).
+constexpr int64_t kOneRoundMaxBytes = 64 * 1024;
 
+// Each rank's check words as bytes, the start of its message in a round across hosts.
+constexpr int64_t kCheckBytes = kCheckWords * static_cast<int64_t>(sizeof(int64_t));
+
+// One round among the ranks `h.cross` spans (Note [One round across hosts]): every rank sends each
+// partner `message` (its check words, then a payload of at most kOneRoundMaxBytes) and receives
+// theirs into buffers of the largest size a message may have, so that calls that disagree never
+// overflow a receive. Returns the messages by cross rank, this rank's own at its index.
+std::vector<at::Tensor> exchange_across_hosts(const at::Tensor& message, const Hierarchy& h, Communicator& comm) {
+  std::vector<at::Tensor> received(h.cross_size);
+  received[h.cross_rank] = message;
+  on_hosts(h, [&] {
+    across_hosts(h, comm, [&] {
+      Communicator cross = cross_communicator(h, comm);
+      MessageList messages;
+      for (int j = 0; j < h.cross_size; ++j) {
+        if (j == h.cross_rank) continue;
+        received[j] = at::empty({kCheckBytes + kOneRoundMaxBytes}, at::kByte);
+        messages.push_back(cross.irecv(received[j], j, Communicator::kHeaderRound));
+      }
+      for (int j = 0; j < h.cross_size; ++j) {
+        if (j != h.cross_rank) messages.push_back(cross.isend(message, j, Communicator::kHeaderRound));
+      }
+      cross.wait(messages);
+    });
+  });
+  return received;
+}
+
+// The collective check across equal hosts, carrying a payload (Note [One round across hosts]): this
+// rank's step of its host's shared memory, then `payload_of()` (bytes, at most kOneRoundMaxBytes:
+// what this rank sends its partners after its words; called only where every rank of its host
+// agreed, so it may take a step inside the host), one round across hosts, and verify_hosts, which
+// raises alike on every rank unless all agree. Returns, by cross rank, what each partner sent after
+// its words (a receive buffer: the caller narrows it to the payload's agreed size).
+template <class PayloadOf>
+std::vector<at::Tensor> check_in_one_round(const CollectiveHeader& header, const std::string& error,
+                                           const Hierarchy& h, Communicator& comm, PayloadOf&& payload_of) {
+  const HostCheck check = check_host(header, error, h, comm);
+  const bool host_agrees = check.host_error.empty() && check.words.data_ptr<int64_t>()[kHeaderWords] < 0;
+  const at::Tensor payload = host_agrees ? payload_of() : at::Tensor();
+  const int64_t payload_bytes = payload.defined() ? payload.numel() : 0;
+  TORCH_INTERNAL_ASSERT(payload_bytes <= kOneRoundMaxBytes && (!payload.defined() || payload.scalar_type() == at::kByte));
+  at::Tensor message = at::empty({kCheckBytes + payload_bytes}, at::kByte);
+  std::memcpy(message.data_ptr(), check.words.data_ptr(), kCheckBytes);
+  if (payload_bytes > 0) message.narrow(0, kCheckBytes, payload_bytes).copy_(payload);
+  std::vector<at::Tensor> received = exchange_across_hosts(message, h, comm);
+  verify_hosts(check, error, [&](int j) { return static_cast<const int64_t*>(received[j].data_ptr()); }, h, comm);
+  for (at::Tensor& one : received) one = one.narrow(0, kCheckBytes, one.numel() - kCheckBytes);
+  return received;
+}
+
+// True when `bytes` fit one round across hosts and the check may carry them: checks on, equal hosts,
+// this rank's arguments accepted.
+bool fits_one_round(int64_t bytes, const std::string& error, const Hierarchy& h) {
+  return is_checked() && h.uniform && error.empty() && bytes <= kOneRoundMaxBytes;
+}
+
+// The collective check of kHierarchical when every host holds the same number of ranks (Note
+// [Hierarchical collectives]): check_in_one_round with no payload; every rank agrees with every other
+// by transitivity, or every rank raises. Counts the collective.
 void hierarchical_check(const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
                         Communicator& comm) {
   comm.note_collective(static_cast<CollectiveKind>(header.kind));
@@ -526,74 +668,35 @@ void hierarchical_check(const CollectiveHeader& header, const std::string& error
     TORCH_CHECK(error.empty(), error);
     return;
   }
-  const HostCheck check = check_host(header, error, h, comm);
-  at::Tensor all = at::empty({h.cross_size * kCheckWords}, at::kLong);
-  try {
-    at::Tensor mine = check.words;
-    h.cross->_allgather_base(all, mine)->wait();
-  } catch (const std::exception& e) {
-    const std::string why = c10::str("ddpkit.", comm.what(), " (", comm.where(), "): the collective check across hosts, "
-                                     "with ", cross_ranks_text(h), ", failed: ", without_backtrace(e));
-    if (local != nullptr) local->abandon(why);
-    TORCH_CHECK(false, why);
-  }
-  const int64_t* words = all.data_ptr<int64_t>();
-  verify_hosts(check, error, [&](int j) { return words + j * kCheckWords; }, h, comm);
+  check_in_one_round(header, error, h, comm, [] { return at::Tensor(); });
 }
 
+// Small all-reduces of kHierarchical with equal hosts (fits_one_round): the host's all-reduce over
+// shared memory after the check's step, its result to every partner in the check's round, and every
+// rank reduces the hosts' results in host order. `header` may be a reduce's or a reduce-scatter's,
+// which take this path on a copy when small. Returns false, doing nothing, where it does not apply;
+// else runs the whole collective (counted) and returns true.
 bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op, const CollectiveHeader& header,
                                           const std::string& error, const Hierarchy& h, Communicator& comm) {
-  if (!is_checked() || !h.uniform || !error.empty() || !reduces_natively(working_dtype(tensor)) ||
-      tensor.numel() * static_cast<int64_t>(working_element_size(tensor)) > kOneRoundMaxBytes) {
+  if (!error.empty() || !reduces_natively(working_dtype(tensor)) ||
+      !fits_one_round(tensor.numel() * static_cast<int64_t>(working_element_size(tensor)), error, h)) {
     return false;
   }
-  comm.note_collective(CollectiveKind::kAllReduce);
+  comm.note_collective(static_cast<CollectiveKind>(header.kind));
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
-  const HostCheck check = check_host(header, error, h, comm);
-  const bool host_agrees = check.host_error.empty() && check.words.data_ptr<int64_t>()[kHeaderWords] < 0;
   at::Tensor work = working_copy(tensor);
   at::Tensor flat = work.view(-1);
   const ReduceOp sum_or_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
-  // A failure of the transports (not a disagreement, which leaves the group usable) stops this host's
-  // other ranks too.
-  auto abandoning = [&](auto&& step) {
-    try {
-      step();
-    } catch (const std::exception& e) {
-      if (local != nullptr) local->abandon(without_backtrace(e));
-      throw;
+  // The host's result on every rank of the host, then to every partner with the check's words.
+  const std::vector<at::Tensor> received = check_in_one_round(header, error, h, comm, [&] {
+    if (local != nullptr && flat.numel() > 0) {
+      on_hosts(h, [&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false); });
     }
-  };
-  // The host's result on every rank of the host, where the host's ranks agreed.
-  if (local != nullptr && host_agrees && flat.numel() > 0) {
-    abandoning([&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false); });
-  }
-  // One round across hosts: to every partner, one message of a fixed size (so that calls that disagree
-  // never exchange messages of different sizes, which gloo cannot take) holding the check's words and
-  // the host's result.
-  Communicator cross(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
-  constexpr int64_t kWordBytes = kCheckWords * static_cast<int64_t>(sizeof(int64_t));
-  const int64_t data_bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
-  at::Tensor messages_in = at::empty({h.cross_size, kWordBytes + kOneRoundMaxBytes}, at::kByte);
-  at::Tensor mine = messages_in[h.cross_rank];
-  std::memcpy(mine.data_ptr(), check.words.data_ptr(), kWordBytes);
-  if (data_bytes > 0) std::memcpy(static_cast<char*>(mine.data_ptr()) + kWordBytes, flat.data_ptr(), data_bytes);
-  abandoning([&] {
-    MessageList messages;
-    for (int j = 0; j < h.cross_size; ++j) {
-      if (j != h.cross_rank) messages.push_back(cross.irecv(messages_in[j], j, 0));
-    }
-    for (int j = 0; j < h.cross_size; ++j) {
-      if (j != h.cross_rank) messages.push_back(cross.isend(mine, j, 0));
-    }
-    cross.wait(messages);
+    return flat.view(at::kByte);
   });
-  auto words_of = [&](int j) { return reinterpret_cast<const int64_t*>(messages_in[j].data_ptr()); };
-  verify_hosts(check, error, words_of, h, comm);
   // Every rank reduces the hosts' results in host order: the same bits everywhere.
-  auto result_of = [&](int j) {
-    return messages_in[j].narrow(0, kWordBytes, data_bytes).view(flat.scalar_type());
-  };
+  const int64_t data_bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
+  auto result_of = [&](int j) { return received[j].narrow(0, 0, data_bytes).view(flat.scalar_type()); };
   if (data_bytes > 0) {
     at::Tensor total = result_of(0);
     for (int j = 1; j < h.cross_size; ++j) combine_(total, result_of(j), sum_or_op);
@@ -604,6 +707,8 @@ bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
   return true;
 }
 
+// The data part of kHierarchical (Note [Hierarchical collectives]) on `flat` (contiguous, float32/64 or
+// int32/64), in place, after the collective check ran: every rank ends with the same bits.
 void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   const Topology& topology = h.topology;
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
@@ -611,7 +716,7 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
   // Unchecked steps: the group's check already ran over the process group.
   CollectiveHeader header = comm.stamp(make_header(CollectiveKind::kAllReduce, flat, local_op, Algorithm::kHierarchical, -1), {});
-  try {
+  on_hosts(h, [&] {
     if (h.uniform) {
       // Horovod's split: reduce-scatter in the host, the slices across hosts, all-gather in the host.
       const int64_t parts = topology.local_size();
@@ -637,14 +742,8 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
       }
       if (local != nullptr) local->broadcast(whole, 0, header, {}, /*checked=*/false);
     }
-  } catch (const std::exception& e) {
-    // This host's other ranks may be waiting for this one in a step inside the host: stop them too.
-    if (local != nullptr) local->abandon(without_backtrace(e));
-    throw;
-  }
+  });
 }
-
-namespace {
 
 // `flat` of cross rank `root` to the other ranks `h.cross` spans (one per host), through the process
 // group's own broadcast on that subgroup, as bytes (every dtype alike).
@@ -658,8 +757,8 @@ void cross_host_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, 
   });
 }
 
-}  // namespace
-
+// The data part of a hierarchical broadcast (Note [Hierarchical collectives]) of `flat` (contiguous)
+// from rank `root`, after the collective check ran.
 void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, Communicator& comm) {
   const Topology& topology = h.topology;
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
@@ -668,7 +767,7 @@ void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h
   const int root_local = static_cast<int>(std::find(root_ranks.begin(), root_ranks.end(), root) - root_ranks.begin());
   const CollectiveHeader header =
       comm.stamp(make_header(CollectiveKind::kBroadcast, flat, std::nullopt, Algorithm::kHierarchical, root), {});
-  try {
+  on_hosts(h, [&] {
     if (h.uniform) {
       // The ranks of the root's local rank carry the tensor across hosts (cross rank = host), then
       // every host broadcasts it from that local rank over shared memory.
@@ -682,11 +781,220 @@ void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h
       if (topology.local_rank() == 0) cross_host_broadcast(flat, root_host, h, comm);
       if (!root_side && local != nullptr) local->broadcast(flat, 0, header, {}, /*checked=*/false);
     }
-  } catch (const std::exception& e) {
-    if (local != nullptr) local->abandon(without_backtrace(e));
-    throw;
-  }
+  });
 }
+
+// The collective check of a collective across hosts (Note [Hierarchical collectives]): with equal
+// hosts hierarchical_check, else the process group's through rank 0. Raises alike on every rank.
+void check_across_hosts(const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
+                        Communicator& comm) {
+  if (h.uniform) {
+    hierarchical_check(header, error, h, comm);
+    return;
+  }
+  comm.begin(header, error);
+  comm.settle_header();
+}
+
+// The group's rank at local-major position p = j·H + i of H equal hosts: local rank j of host i.
+// The hierarchical all-gather and reduce-scatter hold the ranks' blocks in this order, so that the
+// step across hosts moves one contiguous run of H blocks per local rank and the step inside the host
+// the L runs.
+int local_major_rank(const Topology& topology, int position) {
+  const int hosts = static_cast<int>(topology.hosts.size());
+  return topology.hosts[position % hosts][position / hosts];
+}
+
+// op over the `flat` of the ranks `h.cross` spans, into `flat` of cross rank `root` (ddpkit's
+// binomial reduce on the cross subgroup; the others keep partial results).
+void cross_host_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hierarchy& h, Communicator& comm) {
+  if (h.cross_size == 1 || flat.numel() == 0) return;
+  across_hosts(h, comm, [&] {
+    Communicator cross = cross_communicator(h, comm);
+    Schedule schedule = reduce_schedule(flat, op, h.cross_size, h.cross_rank, root);
+    run_schedule(cross, schedule);
+  });
+}
+
+// The data part of the hierarchical reduce of `flat` (contiguous, float32/64 or int32/64) to rank
+// `root`, after the collective check. With equal hosts: reduce-scatter inside every host, each
+// local rank's slice reduced across hosts to the root's host, all-gather inside that host; else the
+// leaders' form: all-reduce inside every host, the leaders reduce to the root's host's leader, which
+// broadcasts inside its host. Ranks off the root's host keep partial results, as torch's reduce
+// allows.
+void hierarchical_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hierarchy& h, Communicator& comm) {
+  const Topology& topology = h.topology;
+  DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+  const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const int root_host = topology.host_of[root];
+  const bool root_side = topology.host() == root_host;
+  const CollectiveHeader header =
+      comm.stamp(make_header(CollectiveKind::kReduce, flat, local_op, Algorithm::kHierarchical, root), {});
+  on_hosts(h, [&] {
+    if (h.uniform) {
+      const int64_t parts = topology.local_size();
+      const int64_t m = (flat.numel() + parts - 1) / parts;
+      at::Tensor padded = flat;
+      if (m * parts != flat.numel()) {
+        padded = at::zeros({m * parts}, flat.options());
+        padded.narrow(0, 0, flat.numel()).copy_(flat);
+      }
+      at::Tensor block = padded.narrow(0, topology.local_rank() * m, m);
+      if (local != nullptr) local->reduce_scatter(block, padded, local_op, header, {}, /*checked=*/false);
+      cross_host_reduce(block, root_host, local_op, h, comm);
+      if (!root_side) return;
+      finish_reduction_(block, op, comm.size());
+      if (local != nullptr) local->all_gather(padded, block, header, {}, /*checked=*/false);
+      if (!padded.is_same(flat)) flat.copy_(padded.narrow(0, 0, flat.numel()));
+    } else {
+      if (local != nullptr) local->all_reduce(const_cast<at::Tensor&>(flat), local_op, header, {}, /*checked=*/false);
+      if (topology.local_rank() == 0) cross_host_reduce(flat, root_host, local_op, h, comm);
+      if (!root_side) return;
+      if (topology.local_rank() == 0) finish_reduction_(flat, op, comm.size());
+      if (local != nullptr) local->broadcast(flat, 0, header, {}, /*checked=*/false);
+    }
+  });
+}
+
+// The data part of the hierarchical all-gather (any dtype: bytes move), after the collective check.
+// With equal hosts: this rank's block to the ranks of its local rank on every host (the process
+// group's all-gather on their subgroup), then the hosts' runs inside the host (shared memory), in
+// local-major order, put in rank order at the end. Else the leaders' form: the host's blocks inside
+// the host, the hosts' runs (padded to the largest host's) among the leaders, and every host's
+// result from its leader.
+void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, const Hierarchy& h,
+                             Communicator& comm) {
+  const Topology& topology = h.topology;
+  DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+  const int hosts = static_cast<int>(topology.hosts.size());
+  const at::Tensor in = input.reshape(-1).view(at::kByte);
+  const at::Tensor out = output.view(-1).view(at::kByte);
+  const int64_t m = in.numel();
+  auto block = [m](const at::Tensor& bytes, int64_t i) { return bytes.narrow(0, i * m, m); };
+  const CollectiveHeader header =
+      comm.stamp(make_header(CollectiveKind::kAllGather, input, std::nullopt, Algorithm::kHierarchical, -1), {});
+  on_hosts(h, [&] {
+    if (h.uniform) {
+      at::Tensor run = at::empty({hosts * m}, in.options());
+      across_hosts(h, comm, [&] {
+        at::Tensor mine = in;
+        h.cross->_allgather_base(run, mine)->wait();
+      });
+      at::Tensor gathered = at::empty({comm.size() * m}, in.options());
+      local->all_gather(gathered, run, header, {}, /*checked=*/false);
+      for (int p = 0; p < comm.size(); ++p) block(out, local_major_rank(topology, p)).copy_(block(gathered, p));
+    } else {
+      size_t widest = 0;
+      for (const auto& ranks : topology.hosts) widest = std::max(widest, ranks.size());
+      const int64_t run_bytes = static_cast<int64_t>(widest) * m;
+      at::Tensor run = at::empty({run_bytes}, in.options());
+      if (local != nullptr) {
+        local->all_gather(run.narrow(0, 0, topology.local_size() * m), in, header, {}, /*checked=*/false);
+      } else {
+        block(run, 0).copy_(in);
+      }
+      if (topology.local_rank() == 0) {
+        at::Tensor runs = at::empty({hosts * run_bytes}, in.options());
+        across_hosts(h, comm, [&] { h.cross->_allgather_base(runs, run)->wait(); });
+        for (int i = 0; i < hosts; ++i) {
+          for (size_t j = 0; j < topology.hosts[i].size(); ++j) {
+            block(out, topology.hosts[i][j]).copy_(block(runs, static_cast<int64_t>(i * widest + j)));
+          }
+        }
+      }
+      if (local != nullptr) local->broadcast(out, 0, header, {}, /*checked=*/false);
+    }
+  });
+}
+
+// The data part of the hierarchical reduce-scatter, after the collective check; `input` (n blocks of
+// output.numel()) stays unchanged. With equal hosts: the blocks in local-major order (a copy, in the
+// working dtype), the host's reduce-scatter of those runs over shared memory (local rank j receives
+// the host's sum of run j: the blocks of the ranks of local rank j on every host), then ddpkit's
+// ring reduce-scatter of that run among those ranks. Else the leaders' form of the all-reduce on a
+// copy of the whole input, of which each rank keeps its block.
+void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, const Hierarchy& h,
+                                 Communicator& comm) {
+  const Topology& topology = h.topology;
+  DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+  const int n = comm.size();
+  const int hosts = static_cast<int>(topology.hosts.size());
+  const int64_t m = output.numel();
+  const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const auto options = output.options().dtype(working_dtype(output));
+  const CollectiveHeader header =
+      comm.stamp(make_header(CollectiveKind::kReduceScatter, output, local_op, Algorithm::kHierarchical, -1), {});
+  at::Tensor result;
+  if (h.uniform) {
+    const at::Tensor blocks = input.reshape({n, m});
+    at::Tensor ordered = at::empty({n * m}, options);
+    for (int p = 0; p < n; ++p) slice(ordered, p * m, (p + 1) * m).copy_(blocks[local_major_rank(topology, p)]);
+    at::Tensor run = at::empty({hosts * m}, options);
+    on_hosts(h, [&] {
+      local->reduce_scatter(run, ordered, local_op, header, {}, /*checked=*/false);
+      across_hosts(h, comm, [&] {
+        Communicator cross = cross_communicator(h, comm);
+        Schedule schedule = ring_reduce_scatter_schedule(run, m, local_op, h.cross_size, h.cross_rank);
+        run_schedule(cross, schedule);
+      });
+    });
+    result = slice(run, h.cross_rank * m, (h.cross_rank + 1) * m);
+  } else {
+    at::Tensor whole = input.reshape(-1).to(options, /*non_blocking=*/false, /*copy=*/true);
+    hierarchical_all_reduce(whole, local_op, h, comm);
+    result = slice(whole, comm.rank() * m, (comm.rank() + 1) * m);
+  }
+  finish_reduction_(result, op, n);
+  output.view(-1).copy_(result);
+}
+
+// A small broadcast across equal hosts (fits_one_round): the root's tensor rides in its message of
+// the check's round to the ranks of its local rank, then every host broadcasts it from that local rank
+// over shared memory. Returns false, doing nothing, where it does not apply.
+bool hierarchical_broadcast_in_one_round(const at::Tensor& tensor, int root, const CollectiveHeader& header,
+                                         const std::string& error, const Hierarchy& h, Communicator& comm) {
+  if (!error.empty() || !fits_one_round(tensor.numel() * static_cast<int64_t>(tensor.element_size()), error, h)) {
+    return false;
+  }
+  comm.note_collective(CollectiveKind::kBroadcast);
+  const Topology& topology = h.topology;
+  const at::Tensor bytes = tensor.view(-1).view(at::kByte);
+  const std::vector<at::Tensor> received = check_in_one_round(
+      header, error, h, comm, [&] { return comm.rank() == root ? bytes : at::Tensor(); });
+  if (bytes.numel() == 0) return true;
+  const int root_host = topology.host_of[root];
+  const std::vector<int>& root_ranks = topology.hosts[root_host];
+  const int root_local = static_cast<int>(std::find(root_ranks.begin(), root_ranks.end(), root) - root_ranks.begin());
+  if (topology.local_rank() == root_local && comm.rank() != root) bytes.copy_(received[root_host].narrow(0, 0, bytes.numel()));
+  on_hosts(h, [&] { h.local->direct()->broadcast(bytes, root_local, comm.stamp(header, {}), {}, /*checked=*/false); });
+  return true;
+}
+
+// A small all-gather across equal hosts (fits_one_round of the input): this rank's block rides in its
+// message of the check's round to the ranks of its local rank, then the hosts' runs are all-gathered
+// inside the host, as in hierarchical_all_gather. Returns false, doing nothing, where it does not apply.
+bool hierarchical_all_gather_in_one_round(const at::Tensor& output, const at::Tensor& input,
+                                          const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
+                                          Communicator& comm) {
+  if (!error.empty() || !fits_one_round(input.numel() * static_cast<int64_t>(input.element_size()), error, h)) {
+    return false;
+  }
+  comm.note_collective(CollectiveKind::kAllGather);
+  const Topology& topology = h.topology;
+  const at::Tensor in = input.reshape(-1).view(at::kByte);
+  const at::Tensor out = output.view(-1).view(at::kByte);
+  const int64_t m = in.numel();
+  const std::vector<at::Tensor> received = check_in_one_round(header, error, h, comm, [&] { return in; });
+  if (m == 0) return true;
+  at::Tensor run = at::empty({h.cross_size * m}, in.options());
+  for (int j = 0; j < h.cross_size; ++j) run.narrow(0, j * m, m).copy_(received[j].narrow(0, 0, m));
+  at::Tensor gathered = at::empty({comm.size() * m}, in.options());
+  on_hosts(h, [&] { h.local->direct()->all_gather(gathered, run, comm.stamp(header, {}), {}, /*checked=*/false); });
+  for (int p = 0; p < comm.size(); ++p) out.narrow(0, local_major_rank(topology, p) * m, m).copy_(gathered.narrow(0, p * m, m));
+  return true;
+}
+
+}  // namespace
 
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm) {
   if (staged(tensor, comm)) {
@@ -789,12 +1097,8 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
   if (comm.hierarchy() != nullptr && n > 1) {
     // Across hosts (Note [Hierarchical collectives]): the check, then the tensor crosses each link once.
     const Hierarchy& h = *comm.hierarchy();
-    if (h.uniform) {
-      hierarchical_check(header, error, h, comm);
-    } else {
-      comm.begin(header, error);
-      comm.settle_header();
-    }
+    if (hierarchical_broadcast_in_one_round(tensor, src, header, error, h, comm)) return;
+    check_across_hosts(header, error, h, comm);
     if (tensor.numel() == 0) return;
     at::Tensor work = working_copy(tensor);
     hierarchical_broadcast(work.view(-1), src, h, comm);
@@ -829,31 +1133,27 @@ void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm) {
   const int n = comm.size();
   std::string error = tensor_error(tensor, "reduce", op);
   if (error.empty()) error = root_error(dst, n, "reduce", "dst");
-  comm.begin(make_header(CollectiveKind::kReduce, tensor, op, std::nullopt, dst), error);
+  const CollectiveHeader header = make_header(CollectiveKind::kReduce, tensor, op, std::nullopt, dst);
+  if (comm.hierarchy() != nullptr && n > 1) {
+    // Across hosts (Note [Hierarchical collectives]): the check, then each host's share crosses once.
+    if (hierarchical_all_reduce_in_one_round(tensor, op, header, error, *comm.hierarchy(), comm)) return;
+    check_across_hosts(header, error, *comm.hierarchy(), comm);
+    if (tensor.numel() == 0) return;
+    at::Tensor work = working_copy(tensor);
+    hierarchical_reduce(work.view(-1), dst, op, *comm.hierarchy(), comm);
+    write_back(tensor, work);
+    return;
+  }
+  comm.begin(header, error);
   if (tensor.numel() == 0) {
     comm.settle_header();
     return;
   }
   at::Tensor work = working_copy(tensor);
   at::Tensor flat = work.view(-1);
-  const int relative = (comm.rank() - dst + n) % n;
-  auto real = [&](int rel) { return (rel + dst) % n; };
-  // Binomial tree towards dst: combine every child's partial result, then pass ours to the parent.
-  at::Tensor scratch;
-  Schedule schedule;
-  for (int mask = 1; mask < n; mask <<= 1) {
-    if (relative & mask) {
-      schedule.push_back(Round{{{flat, real(relative - mask)}}, {}, {}, 0});
-      break;
-    }
-    if (relative + mask < n) {
-      if (!scratch.defined()) scratch = at::empty({2, flat.numel()}, flat.options());
-      at::Tensor incoming = scratch[schedule.size() % 2];
-      schedule.push_back(Round{{}, {{incoming, real(relative + mask)}}, [=]() mutable { combine_(flat, incoming, op); }, 0});
-    }
-  }
+  Schedule schedule = reduce_schedule(flat, op, n, comm.rank(), dst);
   run_schedule(comm, schedule);
-  if (relative == 0) finish_reduction_(flat, op, n);
+  if (comm.rank() == dst) finish_reduction_(flat, op, n);
   write_back(tensor, work);
 }
 
@@ -1008,15 +1308,22 @@ std::string gather_scatter_error(const at::Tensor& output, const at::Tensor& inp
 // which meets its peers' first step whatever they chose.
 Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm, std::string_view what,
                                   std::string& error) {
-  const Algorithm automatic = comm.has_direct() ? Algorithm::kDirect : Algorithm::kRing;
+  const Algorithm automatic = comm.has_direct()               ? Algorithm::kDirect
+                              : comm.hierarchy() != nullptr ? Algorithm::kHierarchical
+                                                            : Algorithm::kRing;
   std::string problem;
   if (algorithm != Algorithm::kAuto && algorithm != Algorithm::kRing && algorithm != Algorithm::kDirect &&
-      algorithm != Algorithm::kHalvingDoubling) {
-    problem = c10::str("ddpkit.", what, ": algorithm must be 'auto', 'ring', 'halving_doubling' or 'direct', got '",
+      algorithm != Algorithm::kHalvingDoubling && algorithm != Algorithm::kHierarchical) {
+    problem = c10::str("ddpkit.", what,
+                       ": algorithm must be 'auto', 'ring', 'halving_doubling', 'direct' or 'hierarchical', got '",
                        algorithm_name(algorithm), "'");
   } else if (algorithm == Algorithm::kDirect && !comm.has_direct() && comm.size() > 1) {
     problem = c10::str("ddpkit.", what,
                        ": algorithm 'direct' needs the shared-memory transport (every rank on this host, CPU tensors)");
+  } else if (algorithm == Algorithm::kHierarchical && comm.hierarchy() == nullptr && comm.size() > 1) {
+    problem = c10::str("ddpkit.", what,
+                       ": algorithm 'hierarchical' needs a group spanning hosts, some with several ranks, and CPU "
+                       "tensors over transport 'auto'");
   } else if (algorithm == Algorithm::kHalvingDoubling && !std::has_single_bit(static_cast<unsigned>(comm.size()))) {
     problem = c10::str("ddpkit.", what, ": algorithm 'halving_doubling' needs a power-of-two world size, got ",
                        comm.size(), "; use 'ring'");
@@ -1025,10 +1332,6 @@ Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm,
   if (error.empty()) error = std::move(problem);
   return automatic;
 }
-
-// The blocks [first, first + count) of rank r's group of `count` ranks (count a power of two):
-// the aligned run of blocks that contains block r.
-int aligned_first(int r, int count) { return r & ~(count - 1); }
 
 }  // namespace
 
@@ -1047,6 +1350,12 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
     comm.run_direct(header, error, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool checked) {
       direct.all_gather(output, input, stamped, error, checked);
     });
+    return;
+  }
+  if (algorithm == Algorithm::kHierarchical && n > 1) {
+    if (hierarchical_all_gather_in_one_round(output, input, header, error, *comm.hierarchy(), comm)) return;
+    check_across_hosts(header, error, *comm.hierarchy(), comm);
+    if (input.numel() > 0) hierarchical_all_gather(output, input, *comm.hierarchy(), comm);
     return;
   }
   comm.begin(header, error);
@@ -1104,6 +1413,20 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
     write_back(output, work_out);
     return;
   }
+  if (algorithm == Algorithm::kHierarchical && n > 1) {
+    // Small: the one-round all-reduce of a copy of the whole input, of which this rank keeps its block.
+    const at::Tensor whole = error.empty() && input.numel() * static_cast<int64_t>(working_element_size(input)) <=
+                                                     kOneRoundMaxBytes
+                                 ? input.reshape(-1).to(working_dtype(input), false, /*copy=*/true)
+                                 : at::Tensor();
+    if (whole.defined() && hierarchical_all_reduce_in_one_round(whole, op, header, error, *comm.hierarchy(), comm)) {
+      output.view(-1).copy_(whole.narrow(0, r * output.numel(), output.numel()));
+      return;
+    }
+    check_across_hosts(header, error, *comm.hierarchy(), comm);
+    if (output.numel() > 0) hierarchical_reduce_scatter(output, input, op, *comm.hierarchy(), comm);
+    return;
+  }
   comm.begin(header, error);
   const int64_t m = output.numel();
   if (m == 0) {
@@ -1113,39 +1436,9 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   // A private working copy: the input stays unchanged and the partial sums accumulate here.
   at::Tensor acc = narrow_float ? input.reshape(-1).to(at::kFloat) : input.reshape(-1).clone();
   auto block = [&](int b) { return slice(acc, ((b % n + n) % n) * m, ((b % n + n) % n + 1) * m); };
-  if (n > 1 && algorithm == Algorithm::kHalvingDoubling) {
-    // Recursive halving: with the partner r^d (d = n/2, n/4, ..., 1), keep the half of the current
-    // aligned run of 2d blocks that holds block r, send the other half's partial sums to the
-    // partner and add the partner's partial sums of the kept half; after log2(n) rounds block r
-    // holds every rank's contribution. Two scratch buffers alternate, as in the ring.
-    auto run = [&](int first, int count) { return slice(acc, first * m, (first + count) * m); };
-    at::Tensor scratch = at::empty({2, (n / 2) * m}, acc.options());
-    Schedule schedule;
-    int round = 0;
-    for (int d = n / 2; d >= 1; d >>= 1, ++round) {
-      const int partner = r ^ d;
-      at::Tensor incoming = scratch[round % 2].narrow(0, 0, d * m);
-      at::Tensor kept = run(aligned_first(r, d), d);
-      schedule.push_back(Round{{{run(aligned_first(partner, d), d), partner}},
-                               {{incoming, partner}},
-                               [=]() { combine_(kept, incoming, op); },
-                               round});
-    }
-    run_schedule(comm, schedule);
-  } else if (n > 1) {
-    // Round t: send the partial sum of block r-t-1 to the right, add the left's partial sum of
-    // block r-t-2 to ours; after n-1 rounds block r holds every rank's contribution. Two scratch
-    // blocks alternate: round t+1's receive, posted ahead, never lands in round t's.
-    at::Tensor scratch = at::empty({2, m}, acc.options());
-    Schedule schedule;
-    for (int t = 0; t < n - 1; ++t) {
-      at::Tensor incoming = scratch[t % 2];
-      at::Tensor into = block(r - t - 2);
-      schedule.push_back(Round{{{block(r - t - 1), (r + 1) % n}},
-                               {{incoming, (r - 1 + n) % n}},
-                               [=]() { combine_(into, incoming, op); },
-                               t});
-    }
+  if (n > 1) {
+    Schedule schedule = algorithm == Algorithm::kHalvingDoubling ? halving_reduce_scatter_schedule(acc, m, op, n, r)
+                                                                 : ring_reduce_scatter_schedule(acc, m, op, n, r);
     run_schedule(comm, schedule);
   } else {
     comm.settle_header();

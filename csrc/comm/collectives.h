@@ -101,31 +101,6 @@ Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device
 // bitwise identical on all ranks.
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm);
 
-// The collective check of kHierarchical when every host holds the same number of ranks (Note
-// [Hierarchical collectives]): one step over the host's shared memory, then an all-gather, among the
-// ranks of this rank's local rank on every host, of each one's header and whether its host agreed;
-// every rank agrees with every other by transitivity, or every rank raises. Counts the collective.
-void hierarchical_check(const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
-                        Communicator& comm);
-
-// Small all-reduces of kHierarchical with equal hosts (up to kOneRoundMaxBytes, checks on): the
-// check's step on each host, the host's all-reduce over shared memory, then one round across hosts in
-// which every rank sends its partners one message of a fixed size with its check words and its host's
-// result (padded to kOneRoundMaxBytes), and every rank reduces
-// the hosts' results in host order (Note [Hierarchical collectives]). Returns false, doing nothing,
-// where it does not apply; else runs the whole collective (counted) and returns true.
-constexpr int64_t kOneRoundMaxBytes = 64 * 1024;
-bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op, const CollectiveHeader& header,
-                                          const std::string& error, const Hierarchy& h, Communicator& comm);
-
-// The data part of kHierarchical (Note [Hierarchical collectives]) on `flat` (contiguous, float32/64 or
-// int32/64), in place, after the collective check ran: every rank ends with the same bits.
-void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, Communicator& comm);
-
-// The data part of a hierarchical broadcast (Note [Hierarchical collectives]) of `flat` (contiguous)
-// from rank `root`, after the collective check ran.
-void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, Communicator& comm);
-
 // Copies `tensor` of rank `src` into `tensor` of every rank: across hosts hierarchically, else a
 // binomial tree (ceil(log2 n) rounds).
 void broadcast_(at::Tensor& tensor, int src, Communicator& comm);
@@ -163,7 +138,9 @@ void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int
 //           holds (d = 1 .. n/2): the ring's bytes in log2(n) rounds instead of n-1.
 //  kDirect  shared memory only: every rank publishes its input in its slot and reads what it needs
 //           from its peers' (Note [Direct all-gather and reduce-scatter] in shm_direct.h).
-//  kAuto    kDirect over shared memory, else kRing.
+//  kHierarchical  a group spanning hosts: shared memory inside each host, the ranks of each local
+//           rank across them (Note [Hierarchical collectives] in hierarchy.h).
+//  kAuto    kDirect over shared memory, kHierarchical across hosts, else kRing.
 // An algorithm a rank cannot run (kDirect without shared memory, kHalvingDoubling on another n, any
 // other) rejects that rank's arguments in the collective check, so every rank raises.
 // In place, as torch's backends allow (FSDP2 all-gathers this way): the all-gather's input may be

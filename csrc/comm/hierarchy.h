@@ -37,8 +37,20 @@ namespace ddpkit::comm {
 // broadcasts it from that local rank over shared memory; with unequal hosts, the root's host
 // broadcasts first, then the hosts' leaders across hosts, then every other host from its leader. With
 // equal hosts and checks on, the barrier is the check alone: a step of every host's shared memory,
-// then an all-gather across hosts that completes only once every host's step has. reduce, the
-// all-gather, the reduce-scatter, gather, scatter and all_to_all run flat over the process group.
+// then an all-gather across hosts that completes only once every host's step has.
+// The reduce follows the all-reduce, stopping at the root's host: with equal hosts, reduce-scatter
+// inside every host, each slice reduced across hosts to the root's host (ddpkit's binomial tree on
+// the cross subgroup, which keeps Note [Reductions]'s semantics for every op), all-gather inside
+// that host; with unequal hosts, the leaders' form ending with a broadcast on the root's host alone.
+// The all-gather and the reduce-scatter hold the ranks' blocks in local-major order (local rank j of
+// host i at position j·H + i), so that each local rank's H blocks are one run: the all-gather sends
+// this rank's block to the ranks of its local rank (the process group's all-gather on their
+// subgroup), then all-gathers the hosts' runs inside the host; the reduce-scatter reduce-scatters the
+// runs inside the host, then each run among the ranks of its local rank (ddpkit's ring). Each host's
+// link carries (H-1)/H of its ranks' data once, the least an all-gather or reduce-scatter can. With
+// unequal hosts the all-gather takes the leaders' form (runs padded to the largest host's), and the
+// reduce-scatter is the leaders' all-reduce of the whole input, of which each rank keeps its block.
+// gather, scatter and all_to_all run flat over the process group.
 struct Hierarchy {
   Topology topology;
   // This host's shared memory (null when this rank is alone on its host).

@@ -128,6 +128,7 @@ constexpr int kOfferRound = 251;
 constexpr int kAckRound = 252;
 constexpr int kVerdictRound = 253;
 constexpr size_t kIdentityBytes = 512;
+constexpr size_t kKernelBytes = 64;  // a boot id is 36 characters
 constexpr size_t kBrokenWhyBytes = 512;
 
 enum SetupStatus : int64_t { kSetupOk = 1, kNotShared = 2, kSetupFailed = 3 };
@@ -165,6 +166,7 @@ struct Hello {
   int64_t pid;
   int64_t euid;
   char identity[kIdentityBytes];
+  char kernel[kKernelBytes];  // the kernel's boot id: ranks with the same one share its CPUs
 };
 
 // Rank 0's answer to the hellos: the host of every rank (by the lowest rank on it) and its pid.
@@ -174,7 +176,8 @@ struct Plan {
   int64_t failed_rank;
   int64_t error_number;
   uint64_t nonce;  // fresh per group set-up: names what the group's ranks make together (Engine)
-  // followed by one int64 host (its lowest rank) and one int64 pid per rank
+  // followed by one int64 host (its lowest rank), one int64 pid and one int64 count of the group's
+  // ranks on its kernel per rank
 };
 
 // A host leader's offer of its segment to the other ranks of its host.
@@ -306,13 +309,15 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
   mine.pid = getpid();
   mine.euid = static_cast<int64_t>(geteuid());
   std::memcpy(mine.identity, identity.data(), std::min(identity.size(), kIdentityBytes - 1));
+  const std::string kernel = read_first_line("/proc/sys/kernel/random/boot_id");
+  std::memcpy(mine.kernel, kernel.data(), std::min(kernel.size(), kKernelBytes - 1));
   const auto what = [&] { return c10::str("ddpkit.", setup.what(), " (", setup.where(), ")"); };
   const std::string hint = "; set DDPKIT_TRANSPORT=process_group to run without shared memory";
   const auto relayed = [&](const auto& answer) {
     return c10::str(what(), ": rank ", answer.failed_rank, " failed: ",
                     describe_failure(answer.failure, answer.error_number), hint);
   };
-  const size_t plan_extra = 16 * static_cast<size_t>(size);
+  const size_t plan_extra = 24 * static_cast<size_t>(size);
   const std::vector<int> everyone = all_ranks(size);
 
   // 1-2. Hellos to rank 0; its plan back (Note [Shared-memory segment]).
@@ -337,9 +342,15 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
     plan_message = message_of(plan, plan_extra);
     auto* hosts = reinterpret_cast<int64_t*>(plan_message.data_ptr<uint8_t>() + sizeof(Plan));
     int64_t* pids = hosts + size;
+    int64_t* on_kernel = pids + size;
     for (int r = 0; r < size; ++r) {
       const Hello hello = r == 0 ? mine : value_of<Hello>(hellos[r]);
       pids[r] = hello.pid;
+      on_kernel[r] = 0;
+      for (int other = 0; other < size; ++other) {
+        const Hello theirs = other == 0 ? mine : value_of<Hello>(hellos[other]);
+        on_kernel[r] += std::memcmp(theirs.kernel, hello.kernel, kKernelBytes) == 0 ? 1 : 0;
+      }
       hosts[r] = r;
       for (int earlier = 0; earlier < r; ++earlier) {  // the host is its lowest rank with the same identity
         const Hello other = earlier == 0 ? mine : value_of<Hello>(hellos[earlier]);
@@ -362,6 +373,7 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
   const Plan plan = value_of<Plan>(plan_message);
   const auto* host_keys = reinterpret_cast<const int64_t*>(plan_message.data_ptr<uint8_t>() + sizeof(Plan));
   const auto* all_pids = host_keys + size;
+  const auto* ranks_on_kernel = all_pids + size;
   SetUp result;
   result.topology = Topology::from_keys(std::vector<int64_t>(host_keys, host_keys + size), rank);
   result.nonce = plan.nonce;
@@ -381,7 +393,9 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
     segment->group_size_ = size;
     segment->group_ = setup.group();
     segment->timeout_ = timeout;
-    segment->spin_ = local_size <= static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    // Note [Waiting on shared memory]: the CPUs are the kernel's, shared by every rank on it, also
+    // by those of other hosts that a container or namespace of this machine simulates.
+    segment->spin_ = ranks_on_kernel[rank] <= static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
     for (int r : local) segment->pids_.push_back(static_cast<int>(all_pids[r]));
     if (rank == leader) {
       segment->offer_to_host(setup, failed);

@@ -8,6 +8,8 @@
 
 #include <ATen/ATen.h>
 
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -78,9 +80,13 @@ namespace ddpkit::comm {
 // batch-norm statistics it brings to the same all-reduce, then costs no futex wake-up, which takes
 // tens of microseconds); a thread that runs collectives in the background (the engine's, for DDP
 // buckets) spins only kSpinMicros, since the core it holds is the one its process computes on
-// (spin_briefly_on_this_thread). Spinning is skipped when there are more ranks than CPUs, where a
-// spinning rank only takes the core from the peer it waits for (the collapse of busy-polling MPI on
-// oversubscribed hosts). Sleeps are bounded (kLivenessMillis): each timeout checks that the peers
+// (spin_briefly_on_this_thread). Spinning is skipped when the group has more ranks on this kernel
+// than it has CPUs, where a spinning rank only takes the core from the peer it waits for (the
+// collapse of busy-polling MPI on oversubscribed hosts); ranks count whether or not they share this
+// host's memory, since containers or namespaces with a /dev/shm of their own (simulated hosts) still
+// share the kernel's CPUs. A spin that outlasts kSpinMicros yields the core at each clock check, so
+// that another thread runnable on it (a peer, or gloo's event loop serving the step across hosts)
+// runs before the wait ends. Sleeps are bounded (kLivenessMillis): each timeout checks that the peers
 // still live (their pid in /proc, zombies counting as dead) and the group's timeout, so a peer
 // killed in the middle of a collective is reported within a fraction of a second, naming it. The
 // first rank any rank finds dead is recorded in the segment, and every later report names that
@@ -268,11 +274,17 @@ void ShmSegment::wait_for(Signal& signal, Ready ready, const WaitContext& contex
   if (ready()) return;
   // Note [Waiting on shared memory]
   if (spin_) {
-    const auto spin_until = std::chrono::steady_clock::now() + shm_detail::spin_budget();
+    const auto start = std::chrono::steady_clock::now();
+    const auto spin_until = start + shm_detail::spin_budget();
+    const auto yield_from = start + shm_detail::kSpinMicros;
     for (int i = 1;; ++i) {
       shm_detail::cpu_relax();
       if (ready()) return;
-      if ((i & 63) == 0 && std::chrono::steady_clock::now() > spin_until) break;
+      if ((i & 63) == 0) {
+        const auto now = std::chrono::steady_clock::now();
+        if (now > spin_until) break;
+        if (now > yield_from) sched_yield();
+      }
     }
   }
   auto next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(shm_detail::kLivenessMillis);
