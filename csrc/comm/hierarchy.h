@@ -25,10 +25,10 @@ namespace ddpkit::comm {
 // host, the all-reduce of the hosts' leaders (their lowest ranks) across hosts, and a broadcast from
 // the leader inside each host. The steps inside a host move no messages (the direct collectives of
 // shm_direct.h). The collective check runs first and the data steps unchecked: with equal hosts, one
-// step of each host's shared memory and an all-gather of headers among the ranks of each local rank
-// (hierarchical_check: one round trip across hosts, where the process group's check takes two);
-// with unequal hosts, the process group's check through rank 0. Either way a mismatched call raises
-// on every rank of every host. sum and mean cross hosts through gloo's
+// step of each host's shared memory and one round of messages among the ranks of each local rank
+// (Note [One round across hosts]: one round trip across hosts, where the process group's check takes
+// two); with unequal hosts, the process group's check through rank 0. Either way a mismatched call
+// raises on every rank of every host. sum and mean cross hosts through gloo's
 // all-reduce; max and min through ddpkit's ring on the same subgroup, so that they keep Note
 // [Reductions]'s semantics (gloo's max drops a NaN held by a later rank). Every slice is reduced in
 // one place and copied from there, so every rank ends with the same bits.
@@ -37,7 +37,7 @@ namespace ddpkit::comm {
 // broadcasts it from that local rank over shared memory; with unequal hosts, the root's host
 // broadcasts first, then the hosts' leaders across hosts, then every other host from its leader. With
 // equal hosts and checks on, the barrier is the check alone: a step of every host's shared memory,
-// then an all-gather across hosts that completes only once every host's step has.
+// then a round across hosts that completes only once every host's step has.
 // The reduce follows the all-reduce, stopping at the root's host: with equal hosts, reduce-scatter
 // inside every host, each slice reduced across hosts to the root's host (ddpkit's binomial tree on
 // the cross subgroup, which keeps Note [Reductions]'s semantics for every op), all-gather inside
@@ -51,6 +51,21 @@ namespace ddpkit::comm {
 // unequal hosts the all-gather takes the leaders' form (runs padded to the largest host's), and the
 // reduce-scatter is the leaders' all-reduce of the whole input, of which each rank keeps its block.
 // gather, scatter and all_to_all run flat over the process group.
+// Note [One round across hosts]
+// The check across equal hosts is one round: every rank sends each of its partners (the ranks of its
+// local rank on the other hosts) one message holding its words (its header, its host's culprit with
+// that culprit's header, the rank its host lost) and receives theirs, so each rank compares every
+// host's headers in one round trip. Up to kOneRoundMaxBytes of data ride in the same message after
+// the words, so that a small collective crosses hosts once, check included: the all-reduce sends its
+// host's result (the host's all-reduce runs between the check's step and the round) and every rank
+// reduces the hosts' results in host order; the reduce and the reduce-scatter take that all-reduce on
+// a copy; the broadcast's root sends its tensor to its partners, and the all-gather's every rank its
+// block, before the step inside each host. Messages carry only the data their sender has, and every
+// receive is posted at the largest size a message may have (words plus kOneRoundMaxBytes): gloo
+// receives a shorter message into a larger buffer but aborts on a longer one, so calls that disagree
+// (another size, another collective, one on each side of the threshold) still meet in this round,
+// and raise, instead of overflowing a receive. All of it uses one round tag, the header round's.
+
 struct Hierarchy {
   Topology topology;
   // This host's shared memory (null when this rank is alone on its host).
