@@ -667,13 +667,17 @@ interleaved in the same repetitions:
 
 | name | what runs |
 |---|---|
-| `ddpkit` | `ddpkit.all_reduce(t)` on the gloo group (`algorithm="auto"`). At 2x2 that is ddpkit's hierarchical all-reduce: up to 64 KiB, the host's all-reduce over its shared memory, then one message to the other host carrying its result; above, a reduce-scatter over each host's shared memory, every rank all-reducing its slice with its counterpart on the other host through gloo, and an all-gather over shared memory. At 2x1 no host holds two ranks: `auto` picks among ddpkit's schedules over the process group |
+| `ddpkit` | `ddpkit.all_reduce(t)` on the gloo group (`algorithm="auto"`): ddpkit's hierarchical all-reduce. Up to 64 KiB, the host's all-reduce over its shared memory, then one round across hosts that carries the collective check and the host's result to one rank and the total back; above, the check's round, a reduce-scatter over each host's shared memory, every rank all-reducing its slice with its counterpart on the other host through gloo, and an all-gather over shared memory. At 2x1 only the steps across hosts run |
 | `ddpkit_flat` | `ddpkit.all_reduce(t, algorithm="halving_doubling")`: a ddpkit schedule over gloo's send/recv that ignores the hosts |
 | `ddpkit_backend` | `torch.distributed.all_reduce` on a group of the "ddpkit" backend: ddpkit's engine behind torch's own API |
 | `gloo` | `torch.distributed.all_reduce` on the gloo group: the baseline |
 
 A repetition synchronises the ranks through the candidate itself, then every rank times a batch of back-to-back
-calls; a point is the slowest rank's time per call, the median over the repetitions. Then one DDP training step
+calls; a point is the slowest rank's time per call, the median over the repetitions. The other collectives
+(`broadcast` and `reduce` from the last rank, `all_gather_into_tensor`, `reduce_scatter_tensor`; the size is the
+whole tensor: the all-gather's output, the reduce-scatter's input) are timed the same way with the same candidates,
+`ddpkit_flat` being ddpkit's collective with `transport="process_group"` (its flat schedule over gloo's send/recv).
+Then one DDP training step
 across 2x2 on the unshaped link (8 linear layers 1024 wide, batch 8 per rank, SGD): ddpkit's DDP (`ddpkit_ddp`),
 torch's `DistributedDataParallel` on gloo (`torch_ddp_gloo`) and torch's on the "ddpkit" backend
 (`torch_ddp_ddpkit`). The command runs as root, because it makes namespaces:
@@ -761,6 +765,28 @@ else:
     display(Markdown("`gloo`: its time per call (median); the candidates' columns: their time over gloo's; "
                      "`backend / ddpkit`: the \"ddpkit\" backend's time over `ddpkit.all_reduce`'s, the cost of going "
                      "through torch's API."))
+    collectives = [r for r in M["records"] if r.kind == "multihost_collective"]
+    if collectives:
+        points = {(r.collective, r.topology, r.link, r.numel, r.candidate): r for r in collectives}
+        crows = []
+        for collective in dict.fromkeys(r.collective for r in collectives):
+            for topology in topologies:
+                for link in links:
+                    for numel in sorted({r.numel for r in collectives if (r.collective, r.topology, r.link)
+                                         == (collective, topology, link)}):
+                        gloo = points.get((collective, topology, link, numel, "gloo"))
+                        row = {"collective": collective, "hosts × ranks": topology, "link": link,
+                               "floats": floats(numel), "gloo": gloo.median_s if gloo else None}
+                        for c in others:
+                            r = points.get((collective, topology, link, numel, c))
+                            row[c] = r.ratio_to_gloo if r else None
+                        crows.append(row)
+        present = [c for c in others if any(c in row and row[c] is not None for row in crows)]
+        table(crows, ["collective", "hosts × ranks", "link", "floats", "gloo", *present],
+              {"gloo": lambda s: ms(s) if s >= 1e-3 else us(s), **{c: ratio for c in present}})
+        display(Markdown("The other collectives across hosts: `gloo`, its time per call (median); the candidates' "
+                         "columns, their time over gloo's (`ddpkit_flat`: `transport=\"process_group\"`, ddpkit's "
+                         "schedules over gloo's send/recv that ignore the hosts)."))
     if steps:
         names = {"ddpkit_ddp": "ddpkit's DDP (on the gloo group)", "torch_ddp_gloo": "torch DDP on gloo",
                  "torch_ddp_ddpkit": "torch DDP on the \"ddpkit\" backend"}

@@ -42,7 +42,8 @@ namespace ddpkit::comm {
 //                     and reduces its 1/n slice (or, small, the whole vector) straight from its
 //                     peers' slots: one copy in, one reduce pass, one copy out (Note [Direct all-reduce]).
 //  kHierarchical      a group spanning hosts: shared memory inside each host, the process group's
-//                     own all-reduce across them (Note [Hierarchical collectives] in hierarchy.h).
+//                     own all-reduce across them, small vectors in the check's one round (Note
+//                     [Hierarchical collectives] and Note [One round across hosts] in hierarchy.h).
 // For n not a power of two, the recursive algorithms first fold the 2·(n-p) lowest ranks pairwise
 // (p the largest power of two below n) and unfold at the end: two more rounds of the whole vector.
 // kAuto picks by message size and n (choose_algorithm), from benchmarks/bench_allreduce.py on
@@ -66,8 +67,9 @@ namespace ddpkit::comm {
 // kStarBudgetBytes; beyond that, sums and means take the group's own all-reduce (gloo's pipelined
 // TCP ring: point-to-point schedules over its send/recv lost to it there, 1.2x at 1M floats across
 // two hosts), max and min halving-doubling for powers of two, else the ring (they keep Note
-// [Reductions]'s semantics, which gloo's do not). A group spanning hosts where some host holds more
-// than one rank takes kHierarchical at every size. On GPUs kAuto takes the group's own all-reduce:
+// [Reductions]'s semantics, which gloo's do not). So these choices serve a group on one host whose
+// collectives go over the process group (by request, or where shared memory cannot be had); a group
+// spanning hosts takes kHierarchical at every size, also with one rank per host. On GPUs kAuto takes the group's own all-reduce:
 // NCCL's kernels beat any schedule of point-to-point calls. The collective check runs whichever
 // algorithm kAuto takes; only kProcessGroup asked for by name skips it (the baseline).
 

@@ -24,10 +24,7 @@ int Topology::local_rank() const {
   return static_cast<int>(std::find(local.begin(), local.end(), rank) - local.begin());
 }
 
-bool Topology::hierarchical() const {
-  if (hosts.size() < 2) return false;
-  return std::any_of(hosts.begin(), hosts.end(), [](const std::vector<int>& host) { return host.size() > 1; });
-}
+bool Topology::hierarchical() const { return hosts.size() > 1; }
 
 bool Topology::uniform() const {
   return std::all_of(hosts.begin(), hosts.end(),

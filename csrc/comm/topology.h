@@ -27,7 +27,8 @@ struct Topology {
   int local_size() const { return static_cast<int>(local_ranks().size()); }
   // Every rank on one host.
   bool single_host() const { return hosts.size() == 1; }
-  // More than one host, and some host holds more than one rank: what hierarchical collectives need.
+  // More than one host: hierarchical collectives apply (Note [Hierarchical collectives]; with one rank
+  // on every host, only their steps across hosts run).
   bool hierarchical() const;
   // Every host holds the same number of ranks.
   bool uniform() const;
