@@ -149,12 +149,12 @@ def case_mismatch(culprit, collective="all_reduce"):
     return error, after[0].item()
 
 
-def case_die(victim):
+def case_die(victim, numel=100_000):
     rank = dist.get_rank()
     for iteration in range(10_000):
         if rank == victim and iteration == 20:
             os.kill(os.getpid(), signal.SIGKILL)
-        ddpkit.all_reduce(torch.ones(100_000))
+        ddpkit.all_reduce(torch.ones(numel))
     return None
 
 
@@ -189,6 +189,21 @@ def test_a_rank_killed_on_one_host_is_reported_on_every_host():
         assert isinstance(outcomes[rank], RuntimeError), f"rank {rank}: {outcomes[rank]!r}"
         # its host's other rank watches its pid, its partners lose their connection to it, and rank 0,
         # which gathers every rank's collective check, tells the others
+        assert "rank 2" in str(outcomes[rank]), f"rank {rank}: {outcomes[rank]}"
+
+
+@needs_hosts
+def test_a_rank_killed_on_a_third_host_is_reported_by_both_others():
+    # Note [One round across hosts]: the center of the check's round (rank 0) tells the partner still
+    # waiting for its reply which rank failed.
+    pool = HostPool([1, 1, 1], group_timeout=GROUP_TIMEOUT_S)
+    try:
+        outcomes = pool.run(case_die, 2, 1000, return_exceptions=True, timeout=4 * GROUP_TIMEOUT_S)
+    finally:
+        pool.close()
+    assert isinstance(outcomes[2], WorkerFailure)
+    for rank in (0, 1):
+        assert isinstance(outcomes[rank], RuntimeError), f"rank {rank}: {outcomes[rank]!r}"
         assert "rank 2" in str(outcomes[rank]), f"rank {rank}: {outcomes[rank]}"
 
 
