@@ -785,8 +785,8 @@ void hierarchical_check(const CollectiveHeader& header, const std::string& error
 }
 
 // Small all-reduces of kHierarchical with equal hosts (fits_one_round): the host's all-reduce over
-// shared memory after the check's step, its result to every partner in the check's round, and every
-// rank reduces the hosts' results in host order. `header` may be a reduce's or a reduce-scatter's,
+// shared memory after the check's step, its result to the center in the check's round, and the
+// center's reply with the hosts' results reduced in host order. `header` may be a reduce's or a reduce-scatter's,
 // which take this path on a copy when small. Returns false, doing nothing, where it does not apply;
 // else runs the whole collective (counted) and returns true.
 bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op, const CollectiveHeader& header,
@@ -988,9 +988,9 @@ void hierarchical_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hi
 }
 
 // The data part of the hierarchical all-gather (any dtype: bytes move), after the collective check.
-// With equal hosts: this rank's block to the ranks of its local rank on every host (the process
-// group's all-gather on their subgroup), then the hosts' runs inside the host (shared memory), in
-// local-major order, put in rank order at the end. Else the leaders' form: the host's blocks inside
+// With equal hosts: this rank's block to the ranks of its local rank on every host (ddpkit's ring
+// on their subgroup), then the hosts' runs inside the host (shared memory), in local-major order,
+// put in rank order at the end. Else the leaders' form: the host's blocks inside
 // the host, the hosts' runs (padded to the largest host's) among the leaders, and every host's
 // result from its leader.
 void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, const Hierarchy& h,
@@ -1082,9 +1082,9 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
   output.view(-1).copy_(result);
 }
 
-// A small broadcast across equal hosts (fits_one_round): the root's tensor rides in its message of
-// the check's round to the ranks of its local rank, then every host broadcasts it from that local rank
-// over shared memory. Returns false, doing nothing, where it does not apply.
+// A small broadcast across equal hosts (fits_one_round): the root is the center of its local rank's
+// round, whose reply carries its tensor to its partners, then every host broadcasts it from that
+// local rank over shared memory. Returns false, doing nothing, where it does not apply.
 bool hierarchical_broadcast_in_one_round(const at::Tensor& tensor, int root, const CollectiveHeader& header,
                                          const std::string& error, const Hierarchy& h, Communicator& comm) {
   if (!error.empty() || !fits_one_round(tensor.numel() * static_cast<int64_t>(tensor.element_size()), error, h)) {
@@ -1108,8 +1108,8 @@ bool hierarchical_broadcast_in_one_round(const at::Tensor& tensor, int root, con
 }
 
 // A small all-gather across equal hosts (fits_one_round of the input): this rank's block rides in its
-// message of the check's round to the ranks of its local rank, then the hosts' runs are all-gathered
-// inside the host, as in hierarchical_all_gather. Returns false, doing nothing, where it does not apply.
+// message of the check's round to the center, whose reply carries its partners' blocks, then the
+// hosts' runs are all-gathered inside the host, as in hierarchical_all_gather. Returns false, doing nothing, where it does not apply.
 bool hierarchical_all_gather_in_one_round(const at::Tensor& output, const at::Tensor& input,
                                           const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
                                           Communicator& comm) {
@@ -1133,7 +1133,7 @@ bool hierarchical_all_gather_in_one_round(const at::Tensor& output, const at::Te
   const at::Tensor run = reply.narrow(0, 0, h.cross_size * m);
   at::Tensor gathered = run;
   if (h.local != nullptr) {
-    gathered = at::empty({comm.size() * m}, in.options());
+    gathered = h.scratch.get(0, comm.size() * m, at::kByte);
     on_hosts(h, [&] { h.local->direct()->all_gather(gathered, run, comm.stamp(header, {}), {}, /*checked=*/false); });
   }
   for (int p = 0; p < comm.size(); ++p) out.narrow(0, local_major_rank(topology, p) * m, m).copy_(gathered.narrow(0, p * m, m));
