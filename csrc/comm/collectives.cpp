@@ -552,7 +552,7 @@ Communicator cross_communicator(const Hierarchy& h, const Communicator& comm) {
   return Communicator(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
 }
 
-void cross_host_all_reduce(at::Tensor& block, ReduceOp op, const Hierarchy& h, Communicator& comm) {
+void cross_host_all_reduce(const at::Tensor& block, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || block.numel() == 0) return;
   across_hosts(h, comm, [&] {
     if (op == ReduceOp::kSum || op == ReduceOp::kMean) {
@@ -824,6 +824,37 @@ bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
   return true;
 }
 
+// `flat` in one slice per rank of this host (Horovod's split), padded with zeros in a scratch buffer
+// where the host's size does not divide it.
+struct HostSlices {
+  at::Tensor padded;  // `flat`, or its padded copy
+  at::Tensor mine;    // this rank's slice of `padded`
+};
+
+// The host's reduce-scatter of `flat` (unchecked: the check already ran): this rank's slice then
+// holds `op` over the host's slices.
+HostSlices reduce_scatter_in_host(const at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
+                                  const Hierarchy& h) {
+  const int64_t parts = h.topology.local_size();
+  const int64_t m = (flat.numel() + parts - 1) / parts;
+  at::Tensor padded = flat;
+  if (m * parts != flat.numel()) {
+    padded = h.scratch.get(0, m * parts, flat.scalar_type());
+    padded.narrow(0, 0, flat.numel()).copy_(flat);
+    padded.narrow(0, flat.numel(), m * parts - flat.numel()).zero_();
+  }
+  HostSlices slices{padded, padded.narrow(0, h.topology.local_rank() * m, m)};
+  if (h.local != nullptr) h.local->direct()->reduce_scatter(slices.mine, padded, op, header, {}, /*checked=*/false);
+  return slices;
+}
+
+// The host's all-gather of its ranks' slices back into `flat` (unchecked).
+void all_gather_in_host(const HostSlices& slices, const at::Tensor& flat, const CollectiveHeader& header,
+                        const Hierarchy& h) {
+  if (h.local != nullptr) h.local->direct()->all_gather(slices.padded, slices.mine, header, {}, /*checked=*/false);
+  if (!slices.padded.is_same(flat)) flat.copy_(slices.padded.narrow(0, 0, flat.numel()));
+}
+
 // The data part of kHierarchical (Note [Hierarchical collectives]) on `flat` (contiguous, float32/64 or
 // int32/64), in place, after the collective check ran: every rank ends with the same bits.
 void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, Communicator& comm) {
@@ -836,20 +867,10 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   on_hosts(h, [&] {
     if (h.uniform) {
       // Horovod's split: reduce-scatter in the host, the slices across hosts, all-gather in the host.
-      const int64_t parts = topology.local_size();
-      const int64_t m = (flat.numel() + parts - 1) / parts;
-      at::Tensor padded = flat;
-      if (m * parts != flat.numel()) {
-        padded = h.scratch.get(0, m * parts, flat.scalar_type());
-        padded.narrow(0, 0, flat.numel()).copy_(flat);
-        padded.narrow(0, flat.numel(), m * parts - flat.numel()).zero_();
-      }
-      at::Tensor block = padded.narrow(0, topology.local_rank() * m, m);
-      if (local != nullptr) local->reduce_scatter(block, padded, local_op, header, {}, /*checked=*/false);
-      cross_host_all_reduce(block, op, h, comm);
-      finish_reduction_(block, op, comm.size());
-      if (local != nullptr) local->all_gather(padded, block, header, {}, /*checked=*/false);
-      if (!padded.is_same(flat)) flat.copy_(padded.narrow(0, 0, flat.numel()));
+      const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h);
+      cross_host_all_reduce(slices.mine, op, h, comm);
+      finish_reduction_(slices.mine, op, comm.size());
+      all_gather_in_host(slices, flat, header, h);
     } else {
       // The leaders' form: all-reduce in the host, the leaders across hosts, broadcast in the host.
       at::Tensor whole = flat;
@@ -962,21 +983,11 @@ void hierarchical_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hi
       comm.stamp(make_header(CollectiveKind::kReduce, flat, local_op, Algorithm::kHierarchical, root), {});
   on_hosts(h, [&] {
     if (h.uniform) {
-      const int64_t parts = topology.local_size();
-      const int64_t m = (flat.numel() + parts - 1) / parts;
-      at::Tensor padded = flat;
-      if (m * parts != flat.numel()) {
-        padded = h.scratch.get(0, m * parts, flat.scalar_type());
-        padded.narrow(0, 0, flat.numel()).copy_(flat);
-        padded.narrow(0, flat.numel(), m * parts - flat.numel()).zero_();
-      }
-      at::Tensor block = padded.narrow(0, topology.local_rank() * m, m);
-      if (local != nullptr) local->reduce_scatter(block, padded, local_op, header, {}, /*checked=*/false);
-      cross_host_reduce(block, root_host, local_op, h, comm);
+      const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h);
+      cross_host_reduce(slices.mine, root_host, local_op, h, comm);
       if (!root_side) return;
-      finish_reduction_(block, op, comm.size());
-      if (local != nullptr) local->all_gather(padded, block, header, {}, /*checked=*/false);
-      if (!padded.is_same(flat)) flat.copy_(padded.narrow(0, 0, flat.numel()));
+      finish_reduction_(slices.mine, op, comm.size());
+      all_gather_in_host(slices, flat, header, h);
     } else {
       if (local != nullptr) local->all_reduce(const_cast<at::Tensor&>(flat), local_op, header, {}, /*checked=*/false);
       if (topology.local_rank() == 0) cross_host_reduce(flat, root_host, local_op, h, comm);
