@@ -54,13 +54,20 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# What the benchmarks and the report write themselves: a change there does not make a measurement's
+# tree dirty (run_all.sh rewrites them one after the other from one commit).
+MEASUREMENT_OUTPUTS = ("benchmarks/results", "notebooks/report.ipynb")
+
+
 def _git_commit() -> Optional[str]:
+    """HEAD, with "-dirty" when tracked files other than MEASUREMENT_OUTPUTS have uncommitted changes."""
     if os.environ.get("DDPKIT_GIT_COMMIT"):  # a copy of the tree without .git (the GPU machine)
         return os.environ["DDPKIT_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", *(f":(exclude){path}" for path in MEASUREMENT_OUTPUTS)],
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):

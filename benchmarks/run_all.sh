@@ -20,7 +20,7 @@ if [ "${1:-}" = "--quick" ]; then
   REPORT+=(--results benchmarks/results/quick --output benchmarks/results/quick/report.ipynb)
 fi
 
-if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+if [ -n "$(git status --porcelain --untracked-files=no -- . ":(exclude)benchmarks/results" ":(exclude)notebooks/report.ipynb" 2>/dev/null)" ]; then
   echo "run_all: tracked files have uncommitted changes: every result will say <commit>-dirty, and the report will warn" >&2
 fi
 if [ ! -x .venv/bin/mpiexec ] || ! $PY -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('deepspeed') is None)"; then

@@ -53,3 +53,27 @@ def test_tables_print_values_with_their_units(capsys):
         "torch       1.50 s           1.000x",
     ]
     assert [common.seconds(s) for s in (2e-6, 2e-3, 2.0)] == ["2.0 µs", "2.00 ms", "2.00 s"]
+
+
+def test_a_commit_is_dirty_for_changed_code_not_for_the_results_the_benchmarks_write(monkeypatch, tmp_path):
+    # run_all.sh writes the results one after the other: each must still name the clean commit.
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True, text=True).stdout
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "notebooks").mkdir()
+    for path in ("code.py", "benchmarks/results/ddp.json", "notebooks/report.ipynb"):
+        (tmp_path / path).write_text("before\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    head = git("rev-parse", "HEAD").strip()
+    monkeypatch.setattr(common, "REPO_ROOT", tmp_path)
+    monkeypatch.delenv("DDPKIT_GIT_COMMIT", raising=False)
+    (tmp_path / "benchmarks" / "results" / "ddp.json").write_text("after\n")
+    (tmp_path / "notebooks" / "report.ipynb").write_text("after\n")
+    assert common._git_commit() == head
+    (tmp_path / "code.py").write_text("after\n")
+    assert common._git_commit() == head + "-dirty"

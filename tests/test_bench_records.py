@@ -19,7 +19,7 @@ CLASSES = {"allreduce": {records.AllreduceTimeRecord, records.AllreduceMemoryRec
            "ddp": {records.DdpRecord}, "ddp_cuda": {records.DdpRecord},
            "syncbn": {records.SyncBatchNormRecord}, "syncbn_cuda": {records.SyncBatchNormRecord},
            "training": {records.TrainingRecord}, "torch_stack": {records.TorchStackRecord},
-           "multihost": {records.MultihostRecord, records.MultihostDdpRecord},
+           "multihost": {records.MultihostRecord, records.MultihostCollectiveRecord, records.MultihostDdpRecord},
            "latency": {records.LatencyRecord}}
 
 
@@ -85,15 +85,19 @@ def test_optional_fields_are_left_out_when_none_and_required_ones_written():
 
 
 def test_training_records_say_which_batch_norm_ran():
-    # The committed training.json comes from before batch_norm was recorded: torch's CPU pipeline says
-    # sync_bn True beside its note that it ran plain BatchNorm.
+    # The committed training.json names the BatchNorm each pipeline ran (like for like on CPU, where
+    # torch has no SyncBatchNorm: both DDPs on plain BatchNorm, ddpkit's SyncBatchNorm a row of its own).
     by_candidate = {r.candidate: r for r in records.load_records(BENCHMARKS / "results" / "training.json")}
-    assert by_candidate["torch"].sync_bn and not by_candidate["torch"].synchronized
+    assert by_candidate["torch"].batch_norm == "BatchNorm" and not by_candidate["torch"].synchronized
     assert by_candidate["torch"].label == "torch DDP, plain BatchNorm"
-    assert by_candidate["ddpkit"].label == "ddpkit DDP, ddpkit.SyncBatchNorm"
-    assert by_candidate["ddpkit_plain_bn"].label == "ddpkit DDP, plain BatchNorm"
-    # Newer records name it.
-    record = dataclasses.replace(by_candidate["torch"], sync_bn=False, batch_norm="BatchNorm", notes=[])
-    assert not record.synchronized and record.to_dict()["batch_norm"] == "BatchNorm"
+    assert by_candidate["ddpkit"].label == "ddpkit DDP, plain BatchNorm"
+    assert by_candidate["ddpkit_sync_bn"].label == "ddpkit DDP, ddpkit.SyncBatchNorm"
+    record = by_candidate["torch"]
     assert dataclasses.replace(record, sync_bn=True, batch_norm="torch.nn.SyncBatchNorm").label == \
         "torch DDP, torch.nn.SyncBatchNorm"
+    # Records from before batch_norm was recorded: torch's CPU pipeline said sync_bn True beside its
+    # note that it ran plain BatchNorm.
+    older = dataclasses.replace(record, sync_bn=True, batch_norm=None,
+                                notes=["torch.nn.SyncBatchNorm needs CUDA: plain BatchNorm on CPU"])
+    assert not older.synchronized and older.label == "torch DDP, plain BatchNorm"
+    assert "batch_norm" not in older.to_dict()
