@@ -11,7 +11,7 @@ unshaped and shaped with tc's tbf (no netem in this kernel: bandwidth only). Per
 collective, size) every candidate runs in the same repetitions, interleaved (common.interleave); per
 repetition each candidate first synchronises through itself, then every rank times a batch of
 back-to-back calls; the figure is the median over repetitions of the slowest rank. Candidates:
-  ddpkit          ddpkit's collective, algorithm "auto" (hierarchical where some host holds several ranks)
+  ddpkit          ddpkit's collective, algorithm "auto" (hierarchical: the group spans hosts)
   ddpkit_flat     ddpkit's flat schedule over gloo's send/recv: the all-reduce's "halving_doubling",
                   the others' transport "process_group" (no hierarchy)
   ddpkit_<name>   the all-reduce with algorithm <name> ("star", "recursive_doubling", ...)

@@ -703,8 +703,10 @@ else:
     steps = [r for r in M["records"] if r.kind == "multihost_ddp"]
     HOSTS = {"2x2": "2 hosts × 2 ranks", "2x1": "2 hosts × 1 rank"}
     LINKS = {"unshaped": "unshaped link", "10gbit": "10 Gbit/s", "1gbit": "1 Gbit/s"}
-    topologies = [t for t in M["settings"]["topologies"] if any(r.topology == t for r in reduces)]
-    links = [l for l in M["settings"]["links"] if any(r.link == l for r in reduces)]
+    collectives = [r for r in M["records"] if r.kind == "multihost_collective"]
+    measured = reduces + collectives  # a run may measure other collectives alone (--collectives)
+    topologies = [t for t in M["settings"]["topologies"] if any(r.topology == t for r in measured)]
+    links = [l for l in M["settings"]["links"] if any(r.link == l for r in measured)]
     others = [c for c in M["settings"]["candidates"] if c != "gloo"]
     # The issue's targets for ddpkit's time over gloo's, by (hosts x ranks, link) and size (None: no target there);
     # 2 hosts x 1 rank's target, 1.0 everywhere, is the gloo line itself.
@@ -712,60 +714,60 @@ else:
                  ("2x2", "1gbit"): lambda n: 0.75 if n >= 1_000_000 else None}
     MH_STYLE = {"ddpkit": dict(color="tab:red", linewidth=2.5), "ddpkit_flat": dict(color="tab:blue"),
                 "ddpkit_backend": dict(color="tab:green", linestyle="-.")}
-    fig, axes = plt.subplots(len(topologies), len(links), figsize=(4.6 * len(links), 3.4 * len(topologies)),
-                             sharex=True, sharey=True, squeeze=False)
-    for row, topology in zip(axes, topologies):
-        for ax, link in zip(row, links):
-            panel = [r for r in reduces if r.topology == topology and r.link == link]
-            for c in others:
-                points = sorted((r.numel, r.ratio_to_gloo) for r in panel if r.candidate == c)
-                if points:
-                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=4, label=c,
-                            **MH_STYLE.get(c, {}))
-            ax.axhline(1.0, color="black", linestyle="--", linewidth=1.2, label="gloo (1.0)")
-            goals = sorted((r.numel, MH_TARGET[(topology, link)](r.numel)) for r in panel
-                           if r.candidate == "ddpkit" and (topology, link) in MH_TARGET)
-            goals = [g for g in goals if g[1] is not None]
-            if goals:
-                ax.plot([g[0] for g in goals], [g[1] for g in goals], linestyle=":", color="gray", marker="_",
-                        markersize=14, drawstyle="steps-post", label="target for ddpkit")
-            ax.set_xscale("log"); ax.grid(True, which="both", alpha=0.3)
-            ax.set_title(f"{HOSTS.get(topology, topology)}, {LINKS.get(link, link)}"
-                         + ("" if panel else ": not measured"), fontsize=10)
-    axes[0][0].set_ylim(0, 1.08 * max([1.0, *(r.ratio_to_gloo for r in reduces)]))  # the axes share it
-    for ax in axes[-1]:
-        ax.set_xlabel("floats (float32)")
-    for row in axes:
-        row[0].set_ylabel("time / gloo's (median)")
-    legend = {}
-    for ax in axes.flat:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    fig.legend(legend.values(), legend.keys(), loc="upper center", ncol=len(legend), fontsize=9,
-               bbox_to_anchor=(0.5, 1.0))
-    plt.tight_layout(rect=(0, 0, 1, 0.93)); plt.show()
-    by_point = {(r.topology, r.link, r.numel, r.candidate): r for r in reduces}
-    rows = []
-    for topology in topologies:
-        for link in links:
-            for numel in sorted({r.numel for r in reduces if r.topology == topology and r.link == link}):
-                gloo = by_point.get((topology, link, numel, "gloo"))
-                row = {"hosts × ranks": topology, "link": link, "floats": floats(numel),
-                       "gloo": gloo.median_s if gloo else None}
+    if reduces:
+        fig, axes = plt.subplots(len(topologies), len(links), figsize=(4.6 * len(links), 3.4 * len(topologies)),
+                                 sharex=True, sharey=True, squeeze=False)
+        for row, topology in zip(axes, topologies):
+            for ax, link in zip(row, links):
+                panel = [r for r in reduces if r.topology == topology and r.link == link]
                 for c in others:
-                    r = by_point.get((topology, link, numel, c))
-                    row[c] = r.ratio_to_gloo if r else None
-                backend = by_point.get((topology, link, numel, "ddpkit_backend"))
-                own = by_point.get((topology, link, numel, "ddpkit"))
-                row["backend / ddpkit"] = backend.median_s / own.median_s if backend and own else None
-                row["reps"] = gloo.reps if gloo else None
-                rows.append(row)
-    table(rows, ["hosts × ranks", "link", "floats", "gloo", *others, "backend / ddpkit", "reps"],
-          {"gloo": lambda s: ms(s) if s >= 1e-3 else us(s), **{c: ratio for c in others}, "backend / ddpkit": ratio})
-    display(Markdown("`gloo`: its time per call (median); the candidates' columns: their time over gloo's; "
-                     "`backend / ddpkit`: the \"ddpkit\" backend's time over `ddpkit.all_reduce`'s, the cost of going "
-                     "through torch's API."))
-    collectives = [r for r in M["records"] if r.kind == "multihost_collective"]
+                    points = sorted((r.numel, r.ratio_to_gloo) for r in panel if r.candidate == c)
+                    if points:
+                        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=4, label=c,
+                                **MH_STYLE.get(c, {}))
+                ax.axhline(1.0, color="black", linestyle="--", linewidth=1.2, label="gloo (1.0)")
+                goals = sorted((r.numel, MH_TARGET[(topology, link)](r.numel)) for r in panel
+                               if r.candidate == "ddpkit" and (topology, link) in MH_TARGET)
+                goals = [g for g in goals if g[1] is not None]
+                if goals:
+                    ax.plot([g[0] for g in goals], [g[1] for g in goals], linestyle=":", color="gray", marker="_",
+                            markersize=14, drawstyle="steps-post", label="target for ddpkit")
+                ax.set_xscale("log"); ax.grid(True, which="both", alpha=0.3)
+                ax.set_title(f"{HOSTS.get(topology, topology)}, {LINKS.get(link, link)}"
+                             + ("" if panel else ": not measured"), fontsize=10)
+        axes[0][0].set_ylim(0, 1.08 * max([1.0, *(r.ratio_to_gloo for r in reduces)]))  # the axes share it
+        for ax in axes[-1]:
+            ax.set_xlabel("floats (float32)")
+        for row in axes:
+            row[0].set_ylabel("time / gloo's (median)")
+        legend = {}
+        for ax in axes.flat:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(label, handle)
+        fig.legend(legend.values(), legend.keys(), loc="upper center", ncol=len(legend), fontsize=9,
+                   bbox_to_anchor=(0.5, 1.0))
+        plt.tight_layout(rect=(0, 0, 1, 0.93)); plt.show()
+        by_point = {(r.topology, r.link, r.numel, r.candidate): r for r in reduces}
+        rows = []
+        for topology in topologies:
+            for link in links:
+                for numel in sorted({r.numel for r in reduces if r.topology == topology and r.link == link}):
+                    gloo = by_point.get((topology, link, numel, "gloo"))
+                    row = {"hosts × ranks": topology, "link": link, "floats": floats(numel),
+                           "gloo": gloo.median_s if gloo else None}
+                    for c in others:
+                        r = by_point.get((topology, link, numel, c))
+                        row[c] = r.ratio_to_gloo if r else None
+                    backend = by_point.get((topology, link, numel, "ddpkit_backend"))
+                    own = by_point.get((topology, link, numel, "ddpkit"))
+                    row["backend / ddpkit"] = backend.median_s / own.median_s if backend and own else None
+                    row["reps"] = gloo.reps if gloo else None
+                    rows.append(row)
+        table(rows, ["hosts × ranks", "link", "floats", "gloo", *others, "backend / ddpkit", "reps"],
+              {"gloo": lambda s: ms(s) if s >= 1e-3 else us(s), **{c: ratio for c in others}, "backend / ddpkit": ratio})
+        display(Markdown("`gloo`: its time per call (median); the candidates' columns: their time over gloo's; "
+                         "`backend / ddpkit`: the \"ddpkit\" backend's time over `ddpkit.all_reduce`'s, the cost of going "
+                         "through torch's API."))
     if collectives:
         points = {(r.collective, r.topology, r.link, r.numel, r.candidate): r for r in collectives}
         crows = []

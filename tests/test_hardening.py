@@ -342,11 +342,12 @@ BACKEND_ONE_RANK_REJECTS = {
 }
 
 
-def case_one_rank_rejects(kinds, backend_kinds):
+def call_each_then_all_reduce(calls, kinds):
+    """Per kind: this rank's error from ``calls[kind](rank)``, or None, then the group's next
+    all-reduce of 10**rank."""
     rank = dist.get_rank()
     out = {}
     for kind in kinds:
-        calls = {**ONE_RANK_REJECTS, **BACKEND_ONE_RANK_REJECTS}
         try:
             calls[kind](rank)
             error = None
@@ -358,10 +359,14 @@ def case_one_rank_rejects(kinds, backend_kinds):
     return out
 
 
+def case_one_rank_rejects(kinds):
+    return call_each_then_all_reduce({**ONE_RANK_REJECTS, **BACKEND_ONE_RANK_REJECTS}, kinds)
+
+
 @pytest.mark.parametrize("transport", ["shm", "process_group"])
 def test_one_rank_rejecting_its_arguments_raises_everywhere_and_the_next_call_pairs(transport):
     with fresh_pool(2, DDPKIT_TRANSPORT=transport) as pool:
-        outcomes = pool.run(case_one_rank_rejects, sorted(ONE_RANK_REJECTS), [])
+        outcomes = pool.run(case_one_rank_rejects, sorted(ONE_RANK_REJECTS))
     for rank, out in enumerate(outcomes):
         for kind, (error, after) in out.items():
             assert error is not None, f"rank {rank} did not raise for {kind}"
@@ -373,7 +378,7 @@ def test_one_rank_rejecting_its_arguments_raises_everywhere_and_the_next_call_pa
 
 def test_backend_argument_checks_raise_everywhere_and_the_next_call_pairs():
     with WorkerPool(2, backend="ddpkit", timeout=120.0, group_timeout=GROUP_TIMEOUT_S) as pool:
-        outcomes = pool.run(case_one_rank_rejects, sorted(BACKEND_ONE_RANK_REJECTS), [])
+        outcomes = pool.run(case_one_rank_rejects, sorted(BACKEND_ONE_RANK_REJECTS))
     for rank, out in enumerate(outcomes):
         for kind, (error, after) in out.items():
             assert error is not None, f"rank {rank} did not raise for {kind}"

@@ -18,6 +18,7 @@ import ddpkit
 from ddpkit.testing import HostPool, WorkerFailure, WorkerPool
 
 from test_comm import rank_input
+from test_hardening import BACKEND_ONE_RANK_REJECTS, ONE_RANK_REJECTS, call_each_then_all_reduce
 
 needs_hosts = pytest.mark.skipif(HostPool.unavailable() is not None, reason=str(HostPool.unavailable()))
 GROUP_TIMEOUT_S = 15.0
@@ -127,14 +128,15 @@ def check_every_collective(per_rank, ranks_per_host):
 
 def case_mismatch(culprit, collective="all_reduce"):
     """Rank ``culprit`` calls ``collective`` with another size (another root for broadcast and
-    reduce): this rank's error, or None, then the group's next all-reduce."""
+    reduce; the broadcast's on the last host, so that the ranks disagree on the root's host): this
+    rank's error, or None, then the group's next all-reduce."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     odd = rank == culprit
     try:
         if collective == "all_reduce":
             ddpkit.all_reduce(torch.ones(1000 + odd))
         elif collective == "broadcast":
-            ddpkit.broadcast(torch.ones(10), src=1 if odd else 0)
+            ddpkit.broadcast(torch.ones(10), src=world_size - 1 if odd else 0)
         elif collective == "reduce":
             ddpkit.reduce(torch.ones(10), dst=1 if odd else 0)
         elif collective == "all_gather":
@@ -294,8 +296,8 @@ def case_collectives_and_their_messages(numel):
 def test_collectives_across_hosts_are_exact_and_send_what_the_note_says(labels, numel):
     # Note [Hierarchical collectives] and Note [One round across hosts]: shared memory inside each
     # host; across hosts one message to the partner for the check (carrying the data where it fits),
-    # then, for larger tensors, the process group's own broadcast and all-gather, and ddpkit's
-    # binomial reduce and ring reduce-scatter.
+    # then, for larger tensors, ddpkit's binomial broadcast and reduce and its rings (all-gather,
+    # reduce-scatter) over the process group's messages.
     world_size = 4
     with WorkerPool(world_size, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": labels}) as pool:
         per_rank = pool.run(case_collectives_and_their_messages, numel)
@@ -331,3 +333,56 @@ def test_a_mismatch_of_any_hierarchical_collective_raises_on_every_rank(labels):
             for rank, (error, after) in enumerate(outcomes):
                 assert error is not None and "mismatched" in error and "rank 3" in error, (collective, rank, error)
                 assert after == 6, (collective, rank)
+
+
+# Rank 1 asks for another algorithm than its peers: a flat schedule's check must meet the
+# hierarchical one (Note [One round across hosts]), small and large.
+ALGORITHM_DIFFERS = {
+    "all_reduce_ring": lambda rank: ddpkit.all_reduce(torch.ones(8), algorithm="ring" if rank == 1 else "auto"),
+    "large_all_reduce_star": lambda rank: ddpkit.all_reduce(torch.ones(100_000),
+                                                            algorithm="star" if rank == 1 else "auto"),
+    "all_gather_ring": lambda rank: ddpkit.all_gather_into_tensor(
+        torch.empty(4 * 8), torch.ones(8), algorithm="ring" if rank == 1 else "auto"),
+}
+ONE_RANK_DIFFERS = {
+    **ONE_RANK_REJECTS, **BACKEND_ONE_RANK_REJECTS, **ALGORITHM_DIFFERS,
+    "torch_op": lambda rank: ddpkit.reduce_scatter_tensor(  # test_hardening's, for 4 ranks
+        torch.empty(2), torch.ones(8), op=dist.ReduceOp.PRODUCT if rank == 1 else "sum"),
+}
+
+
+def case_one_rank_differs(kinds):
+    return call_each_then_all_reduce(ONE_RANK_DIFFERS, kinds)
+
+
+@pytest.mark.parametrize("labels", ["a,b,a,b", "a,b,b,b"])
+def test_one_rank_rejecting_or_choosing_another_algorithm_across_hosts_raises_everywhere(labels):
+    # Rank 1 is on the second host: the center of the check's round is on the first. Its rejections
+    # (ddpkit's ops, SyncBatchNorm, the "ddpkit" backend's) take the check every collective of the
+    # group takes, so they meet their peers' hierarchical collectives instead of waiting for them.
+    with WorkerPool(4, backend="ddpkit", timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": labels}) as pool:
+        outcomes = pool.run(case_one_rank_differs, sorted(ONE_RANK_DIFFERS))
+    for rank, out in enumerate(outcomes):
+        for kind in sorted(ONE_RANK_DIFFERS):
+            error, after = out[kind]
+            assert error is not None and (rank == 1 or "rank 1" in error), f"rank {rank}, {kind}: {error}"
+            assert after == 1111.0, f"rank {rank}, {kind}: the next all-reduce paired wrongly ({after})"
+
+
+def case_all_reduces(count=5):
+    for _ in range(count):
+        ddpkit.all_reduce(torch.ones(1000))
+
+
+def test_a_rank_dying_in_its_hosts_step_of_a_small_all_reduce_is_named_on_every_host():
+    # Rank 3 dies between the check's step inside host b and the host's all-reduce: rank 2, its host's
+    # other rank, still sends the check's round its words naming rank 3, so rank 0 on host a, which
+    # waits for rank 2 in that round, names rank 3 instead of waiting out the timeout for rank 2.
+    env = {"DDPKIT_TEST_HOSTS": "a,a,b,b", "DDPKIT_TEST_FAULT": "die_in_host_step:3"}
+    with WorkerPool(4, timeout=120, group_timeout=GROUP_TIMEOUT_S, env=env) as pool:
+        outcomes = pool.run(case_all_reduces, return_exceptions=True)
+    assert isinstance(outcomes[3], WorkerFailure)
+    for rank in (0, 1, 2):
+        assert isinstance(outcomes[rank], RuntimeError), f"rank {rank}: {outcomes[rank]!r}"
+        assert "rank 3" in str(outcomes[rank]) and "timed out" not in str(outcomes[rank]).lower(), \
+            f"rank {rank}: {outcomes[rank]}"

@@ -1,5 +1,6 @@
 #include "comm/collectives.h"
 
+#include "comm/faults.h"
 #include "comm/split.h"
 
 #include <algorithm>
@@ -519,9 +520,6 @@ std::string cross_ranks_text(const Hierarchy& h) {
   return c10::str(h.cross_size > 2 ? "ranks " : "rank ", ranks);
 }
 
-// The all-reduce of `block` among the ranks `h.cross` spans (one per host), in place (Note
-// [Hierarchical collectives]): gloo's own for sums, ddpkit's ring for max and min. A kMean is summed
-// here; the caller divides once.
 // Runs `step` among the ranks `h.cross` spans; its failure raises naming them.
 template <class Step>
 void across_hosts(const Hierarchy& h, Communicator& comm, Step&& step) {
@@ -552,6 +550,9 @@ Communicator cross_communicator(const Hierarchy& h, const Communicator& comm) {
   return Communicator(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
 }
 
+// The all-reduce of `block` among the ranks `h.cross` spans (one per host), in place (Note
+// [Hierarchical collectives]): gloo's own for sums, ddpkit's ring for max and min. A kMean is summed
+// here; the caller divides once.
 void cross_host_all_reduce(const at::Tensor& block, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || block.numel() == 0) return;
   across_hosts(h, comm, [&] {
@@ -672,9 +673,21 @@ constexpr int64_t kReplyPrefixBytes = 2 * static_cast<int64_t>(sizeof(int64_t));
 template <class PayloadOf, class ReplyOf>
 at::Tensor check_in_one_round(const CollectiveHeader& header, const std::string& error, int center,
                               const Hierarchy& h, Communicator& comm, PayloadOf&& payload_of, ReplyOf&& reply_of) {
-  const HostCheck check = check_host(header, error, h, comm);
+  HostCheck check = check_host(header, error, h, comm);
   const bool host_agrees = check.host_error.empty() && check.words.data_ptr<int64_t>()[kHeaderWords] < 0;
-  const at::Tensor payload = host_agrees ? payload_of() : at::empty({0}, at::kByte);
+  at::Tensor payload = at::empty({0}, at::kByte);
+  if (host_agrees) {
+    try {
+      payload = payload_of();
+    } catch (const std::exception& e) {
+      // A rank of this host failed during its step: the partners still get this rank's words, which
+      // name the lost rank, so that every rank of every host raises now rather than at the timeout.
+      DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+      const int failed = local != nullptr ? local->failed_rank() : -1;
+      check.host_error = without_backtrace(e);
+      check.words.data_ptr<int64_t>()[3 * kHeaderWords + 1] = failed >= 0 ? failed : comm.rank();
+    }
+  }
   TORCH_INTERNAL_ASSERT(payload.scalar_type() == at::kByte && payload.numel() <= kOneRoundMaxBytes);
   const int partners = h.cross_size;
   at::Tensor words = at::empty({partners * kCheckWords}, at::kLong);
@@ -769,9 +782,10 @@ bool fits_one_round(int64_t bytes, const std::string& error, const Hierarchy& h)
   return is_checked() && h.uniform && error.empty() && bytes <= kOneRoundMaxBytes;
 }
 
-// The collective check of kHierarchical when every host holds the same number of ranks (Note
-// [Hierarchical collectives]): check_in_one_round with no payload; every rank agrees with every other
-// by transitivity, or every rank raises. Counts the collective.
+}  // namespace
+
+// check_in_one_round with no payload; every rank agrees with every other by transitivity, or every
+// rank raises.
 void hierarchical_check(const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
                         Communicator& comm) {
   comm.note_collective(static_cast<CollectiveKind>(header.kind));
@@ -784,6 +798,8 @@ void hierarchical_check(const CollectiveHeader& header, const std::string& error
   check_in_one_round(header, error, /*center=*/0, h, comm, [] { return at::empty({0}, at::kByte); }, no_reply);
 }
 
+namespace {
+
 // Small all-reduces of kHierarchical with equal hosts (fits_one_round): the host's all-reduce over
 // shared memory after the check's step, its result to the center in the check's round, and the
 // center's reply with the hosts' results reduced in host order. `header` may be a reduce's or a reduce-scatter's,
@@ -791,7 +807,7 @@ void hierarchical_check(const CollectiveHeader& header, const std::string& error
 // else runs the whole collective (counted) and returns true.
 bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op, const CollectiveHeader& header,
                                           const std::string& error, const Hierarchy& h, Communicator& comm) {
-  if (!error.empty() || !reduces_natively(working_dtype(tensor)) ||
+  if (!error.empty() ||
       !fits_one_round(tensor.numel() * static_cast<int64_t>(working_element_size(tensor)), error, h)) {
     return false;
   }
@@ -806,6 +822,7 @@ bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
   const at::Tensor reply = check_in_one_round(
       header, error, /*center=*/0, h, comm,
       [&] {
+        faults::die_if_armed("die_in_host_step", comm.rank());
         if (local != nullptr && flat.numel() > 0) {
           on_hosts(h, [&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false); });
         }
@@ -901,8 +918,7 @@ void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h
   const Topology& topology = h.topology;
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
   const int root_host = topology.host_of[root];
-  const std::vector<int>& root_ranks = topology.hosts[root_host];
-  const int root_local = static_cast<int>(std::find(root_ranks.begin(), root_ranks.end(), root) - root_ranks.begin());
+  const int root_local = topology.local_rank_of(root);
   const CollectiveHeader header =
       comm.stamp(make_header(CollectiveKind::kBroadcast, flat, std::nullopt, Algorithm::kHierarchical, root), {});
   on_hosts(h, [&] {
@@ -1093,9 +1109,10 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
   output.view(-1).copy_(result);
 }
 
-// A small broadcast across equal hosts (fits_one_round): the root is the center of its local rank's
-// round, whose reply carries its tensor to its partners, then every host broadcasts it from that
-// local rank over shared memory. Returns false, doing nothing, where it does not apply.
+// A small broadcast across equal hosts (fits_one_round): the root's tensor rides in its message of
+// the check's round to the center, whose reply carries it to the root's partners, then every host
+// broadcasts it from the root's local rank over shared memory. Returns false, doing nothing, where it
+// does not apply.
 bool hierarchical_broadcast_in_one_round(const at::Tensor& tensor, int root, const CollectiveHeader& header,
                                          const std::string& error, const Hierarchy& h, Communicator& comm) {
   if (!error.empty() || !fits_one_round(tensor.numel() * static_cast<int64_t>(tensor.element_size()), error, h)) {
@@ -1105,14 +1122,18 @@ bool hierarchical_broadcast_in_one_round(const at::Tensor& tensor, int root, con
   const Topology& topology = h.topology;
   const at::Tensor bytes = tensor.view(-1).view(at::kByte);
   const int root_host = topology.host_of[root];
-  const std::vector<int>& root_ranks = topology.hosts[root_host];
-  const int root_local = static_cast<int>(std::find(root_ranks.begin(), root_ranks.end(), root) - root_ranks.begin());
-  // The center of every round is on the root's host, so that the root's round answers with its tensor.
+  const int root_local = topology.local_rank_of(root);
+  // The center is cross rank 0 as in every other round across hosts, whatever the root: ranks that
+  // disagree on the root, or on whether the tensor fits, must still meet in one round to learn it.
+  const bool carries = topology.local_rank() == root_local;
   const at::Tensor reply = check_in_one_round(
-      header, error, /*center=*/root_host, h, comm, [] { return at::empty({0}, at::kByte); },
-      [&](const std::vector<at::Tensor>&) { return comm.rank() == root ? bytes : at::empty({0}, at::kByte); });
+      header, error, /*center=*/0, h, comm,
+      [&] { return comm.rank() == root ? bytes : at::empty({0}, at::kByte); },
+      [&](const std::vector<at::Tensor>& payloads) {
+        return carries ? payloads[root_host].narrow(0, 0, bytes.numel()) : at::empty({0}, at::kByte);
+      });
   if (bytes.numel() == 0) return true;
-  if (topology.local_rank() == root_local && comm.rank() != root) bytes.copy_(reply.narrow(0, 0, bytes.numel()));
+  if (carries && comm.rank() != root) bytes.copy_(reply.narrow(0, 0, bytes.numel()));
   if (h.local == nullptr) return true;
   on_hosts(h, [&] { h.local->direct()->broadcast(bytes, root_local, comm.stamp(header, {}), {}, /*checked=*/false); });
   return true;
@@ -1252,7 +1273,8 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
   if (error.empty()) error = root_error(src, n, "broadcast", "src");
   const CollectiveHeader header = make_header(CollectiveKind::kBroadcast, tensor, std::nullopt, std::nullopt, src);
   if (comm.hierarchy() != nullptr && n > 1) {
-    // Across hosts (Note [Hierarchical collectives]): the check, then the tensor crosses each link once.
+    // Across hosts (Note [Hierarchical collectives]): the check, then the tensor crosses hosts once
+    // per local rank's tree (a binomial tree of the hosts) and spreads over shared memory.
     const Hierarchy& h = *comm.hierarchy();
     if (hierarchical_broadcast_in_one_round(tensor, src, header, error, h, comm)) return;
     check_across_hosts(header, error, h, comm);
@@ -1612,8 +1634,8 @@ void barrier(Communicator& comm) {
   header.kind = static_cast<int64_t>(CollectiveKind::kBarrier);
   if (comm.hierarchy() != nullptr && comm.hierarchy()->uniform && is_checked()) {
     // Across equal hosts the check is a barrier in itself: a step of every host's shared memory,
-    // then an all-gather among the ranks of each local rank, which completes only once every host's
-    // step has (Note [Hierarchical collectives]).
+    // then a round through a center among the ranks of each local rank, which completes only once
+    // every host's step has (Note [One round across hosts]).
     hierarchical_check(header, {}, *comm.hierarchy(), comm);
     return;
   }

@@ -107,8 +107,9 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
 // binomial tree (ceil(log2 n) rounds).
 void broadcast_(at::Tensor& tensor, int src, Communicator& comm);
 
-// Leaves op(tensor of all ranks) in `tensor` of rank `dst` (binomial tree). Like
-// torch.distributed.reduce, the tensors of the other ranks hold partial results afterwards.
+// Leaves op(tensor of all ranks) in `tensor` of rank `dst`: across hosts hierarchically, else a
+// binomial tree. Like torch.distributed.reduce, the tensors of the other ranks hold unspecified
+// partial results afterwards (across hosts, small ones the whole result).
 void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm);
 
 // Returns, on rank `dst`, a new tensor of shape [n, *tensor.shape] whose row i is rank i's tensor;

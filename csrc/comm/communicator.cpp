@@ -84,6 +84,12 @@ CollectiveHeader Communicator::stamp(const CollectiveHeader& header, const std::
 }
 
 void Communicator::begin(const CollectiveHeader& header, const std::string& local_error, bool exchange_header) {
+  if (hierarchy_ != nullptr && hierarchy_->uniform && exchange_header && size_ > 1) {
+    // Across equal hosts every collective takes the one check the hierarchical ones take.
+    local_error_.clear();
+    hierarchical_check(header, local_error, *hierarchy_, *this);
+    return;
+  }
   note_collective(static_cast<CollectiveKind>(header.kind));
   local_error_ = local_error;
   if (size_ == 1 || !exchange_header) {

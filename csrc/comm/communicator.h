@@ -162,12 +162,15 @@ class Communicator {
   // A non-empty `local_error` means this rank rejected its own arguments: it still takes part in
   // the header exchange, so that its peers fail at once naming it, then throws `local_error`.
   // `exchange_header=false` skips the exchange (for the group's own collectives, which torch checks).
+  // With a hierarchy of equal hosts (use_hierarchy), the check is hierarchical_check, complete on
+  // return, whatever path the collective's data take.
   void begin(const CollectiveHeader& header, const std::string& local_error = {}, bool exchange_header = true);
 
   // The group's own all-reduce (kSum/kMean as a sum, kMax, kMin) of `tensor`, asynchronous.
   c10::intrusive_ptr<c10d::Work> process_group_all_reduce(at::Tensor& tensor, ReduceOp op);
 
-  // Asynchronous send/recv of a contiguous tensor in round `round` (< kVerdictRound) of the current
+  // Asynchronous send/recv of a contiguous tensor in round `round` (< kVerdictRound; the two rounds
+  // above are the checks', here or on a cross-host communicator of the same collective) of the current
   // collective. The tensor must stay alive and untouched until the returned work is waited on.
   Message isend(const at::Tensor& tensor, int dst, int round);
   Message irecv(const at::Tensor& tensor, int src, int round);

@@ -307,7 +307,9 @@ void Engine::set_up(std::string_view what, uint64_t sequence) {
   ShmSegment::SetUp result = ShmSegment::set_up(setup, timeout);
   topology_ = result.topology;
   if (result.segment) shm_transport_ = std::make_shared<ShmTransport>(result.segment);
-  if (topology_.hierarchical()) {
+  // Every rank of the group must agree on whether it is hierarchical: the cross subgroups come from
+  // splitting the group's gloo backend, possible on every rank or on none.
+  if (topology_.hierarchical() && cpu->supportsSplitting() && group_.store) {
     // Note [Hierarchical collectives]: the ranks this rank crosses hosts with.
     auto hierarchy = std::make_unique<Hierarchy>();
     hierarchy->topology = topology_;
@@ -321,20 +323,19 @@ void Engine::set_up(std::string_view what, uint64_t sequence) {
     }
     if (!cross.empty()) {
       hierarchy->cross = cross_backend(cross, result.nonce, hierarchy->uniform ? topology_.local_rank() : 0);
+      TORCH_INTERNAL_ASSERT(hierarchy->cross, "splitting the group's backend gave no subgroup");
       hierarchy->cross_ranks = cross;
       hierarchy->cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), group_.rank) - cross.begin());
       hierarchy->cross_size = static_cast<int>(cross.size());
-      if (hierarchy->cross) hierarchy->cross_messages = std::make_shared<ProcessGroupTransport>(hierarchy->cross, c10::kCPU);
+      hierarchy->cross_messages = std::make_shared<ProcessGroupTransport>(hierarchy->cross, c10::kCPU);
     }
-    // Every rank of the group must agree: no gloo backend to split anywhere means none on every rank.
-    if (hierarchy->cross || cross.empty()) hierarchy_ = std::move(hierarchy);
+    hierarchy_ = std::move(hierarchy);
   }
   set_up_ = true;
 }
 
 c10::intrusive_ptr<c10d::Backend> Engine::cross_backend(const std::vector<int>& ranks, uint64_t nonce, int index) {
   c10::intrusive_ptr<c10d::Backend> parent = backend(c10::kCPU);
-  if (!parent->supportsSplitting() || !group_.store) return {};
   // gloo's split takes the parent's options (its devices, so GLOO_SOCKET_IFNAME's interface, and its
   // timeout) and writes the subgroup's ranks into them; the parent keeps its own.
   c10::intrusive_ptr<c10d::Backend::Options> options = parent->getBackendOptions();

@@ -181,8 +181,8 @@ class Engine {
   // collective `sequence`, once; every rank must reach it in the same collective.
   void set_up(std::string_view what, uint64_t sequence);
   // The subgroup of the process group's CPU backend over `ranks` (this rank among them) for the
-  // cross-host steps, made with its own store connection (split clones the store), or null when
-  // that backend cannot be split.
+  // cross-host steps, made with its own store connection (split clones the store). The caller checks
+  // that the backend can be split and the group has a store.
   c10::intrusive_ptr<c10d::Backend> cross_backend(const std::vector<int>& ranks, uint64_t nonce, int index);
   std::shared_ptr<Transport> process_group_transport(c10::DeviceType device);
   c10::intrusive_ptr<c10d::Backend> backend(c10::DeviceType device);

@@ -6,6 +6,8 @@
 //    the shared-memory set-up (Note [Shared-memory segment]): before sending its hello; rank 0 after
 //    creating the segment, before offering it; after mapping it, before answering; rank 0 after the
 //    answers, before the verdict.
+//  die_in_host_step: the rank SIGKILLs itself in a small all-reduce across equal hosts, after the
+//    check's step inside its host and before the host's all-reduce (Note [One round across hosts]).
 //  corrupt_chunk: the rank's first shared-memory message chunk claims to lie at offset 2^46 of its
 //    message (Note [Shared-memory messages]), as a forged or corrupted segment would.
 // DDPKIT_TEST_HOSTS=<label of rank 0>,<label of rank 1>,... splits one machine into hosts for the

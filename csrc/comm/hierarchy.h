@@ -1,6 +1,7 @@
 #pragma once
 // What a group that spans hosts needs for its hierarchical collectives (Note [Hierarchical collectives]).
 
+#include "comm/header.h"
 #include "comm/topology.h"
 #include "comm/transport.h"
 
@@ -8,6 +9,7 @@
 
 #include <array>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace ddpkit::comm {
@@ -59,8 +61,9 @@ namespace ddpkit::comm {
 // reduce-scatter is the leaders' all-reduce of the whole input, of which each rank keeps its block.
 // gather, scatter and all_to_all run flat over the process group.
 // Note [One round across hosts]
-// The check across equal hosts is one round through a center, one of the ranks of this rank's local
-// rank (its partners): every other partner sends the center one message holding its words (its
+// The check across equal hosts is one round through a center, the first of the ranks of this rank's
+// local rank (its partners), for every collective (so ranks that disagree on the collective, its
+// root or its size always pick the same center): every other partner sends the center one message holding its words (its
 // header, its host's culprit with that culprit's header, the rank its host lost); once all are in,
 // the center answers each with every partner's words, so every rank compares every host's headers
 // after two one-way messages. gloo serves such a ping-pong far better than an exchange in which both
@@ -70,8 +73,8 @@ namespace ddpkit::comm {
 // collective crosses hosts once, check included: for the all-reduce each partner sends its host's
 // result (the host's all-reduce runs between the check's step and the round) and the center answers
 // with the hosts' results reduced in host order (the same bits everywhere); the reduce and the
-// reduce-scatter take that all-reduce on a copy; for the broadcast the center is the root's host's
-// partner and the root answers with its tensor; for the all-gather each partner sends its block and
+// reduce-scatter take that all-reduce on a copy; for the broadcast the root sends its tensor and the
+// center answers with it; for the all-gather each partner sends its block and
 // the center answers with all of them. The steps inside each host follow. Messages carry only the data
 // their sender has, and every receive is posted at the largest size a message may have (words plus
 // kOneRoundMaxBytes, or a reply's partners·(words plus kOneRoundMaxBytes)): gloo receives a shorter
@@ -113,5 +116,15 @@ struct Hierarchy {
   bool uniform = true;  // topology.uniform(): the split form, else the leaders' form
   mutable ScratchBuffers scratch;
 };
+
+class Communicator;
+
+// The collective check across equal hosts (`h.uniform`; Note [One round across hosts]) with no data:
+// raises alike on every rank unless every rank's header agrees and none rejected its arguments
+// (`error`). Counts the collective. Communicator::begin takes it for every collective of a group
+// whose hosts are equal, whatever path the collective's data take, so that ranks that ask for
+// different algorithms, or reject their arguments, still meet in one round and raise.
+void hierarchical_check(const CollectiveHeader& header, const std::string& error, const Hierarchy& h,
+                        Communicator& comm);
 
 }  // namespace ddpkit::comm

@@ -19,9 +19,9 @@ Topology Topology::from_keys(const std::vector<int64_t>& keys, int rank) {
   return topology;
 }
 
-int Topology::local_rank() const {
-  const auto& local = local_ranks();
-  return static_cast<int>(std::find(local.begin(), local.end(), rank) - local.begin());
+int Topology::local_rank_of(int r) const {
+  const auto& local = hosts[host_of[r]];
+  return static_cast<int>(std::find(local.begin(), local.end(), r) - local.begin());
 }
 
 bool Topology::hierarchical() const { return hosts.size() > 1; }

@@ -23,7 +23,9 @@ struct Topology {
 
   int host() const { return host_of[rank]; }
   const std::vector<int>& local_ranks() const { return hosts[host()]; }
-  int local_rank() const;
+  int local_rank() const { return local_rank_of(rank); }
+  // `r`'s index among its host's ranks.
+  int local_rank_of(int r) const;
   int local_size() const { return static_cast<int>(local_ranks().size()); }
   // Every rank on one host.
   bool single_host() const { return hosts.size() == 1; }
