@@ -20,6 +20,7 @@ if [ "${1:-}" = "--quick" ]; then
   REPORT+=(--results benchmarks/results/quick --output benchmarks/results/quick/report.ipynb)
 fi
 
+# The same outputs as benchmarks/common.py's MEASUREMENT_OUTPUTS, which decides each result's "-dirty".
 if [ -n "$(git status --porcelain --untracked-files=no -- . ":(exclude)benchmarks/results" ":(exclude)notebooks/report.ipynb" 2>/dev/null)" ]; then
   echo "run_all: tracked files have uncommitted changes: every result will say <commit>-dirty, and the report will warn" >&2
 fi
