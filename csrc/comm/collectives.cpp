@@ -573,6 +573,14 @@ void cross_host_all_reduce(const at::Tensor& block, ReduceOp op, const Hierarchy
 // its host's culprit (-1: none) with the culprit's header and its host's first header, so that
 // every rank of every host can name it, then the rank its host lost (-1: none).
 constexpr int64_t kCheckWords = 3 * kHeaderWords + 2;
+constexpr int64_t kLostRankWord = 3 * kHeaderWords + 1;  // the last of them
+
+// The rank this host lost when a step of its shared memory failed: the rank its transport saw fail,
+// else this one (its own step gave up).
+int64_t lost_rank(DirectCollectives* local, const Communicator& comm) {
+  const int failed = local != nullptr ? local->failed_rank() : -1;
+  return failed >= 0 ? failed : comm.rank();
+}
 
 // This rank's part of the check: one step over its host's shared memory, and its words.
 struct HostCheck {
@@ -585,13 +593,13 @@ HostCheck check_host(const CollectiveHeader& header, const std::string& error, c
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
   HostCheck check{comm.stamp(header, error), {}, at::zeros({kCheckWords}, at::kLong)};
   std::vector<CollectiveHeader> host{check.stamped};
-  int failed = -1;
+  int64_t lost = -1;
   if (local != nullptr) {
     try {
       host = local->exchange_headers(check.stamped, comm.what());
     } catch (const std::exception& e) {
       check.host_error = without_backtrace(e);
-      failed = local->failed_rank();
+      lost = lost_rank(local, comm);
       host = {check.stamped};
     }
   }
@@ -608,7 +616,7 @@ HostCheck check_host(const CollectiveHeader& header, const std::string& error, c
     std::memcpy(out + kHeaderWords + 1, &host[culprit], sizeof(CollectiveHeader));
     std::memcpy(out + 2 * kHeaderWords + 1, &host[0], sizeof(CollectiveHeader));
   }
-  out[3 * kHeaderWords + 1] = check.host_error.empty() ? -1 : failed >= 0 ? failed : comm.rank();
+  out[kLostRankWord] = lost;
   return check;
 }
 
@@ -627,7 +635,7 @@ void verify_hosts(const HostCheck& check, const std::string& error, WordsOf word
   for (int j = 0; j < h.cross_size; ++j) {  // a rank lost on another host first
     const int64_t* theirs = words_of(j);
     if (theirs == nullptr) continue;
-    const int64_t lost = theirs[3 * kHeaderWords + 1];
+    const int64_t lost = theirs[kLostRankWord];
     TORCH_CHECK(lost < 0, "ddpkit.", comm.what(), " (", comm.where(), "): rank ", lost,
                 " failed on its host: the process died or its transport gave up (rank ", h.cross_ranks[j],
                 " reported it)");
@@ -682,10 +690,8 @@ at::Tensor check_in_one_round(const CollectiveHeader& header, const std::string&
     } catch (const std::exception& e) {
       // A rank of this host failed during its step: the partners still get this rank's words, which
       // name the lost rank, so that every rank of every host raises now rather than at the timeout.
-      DirectCollectives* local = h.local ? h.local->direct() : nullptr;
-      const int failed = local != nullptr ? local->failed_rank() : -1;
       check.host_error = without_backtrace(e);
-      check.words.data_ptr<int64_t>()[3 * kHeaderWords + 1] = failed >= 0 ? failed : comm.rank();
+      check.words.data_ptr<int64_t>()[kLostRankWord] = lost_rank(h.local ? h.local->direct() : nullptr, comm);
     }
   }
   TORCH_INTERNAL_ASSERT(payload.scalar_type() == at::kByte && payload.numel() <= kOneRoundMaxBytes);
