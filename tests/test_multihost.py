@@ -209,6 +209,102 @@ def test_a_rank_killed_on_a_third_host_is_reported_by_both_others():
         assert "rank 2" in str(outcomes[rank]), f"rank {rank}: {outcomes[rank]}"
 
 
+def case_swapped_blocks(numel):
+    """Large all-reduces that two hosts swap over their socket links (Note [Socket links]): random
+    floats with NaNs and signed zeros on some ranks, and integers, for every op."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
+        ops = ("sum", "max", "min") + (("mean",) if dtype.is_floating_point else ())
+        for op in ops:
+            tensor = swap_input(rank, numel, dtype)
+            ddpkit.all_reduce(tensor, op=op)
+            out[(str(dtype), op)] = tensor
+    return out
+
+
+def swap_input(rank, numel, dtype):
+    if not dtype.is_floating_point:
+        return rank_input(rank, numel, integer=True).to(dtype)
+    tensor = rank_input(rank, numel).to(dtype)
+    tensor[rank::7] = float("nan")  # a NaN on one rank only, at places that differ by rank
+    tensor[5::11] = 0.0 if rank % 2 else -0.0  # +0 against -0
+    return tensor
+
+
+@needs_hosts
+@pytest.mark.parametrize("name", ["2x1", "2x2"])
+def test_two_hosts_swap_large_blocks_with_every_op_and_identical_bits(hosts, name):
+    numel = 100_003  # larger than one round across hosts carries, and odd
+    per_rank = hosts(name).run(case_swapped_blocks, numel, timeout=300)
+    world_size = len(per_rank)
+    for (dtype_name, op), tensor in per_rank[0].items():
+        dtype = getattr(torch, dtype_name.split(".")[-1])
+        inputs = [swap_input(r, numel, dtype) for r in range(world_size)]
+        expected = inputs[0].double() if op in ("sum", "mean") else inputs[0].clone()
+        for other in inputs[1:]:
+            expected = expected + other.double() if op in ("sum", "mean") else ieee_extremum(expected, other, op)
+        if op == "mean":
+            torch.testing.assert_close(tensor.double(), expected / world_size, rtol=1e-6, atol=1e-6, equal_nan=True)
+        elif op == "sum":
+            torch.testing.assert_close(tensor.double(), expected, rtol=1e-6, atol=1e-5, equal_nan=True)
+        else:
+            assert torch.equal(tensor.isnan(), expected.isnan()) if dtype.is_floating_point else True
+            keep = ~tensor.isnan() if dtype.is_floating_point else torch.ones_like(tensor, dtype=torch.bool)
+            assert torch.equal(tensor[keep].view(-1), expected[keep].view(-1)), (dtype_name, op)
+            if dtype.is_floating_point:
+                assert torch.equal(torch.signbit(tensor[keep]), torch.signbit(expected[keep])), (dtype_name, op)
+        for rank in range(1, world_size):
+            theirs = per_rank[rank][(dtype_name, op)]
+            assert torch.equal(theirs.view(torch.uint8), tensor.view(torch.uint8)), \
+                f"{dtype_name} {op}: rank {rank}'s bits differ from rank 0's"
+
+
+def ieee_extremum(a, b, op):
+    """Note [Reductions]'s max and min: torch's for NaNs, and +0 above -0 whatever the operands' order
+    (torch.maximum and torch.minimum return the first of two zeros)."""
+    result = torch.maximum(a, b) if op == "max" else torch.minimum(a, b)
+    if a.is_floating_point():
+        zeros = (a == 0) & (b == 0)
+        negative = (torch.signbit(a) & torch.signbit(b)) if op == "max" else (torch.signbit(a) | torch.signbit(b))
+        result = torch.where(zeros, torch.where(negative, -0.0, 0.0).to(a.dtype), result)
+    return result
+
+
+def case_all_reduce_sum(numel):
+    tensor = torch.full((numel,), float(dist.get_rank() + 1))
+    ddpkit.all_reduce(tensor)
+    return tensor
+
+
+@needs_hosts
+def test_stray_connections_at_the_links_set_up_are_closed_and_the_ranks_still_link():
+    # Note [Socket links]: rank 0 accepts rank 1's link; a connection naming rank 1 with a wrong token
+    # and one sending junk come first (the fault stray_links), and must not take rank 1's place.
+    pool = HostPool([1, 1], group_timeout=GROUP_TIMEOUT_S, env={"DDPKIT_TEST_FAULT": "stray_links:0"})
+    try:
+        outcomes = pool.run(case_all_reduce_sum, 100_000)
+    finally:
+        pool.close()
+    for tensor in outcomes:
+        assert torch.equal(tensor, torch.full((100_000,), 3.0))
+
+
+@needs_hosts
+def test_a_frame_of_another_collective_raises_on_both_hosts_at_once():
+    # Rank 1's first frame over the links carries the previous collective's number (the fault
+    # stale_link_frame): rank 0 must refuse it, not read it as this collective's, and rank 1 must
+    # learn at once that rank 0 gave up, not at the group's timeout.
+    pool = HostPool([1, 1], group_timeout=60.0, env={"DDPKIT_TEST_FAULT": "stale_link_frame:1"})
+    try:
+        outcomes = pool.run(case_all_reduce_sum, 1000, return_exceptions=True, timeout=40)
+    finally:
+        pool.close()
+    assert isinstance(outcomes[0], RuntimeError) and "rank 1 sent a frame of collective" in str(outcomes[0]), \
+        outcomes[0]
+    assert isinstance(outcomes[1], RuntimeError) and "rank 0" in str(outcomes[1]), outcomes[1]
+
+
 def case_ddpkit_ddp_and_syncbn():
     from test_ddp import STEPS, case_train
     from test_syncbn import even_sizes, run_step

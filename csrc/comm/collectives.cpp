@@ -550,12 +550,26 @@ Communicator cross_communicator(const Hierarchy& h, const Communicator& comm) {
   return Communicator(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
 }
 
-// The all-reduce of `block` among the ranks `h.cross` spans (one per host), in place (Note
-// [Hierarchical collectives]): gloo's own for sums, ddpkit's ring for max and min. A kMean is summed
-// here; the caller divides once.
+// The all-reduce of `block` (contiguous) among the ranks `h.cross` spans (one per host), in place
+// (Note [Hierarchical collectives]): between two hosts a swap over the socket links (Note [Socket
+// links]); else gloo's own for sums, ddpkit's ring for max and min. A kMean is summed here; the
+// caller divides once.
 void cross_host_all_reduce(const at::Tensor& block, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || block.numel() == 0) return;
   across_hosts(h, comm, [&] {
+    if (h.cross_size == 2) {
+      // Each host sends the other its block whole, both ways at once, then both reduce the two in
+      // host order: the same bits on both, and each link carries the block once each way, as a
+      // ring's reduce-scatter and all-gather together would.
+      const int peer = 1 - h.cross_rank;
+      const int64_t bytes = block.numel() * static_cast<int64_t>(block.element_size());
+      at::Tensor theirs = h.scratch.get(1, block.numel(), block.scalar_type());
+      std::vector<SocketLinks::Recv> recvs{{peer, theirs.data_ptr(), bytes}};
+      h.links->exchange(comm.sequence(), {{peer, block.data_ptr(), bytes}}, recvs);
+      TORCH_INTERNAL_ASSERT(recvs[0].received == bytes, "the check agreed on the size, the swap did not");
+      combine_(block, theirs, op == ReduceOp::kMean ? ReduceOp::kSum : op, /*other_first=*/peer == 0);
+      return;
+    }
     if (op == ReduceOp::kSum || op == ReduceOp::kMean) {
       c10d::AllreduceOptions options;
       options.reduceOp = c10d::ReduceOp::SUM;
@@ -686,7 +700,7 @@ at::Tensor check_in_one_round(const CollectiveHeader& header, const std::string&
   at::Tensor payload = at::empty({0}, at::kByte);
   if (host_agrees) {
     try {
-      payload = payload_of();
+      payload = payload_of().contiguous();  // sent from its memory as it is
     } catch (const std::exception& e) {
       // A rank of this host failed during its step: the partners still get this rank's words, which
       // name the lost rank, so that every rank of every host raises now rather than at the timeout.
@@ -700,59 +714,52 @@ at::Tensor check_in_one_round(const CollectiveHeader& header, const std::string&
   auto words_of = [&](int j) { return static_cast<const int64_t*>(words.data_ptr<int64_t>()) + j * kCheckWords; };
   std::memcpy(words.data_ptr<int64_t>() + h.cross_rank * kCheckWords, check.words.data_ptr(), kCheckBytes);
   at::Tensor reply;
+  SocketLinks& links = *h.links;
   on_hosts(h, [&] {
     across_hosts(h, comm, [&] {
-      Communicator cross = cross_communicator(h, comm);
       if (h.cross_rank != center) {
-        at::Tensor message = at::empty({kCheckBytes + payload.numel()}, at::kByte);
-        std::memcpy(message.data_ptr(), check.words.data_ptr(), kCheckBytes);
-        message.narrow(0, kCheckBytes, payload.numel()).copy_(payload);
         at::Tensor answer = at::empty({kReplyPrefixBytes + partners * (kCheckBytes + kOneRoundMaxBytes)}, at::kByte);
-        MessageList messages{cross.irecv(answer, center, Communicator::kVerdictRound)};
-        messages.push_back(cross.isend(message, center, Communicator::kHeaderRound));
-        cross.wait(messages);
+        std::vector<SocketLinks::Recv> recvs{{center, answer.data_ptr(), answer.numel()}};
+        links.exchange(comm.sequence(),
+                       {{center, check.words.data_ptr(), kCheckBytes, payload.data_ptr(), payload.numel()}}, recvs);
         const auto* prefix = static_cast<const int64_t*>(answer.data_ptr());
+        TORCH_CHECK(recvs[0].received >= kReplyPrefixBytes, "rank ", h.cross_ranks[center], " sent a short answer");
         TORCH_CHECK(prefix[0] == kReplyOk, "rank ", prefix[1], " failed or died during the check (rank ",
                     h.cross_ranks[center], " reported it)");
+        TORCH_CHECK(recvs[0].received >= kReplyPrefixBytes + partners * kCheckBytes, "rank ", h.cross_ranks[center],
+                    " sent a short answer");
         std::memcpy(words.data_ptr(), static_cast<const char*>(answer.data_ptr()) + kReplyPrefixBytes,
                     partners * kCheckBytes);
         reply = answer.narrow(0, kReplyPrefixBytes + partners * kCheckBytes,
-                              answer.numel() - kReplyPrefixBytes - partners * kCheckBytes);
+                              recvs[0].received - kReplyPrefixBytes - partners * kCheckBytes);
         return;
       }
       std::vector<at::Tensor> payloads(partners);
-      MessageList messages;
+      std::vector<SocketLinks::Recv> recvs;
       for (int j = 0; j < partners; ++j) {
         if (j == center) continue;
         payloads[j] = at::empty({kCheckBytes + kOneRoundMaxBytes}, at::kByte);
-        messages.push_back(cross.irecv(payloads[j], j, Communicator::kHeaderRound));
+        recvs.push_back({j, payloads[j].data_ptr(), payloads[j].numel()});
       }
       try {
-        cross.wait(messages);
+        links.exchange(comm.sequence(), {}, recvs);
       } catch (const std::exception&) {
         // Best effort: the partners still waiting learn at once which rank failed, not at the timeout.
-        const int failed = cross.failed_peer();
-        at::Tensor failure = at::empty({kReplyPrefixBytes / static_cast<int64_t>(sizeof(int64_t))}, at::kLong);
-        failure[0] = kReplyPartnerFailed;
-        failure[1] = failed >= 0 ? h.cross_ranks[failed] : -1;
+        // The links are broken from here on, so this goes to each partner over its own socket.
+        const int failed = links.failed_peer();
+        const int64_t failure[2] = {kReplyPartnerFailed, failed >= 0 ? h.cross_ranks[failed] : -1};
         for (int j = 0; j < partners; ++j) {
           if (j == center || j == failed) continue;
-          try {
-            MessageList one{cross.isend(failure.view(at::kByte), j, Communicator::kVerdictRound)};
-            cross.wait(one);
-          } catch (const std::exception&) {
-          }
+          links.send_last_words(comm.sequence(), j, failure, sizeof(failure));
         }
         throw;
       }
-      for (int j = 0; j < partners; ++j) {
-        if (j == center) {
-          payloads[j] = payload;
-          continue;
-        }
-        std::memcpy(words.data_ptr<int64_t>() + j * kCheckWords, payloads[j].data_ptr(), kCheckBytes);
-        payloads[j] = payloads[j].narrow(0, kCheckBytes, kOneRoundMaxBytes);
+      for (const SocketLinks::Recv& recv : recvs) {
+        TORCH_CHECK(recv.received >= kCheckBytes, "rank ", h.cross_ranks[recv.peer], " sent a short check");
+        std::memcpy(words.data_ptr<int64_t>() + recv.peer * kCheckWords, payloads[recv.peer].data_ptr(), kCheckBytes);
+        payloads[recv.peer] = payloads[recv.peer].narrow(0, kCheckBytes, recv.received - kCheckBytes);
       }
+      payloads[center] = payload;
       bool agree = true;
       try {
         verify_hosts(check, error, words_of, h, comm);
@@ -761,18 +768,17 @@ at::Tensor check_in_one_round(const CollectiveHeader& header, const std::string&
       }
       const at::Tensor out = agree ? reply_of(payloads) : at::empty({0}, at::kByte);
       TORCH_INTERNAL_ASSERT(out.scalar_type() == at::kByte && out.numel() <= partners * kOneRoundMaxBytes);
-      at::Tensor answer = at::empty({kReplyPrefixBytes + partners * kCheckBytes + out.numel()}, at::kByte);
-      auto* prefix = static_cast<int64_t*>(answer.data_ptr());
-      prefix[0] = kReplyOk;
-      prefix[1] = -1;
-      std::memcpy(prefix + 2, words.data_ptr(), partners * kCheckBytes);
-      reply = answer.narrow(0, kReplyPrefixBytes + partners * kCheckBytes, out.numel());
-      reply.copy_(out);
-      MessageList sends;
+      const int64_t prefix[2] = {kReplyOk, -1};
+      reply = out;
+      std::vector<SocketLinks::Send> sends;
+      at::Tensor head = at::empty({kReplyPrefixBytes + partners * kCheckBytes}, at::kByte);
+      std::memcpy(head.data_ptr(), prefix, kReplyPrefixBytes);
+      std::memcpy(static_cast<char*>(head.data_ptr()) + kReplyPrefixBytes, words.data_ptr(), partners * kCheckBytes);
       for (int j = 0; j < partners; ++j) {
-        if (j != center) sends.push_back(cross.isend(answer, j, Communicator::kVerdictRound));
+        if (j != center) sends.push_back({j, head.data_ptr(), head.numel(), out.data_ptr(), out.numel()});
       }
-      cross.wait(sends);
+      std::vector<SocketLinks::Recv> none;
+      links.exchange(comm.sequence(), std::move(sends), none);
     });
   });
   verify_hosts(check, error, words_of, h, comm);

@@ -41,9 +41,11 @@ namespace ddpkit::comm {
 //  kDirect            shared memory only, no messages: every rank publishes its vector in its slot
 //                     and reduces its 1/n slice (or, small, the whole vector) straight from its
 //                     peers' slots: one copy in, one reduce pass, one copy out (Note [Direct all-reduce]).
-//  kHierarchical      a group spanning hosts: shared memory inside each host, the process group's
-//                     own all-reduce across them, small vectors in the check's one round (Note
-//                     [Hierarchical collectives] and Note [One round across hosts] in hierarchy.h).
+//  kHierarchical      a group spanning hosts: shared memory inside each host; across them a swap
+//                     over ddpkit's own TCP links between two hosts, else the process group's own
+//                     all-reduce; small vectors in the check's one round (Note [Hierarchical
+//                     collectives] and Note [One round across hosts] in hierarchy.h, Note [Socket
+//                     links] in socket_links.h).
 // For n not a power of two, the recursive algorithms first fold the 2·(n-p) lowest ranks pairwise
 // (p the largest power of two below n) and unfold at the end: two more rounds of the whole vector.
 // kAuto picks by message size and n (choose_algorithm), from benchmarks/bench_allreduce.py on

@@ -41,6 +41,11 @@ void reset_counters() {
   peak_buffered.store(0);
 }
 
+void note_message_sent(int64_t bytes) {
+  message_count.fetch_add(1, std::memory_order_relaxed);
+  byte_count.fetch_add(bytes, std::memory_order_relaxed);
+}
+
 void note_buffered_bytes(int64_t bytes) {
   int64_t peak = peak_buffered.load(std::memory_order_relaxed);
   while (bytes > peak && !peak_buffered.compare_exchange_weak(peak, bytes, std::memory_order_relaxed)) {

@@ -91,6 +91,8 @@ struct CommCounters {
 };
 CommCounters counters();
 void reset_counters();
+// Counts one message of `bytes` sent outside a Communicator (Note [Socket links]).
+void note_message_sent(int64_t bytes);
 // Records that a transport now holds `bytes` of early messages on the heap (for peak_buffered_bytes).
 void note_buffered_bytes(int64_t bytes);
 

@@ -328,6 +328,7 @@ void Engine::set_up(std::string_view what, uint64_t sequence) {
       hierarchy->cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), group_.rank) - cross.begin());
       hierarchy->cross_size = static_cast<int>(cross.size());
       hierarchy->cross_messages = std::make_shared<ProcessGroupTransport>(hierarchy->cross, c10::kCPU);
+      hierarchy->links = SocketLinks::connect(*hierarchy->cross, hierarchy->cross_rank, cross, timeout);
     }
     hierarchy_ = std::move(hierarchy);
   }

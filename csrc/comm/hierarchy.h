@@ -2,6 +2,7 @@
 // What a group that spans hosts needs for its hierarchical collectives (Note [Hierarchical collectives]).
 
 #include "comm/header.h"
+#include "comm/socket_links.h"
 #include "comm/topology.h"
 #include "comm/transport.h"
 
@@ -22,8 +23,10 @@ namespace ddpkit::comm {
 //  1. reduce-scatter inside each host over shared memory: local rank j holds the host's sum of
 //     slice j of L;
 //  2. every local rank at once all-reduces its slice with the ranks of the same local rank on the
-//     other hosts, through the process group's own all-reduce on that subgroup ("cross"; gloo's TCP
-//     ring is pipelined and tuned), so each host's link carries 2(H-1)/H of the vector once;
+//     other hosts ("cross"), so each host's link carries 2(H-1)/H of the vector once: between two
+//     hosts the two ranks swap their slices over their socket link, both ways at once, and each
+//     reduces the pair in host order (Note [Socket links]); among more hosts, through the process
+//     group's own all-reduce on that subgroup (gloo's TCP ring is pipelined and tuned);
 //  3. all-gather inside each host over shared memory.
 // Hosts with different numbers of ranks take the leaders' form instead: an all-reduce inside each
 // host, the all-reduce of the hosts' leaders (their lowest ranks) across hosts, and a broadcast from
@@ -32,10 +35,11 @@ namespace ddpkit::comm {
 // step of each host's shared memory and one round of messages among the ranks of each local rank
 // (Note [One round across hosts]: one round trip across hosts, where the process group's check takes
 // two); with unequal hosts, the process group's check through rank 0. Either way a mismatched call
-// raises on every rank of every host. sum and mean cross hosts through gloo's
-// all-reduce; max and min through ddpkit's ring on the same subgroup, so that they keep Note
-// [Reductions]'s semantics (gloo's max drops a NaN held by a later rank). Every slice is reduced in
-// one place and copied from there, so every rank ends with the same bits.
+// raises on every rank of every host. Among more than two hosts, sum and mean cross hosts through
+// gloo's all-reduce; max and min through ddpkit's ring on the same subgroup, so that they keep Note
+// [Reductions]'s semantics (gloo's max drops a NaN held by a later rank); between two, every op takes
+// the swap, reduced by Note [Reductions]'s rules. Every slice is reduced in one place, or in the same
+// order in both, so every rank ends with the same bits.
 // The broadcast follows the same forms: with equal hosts, the ranks of the root's local rank carry
 // the tensor across hosts (ddpkit's binomial tree on their subgroup), then every host
 // broadcasts it from that local rank over shared memory; with unequal hosts, the root's host
@@ -66,10 +70,9 @@ namespace ddpkit::comm {
 // root or its size always pick the same center): every other partner sends the center one message holding its words (its
 // header, its host's culprit with that culprit's header, the rank its host lost); once all are in,
 // the center answers each with every partner's words, so every rank compares every host's headers
-// after two one-way messages. gloo serves such a ping-pong far better than an exchange in which both
-// ends send at once: two ranks on two simulated hosts took 0.14 ms for one ping-pong and 0.41 ms
-// (p75 1.1 ms) for one exchange of the same 40 bytes, and gloo's own all-reduce, made of exchanges,
-// 1.0 ms. Up to kOneRoundMaxBytes of data ride in the same messages, after the words, so that a small
+// after two one-way messages. The round runs over the partners' socket links (Note [Socket links]),
+// not gloo's send/recv: between two simulated hosts a ping-pong took 0.06 ms there against gloo's
+// 0.16-0.29 ms, and left gloo's next all-reduce as fast as alone. Up to kOneRoundMaxBytes of data ride in the same messages, after the words, so that a small
 // collective crosses hosts once, check included: for the all-reduce each partner sends its host's
 // result (the host's all-reduce runs between the check's step and the round) and the center answers
 // with the hosts' results reduced in host order (the same bits everywhere); the reduce and the
@@ -77,10 +80,10 @@ namespace ddpkit::comm {
 // center answers with it; for the all-gather each partner sends its block and
 // the center answers with all of them. The steps inside each host follow. Messages carry only the data
 // their sender has, and every receive is posted at the largest size a message may have (words plus
-// kOneRoundMaxBytes, or a reply's partners·(words plus kOneRoundMaxBytes)): gloo receives a shorter
-// message into a larger buffer but aborts on a longer one, so calls that disagree (another size,
-// another collective, one on each side of the threshold) still meet in this round, and raise, instead
-// of overflowing a receive. A center that loses a partner tells the others which rank failed.
+// kOneRoundMaxBytes, or a reply's partners·(words plus kOneRoundMaxBytes)), so calls that disagree
+// (another size, another collective, one on each side of the threshold) still meet in this round,
+// and raise, instead of overflowing a receive. A center that loses a partner tells the others which
+// rank failed.
 
 // Buffers the hierarchical collectives of one group reuse from call to call, so that a large
 // collective does not fault in fresh pages each time: filling a fresh 64 MB buffer took 21 ms on the
@@ -110,6 +113,7 @@ struct Hierarchy {
   // (null on the other ranks).
   c10::intrusive_ptr<c10d::Backend> cross;
   std::shared_ptr<Transport> cross_messages;  // point-to-point messages on `cross`
+  std::unique_ptr<SocketLinks> links;         // the check's round among them (Note [Socket links])
   std::vector<int> cross_ranks;               // the group's ranks `cross` spans, in its order
   int cross_rank = 0;
   int cross_size = 1;

@@ -1,0 +1,473 @@
+#include "comm/socket_links.h"
+
+#include "comm/communicator.h"
+#include "comm/faults.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <utility>
+
+namespace ddpkit::comm {
+namespace {
+
+constexpr uint64_t kRecordMagic = 0x64646b6c696e6b31ULL;  // "ddklink1"
+constexpr uint64_t kHelloMagic = 0x64646b68656c6c6fULL;   // "ddkhello"
+constexpr uint64_t kAckMagic = 0x64646b61636b6564ULL;     // "ddkacked"
+constexpr uint64_t kFrameMagic = 0x64646b6672616d65ULL;   // "ddkframe"
+
+using Clock = std::chrono::steady_clock;
+
+// A descriptor closed when it goes out of scope, unless released.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& other) noexcept : fd_(other.release()) {}
+  Fd& operator=(Fd&& other) noexcept {
+    if (this != &other) {
+      reset();
+      fd_ = other.release();
+    }
+    return *this;
+  }
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+std::string errno_text() { return std::strerror(errno); }
+
+int remaining_ms(Clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+  return static_cast<int>(std::clamp<int64_t>(left, 0, 1 << 30));
+}
+
+// Waits until `fd` is ready for `events` or the deadline passes; false on the deadline.
+bool wait_for(int fd, short events, Clock::time_point deadline) {
+  while (true) {
+    pollfd entry{fd, events, 0};
+    const int ready = ::poll(&entry, 1, remaining_ms(deadline));
+    if (ready > 0) return true;
+    if (ready == 0) return false;
+    TORCH_CHECK(errno == EINTR, "poll failed: ", errno_text());
+  }
+}
+
+// Writes all `bytes` of `data` to the blocking-mode `fd` by the deadline.
+void write_all(int fd, const void* data, size_t bytes, Clock::time_point deadline, const std::string& whom) {
+  const char* at = static_cast<const char*>(data);
+  while (bytes > 0) {
+    TORCH_CHECK(wait_for(fd, POLLOUT, deadline), "timed out writing to ", whom);
+    const ssize_t sent = ::send(fd, at, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+    TORCH_CHECK(sent > 0, "writing to ", whom, " failed: ", errno_text());
+    at += sent;
+    bytes -= static_cast<size_t>(sent);
+  }
+}
+
+// Reads exactly `bytes` into `data` from `fd` by the deadline.
+void read_all(int fd, void* data, size_t bytes, Clock::time_point deadline, const std::string& whom) {
+  char* at = static_cast<char*>(data);
+  while (bytes > 0) {
+    TORCH_CHECK(wait_for(fd, POLLIN, deadline), "timed out reading from ", whom);
+    const ssize_t got = ::recv(fd, at, bytes, MSG_DONTWAIT);
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+    TORCH_CHECK(got != 0, whom, " closed the connection");
+    TORCH_CHECK(got > 0, "reading from ", whom, " failed: ", errno_text());
+    at += got;
+    bytes -= static_cast<size_t>(got);
+  }
+}
+
+// This rank's address on the network gloo uses: the first address of the first interface named by
+// GLOO_SOCKET_IFNAME, else the first address its hostname resolves to (gloo's own rule). Port 0.
+sockaddr_storage link_address() {
+  sockaddr_storage address{};
+  const char* names = std::getenv("GLOO_SOCKET_IFNAME");
+  if (names != nullptr && names[0] != '\0') {
+    const std::string interface = std::string(names).substr(0, std::string(names).find(','));
+    ifaddrs* list = nullptr;
+    TORCH_CHECK(::getifaddrs(&list) == 0, "getifaddrs failed: ", errno_text());
+    bool found = false;
+    for (ifaddrs* entry = list; entry != nullptr && !found; entry = entry->ifa_next) {
+      if (entry->ifa_addr == nullptr || interface != entry->ifa_name) continue;
+      const int family = entry->ifa_addr->sa_family;
+      if (family != AF_INET && family != AF_INET6) continue;
+      std::memcpy(&address, entry->ifa_addr, family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6));
+      found = true;
+    }
+    ::freeifaddrs(list);
+    TORCH_CHECK(found, "GLOO_SOCKET_IFNAME names interface '", interface, "', which has no IPv4 or IPv6 address here");
+    return address;
+  }
+  char hostname[256] = {};
+  TORCH_CHECK(::gethostname(hostname, sizeof(hostname) - 1) == 0, "gethostname failed: ", errno_text());
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const int status = ::getaddrinfo(hostname, nullptr, &hints, &found);
+  TORCH_CHECK(status == 0 && found != nullptr, "the hostname '", hostname, "' does not resolve (", gai_strerror(status),
+              "); set GLOO_SOCKET_IFNAME to the interface that joins the hosts");
+  std::memcpy(&address, found->ai_addr, found->ai_addrlen);
+  ::freeaddrinfo(found);
+  return address;
+}
+
+socklen_t address_length(const sockaddr_storage& address) {
+  return address.ss_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+}
+
+uint16_t& port_of(sockaddr_storage& address) {
+  return address.ss_family == AF_INET ? reinterpret_cast<sockaddr_in&>(address).sin_port
+                                      : reinterpret_cast<sockaddr_in6&>(address).sin6_port;
+}
+
+std::string address_text(sockaddr_storage address) {
+  char host[INET6_ADDRSTRLEN] = {};
+  const void* raw = address.ss_family == AF_INET
+                        ? static_cast<const void*>(&reinterpret_cast<sockaddr_in&>(address).sin_addr)
+                        : static_cast<const void*>(&reinterpret_cast<sockaddr_in6&>(address).sin6_addr);
+  ::inet_ntop(address.ss_family, raw, host, sizeof(host));
+  return c10::str(host, ":", ntohs(port_of(address)));
+}
+
+void set_no_delay(int fd) {
+  const int one = 1;
+  TORCH_CHECK(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)) == 0, "TCP_NODELAY: ", errno_text());
+}
+
+// What every rank tells the others at set-up: where it listens and the token a connector must name.
+struct Record {
+  uint64_t magic;
+  uint64_t token;
+  uint16_t family;
+  uint16_t port;  // network order
+  uint8_t address[16];
+  uint8_t padding[4];
+};
+static_assert(sizeof(Record) == 40);
+
+struct Hello {
+  uint64_t magic;
+  uint64_t token;  // the acceptor's
+  uint64_t rank;   // the connector's
+};
+
+struct Ack {
+  uint64_t magic;
+  uint64_t rank;  // the acceptor's
+};
+
+struct FrameHeader {
+  uint64_t magic;
+  uint64_t sequence;
+  uint64_t bytes;
+};
+
+}  // namespace
+
+std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
+                                                  std::chrono::milliseconds timeout) {
+  const int size = static_cast<int>(group_ranks.size());
+  TORCH_INTERNAL_ASSERT(rank >= 0 && rank < size);
+  const Clock::time_point deadline = Clock::now() + timeout;
+  sockaddr_storage mine = link_address();
+  Fd listener(::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  TORCH_CHECK(listener.get() >= 0, "socket failed: ", errno_text());
+  TORCH_CHECK(::bind(listener.get(), reinterpret_cast<sockaddr*>(&mine), address_length(mine)) == 0,
+              "cannot listen on ", address_text(mine), ": ", errno_text());
+  TORCH_CHECK(::listen(listener.get(), size) == 0, "listen failed: ", errno_text());
+  socklen_t length = sizeof(mine);
+  TORCH_CHECK(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&mine), &length) == 0,
+              "getsockname failed: ", errno_text());
+
+  std::random_device random;
+  Record record{};
+  record.magic = kRecordMagic;
+  record.token = (static_cast<uint64_t>(random()) << 32) ^ random();
+  record.family = mine.ss_family;
+  record.port = port_of(mine);
+  if (mine.ss_family == AF_INET) {
+    std::memcpy(record.address, &reinterpret_cast<sockaddr_in&>(mine).sin_addr, 4);
+  } else {
+    std::memcpy(record.address, &reinterpret_cast<sockaddr_in6&>(mine).sin6_addr, 16);
+  }
+  at::Tensor input = at::empty({static_cast<int64_t>(sizeof(Record))}, at::kByte);
+  std::memcpy(input.data_ptr(), &record, sizeof(Record));
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < size; ++r) outputs[0].push_back(at::empty_like(input));
+  std::vector<at::Tensor> inputs{input};
+  backend.allgather(outputs, inputs)->wait();
+
+  std::vector<Record> records(size);
+  std::vector<sockaddr_storage> addresses(size);
+  for (int r = 0; r < size; ++r) {
+    std::memcpy(&records[r], outputs[0][r].data_ptr(), sizeof(Record));
+    const Record& theirs = records[r];
+    TORCH_CHECK(theirs.magic == kRecordMagic && (theirs.family == AF_INET || theirs.family == AF_INET6) &&
+                    theirs.port != 0,
+                "rank ", group_ranks[r], " announced no valid address for the links across hosts");
+    sockaddr_storage& address = addresses[r];
+    address.ss_family = theirs.family;
+    port_of(address) = theirs.port;
+    if (theirs.family == AF_INET) {
+      std::memcpy(&reinterpret_cast<sockaddr_in&>(address).sin_addr, theirs.address, 4);
+    } else {
+      std::memcpy(&reinterpret_cast<sockaddr_in6&>(address).sin6_addr, theirs.address, 16);
+    }
+  }
+
+  std::vector<Fd> links(size);
+  // Connect to every lower rank, which accepts once its own connections are made (rank 0 at once).
+  for (int peer = 0; peer < rank; ++peer) {
+    const std::string whom = c10::str("rank ", group_ranks[peer], " (links across hosts, at ", address_text(addresses[peer]), ")");
+    Fd fd(::socket(addresses[peer].ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    TORCH_CHECK(fd.get() >= 0, "socket failed: ", errno_text());
+    if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addresses[peer]), address_length(addresses[peer])) != 0) {
+      TORCH_CHECK(errno == EINPROGRESS, "cannot connect to ", whom, ": ", errno_text());
+      TORCH_CHECK(wait_for(fd.get(), POLLOUT, deadline), "timed out connecting to ", whom);
+      int error = 0;
+      socklen_t error_length = sizeof(error);
+      ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &error_length);
+      TORCH_CHECK(error == 0, "cannot connect to ", whom, ": ", std::strerror(error));
+    }
+    set_no_delay(fd.get());
+    const Hello hello{kHelloMagic, records[peer].token, static_cast<uint64_t>(rank)};
+    write_all(fd.get(), &hello, sizeof(hello), deadline, whom);
+    Ack ack{};
+    read_all(fd.get(), &ack, sizeof(ack), deadline, whom);
+    TORCH_CHECK(ack.magic == kAckMagic && ack.rank == static_cast<uint64_t>(peer), whom, " answered with a wrong ack");
+    links[peer] = std::move(fd);
+  }
+  // Accept every higher rank; close whatever does not name this rank's token and a rank still expected.
+  std::vector<Fd> strays;
+  if (faults::armed("stray_links", group_ranks[rank]) && rank + 1 < size) {
+    // Connections that are not a rank's: one names the expected rank with a wrong token, one sends
+    // junk and hangs up. Set-up must close both and still link every rank.
+    for (int stray = 0; stray < 2; ++stray) {
+      Fd fd(::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      TORCH_CHECK(::connect(fd.get(), reinterpret_cast<sockaddr*>(&mine), address_length(mine)) == 0,
+                  "the stray connection failed: ", errno_text());
+      const Hello forged{kHelloMagic, records[rank].token + 1, static_cast<uint64_t>(rank + 1)};
+      if (stray == 0) {
+        write_all(fd.get(), &forged, sizeof(forged), deadline, "this rank");
+        strays.push_back(std::move(fd));
+      } else {
+        write_all(fd.get(), "junk", 4, deadline, "this rank");
+      }
+    }
+  }
+  for (int expected = size - 1 - rank; expected > 0;) {
+    TORCH_CHECK(wait_for(listener.get(), POLLIN, deadline), "timed out waiting for ", expected,
+                " higher rank(s) of the links across hosts to connect to ", address_text(mine));
+    Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (fd.get() < 0) continue;
+    Hello hello{};
+    try {
+      // A stray connection may send nothing: it gets a few seconds, never past the deadline.
+      read_all(fd.get(), &hello, sizeof(hello), std::min(deadline, Clock::now() + std::chrono::seconds(10)),
+               "a connecting rank");
+    } catch (const c10::Error&) {
+      continue;
+    }
+    const bool wanted = hello.magic == kHelloMagic && hello.token == records[rank].token &&
+                        hello.rank > static_cast<uint64_t>(rank) && hello.rank < static_cast<uint64_t>(size) &&
+                        links[hello.rank].get() < 0;
+    if (!wanted) continue;
+    set_no_delay(fd.get());
+    const Ack ack{kAckMagic, static_cast<uint64_t>(rank)};
+    write_all(fd.get(), &ack, sizeof(ack), deadline, c10::str("rank ", group_ranks[hello.rank], " (links across hosts)"));
+    links[hello.rank] = std::move(fd);
+    --expected;
+  }
+  std::vector<int> fds(size, -1);
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) continue;
+    const int fd = links[peer].release();
+    const int flags = ::fcntl(fd, F_GETFL);
+    ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    fds[peer] = fd;
+  }
+  return std::unique_ptr<SocketLinks>(new SocketLinks(rank, std::move(fds), std::move(group_ranks), timeout));
+}
+
+SocketLinks::~SocketLinks() {
+  for (int fd : fds_) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+void SocketLinks::fail(int peer, const std::string& why) {
+  failed_peer_ = peer;
+  broken_ = why;
+  // Its peer may be waiting for this rank's frame: hanging up tells it now, not at the timeout.
+  if (peer >= 0 && fds_[peer] >= 0) ::shutdown(fds_[peer], SHUT_RDWR);
+  TORCH_CHECK(false, why);
+}
+
+void SocketLinks::send_last_words(uint64_t sequence, int peer, const void* data, int64_t bytes) noexcept {
+  if (peer == rank_ || peer < 0 || peer >= size() || fds_[peer] < 0) return;
+  const FrameHeader header{kFrameMagic, sequence, static_cast<uint64_t>(bytes)};
+  std::vector<char> frame(sizeof(header) + static_cast<size_t>(bytes));
+  std::memcpy(frame.data(), &header, sizeof(header));
+  std::memcpy(frame.data() + sizeof(header), data, static_cast<size_t>(bytes));
+  try {
+    write_all(fds_[peer], frame.data(), frame.size(), Clock::now() + std::chrono::seconds(1), "a partner");
+  } catch (const std::exception&) {
+  }
+}
+
+void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs) {
+  if (!broken_.empty()) {
+    for (int fd : fds_) {
+      if (fd >= 0) ::shutdown(fd, SHUT_RDWR);  // so that no peer waits for this rank's frames
+    }
+    TORCH_CHECK(false, "the links across hosts broke in an earlier collective: ", broken_);
+  }
+  if (faults::armed("stale_link_frame", group_ranks_[rank_]) && stale_frame_pending_) {
+    stale_frame_pending_ = false;
+    --sequence;  // as a frame of an abandoned collective would arrive
+  }
+  const Clock::time_point deadline = Clock::now() + timeout_;
+  struct Outgoing {
+    FrameHeader header;
+    int64_t done = 0;  // bytes of header, first and second sent
+  };
+  struct Incoming {
+    FrameHeader header{};
+    int64_t done = 0;  // bytes of header and data received
+  };
+  std::vector<Outgoing> outgoing(sends.size());
+  std::vector<Incoming> incoming(recvs.size());
+  constexpr auto kHeaderBytes = static_cast<int64_t>(sizeof(FrameHeader));
+  for (size_t i = 0; i < sends.size(); ++i) {
+    TORCH_INTERNAL_ASSERT(sends[i].peer != rank_ && fds_.at(sends[i].peer) >= 0);
+    outgoing[i].header = {kFrameMagic, sequence, static_cast<uint64_t>(sends[i].first_bytes + sends[i].second_bytes)};
+    note_message_sent(sends[i].first_bytes + sends[i].second_bytes);
+  }
+  for (Recv& recv : recvs) {
+    TORCH_INTERNAL_ASSERT(recv.peer != rank_ && fds_.at(recv.peer) >= 0);
+    recv.received = 0;
+  }
+  auto send_total = [&](size_t i) { return kHeaderBytes + static_cast<int64_t>(outgoing[i].header.bytes); };
+  auto recv_total = [&](size_t i) {
+    return incoming[i].done < kHeaderBytes ? kHeaderBytes + 1 : kHeaderBytes + static_cast<int64_t>(incoming[i].header.bytes);
+  };
+  // Moves every unfinished frame as far as its socket allows; returns how many are unfinished.
+  auto progress = [&]() {
+    size_t unfinished = 0;
+    for (size_t i = 0; i < sends.size(); ++i) {
+      Outgoing& out = outgoing[i];
+      const Send& send = sends[i];
+      while (out.done < send_total(i)) {
+        iovec parts[3];
+        int count = 0;
+        int64_t skip = out.done;
+        auto add = [&](const void* data, int64_t bytes) {
+          if (skip >= bytes) {
+            skip -= bytes;
+            return;
+          }
+          parts[count++] = {const_cast<char*>(static_cast<const char*>(data)) + skip, static_cast<size_t>(bytes - skip)};
+          skip = 0;
+        };
+        add(&out.header, kHeaderBytes);
+        add(send.first, send.first_bytes);
+        add(send.second, send.second_bytes);
+        msghdr message{};
+        message.msg_iov = parts;
+        message.msg_iovlen = count;
+        const ssize_t sent = ::sendmsg(fds_[send.peer], &message, MSG_NOSIGNAL);
+        if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        if (sent < 0 && errno == EINTR) continue;
+        if (sent < 0) fail(send.peer, c10::str("sending to rank ", group_ranks_[send.peer], " failed: ", errno_text()));
+        out.done += sent;
+      }
+      if (out.done < send_total(i)) ++unfinished;
+    }
+    for (size_t i = 0; i < recvs.size(); ++i) {
+      Incoming& in = incoming[i];
+      Recv& recv = recvs[i];
+      while (in.done < recv_total(i)) {
+        char* into = in.done < kHeaderBytes ? reinterpret_cast<char*>(&in.header) + in.done
+                                            : static_cast<char*>(recv.data) + (in.done - kHeaderBytes);
+        const int64_t want = in.done < kHeaderBytes ? kHeaderBytes - in.done : recv_total(i) - in.done;
+        const ssize_t got = ::recv(fds_[recv.peer], into, static_cast<size_t>(want), 0);
+        if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        if (got < 0 && errno == EINTR) continue;
+        if (got == 0) {
+          fail(recv.peer, c10::str("rank ", group_ranks_[recv.peer], " closed its connection: its process died or left the group"));
+        }
+        if (got < 0) fail(recv.peer, c10::str("receiving from rank ", group_ranks_[recv.peer], " failed: ", errno_text()));
+        in.done += got;
+        if (in.done == kHeaderBytes) {
+          const FrameHeader& header = in.header;
+          if (header.magic != kFrameMagic || header.sequence != sequence ||
+              header.bytes > static_cast<uint64_t>(recv.capacity)) {
+            fail(recv.peer, c10::str("rank ", group_ranks_[recv.peer], " sent a frame of collective ", header.sequence, " with ",
+                                     header.bytes, " bytes where collective ", sequence, " expected at most ",
+                                     recv.capacity));
+          }
+        }
+      }
+      if (in.done < recv_total(i)) {
+        ++unfinished;
+      } else {
+        recv.received = static_cast<int64_t>(in.header.bytes);
+      }
+    }
+    return unfinished;
+  };
+  std::vector<pollfd> waiting;
+  std::vector<int> waiting_peer;
+  while (progress() > 0) {
+    waiting.clear();
+    waiting_peer.clear();
+    for (size_t i = 0; i < sends.size(); ++i) {
+      if (outgoing[i].done < send_total(i)) {
+        waiting.push_back({fds_[sends[i].peer], POLLOUT, 0});
+        waiting_peer.push_back(sends[i].peer);
+      }
+    }
+    for (size_t i = 0; i < recvs.size(); ++i) {
+      if (incoming[i].done < recv_total(i)) {
+        waiting.push_back({fds_[recvs[i].peer], POLLIN, 0});
+        waiting_peer.push_back(recvs[i].peer);
+      }
+    }
+    const int ready = ::poll(waiting.data(), waiting.size(), remaining_ms(deadline));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0) fail(waiting_peer.front(), c10::str("poll failed: ", errno_text()));
+    if (ready == 0) {
+      fail(waiting_peer.front(), c10::str("timed out after ", timeout_.count(), " ms waiting for rank ",
+                                          group_ranks_[waiting_peer.front()]));
+    }
+  }
+}
+
+}  // namespace ddpkit::comm

@@ -1,0 +1,95 @@
+#pragma once
+// ddpkit's own TCP connections between the ranks that cross hosts together (Note [Socket links]).
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpkit::comm {
+
+// Note [Socket links]
+// The check across hosts (Note [One round across hosts]) is a ping-pong of a few hundred bytes. Over
+// gloo's send/recv it took 0.16-0.29 ms between two simulated hosts, and gloo's own all-reduce right
+// after any gloo point-to-point round took another 0.2-0.6 ms longer than alone (gloo's pairs hand
+// late sends to their device thread). The same ping-pong over a plain TCP connection, blocking on
+// the caller's thread, took 0.06 ms, and gloo's all-reduce after it ran as fast as alone (100k
+// floats: 0.88 against 0.78 ms, within the noise; after gloo's ping-pong 1.77). So the ranks of a
+// cross subgroup (Hierarchy::cross) keep one TCP connection per pair for the check's round, and
+// gloo carries the large data steps.
+//  - Set-up, a collective of the cross subgroup: every rank listens on the address gloo uses (the
+//    first interface of GLOO_SOCKET_IFNAME, else its hostname's address), and the ranks all-gather
+//    their address, port and a fresh random token over the subgroup's gloo backend, never through
+//    the store. Each rank connects to every lower rank and introduces itself with that rank's token;
+//    an acceptor closes any connection that does not name its token and a rank it still expects, and
+//    answers the others, so every link is known good when set-up returns.
+//  - Messages are frames: a magic word, the collective's sequence number and the length, then the
+//    bytes. A receive names its largest size; a longer frame, another sequence number or another
+//    magic breaks the links rather than be misread.
+//  - exchange() moves a collective's frames all at once (non-blocking sockets, one poll loop), so
+//    two ranks that both send never wait on each other's buffers. A peer that dies closes its end,
+//    which the poll sees at once; a peer that stops is given up at the group's timeout. Either
+//    failure breaks the links: the link to the failed peer is shut down, so that it raises at once
+//    too, and every later exchange raises at once (shutting the rest down), as gloo's pairs do.
+class SocketLinks {
+ public:
+  // One frame to send: `first` then `second` (either may be empty), as one message.
+  struct Send {
+    int peer;
+    const void* first;
+    int64_t first_bytes;
+    const void* second = nullptr;
+    int64_t second_bytes = 0;
+  };
+  // One frame to receive into `data`, at most `capacity` bytes; exchange() sets `received`.
+  struct Recv {
+    int peer;
+    void* data;
+    int64_t capacity;
+    int64_t received = 0;
+  };
+
+  // Connects rank `rank` of `backend` (a gloo backend of the ranks `group_ranks` of the caller's
+  // group, in order) to every other of its ranks, as Note [Socket links] describes; raises, naming
+  // the rank and its address, when a link cannot be made within `timeout`, which also bounds every
+  // later exchange. Peers are indices of `group_ranks`; errors name the group's ranks.
+  static std::unique_ptr<SocketLinks> connect(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
+                                              std::chrono::milliseconds timeout);
+  ~SocketLinks();
+  SocketLinks(const SocketLinks&) = delete;
+  SocketLinks& operator=(const SocketLinks&) = delete;
+
+  // Sends every frame of `sends` and receives every frame of `recvs`, all at once, as part of the
+  // collective numbered `sequence`; returns once all are done. Raises (and breaks the links) when a
+  // peer closed its connection, the timeout expired, or a frame was not the one expected; then
+  // failed_peer() names the peer.
+  void exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs);
+
+  // After exchange() raised: best effort, sends `peer` one frame of `bytes` (a center's news of which
+  // rank failed, Note [One round across hosts]) over its own connection, which may still work;
+  // gives up after a second and never raises.
+  void send_last_words(uint64_t sequence, int peer, const void* data, int64_t bytes) noexcept;
+
+  // The peer (an index of group_ranks) of the exchange that broke the links, or -1.
+  int failed_peer() const { return failed_peer_; }
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(fds_.size()); }
+
+ private:
+  SocketLinks(int rank, std::vector<int> fds, std::vector<int> group_ranks, std::chrono::milliseconds timeout)
+      : rank_(rank), fds_(std::move(fds)), group_ranks_(std::move(group_ranks)), timeout_(timeout) {}
+  [[noreturn]] void fail(int peer, const std::string& why);
+
+  int rank_;
+  std::vector<int> fds_;  // by peer; -1 for this rank
+  std::vector<int> group_ranks_;  // by peer
+  std::chrono::milliseconds timeout_;
+  int failed_peer_ = -1;
+  std::string broken_;  // why the links broke; empty while they work
+  bool stale_frame_pending_ = true;  // the test fault stale_link_frame (faults.h)
+};
+
+}  // namespace ddpkit::comm
