@@ -22,13 +22,15 @@ and 32 processes up to 100k. Candidates (``--candidates``; every one is checked 
   under torchrun, ``DS_ACCELERATOR=cpu``, ``LOCAL_SIZE=n``).
 * ``ddpkit:ALGORITHM[:TRANSPORT][:unchecked]``  any other ddpkit configuration (e.g. ``ddpkit:ring:shm``).
 
-``mpich`` and ``deepspeed`` are separate jobs, run for each world size right after ddpkit's, gloo's and
-the floor's processes have exited, and only if installed (``bash benchmarks/peers/install.sh``);
-otherwise ``settings.candidates`` says "not installed". They run up to ``--peer-max-world-size``
-processes (8): both busy-poll, and with more processes than cores they collapse (seconds per call at
-16M floats from 4 processes on 2 cores), so each of their points gets ``--point-budget`` seconds of
-repetitions and says ``cut_off`` when fewer than planned fit; a job that outlives its time limit is
-killed and its missing points say so.
+``mpich`` and ``deepspeed`` are separate jobs, only if installed (``bash benchmarks/peers/install.sh``);
+otherwise ``settings.candidates`` says "not installed". Their repetitions are split over ``--pools``
+jobs like the in-process candidates' over fresh sets of processes, and each of their jobs runs right
+after one set has exited, so the candidates alternate over the run (ddpkit's processes, MPICH's,
+DeepSpeed's, then again) and a slow spell of the VM falls on all of them alike. They run up to
+``--peer-max-world-size`` processes (8): both busy-poll, and with more processes than cores they
+collapse (seconds per call at 16M floats from 4 processes on 2 cores), so each of their points gets
+``--point-budget`` seconds of repetitions in all and says ``cut_off`` when fewer than planned fit; a
+job that outlives its time limit is killed and its missing points say so.
 
 Method, for every candidate and size: correctness first (integer-valued inputs must sum exactly on
 every rank, else the run stops), the error of the mean (max |mean - float64 mean| on N(0, 1) inputs,
@@ -415,6 +417,23 @@ def run_peer(name: str, world_size: int, sizes: list[int], reps: int, point_budg
     return points, problem
 
 
+def merge_points(first: list[dict], second: list[dict]) -> list[dict]:
+    """A peer's points of two jobs, per size: the repetitions of both, the worse accuracy, the first
+    warm-up; a point only one job measured is kept as it is."""
+    merged = {p["numel"]: dict(p) for p in first}
+    for point in second:
+        mine = merged.get(point["numel"])
+        if mine is None:
+            merged[point["numel"]] = dict(point)
+            continue
+        mine["times_s"] = mine["times_s"] + point["times_s"]
+        mine["reps_planned"] = mine["reps_planned"] + point["reps_planned"]
+        mine["cut_off"] = mine["cut_off"] or point["cut_off"]
+        errors = [e for e in (mine["max_abs_error_of_mean"], point["max_abs_error_of_mean"]) if e is not None]
+        mine["max_abs_error_of_mean"] = max(errors) if errors else None
+    return list(merged.values())
+
+
 def peer_records(name: str, world_size: int, sizes: list[int], points: list[dict],
                  problem: Optional[str]) -> list[AllreduceTimeRecord]:
     candidate = parse_candidate(name)
@@ -560,12 +579,17 @@ def main() -> None:
         memory_sizes = [s for s in (args.memory_sizes or []) if world_size <= 8]
         reps_per_size = {s: timing.reps_for(s, world_size, args.reps) for s in sizes}
         new = []
-        if in_process:
-            per_rank = None
-            pools = max(1, min(args.pools, min(reps_per_size.values())))
-            # The repetitions are split over fresh sets of processes and pooled: a scheduling episode that
-            # lasts as long as one set of processes then cannot decide a whole row.
-            for index in range(pools):
+        peers_here = [n for n in runnable_peers if 2 <= world_size <= args.peer_max_world_size]
+        per_rank = None
+        peer_points = {name: [] for name in peers_here}
+        peer_problems = {name: None for name in peers_here}
+        pools = max(1, min(args.pools, min(reps_per_size.values()), args.reps))
+        # The repetitions are split over fresh sets of processes and pooled, and every peer's job is
+        # split alike and run between them (ddpkit's processes, MPICH's, DeepSpeed's, then again): a
+        # scheduling episode that lasts as long as one set of processes, or a slow spell of the VM,
+        # then cannot decide a whole row, nor favour the candidate that ran first.
+        for index in range(pools):
+            if in_process:
                 part_reps = {s: timing.split_reps(r, pools)[index] for s, r in reps_per_size.items()}
                 pool = WorkerPool(world_size, timeout=3600, group_timeout=900, threads=1)
                 try:
@@ -573,6 +597,14 @@ def main() -> None:
                 finally:
                     pool.close()
                 per_rank = part if per_rank is None else merge(per_rank, part)
+            for name in peers_here:
+                points, problem = run_peer(name, world_size, sizes, timing.split_reps(args.reps, pools)[index],
+                                           args.point_budget / pools, args.accuracy_max_numel)
+                if problem:
+                    print(f"{name} at {world_size} processes: {problem}", flush=True)
+                peer_points[name] = merge_points(peer_points[name], points)
+                peer_problems[name] = peer_problems[name] or problem
+        if in_process:
             memory_per_rank = None
             if memory_sizes:
                 pool = WorkerPool(world_size, timeout=1800, group_timeout=600, threads=1)
@@ -581,13 +613,8 @@ def main() -> None:
                 finally:
                     pool.close()
             new += aggregate(per_rank, memory_per_rank, world_size, in_process, sizes, memory_sizes, reps_per_size)
-        for name in runnable_peers:
-            if not 2 <= world_size <= args.peer_max_world_size:
-                continue
-            points, problem = run_peer(name, world_size, sizes, args.reps, args.point_budget, args.accuracy_max_numel)
-            if problem:
-                print(f"{name} at {world_size} processes: {problem}", flush=True)
-            new += peer_records(name, world_size, sizes, points, problem)
+        for name in peers_here:
+            new += peer_records(name, world_size, sizes, peer_points[name], peer_problems[name])
         records.extend(new)
         print(f"{world_size} processes: done, {time.monotonic() - started:.0f} s since the start", flush=True)
     summary = summarize(records)
@@ -616,7 +643,8 @@ def main() -> None:
                   "threads_per_process": 1, "collective_checks": ddpkit.collective_checks_enabled(),
                   "timing": "per repetition: synchronise through the candidate itself, time a batch of back-to-back "
                             "calls on every rank; slowest rank per repetition, median over interleaved repetitions; "
-                            "mpich and deepspeed in separate jobs right after the others for each world size"},
+                            "mpich and deepspeed in separate jobs, each split like the in-process repetitions over "
+                            "--pools jobs that run between the in-process pools"},
         records=records, summary=summary, quick=args.quick)
     print_summary(records, summary)
     print(f"wrote {path}")

@@ -102,3 +102,16 @@ def test_peer_records_keep_missing_points():
     assert (measured.library, measured.status) == ("MPICH 4.1.2", "measured")
     assert missing.median_s is None and missing.status == "not measured: job time limit (250 s)"
     assert "reps_planned" not in missing.to_dict() and missing.to_dict()["bus_bandwidth_GBps"] is None
+
+
+def test_a_peers_jobs_pool_their_repetitions_per_size():
+    def point(numel, times, cut_off=False, error=1e-7):
+        return {"numel": numel, "world_size": 2, "times_s": times, "batch": 16, "reps_planned": len(times),
+                "cut_off": cut_off, "warmup_s": 4e-6, "max_abs_error_of_mean": error, "library": "MPICH 4.1.2"}
+    first = [point(1_000, [1e-6, 2e-6]), point(10_000, [5e-6])]
+    second = [point(1_000, [3e-6], cut_off=True, error=2e-7), point(100_000, [9e-6])]
+    merged = {p["numel"]: p for p in bench.merge_points(first, second)}
+    assert merged[1_000]["times_s"] == [1e-6, 2e-6, 3e-6] and merged[1_000]["reps_planned"] == 3
+    assert merged[1_000]["cut_off"] and merged[1_000]["max_abs_error_of_mean"] == 2e-7
+    assert merged[10_000]["times_s"] == [5e-6] and merged[100_000]["times_s"] == [9e-6]
+    assert first[0]["times_s"] == [1e-6, 2e-6]  # the inputs stay as they were
