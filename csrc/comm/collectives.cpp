@@ -550,6 +550,11 @@ Communicator cross_communicator(const Hierarchy& h, const Communicator& comm) {
   return Communicator(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
 }
 
+// The part of a swap across two hosts reduced at a time while the rest arrives. Two simulated hosts
+// x 1 rank, against reducing once everything is in: 1M floats 3.76 against 4.09 ms unshaped and
+// 34.5 against 34.9 ms at 1 Gbit/s, 16M floats 46.3 against 47.8 ms (1 MiB parts: 4.14 and 45.9 ms).
+constexpr int64_t kSwapStepBytes = 256 << 10;
+
 // The all-reduce of `block` (contiguous) among the ranks `h.cross` spans (one per host), in place
 // (Note [Hierarchical collectives]): between two hosts a swap over the socket links (Note [Socket
 // links]); else gloo's own for sums, ddpkit's ring for max and min. A kMean is summed here; the
@@ -561,13 +566,23 @@ void cross_host_all_reduce(const at::Tensor& block, ReduceOp op, const Hierarchy
       // Each host sends the other its block whole, both ways at once, then both reduce the two in
       // host order: the same bits on both, and each link carries the block once each way, as a
       // ring's reduce-scatter and all-gather together would.
+      // Each part is reduced as soon as it is in and this rank's own copy of it has left, while
+      // the rest is still on its way.
       const int peer = 1 - h.cross_rank;
-      const int64_t bytes = block.numel() * static_cast<int64_t>(block.element_size());
+      const int64_t element = block.element_size();
+      const int64_t bytes = block.numel() * element;
+      const ReduceOp sum_or_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
       at::Tensor theirs = h.scratch.get(1, block.numel(), block.scalar_type());
-      std::vector<SocketLinks::Recv> recvs{{peer, theirs.data_ptr(), bytes}};
+      int64_t reduced = 0;  // elements
+      auto reduce_ready = [&](int64_t ready_bytes) {
+        const int64_t ready = ready_bytes / element;
+        combine_(slice(block, reduced, ready), slice(theirs, reduced, ready), sum_or_op, /*other_first=*/peer == 0);
+        reduced = ready;
+      };
+      std::vector<SocketLinks::Recv> recvs{{peer, theirs.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes}};
       h.links->exchange(comm.sequence(), {{peer, block.data_ptr(), bytes}}, recvs);
-      TORCH_INTERNAL_ASSERT(recvs[0].received == bytes, "the check agreed on the size, the swap did not");
-      combine_(block, theirs, op == ReduceOp::kMean ? ReduceOp::kSum : op, /*other_first=*/peer == 0);
+      TORCH_INTERNAL_ASSERT(recvs[0].received == bytes && reduced == block.numel(),
+                            "the check agreed on the size, the swap did not");
       return;
     }
     if (op == ReduceOp::kSum || op == ReduceOp::kMean) {

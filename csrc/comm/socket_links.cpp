@@ -360,7 +360,8 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
   };
   struct Incoming {
     FrameHeader header{};
-    int64_t done = 0;  // bytes of header and data received
+    int64_t done = 0;      // bytes of header and data received
+    int64_t reported = 0;  // data bytes passed to on_data
   };
   std::vector<Outgoing> outgoing(sends.size());
   std::vector<Incoming> incoming(recvs.size());
@@ -433,6 +434,21 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
                                      header.bytes, " bytes where collective ", sequence, " expected at most ",
                                      recv.capacity));
           }
+        }
+      }
+      if (recv.on_data) {
+        int64_t ready = std::max<int64_t>(0, in.done - kHeaderBytes);
+        const int64_t total = in.done < kHeaderBytes ? -1 : static_cast<int64_t>(in.header.bytes);
+        for (size_t j = 0; j < sends.size(); ++j) {
+          if (sends[j].peer == recv.peer) ready = std::min(ready, std::max<int64_t>(0, outgoing[j].done - kHeaderBytes));
+        }
+        if (ready > in.reported && (ready == total || ready - in.reported >= recv.step)) {
+          try {
+            recv.on_data(ready);
+          } catch (const std::exception& e) {
+            fail(recv.peer, e.what());  // the frame is only partly read: the stream cannot go on
+          }
+          in.reported = ready;
         }
       }
       if (in.done < recv_total(i)) {

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -44,12 +45,18 @@ class SocketLinks {
     const void* second = nullptr;
     int64_t second_bytes = 0;
   };
-  // One frame to receive into `data`, at most `capacity` bytes; exchange() sets `received`.
+  // One frame to receive into `data`, at most `capacity` bytes; exchange() sets `received`. With
+  // `on_data`, exchange() calls it with a count of bytes each time another `step` of them (or the
+  // rest of the frame) is ready, so that the caller works on the first part while the rest is on
+  // its way: ready means received, and, where the exchange also sends this peer a frame, sent as
+  // far (frame data bytes), so that the caller may overwrite what it sent up to there.
   struct Recv {
     int peer;
     void* data;
     int64_t capacity;
     int64_t received = 0;
+    std::function<void(int64_t)> on_data = nullptr;
+    int64_t step = 0;
   };
 
   // Connects rank `rank` of `backend` (a gloo backend of the ranks `group_ranks` of the caller's
