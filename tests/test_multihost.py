@@ -280,7 +280,8 @@ def case_all_reduce_sum(numel):
 @needs_hosts
 def test_stray_connections_at_the_links_set_up_are_closed_and_the_ranks_still_link():
     # Note [Socket links]: rank 0 accepts rank 1's link; a connection naming rank 1 with a wrong token
-    # and one sending junk come first (the fault stray_links), and must not take rank 1's place.
+    # and one sending junk come first (the fault stray_links), and must not take rank 1's place
+    # (set-up also raises unless it rejected both).
     pool = HostPool([1, 1], group_timeout=GROUP_TIMEOUT_S, env={"DDPKIT_TEST_FAULT": "stray_links:0"})
     try:
         outcomes = pool.run(case_all_reduce_sum, 100_000)
@@ -288,6 +289,20 @@ def test_stray_connections_at_the_links_set_up_are_closed_and_the_ranks_still_li
         pool.close()
     for tensor in outcomes:
         assert torch.equal(tensor, torch.full((100_000,), 3.0))
+
+
+@needs_hosts
+def test_a_rank_that_cannot_listen_for_its_links_is_named_on_both_hosts_at_once():
+    # Rank 1 fails before the set-up's all-gather of addresses (the fault links_cannot_listen): it
+    # still joins it, announcing no address, so rank 0 raises naming it instead of waiting out the
+    # group's timeout (60 s, beyond the run's 40).
+    pool = HostPool([1, 1], group_timeout=60.0, env={"DDPKIT_TEST_FAULT": "links_cannot_listen:1"})
+    try:
+        outcomes = pool.run(case_all_reduce_sum, 1000, return_exceptions=True, timeout=40)
+    finally:
+        pool.close()
+    assert isinstance(outcomes[1], RuntimeError) and "links_cannot_listen" in str(outcomes[1]), outcomes[1]
+    assert isinstance(outcomes[0], RuntimeError) and "rank 1 could not listen" in str(outcomes[0]), outcomes[0]
 
 
 @needs_hosts

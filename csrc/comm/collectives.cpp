@@ -579,10 +579,11 @@ void cross_host_all_reduce(const at::Tensor& block, ReduceOp op, const Hierarchy
         combine_(slice(block, reduced, ready), slice(theirs, reduced, ready), sum_or_op, /*other_first=*/peer == 0);
         reduced = ready;
       };
-      std::vector<SocketLinks::Recv> recvs{{peer, theirs.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes}};
+      // Exactly `bytes` (minimum and capacity): with checks off, a peer that passed another size
+      // breaks the links, and both ranks raise, naming the sizes.
+      std::vector<SocketLinks::Recv> recvs{{peer, theirs.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
       h.links->exchange(comm.sequence(), {{peer, block.data_ptr(), bytes}}, recvs);
-      TORCH_INTERNAL_ASSERT(recvs[0].received == bytes && reduced == block.numel(),
-                            "the check agreed on the size, the swap did not");
+      TORCH_INTERNAL_ASSERT(reduced == block.numel());
       return;
     }
     if (op == ReduceOp::kSum || op == ReduceOp::kMean) {
@@ -735,10 +736,10 @@ at::Tensor check_in_one_round(const CollectiveHeader& header, const std::string&
       if (h.cross_rank != center) {
         at::Tensor answer = at::empty({kReplyPrefixBytes + partners * (kCheckBytes + kOneRoundMaxBytes)}, at::kByte);
         std::vector<SocketLinks::Recv> recvs{{center, answer.data_ptr(), answer.numel()}};
+        recvs[0].minimum = kReplyPrefixBytes;
         links.exchange(comm.sequence(),
                        {{center, check.words.data_ptr(), kCheckBytes, payload.data_ptr(), payload.numel()}}, recvs);
         const auto* prefix = static_cast<const int64_t*>(answer.data_ptr());
-        TORCH_CHECK(recvs[0].received >= kReplyPrefixBytes, "rank ", h.cross_ranks[center], " sent a short answer");
         TORCH_CHECK(prefix[0] == kReplyOk, "rank ", prefix[1], " failed or died during the check (rank ",
                     h.cross_ranks[center], " reported it)");
         TORCH_CHECK(recvs[0].received >= kReplyPrefixBytes + partners * kCheckBytes, "rank ", h.cross_ranks[center],
@@ -755,6 +756,7 @@ at::Tensor check_in_one_round(const CollectiveHeader& header, const std::string&
         if (j == center) continue;
         payloads[j] = at::empty({kCheckBytes + kOneRoundMaxBytes}, at::kByte);
         recvs.push_back({j, payloads[j].data_ptr(), payloads[j].numel()});
+        recvs.back().minimum = kCheckBytes;
       }
       try {
         links.exchange(comm.sequence(), {}, recvs);
@@ -767,10 +769,10 @@ at::Tensor check_in_one_round(const CollectiveHeader& header, const std::string&
           if (j == center || j == failed) continue;
           links.send_last_words(comm.sequence(), j, failure, sizeof(failure));
         }
+        links.shut_down();
         throw;
       }
       for (const SocketLinks::Recv& recv : recvs) {
-        TORCH_CHECK(recv.received >= kCheckBytes, "rank ", h.cross_ranks[recv.peer], " sent a short check");
         std::memcpy(words.data_ptr<int64_t>() + recv.peer * kCheckWords, payloads[recv.peer].data_ptr(), kCheckBytes);
         payloads[recv.peer] = payloads[recv.peer].narrow(0, kCheckBytes, recv.received - kCheckBytes);
       }
@@ -782,7 +784,8 @@ at::Tensor check_in_one_round(const CollectiveHeader& header, const std::string&
         agree = false;  // raised below, on every rank alike
       }
       const at::Tensor out = agree ? reply_of(payloads) : at::empty({0}, at::kByte);
-      TORCH_INTERNAL_ASSERT(out.scalar_type() == at::kByte && out.numel() <= partners * kOneRoundMaxBytes);
+      TORCH_INTERNAL_ASSERT(out.scalar_type() == at::kByte && out.numel() <= partners * kOneRoundMaxBytes &&
+                            out.is_contiguous());
       const int64_t prefix[2] = {kReplyOk, -1};
       reply = out;
       std::vector<SocketLinks::Send> sends;

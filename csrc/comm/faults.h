@@ -10,9 +10,10 @@
 //    check's step inside its host and before the host's all-reduce (Note [One round across hosts]).
 //  corrupt_chunk: the rank's first shared-memory message chunk claims to lie at offset 2^46 of its
 //    message (Note [Shared-memory messages]), as a forged or corrupted segment would.
-//  stray_links: at the set-up of the socket links (Note [Socket links]), before accepting its higher
-//    ranks, the rank connects to its own listener twice: once naming the rank it expects with a
-//    wrong token, once sending junk.
+//  stray_links: at the set-up of the socket links (Note [Socket links]), before any rank can connect,
+//    the rank connects to its own listener twice: once naming the rank it expects with a wrong token,
+//    once sending junk; set-up then checks that it rejected both.
+//  links_cannot_listen: the rank fails to listen at the set-up of the socket links.
 //  stale_link_frame: the rank's first frame over the socket links carries the previous collective's
 //    sequence number, as a frame of an abandoned collective would.
 // DDPKIT_TEST_HOSTS=<label of rank 0>,<label of rank 1>,... splits one machine into hosts for the

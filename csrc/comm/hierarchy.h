@@ -113,7 +113,7 @@ struct Hierarchy {
   // (null on the other ranks).
   c10::intrusive_ptr<c10d::Backend> cross;
   std::shared_ptr<Transport> cross_messages;  // point-to-point messages on `cross`
-  std::unique_ptr<SocketLinks> links;         // the check's round among them (Note [Socket links])
+  std::unique_ptr<SocketLinks> links;         // TCP links among them (Note [Socket links])
   std::vector<int> cross_ranks;               // the group's ranks `cross` spans, in its order
   int cross_rank = 0;
   int cross_size = 1;

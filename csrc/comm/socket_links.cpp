@@ -77,7 +77,7 @@ bool wait_for(int fd, short events, Clock::time_point deadline) {
   }
 }
 
-// Writes all `bytes` of `data` to the blocking-mode `fd` by the deadline.
+// Writes all `bytes` of `data` to `fd` by the deadline.
 void write_all(int fd, const void* data, size_t bytes, Clock::time_point deadline, const std::string& whom) {
   const char* at = static_cast<const char*>(data);
   while (bytes > 0) {
@@ -113,16 +113,24 @@ sockaddr_storage link_address() {
     const std::string interface = std::string(names).substr(0, std::string(names).find(','));
     ifaddrs* list = nullptr;
     TORCH_CHECK(::getifaddrs(&list) == 0, "getifaddrs failed: ", errno_text());
+    // Its IPv4 address, else a routable IPv6 one (a link-local address needs a scope its peers lack).
     bool found = false;
-    for (ifaddrs* entry = list; entry != nullptr && !found; entry = entry->ifa_next) {
-      if (entry->ifa_addr == nullptr || interface != entry->ifa_name) continue;
-      const int family = entry->ifa_addr->sa_family;
-      if (family != AF_INET && family != AF_INET6) continue;
-      std::memcpy(&address, entry->ifa_addr, family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6));
-      found = true;
+    for (const int family : {AF_INET, AF_INET6}) {
+      for (ifaddrs* entry = list; entry != nullptr && !found; entry = entry->ifa_next) {
+        if (entry->ifa_addr == nullptr || interface != entry->ifa_name || entry->ifa_addr->sa_family != family) {
+          continue;
+        }
+        if (family == AF_INET6 &&
+            IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<const sockaddr_in6*>(entry->ifa_addr)->sin6_addr)) {
+          continue;
+        }
+        std::memcpy(&address, entry->ifa_addr, family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6));
+        found = true;
+      }
     }
     ::freeifaddrs(list);
-    TORCH_CHECK(found, "GLOO_SOCKET_IFNAME names interface '", interface, "', which has no IPv4 or IPv6 address here");
+    TORCH_CHECK(found, "GLOO_SOCKET_IFNAME names interface '", interface,
+                "', which has no IPv4 or routable IPv6 address here");
     return address;
   }
   char hostname[256] = {};
@@ -133,7 +141,22 @@ sockaddr_storage link_address() {
   const int status = ::getaddrinfo(hostname, nullptr, &hints, &found);
   TORCH_CHECK(status == 0 && found != nullptr, "the hostname '", hostname, "' does not resolve (", gai_strerror(status),
               "); set GLOO_SOCKET_IFNAME to the interface that joins the hosts");
-  std::memcpy(&address, found->ai_addr, found->ai_addrlen);
+  // The first address that is neither loopback (Debian's /etc/hosts maps the hostname to 127.0.1.1)
+  // nor link-local, else the first: every rank on one machine (DDPKIT_TEST_HOSTS) reaches that too.
+  const addrinfo* chosen = found;
+  for (const addrinfo* entry = found; entry != nullptr; entry = entry->ai_next) {
+    const bool usable =
+        (entry->ai_family == AF_INET &&
+         (ntohl(reinterpret_cast<const sockaddr_in*>(entry->ai_addr)->sin_addr.s_addr) >> 24) != 127) ||
+        (entry->ai_family == AF_INET6 &&
+         !IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(entry->ai_addr)->sin6_addr) &&
+         !IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<const sockaddr_in6*>(entry->ai_addr)->sin6_addr));
+    if (usable) {
+      chosen = entry;
+      break;
+    }
+  }
+  std::memcpy(&address, chosen->ai_addr, chosen->ai_addrlen);
   ::freeaddrinfo(found);
   return address;
 }
@@ -166,7 +189,7 @@ struct Record {
   uint64_t magic;
   uint64_t token;
   uint16_t family;
-  uint16_t port;  // network order
+  uint16_t port;  // network order; 0: this rank could not listen (its own error says why)
   uint8_t address[16];
   uint8_t padding[4];
 };
@@ -195,27 +218,58 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
                                                   std::chrono::milliseconds timeout) {
   const int size = static_cast<int>(group_ranks.size());
   TORCH_INTERNAL_ASSERT(rank >= 0 && rank < size);
-  const Clock::time_point deadline = Clock::now() + timeout;
-  sockaddr_storage mine = link_address();
-  Fd listener(::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  TORCH_CHECK(listener.get() >= 0, "socket failed: ", errno_text());
-  TORCH_CHECK(::bind(listener.get(), reinterpret_cast<sockaddr*>(&mine), address_length(mine)) == 0,
-              "cannot listen on ", address_text(mine), ": ", errno_text());
-  TORCH_CHECK(::listen(listener.get(), size) == 0, "listen failed: ", errno_text());
-  socklen_t length = sizeof(mine);
-  TORCH_CHECK(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&mine), &length) == 0,
-              "getsockname failed: ", errno_text());
+  // A rank that cannot listen still joins the all-gather below, announcing no address, so that every
+  // rank raises now, naming it, rather than at the group's timeout.
+  sockaddr_storage mine{};
+  Fd listener;
+  std::string local_error;
+  try {
+    TORCH_CHECK(!faults::armed("links_cannot_listen", group_ranks[rank]), "the test fault links_cannot_listen");
+    mine = link_address();
+    listener = Fd(::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    TORCH_CHECK(listener.get() >= 0, "socket failed: ", errno_text());
+    TORCH_CHECK(::bind(listener.get(), reinterpret_cast<sockaddr*>(&mine), address_length(mine)) == 0,
+                "cannot listen on ", address_text(mine), ": ", errno_text());
+    TORCH_CHECK(::listen(listener.get(), SOMAXCONN) == 0, "listen failed: ", errno_text());
+    socklen_t length = sizeof(mine);
+    TORCH_CHECK(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&mine), &length) == 0,
+                "getsockname failed: ", errno_text());
+  } catch (const c10::Error& e) {
+    local_error = e.what_without_backtrace();
+  }
 
   std::random_device random;
   Record record{};
   record.magic = kRecordMagic;
   record.token = (static_cast<uint64_t>(random()) << 32) ^ random();
-  record.family = mine.ss_family;
-  record.port = port_of(mine);
-  if (mine.ss_family == AF_INET) {
-    std::memcpy(record.address, &reinterpret_cast<sockaddr_in&>(mine).sin_addr, 4);
-  } else {
-    std::memcpy(record.address, &reinterpret_cast<sockaddr_in6&>(mine).sin6_addr, 16);
+  if (local_error.empty()) {
+    record.family = mine.ss_family;
+    record.port = port_of(mine);
+    if (mine.ss_family == AF_INET) {
+      std::memcpy(record.address, &reinterpret_cast<sockaddr_in&>(mine).sin_addr, 4);
+    } else {
+      std::memcpy(record.address, &reinterpret_cast<sockaddr_in6&>(mine).sin6_addr, 16);
+    }
+  }
+  // Test fault stray_links: connections that are not a rank's, queued before any rank can connect
+  // (every rank connects after the all-gather): one names the rank this one expects first with a
+  // wrong token, one sends junk and hangs up. Set-up must close both and still link every rank.
+  std::vector<Fd> strays;
+  const bool strays_armed = faults::armed("stray_links", group_ranks[rank]) && rank + 1 < size && local_error.empty();
+  if (strays_armed) {
+    const Clock::time_point soon = Clock::now() + std::chrono::seconds(10);
+    for (int stray = 0; stray < 2; ++stray) {
+      Fd fd(::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      TORCH_CHECK(::connect(fd.get(), reinterpret_cast<sockaddr*>(&mine), address_length(mine)) == 0,
+                  "the stray connection failed: ", errno_text());
+      const Hello forged{kHelloMagic, record.token + 1, static_cast<uint64_t>(rank + 1)};
+      if (stray == 0) {
+        write_all(fd.get(), &forged, sizeof(forged), soon, "this rank");
+        strays.push_back(std::move(fd));
+      } else {
+        write_all(fd.get(), "junk", 4, soon, "this rank");
+      }
+    }
   }
   at::Tensor input = at::empty({static_cast<int64_t>(sizeof(Record))}, at::kByte);
   std::memcpy(input.data_ptr(), &record, sizeof(Record));
@@ -223,6 +277,9 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
   for (int r = 0; r < size; ++r) outputs[0].push_back(at::empty_like(input));
   std::vector<at::Tensor> inputs{input};
   backend.allgather(outputs, inputs)->wait();
+  TORCH_CHECK(local_error.empty(), local_error);
+  // From here on every rank is present: the links get the whole timeout, whoever came late.
+  const Clock::time_point deadline = Clock::now() + timeout;
 
   std::vector<Record> records(size);
   std::vector<sockaddr_storage> addresses(size);
@@ -231,7 +288,7 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
     const Record& theirs = records[r];
     TORCH_CHECK(theirs.magic == kRecordMagic && (theirs.family == AF_INET || theirs.family == AF_INET6) &&
                     theirs.port != 0,
-                "rank ", group_ranks[r], " announced no valid address for the links across hosts");
+                "rank ", group_ranks[r], " could not listen for the links across hosts (its own error says why)");
     sockaddr_storage& address = addresses[r];
     address.ss_family = theirs.family;
     port_of(address) = theirs.port;
@@ -253,7 +310,8 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
       TORCH_CHECK(wait_for(fd.get(), POLLOUT, deadline), "timed out connecting to ", whom);
       int error = 0;
       socklen_t error_length = sizeof(error);
-      ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &error_length);
+      TORCH_CHECK(::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &error_length) == 0, "getsockopt failed: ",
+                  errno_text());
       TORCH_CHECK(error == 0, "cannot connect to ", whom, ": ", std::strerror(error));
     }
     set_no_delay(fd.get());
@@ -265,53 +323,48 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
     links[peer] = std::move(fd);
   }
   // Accept every higher rank; close whatever does not name this rank's token and a rank still expected.
-  std::vector<Fd> strays;
-  if (faults::armed("stray_links", group_ranks[rank]) && rank + 1 < size) {
-    // Connections that are not a rank's: one names the expected rank with a wrong token, one sends
-    // junk and hangs up. Set-up must close both and still link every rank.
-    for (int stray = 0; stray < 2; ++stray) {
-      Fd fd(::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-      TORCH_CHECK(::connect(fd.get(), reinterpret_cast<sockaddr*>(&mine), address_length(mine)) == 0,
-                  "the stray connection failed: ", errno_text());
-      const Hello forged{kHelloMagic, records[rank].token + 1, static_cast<uint64_t>(rank + 1)};
-      if (stray == 0) {
-        write_all(fd.get(), &forged, sizeof(forged), deadline, "this rank");
-        strays.push_back(std::move(fd));
-      } else {
-        write_all(fd.get(), "junk", 4, deadline, "this rank");
-      }
-    }
-  }
+  int rejected = 0;
   for (int expected = size - 1 - rank; expected > 0;) {
     TORCH_CHECK(wait_for(listener.get(), POLLIN, deadline), "timed out waiting for ", expected,
                 " higher rank(s) of the links across hosts to connect to ", address_text(mine));
     Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-    if (fd.get() < 0) continue;
+    if (fd.get() < 0) {
+      TORCH_CHECK(errno == ECONNABORTED || errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK,
+                  "accepting the links across hosts failed: ", errno_text());
+      continue;
+    }
     Hello hello{};
     try {
       // A stray connection may send nothing: it gets a few seconds, never past the deadline.
       read_all(fd.get(), &hello, sizeof(hello), std::min(deadline, Clock::now() + std::chrono::seconds(10)),
                "a connecting rank");
     } catch (const c10::Error&) {
+      ++rejected;
       continue;
     }
     const bool wanted = hello.magic == kHelloMagic && hello.token == records[rank].token &&
                         hello.rank > static_cast<uint64_t>(rank) && hello.rank < static_cast<uint64_t>(size) &&
                         links[hello.rank].get() < 0;
-    if (!wanted) continue;
+    if (!wanted) {
+      ++rejected;
+      continue;
+    }
     set_no_delay(fd.get());
     const Ack ack{kAckMagic, static_cast<uint64_t>(rank)};
     write_all(fd.get(), &ack, sizeof(ack), deadline, c10::str("rank ", group_ranks[hello.rank], " (links across hosts)"));
     links[hello.rank] = std::move(fd);
     --expected;
   }
+  TORCH_CHECK(!strays_armed || rejected == 2, "stray_links: set-up rejected ", rejected, " of its 2 strays");
   std::vector<int> fds(size, -1);
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank) continue;
-    const int fd = links[peer].release();
-    const int flags = ::fcntl(fd, F_GETFL);
-    ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
-    fds[peer] = fd;
+    const int flags = ::fcntl(links[peer].get(), F_GETFL);
+    TORCH_CHECK(flags >= 0 && ::fcntl(links[peer].get(), F_SETFL, flags | O_NONBLOCK) == 0, "fcntl failed: ",
+                errno_text());
+  }
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer != rank) fds[peer] = links[peer].release();
   }
   return std::unique_ptr<SocketLinks>(new SocketLinks(rank, std::move(fds), std::move(group_ranks), timeout));
 }
@@ -322,12 +375,20 @@ SocketLinks::~SocketLinks() {
   }
 }
 
-void SocketLinks::fail(int peer, const std::string& why) {
+void SocketLinks::fail(int peer, const std::string& why, const std::vector<int>& cut_off) {
   failed_peer_ = peer;
   broken_ = why;
-  // Its peer may be waiting for this rank's frame: hanging up tells it now, not at the timeout.
+  // Hanging up tells a peer now, not at the timeout, that this rank gave up: the failed one, and
+  // those whose frame from this rank stopped halfway (their stream can never be resumed).
   if (peer >= 0 && fds_[peer] >= 0) ::shutdown(fds_[peer], SHUT_RDWR);
+  for (int other : cut_off) ::shutdown(fds_[other], SHUT_RDWR);
   TORCH_CHECK(false, why);
+}
+
+void SocketLinks::shut_down() noexcept {
+  for (int fd : fds_) {
+    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+  }
 }
 
 void SocketLinks::send_last_words(uint64_t sequence, int peer, const void* data, int64_t bytes) noexcept {
@@ -344,14 +405,13 @@ void SocketLinks::send_last_words(uint64_t sequence, int peer, const void* data,
 
 void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs) {
   if (!broken_.empty()) {
-    for (int fd : fds_) {
-      if (fd >= 0) ::shutdown(fd, SHUT_RDWR);  // so that no peer waits for this rank's frames
-    }
+    shut_down();  // so that no peer waits for this rank's frames
     TORCH_CHECK(false, "the links across hosts broke in an earlier collective: ", broken_);
   }
-  if (faults::armed("stale_link_frame", group_ranks_[rank_]) && stale_frame_pending_) {
+  uint64_t sent_sequence = sequence;
+  if (!sends.empty() && stale_frame_pending_ && faults::armed("stale_link_frame", group_ranks_[rank_])) {
     stale_frame_pending_ = false;
-    --sequence;  // as a frame of an abandoned collective would arrive
+    --sent_sequence;  // as a frame of an abandoned collective would arrive
   }
   const Clock::time_point deadline = Clock::now() + timeout_;
   struct Outgoing {
@@ -366,15 +426,28 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
   std::vector<Outgoing> outgoing(sends.size());
   std::vector<Incoming> incoming(recvs.size());
   constexpr auto kHeaderBytes = static_cast<int64_t>(sizeof(FrameHeader));
+  // One frame per peer and direction: two would interleave on the one stream.
+  std::vector<char> sending(fds_.size(), 0), receiving(fds_.size(), 0);
   for (size_t i = 0; i < sends.size(); ++i) {
-    TORCH_INTERNAL_ASSERT(sends[i].peer != rank_ && fds_.at(sends[i].peer) >= 0);
-    outgoing[i].header = {kFrameMagic, sequence, static_cast<uint64_t>(sends[i].first_bytes + sends[i].second_bytes)};
+    TORCH_INTERNAL_ASSERT(sends[i].peer != rank_ && fds_.at(sends[i].peer) >= 0 && !sending[sends[i].peer]++);
+    outgoing[i].header = {kFrameMagic, sent_sequence,
+                          static_cast<uint64_t>(sends[i].first_bytes + sends[i].second_bytes)};
     note_message_sent(sends[i].first_bytes + sends[i].second_bytes);
   }
   for (Recv& recv : recvs) {
-    TORCH_INTERNAL_ASSERT(recv.peer != rank_ && fds_.at(recv.peer) >= 0);
+    TORCH_INTERNAL_ASSERT(recv.peer != rank_ && fds_.at(recv.peer) >= 0 && !receiving[recv.peer]++);
     recv.received = 0;
   }
+  // Gives up this exchange over `peer`'s failure (-1: this rank's own), cutting off the peers whose
+  // frame from this rank stopped halfway.
+  auto give_up = [&](int peer, const std::string& why) {
+    std::vector<int> cut_off;
+    for (size_t i = 0; i < sends.size(); ++i) {
+      const int64_t total = kHeaderBytes + static_cast<int64_t>(outgoing[i].header.bytes);
+      if (outgoing[i].done > 0 && outgoing[i].done < total) cut_off.push_back(sends[i].peer);
+    }
+    fail(peer, why, cut_off);
+  };
   auto send_total = [&](size_t i) { return kHeaderBytes + static_cast<int64_t>(outgoing[i].header.bytes); };
   auto recv_total = [&](size_t i) {
     return incoming[i].done < kHeaderBytes ? kHeaderBytes + 1 : kHeaderBytes + static_cast<int64_t>(incoming[i].header.bytes);
@@ -406,7 +479,7 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
         const ssize_t sent = ::sendmsg(fds_[send.peer], &message, MSG_NOSIGNAL);
         if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         if (sent < 0 && errno == EINTR) continue;
-        if (sent < 0) fail(send.peer, c10::str("sending to rank ", group_ranks_[send.peer], " failed: ", errno_text()));
+        if (sent < 0) give_up(send.peer, c10::str("sending to rank ", group_ranks_[send.peer], " failed: ", errno_text()));
         out.done += sent;
       }
       if (out.done < send_total(i)) ++unfinished;
@@ -422,17 +495,18 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
         if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         if (got < 0 && errno == EINTR) continue;
         if (got == 0) {
-          fail(recv.peer, c10::str("rank ", group_ranks_[recv.peer], " closed its connection: its process died or left the group"));
+          give_up(recv.peer, c10::str("rank ", group_ranks_[recv.peer],
+                                   " closed its connection: its process died or gave up this collective"));
         }
-        if (got < 0) fail(recv.peer, c10::str("receiving from rank ", group_ranks_[recv.peer], " failed: ", errno_text()));
+        if (got < 0) give_up(recv.peer, c10::str("receiving from rank ", group_ranks_[recv.peer], " failed: ", errno_text()));
         in.done += got;
         if (in.done == kHeaderBytes) {
           const FrameHeader& header = in.header;
           if (header.magic != kFrameMagic || header.sequence != sequence ||
-              header.bytes > static_cast<uint64_t>(recv.capacity)) {
-            fail(recv.peer, c10::str("rank ", group_ranks_[recv.peer], " sent a frame of collective ", header.sequence, " with ",
-                                     header.bytes, " bytes where collective ", sequence, " expected at most ",
-                                     recv.capacity));
+              header.bytes > static_cast<uint64_t>(recv.capacity) || header.bytes < static_cast<uint64_t>(recv.minimum)) {
+            give_up(recv.peer, c10::str("rank ", group_ranks_[recv.peer], " sent a frame of collective ", header.sequence, " with ",
+                                     header.bytes, " bytes where collective ", sequence, " expected ",
+                                     recv.minimum, " to ", recv.capacity));
           }
         }
       }
@@ -446,7 +520,7 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
           try {
             recv.on_data(ready);
           } catch (const std::exception& e) {
-            fail(recv.peer, e.what());  // the frame is only partly read: the stream cannot go on
+            give_up(recv.peer, e.what());  // the frame is only partly read: the stream cannot go on
           }
           in.reported = ready;
         }
@@ -478,9 +552,9 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     }
     const int ready = ::poll(waiting.data(), waiting.size(), remaining_ms(deadline));
     if (ready < 0 && errno == EINTR) continue;
-    if (ready < 0) fail(waiting_peer.front(), c10::str("poll failed: ", errno_text()));
+    if (ready < 0) give_up(-1, c10::str("poll failed: ", errno_text()));
     if (ready == 0) {
-      fail(waiting_peer.front(), c10::str("timed out after ", timeout_.count(), " ms waiting for rank ",
+      give_up(waiting_peer.front(), c10::str("timed out after ", timeout_.count(), " ms waiting for rank ",
                                           group_ranks_[waiting_peer.front()]));
     }
   }

@@ -20,21 +20,24 @@ namespace ddpkit::comm {
 // the caller's thread, took 0.06 ms, and gloo's all-reduce after it ran as fast as alone (100k
 // floats: 0.88 against 0.78 ms, within the noise; after gloo's ping-pong 1.77). So the ranks of a
 // cross subgroup (Hierarchy::cross) keep one TCP connection per pair for the check's round, and
-// gloo carries the large data steps.
+// between two hosts for the all-reduce's swap too (Note [Hierarchical collectives]); the other
+// steps across hosts stay on gloo.
 //  - Set-up, a collective of the cross subgroup: every rank listens on the address gloo uses (the
-//    first interface of GLOO_SOCKET_IFNAME, else its hostname's address), and the ranks all-gather
-//    their address, port and a fresh random token over the subgroup's gloo backend, never through
-//    the store. Each rank connects to every lower rank and introduces itself with that rank's token;
+//    first interface of GLOO_SOCKET_IFNAME, else its hostname's address, preferring one that is
+//    neither loopback nor link-local), and the ranks all-gather their address, port and a fresh
+//    random token over the subgroup's gloo backend, never through the store; a rank that cannot
+//    listen says so there, and every rank raises. Each rank connects to every lower rank and introduces itself with that rank's token;
 //    an acceptor closes any connection that does not name its token and a rank it still expects, and
 //    answers the others, so every link is known good when set-up returns.
 //  - Messages are frames: a magic word, the collective's sequence number and the length, then the
-//    bytes. A receive names its largest size; a longer frame, another sequence number or another
-//    magic breaks the links rather than be misread.
+//    bytes. A receive names its smallest and largest size; a frame outside them, another sequence
+//    number or another magic breaks the links rather than be misread.
 //  - exchange() moves a collective's frames all at once (non-blocking sockets, one poll loop), so
 //    two ranks that both send never wait on each other's buffers. A peer that dies closes its end,
 //    which the poll sees at once; a peer that stops is given up at the group's timeout. Either
-//    failure breaks the links: the link to the failed peer is shut down, so that it raises at once
-//    too, and every later exchange raises at once (shutting the rest down), as gloo's pairs do.
+//    failure breaks the links: the link to the failed peer, and every link a frame stopped halfway
+//    on, is shut down, so that those peers raise at once too, and every later exchange raises at
+//    once (shutting the rest down), as gloo's pairs do.
 class SocketLinks {
  public:
   // One frame to send: `first` then `second` (either may be empty), as one message.
@@ -57,6 +60,7 @@ class SocketLinks {
     int64_t received = 0;
     std::function<void(int64_t)> on_data = nullptr;
     int64_t step = 0;
+    int64_t minimum = 0;  // a shorter frame breaks the links, as a longer one than `capacity` does
   };
 
   // Connects rank `rank` of `backend` (a gloo backend of the ranks `group_ranks` of the caller's
@@ -75,6 +79,9 @@ class SocketLinks {
   // failed_peer() names the peer.
   void exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs);
 
+  // Shuts every link down, so that no peer waits for this rank (after a failure).
+  void shut_down() noexcept;
+
   // After exchange() raised: best effort, sends `peer` one frame of `bytes` (a center's news of which
   // rank failed, Note [One round across hosts]) over its own connection, which may still work;
   // gives up after a second and never raises.
@@ -88,7 +95,7 @@ class SocketLinks {
  private:
   SocketLinks(int rank, std::vector<int> fds, std::vector<int> group_ranks, std::chrono::milliseconds timeout)
       : rank_(rank), fds_(std::move(fds)), group_ranks_(std::move(group_ranks)), timeout_(timeout) {}
-  [[noreturn]] void fail(int peer, const std::string& why);
+  [[noreturn]] void fail(int peer, const std::string& why, const std::vector<int>& cut_off);
 
   int rank_;
   std::vector<int> fds_;  // by peer; -1 for this rank
