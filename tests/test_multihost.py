@@ -291,16 +291,22 @@ def test_stray_connections_at_the_links_set_up_are_closed_and_the_ranks_still_li
         assert torch.equal(tensor, torch.full((100_000,), 3.0))
 
 
+def all_reduce_on_two_hosts_with_fault(fault):
+    """Each rank's outcome of one small all-reduce across 2 hosts x 1 rank with DDPKIT_TEST_FAULT set:
+    the run's 40 s are shorter than the group's timeout (60 s), so a rank that waits it out fails."""
+    pool = HostPool([1, 1], group_timeout=60.0, env={"DDPKIT_TEST_FAULT": fault})
+    try:
+        return pool.run(case_all_reduce_sum, 1000, return_exceptions=True, timeout=40)
+    finally:
+        pool.close()
+
+
 @needs_hosts
 def test_a_rank_that_cannot_listen_for_its_links_is_named_on_both_hosts_at_once():
     # Rank 1 fails before the set-up's all-gather of addresses (the fault links_cannot_listen): it
     # still joins it, announcing no address, so rank 0 raises naming it instead of waiting out the
     # group's timeout (60 s, beyond the run's 40).
-    pool = HostPool([1, 1], group_timeout=60.0, env={"DDPKIT_TEST_FAULT": "links_cannot_listen:1"})
-    try:
-        outcomes = pool.run(case_all_reduce_sum, 1000, return_exceptions=True, timeout=40)
-    finally:
-        pool.close()
+    outcomes = all_reduce_on_two_hosts_with_fault("links_cannot_listen:1")
     assert isinstance(outcomes[1], RuntimeError) and "links_cannot_listen" in str(outcomes[1]), outcomes[1]
     assert isinstance(outcomes[0], RuntimeError) and "rank 1 could not listen" in str(outcomes[0]), outcomes[0]
 
@@ -310,11 +316,7 @@ def test_a_frame_of_another_collective_raises_on_both_hosts_at_once():
     # Rank 1's first frame over the links carries the previous collective's number (the fault
     # stale_link_frame): rank 0 must refuse it, not read it as this collective's, and rank 1 must
     # learn at once that rank 0 gave up, not at the group's timeout.
-    pool = HostPool([1, 1], group_timeout=60.0, env={"DDPKIT_TEST_FAULT": "stale_link_frame:1"})
-    try:
-        outcomes = pool.run(case_all_reduce_sum, 1000, return_exceptions=True, timeout=40)
-    finally:
-        pool.close()
+    outcomes = all_reduce_on_two_hosts_with_fault("stale_link_frame:1")
     assert isinstance(outcomes[0], RuntimeError) and "rank 1 sent a frame of collective" in str(outcomes[0]), \
         outcomes[0]
     assert isinstance(outcomes[1], RuntimeError) and "rank 0" in str(outcomes[1]), outcomes[1]
