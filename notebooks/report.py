@@ -667,7 +667,7 @@ interleaved in the same repetitions:
 
 | name | what runs |
 |---|---|
-| `ddpkit` | `ddpkit.all_reduce(t)` on the gloo group (`algorithm="auto"`): ddpkit's hierarchical all-reduce. Up to 64 KiB, the host's all-reduce over its shared memory, then one round across hosts that carries the collective check and the host's result to one rank and the total back; above, the check's round, a reduce-scatter over each host's shared memory, every rank swapping its slice with its counterpart on the other host (both ways at once, each part reduced as it arrives), and an all-gather over shared memory. Everything that crosses hosts goes over TCP connections of ddpkit's own between the ranks (Note [Socket links]), not gloo's. At 2x1 only the steps across hosts run |
+| `ddpkit` | `ddpkit.all_reduce(t)` on the gloo group (`algorithm="auto"`): ddpkit's hierarchical all-reduce. Up to 64 KiB, the host's all-reduce over its shared memory, then one round across hosts that carries the collective check and the host's result to one rank and the total back; above, the check's round, a reduce-scatter over each host's shared memory, every rank swapping its slice with its counterpart on the other host (both ways at once, each part reduced as it arrives), and an all-gather over shared memory. Everything that crosses hosts goes over TCP connections of ddpkit's own between the ranks, not gloo's. At 2x1 only the steps across hosts run |
 | `ddpkit_flat` | `ddpkit.all_reduce(t, algorithm="halving_doubling")`: a ddpkit schedule over gloo's send/recv that ignores the hosts |
 | `ddpkit_backend` | `torch.distributed.all_reduce` on a group of the "ddpkit" backend: ddpkit's engine behind torch's own API |
 | `gloo` | `torch.distributed.all_reduce` on the gloo group: the baseline |
