@@ -210,8 +210,9 @@ def test_a_rank_killed_on_a_third_host_is_reported_by_both_others():
 
 
 def case_swapped_blocks(numel):
-    """Large all-reduces that two hosts swap over their socket links (Note [Socket links]): random
-    floats with NaNs and signed zeros on some ranks, and integers, for every op."""
+    """Large all-reduces, reduce-scatters and reduces whose step across two hosts goes over the socket
+    links (Note [Socket links]): random floats with NaNs and signed zeros on some ranks, and integers,
+    for every op."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
     for dtype in (torch.float32, torch.float64, torch.int32, torch.int64):
@@ -219,7 +220,13 @@ def case_swapped_blocks(numel):
         for op in ops:
             tensor = swap_input(rank, numel, dtype)
             ddpkit.all_reduce(tensor, op=op)
-            out[(str(dtype), op)] = tensor
+            out[("all_reduce", str(dtype), op)] = tensor
+            scattered = torch.empty(numel, dtype=dtype)
+            ddpkit.reduce_scatter_tensor(scattered, swap_input(rank, world_size * numel, dtype), op=op)
+            out[("reduce_scatter", str(dtype), op)] = scattered
+            tensor = swap_input(rank, numel, dtype)
+            ddpkit.reduce(tensor, dst=world_size - 1, op=op)  # the root on the second host
+            out[("reduce", str(dtype), op)] = tensor if rank == world_size - 1 else None
     return out
 
 
@@ -232,32 +239,49 @@ def swap_input(rank, numel, dtype):
     return tensor
 
 
+def swapped_reference(op, inputs):
+    """Note [Reductions]'s result of `op` over `inputs`, in float64 for the sum and the mean."""
+    expected = inputs[0].double() if op in ("sum", "mean") else inputs[0].clone()
+    for other in inputs[1:]:
+        expected = expected + other.double() if op in ("sum", "mean") else ieee_extremum(expected, other, op)
+    return expected / len(inputs) if op == "mean" else expected
+
+
+def assert_reduced_as_the_note_says(tensor, expected, op, what):
+    if op in ("sum", "mean"):
+        torch.testing.assert_close(tensor.double(), expected, rtol=1e-6, atol=1e-5, equal_nan=True, msg=what)
+        return
+    floating = tensor.dtype.is_floating_point
+    assert not floating or torch.equal(tensor.isnan(), expected.isnan()), what
+    keep = ~tensor.isnan() if floating else torch.ones_like(tensor, dtype=torch.bool)
+    assert torch.equal(tensor[keep].view(-1), expected[keep].view(-1)), what
+    assert not floating or torch.equal(torch.signbit(tensor[keep]), torch.signbit(expected[keep])), what
+
+
 @needs_hosts
 @pytest.mark.parametrize("name", ["2x1", "2x2"])
 def test_two_hosts_swap_large_blocks_with_every_op_and_identical_bits(hosts, name):
     numel = 100_003  # larger than one round across hosts carries, and odd
     per_rank = hosts(name).run(case_swapped_blocks, numel, timeout=300)
     world_size = len(per_rank)
-    for (dtype_name, op), tensor in per_rank[0].items():
+    for (collective, dtype_name, op), tensor in per_rank[0].items():
         dtype = getattr(torch, dtype_name.split(".")[-1])
-        inputs = [swap_input(r, numel, dtype) for r in range(world_size)]
-        expected = inputs[0].double() if op in ("sum", "mean") else inputs[0].clone()
-        for other in inputs[1:]:
-            expected = expected + other.double() if op in ("sum", "mean") else ieee_extremum(expected, other, op)
-        if op == "mean":
-            torch.testing.assert_close(tensor.double(), expected / world_size, rtol=1e-6, atol=1e-6, equal_nan=True)
-        elif op == "sum":
-            torch.testing.assert_close(tensor.double(), expected, rtol=1e-6, atol=1e-5, equal_nan=True)
+        what = f"{collective} {dtype_name} {op}"
+        if collective == "all_reduce":
+            expected = swapped_reference(op, [swap_input(r, numel, dtype) for r in range(world_size)])
+            assert_reduced_as_the_note_says(tensor, expected, op, what)
+            for rank in range(1, world_size):
+                theirs = per_rank[rank][(collective, dtype_name, op)]
+                assert torch.equal(theirs.view(torch.uint8), tensor.view(torch.uint8)), \
+                    f"{what}: rank {rank}'s bits differ from rank 0's"
+        elif collective == "reduce_scatter":
+            expected = swapped_reference(op, [swap_input(r, world_size * numel, dtype) for r in range(world_size)])
+            for rank in range(world_size):
+                assert_reduced_as_the_note_says(per_rank[rank][(collective, dtype_name, op)],
+                                                expected[rank * numel:(rank + 1) * numel], op, f"{what} rank {rank}")
         else:
-            assert torch.equal(tensor.isnan(), expected.isnan()) if dtype.is_floating_point else True
-            keep = ~tensor.isnan() if dtype.is_floating_point else torch.ones_like(tensor, dtype=torch.bool)
-            assert torch.equal(tensor[keep].view(-1), expected[keep].view(-1)), (dtype_name, op)
-            if dtype.is_floating_point:
-                assert torch.equal(torch.signbit(tensor[keep]), torch.signbit(expected[keep])), (dtype_name, op)
-        for rank in range(1, world_size):
-            theirs = per_rank[rank][(dtype_name, op)]
-            assert torch.equal(theirs.view(torch.uint8), tensor.view(torch.uint8)), \
-                f"{dtype_name} {op}: rank {rank}'s bits differ from rank 0's"
+            expected = swapped_reference(op, [swap_input(r, numel, dtype) for r in range(world_size)])
+            assert_reduced_as_the_note_says(per_rank[-1][(collective, dtype_name, op)], expected, op, what)
 
 
 def ieee_extremum(a, b, op):
@@ -409,8 +433,8 @@ def case_collectives_and_their_messages(numel):
 def test_collectives_across_hosts_are_exact_and_send_what_the_note_says(labels, numel):
     # Note [Hierarchical collectives] and Note [One round across hosts]: shared memory inside each
     # host; across hosts one message to the partner for the check (carrying the data where it fits),
-    # then, for larger tensors, ddpkit's binomial broadcast and reduce and its rings (all-gather,
-    # reduce-scatter) over the process group's messages.
+    # then, for larger tensors, one frame over the socket links between the two hosts for the
+    # broadcast and the reduce, and a swap of blocks for the all-gather and the reduce-scatter.
     world_size = 4
     with WorkerPool(world_size, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": labels}) as pool:
         per_rank = pool.run(case_collectives_and_their_messages, numel)
@@ -434,8 +458,7 @@ def test_collectives_across_hosts_are_exact_and_send_what_the_note_says(labels, 
             # Equal hosts: 14 collectives (a broadcast, 6 reduces, 4 reduce-scatters, 2 all-gathers,
             # a barrier), one check message to the one partner each. Larger than a round carries,
             # the reduces off the root's host send their slice (3 of 6), and every reduce-scatter
-            # and all-gather one ring message (ddpkit's own steps across hosts, Note [Hierarchical
-            # collectives]).
+            # and all-gather one frame of its swap (Note [Hierarchical collectives]).
             # The larger broadcast: its root sends its partner on the other host the tensor.
             assert messages == 14 + (0 if numel == 1001 else 3 + 4 + 2 + (rank == 3)), (rank, messages)
 @pytest.mark.parametrize("labels", ["a,a,b,b", "a,b,b,b"])

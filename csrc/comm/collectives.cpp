@@ -550,40 +550,65 @@ Communicator cross_communicator(const Hierarchy& h, const Communicator& comm) {
   return Communicator(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
 }
 
-// The part of a swap across two hosts reduced at a time while the rest arrives. Two simulated hosts
+// The part of a frame across two hosts reduced at a time while the rest arrives. Two simulated hosts
 // x 1 rank, against reducing once everything is in: 1M floats 3.76 against 4.09 ms unshaped and
 // 34.5 against 34.9 ms at 1 Gbit/s, 16M floats 46.3 against 47.8 ms (1 MiB parts: 4.14 and 45.9 ms).
 constexpr int64_t kSwapStepBytes = 256 << 10;
 
+// The steps across two hosts (h.cross_size == 2) move over the socket links (Note [Socket links]):
+// `sends` go to the other host while its frame of exactly `mine`'s size arrives and is reduced into
+// `mine` (contiguous) part by part, in host order, so that both hosts reduce to the same bits. A
+// part is reduced once it is in and, where `sends` reads `mine`, once this rank's copy of it has
+// left. A kMean is summed; the caller divides once. A peer that passed another size breaks the links
+// (with checks off), and both ranks raise, naming the sizes.
+void receive_and_combine_across_two_hosts(const at::Tensor& mine, ReduceOp op, std::vector<SocketLinks::Send> sends,
+                                          const Hierarchy& h, Communicator& comm) {
+  TORCH_INTERNAL_ASSERT(h.cross_size == 2 && mine.is_contiguous());
+  const int peer = 1 - h.cross_rank;
+  const int64_t element = mine.element_size();
+  const int64_t bytes = mine.numel() * element;
+  const ReduceOp sum_or_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  at::Tensor theirs = h.scratch.get(ScratchBuffers::kFromPeer, mine.numel(), mine.scalar_type());
+  int64_t reduced = 0;  // elements
+  auto reduce_ready = [&](int64_t ready_bytes) {
+    const int64_t ready = ready_bytes / element;
+    combine_(slice(mine, reduced, ready), slice(theirs, reduced, ready), sum_or_op, /*other_first=*/peer == 0);
+    reduced = ready;
+  };
+  std::vector<SocketLinks::Recv> recvs{{peer, theirs.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
+  h.links->exchange(comm.sequence(), std::move(sends), recvs);
+  TORCH_INTERNAL_ASSERT(reduced == mine.numel());
+}
+
+// Between two hosts, sends `outgoing` (null: nothing) to the other host while its frame of exactly
+// `incoming`'s size (undefined: none) arrives into `incoming`, both contiguous, over the socket links.
+void move_across_two_hosts(const at::Tensor& outgoing, const at::Tensor& incoming, const Hierarchy& h,
+                           Communicator& comm) {
+  TORCH_INTERNAL_ASSERT(h.cross_size == 2);
+  const int peer = 1 - h.cross_rank;
+  std::vector<SocketLinks::Send> sends;
+  if (outgoing.defined()) sends.push_back({peer, outgoing.data_ptr(), static_cast<int64_t>(outgoing.nbytes())});
+  std::vector<SocketLinks::Recv> recvs;
+  if (incoming.defined()) {
+    const auto bytes = static_cast<int64_t>(incoming.nbytes());
+    recvs.push_back({peer, incoming.data_ptr(), bytes, 0, nullptr, 0, bytes});
+  }
+  h.links->exchange(comm.sequence(), std::move(sends), recvs);
+}
+
 // The all-reduce of `block` (contiguous) among the ranks `h.cross` spans (one per host), in place
-// (Note [Hierarchical collectives]): between two hosts a swap over the socket links (Note [Socket
-// links]); else gloo's own for sums, ddpkit's ring for max and min. A kMean is summed here; the
-// caller divides once.
+// (Note [Hierarchical collectives]): between two hosts a swap over the socket links, each host
+// sending the other its block whole, both ways at once, then both reducing the two in host order (each
+// link carries the block once each way, as a ring's reduce-scatter and all-gather together would);
+// else gloo's own for sums, ddpkit's ring for max and min. A kMean is summed here; the caller
+// divides once.
 void cross_host_all_reduce(const at::Tensor& block, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || block.numel() == 0) return;
   across_hosts(h, comm, [&] {
     if (h.cross_size == 2) {
-      // Each host sends the other its block whole, both ways at once, then both reduce the two in
-      // host order: the same bits on both, and each link carries the block once each way, as a
-      // ring's reduce-scatter and all-gather together would.
-      // Each part is reduced as soon as it is in and this rank's own copy of it has left, while
-      // the rest is still on its way.
       const int peer = 1 - h.cross_rank;
-      const int64_t element = block.element_size();
-      const int64_t bytes = block.numel() * element;
-      const ReduceOp sum_or_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
-      at::Tensor theirs = h.scratch.get(1, block.numel(), block.scalar_type());
-      int64_t reduced = 0;  // elements
-      auto reduce_ready = [&](int64_t ready_bytes) {
-        const int64_t ready = ready_bytes / element;
-        combine_(slice(block, reduced, ready), slice(theirs, reduced, ready), sum_or_op, /*other_first=*/peer == 0);
-        reduced = ready;
-      };
-      // Exactly `bytes` (minimum and capacity): with checks off, a peer that passed another size
-      // breaks the links, and both ranks raise, naming the sizes.
-      std::vector<SocketLinks::Recv> recvs{{peer, theirs.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
-      h.links->exchange(comm.sequence(), {{peer, block.data_ptr(), bytes}}, recvs);
-      TORCH_INTERNAL_ASSERT(reduced == block.numel());
+      receive_and_combine_across_two_hosts(block, op, {{peer, block.data_ptr(), block.numel() * block.element_size()}},
+                                           h, comm);
       return;
     }
     if (op == ReduceOp::kSum || op == ReduceOp::kMean) {
@@ -931,11 +956,17 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   });
 }
 
-// `flat` of cross rank `root` to the other ranks `h.cross` spans (one per host): ddpkit's binomial
-// tree on that subgroup (every dtype alike: only bytes move).
+// `flat` of cross rank `root` to the other ranks `h.cross` spans (one per host): between two hosts
+// over the socket link, else ddpkit's binomial tree on that subgroup (every dtype alike: only bytes
+// move).
 void cross_host_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || flat.numel() == 0) return;
   across_hosts(h, comm, [&] {
+    if (h.cross_size == 2) {
+      const bool sender = h.cross_rank == root;
+      move_across_two_hosts(sender ? flat : at::Tensor(), sender ? at::Tensor() : flat, h, comm);
+      return;
+    }
     Communicator cross = cross_communicator(h, comm);
     Schedule schedule = broadcast_schedule(flat, h.cross_size, h.cross_rank, root);
     run_schedule(cross, schedule);
@@ -989,11 +1020,20 @@ int local_major_rank(const Topology& topology, int position) {
   return topology.hosts[position % hosts][position / hosts];
 }
 
-// op over the `flat` of the ranks `h.cross` spans, into `flat` of cross rank `root` (ddpkit's
-// binomial reduce on the cross subgroup; the others keep partial results).
+// op over the `flat` of the ranks `h.cross` spans, into `flat` of cross rank `root`: between two
+// hosts the other sends its `flat` over the socket link, else ddpkit's binomial reduce on the cross
+// subgroup (the others keep partial results).
 void cross_host_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || flat.numel() == 0) return;
   across_hosts(h, comm, [&] {
+    if (h.cross_size == 2) {
+      if (h.cross_rank == root) {
+        receive_and_combine_across_two_hosts(flat, op, {}, h, comm);
+      } else {
+        move_across_two_hosts(flat, at::Tensor(), h, comm);
+      }
+      return;
+    }
     Communicator cross = cross_communicator(h, comm);
     Schedule schedule = reduce_schedule(flat, op, h.cross_size, h.cross_rank, root);
     run_schedule(cross, schedule);
@@ -1001,12 +1041,18 @@ void cross_host_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hier
 }
 
 // The blocks of `flat` (cross_size blocks of m bytes, this rank's at its cross rank) of every rank
-// `h.cross` spans, into every rank's `flat` (ddpkit's ring all-gather on the cross subgroup: of 16M
-// floats across two simulated hosts, it took 0.4x the time of gloo's all-gather, 51 against 128 ms
+// `h.cross` spans, into every rank's `flat`: between two hosts a swap of the blocks over the socket
+// link, else ddpkit's ring all-gather on the cross subgroup (of 16M floats across two simulated
+// hosts, that ring over gloo's messages took 0.4x the time of gloo's all-gather, 51 against 128 ms
 // at 2x2 ranks, 28 against 75 ms at 2x1).
 void cross_host_all_gather(const at::Tensor& flat, int64_t m, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || m == 0) return;
   across_hosts(h, comm, [&] {
+    if (h.cross_size == 2) {
+      const int peer = 1 - h.cross_rank;
+      move_across_two_hosts(flat.narrow(0, h.cross_rank * m, m), flat.narrow(0, peer * m, m), h, comm);
+      return;
+    }
     Communicator cross = cross_communicator(h, comm);
     Schedule schedule = ring_all_gather_schedule(flat, m, h.cross_size, h.cross_rank);
     run_schedule(cross, schedule, schedule.size());
@@ -1123,7 +1169,15 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
     at::Tensor run = local != nullptr ? h.scratch.get(1, hosts * m, options.dtype().toScalarType()) : ordered;
     on_hosts(h, [&] {
       if (local != nullptr) local->reduce_scatter(run, ordered, local_op, header, {}, /*checked=*/false);
+      if (m == 0) return;
       across_hosts(h, comm, [&] {
+        if (h.cross_size == 2) {  // each host sends the other its block of the run, and reduces its own
+          const int peer = 1 - h.cross_rank;
+          const at::Tensor theirs = slice(run, peer * m, (peer + 1) * m);
+          receive_and_combine_across_two_hosts(slice(run, h.cross_rank * m, (h.cross_rank + 1) * m), local_op,
+                                               {{peer, theirs.data_ptr(), static_cast<int64_t>(theirs.nbytes())}}, h, comm);
+          return;
+        }
         Communicator cross = cross_communicator(h, comm);
         Schedule schedule = ring_reduce_scatter_schedule(run, m, local_op, h.cross_size, h.cross_rank);
         run_schedule(cross, schedule);

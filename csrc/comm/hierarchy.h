@@ -40,6 +40,10 @@ namespace ddpkit::comm {
 // [Reductions]'s semantics (gloo's max drops a NaN held by a later rank); between two, every op takes
 // the swap, reduced by Note [Reductions]'s rules. Every slice is reduced in one place, or in the same
 // order in both, so every rank ends with the same bits.
+// Between two hosts every step across hosts moves over the socket links: the all-reduce's swap, the
+// broadcast's and the reduce's one frame, the all-gather's and the reduce-scatter's swap of blocks;
+// the receiver reduces as parts arrive, in host order. The rest of this Note names the schedules
+// among three hosts or more.
 // The broadcast follows the same forms: with equal hosts, the ranks of the root's local rank carry
 // the tensor across hosts (ddpkit's binomial tree on their subgroup), then every host
 // broadcasts it from that local rank over shared memory; with unequal hosts, the root's host
@@ -55,11 +59,11 @@ namespace ddpkit::comm {
 // this rank's block to the ranks of its local rank (ddpkit's ring on their subgroup), then
 // all-gathers the hosts' runs inside the host; the reduce-scatter reduce-scatters the runs inside the
 // host, then each run among the ranks of its local rank (ddpkit's ring). Each host's link carries
-// (H-1)/H of its ranks' data once, the least an all-gather or reduce-scatter can. Across hosts only
-// the sum's and mean's all-reduce takes the process group's own collective (gloo's pipelined ring);
-// every other step takes ddpkit's schedules over its messages, which beat gloo's collectives there
-// (16M floats across two simulated hosts: the ring all-gather 0.4x gloo's; gloo's reduce-scatter is
-// an all-reduce). With one rank per host the all-gather's ring runs in the output itself. The
+// (H-1)/H of its ranks' data once, the least an all-gather or reduce-scatter can. Among three hosts
+// or more, only the sum's and mean's all-reduce takes the process group's own collective (gloo's
+// pipelined ring); every other step takes ddpkit's schedules over its messages, which beat gloo's
+// collectives there (16M floats across two simulated hosts: the ring all-gather 0.4x gloo's; gloo's
+// reduce-scatter is an all-reduce). With one rank per host the all-gather's ring runs in the output itself. The
 // steps' temporary buffers are reused from call to call (ScratchBuffers). With
 // unequal hosts the all-gather takes the leaders' form (runs padded to the largest host's), and the
 // reduce-scatter is the leaders' all-reduce of the whole input, of which each rank keeps its block.
@@ -88,12 +92,16 @@ namespace ddpkit::comm {
 // Buffers the hierarchical collectives of one group reuse from call to call, so that a large
 // collective does not fault in fresh pages each time: filling a fresh 64 MB buffer took 21 ms on the
 // 2-vCPU VM, a reused one 5 ms. Only that group's collectives use them, one at a time (the engine's
-// order), and never past the collective's end.
+// order), and never past the collective's end. Slots 0 and 1 hold a collective's own steps; kFromPeer
+// what the other host sends in a step across two hosts, which may reduce into either of them.
 class ScratchBuffers {
  public:
-  // `numel` elements of `dtype` of buffer `slot` (0 or 1), contents undefined; grows the buffer.
+  static constexpr int kFromPeer = 2;
+
+  // `numel` elements of `dtype` of buffer `slot` (0, 1 or kFromPeer), contents undefined; grows the
+  // buffer.
   at::Tensor get(int slot, int64_t numel, at::ScalarType dtype) {
-    TORCH_INTERNAL_ASSERT(slot >= 0 && slot < 2);
+    TORCH_INTERNAL_ASSERT(slot >= 0 && slot < static_cast<int>(buffers_.size()));
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
     at::Tensor& buffer = buffers_[slot];
     if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({bytes}, at::kByte);
@@ -101,7 +109,7 @@ class ScratchBuffers {
   }
 
  private:
-  std::array<at::Tensor, 2> buffers_;
+  std::array<at::Tensor, 3> buffers_;
 };
 
 struct Hierarchy {

@@ -20,8 +20,8 @@ namespace ddpkit::comm {
 // the caller's thread, took 0.06 ms, and gloo's all-reduce after it ran as fast as alone (100k
 // floats: 0.88 against 0.78 ms, within the noise; after gloo's ping-pong 1.77). So the ranks of a
 // cross subgroup (Hierarchy::cross) keep one TCP connection per pair for the check's round, and
-// between two hosts for the all-reduce's swap too (Note [Hierarchical collectives]); the other
-// steps across hosts stay on gloo.
+// between two hosts for every step across hosts too (Note [Hierarchical collectives]); among more
+// hosts the data steps stay on gloo.
 //  - Set-up, a collective of the cross subgroup: every rank listens on the address gloo uses (the
 //    first interface of GLOO_SOCKET_IFNAME, else its hostname's address, preferring one that is
 //    neither loopback nor link-local), and the ranks all-gather their address, port and a fresh
