@@ -1,6 +1,6 @@
 """All-reduce, the other collectives and DDP across simulated hosts: ddpkit's hierarchical collectives against gloo.
 
-    sudo .venv/bin/python benchmarks/bench_multihost.py            # about 40 minutes on 2 cores
+    sudo .venv/bin/python benchmarks/bench_multihost.py            # about 45 minutes on 2 cores
     sudo .venv/bin/python benchmarks/bench_multihost.py --quick    # a smoke run, into results/quick/
     sudo .venv/bin/python benchmarks/bench_multihost.py --topologies 2x1 --collectives all_reduce \
         --candidates ddpkit ddpkit_star ddpkit_recursive_doubling gloo --output multihost_2x1_algorithms
@@ -156,7 +156,10 @@ def main() -> None:
                         help="the all-reduce's")
     parser.add_argument("--other-sizes", nargs="+", type=int, default=[1000, 1_000_000, 16_000_000],
                         help="the other collectives'")
-    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--reps", type=int, default=25,
+                        help="the all-reduce's repetitions up to 1M floats (half above): its figures carry the bars")
+    parser.add_argument("--other-reps", type=int, default=11,
+                        help="the other collectives' repetitions up to 1M floats (half above)")
     parser.add_argument("--ddp-reps", type=int, default=10)
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP step")
     parser.add_argument("--output", default="multihost", help="results file name, without .json")
@@ -164,7 +167,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.topologies, args.links, args.sizes, args.other_sizes = ["2x2"], ["unshaped"], [1000, 100_000], [1000]
-        args.reps, args.ddp_reps = 3, 2
+        args.reps, args.other_reps, args.ddp_reps = 3, 3, 2
     candidates = list(dict.fromkeys(args.candidates + ["gloo"]))
     reason = HostPool.unavailable()
     if reason:
@@ -180,7 +183,8 @@ def main() -> None:
                 for collective in args.collectives:
                     names = candidates if collective == "all_reduce" else [c for c in candidates if c in CANDIDATES]
                     for numel in args.sizes if collective == "all_reduce" else args.other_sizes:
-                        reps = args.reps if numel <= 1_000_000 else max(3, args.reps // 3)
+                        wanted = args.reps if collective == "all_reduce" else args.other_reps
+                        reps = wanted if numel <= 1_000_000 else max(3, wanted // 2)
                         per_rank = pool.run(cases.case_collective, collective, numel, reps, calls_for(numel), names,
                                             timeout=3600)
                         gloo = common.median(slowest(per_rank, "gloo"))
@@ -218,6 +222,7 @@ def main() -> None:
         args.output, backend="gloo", device_type="cpu", quick=args.quick, records=records, summary=summary,
         settings={"topologies": args.topologies, "links": args.links, "collectives": args.collectives,
                   "sizes": args.sizes, "other_sizes": args.other_sizes, "reps": args.reps,
+                  "other_reps": args.other_reps,
                   "ddp_reps": 0 if args.no_ddp else args.ddp_reps, "candidates": candidates,
                   "ddp_candidates": [] if args.no_ddp else list(DDP_CANDIDATES),
                   "dtype": "float32", "threads_per_process": 1,
