@@ -677,6 +677,9 @@ calls; a point is the slowest rank's time per call, the median over the repetiti
 (`broadcast` and `reduce` from the last rank, `all_gather_into_tensor`, `reduce_scatter_tensor`; the size is the
 whole tensor: the all-gather's output, the reduce-scatter's input) are timed the same way with the same candidates,
 `ddpkit_flat` being ddpkit's collective with `transport="process_group"` (its flat schedule over gloo's send/recv).
+`ddpkit` runs them hierarchically too: inside each host over shared memory, and between the two hosts over the same
+TCP connections of its own (the broadcast and the reduce as one message from one host to the other, the all-gather
+and the reduce-scatter as a swap of blocks, reduced as they arrive).
 Then one DDP training step
 across 2x2 on the unshaped link (8 linear layers 1024 wide, batch 8 per rank, SGD): ddpkit's DDP (`ddpkit_ddp`),
 torch's `DistributedDataParallel` on gloo (`torch_ddp_gloo`) and torch's on the "ddpkit" backend

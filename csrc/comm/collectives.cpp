@@ -1174,8 +1174,9 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
         if (h.cross_size == 2) {  // each host sends the other its block of the run, and reduces its own
           const int peer = 1 - h.cross_rank;
           const at::Tensor theirs = slice(run, peer * m, (peer + 1) * m);
-          receive_and_combine_across_two_hosts(slice(run, h.cross_rank * m, (h.cross_rank + 1) * m), local_op,
-                                               {{peer, theirs.data_ptr(), static_cast<int64_t>(theirs.nbytes())}}, h, comm);
+          const at::Tensor mine = slice(run, h.cross_rank * m, (h.cross_rank + 1) * m);
+          receive_and_combine_across_two_hosts(
+              mine, local_op, {{peer, theirs.data_ptr(), static_cast<int64_t>(theirs.nbytes())}}, h, comm);
           return;
         }
         Communicator cross = cross_communicator(h, comm);

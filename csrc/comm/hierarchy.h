@@ -63,8 +63,8 @@ namespace ddpkit::comm {
 // or more, only the sum's and mean's all-reduce takes the process group's own collective (gloo's
 // pipelined ring); every other step takes ddpkit's schedules over its messages, which beat gloo's
 // collectives there (16M floats across two simulated hosts: the ring all-gather 0.4x gloo's; gloo's
-// reduce-scatter is an all-reduce). With one rank per host the all-gather's ring runs in the output itself. The
-// steps' temporary buffers are reused from call to call (ScratchBuffers). With
+// reduce-scatter is an all-reduce). With one rank per host the all-gather's ring runs in the output
+// itself. The steps' temporary buffers are reused from call to call (ScratchBuffers). With
 // unequal hosts the all-gather takes the leaders' form (runs padded to the largest host's), and the
 // reduce-scatter is the leaders' all-reduce of the whole input, of which each rank keeps its block.
 // gather, scatter and all_to_all run flat over the process group.
