@@ -37,10 +37,10 @@ every rank, else the run stops), the error of the mean (max |mean - float64 mean
 up to ``--accuracy-max-numel``), then timing. A repetition synchronises the ranks *through the
 candidate under test* (a one-float all-reduce of the same ddpkit configuration, of gloo, of DeepSpeed's
 shm op; ``MPI_Barrier`` for MPICH; a gloo barrier around rank 0's floor) and then times
-``peers.timing.batch_size(numel)`` back-to-back calls on every rank (each the library's own function
-called from the timing loop with nothing between: ``user_call``) (16 up to 10k floats, 4 at 100k,
+``peers.timing.batch_size(numel)`` back-to-back calls on every rank (16 up to 10k floats, 4 at 100k,
 else 1; a gloo barrier before a shared-memory call would add tens of µs of skew, the batch spreads
-what skew remains). The repetition's time per call is the slowest rank's batch time / batch;
+what skew remains), each the library's own function called from the timing loop with nothing of the
+benchmark's between (``user_call``), as the peers' scripts call theirs. The repetition's time per call is the slowest rank's batch time / batch;
 the figure is the median (p25, p75 beside it) over repetitions in which the candidates are interleaved,
 their order rotating each repetition (``common.interleave``), split over ``--pools`` fresh sets of processes.
 Repetitions per point: ``peers.timing.reps_for``: ``--reps`` (30) up to 100k floats, /2 at 1M, /4 at
