@@ -40,9 +40,10 @@ shm op; ``MPI_Barrier`` for MPICH; a gloo barrier around rank 0's floor) and the
 ``peers.timing.batch_size(numel)`` back-to-back calls on every rank (16 up to 10k floats, 4 at 100k,
 else 1; a gloo barrier before a shared-memory call would add tens of µs of skew, the batch spreads
 what skew remains), each the library's own function called from the timing loop with nothing of the
-benchmark's between (``user_call``), as the peers' scripts call theirs. The repetition's time per call is the slowest rank's batch time / batch;
-the figure is the median (p25, p75 beside it) over repetitions in which the candidates are interleaved,
-their order rotating each repetition (``common.interleave``), split over ``--pools`` fresh sets of processes.
+benchmark's between (``user_call``), as the peers' scripts call theirs. The repetition's time per
+call is the slowest rank's batch time / batch; the figure is the median (p25, p75 beside it) over
+repetitions in which the candidates are interleaved, their order rotating each repetition
+(``common.interleave``), split over ``--pools`` fresh sets of processes.
 Repetitions per point: ``peers.timing.reps_for``: ``--reps`` (30) up to 100k floats, /2 at 1M, /4 at
 16M, /6 at 64M, /4 again above 8 processes, at least 3. Bus bandwidth as nccl-tests:
 bytes / time * 2(n-1)/n. Memory (ddpkit candidates and gloo, at ``--memory-sizes`` up to 8 processes, in a
@@ -143,26 +144,25 @@ def _ddpkit_kwargs(candidate: Candidate) -> dict:
 
 def run_candidate(candidate: Candidate, tensor: torch.Tensor, op: str = "sum") -> None:
     """One all-reduce of ``tensor`` in place (floor: none; it is timed separately)."""
-    if candidate.implementation == "gloo":
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        if op == "mean":
-            tensor.div_(dist.get_world_size())
-    elif candidate.implementation == "ddpkit":
-        ddpkit.all_reduce(tensor, op=op, algorithm=candidate.algorithm, **_ddpkit_kwargs(candidate))
-    else:
-        raise ValueError(f"{candidate.name} does not run in ddpkit's worker processes")
+    if candidate.implementation == "gloo" and op == "mean":  # gloo has no mean: its sum over n
+        dist.all_reduce(tensor)
+        tensor.div_(dist.get_world_size())
+        return
+    user_call(candidate, op)(tensor)
 
 
-def user_call(candidate: Candidate) -> Callable[[torch.Tensor], object]:
-    """The call a user makes for ``candidate``'s sum, bound once, for the timed loop: the loop then
-    calls the library's own function with nothing of the benchmark's between, as the peers' scripts
-    call theirs (``comm.Allreduce`` inline in MPICH's loop). Through ``run_candidate`` each call took
-    0.4 us more (1.46 against 1.05 us per ``ddpkit.all_reduce`` of 1k floats at world size 1)."""
-    if candidate.implementation == "gloo":
+def user_call(candidate: Candidate, op: str = "sum") -> Callable[[torch.Tensor], object]:
+    """The call a user makes for ``candidate``, bound once, for the timed loop: the loop then calls
+    the library's own function with nothing of the benchmark's between, as the peers' scripts call
+    theirs (``comm.Allreduce`` inline in MPICH's loop). A wrapper in between took 0.4 us more per
+    call (1.46 against 1.05 us per ``ddpkit.all_reduce`` of 1k floats at world size 1)."""
+    if candidate.implementation == "gloo" and op == "sum":
         return dist.all_reduce
     if candidate.implementation != "ddpkit":
-        raise ValueError(f"{candidate.name} does not run in ddpkit's worker processes")
-    options = {} if candidate.algorithm == "auto" else {"algorithm": candidate.algorithm}
+        raise ValueError(f"{candidate.name} does not run {op} in ddpkit's worker processes")
+    options = {} if op == "sum" else {"op": op}
+    if candidate.algorithm != "auto":
+        options["algorithm"] = candidate.algorithm
     options.update(_ddpkit_kwargs(candidate))
     return functools.partial(ddpkit.all_reduce, **options) if options else ddpkit.all_reduce
 

@@ -249,7 +249,8 @@ def swapped_reference(op, inputs):
 
 def assert_reduced_as_the_note_says(tensor, expected, op, what):
     if op in ("sum", "mean"):
-        torch.testing.assert_close(tensor.double(), expected, rtol=1e-6, atol=1e-5, equal_nan=True, msg=what)
+        atol = 1e-6 if op == "mean" else 1e-5  # the sum of 4 ranks' N(0, 1) floats, then over 4
+        torch.testing.assert_close(tensor.double(), expected, rtol=1e-6, atol=atol, equal_nan=True, msg=what)
         return
     floating = tensor.dtype.is_floating_point
     assert not floating or torch.equal(tensor.isnan(), expected.isnan()), what

@@ -26,9 +26,10 @@ namespace ddpkit::comm {
 //    first interface of GLOO_SOCKET_IFNAME, else its hostname's address, preferring one that is
 //    neither loopback nor link-local), and the ranks all-gather their address, port and a fresh
 //    random token over the subgroup's gloo backend, never through the store; a rank that cannot
-//    listen says so there, and every rank raises. Each rank connects to every lower rank and introduces itself with that rank's token;
-//    an acceptor closes any connection that does not name its token and a rank it still expects, and
-//    answers the others, so every link is known good when set-up returns.
+//    listen says so there, and every rank raises. Each rank connects to every lower rank and
+//    introduces itself with that rank's token; an acceptor closes any connection that does not name
+//    its token and a rank it still expects, and answers the others, so every link is known good when
+//    set-up returns.
 //  - Messages are frames: a magic word, the collective's sequence number and the length, then the
 //    bytes. A receive names its smallest and largest size; a frame outside them, another sequence
 //    number or another magic breaks the links rather than be misread.
