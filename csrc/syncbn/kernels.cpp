@@ -148,10 +148,18 @@ LocalInput prepare_input(const at::Tensor& input) {
 at::Tensor match_layout(const LocalInput& in, const at::Tensor& t) { return t.contiguous(in.format); }
 
 // ---------------------------------------------------------------------------------------------
-// Element passes
+// The parts of the passes on CPU and on devices without kernels of their own
+
+namespace {
+
+// Per-channel mean and centred sum of squares Σ(x - mean)² of this rank's values, float64 [C]
+// each (Note [Stable moments]); zeros for an empty input.
+struct LocalMoments {
+  at::Tensor mean;
+  at::Tensor m2;
+};
 
 LocalMoments local_moments(const LocalInput& in) {
-  if (const ElementKernels* k = backend_kernels(in.x)) return k->local_moments(in);
   const int64_t channels = in.channels();
   if (native(in.x)) {
     LocalMoments out{new_doubles(in.x, channels), new_doubles(in.x, channels)};
@@ -163,6 +171,185 @@ LocalMoments local_moments(const LocalInput& in) {
   const at::Tensor xf = in.x.to(acc_dtype(in.x.scalar_type()));
   auto [var, mean] = at::var_mean(xf, reduce_dims(xf), /*correction=*/0, /*keepdim=*/false);
   return {mean.to(at::kDouble), var.to(at::kDouble) * static_cast<double>(in.count())};
+}
+
+// [n·mean | M2 + n·mean² | n], float64 [2C + 1] (Note [One all-reduce per pass]).
+at::Tensor pack_moments(const LocalMoments& moments, int64_t count) {
+  const int64_t channels = moments.mean.numel();
+  const double n = static_cast<double>(count);
+  if (native(moments.mean)) {
+    at::Tensor packed = new_doubles(moments.mean, 2 * channels + 1);
+    double* p = packed.mutable_data_ptr<double>();
+    const double* mean = moments.mean.const_data_ptr<double>();
+    const double* m2 = moments.m2.const_data_ptr<double>();
+    for (int64_t c = 0; c < channels; ++c) {
+      p[c] = n * mean[c];
+      p[channels + c] = m2[c] + n * mean[c] * mean[c];
+    }
+    p[2 * channels] = n;
+    return packed;
+  }
+  return at::cat({moments.mean * n, moments.m2 + moments.mean * moments.mean * n,
+                  at::full({1}, n, moments.mean.options())});
+}
+
+// Mean, biased var and invstd from a summed pack_moments buffer.
+BatchStats summed_stats(const at::Tensor& packed, double eps) {
+  const int64_t channels = (packed.numel() - 1) / 2;
+  if (native(packed)) {
+    const double* p = packed.const_data_ptr<double>();
+    const double n = p[2 * channels];
+    BatchStats stats{new_doubles(packed, channels), new_doubles(packed, channels), new_doubles(packed, channels), n};
+    double* mean = stats.mean.mutable_data_ptr<double>();
+    double* var = stats.var.mutable_data_ptr<double>();
+    double* invstd = stats.invstd.mutable_data_ptr<double>();
+    for (int64_t c = 0; c < channels; ++c) {
+      mean[c] = n > 0 ? p[c] / n : 0.0;
+      var[c] = n > 0 ? std::max(0.0, p[channels + c] / n - mean[c] * mean[c]) : 0.0;
+      invstd[c] = 1.0 / std::sqrt(var[c] + eps);
+    }
+    return stats;
+  }
+  const double n = packed[2 * channels].item<double>();
+  const double inv_n = n > 0 ? 1.0 / n : 0.0;
+  const at::Tensor mean = packed.narrow(0, 0, channels) * inv_n;
+  const at::Tensor var = (packed.narrow(0, channels, channels) * inv_n - mean * mean).clamp_min(0.0);
+  return BatchStats{mean, var, (var + eps).rsqrt(), n};
+}
+
+// Mean, biased var = M2/count and invstd from one rank's moments.
+BatchStats stats_from_moments(const LocalMoments& moments, int64_t count, double eps) {
+  const int64_t channels = moments.mean.numel();
+  const double n = static_cast<double>(count);
+  const double inv_n = n > 0 ? 1.0 / n : 0.0;
+  if (native(moments.mean)) {
+    BatchStats stats{moments.mean, new_doubles(moments.mean, channels), new_doubles(moments.mean, channels), n};
+    const double* m2 = moments.m2.const_data_ptr<double>();
+    double* var = stats.var.mutable_data_ptr<double>();
+    double* invstd = stats.invstd.mutable_data_ptr<double>();
+    for (int64_t c = 0; c < channels; ++c) {
+      var[c] = m2[c] * inv_n;
+      invstd[c] = 1.0 / std::sqrt(var[c] + eps);
+    }
+    return stats;
+  }
+  const at::Tensor var = moments.m2 * inv_n;
+  return BatchStats{moments.mean, var, (var + eps).rsqrt(), n};
+}
+
+// RunningStats' update with the statistics of a batch of stats.count > 1 values per channel.
+void update_running_stats(const at::Tensor& running_mean, const at::Tensor& running_var, const BatchStats& stats,
+                          double momentum) {
+  TORCH_INTERNAL_ASSERT(stats.count > 1);
+  const double unbias = stats.count / (stats.count - 1);
+  if (native(running_mean) && running_mean.is_contiguous() && running_var.is_contiguous()) {
+    const int64_t channels = running_mean.numel();
+    const double* mean = stats.mean.const_data_ptr<double>();
+    const double* var = stats.var.const_data_ptr<double>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running_mean.scalar_type(), "ddpkit_syncbn_running", [&] {
+      scalar_t* rm = running_mean.mutable_data_ptr<scalar_t>();
+      scalar_t* rv = running_var.mutable_data_ptr<scalar_t>();
+      for (int64_t c = 0; c < channels; ++c) {
+        rm[c] = static_cast<scalar_t>((1 - momentum) * static_cast<double>(rm[c]) + momentum * mean[c]);
+        rv[c] = static_cast<scalar_t>((1 - momentum) * static_cast<double>(rv[c]) + momentum * var[c] * unbias);
+      }
+    });
+    return;
+  }
+  running_mean.copy_(running_mean.to(at::kDouble) * (1 - momentum) + stats.mean * momentum);
+  running_var.copy_(running_var.to(at::kDouble) * (1 - momentum) + stats.var * (momentum * unbias));
+}
+
+// Applies `running` when RunningStats says so.
+void update_if_wanted(const RunningStats& running, const BatchStats& stats) {
+  if (running.mean.defined() && running.var.defined() && stats.count > 1) {
+    update_running_stats(running.mean, running.var, stats, running.momentum);
+  }
+}
+
+// This rank's [Σ dy | Σ dy·(x - mean)] per channel, float64 [2C].
+at::Tensor grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean) {
+  const int64_t channels = in.channels();
+  const at::ScalarType dtype = in.x.scalar_type();
+  if (native(in.x)) {
+    at::Tensor sums = new_doubles(in.x, 2 * channels);
+    double* s = sums.mutable_data_ptr<double>();
+    const double* m = mean.const_data_ptr<double>();
+    with_acc_type(dtype, [&]<typename acc>() {
+      std::vector<acc> center(channels);
+      for (int64_t c = 0; c < channels; ++c) center[c] = static_cast<acc>(m[c]);
+      cpu::kernel_table().grad_sums(dtype, in.x.const_data_ptr(), dy.const_data_ptr(), in.shape, center.data(), s,
+                                    s + channels);
+      // Σ dy·(x - mean) = Σ dy·(x - center) - (mean - center)·Σ dy (Note [Centred arithmetic])
+      for (int64_t c = 0; c < channels; ++c) s[channels + c] -= (m[c] - static_cast<double>(center[c])) * s[c];
+    });
+    return sums;
+  }
+  const at::ScalarType acc = acc_dtype(dtype);
+  const int64_t nd = in.x.dim();
+  const std::vector<int64_t> dims = reduce_dims(in.x);
+  const at::Tensor center = mean.to(acc);
+  const at::Tensor dyf = dy.to(acc);
+  const at::Tensor sum_dy = dyf.sum(dims).to(at::kDouble);
+  const at::Tensor sum_dy_xc = (dyf * (in.x.to(acc) - per_channel(center, nd))).sum(dims).to(at::kDouble);
+  return at::cat({sum_dy, sum_dy_xc - (mean - center.to(at::kDouble)) * sum_dy});
+}
+
+// grad_weight = invstd·Σ dy·(x - mean), grad_bias = Σ dy from local sums, in `dtype`.
+std::pair<at::Tensor, at::Tensor> affine_grads(const at::Tensor& local_sums, const at::Tensor& invstd,
+                                               at::ScalarType dtype, bool want_weight, bool want_bias) {
+  const int64_t channels = invstd.numel();
+  at::Tensor grad_weight, grad_bias;
+  if (native(local_sums)) {
+    const double* s = local_sums.const_data_ptr<double>();
+    const double* is = invstd.const_data_ptr<double>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "ddpkit_syncbn_affine_grads", [&] {
+      if (want_weight) {
+        grad_weight = at::empty({channels}, local_sums.options().dtype(dtype));
+        scalar_t* gw = grad_weight.mutable_data_ptr<scalar_t>();
+        for (int64_t c = 0; c < channels; ++c) gw[c] = static_cast<scalar_t>(is[c] * s[channels + c]);
+      }
+      if (want_bias) {
+        grad_bias = at::empty({channels}, local_sums.options().dtype(dtype));
+        scalar_t* gb = grad_bias.mutable_data_ptr<scalar_t>();
+        for (int64_t c = 0; c < channels; ++c) gb[c] = static_cast<scalar_t>(s[c]);
+      }
+    });
+    return {grad_weight, grad_bias};
+  }
+  // Fresh tensors: the caller all-reduces local_sums in place afterwards.
+  if (want_weight) grad_weight = (local_sums.narrow(0, channels, channels) * invstd).to(dtype);
+  if (want_bias) grad_bias = local_sums.narrow(0, 0, channels).to(dtype, /*non_blocking=*/false, /*copy=*/true);
+  return {grad_weight, grad_bias};
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// The passes
+
+BatchStats local_batch_stats(const LocalInput& in, double eps, const RunningStats& running) {
+  if (const ElementKernels* k = backend_kernels(in.x)) return k->local_batch_stats(in, eps, running);
+  BatchStats stats = stats_from_moments(local_moments(in), in.count(), eps);
+  update_if_wanted(running, stats);
+  return stats;
+}
+
+at::Tensor packed_moments(const LocalInput& in) {
+  if (const ElementKernels* k = backend_kernels(in.x)) return k->packed_moments(in);
+  return pack_moments(local_moments(in), in.count());
+}
+
+BatchStats stats_from_packed(const at::Tensor& packed, double eps, const RunningStats& running) {
+  if (const ElementKernels* k = backend_kernels(packed)) return k->stats_from_packed(packed, eps, running);
+  BatchStats stats = summed_stats(packed, eps);
+  update_if_wanted(running, stats);
+  return stats;
+}
+
+BatchStats stats_from_running(const at::Tensor& running_mean, const at::Tensor& running_var, double eps) {
+  return BatchStats{running_mean.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true), at::Tensor(),
+                    (running_var.to(at::kDouble) + eps).rsqrt(), 0.0};
 }
 
 at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
@@ -199,32 +386,16 @@ at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Ten
   return y.to(dtype);
 }
 
-at::Tensor grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean) {
-  if (const ElementKernels* k = backend_kernels(in.x)) return k->grad_sums(in, dy, mean);
-  const int64_t channels = in.channels();
-  const at::ScalarType dtype = in.x.scalar_type();
-  if (native(in.x)) {
-    at::Tensor sums = new_doubles(in.x, 2 * channels);
-    double* s = sums.mutable_data_ptr<double>();
-    const double* m = mean.const_data_ptr<double>();
-    with_acc_type(dtype, [&]<typename acc>() {
-      std::vector<acc> center(channels);
-      for (int64_t c = 0; c < channels; ++c) center[c] = static_cast<acc>(m[c]);
-      cpu::kernel_table().grad_sums(dtype, in.x.const_data_ptr(), dy.const_data_ptr(), in.shape, center.data(), s,
-                                    s + channels);
-      // Σ dy·(x - mean) = Σ dy·(x - center) - (mean - center)·Σ dy (Note [Centred arithmetic])
-      for (int64_t c = 0; c < channels; ++c) s[channels + c] -= (m[c] - static_cast<double>(center[c])) * s[c];
-    });
-    return sums;
+LocalGradSums local_grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
+                              const at::Tensor& invstd, at::ScalarType dtype, bool want_weight, bool want_bias) {
+  if (const ElementKernels* k = backend_kernels(in.x)) {
+    return k->local_grad_sums(in, dy, mean, invstd, dtype, want_weight, want_bias);
   }
-  const at::ScalarType acc = acc_dtype(dtype);
-  const int64_t nd = in.x.dim();
-  const std::vector<int64_t> dims = reduce_dims(in.x);
-  const at::Tensor center = mean.to(acc);
-  const at::Tensor dyf = dy.to(acc);
-  const at::Tensor sum_dy = dyf.sum(dims).to(at::kDouble);
-  const at::Tensor sum_dy_xc = (dyf * (in.x.to(acc) - per_channel(center, nd))).sum(dims).to(at::kDouble);
-  return at::cat({sum_dy, sum_dy_xc - (mean - center.to(at::kDouble)) * sum_dy});
+  LocalGradSums out{grad_sums(in, dy, mean), at::Tensor(), at::Tensor()};
+  if (want_weight || want_bias) {
+    std::tie(out.grad_weight, out.grad_bias) = affine_grads(out.sums, invstd, dtype, want_weight, want_bias);
+  }
+  return out;
 }
 
 at::Tensor grad_input_training(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
@@ -290,124 +461,6 @@ at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at:
   const at::Tensor k = weight.defined() ? invstd * weight.to(at::kDouble) : invstd;
   const at::ScalarType acc = acc_dtype(dtype);
   return (dy.to(acc) * per_channel(k.to(acc), in.x.dim())).to(dtype);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Per-channel math
-
-at::Tensor pack_moments(const LocalMoments& moments, int64_t count) {
-  const int64_t channels = moments.mean.numel();
-  const double n = static_cast<double>(count);
-  if (native(moments.mean)) {
-    at::Tensor packed = new_doubles(moments.mean, 2 * channels + 1);
-    double* p = packed.mutable_data_ptr<double>();
-    const double* mean = moments.mean.const_data_ptr<double>();
-    const double* m2 = moments.m2.const_data_ptr<double>();
-    for (int64_t c = 0; c < channels; ++c) {
-      p[c] = n * mean[c];
-      p[channels + c] = m2[c] + n * mean[c] * mean[c];
-    }
-    p[2 * channels] = n;
-    return packed;
-  }
-  return at::cat({moments.mean * n, moments.m2 + moments.mean * moments.mean * n,
-                  at::full({1}, n, moments.mean.options())});
-}
-
-BatchStats stats_from_packed(const at::Tensor& packed, double eps) {
-  const int64_t channels = (packed.numel() - 1) / 2;
-  if (native(packed)) {
-    const double* p = packed.const_data_ptr<double>();
-    const double n = p[2 * channels];
-    BatchStats stats{new_doubles(packed, channels), new_doubles(packed, channels), new_doubles(packed, channels), n};
-    double* mean = stats.mean.mutable_data_ptr<double>();
-    double* var = stats.var.mutable_data_ptr<double>();
-    double* invstd = stats.invstd.mutable_data_ptr<double>();
-    for (int64_t c = 0; c < channels; ++c) {
-      mean[c] = n > 0 ? p[c] / n : 0.0;
-      var[c] = n > 0 ? std::max(0.0, p[channels + c] / n - mean[c] * mean[c]) : 0.0;
-      invstd[c] = 1.0 / std::sqrt(var[c] + eps);
-    }
-    return stats;
-  }
-  const double n = packed[2 * channels].item<double>();
-  const double inv_n = n > 0 ? 1.0 / n : 0.0;
-  const at::Tensor mean = packed.narrow(0, 0, channels) * inv_n;
-  const at::Tensor var = (packed.narrow(0, channels, channels) * inv_n - mean * mean).clamp_min(0.0);
-  return BatchStats{mean, var, (var + eps).rsqrt(), n};
-}
-
-BatchStats stats_from_moments(const LocalMoments& moments, int64_t count, double eps) {
-  const int64_t channels = moments.mean.numel();
-  const double n = static_cast<double>(count);
-  const double inv_n = n > 0 ? 1.0 / n : 0.0;
-  if (native(moments.mean)) {
-    BatchStats stats{moments.mean, new_doubles(moments.mean, channels), new_doubles(moments.mean, channels), n};
-    const double* m2 = moments.m2.const_data_ptr<double>();
-    double* var = stats.var.mutable_data_ptr<double>();
-    double* invstd = stats.invstd.mutable_data_ptr<double>();
-    for (int64_t c = 0; c < channels; ++c) {
-      var[c] = m2[c] * inv_n;
-      invstd[c] = 1.0 / std::sqrt(var[c] + eps);
-    }
-    return stats;
-  }
-  const at::Tensor var = moments.m2 * inv_n;
-  return BatchStats{moments.mean, var, (var + eps).rsqrt(), n};
-}
-
-BatchStats stats_from_running(const at::Tensor& running_mean, const at::Tensor& running_var, double eps) {
-  return BatchStats{running_mean.to(at::kDouble, /*non_blocking=*/false, /*copy=*/true), at::Tensor(),
-                    (running_var.to(at::kDouble) + eps).rsqrt(), 0.0};
-}
-
-void update_running_stats(const at::Tensor& running_mean, const at::Tensor& running_var, const BatchStats& stats,
-                          double momentum) {
-  TORCH_INTERNAL_ASSERT(stats.count > 1);
-  const double unbias = stats.count / (stats.count - 1);
-  if (native(running_mean) && running_mean.is_contiguous() && running_var.is_contiguous()) {
-    const int64_t channels = running_mean.numel();
-    const double* mean = stats.mean.const_data_ptr<double>();
-    const double* var = stats.var.const_data_ptr<double>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running_mean.scalar_type(), "ddpkit_syncbn_running", [&] {
-      scalar_t* rm = running_mean.mutable_data_ptr<scalar_t>();
-      scalar_t* rv = running_var.mutable_data_ptr<scalar_t>();
-      for (int64_t c = 0; c < channels; ++c) {
-        rm[c] = static_cast<scalar_t>((1 - momentum) * static_cast<double>(rm[c]) + momentum * mean[c]);
-        rv[c] = static_cast<scalar_t>((1 - momentum) * static_cast<double>(rv[c]) + momentum * var[c] * unbias);
-      }
-    });
-    return;
-  }
-  running_mean.copy_(running_mean.to(at::kDouble) * (1 - momentum) + stats.mean * momentum);
-  running_var.copy_(running_var.to(at::kDouble) * (1 - momentum) + stats.var * (momentum * unbias));
-}
-
-std::pair<at::Tensor, at::Tensor> affine_grads(const at::Tensor& local_sums, const at::Tensor& invstd,
-                                               at::ScalarType dtype, bool want_weight, bool want_bias) {
-  const int64_t channels = invstd.numel();
-  at::Tensor grad_weight, grad_bias;
-  if (native(local_sums)) {
-    const double* s = local_sums.const_data_ptr<double>();
-    const double* is = invstd.const_data_ptr<double>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "ddpkit_syncbn_affine_grads", [&] {
-      if (want_weight) {
-        grad_weight = at::empty({channels}, local_sums.options().dtype(dtype));
-        scalar_t* gw = grad_weight.mutable_data_ptr<scalar_t>();
-        for (int64_t c = 0; c < channels; ++c) gw[c] = static_cast<scalar_t>(is[c] * s[channels + c]);
-      }
-      if (want_bias) {
-        grad_bias = at::empty({channels}, local_sums.options().dtype(dtype));
-        scalar_t* gb = grad_bias.mutable_data_ptr<scalar_t>();
-        for (int64_t c = 0; c < channels; ++c) gb[c] = static_cast<scalar_t>(s[c]);
-      }
-    });
-    return {grad_weight, grad_bias};
-  }
-  // Fresh tensors: the caller all-reduces local_sums in place afterwards.
-  if (want_weight) grad_weight = (local_sums.narrow(0, channels, channels) * invstd).to(dtype);
-  if (want_bias) grad_bias = local_sums.narrow(0, 0, channels).to(dtype, /*non_blocking=*/false, /*copy=*/true);
-  return {grad_weight, grad_bias};
 }
 
 }  // namespace ddpkit::syncbn

@@ -46,50 +46,19 @@ LocalInput prepare_input(const at::Tensor& input);
 // `t`, shaped like the input (grad_output), in x's memory format: `t` itself when it has it.
 at::Tensor match_layout(const LocalInput& in, const at::Tensor& t);
 
-// --- element passes -------------------------------------------------------------------------
-
-// Per-channel mean and centred sum of squares Σ(x - mean)² of this rank's values, float64 [C]
-// each, computed stably (Note [Stable moments]); zeros for an empty input.
-struct LocalMoments {
-  at::Tensor mean;
-  at::Tensor m2;
-};
-LocalMoments local_moments(const LocalInput& in);
-
-// y = (x - mean) * invstd * weight + bias in x's dtype and memory format (Note [Centred
-// arithmetic]). mean, invstd: float64 [C]; weight, bias: parameter dtype [C] or undefined (1, 0).
-at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
-                     const at::Tensor& bias);
-
-// This rank's [Σ dy | Σ dy·(x - mean)] per channel, float64 [2C]: the backward's all-reduce buffer.
-// dy: shaped like the input, in its memory format (match_layout).
-at::Tensor grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean);
-
-// Training-mode input gradient from the global sums ([2C], as grad_sums, summed over the group)
-// and the global count N: w·invstd·(dy - Σdy/N - (x - mean)·invstd²·Σdy(x - mean)/N).
-at::Tensor grad_input_training(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
-                               const at::Tensor& invstd, const at::Tensor& weight, const at::Tensor& sums,
-                               double count);
-
-// Eval-mode input gradient, where mean and invstd are constants: w·invstd·dy. x is not read.
-at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at::Tensor& invstd,
-                           const at::Tensor& weight);
-
-// --- per-channel math -----------------------------------------------------------------------
+// --- the passes of a step --------------------------------------------------------------------
 
 // Note [One all-reduce per pass]
 // Forward: each rank packs [n·mean_r | M2_r + n·mean_r² | n] (float64, 2C + 1) and one SUM
 // all-reduce yields Σ n·mean_r = N·mean and Σ (M2_r + n·mean_r²) = Σ x², hence the global mean and
 // biased variance Σx²/N - mean², with the global count N alongside, so that ranks of any batch
-// size, empty ones included, contribute exactly their share. Each rank's M2_r is accurate (Note
-// [Stable moments]); in float64 the final difference keeps about 16 - 2·log10(|mean|/std) digits,
-// 8 for inputs of mean 1e4 and unit spread. Backward: [Σ dy | Σ dy·(x - mean)] (float64, 2C) are
-// sums already, reduced once. Both buffers are bitwise identical on all ranks afterwards, so
-// every rank computes the same statistics and takes the same decisions (e.g. raising when the
-// group has a single value per channel).
-
-// The forward's all-reduce buffer, float64 [2C + 1], from this rank's moments and count.
-at::Tensor pack_moments(const LocalMoments& moments, int64_t count);
+// size, empty ones included, contribute exactly their share. Each rank's mean_r and M2_r
+// (= Σ(x - mean_r)², the centred sum of squares) are accurate (Note [Stable moments]); in float64
+// the final difference keeps about 16 - 2·log10(|mean|/std) digits, 8 for inputs of mean 1e4 and
+// unit spread. A rank alone (no group) keeps M2 itself: var = M2/n. Backward: [Σ dy | Σ dy·(x -
+// mean)] (float64, 2C) are sums already, reduced once. Both buffers are bitwise identical on all
+// ranks afterwards, so every rank computes the same statistics and takes the same decisions (e.g.
+// raising when the group has a single value per channel).
 
 // Batch statistics, float64 [C] on the input's device; `count` the number of values per channel
 // they are over (read on the host).
@@ -100,44 +69,79 @@ struct BatchStats {
   double count = 0;
 };
 
-// From the summed buffer of pack_moments (all ranks' values). A group with no values at all gives
-// mean 0 and var 0.
-BatchStats stats_from_packed(const at::Tensor& packed, double eps);
+// The running estimates a training pass updates in place, as torch's batch norm does:
+// mean <- (1 - momentum)·mean + momentum·batch mean, var likewise with the unbiased batch variance
+// var·N/(N - 1). Only when both are defined and the batch has N > 1 values per channel.
+struct RunningStats {
+  at::Tensor mean;
+  at::Tensor var;
+  double momentum = 0;
+};
 
-// From this rank's moments alone (no communication).
-BatchStats stats_from_moments(const LocalMoments& moments, int64_t count, double eps);
+// Forward, no group: the statistics of this rank's values alone, mean, biased var = M2/n and
+// invstd = 1/sqrt(var + eps); an empty input gives mean 0 and var 0. Updates `running`.
+BatchStats local_batch_stats(const LocalInput& in, double eps, const RunningStats& running);
+
+// Forward, with a group: this rank's share of the all-reduce buffer, float64 [2C + 1].
+at::Tensor packed_moments(const LocalInput& in);
+
+// Forward, with a group: the statistics from the summed buffer of packed_moments (all ranks'
+// values); a group with no values at all gives mean 0 and var 0. Updates `running`.
+BatchStats stats_from_packed(const at::Tensor& packed, double eps, const RunningStats& running);
 
 // Eval mode: mean = running_mean, invstd = 1/sqrt(running_var + eps), in float64 copies.
 BatchStats stats_from_running(const at::Tensor& running_mean, const at::Tensor& running_var, double eps);
 
-// running_mean <- (1 - momentum)·running_mean + momentum·mean and running_var likewise with the
-// unbiased variance var·N/(N - 1), in place, as torch's batch norm does. stats.count > 1.
-void update_running_stats(const at::Tensor& running_mean, const at::Tensor& running_var, const BatchStats& stats,
-                          double momentum);
+// y = (x - mean) * invstd * weight + bias in x's dtype and memory format (Note [Centred
+// arithmetic]). mean, invstd: float64 [C]; weight, bias: parameter dtype [C] or undefined (1, 0).
+at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
+                     const at::Tensor& bias);
 
-// This rank's weight and bias gradients from its own grad_sums (before they are all-reduced):
-// grad_weight = invstd·Σ dy·(x - mean), grad_bias = Σ dy, in `dtype`; undefined where not wanted.
-std::pair<at::Tensor, at::Tensor> affine_grads(const at::Tensor& local_sums, const at::Tensor& invstd,
-                                               at::ScalarType dtype, bool want_weight, bool want_bias);
+// Backward: this rank's [Σ dy | Σ dy·(x - mean)] per channel, float64 [2C] (the all-reduce
+// buffer), and from these local sums its weight and bias gradients, grad_weight = invstd·Σ dy·(x -
+// mean) and grad_bias = Σ dy in `dtype`, tensors of their own (undefined where not wanted). dy:
+// shaped like the input, in its memory format (match_layout).
+struct LocalGradSums {
+  at::Tensor sums;
+  at::Tensor grad_weight;
+  at::Tensor grad_bias;
+};
+LocalGradSums local_grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
+                              const at::Tensor& invstd, at::ScalarType dtype, bool want_weight, bool want_bias);
 
-// --- backend element kernels ------------------------------------------------------------------
+// Training-mode input gradient from the global sums ([2C], as local_grad_sums', summed over the
+// group) and the global count N: w·invstd·(dy - Σdy/N - (x - mean)·invstd²·Σdy(x - mean)/N).
+at::Tensor grad_input_training(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
+                               const at::Tensor& invstd, const at::Tensor& weight, const at::Tensor& sums,
+                               double count);
+
+// Eval-mode input gradient, where mean and invstd are constants: w·invstd·dy. x is not read.
+at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at::Tensor& invstd,
+                           const at::Tensor& weight);
+
+// --- backend kernels --------------------------------------------------------------------------
 
 // Note [Backend element kernels]
-// A backend with hand-written element passes (CUDA: syncbn/cuda/, compiled only when torch has
-// CUDA and nvcc is found) supplies them as an ElementKernels table. Its dispatch-key kernels of
+// A backend with hand-written kernels (CUDA: syncbn/cuda/, compiled only when torch has CUDA and
+// nvcc is found) supplies them as an ElementKernels table. Its dispatch-key kernels of
 // ddpkit::sync_batch_norm and ddpkit::sync_batch_norm_backward (TORCH_LIBRARY_IMPL(ddpkit, CUDA, m)
 // in syncbn/cuda/register.cpp, which the dispatcher prefers to the CompositeExplicitAutograd ones
 // for tensors of that backend) install an ElementKernelsGuard on the calling thread and run the
-// ops of syncbn/syncbn.h, so validation, the per-channel float64 math and the one all-reduce per
-// pass stay in one place; while the guard lives, the five element passes above run the table's
-// functions for tensors on `device`. Other devices, and every call outside a guard, run the code
-// above. Each function has the contract of the element pass it replaces.
+// ops of syncbn/syncbn.h, so validation and the one all-reduce per pass stay in one place; while
+// the guard lives, the passes above (all but stats_from_running) run the table's functions for
+// tensors on `device`. Other devices, and every call outside a guard, run the code above. Each
+// function has the contract of the pass it replaces. A pass is the unit because a kernel launch
+// costs more than a small layer's arithmetic: on a GPU each pass is one or two launches, with its
+// per-channel math (statistics, running estimates, weight and bias gradients) fused into them.
 struct ElementKernels {
   c10::DeviceType device;
-  LocalMoments (*local_moments)(const LocalInput& in);
+  BatchStats (*local_batch_stats)(const LocalInput& in, double eps, const RunningStats& running);
+  at::Tensor (*packed_moments)(const LocalInput& in);
+  BatchStats (*stats_from_packed)(const at::Tensor& packed, double eps, const RunningStats& running);
   at::Tensor (*normalize)(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd,
                           const at::Tensor& weight, const at::Tensor& bias);
-  at::Tensor (*grad_sums)(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean);
+  LocalGradSums (*local_grad_sums)(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
+                                   const at::Tensor& invstd, at::ScalarType dtype, bool want_weight, bool want_bias);
   at::Tensor (*grad_input_training)(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
                                     const at::Tensor& invstd, const at::Tensor& weight, const at::Tensor& sums,
                                     double count);

@@ -191,21 +191,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
     return {normalize(in, stats.mean, stats.invstd, w, b), stats.mean, stats.invstd, in.count()};
   }
 
-  const LocalMoments local = local_moments(in);
+  const RunningStats running = has_running ? RunningStats{*running_mean, *running_var, momentum} : RunningStats{};
   BatchStats stats;
   int ranks = 1;
   if (group_name) {
-    at::Tensor packed = pack_moments(local, in.count());
+    at::Tensor packed = packed_moments(in);
     ranks = all_reduce(packed, parsed, *group_name);
-    stats = stats_from_packed(packed, eps);
+    stats = stats_from_packed(packed, eps, running);
   } else {
-    stats = stats_from_moments(local, in.count(), eps);
+    stats = local_batch_stats(in, eps, running);
   }
+  // The running estimates were left alone for a single value per channel (RunningStats).
   TORCH_CHECK_VALUE(stats.count != 1, "Expected more than 1 value per channel when training, got input size ",
                     input.sizes(),
                     group_name ? c10::str(" on this rank; the batch of all ", ranks, " ranks of the group has 1")
                                : std::string());
-  if (has_running && stats.count > 0) update_running_stats(*running_mean, *running_var, stats, momentum);
   return {normalize(in, stats.mean, stats.invstd, w, b), stats.mean, stats.invstd,
           static_cast<int64_t>(stats.count)};
 }
@@ -237,21 +237,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_backward(
   const at::Tensor w = weight.value_or(at::Tensor());
   const at::ScalarType grad_dtype = parameter_dtype.value_or(reduced_precision(input.scalar_type()) ? at::kFloat
                                                                                                     : input.scalar_type());
-  at::Tensor grad_input, grad_weight, grad_bias, sums;
-  if (want_weight || want_bias || (want_input && training)) sums = grad_sums(in, dy, mean);
-  if (want_weight || want_bias) {
-    // From this rank's sums, before the all-reduce below overwrites them.
-    std::tie(grad_weight, grad_bias) = affine_grads(sums, invstd, grad_dtype, want_weight, want_bias);
+  at::Tensor grad_input;
+  LocalGradSums local;
+  if (want_weight || want_bias || (want_input && training)) {
+    local = local_grad_sums(in, dy, mean, invstd, grad_dtype, want_weight, want_bias);
   }
   if (want_input) {
     if (training) {
-      if (group_name) all_reduce(sums, parsed, *group_name);
-      grad_input = grad_input_training(in, dy, mean, invstd, w, sums, static_cast<double>(count));
+      if (group_name) all_reduce(local.sums, parsed, *group_name);
+      grad_input = grad_input_training(in, dy, mean, invstd, w, local.sums, static_cast<double>(count));
     } else {
       grad_input = grad_input_eval(in, dy, invstd, w);
     }
   }
-  return {grad_input, grad_weight, grad_bias};
+  return {grad_input, local.grad_weight, local.grad_bias};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm_autograd(

@@ -77,6 +77,14 @@ Param param(const at::Tensor& t) {
   }
 }
 
+// A tensor a kernel writes per channel: `t` itself (contiguous), or kNone when undefined.
+MutableParam mutable_param(const at::Tensor& t) {
+  if (!t.defined()) return MutableParam{nullptr, ParamType::kNone};
+  TORCH_INTERNAL_ASSERT(t.is_contiguous());
+  const Param p = param(t);
+  return MutableParam{t.data_ptr(), p.type};
+}
+
 at::Tensor contiguous_or_undefined(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
 at::Tensor workspace(const at::Tensor& like, int64_t bytes) {
@@ -115,23 +123,23 @@ at::Tensor affine_pass(const LocalInput& in, const at::Tensor& dy, const PassArg
   return out;
 }
 
-}  // namespace
-
-LocalMoments local_moments(const LocalInput& in) {
+// Runs the moments partial kernel over in's layout and then `finish(partial, splits, x,
+// shift_stride)` in the same dtype dispatch, so the finishing kernel fuses the per-channel math.
+// An empty input runs no partial kernel (splits = 0, x = null).
+template <typename Finish>
+void run_moments(const LocalInput& in, Finish&& finish) {
   const at::Tensor& x = in.x;
-  const c10::cuda::CUDAGuard device_guard(x.device());
-  const int64_t channels = in.channels(), count = in.count();
-  const auto doubles = x.options().dtype(at::kDouble);
-  if (count == 0) return {at::zeros({channels}, doubles), at::zeros({channels}, doubles)};
-  LocalMoments out{at::empty({channels}, doubles), at::empty({channels}, doubles)};
+  const int64_t channels = in.channels();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cpu::Shape& shape = in.shape;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ddpkit_syncbn_cuda_moments", [&] {
     using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    int64_t splits = 1;
+    const scalar_t* xp = in.count() == 0 ? nullptr : x.const_data_ptr<scalar_t>();
+    int64_t splits = 0;
     at::Tensor partial;
-    if (shape.channels_inner) {
+    if (xp == nullptr) {
+      partial = workspace(x, 0);
+    } else if (shape.channels_inner) {
       const dim3 block = rows_block(channels);
       const int64_t grid_x = ceil_div(channels, block.x);
       splits = reduction_splits(grid_x, block.y, shape.outer);
@@ -139,11 +147,11 @@ LocalMoments local_moments(const LocalInput& in) {
       moments_rows_kernel<scalar_t, acc_t><<<dim3(grid_x, splits), block, 0, stream>>>(
           xp, shape.outer, channels, reinterpret_cast<Welford<acc_t>*>(partial.mutable_data_ptr()));
     } else {
-      splits = reduction_splits(channels, kThreads, count);
+      splits = reduction_splits(channels, kThreads, in.count());
       partial = workspace(x, splits * channels * static_cast<int64_t>(sizeof(Welford<acc_t>)));
       auto* p = reinterpret_cast<Welford<acc_t>*>(partial.mutable_data_ptr());
       const dim3 grid(channels, splits);
-      if (count < (int64_t{1} << 31)) {
+      if (in.count() < (int64_t{1} << 31)) {
         moments_planar_kernel<scalar_t, acc_t, uint32_t><<<grid, kThreads, 0, stream>>>(
             xp, shape.outer, channels, shape.inner, p);
       } else {
@@ -152,12 +160,89 @@ LocalMoments local_moments(const LocalInput& in) {
       }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    moments_finish_kernel<scalar_t, acc_t><<<ceil_div(channels, kThreads), kThreads, 0, stream>>>(
-        reinterpret_cast<const Welford<acc_t>*>(partial.const_data_ptr()), splits, channels, xp,
-        shape.channels_inner ? 1 : shape.inner, out.mean.mutable_data_ptr<double>(), out.m2.mutable_data_ptr<double>());
+    finish(reinterpret_cast<const Welford<acc_t>*>(partial.const_data_ptr()), splits, xp,
+           shape.channels_inner ? int64_t{1} : shape.inner, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return out;
+}
+
+// Where stats of `count` values per channel go, with the running update of RunningStats' rule. A
+// running estimate that is not contiguous is updated afterwards by update_strided.
+struct StatsTarget {
+  BatchStats stats;
+  StatsOut out;
+  bool update_strided = false;
+};
+
+StatsTarget stats_target(const at::Tensor& like, int64_t channels, double count, const RunningStats& running) {
+  const auto doubles = like.options().dtype(at::kDouble);
+  StatsTarget t;
+  t.stats = BatchStats{at::empty({channels}, doubles), at::empty({channels}, doubles), at::empty({channels}, doubles),
+                       count};
+  t.out = StatsOut{t.stats.mean.mutable_data_ptr<double>(), t.stats.var.mutable_data_ptr<double>(),
+                   t.stats.invstd.mutable_data_ptr<double>(), MutableParam{nullptr, ParamType::kNone},
+                   MutableParam{nullptr, ParamType::kNone}, running.momentum, count > 1 ? count / (count - 1) : 0.0};
+  if (running.mean.defined() && running.var.defined() && count > 1) {
+    if (running.mean.is_contiguous() && running.var.is_contiguous()) {
+      t.out.running_mean = mutable_param(running.mean);
+      t.out.running_var = mutable_param(running.var);
+    } else {
+      t.update_strided = true;
+    }
+  }
+  return t;
+}
+
+// RunningStats' update through ATen, for running estimates a kernel cannot write in place.
+void update_strided(const StatsTarget& t, const RunningStats& running) {
+  if (!t.update_strided) return;
+  const double m = running.momentum;
+  running.mean.copy_(running.mean.to(at::kDouble) * (1 - m) + t.stats.mean * m);
+  running.var.copy_(running.var.to(at::kDouble) * (1 - m) + t.stats.var * (m * t.out.unbias));
+}
+
+}  // namespace
+
+BatchStats local_batch_stats(const LocalInput& in, double eps, const RunningStats& running) {
+  const c10::cuda::CUDAGuard device_guard(in.x.device());
+  const int64_t channels = in.channels();
+  const double count = static_cast<double>(in.count());
+  StatsTarget t = stats_target(in.x, channels, count, running);
+  run_moments(in, [&]<typename scalar_t, typename acc_t>(const Welford<acc_t>* partial, int64_t splits,
+                                                         const scalar_t* x, int64_t shift_stride, cudaStream_t stream) {
+    local_stats_finish_kernel<scalar_t, acc_t><<<ceil_div(channels, kThreads), kThreads, 0, stream>>>(
+        partial, splits, channels, x, shift_stride, count > 0 ? 1.0 / count : 0.0, eps, t.out);
+  });
+  update_strided(t, running);
+  return t.stats;
+}
+
+at::Tensor packed_moments(const LocalInput& in) {
+  const c10::cuda::CUDAGuard device_guard(in.x.device());
+  const int64_t channels = in.channels();
+  at::Tensor packed = at::empty({2 * channels + 1}, in.x.options().dtype(at::kDouble));
+  double* out = packed.mutable_data_ptr<double>();
+  run_moments(in, [&]<typename scalar_t, typename acc_t>(const Welford<acc_t>* partial, int64_t splits,
+                                                         const scalar_t* x, int64_t shift_stride, cudaStream_t stream) {
+    packed_moments_finish_kernel<scalar_t, acc_t><<<ceil_div(channels + 1, kThreads), kThreads, 0, stream>>>(
+        partial, splits, channels, x, shift_stride, static_cast<double>(in.count()), out);
+  });
+  return packed;
+}
+
+BatchStats stats_from_packed(const at::Tensor& packed, double eps, const RunningStats& running) {
+  const c10::cuda::CUDAGuard device_guard(packed.device());
+  const int64_t channels = (packed.numel() - 1) / 2;
+  const at::Tensor p = packed.contiguous();
+  // The host needs the group's count (the op returns it and raises on a single value); reading it
+  // waits for the all-reduce that produced `packed`.
+  const double count = p[2 * channels].item<double>();
+  StatsTarget t = stats_target(p, channels, count, running);
+  packed_stats_kernel<<<ceil_div(channels, kThreads), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      p.const_data_ptr<double>(), channels, count, eps, t.out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  update_strided(t, running);
+  return t.stats;
 }
 
 at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
@@ -169,24 +254,27 @@ at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Ten
   return affine_pass<Pass::kNormalize>(in, at::Tensor(), args);
 }
 
-at::Tensor grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean) {
+LocalGradSums local_grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
+                              const at::Tensor& invstd, at::ScalarType dtype, bool want_weight, bool want_bias) {
   const at::Tensor& x = in.x;
   const c10::cuda::CUDAGuard device_guard(x.device());
-  const int64_t channels = in.channels(), count = in.count();
-  const auto doubles = x.options().dtype(at::kDouble);
-  if (count == 0) return at::zeros({2 * channels}, doubles);
-  at::Tensor sums = at::empty({2 * channels}, doubles);
-  const at::Tensor m = mean.contiguous();
+  const int64_t channels = in.channels();
+  LocalGradSums result{at::empty({2 * channels}, x.options().dtype(at::kDouble)), at::Tensor(), at::Tensor()};
+  if (want_weight) result.grad_weight = at::empty({channels}, x.options().dtype(dtype));
+  if (want_bias) result.grad_bias = at::empty({channels}, x.options().dtype(dtype));
+  const at::Tensor m = mean.contiguous(), s = invstd.contiguous();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cpu::Shape& shape = in.shape;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ddpkit_syncbn_cuda_grad_sums", [&] {
     using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
     const double* mp = m.const_data_ptr<double>();
-    int64_t splits = 1;
+    int64_t splits = 0;
     at::Tensor partial;
-    if (shape.channels_inner) {
+    if (in.count() == 0) {
+      partial = workspace(x, 0);
+    } else if (shape.channels_inner) {
+      const scalar_t* xp = x.const_data_ptr<scalar_t>();
+      const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
       const dim3 block = rows_block(channels);
       const int64_t grid_x = ceil_div(channels, block.x);
       splits = reduction_splits(grid_x, block.y, shape.outer);
@@ -194,11 +282,13 @@ at::Tensor grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tenso
       grad_sums_rows_kernel<scalar_t, acc_t><<<dim3(grid_x, splits), block, 0, stream>>>(
           xp, dyp, mp, shape.outer, channels, reinterpret_cast<GradSums<acc_t>*>(partial.mutable_data_ptr()));
     } else {
-      splits = reduction_splits(channels, kThreads, count);
+      const scalar_t* xp = x.const_data_ptr<scalar_t>();
+      const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
+      splits = reduction_splits(channels, kThreads, in.count());
       partial = workspace(x, splits * channels * static_cast<int64_t>(sizeof(GradSums<acc_t>)));
       auto* p = reinterpret_cast<GradSums<acc_t>*>(partial.mutable_data_ptr());
       const dim3 grid(channels, splits);
-      if (count < (int64_t{1} << 31)) {
+      if (in.count() < (int64_t{1} << 31)) {
         grad_sums_planar_kernel<scalar_t, acc_t, uint32_t><<<grid, kThreads, 0, stream>>>(
             xp, dyp, mp, shape.outer, channels, shape.inner, p);
       } else {
@@ -209,10 +299,11 @@ at::Tensor grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tenso
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     grad_sums_finish_kernel<acc_t><<<ceil_div(channels, kThreads), kThreads, 0, stream>>>(
         reinterpret_cast<const GradSums<acc_t>*>(partial.const_data_ptr()), splits, channels, mp,
-        sums.mutable_data_ptr<double>());
+        s.const_data_ptr<double>(), result.sums.mutable_data_ptr<double>(), mutable_param(result.grad_weight),
+        mutable_param(result.grad_bias));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return sums;
+  return result;
 }
 
 at::Tensor grad_input_training(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
@@ -236,8 +327,9 @@ at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at:
 }
 
 const ElementKernels& element_kernels() {
-  static const ElementKernels table{c10::kCUDA, &local_moments, &normalize, &grad_sums, &grad_input_training,
-                                    &grad_input_eval};
+  static const ElementKernels table{c10::kCUDA,          &local_batch_stats,   &packed_moments,
+                                    &stats_from_packed,   &normalize,           &local_grad_sums,
+                                    &grad_input_training, &grad_input_eval};
   return table;
 }
 

@@ -139,6 +139,50 @@ __device__ __forceinline__ V block_merge_rows(V v) {
   return cells[tx];
 }
 
+// --- per-channel tensors in the parameter dtype -------------------------------------------------
+
+// A [C] tensor of dtype float, double, half or bfloat16: weight and bias (read), running estimates
+// (read and written) and the weight and bias gradients (written). kNone: the tensor is absent;
+// loads give `fill`, stores do nothing.
+enum class ParamType : int { kNone = 0, kFloat = 1, kDouble = 2, kHalf = 3, kBFloat16 = 4 };
+
+struct Param {
+  const void* data;
+  ParamType type;
+};
+
+struct MutableParam {
+  void* data;
+  ParamType type;
+};
+
+__device__ __forceinline__ double load_param(const void* data, ParamType type, int64_t c, double fill) {
+  switch (type) {
+    case ParamType::kFloat: return static_cast<double>(static_cast<const float*>(data)[c]);
+    case ParamType::kDouble: return static_cast<const double*>(data)[c];
+    case ParamType::kHalf: return static_cast<double>(static_cast<float>(static_cast<const c10::Half*>(data)[c]));
+    case ParamType::kBFloat16:
+      return static_cast<double>(static_cast<float>(static_cast<const c10::BFloat16*>(data)[c]));
+    case ParamType::kNone: break;
+  }
+  return fill;
+}
+
+__device__ __forceinline__ double load_param(const Param& p, int64_t c, double fill) {
+  return load_param(p.data, p.type, c, fill);
+}
+
+// Rounds v to the tensor's dtype as the CPU code does (static_cast from double).
+__device__ __forceinline__ void store_param(const MutableParam& p, int64_t c, double v) {
+  switch (p.type) {
+    case ParamType::kFloat: static_cast<float*>(p.data)[c] = static_cast<float>(v); break;
+    case ParamType::kDouble: static_cast<double*>(p.data)[c] = v; break;
+    case ParamType::kHalf: static_cast<c10::Half*>(p.data)[c] = static_cast<c10::Half>(v); break;
+    case ParamType::kBFloat16: static_cast<c10::BFloat16*>(p.data)[c] = static_cast<c10::BFloat16>(v); break;
+    case ParamType::kNone: break;
+  }
+}
+
 // --- statistics (forward) ---------------------------------------------------------------------
 
 // Planar: block (channel c = blockIdx.x, split = blockIdx.y) runs over the channel's values t =
@@ -184,22 +228,82 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.y == 0 && valid) partial[static_cast<int64_t>(blockIdx.y) * channels + c] = w;
 }
 
-// Merges the `splits` partials of each channel in double; mean[c] = K + merged mean, m2[c] = merged
-// M2, K = x[c · shift_stride] (the shift the partial kernels used: inner for planar, 1 for rows).
+// Merges the `splits` partials of channel c in double: K + merged mean and the merged M2, K =
+// x[c · shift_stride] (the shift the partial kernels used: inner for planar, 1 for rows; 0 when x
+// is null, for an empty input, which has no partials).
 template <typename scalar_t, typename acc_t>
-__global__ void moments_finish_kernel(const Welford<acc_t>* __restrict__ partial, int64_t splits, int64_t channels,
-                                      const scalar_t* __restrict__ x, int64_t shift_stride, double* __restrict__ mean,
-                                      double* __restrict__ m2) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= channels) return;
+__device__ __forceinline__ Welford<double> merged_moments(const Welford<acc_t>* __restrict__ partial, int64_t splits,
+                                                          int64_t channels, const scalar_t* __restrict__ x,
+                                                          int64_t shift_stride, int64_t c) {
   Welford<double> total{0.0, 0.0, 0.0};
   for (int64_t k = 0; k < splits; ++k) {
     const Welford<acc_t>& p = partial[k * channels + c];
     total = welford_merge(total, Welford<double>{static_cast<double>(p.n), static_cast<double>(p.mean),
                                                  static_cast<double>(p.m2)});
   }
-  mean[c] = static_cast<double>(static_cast<acc_t>(x[c * shift_stride])) + total.mean;
-  m2[c] = total.m2;
+  const double shift = x == nullptr ? 0.0 : static_cast<double>(static_cast<acc_t>(x[c * shift_stride]));
+  return Welford<double>{total.n, shift + total.mean, total.m2};
+}
+
+// Where a forward's statistics go: mean, biased var and invstd (float64 [C]) and the running
+// estimates to update (kNone: none), with the factors of the update.
+struct StatsOut {
+  double* mean;
+  double* var;
+  double* invstd;
+  MutableParam running_mean;
+  MutableParam running_var;
+  double momentum;
+  double unbias;  // N/(N - 1)
+};
+
+// The per-channel end of a forward's statistics, as the CPU code computes it.
+__device__ __forceinline__ void store_stats(const StatsOut& out, int64_t c, double mean, double var, double eps) {
+  out.mean[c] = mean;
+  out.var[c] = var;
+  out.invstd[c] = 1.0 / sqrt(var + eps);
+  if (out.running_mean.type != ParamType::kNone) {
+    const double m = out.momentum;
+    store_param(out.running_mean, c,
+                (1 - m) * load_param(out.running_mean.data, out.running_mean.type, c, 0.0) + m * mean);
+    store_param(out.running_var, c,
+                (1 - m) * load_param(out.running_var.data, out.running_var.type, c, 0.0) + m * var * out.unbias);
+  }
+}
+
+// Statistics of this rank's values alone: var = M2·inv_count.
+template <typename scalar_t, typename acc_t>
+__global__ void local_stats_finish_kernel(const Welford<acc_t>* __restrict__ partial, int64_t splits,
+                                          int64_t channels, const scalar_t* __restrict__ x, int64_t shift_stride,
+                                          double inv_count, double eps, StatsOut out) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const Welford<double> w = merged_moments(partial, splits, channels, x, shift_stride, c);
+  store_stats(out, c, w.mean, w.m2 * inv_count, eps);
+}
+
+// This rank's all-reduce buffer [count·mean | M2 + count·mean² | count] (Note [One all-reduce per
+// pass] in syncbn/kernels.h).
+template <typename scalar_t, typename acc_t>
+__global__ void packed_moments_finish_kernel(const Welford<acc_t>* __restrict__ partial, int64_t splits,
+                                             int64_t channels, const scalar_t* __restrict__ x, int64_t shift_stride,
+                                             double count, double* __restrict__ packed) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c == 0) packed[2 * channels] = count;
+  if (c >= channels) return;
+  const Welford<double> w = merged_moments(partial, splits, channels, x, shift_stride, c);
+  packed[c] = count * w.mean;
+  packed[channels + c] = w.m2 + count * w.mean * w.mean;
+}
+
+// Statistics from the summed buffer of a group of `count` values per channel.
+__global__ void packed_stats_kernel(const double* __restrict__ packed, int64_t channels, double count, double eps,
+                                    StatsOut out) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= channels) return;
+  const double mean = count > 0 ? packed[c] / count : 0.0;
+  const double var = count > 0 ? fmax(0.0, packed[channels + c] / count - mean * mean) : 0.0;
+  store_stats(out, c, mean, var, eps);
 }
 
 // --- backward reduction -----------------------------------------------------------------------
@@ -251,10 +355,13 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // out[c] = Σ_k partial Σ dy, out[C + c] = Σ_k partial Σ dy·(x - center) - (mean - center)·Σ dy, in
-// double (Note [Centred arithmetic] in syncbn/kernels.h): the [2C] layout of grad_sums.
+// double (Note [Centred arithmetic] in syncbn/kernels.h): the [2C] layout of the backward's sums.
+// From them, grad_weight[c] = invstd[c]·out[C + c] and grad_bias[c] = out[c] where wanted.
 template <typename acc_t>
 __global__ void grad_sums_finish_kernel(const GradSums<acc_t>* __restrict__ partial, int64_t splits,
-                                        int64_t channels, const double* __restrict__ mean, double* __restrict__ out) {
+                                        int64_t channels, const double* __restrict__ mean,
+                                        const double* __restrict__ invstd, double* __restrict__ out,
+                                        MutableParam grad_weight, MutableParam grad_bias) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   double dy = 0.0, dy_xc = 0.0;
@@ -263,32 +370,14 @@ __global__ void grad_sums_finish_kernel(const GradSums<acc_t>* __restrict__ part
     dy_xc += static_cast<double>(partial[k * channels + c].dy_xc);
   }
   const double center = static_cast<double>(static_cast<acc_t>(mean[c]));
+  const double centred = dy_xc - (mean[c] - center) * dy;
   out[c] = dy;
-  out[channels + c] = dy_xc - (mean[c] - center) * dy;
+  out[channels + c] = centred;
+  store_param(grad_weight, c, invstd[c] * centred);
+  store_param(grad_bias, c, dy);
 }
 
 // --- element-wise passes ----------------------------------------------------------------------
-
-// A [C] parameter (weight or bias) of dtype float, double, half or bfloat16, read as double; absent
-// parameters read as `fill`.
-enum class ParamType : int { kNone = 0, kFloat = 1, kDouble = 2, kHalf = 3, kBFloat16 = 4 };
-
-struct Param {
-  const void* data;
-  ParamType type;
-};
-
-__device__ __forceinline__ double load_param(const Param& p, int64_t c, double fill) {
-  switch (p.type) {
-    case ParamType::kFloat: return static_cast<double>(static_cast<const float*>(p.data)[c]);
-    case ParamType::kDouble: return static_cast<const double*>(p.data)[c];
-    case ParamType::kHalf: return static_cast<double>(static_cast<float>(static_cast<const c10::Half*>(p.data)[c]));
-    case ParamType::kBFloat16:
-      return static_cast<double>(static_cast<float>(static_cast<const c10::BFloat16*>(p.data)[c]));
-    case ParamType::kNone: break;
-  }
-  return fill;
-}
 
 // out = k·dy + q·(x - center) + r per channel (the grad_input form of syncbn/cpu/kernels.h), with
 // the channel's constants computed in double from the pass's float64 statistics:
