@@ -157,7 +157,7 @@ def test_hand_written_kernels_run(shape, memory_format):
     x = torch.randn(shape, device=DEVICE).contiguous(memory_format=memory_format).requires_grad_()
     names = cuda_kernel_names(lambda: layer(x).sum().backward())
     ours = [n for n in names if "ddpkit::syncbn::cuda::" in n]
-    for kernel in ("moments", "moments_finish", "affine", "grad_sums", "grad_sums_finish"):
+    for kernel in ("moments", "local_stats_finish", "affine", "grad_sums", "grad_sums_finish"):
         assert any(f"{kernel}_" in n for n in ours), (kernel, names)
     torch_kernels = [n for n in names if "ddpkit::" not in n and ("batch_norm" in n.lower() or "welford" in n.lower())]
     assert not torch_kernels, names

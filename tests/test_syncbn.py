@@ -562,6 +562,20 @@ def test_without_distributed_matches_batchnorm(shape):
     torch.testing.assert_close(layer.bias.grad, ref.bias.grad, atol=1e-4, rtol=1e-5)
 
 
+def test_backward_makes_no_zero_gradients():
+    """mean and invstd, the op's non-differentiable outputs, get no zero-filled gradients: on a GPU
+    those were two allocations and two kernel launches per step (Note [Backend element kernels])."""
+    layer = ddpkit.SyncBatchNorm(8)
+    x = torch.randn(16, 8, requires_grad=True)
+    grad = torch.randn(16, 8)
+    layer(x).backward(grad)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        layer(x).backward(grad)
+    names = [event.name for event in prof.events()]
+    assert "ddpkit::sync_batch_norm_backward" in names
+    assert not [name for name in names if name in ("aten::zeros", "aten::zero_", "aten::fill_")], names
+
+
 @pytest.mark.parametrize("shape,memory_format", [
     ((256, 512), torch.contiguous_format),
     ((16, 8, 32, 32), torch.contiguous_format),

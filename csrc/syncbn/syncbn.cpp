@@ -132,12 +132,18 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
     ctx->saved_data["group_name"] = group_name ? c10::IValue(std::string(*group_name)) : c10::IValue();
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     ctx->mark_non_differentiable({mean, invstd});
+    // mean and invstd never carry a gradient: materialized, their undefined ones would cost two
+    // zero-filled tensors (allocations and kernel launches) per backward.
+    ctx->set_materialize_grads(false);
     return {output, mean, invstd};
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
+    // Only `output` is differentiable, so its gradient is defined whenever this runs; should it
+    // not be, zeros keep the backward's all-reduce where every rank of a group expects it.
+    const at::Tensor grad_output = grad_outputs[0].defined() ? grad_outputs[0] : at::zeros_like(saved[0]);
     const at::Tensor& weight = saved[1];
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     // needs_input_grad counts tensor arguments only: input, then weight and bias when present.
@@ -149,7 +155,7 @@ class SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFunc
     if (!group.isNone()) group_name = group.toStringRef();
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [grad_input, grad_weight, grad_bias] =
-        backward_op().call(grad_outputs[0], saved[0], weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt,
+        backward_op().call(grad_output, saved[0], weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt,
                            saved[2], saved[3], ctx->saved_data["training"].toBool(), ctx->saved_data["count"].toInt(),
                            algorithm, group_name, mask);
     torch::autograd::variable_list grads(kForwardArguments);
