@@ -5,7 +5,8 @@
 #   bash scripts/gpu_checks.sh bench   # bench_syncbn.py --device cuda, bench_ddp.py --device cuda
 # Several phases in one call: bash scripts/gpu_checks.sh build test bench. Logs and results go to
 # $OUT (default /tmp/ddpkit-gpu); each step has its own time limit so that a slow one still leaves
-# the others' output.
+# the others' output. Where the machine's copy of the tree may carry a stale .git (the device tool
+# sends the session's first one), name the commit: DDPKIT_GIT_COMMIT=<sha> bash scripts/gpu_checks.sh ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ddpkit-gpu}
