@@ -213,3 +213,40 @@ def test_collective_aot_dispatch():
     from ddpkit.testing import WorkerPool
     with WorkerPool(1, timeout=120.0) as pool:
         pool.run(case_collective_aot_dispatch, timeout=120)
+
+
+def case_compiled_collectives():
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    torch._dynamo.reset()
+
+    def step(x):
+        y = x * 2
+        ddpkit.all_reduce(y)
+        z = y + 1
+        ddpkit.broadcast(z, src=1)
+        gathered = torch.empty(2 * z.numel())
+        ddpkit.all_gather_into_tensor(gathered, z)
+        part = torch.empty(z.numel() // 2)
+        ddpkit.reduce_scatter_tensor(part, gathered[: 2 * part.numel()], op="max")
+        ddpkit.barrier()
+        return gathered.sum() + part.sum()
+
+    compiled = torch.compile(step)
+    results = []
+    for size in (6, 8):
+        x = torch.arange(size, dtype=torch.float32) * (rank + 1)
+        expected = step(x)
+        got = compiled(x)
+        torch.testing.assert_close(got, expected)
+        results.append(got.item())
+    return results
+
+
+def test_torch_compile_of_collectives_matches_eager():
+    """torch.compile of a function calling ddpkit's collectives compiles and gives eager's result:
+    each collective runs eagerly at a graph break (Note [Collectives under torch.compile])."""
+    from ddpkit.testing import WorkerPool
+    with WorkerPool(2, timeout=120.0) as pool:
+        results = pool.run(case_compiled_collectives, timeout=120)
+    assert [len(r) for r in results] == [2, 2]

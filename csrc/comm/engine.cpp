@@ -266,8 +266,12 @@ c10::intrusive_ptr<c10d::Backend> Engine::backend(c10::DeviceType device) {
 }
 
 TransportKind forced_by_environment() {
-  const char* forced = std::getenv("DDPKIT_TRANSPORT");
-  const std::string_view value = forced == nullptr ? std::string_view() : std::string_view(forced);
+  // Read once: getenv walks the whole environment, on every small collective's path.
+  static const std::string forced = [] {
+    const char* set = std::getenv("DDPKIT_TRANSPORT");
+    return set == nullptr ? std::string() : std::string(set);
+  }();
+  const std::string_view value = forced;
   if (value.empty() || value == "auto") return TransportKind::kAuto;
   const bool known = std::find(kTransportNames.begin(), kTransportNames.end(), value) != kTransportNames.end();
   TORCH_CHECK(known, "ddpkit: DDPKIT_TRANSPORT=", value, " is not one of auto, shm, process_group");

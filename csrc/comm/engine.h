@@ -70,7 +70,8 @@ namespace ddpkit::comm {
 
 // What DDPKIT_TRANSPORT (auto | shm | process_group) forces in place of kAuto, so that a whole
 // program, the DDP reducer's buckets and SyncBatchNorm's passes included, can be switched without
-// changing its calls; kAuto when it is unset. TORCH_CHECK-fails on any other value.
+// changing its calls; kAuto when it is unset. TORCH_CHECK-fails on any other value. Read once, at
+// the program's first collective: set it before the program starts, alike on every rank.
 TransportKind forced_by_environment();
 
 // What an Engine needs of its group. For a torch.distributed process group (Engine::of) these come

@@ -8,14 +8,18 @@ See Note [All-reduce algorithms] there for what each ``algorithm`` does.
 ``transport`` picks how the bytes move: ``"auto"`` (default) uses shared memory when every rank of
 the group runs on this host and the tensor is on CPU, else the group's own send/recv;
 ``"shm"`` and ``"process_group"`` force one. The environment variable ``DDPKIT_TRANSPORT=shm|
-process_group`` forces one for every ``"auto"`` call of the program (set it alike on every rank).
+process_group`` forces one for every ``"auto"`` call of the program (set it alike on every rank,
+before the program's first collective, which reads it once).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+import functools
+import weakref
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
@@ -30,24 +34,41 @@ TRANSPORTS = tuple(torch.ops.ddpkit.transports())
 REDUCE_OPS = tuple(torch.ops.ddpkit.reduce_ops())
 
 _DISTRIBUTED_AVAILABLE = dist.is_available()
+# torch's registry of groups, whose default group ``dist.group.WORLD`` reads through two properties.
+_WORLD = getattr(dist.distributed_c10d, "_world", None) if _DISTRIBUTED_AVAILABLE else None
+if not hasattr(_WORLD, "_default_pg"):
+    _WORLD = None
 _TORCH_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
 def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     """The registered name of ``group`` (default: the world group), which the C++ ops resolve."""
-    # On every collective's path: one attribute read when the group is given, two for the default.
+    # On every collective's path: one attribute read when the group is given; for the default group
+    # the name is kept while that group is the default one (a weak reference: a destroyed group is
+    # not kept alive, and a new default group is told apart).
+    global _default_group, _default_group_name
     if group is not None:
         try:
             return group.group_name
         except AttributeError:
             raise ValueError(_not_a_group(group)) from None
-    world = dist.group.WORLD if _DISTRIBUTED_AVAILABLE else None
+    if _WORLD is not None:
+        world = _WORLD._default_pg
+    else:
+        world = dist.group.WORLD if _DISTRIBUTED_AVAILABLE else None
     if world is None:
         raise RuntimeError(
             "ddpkit: torch.distributed is not initialized; call ddpkit.init_distributed() "
             "(or torch.distributed.init_process_group) first"
         )
-    return world.group_name
+    if _default_group() is not world:
+        _default_group_name = world.group_name
+        _default_group = weakref.ref(world)
+    return _default_group_name
+
+
+_default_group: "weakref.ReferenceType[dist.ProcessGroup] | Callable[[], None]" = lambda: None
+_default_group_name = ""
 
 
 def _not_a_group(group: object) -> str:
@@ -73,24 +94,66 @@ def all_reduce(tensor: Tensor, op: Union[str, dist.ReduceOp] = "sum", algorithm:
                group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
     """Reduces ``tensor`` across all ranks in place; every rank ends with the same bits."""
     op, name = _op_name(op), group_name(group)
-    # Eager calls skip the dispatcher where it would do nothing (Note [Eager calls past the dispatcher]).
-    if torch.compiler.is_compiling() or not _C.all_reduce_eager(tensor, op, algorithm, name, transport):
+    # Eager calls skip the dispatcher where it would do nothing (Note [Eager calls past the
+    # dispatcher]); torch.compile traces _all_reduce_in_graph in the binding's place (Note
+    # [Collectives under torch.compile]).
+    if not _all_reduce_eager(tensor, op, algorithm, name, transport):
         torch.ops.ddpkit.all_reduce_.default(tensor, op, algorithm, name, transport)
     return tensor
 
 
+_all_reduce_eager = _C.all_reduce_eager
+
+
+# Note [Collectives under torch.compile]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The collective ops work in place and return their argument (-> Tensor(a!)), which AOTAutograd
+# cannot functionalize (tests/test_opcheck.py keeps that as an expected failure), so a compiled
+# function calling one would fail to compile, and an op without outputs (barrier) could be dropped
+# from a graph. The functions below therefore run their op eagerly under torch.compile, with a graph
+# break at the call, as SyncBatchNorm does (Note [SyncBatchNorm under torch.compile]): the code
+# before and after the collective is compiled, and the collective runs where every rank expects
+# it. all_reduce pays nothing for this in eager code: Dynamo traces _all_reduce_in_graph in the
+# binding's place; the others check torch.compiler.is_compiling().
+def _eagerly_under_compile(function: Callable) -> Callable:
+    eagerly = torch.compiler.disable(function)
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return eagerly(*args, **kwargs)
+        return function(*args, **kwargs)
+
+    return call
+
+
+@torch.compiler.disable
+def _all_reduce_op(tensor: Tensor, op: str, algorithm: str, group_name: str, transport: str) -> None:
+    torch.ops.ddpkit.all_reduce_.default(tensor, op, algorithm, group_name, transport)
+
+
+@torch._dynamo.substitute_in_graph(_C.all_reduce_eager, skip_signature_check=True)
+def _all_reduce_in_graph(tensor: Tensor, op: str, algorithm: str, group_name: str, transport: str) -> bool:
+    """What torch.compile traces where eager code calls the binding: the op, run eagerly."""
+    _all_reduce_op(tensor, op, algorithm, group_name, transport)
+    return True
+
+
+@_eagerly_under_compile
 def broadcast(tensor: Tensor, src: int = 0, group: Optional[dist.ProcessGroup] = None,
               transport: str = "auto") -> Tensor:
     """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank (binomial tree)."""
     return torch.ops.ddpkit.broadcast_.default(tensor, src, group_name(group), transport)
 
 
+@_eagerly_under_compile
 def reduce(tensor: Tensor, dst: int = 0, op: Union[str, dist.ReduceOp] = "sum",
            group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
     """Leaves the reduction in rank ``dst``'s ``tensor``; other ranks' tensors hold partial results."""
     return torch.ops.ddpkit.reduce_.default(tensor, dst, _op_name(op), group_name(group), transport)
 
 
+@_eagerly_under_compile
 def gather(tensor: Tensor, dst: int = 0, group: Optional[dist.ProcessGroup] = None,
            transport: str = "auto") -> Optional[Tensor]:
     """On rank ``dst``: a ``[world_size, *tensor.shape]`` tensor of every rank's ``tensor``; elsewhere None."""
@@ -99,18 +162,21 @@ def gather(tensor: Tensor, dst: int = 0, group: Optional[dist.ProcessGroup] = No
     return gathered if dist.get_rank(group) == dst else None
 
 
+@_eagerly_under_compile
 def scatter(output: Tensor, chunks: Optional[Tensor] = None, src: int = 0,
             group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
     """Writes row ``i`` of rank ``src``'s ``chunks`` (shape ``[world_size, *output.shape]``) into rank i's ``output``."""
     return torch.ops.ddpkit.scatter_.default(output, chunks, src, group_name(group), transport)
 
 
+@_eagerly_under_compile
 def all_gather_into_tensor(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
                            algorithm: str = "auto", transport: str = "auto") -> Tensor:
     """Writes rank i's ``input`` into block i of ``output`` (``world_size * input.numel()`` elements) everywhere."""
     return torch.ops.ddpkit.all_gather_into_tensor_.default(output, input, algorithm, group_name(group), transport)
 
 
+@_eagerly_under_compile
 def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Union[str, dist.ReduceOp] = "sum",
                           group: Optional[dist.ProcessGroup] = None, algorithm: str = "auto",
                           transport: str = "auto") -> Tensor:
@@ -119,6 +185,7 @@ def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Union[str, dist.Red
                                                           transport)
 
 
+@_eagerly_under_compile
 def barrier(group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> None:
     """Returns when every rank of ``group`` has called it."""
     torch.ops.ddpkit.barrier.default(group_name(group), transport)
