@@ -49,7 +49,9 @@ namespace {
 // EPYC VM, 16M floats at n=2: 256 KiB slots ran 11 ms, 1 MiB 29 ms, 4 MiB 33 ms); the extra steps
 // cost a barrier each, about a microsecond when the ranks have cores.
 constexpr int64_t kSlotBytes = 256 << 10;
-constexpr int64_t kDirectWholeBytes = 128 << 10;  // Note [Direct all-reduce]; DDPKIT_SHM_WHOLE_BYTES overrides
+// Note [Direct all-reduce]; DDPKIT_SHM_WHOLE_BYTES overrides both.
+constexpr int64_t kDirectWholeBytes = 128 << 10;
+constexpr int64_t kDirectWholeBytesSpinningPair = 2 << 10;
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
@@ -452,7 +454,8 @@ void ShmSegment::offer_to_host(Communicator& setup, HostFailure& failed) {
   // Note [Direct all-reduce]: two slots per rank; Note [Shared-memory messages]: kChannelSlots
   // chunks per ordered pair, shrinking with the host's ranks, so the whole segment stays bounded.
   const Layout layout{size_, env_bytes("DDPKIT_SHM_SLOT_BYTES", kSlotBytes),
-                      env_bytes("DDPKIT_SHM_WHOLE_BYTES", kDirectWholeBytes),
+                      env_bytes("DDPKIT_SHM_WHOLE_BYTES",
+                                spin_ && size_ == 2 ? kDirectWholeBytesSpinningPair : kDirectWholeBytes),
                       env_bytes("DDPKIT_SHM_CHUNK_BYTES",
                                 std::clamp<int64_t>(round_up((1 << 20) / std::max(1, size_ - 1), kLine), 64 << 10,
                                                     512 << 10))};
