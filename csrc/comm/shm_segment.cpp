@@ -4,6 +4,7 @@
 #include "comm/faults.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -612,6 +613,25 @@ ShmSegment::SegmentHeader& ShmSegment::header() const {
 
 ShmSegment::~ShmSegment() {
   if (base_ != nullptr) munmap(base_, bytes_);
+}
+
+bool ShmSegment::awaits_a_rank_on_this_cpu(const WaitContext& context) const {
+  const int cpu = sched_getcpu();
+  if (cpu < 0) return false;
+  const int32_t mark = cpu + 1;  // RankControl::cpu's encoding: 0 until the rank first waits
+  control(rank_).cpu.store(mark, std::memory_order_relaxed);
+  int awaited = -1;
+  if (context.awaited == WaitContext::Awaited::kPeer) {
+    awaited = context.peer;
+  } else {
+    for (int peer = 0; awaited < 0 && peer < size_; ++peer) {
+      const Signal& counter =
+          context.awaited == WaitContext::Awaited::kArrived ? control(peer).arrived : control(peer).reduced;
+      if (peer != rank_ && !reached(counter.value.load(std::memory_order_acquire), context.step)) awaited = peer;
+    }
+  }
+  return awaited >= 0 && awaited < size_ && awaited != rank_ &&
+         control(awaited).cpu.load(std::memory_order_relaxed) == mark;
 }
 
 ShmSegment::RankControl& ShmSegment::control(int rank) const {
