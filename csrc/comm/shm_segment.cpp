@@ -4,8 +4,8 @@
 #include "comm/faults.h"
 
 #include <fcntl.h>
-#include <sched.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>

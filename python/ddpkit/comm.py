@@ -67,7 +67,8 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
     return _default_group_name
 
 
-_default_group: "weakref.ReferenceType[dist.ProcessGroup] | Callable[[], None]" = lambda: None
+# The default group whose name group_name() keeps, and that name.
+_default_group: Callable[[], Optional[dist.ProcessGroup]] = lambda: None
 _default_group_name = ""
 
 
