@@ -83,17 +83,18 @@ namespace ddpkit::comm {
 // (spin_briefly_on_this_thread). Spinning is skipped when the group has more ranks on this kernel
 // than it has CPUs, where a spinning rank only takes the core from the peer it waits for (the
 // collapse of busy-polling MPI on oversubscribed hosts); ranks count whether or not they share this
-// host's memory, since containers or namespaces with a /dev/shm of their own (simulated hosts) still
-// share the kernel's CPUs. A spin that outlasts kSpinMicros yields the core at each clock check, so
-// that another thread runnable on it (a peer, or gloo's event loop serving the step across hosts)
-// runs before the wait ends. A wait whose peer last waited on this same CPU (each rank records its
-// CPU as it starts a wait) yields from the first check on: the scheduler sometimes keeps two ranks
-// on one CPU for a while although another CPU is there (bench_allreduce.py's processes after MPICH's
-// jobs, about half of the repetitions), and each wait's 30 us spin then only kept the peer it
-// waited for off the CPU (n=2 pinned to one CPU: 70 us per 1k-float all-reduce; 11 us yielding at
-// once). Sleeps are bounded (kLivenessMillis): each timeout checks that the peers still live (their pid in /proc, zombies counting as dead) and the group's timeout, so a peer
-// killed in the middle of a collective is reported within a fraction of a second, naming it. The
-// first rank any rank finds dead is recorded in the segment, and every later report names that
+// host's memory, since containers or namespaces with a /dev/shm of their own (simulated hosts)
+// still share the kernel's CPUs. A spin that outlasts kSpinMicros yields the core at each clock
+// check, so that another thread runnable on it (a peer, or gloo's event loop serving the step
+// across hosts) runs before the wait ends. A wait whose peer last waited on this same CPU (each
+// rank records its CPU as it starts a wait) yields from the first check on: the scheduler sometimes
+// keeps two ranks on one CPU for a while although another CPU is there (bench_allreduce.py's
+// processes after MPICH's jobs, about half of the repetitions), and each wait's 30 us spin then
+// only kept the peer it waited for off the CPU (n=2 pinned to one CPU: 70 us per 1k-float all-
+// reduce; 11 us yielding at once). Sleeps are bounded (kLivenessMillis): each timeout checks that
+// the peers still live (their pid in /proc, zombies counting as dead) and the group's timeout, so a
+// peer killed in the middle of a collective is reported within a fraction of a second, naming it.
+// The first rank any rank finds dead is recorded in the segment, and every later report names that
 // rank, so a survivor that reported it and exited is never blamed in its place. A rank whose
 // transport fails (a dead peer, a timeout, corrupt data) records that and why in the segment too
 // (mark_broken), so every peer stops within a liveness period, saying which rank gave up and why. A
