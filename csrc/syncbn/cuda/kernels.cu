@@ -201,7 +201,7 @@ void update_strided(const StatsTarget& t, const RunningStats& running) {
   running.var.copy_(running.var.to(at::kDouble) * (1 - m) + t.stats.var * (m * t.out.unbias));
 }
 
-}  // namespace
+// The passes of syncbn/kernels.h, each with the contract of the pass of the same name there.
 
 BatchStats local_batch_stats(const LocalInput& in, double eps, const RunningStats& running) {
   const c10::cuda::CUDAGuard device_guard(in.x.device());
@@ -325,6 +325,8 @@ at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at:
   const PassArgs args{nullptr, s.const_data_ptr<double>(), param(w), Param{nullptr, ParamType::kNone}, nullptr, 0.0};
   return affine_pass<Pass::kGradEval>(in, dy, args);
 }
+
+}  // namespace
 
 const ElementKernels& element_kernels() {
   static const ElementKernels table{c10::kCUDA,          &local_batch_stats,   &packed_moments,
