@@ -5,8 +5,8 @@
 // Every function takes tensors on one device and returns new tensors there. CPU tensors run the
 // vectorised passes of syncbn/cpu/kernels.h and plain loops for the per-channel math (unless
 // set_native_cpu_kernels(false)); every other device runs device-generic code made of ATen
-// reductions and element-wise ops only (no batch-norm internals), so the same ops serve CUDA;
-// a backend with kernels of its own replaces the element passes (Note [Backend element kernels]).
+// reductions and element-wise ops only (no batch-norm internals), so the same ops serve any device;
+// a backend with kernels of its own (CUDA) replaces the passes (Note [Backend element kernels]).
 //
 // Dtypes: the input is float32, float64, float16 or bfloat16; statistics (mean, invstd, the sums
 // of a pass) are float64 tensors of C values; weight, bias and running statistics have the
