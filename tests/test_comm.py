@@ -457,3 +457,37 @@ def test_auto_choice_follows_the_note():
         # From 34 ranks on, rank 0's share caps the star below 512 KiB: at 64, 16 MiB / 63 per message.
         assert choose(16 * 2**20 // 63, 64, op=op) == "star" and choose(16 * 2**20 // 63 + 4, 64, op=op) == large
         assert choose(40_000_000, 6, op=op) == ring and choose(40_000_000, 8, op=op) == large
+
+
+def test_default_group_name_follows_a_new_default_group():
+    """group_name() keeps the default group's name only while that group is the default: after
+    destroy_process_group and a new init it names the new group, and it keeps no group alive."""
+    import subprocess
+    import sys
+    script = """
+import gc, os, weakref, torch.distributed as dist
+from ddpkit import comm
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(__import__("socket").create_server(("127.0.0.1", 0)).getsockname()[1]))
+names = []
+for _ in range(2):
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    first = dist.group.WORLD
+    assert comm.group_name() == first.group_name
+    names.append(comm.group_name())
+    dist.new_group([0])  # a later group does not change the default one
+    assert comm.group_name() == first.group_name
+    ref = weakref.ref(first)
+    del first
+    dist.destroy_process_group()
+    gc.collect()
+    assert ref() is None, "group_name() kept the destroyed group alive"
+    try:
+        comm.group_name()
+    except RuntimeError as e:
+        assert "not initialized" in str(e)
+    else:
+        raise AssertionError("no error without a default group")
+print(names)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
