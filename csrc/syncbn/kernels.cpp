@@ -237,36 +237,6 @@ BatchStats stats_from_moments(const LocalMoments& moments, int64_t count, double
   return BatchStats{moments.mean, var, (var + eps).rsqrt(), n};
 }
 
-// RunningStats' update with the statistics of a batch of stats.count > 1 values per channel.
-void update_running_stats(const at::Tensor& running_mean, const at::Tensor& running_var, const BatchStats& stats,
-                          double momentum) {
-  TORCH_INTERNAL_ASSERT(stats.count > 1);
-  const double unbias = stats.count / (stats.count - 1);
-  if (native(running_mean) && running_mean.is_contiguous() && running_var.is_contiguous()) {
-    const int64_t channels = running_mean.numel();
-    const double* mean = stats.mean.const_data_ptr<double>();
-    const double* var = stats.var.const_data_ptr<double>();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running_mean.scalar_type(), "ddpkit_syncbn_running", [&] {
-      scalar_t* rm = running_mean.mutable_data_ptr<scalar_t>();
-      scalar_t* rv = running_var.mutable_data_ptr<scalar_t>();
-      for (int64_t c = 0; c < channels; ++c) {
-        rm[c] = static_cast<scalar_t>((1 - momentum) * static_cast<double>(rm[c]) + momentum * mean[c]);
-        rv[c] = static_cast<scalar_t>((1 - momentum) * static_cast<double>(rv[c]) + momentum * var[c] * unbias);
-      }
-    });
-    return;
-  }
-  running_mean.copy_(running_mean.to(at::kDouble) * (1 - momentum) + stats.mean * momentum);
-  running_var.copy_(running_var.to(at::kDouble) * (1 - momentum) + stats.var * (momentum * unbias));
-}
-
-// Applies `running` when RunningStats says so.
-void update_if_wanted(const RunningStats& running, const BatchStats& stats) {
-  if (running.mean.defined() && running.var.defined() && stats.count > 1) {
-    update_running_stats(running.mean, running.var, stats, running.momentum);
-  }
-}
-
 // This rank's [Σ dy | Σ dy·(x - mean)] per channel, float64 [2C].
 at::Tensor grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean) {
   const int64_t channels = in.channels();
@@ -328,10 +298,34 @@ std::pair<at::Tensor, at::Tensor> affine_grads(const at::Tensor& local_sums, con
 // ---------------------------------------------------------------------------------------------
 // The passes
 
+void update_running_stats(const RunningStats& running, const BatchStats& stats) {
+  if (!running.applies(stats.count)) return;
+  const at::Tensor& running_mean = running.mean;
+  const at::Tensor& running_var = running.var;
+  const double momentum = running.momentum;
+  const double unbias = stats.count / (stats.count - 1);
+  if (native(running_mean) && running_mean.is_contiguous() && running_var.is_contiguous()) {
+    const int64_t channels = running_mean.numel();
+    const double* mean = stats.mean.const_data_ptr<double>();
+    const double* var = stats.var.const_data_ptr<double>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, running_mean.scalar_type(), "ddpkit_syncbn_running", [&] {
+      scalar_t* rm = running_mean.mutable_data_ptr<scalar_t>();
+      scalar_t* rv = running_var.mutable_data_ptr<scalar_t>();
+      for (int64_t c = 0; c < channels; ++c) {
+        rm[c] = static_cast<scalar_t>((1 - momentum) * static_cast<double>(rm[c]) + momentum * mean[c]);
+        rv[c] = static_cast<scalar_t>((1 - momentum) * static_cast<double>(rv[c]) + momentum * var[c] * unbias);
+      }
+    });
+    return;
+  }
+  running_mean.copy_(running_mean.to(at::kDouble) * (1 - momentum) + stats.mean * momentum);
+  running_var.copy_(running_var.to(at::kDouble) * (1 - momentum) + stats.var * (momentum * unbias));
+}
+
 BatchStats local_batch_stats(const LocalInput& in, double eps, const RunningStats& running) {
   if (const ElementKernels* k = backend_kernels(in.x)) return k->local_batch_stats(in, eps, running);
   BatchStats stats = stats_from_moments(local_moments(in), in.count(), eps);
-  update_if_wanted(running, stats);
+  update_running_stats(running, stats);
   return stats;
 }
 
@@ -343,7 +337,7 @@ at::Tensor packed_moments(const LocalInput& in) {
 BatchStats stats_from_packed(const at::Tensor& packed, double eps, const RunningStats& running) {
   if (const ElementKernels* k = backend_kernels(packed)) return k->stats_from_packed(packed, eps, running);
   BatchStats stats = summed_stats(packed, eps);
-  update_if_wanted(running, stats);
+  update_running_stats(running, stats);
   return stats;
 }
 

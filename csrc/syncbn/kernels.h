@@ -71,12 +71,17 @@ struct BatchStats {
 
 // The running estimates a training pass updates in place, as torch's batch norm does:
 // mean <- (1 - momentum)·mean + momentum·batch mean, var likewise with the unbiased batch variance
-// var·N/(N - 1). Only when both are defined and the batch has N > 1 values per channel.
+// var·N/(N - 1). Only when both are defined and the batch has N > 1 values per channel (applies).
 struct RunningStats {
   at::Tensor mean;
   at::Tensor var;
   double momentum = 0;
+  bool applies(double count) const { return mean.defined() && var.defined() && count > 1; }
 };
+
+// RunningStats' update with `stats` where it applies, by plain loops on CPU and ATen ops elsewhere:
+// the passes below call it, and a backend's kernel leaves it the estimates it cannot write in place.
+void update_running_stats(const RunningStats& running, const BatchStats& stats);
 
 // Forward, no group: the statistics of this rank's values alone, mean, biased var = M2/n and
 // invstd = 1/sqrt(var + eps); an empty input gives mean 0 and var 0. Updates `running`.

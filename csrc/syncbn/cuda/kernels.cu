@@ -166,12 +166,12 @@ void run_moments(const LocalInput& in, Finish&& finish) {
   });
 }
 
-// Where stats of `count` values per channel go, with the running update of RunningStats' rule. A
-// running estimate that is not contiguous is updated afterwards by update_strided.
+// Where stats of `count` values per channel go, with the running update of RunningStats' rule. The
+// kernels write contiguous running estimates in place; others are left to update_running_stats.
 struct StatsTarget {
   BatchStats stats;
   StatsOut out;
-  bool update_strided = false;
+  bool update_afterwards = false;
 };
 
 StatsTarget stats_target(const at::Tensor& like, int64_t channels, double count, const RunningStats& running) {
@@ -182,23 +182,15 @@ StatsTarget stats_target(const at::Tensor& like, int64_t channels, double count,
   t.out = StatsOut{t.stats.mean.mutable_data_ptr<double>(), t.stats.var.mutable_data_ptr<double>(),
                    t.stats.invstd.mutable_data_ptr<double>(), MutableParam{nullptr, ParamType::kNone},
                    MutableParam{nullptr, ParamType::kNone}, running.momentum, count > 1 ? count / (count - 1) : 0.0};
-  if (running.mean.defined() && running.var.defined() && count > 1) {
+  if (running.applies(count)) {
     if (running.mean.is_contiguous() && running.var.is_contiguous()) {
       t.out.running_mean = mutable_param(running.mean);
       t.out.running_var = mutable_param(running.var);
     } else {
-      t.update_strided = true;
+      t.update_afterwards = true;
     }
   }
   return t;
-}
-
-// RunningStats' update through ATen, for running estimates a kernel cannot write in place.
-void update_strided(const StatsTarget& t, const RunningStats& running) {
-  if (!t.update_strided) return;
-  const double m = running.momentum;
-  running.mean.copy_(running.mean.to(at::kDouble) * (1 - m) + t.stats.mean * m);
-  running.var.copy_(running.var.to(at::kDouble) * (1 - m) + t.stats.var * (m * t.out.unbias));
 }
 
 // The passes of syncbn/kernels.h, each with the contract of the pass of the same name there.
@@ -213,7 +205,7 @@ BatchStats local_batch_stats(const LocalInput& in, double eps, const RunningStat
     local_stats_finish_kernel<scalar_t, acc_t><<<ceil_div(channels, kThreads), kThreads, 0, stream>>>(
         partial, splits, channels, x, shift_stride, count > 0 ? 1.0 / count : 0.0, eps, t.out);
   });
-  update_strided(t, running);
+  if (t.update_afterwards) update_running_stats(running, t.stats);
   return t.stats;
 }
 
@@ -241,7 +233,7 @@ BatchStats stats_from_packed(const at::Tensor& packed, double eps, const Running
   packed_stats_kernel<<<ceil_div(channels, kThreads), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       p.const_data_ptr<double>(), channels, count, eps, t.out);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  update_strided(t, running);
+  if (t.update_afterwards) update_running_stats(running, t.stats);
   return t.stats;
 }
 
