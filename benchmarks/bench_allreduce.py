@@ -34,7 +34,9 @@ job that outlives its time limit is killed and its missing points say so.
 
 Method, for every candidate and size: correctness first (integer-valued inputs must sum exactly on
 every rank, else the run stops), the error of the mean (max |mean - float64 mean| on N(0, 1) inputs,
-up to ``--accuracy-max-numel``), then timing. A repetition synchronises the ranks *through the
+up to ``--accuracy-max-numel``), then timing: ``peers.timing.settle``'s 0.1 s of back-to-back calls
+(so that the scheduler has spread a fresh set of processes over the CPUs, as it has in a training
+job), then the repetitions. A repetition synchronises the ranks *through the
 candidate under test* (a one-float all-reduce of the same ddpkit configuration, of gloo, of DeepSpeed's
 shm op; ``MPI_Barrier`` for MPICH; a gloo barrier around rank 0's floor) and then times
 ``peers.timing.batch_size(numel)`` back-to-back calls on every rank (16 up to 10k floats, 4 at 100k,
@@ -180,6 +182,13 @@ def collective_checks(candidate: Candidate):
         ddpkit.set_collective_checks(True)
 
 
+def agree_through(candidate: Candidate, flag: torch.Tensor, done: bool) -> bool:
+    """True on every rank once any rank is ``done``: a one-float sum through the candidate itself."""
+    flag.fill_(float(done))
+    run_candidate(candidate, flag)
+    return flag.item() > 0
+
+
 def _vm_kib(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -253,6 +262,11 @@ def measure(names: list[str], sizes: list[int], reps_per_size: dict, accuracy_ma
                 run_candidate(candidate, flag)  # the barrier: the candidate's own transport
                 return common.time_per_call(user_call(candidate), work, calls=batch)
 
+        for candidate in candidates:
+            if candidate.implementation != "floor":
+                with collective_checks(candidate):
+                    call = user_call(candidate)
+                    timing.settle(lambda: call(work), functools.partial(agree_through, candidate, flag), batch)
         times = common.interleave(candidates, reps_per_size[numel], measure_one)
         for candidate in candidates:
             out["times"][(candidate.name, numel)] = times[candidate]
@@ -657,7 +671,8 @@ def main() -> None:
                   "accuracy_max_numel": args.accuracy_max_numel,
                   "peer_max_world_size": args.peer_max_world_size, "peer_point_budget_s": args.point_budget,
                   "threads_per_process": 1, "collective_checks": ddpkit.collective_checks_enabled(),
-                  "timing": "per repetition: synchronise through the candidate itself, time a batch of back-to-back "
+                  "settle_s": timing.SETTLE_S,
+                  "timing": "per point and job: settle_s of back-to-back calls first; per repetition: synchronise through the candidate itself, time a batch of back-to-back "
                             "calls on every rank; slowest rank per repetition, median over interleaved repetitions; "
                             "mpich and deepspeed in separate jobs, each split like the in-process repetitions over "
                             "--pools jobs that run between the in-process pools"},

@@ -16,6 +16,21 @@ sys.modules["bench_allreduce"] = bench  # dataclasses look their module up there
 spec.loader.exec_module(bench)
 
 
+def test_settle_runs_whole_batches_until_every_rank_agrees():
+    calls, asked = [], []
+
+    def agree(done):  # another rank's clock: agreement comes at the third check, whatever this rank says
+        asked.append(done)
+        return len(asked) == 3
+
+    timing.settle(lambda: calls.append(1), agree, calls_per_check=5, seconds=3600)
+    assert len(calls) == 15 and asked == [False, False, False]
+    calls.clear()
+    asked.clear()
+    timing.settle(lambda: calls.append(1), lambda done: asked.append(done) or done, calls_per_check=2, seconds=0)
+    assert len(calls) == 2 and asked == [True]
+
+
 def test_batch_and_reps_plan():
     assert [timing.batch_size(n) for n in (1_000, 10_000, 100_000, 1_000_000, 64_000_000)] == [16, 16, 4, 1, 1]
     assert timing.reps_for(1_000, 2, 30) == 30

@@ -95,6 +95,12 @@ def main() -> None:
                 all_reduce(tensor)
             return (time.perf_counter() - start) / batch
 
+        def agree(done: bool) -> bool:
+            flag.fill_(float(done))
+            all_reduce(flag)
+            return flag.item() > 0
+
+        timing.settle(lambda: all_reduce(tensor), agree, batch)
         first = torch.tensor([one_rep()], dtype=torch.float64)
         torch.distributed.all_reduce(first, op=torch.distributed.ReduceOp.MAX)
         reps, cut_off = timing.plan_reps(first.item() * batch, wanted, args.point_budget)

@@ -8,7 +8,7 @@ to ``--out`` as soon as the point is done, so a job killed at its time limit kee
 
 Per size: correctness first (integer-valued inputs must sum exactly, else the job stops with an
 error), then the error of the mean (sum / n against the float64 mean, N(0, 1) inputs, up to
-``--accuracy-max-numel``), then the timing: a warm-up repetition whose slowest rank's time plans
+``--accuracy-max-numel``), then the timing: ``timing.settle``'s calls, a warm-up repetition whose slowest rank's time plans
 how many of the wanted repetitions fit in ``--point-budget`` seconds (``cut_off`` when not all do),
 then the repetitions, each an ``MPI_Barrier`` and ``timing.batch_size(numel)`` back-to-back
 in-place ``MPI_Allreduce`` calls timed on every rank; the slowest rank per repetition comes from an
@@ -67,6 +67,8 @@ def main() -> None:
                 comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             return (time.perf_counter() - start) / batch
 
+        timing.settle(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
+                      lambda done: comm.allreduce(int(done), op=MPI.MAX) > 0, batch)
         first = comm.allreduce(one_rep(), op=MPI.MAX)  # warm-up, and the plan
         reps, cut_off = timing.plan_reps(first * batch, wanted, args.point_budget)
         times = np.array([one_rep() for _ in range(reps)], dtype=np.float64)

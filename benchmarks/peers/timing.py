@@ -8,6 +8,7 @@ Pure Python (no torch, no numpy), so that the MPI script can import it without t
 * ``reps_for`` is the number of repetitions for a point: fewer for big vectors and many processes.
 * ``plan_reps`` cuts a point down to what fits in a time budget (for the peers, which busy-poll
   and collapse when processes outnumber cores); the point then says ``cut_off``.
+* ``settle`` runs before a point's first repetition in every job, of every candidate alike.
 """
 
 from __future__ import annotations
@@ -15,12 +16,36 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import time
 from pathlib import Path
 from typing import Optional, Sequence
 
 # numel -> back-to-back calls per timed repetition. Small messages take microseconds with a shared-memory
 # transport: a batch makes the skew of the synchronisation before it (a few µs) small against the batch.
 BATCH = ((10_000, 16), (100_000, 4))
+
+
+# Seconds of back-to-back calls before a point's repetitions. A fresh set of processes keeps the CPUs
+# the kernel gave it at start-up for a while: two ranks that start on one CPU stay there for
+# milliseconds (the load balancer leaves tasks that just ran where they are), longer than the
+# repetitions of a 1k-float point take (16 pools of 4 repetitions at n=2: about 0.3 ms of calls each).
+# Measured with each rank's CPU logged per repetition (2-vCPU VM, ddpkit and MPICH, 8 pools): with no
+# settling, 1 or 2 of every 8 ddpkit pools ran with both ranks on one CPU (12-20 us per call against
+# 2.0-2.3 us); after 0.1 s of calls, none of 16. A training job runs for minutes, so the placement
+# it sees is the settled one.
+SETTLE_S = 0.1
+
+
+def settle(call, agree: "callable[[bool], bool]", calls_per_check: int, seconds: float = SETTLE_S) -> None:
+    """Runs ``call()`` back to back for about ``seconds`` on every rank of a job: ``calls_per_check``
+    calls, then ``agree(this rank's time is up)``, which must return the same on every rank (an
+    all-reduce of the flag through the candidate itself), until it returns True."""
+    end = time.perf_counter() + seconds
+    while True:
+        for _ in range(calls_per_check):
+            call()
+        if agree(time.perf_counter() >= end):
+            return
 
 
 def batch_size(numel: int) -> int:
