@@ -45,7 +45,11 @@ what skew remains), each the library's own function called from the timing loop 
 benchmark's between (``user_call``), as the peers' scripts call theirs. The repetition's time per
 call is the slowest rank's batch time / batch; the figure is the median (p25, p75 beside it) over
 repetitions in which the candidates are interleaved, their order rotating each repetition
-(``common.interleave``), split over ``--pools`` fresh sets of processes.
+(``common.interleave``), split over ``--pools`` fresh sets of processes. The candidates that spin on
+shared memory and those that sleep on sockets (gloo, ddpkit over the process group, the floor) run in
+separate sets of processes, one after the other (``process_sets``): sockets' wake-ups leave both ranks
+on one CPU, which slowed the spinning candidates' next repetitions, as MPICH's and DeepSpeed's jobs,
+with processes of their own, never are.
 Repetitions per point: ``peers.timing.reps_for``: ``--reps`` (30) up to 100k floats, /2 at 1M, /4 at
 16M, /6 at 64M, /4 again above 8 processes, at least 3. Bus bandwidth as nccl-tests:
 bytes / time * 2(n-1)/n. Memory (ddpkit candidates and gloo, at ``--memory-sizes`` up to 8 processes, in a
@@ -298,10 +302,33 @@ def measure_memory(names: list[str], memory_sizes: list[int]) -> dict:
 
 
 def merge(first: list[dict], second: list[dict]) -> list[dict]:
-    """Per rank: the repetitions of both runs; the worse accuracy of the two."""
-    return [{"times": {k: a["times"][k] + b["times"][k] for k in a["times"]},
-             "accuracy": {k: max(a["accuracy"][k], b["accuracy"][k]) for k in a["accuracy"]}}
+    """Per rank: the repetitions of both runs; the worse accuracy of the two (a point only one run
+    measured is kept as it is)."""
+    def times(a, b):
+        return {k: a.get(k, []) + b.get(k, []) for k in {**a, **b}}
+
+    def accuracy(a, b):
+        return {k: max(v for v in (a.get(k), b.get(k)) if v is not None) for k in {**a, **b}}
+
+    return [{"times": times(a["times"], b["times"]), "accuracy": accuracy(a["accuracy"], b["accuracy"])}
             for a, b in zip(first, second)]
+
+
+def spins_on_shared_memory(candidate: Candidate) -> bool:
+    """Whether ``candidate``'s ranks wait by spinning on shared memory (ddpkit on one host with its
+    default or shared-memory transport), not asleep on sockets (gloo, ddpkit over the process group,
+    the floor's gloo barriers)."""
+    return candidate.implementation == "ddpkit" and candidate.effective_transport != PROCESS_GROUP
+
+
+def process_sets(names: list[str]) -> list[list[str]]:
+    """The in-process candidates in the sets of processes that measure them, interleaved within each
+    set: those that spin on shared memory in one, the others in another. A candidate that sleeps on
+    sockets leaves the ranks where its wake-ups put them, often both on one CPU: measured in the same
+    processes right after gloo's repetitions, ddpkit's 1k-float all-reduce took 4.4-9.0 us against
+    1.8 us alone (n=2, 2-vCPU VM), while MPICH and DeepSpeed run in processes of their own."""
+    spinning = [n for n in names if spins_on_shared_memory(parse_candidate(n))]
+    return [group for group in (spinning, [n for n in names if n not in spinning]) if group]
 
 
 def _time_record(candidate: Candidate, world_size: int, numel: int, slowest: list[float],
@@ -619,11 +646,11 @@ def main() -> None:
         # scheduling episode that lasts as long as one set of processes, or a slow spell of the VM,
         # then cannot decide a whole row, nor favour the candidate that ran first.
         for index in range(pools):
-            if in_process:
+            for names_here in process_sets(in_process):
                 part_reps = {s: timing.split_reps(r, pools)[index] for s, r in reps_per_size.items()}
                 pool = WorkerPool(world_size, timeout=3600, group_timeout=900, threads=1)
                 try:
-                    part = pool.run(measure, in_process, sizes, part_reps, args.accuracy_max_numel)
+                    part = pool.run(measure, names_here, sizes, part_reps, args.accuracy_max_numel)
                 finally:
                     pool.close()
                 per_rank = part if per_rank is None else merge(per_rank, part)
@@ -674,6 +701,7 @@ def main() -> None:
                   "settle_s": timing.SETTLE_S,
                   "timing": "per point and job: settle_s of back-to-back calls first; per repetition: synchronise through the candidate itself, time a batch of back-to-back "
                             "calls on every rank; slowest rank per repetition, median over interleaved repetitions; "
+                            "the in-process candidates that spin on shared memory and the others in separate sets of processes; "
                             "mpich and deepspeed in separate jobs, each split like the in-process repetitions over "
                             "--pools jobs that run between the in-process pools"},
         records=records, summary=summary, quick=args.quick)

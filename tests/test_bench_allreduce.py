@@ -31,6 +31,20 @@ def test_settle_runs_whole_batches_until_every_rank_agrees():
     assert len(calls) == 2 and asked == [True]
 
 
+def test_candidates_that_spin_and_sleep_run_in_separate_processes():
+    assert bench.process_sets(["ddpkit", "ddpkit_ring_pg", "gloo", "floor"]) == [["ddpkit"], ["ddpkit_ring_pg", "gloo", "floor"]]
+    assert bench.process_sets(["ddpkit:ring:shm", "ddpkit:ring:shm:unchecked", "gloo"]) == \
+        [["ddpkit:ring:shm", "ddpkit:ring:shm:unchecked"], ["gloo"]]
+    assert bench.process_sets(["gloo"]) == [["gloo"]]
+
+
+def test_merge_keeps_points_of_either_run():
+    a = [{"times": {("ddpkit", 1): [1.0]}, "accuracy": {("ddpkit", 1): 0.1}}]
+    b = [{"times": {("ddpkit", 1): [2.0], ("gloo", 1): [3.0]}, "accuracy": {("ddpkit", 1): 0.3, ("gloo", 1): 0.2}}]
+    assert bench.merge(a, b) == [{"times": {("ddpkit", 1): [1.0, 2.0], ("gloo", 1): [3.0]},
+                                  "accuracy": {("ddpkit", 1): 0.3, ("gloo", 1): 0.2}}]
+
+
 def test_batch_and_reps_plan():
     assert [timing.batch_size(n) for n in (1_000, 10_000, 100_000, 1_000_000, 64_000_000)] == [16, 16, 4, 1, 1]
     assert timing.reps_for(1_000, 2, 30) == 30
