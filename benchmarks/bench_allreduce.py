@@ -186,6 +186,16 @@ def collective_checks(candidate: Candidate):
         ddpkit.set_collective_checks(True)
 
 
+current_cpu = ctypes.CDLL(None).sched_getcpu  # glibc's: the CPU this thread runs on now
+
+
+def reps_sharing_a_cpu(cpus_per_rank: list[list[int]], cpus: int) -> int:
+    """How many repetitions began with fewer CPUs in use than there were ranks and CPUs, from each
+    rank's CPU at each repetition's start: two ranks that spin on one CPU take turns (12-20 us per
+    1k-float all-reduce at n=2 against 2 us), which the figure then says."""
+    return sum(len(set(at_rep)) < min(len(at_rep), cpus) for at_rep in zip(*cpus_per_rank))
+
+
 def agree_through(candidate: Candidate, flag: torch.Tensor, done: bool) -> bool:
     """True on every rank once any rank is ``done``: a one-float sum through the candidate itself."""
     flag.fill_(float(done))
@@ -231,7 +241,7 @@ def measure(names: list[str], sizes: list[int], reps_per_size: dict, accuracy_ma
     """Runs on every rank; returns this rank's raw measurements (times per call, seconds)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     candidates = [parse_candidate(name) for name in names]
-    out = {"times": {}, "accuracy": {}}
+    out = {"times": {}, "accuracy": {}, "cpus": {}}
     flag = torch.ones(1)
     for numel in sizes:
         for candidate in candidates:
@@ -264,6 +274,7 @@ def measure(names: list[str], sizes: list[int], reps_per_size: dict, accuracy_ma
             with collective_checks(candidate):
                 flag.fill_(1.0)
                 run_candidate(candidate, flag)  # the barrier: the candidate's own transport
+                out["cpus"].setdefault((candidate.name, numel), []).append(current_cpu())
                 return common.time_per_call(user_call(candidate), work, calls=batch)
 
         for candidate in candidates:
@@ -304,14 +315,14 @@ def measure_memory(names: list[str], memory_sizes: list[int]) -> dict:
 def merge(first: list[dict], second: list[dict]) -> list[dict]:
     """Per rank: the repetitions of both runs; the worse accuracy of the two (a point only one run
     measured is kept as it is)."""
-    def times(a, b):
+    def times(a, b):  # also each rank's CPUs per repetition
         return {k: a.get(k, []) + b.get(k, []) for k in {**a, **b}}
 
     def accuracy(a, b):
         return {k: max(v for v in (a.get(k), b.get(k)) if v is not None) for k in {**a, **b}}
 
-    return [{"times": times(a["times"], b["times"]), "accuracy": accuracy(a["accuracy"], b["accuracy"])}
-            for a, b in zip(first, second)]
+    return [{"times": times(a["times"], b["times"]), "accuracy": accuracy(a["accuracy"], b["accuracy"]),
+             "cpus": times(a["cpus"], b["cpus"])} for a, b in zip(first, second)]
 
 
 def spins_on_shared_memory(candidate: Candidate) -> bool:
@@ -367,8 +378,12 @@ def aggregate(per_rank: list[dict], memory_per_rank: Optional[list[dict]], world
             else:
                 slowest = timing.slowest_per_rep([rank["times"][key] for rank in per_rank])
             accuracy = [rank["accuracy"][key] for rank in per_rank if key in rank["accuracy"]]
+            sharing = None
+            if key in per_rank[0]["cpus"]:
+                sharing = reps_sharing_a_cpu([rank["cpus"][key] for rank in per_rank], len(os.sched_getaffinity(0)))
             records.append(_time_record(candidate, world_size, numel, slowest, batch=timing.batch_size(numel),
                                         reps_planned=reps_per_size[numel], cut_off=False,
+                                        reps_sharing_a_cpu=sharing,
                                         max_abs_error_of_mean=max(accuracy) if accuracy else None))
     for numel in memory_sizes:
         for name in names:
@@ -748,6 +763,10 @@ def print_summary(records: list[Record], summary: dict) -> None:
         print(f"checked / unchecked, {key}: {value:.3f}x")
     if summary["cut_off_points"]:
         print(f"cut off by their time budget: {', '.join(summary['cut_off_points'])}")
+    doubled_up = [f"{r.candidate} n={r.world_size} {r.numel}: {r.reps_sharing_a_cpu} of {r.reps}" for r in timed
+                  if r.reps_sharing_a_cpu and spins_on_shared_memory(parse_candidate(r.candidate))]
+    if doubled_up:
+        print(f"repetitions begun with spinning ranks doubled up on a CPU: {', '.join(doubled_up)}")
 
 
 if __name__ == "__main__":

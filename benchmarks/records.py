@@ -87,6 +87,7 @@ class AllreduceTimeRecord(Record):
     cut_off: bool                            # fewer repetitions ran than planned (a peer's time budget; not measured)
     warmup_s: Optional[float] = optional()   # a peer's warm-up repetition, which planned its repetitions
     library: Optional[str] = optional()      # a peer's library version
+    reps_sharing_a_cpu: Optional[int] = optional()  # in-process: repetitions begun with ranks doubled up on a CPU
     max_abs_error_of_mean: Optional[float]
 
 

@@ -39,10 +39,19 @@ def test_candidates_that_spin_and_sleep_run_in_separate_processes():
 
 
 def test_merge_keeps_points_of_either_run():
-    a = [{"times": {("ddpkit", 1): [1.0]}, "accuracy": {("ddpkit", 1): 0.1}}]
-    b = [{"times": {("ddpkit", 1): [2.0], ("gloo", 1): [3.0]}, "accuracy": {("ddpkit", 1): 0.3, ("gloo", 1): 0.2}}]
+    a = [{"times": {("ddpkit", 1): [1.0]}, "accuracy": {("ddpkit", 1): 0.1}, "cpus": {("ddpkit", 1): [0]}}]
+    b = [{"times": {("ddpkit", 1): [2.0], ("gloo", 1): [3.0]}, "accuracy": {("ddpkit", 1): 0.3, ("gloo", 1): 0.2},
+          "cpus": {("ddpkit", 1): [1], ("gloo", 1): [0]}}]
     assert bench.merge(a, b) == [{"times": {("ddpkit", 1): [1.0, 2.0], ("gloo", 1): [3.0]},
-                                  "accuracy": {("ddpkit", 1): 0.3, ("gloo", 1): 0.2}}]
+                                  "accuracy": {("ddpkit", 1): 0.3, ("gloo", 1): 0.2},
+                                  "cpus": {("ddpkit", 1): [0, 1], ("gloo", 1): [0]}}]
+
+
+def test_reps_sharing_a_cpu_counts_ranks_doubled_up():
+    # two ranks on 2 CPUs: the second repetition began with both on CPU 1
+    assert bench.reps_sharing_a_cpu([[0, 1, 1], [1, 1, 0]], cpus=2) == 1
+    # four ranks on 2 CPUs share them always, which is not counted; on one CPU they are
+    assert bench.reps_sharing_a_cpu([[0, 0], [1, 0], [0, 0], [1, 0]], cpus=2) == 1
 
 
 def test_batch_and_reps_plan():
