@@ -48,8 +48,8 @@ repetitions in which the candidates are interleaved, their order rotating each r
 (``common.interleave``), split over ``--pools`` fresh sets of processes. The candidates that spin on
 shared memory and those that sleep on sockets (gloo, ddpkit over the process group, the floor) run in
 separate sets of processes, one after the other (``process_sets``): sockets' wake-ups leave both ranks
-on one CPU, which slowed the spinning candidates' next repetitions, as MPICH's and DeepSpeed's jobs,
-with processes of their own, never are.
+on one CPU, which slowed the spinning candidates' next repetitions (MPICH's and DeepSpeed's jobs have
+processes of their own).
 Repetitions per point: ``peers.timing.reps_for``: ``--reps`` (30) up to 100k floats, /2 at 1M, /4 at
 16M, /6 at 64M, /4 again above 8 processes, at least 3. Bus bandwidth as nccl-tests:
 bytes / time * 2(n-1)/n. Memory (ddpkit candidates and gloo, at ``--memory-sizes`` up to 8 processes, in a

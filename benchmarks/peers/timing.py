@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 # numel -> back-to-back calls per timed repetition. Small messages take microseconds with a shared-memory
 # transport: a batch makes the skew of the synchronisation before it (a few µs) small against the batch.
@@ -36,7 +36,8 @@ BATCH = ((10_000, 16), (100_000, 4))
 SETTLE_S = 0.1
 
 
-def settle(call, agree: "callable[[bool], bool]", calls_per_check: int, seconds: float = SETTLE_S) -> None:
+def settle(call: Callable[[], object], agree: Callable[[bool], bool], calls_per_check: int,
+           seconds: float = SETTLE_S) -> None:
     """Runs ``call()`` back to back for about ``seconds`` on every rank of a job: ``calls_per_check``
     calls, then ``agree(this rank's time is up)``, which must return the same on every rank (an
     all-reduce of the flag through the candidate itself), until it returns True."""
