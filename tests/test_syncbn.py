@@ -576,6 +576,55 @@ def test_backward_makes_no_zero_gradients():
     assert not [name for name in names if name in ("aten::zeros", "aten::zero_", "aten::fill_")], names
 
 
+def test_autograd_node_gives_the_gradients_asked_for():
+    """Note [SyncBatchNorm's autograd node]: gradients match BatchNorm1d's for every combination of
+    what requires grad, only the ones asked for are computed, a retained graph runs twice and a freed
+    one raises."""
+    torch.manual_seed(3)
+    x0, grad = torch.randn(12, 5, dtype=torch.float64) * 2 + 1, torch.randn(12, 5, dtype=torch.float64)
+    for x_grad, weight_grad, bias_grad in [(True, True, True), (True, False, True), (False, True, False),
+                                           (True, False, False)]:
+        layer = ddpkit.SyncBatchNorm(5, dtype=torch.float64)
+        ref = torch.nn.BatchNorm1d(5, dtype=torch.float64)
+        outputs = []
+        for module in (layer, ref):
+            module.weight.requires_grad_(weight_grad)
+            module.bias.requires_grad_(bias_grad)
+            x = x0.clone().requires_grad_(x_grad)
+            y = module(x)
+            y.backward(grad)
+            outputs.append((x.grad, module.weight.grad, module.bias.grad))
+        assert layer(x0.clone().requires_grad_()).grad_fn.name() == "SyncBatchNormBackward"
+        for mine, theirs in zip(*outputs):
+            assert (mine is None) == (theirs is None)
+            if mine is not None:
+                torch.testing.assert_close(mine, theirs)
+    layer = ddpkit.SyncBatchNorm(5, dtype=torch.float64)
+    x = x0.clone().requires_grad_()
+    (weight_only,) = torch.autograd.grad(layer(x), [layer.weight], grad)
+    assert x.grad is None and layer.bias.grad is None
+    ref = torch.nn.BatchNorm1d(5, dtype=torch.float64)
+    torch.testing.assert_close(weight_only, torch.autograd.grad(ref(x0), [ref.weight], grad)[0])
+    with torch.no_grad():
+        assert layer(x).grad_fn is None
+    y = layer(x)
+    y.backward(grad, retain_graph=True)
+    first = x.grad.clone()
+    y.backward(grad)
+    torch.testing.assert_close(x.grad, 2 * first)
+    with pytest.raises(RuntimeError, match="freed|second time"):
+        y.backward(grad)
+
+
+def test_gradcheck():
+    torch.manual_seed(4)
+    x = torch.randn(6, 3, 2, dtype=torch.float64, requires_grad=True)
+    weight = torch.rand(3, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: ddpkit.sync_batch_norm(x, w, b, None, None, True, 0.1, 1e-5), (x, weight, bias))
+
+
 @pytest.mark.parametrize("shape,memory_format", [
     ((256, 512), torch.contiguous_format),
     ((16, 8, 32, 32), torch.contiguous_format),

@@ -51,8 +51,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_backward(
     std::optional<std::string_view> group_name, std::array<bool, 3> output_mask);
 
 // The Autograd-key kernel of ddpkit::sync_batch_norm: runs the op below autograd and records a
-// node whose backward calls ddpkit::sync_batch_norm_backward. Only the output is differentiable,
-// once (the backward op has no derivative of its own).
+// node whose backward calls ddpkit::sync_batch_norm_backward (Note [SyncBatchNorm's autograd node],
+// syncbn.cpp). Only the output is differentiable, once (the backward op has no derivative of its
+// own).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm_autograd(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
