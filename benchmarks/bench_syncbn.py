@@ -25,7 +25,10 @@ convolution shape), as a training loop runs them, and divides by the steps: the 
 skews only its first step's start, never the steps in between. Candidates are interleaved within
 every repetition (in a rotating order, after a barrier: ``common.interleave``; the first 10
 repetitions, 2 with --quick, are a warm-up and dropped); a repetition's time is the slowest rank's,
-and the figure reported is the median over repetitions.
+and the figure reported is the median over repetitions. On CPU in a group, the candidates that wait
+on gloo (``SLEEPING``: ddpkit over the process group, the two gloo all-reduces, the emulated step)
+run in a second set of processes, meeting in a gloo barrier; the others meet in ddpkit's
+shared-memory all-reduce, and the local BatchNorm all ratios divide by is theirs.
 Outputs and input gradients are checked against BatchNorm on the whole batch before timing.
 
     python benchmarks/bench_syncbn.py            # full run, writes benchmarks/results/syncbn.json
@@ -188,11 +191,21 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     return timed_host
 
 
+# The CPU candidates that wait asleep on gloo's sockets. In a group they run in a set of processes of
+# their own: measured in the same processes, right after them, ddpkit's step and torch's plain
+# BatchNorm both took longer (2 workers, (32, 128), --quick --reps 60: ddpkit 85.4 against 72.1 us,
+# BatchNorm 67.6 against 61.4; with only gloo's barrier before each repetition 81.5 and 67.3), as
+# bench_allreduce.py found for its candidates that spin on shared memory.
+SLEEPING = ("ddpkit_pg", "gloo_two_all_reduces", "torch_emulated")
+
+
 def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup: int, check_only: bool = False,
-            device_type: str = "cpu", cuda_algorithms: tuple = ("process_group",), steps: int = 1) -> dict:
+            device_type: str = "cpu", cuda_algorithms: tuple = ("process_group",), steps: int = 1,
+            names=None) -> dict:
     """Times the candidates on this rank's shard, ``steps`` back-to-back steps per repetition; returns
     per-repetition seconds per step, memory and the outputs and input gradients of the first ddpkit
-    step (for the correctness check)."""
+    step (for the correctness check). ``names``: only these candidates (None: every one but, on CPU
+    in a group, those of SLEEPING)."""
     distributed = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     device = _device(device_type)
@@ -252,12 +265,22 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
     if check_only:
         return {"check": check}
 
+    if distributed and device.type == "cpu":
+        wanted = names if names is not None else [n for n in candidates if n not in SLEEPING]
+        candidates = {name: step for name, step in candidates.items() if name in wanted}
     timed = _timer(device)
+    # Before each repetition the ranks meet through the set's own transport: ddpkit's shared memory,
+    # or gloo where the set waits on gloo anyway (and on CUDA).
+    flag = torch.ones(1)
+    meet_in_gloo = device.type == "cuda" or any(name in SLEEPING for name in candidates)
 
     def measure_one(name: str) -> float:
         _clear_grads(x, layers.values())
         if distributed:
-            dist.barrier()
+            if meet_in_gloo:
+                dist.barrier()
+            else:
+                ddpkit.all_reduce(flag)
         _sync(device)
         step = candidates[name]
 
@@ -386,6 +409,7 @@ def main() -> None:
     worst_error = 0.0
     options = {"device_type": device_type, "cuda_algorithms": cuda_algorithms}
     for world_size in world_sizes:
+        measured = {}
         pool = WorkerPool(world_size, backend=backend, timeout=3600)
         try:
             for seed, shape in enumerate(shapes):
@@ -393,10 +417,24 @@ def main() -> None:
                 reps, steps = (reps_conv, steps_conv) if len(shape) == 4 else (reps_2d, steps_2d)
                 print(f"world_size={world_size} shape={shape} reps={reps} steps={steps}", flush=True)
                 worst_error = max(worst_error, check_outputs(pool.run(measure, x, grad, 0, 0, True, **options), x, grad))
-                records.append(summarize(pool.run(measure, x, grad, reps, warmup, steps=steps, **options),
-                                         world_size, shape, steps))
+                measured[shape] = pool.run(measure, x, grad, reps, warmup, steps=steps, **options)
         finally:
             pool.close()
+        if not cuda:  # the candidates that sleep on sockets, in processes of their own
+            pool = WorkerPool(world_size, backend=backend, timeout=3600)
+            try:
+                for seed, shape in enumerate(shapes):
+                    x, grad = inputs(shape, seed)
+                    reps, steps = (reps_conv, steps_conv) if len(shape) == 4 else (reps_2d, steps_2d)
+                    print(f"world_size={world_size} shape={shape} reps={reps} steps={steps} ({', '.join(SLEEPING)})",
+                          flush=True)
+                    sleeping = pool.run(measure, x, grad, reps, warmup, steps=steps, names=SLEEPING, **options)
+                    for mine, theirs in zip(measured[shape], sleeping):
+                        mine["times"].update(theirs["times"])
+            finally:
+                pool.close()
+        for shape in shapes:
+            records.append(summarize(measured[shape], world_size, shape, steps_conv if len(shape) == 4 else steps_2d))
 
     # World size 1: on CPU two shapes per thread count; on CUDA every configuration, once.
     local_shapes = [(64, 1024), CONV_SHAPE] if not args.quick else [(64, 1024), (8, 16, 16, 16)]
@@ -454,7 +492,8 @@ def main() -> None:
         "gradient": "fixed standard-normal output gradient; step = layer(x).backward(grad)",
         "timing": "a repetition = steps_per_repetition forward+backward steps back to back, divided by the steps; "
                   "candidates interleaved in a rotating order after a barrier; per repetition the slowest rank; "
-                  "median over repetitions",
+                  "median over repetitions; on CPU in a group the candidates that wait on gloo in processes of "
+                  "their own (a gloo barrier), the others meeting in ddpkit's all-reduce",
         "device": device_type, "backend": backend,
         "cuda_algorithms": list(cuda_algorithms) if cuda else None,
         "gpus": "every rank on GPU rank % device_count (one GPU: all ranks share it)" if cuda else None,
