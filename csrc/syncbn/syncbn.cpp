@@ -120,9 +120,9 @@ const c10::TypedOperatorHandle<BackwardFn>& backward_op() {
 // `output` has this node as its grad_fn; mean and invstd are computed below autograd and carry no
 // gradient, so the node's one input is output's gradient, which an undefined tensor may stand for:
 // the backward then runs on zeros, so that a group's backward all-reduce is never skipped.
-// Compiled autograd (a backward compiled by torch._dynamo.compiled_autograd) raises "compiled_args
-// not implemented: SyncBatchNormBackward" for a forward run eagerly (the Function failed there too,
-// on an internal assert); a forward under torch.compile is differentiated by AOTAutograd instead.
+// A backward run under compiled autograd (torch._dynamo.compiled_autograd's enable) raises
+// "compiled_args not implemented: SyncBatchNormBackward"; the Function failed there too, on an
+// internal assert of torch's.
 struct SyncBatchNormBackward final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     const at::Tensor input = input_.unpack();
