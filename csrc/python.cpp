@@ -1,9 +1,10 @@
 // The Python module ddpkit._C. Importing it loads the library, which runs the static op
 // registrations (register.cpp: torch.ops.ddpkit.*), and binds what has to cross pybind11: the
 // "ddpkit" torch.distributed backend, which torch.distributed wants as a Python object derived from
-// its own Backend class, and the eager all-reduce (Note [Eager calls past the dispatcher]). The
-// only file that includes pybind11 or Python headers; compiled against torch's bundled pybind11 so
-// the types cross between the two modules.
+// its own Backend class, the eager all-reduce (Note [Eager calls past the dispatcher]) and
+// SyncBatchNorm's eager call (Note [SyncBatchNorm's eager call]). The only file that includes
+// pybind11 or Python headers; compiled against torch's bundled pybind11 so the types cross between
+// the two modules.
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -15,6 +16,12 @@
 
 #include "backend/backend.h"
 #include "comm/ops.h"
+#include "syncbn/syncbn.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <array>
+#include <optional>
 
 namespace py = pybind11;
 
@@ -76,6 +83,49 @@ PyObject* all_reduce_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize
   END_HANDLE_TH_ERRORS
 }
 
+// Note [SyncBatchNorm's eager call]
+// SyncBatchNorm's forward calls ddpkit::sync_batch_norm through the dispatcher's typed handle from
+// this binding rather than through torch.ops: the dispatcher still runs every key (autograd,
+// autocast, dispatch modes, functorch, the profiler's record), only torch.ops' boxing of the ten
+// Python arguments into IValues and of the four outputs back is skipped. Forward+backward of
+// ddpkit.SyncBatchNorm on a (16, 128) float32 batch, one thread, no group (2-vCPU VM): 56.6-56.9 us
+// through torch.ops, 48.6-49.4 us through this binding, torch's BatchNorm1d 57.8-59.2. Tensor subclasses
+// and torch function modes, which torch.ops hands to __torch_function__, take the op (the binding
+// returns None).
+PyObject* sync_batch_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 10, "ddpkit: sync_batch_norm_eager takes 10 arguments, got ", nargs);
+  if (!THPVariable_CheckExact(args[0]) || at::impl::torch_function_mode_enabled()) Py_RETURN_NONE;
+  std::array<std::optional<at::Tensor>, 4> per_channel;  // weight, bias, running_mean, running_var
+  for (size_t i = 0; i < per_channel.size(); ++i) {
+    PyObject* object = args[i + 1];
+    if (object == Py_None) continue;
+    if (!THPVariable_CheckExact(object)) Py_RETURN_NONE;
+    per_channel[i] = THPVariable_Unpack(object);
+  }
+  TORCH_CHECK_TYPE(PyBool_Check(args[5]), "ddpkit: training must be a bool, got ", Py_TYPE(args[5])->tp_name);
+  const bool training = args[5] == Py_True;
+  const double momentum = PyFloat_AsDouble(args[6]);
+  if (momentum == -1.0 && PyErr_Occurred()) throw python_error();
+  const double eps = PyFloat_AsDouble(args[7]);
+  if (eps == -1.0 && PyErr_Occurred()) throw python_error();
+  const std::string_view algorithm = utf8_of(args[8], "algorithm");
+  std::optional<std::string_view> group_name;
+  if (args[9] != Py_None) group_name = utf8_of(args[9], "group_name");
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ddpkit::sync_batch_norm", "")
+                             .typed<decltype(ddpkit::syncbn::sync_batch_norm)>();
+  const at::Tensor& input = THPVariable_Unpack(args[0]);
+  at::Tensor output;
+  {
+    py::gil_scoped_release no_gil;  // the forward's all-reduce may wait for the other ranks
+    output = std::get<0>(op.call(input, per_channel[0], per_channel[1], per_channel[2], per_channel[3], training,
+                                 momentum, eps, algorithm, group_name));
+  }
+  return THPVariable_Wrap(std::move(output));
+  END_HANDLE_TH_ERRORS
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -97,4 +147,12 @@ PYBIND11_MODULE(_C, m) {
       "directly, or False (nothing done) where the op must run: Note [Eager calls past the dispatcher] in "
       "csrc/python.cpp."};
   m.add_object("all_reduce_eager", py::reinterpret_steal<py::object>(PyCFunction_New(&all_reduce_eager_def, nullptr)));
+  static PyMethodDef sync_batch_norm_eager_def = {
+      "sync_batch_norm_eager",
+      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(sync_batch_norm_eager)), METH_FASTCALL,
+      "sync_batch_norm_eager(input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm, "
+      "group_name) -> Tensor | None: ddpkit::sync_batch_norm's output through the dispatcher, or None where the "
+      "op must be called from Python: Note [SyncBatchNorm's eager call] in csrc/python.cpp."};
+  m.add_object("sync_batch_norm_eager",
+               py::reinterpret_steal<py::object>(PyCFunction_New(&sync_batch_norm_eager_def, nullptr)));
 }

@@ -616,6 +616,40 @@ def test_autograd_node_gives_the_gradients_asked_for():
         y.backward(grad)
 
 
+def test_eager_call_keeps_what_the_op_does():
+    """Note [SyncBatchNorm's eager call]: plain tensors take the binding, which still goes through the
+    dispatcher (the profiler records the op); a tensor subclass or a torch function mode gets None
+    from it, and the module then calls the op, which hands it to __torch_function__."""
+    from ddpkit import _C
+    layer = ddpkit.SyncBatchNorm(4)
+    x = torch.randn(8, 4)
+    args = (layer.weight, layer.bias, layer.running_mean, layer.running_var, True, 0.1, 1e-5, "auto", None)
+    assert type(_C.sync_batch_norm_eager(x, *args)) is torch.Tensor
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        layer(x)
+    assert "ddpkit::sync_batch_norm" in [event.name for event in prof.events()]
+
+    class Seen(torch.Tensor):
+        calls = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.calls.append(str(func))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    assert _C.sync_batch_norm_eager(x.as_subclass(Seen), *args) is None
+    y = layer(x.as_subclass(Seen))
+    assert type(y) is Seen and "ddpkit.sync_batch_norm" in Seen.calls
+    torch.testing.assert_close(y.as_subclass(torch.Tensor), layer(x))
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Mode():
+        assert _C.sync_batch_norm_eager(x, *args) is None
+
+
 def test_gradcheck():
     torch.manual_seed(4)
     x = torch.randn(6, 3, 2, dtype=torch.float64, requires_grad=True)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ._C import sync_batch_norm_eager as _sync_batch_norm_eager
 from .comm import ALGORITHMS
 
 # torch 2.13 gave the batch-norm layers a `bias` flag; older releases always have a bias when affine.
@@ -70,8 +71,12 @@ def _sync_batch_norm_op(input: Tensor, weight: Optional[Tensor], bias: Optional[
         return _sync_batch_norm_op_eagerly(input, weight, bias, running_mean, running_var, batch_stats, momentum, eps,
                                            algorithm, group, synchronize)
     name = _sync_group_name(group) if synchronize else None
-    return torch.ops.ddpkit.sync_batch_norm(input, weight, bias, running_mean, running_var, batch_stats, momentum, eps,
-                                            algorithm, name)[0]
+    output = _sync_batch_norm_eager(input, weight, bias, running_mean, running_var, batch_stats, momentum, eps,
+                                    algorithm, name)  # Note [SyncBatchNorm's eager call] (csrc/python.cpp)
+    if output is None:
+        output = torch.ops.ddpkit.sync_batch_norm(input, weight, bias, running_mean, running_var, batch_stats,
+                                                  momentum, eps, algorithm, name)[0]
+    return output
 
 
 # What a compiled graph calls (Dynamo does not trace into it); eager calls skip the wrapper's cost.
