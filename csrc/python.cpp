@@ -89,9 +89,9 @@ PyObject* all_reduce_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize
 // autocast, dispatch modes, functorch, the profiler's record), only torch.ops' boxing of the ten
 // Python arguments into IValues and of the four outputs back is skipped. Forward+backward of
 // ddpkit.SyncBatchNorm on a (16, 128) float32 batch, one thread, no group (2-vCPU VM): 56.6-56.9 us
-// through torch.ops, 48.6-49.4 us through this binding, torch's BatchNorm1d 57.8-59.2. Tensor subclasses
-// and torch function modes, which torch.ops hands to __torch_function__, take the op (the binding
-// returns None).
+// through torch.ops, 48.6-49.4 us through this binding, torch's BatchNorm1d 57.8-59.2. Tensor
+// subclasses and torch function modes, which torch.ops hands to __torch_function__, and arguments of
+// other types than the module passes take the op (the binding returns None).
 PyObject* sync_batch_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 10, "ddpkit: sync_batch_norm_eager takes 10 arguments, got ", nargs);
@@ -103,7 +103,12 @@ PyObject* sync_batch_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_
     if (!THPVariable_CheckExact(object)) Py_RETURN_NONE;
     per_channel[i] = THPVariable_Unpack(object);
   }
-  TORCH_CHECK_TYPE(PyBool_Check(args[5]), "ddpkit: training must be a bool, got ", Py_TYPE(args[5])->tp_name);
+  // Arguments of any other type take the op too, which then says what it expects.
+  auto is_number = [](PyObject* object) { return PyFloat_CheckExact(object) || PyLong_CheckExact(object); };
+  if (!PyBool_Check(args[5]) || !is_number(args[6]) || !is_number(args[7]) || !PyUnicode_Check(args[8]) ||
+      !(args[9] == Py_None || PyUnicode_Check(args[9]))) {
+    Py_RETURN_NONE;
+  }
   const bool training = args[5] == Py_True;
   const double momentum = PyFloat_AsDouble(args[6]);
   if (momentum == -1.0 && PyErr_Occurred()) throw python_error();

@@ -648,6 +648,7 @@ def test_eager_call_keeps_what_the_op_does():
 
     with Mode():
         assert _C.sync_batch_norm_eager(x, *args) is None
+    assert _C.sync_batch_norm_eager(x, *args[:4], 1, *args[5:]) is None  # training given as an int
 
 
 def test_gradcheck():
