@@ -27,8 +27,8 @@ every repetition (in a rotating order, after a barrier: ``common.interleave``; t
 repetitions, 2 with --quick, are a warm-up and dropped); a repetition's time is the slowest rank's,
 and the figure reported is the median over repetitions. On CPU in a group, the candidates that wait
 on gloo (``SLEEPING``: ddpkit over the process group, the two gloo all-reduces, the emulated step)
-run in a second set of processes, meeting in a gloo barrier; the others meet in ddpkit's
-shared-memory all-reduce, and the local BatchNorm all ratios divide by is theirs.
+run in a second set of processes, meeting in a gloo barrier; the others, the local BatchNorm every
+ratio divides by among them, meet in ddpkit's shared-memory all-reduce.
 Outputs and input gradients are checked against BatchNorm on the whole batch before timing.
 
     python benchmarks/bench_syncbn.py            # full run, writes benchmarks/results/syncbn.json
@@ -280,7 +280,7 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
             if meet_in_gloo:
                 dist.barrier()
             else:
-                ddpkit.all_reduce(flag)
+                ddpkit.all_reduce(flag.fill_(1.0))
         _sync(device)
         step = candidates[name]
 
@@ -293,8 +293,10 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
 
     if device.type == "cpu":
         _pin_mmap_threshold()
-    memory = {name: _memory(_step(layer, x, grad), device, lambda: _clear_grads(x, layers.values()))
-              for name, layer in layers.items()}
+    memory = {}
+    if names is None:  # the memory of every layer is measured once, with the first set
+        memory = {name: _memory(_step(layer, x, grad), device, lambda: _clear_grads(x, layers.values()))
+                  for name, layer in layers.items()}
     return {"times": times, "memory": memory, "check": check, "threads": torch.get_num_threads(),
             "kernels": ddpkit.syncbn.cpu_kernels() if device.type == "cpu" else _cuda_kernels()}
 

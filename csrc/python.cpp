@@ -18,8 +18,6 @@
 #include "comm/ops.h"
 #include "syncbn/syncbn.h"
 
-#include <ATen/core/dispatch/Dispatcher.h>
-
 #include <array>
 #include <optional>
 
@@ -117,14 +115,11 @@ PyObject* sync_batch_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_
   const std::string_view algorithm = utf8_of(args[8], "algorithm");
   std::optional<std::string_view> group_name;
   if (args[9] != Py_None) group_name = utf8_of(args[9], "group_name");
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("ddpkit::sync_batch_norm", "")
-                             .typed<decltype(ddpkit::syncbn::sync_batch_norm)>();
   const at::Tensor& input = THPVariable_Unpack(args[0]);
   at::Tensor output;
   {
     py::gil_scoped_release no_gil;  // the forward's all-reduce may wait for the other ranks
-    output = std::get<0>(op.call(input, per_channel[0], per_channel[1], per_channel[2], per_channel[3], training,
+    output = std::get<0>(ddpkit::syncbn::sync_batch_norm_op().call(input, per_channel[0], per_channel[1], per_channel[2], per_channel[3], training,
                                  momentum, eps, algorithm, group_name));
   }
   return THPVariable_Wrap(std::move(output));

@@ -88,10 +88,10 @@ namespace ddpkit::comm {
 // check, so that another thread runnable on it (a peer, or gloo's event loop serving the step
 // across hosts) runs before the wait ends. A wait whose peer last waited on this same CPU (each
 // rank records its CPU as it starts a wait) yields from the first check on: the scheduler sometimes
-// keeps two ranks on one CPU for a while although another CPU is there (bench_allreduce.py's
-// processes after MPICH's jobs, about half of the repetitions), and each wait's 30 us spin then
-// only kept the peer it waited for off the CPU (n=2 pinned to one CPU: 70 us per 1k-float all-
-// reduce; 11 us yielding at once). Sleeps are bounded (kLivenessMillis): each timeout checks that
+// keeps two ranks on one CPU for a while although another CPU is there (a fresh pair of processes
+// that started on one CPU, or ranks that gloo's socket wake-ups left on one), and each wait's
+// 30 us spin then only kept the peer it waited for off the CPU (n=2 pinned to one CPU: 70 us per
+// 1k-float all-reduce; 11 us yielding at once). Sleeps are bounded (kLivenessMillis): each timeout checks that
 // the peers still live (their pid in /proc, zombies counting as dead) and the group's timeout, so a
 // peer killed in the middle of a collective is reported within a fraction of a second, naming it.
 // The first rank any rank finds dead is recorded in the segment, and every later report names that

@@ -95,13 +95,7 @@ void check_or_reject(Checks&& checks, const at::Tensor& input, bool communicates
   }
 }
 
-using ForwardFn = decltype(sync_batch_norm);
 using BackwardFn = decltype(sync_batch_norm_backward);
-
-const c10::TypedOperatorHandle<ForwardFn>& forward_op() {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("ddpkit::sync_batch_norm", "").typed<ForwardFn>();
-  return op;
-}
 
 const c10::TypedOperatorHandle<BackwardFn>& backward_op() {
   static const auto op =
@@ -263,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm_autograd
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     std::tie(output, mean, invstd, count) =
-        forward_op().call(input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm, group_name);
+        sync_batch_norm_op().call(input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm, group_name);
   }
   if (node) {
     node->input_ = torch::autograd::SavedVariable(input, /*is_output=*/false);
@@ -277,6 +271,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm_autograd
     torch::autograd::set_history(output, node);
   }
   return {output, mean, invstd, count};
+}
+
+const c10::TypedOperatorHandle<decltype(sync_batch_norm)>& sync_batch_norm_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("ddpkit::sync_batch_norm", "").typed<decltype(sync_batch_norm)>();
+  return op;
 }
 
 void set_syncbn_native_cpu_kernels_op(bool enabled) { set_native_cpu_kernels(enabled); }

@@ -14,6 +14,7 @@
 // Both ops run synchronously on the calling thread; the all-reduce waits for all ranks.
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <array>
 #include <optional>
@@ -38,6 +39,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,
     double momentum, double eps, std::string_view algorithm, std::optional<std::string_view> group_name);
+
+// ddpkit::sync_batch_norm through the dispatcher (every dispatch key, autograd included): what the
+// autograd kernel calls below autograd, and SyncBatchNorm's eager binding (csrc/python.cpp).
+const c10::TypedOperatorHandle<decltype(sync_batch_norm)>& sync_batch_norm_op();
 
 // Gradients of sync_batch_norm given grad_output, the forward's input, weight, and its returned
 // mean, invstd and count, with the forward's training, algorithm and group_name. output_mask
