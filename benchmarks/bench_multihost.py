@@ -26,10 +26,13 @@ Results: benchmarks/results/multihost.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,47 +60,54 @@ def _groups():
     return _GROUPS
 
 
-def _call(candidate: str, collective: str, tensor: torch.Tensor, block: torch.Tensor) -> None:
-    """One call of ``collective`` by ``candidate``; ``block`` is this rank's 1/n of ``tensor`` (the
-    all-gather's input, the reduce-scatter's output)."""
+def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torch.Tensor) -> Callable[[], object]:
+    """The call a user makes for ``candidate``'s ``collective``, bound once, for the timed loop: the loop
+    then calls the library's own function with nothing of the benchmark's between (as
+    bench_allreduce.py's ``user_call``). ``block`` is this rank's 1/n of ``tensor`` (the all-gather's
+    input, the reduce-scatter's output)."""
     groups = _groups()
     last = dist.get_world_size() - 1
     if candidate in ("gloo", "ddpkit_backend"):
-        group = groups["gloo" if candidate == "gloo" else "ddpkit"]
-        calls = {"all_reduce": lambda: dist.all_reduce(tensor, group=group),
-                 "broadcast": lambda: dist.broadcast(tensor, src=last, group=group),
-                 "reduce": lambda: dist.reduce(tensor, dst=last, group=group),
-                 "all_gather": lambda: dist.all_gather_into_tensor(tensor, block, group=group),
-                 "reduce_scatter": lambda: dist.reduce_scatter_tensor(block, tensor, group=group)}
+        library, options = dist, {"group": groups["gloo" if candidate == "gloo" else "ddpkit"]}
     else:
-        options = {"group": groups["gloo"]}
+        library, options = ddpkit, {"group": groups["gloo"]}
         if candidate == "ddpkit_flat":
             options.update(algorithm="halving_doubling") if collective == "all_reduce" else \
                 options.update(transport="process_group")
         elif candidate != "ddpkit":
             assert collective == "all_reduce", f"{candidate} names an all-reduce algorithm"
             options.update(algorithm=candidate[len("ddpkit_"):])
-        calls = {"all_reduce": lambda: ddpkit.all_reduce(tensor, **options),
-                 "broadcast": lambda: ddpkit.broadcast(tensor, src=last, **options),
-                 "reduce": lambda: ddpkit.reduce(tensor, dst=last, **options),
-                 "all_gather": lambda: ddpkit.all_gather_into_tensor(tensor, block, **options),
-                 "reduce_scatter": lambda: ddpkit.reduce_scatter_tensor(block, tensor, **options)}
-    calls[collective]()
+    arguments = {"all_reduce": (tensor,), "broadcast": (tensor,), "reduce": (tensor,),
+                 "all_gather": (tensor, block), "reduce_scatter": (block, tensor)}[collective]
+    options.update({"broadcast": {"src": last}, "reduce": {"dst": last}}.get(collective, {}))
+    function = getattr(library, {"all_gather": "all_gather_into_tensor",
+                                 "reduce_scatter": "reduce_scatter_tensor"}.get(collective, collective))
+    return functools.partial(function, *arguments, **options)
+
+
+def timed(call: Callable[[], object], calls: int) -> dict:
+    """This rank's seconds per call of ``call`` over ``calls`` back-to-back calls, and the CPU seconds
+    per call its process spent meanwhile (every thread: gloo's own threads count as ddpkit's do)."""
+    cpu = time.process_time()
+    seconds = common.time_per_call(call, calls=calls)
+    return {"seconds": seconds, "cpu_s": (time.process_time() - cpu) / calls}
 
 
 def case_collective(collective: str, numel: int, reps: int, calls: int, candidates: list) -> dict:
-    """Per candidate: this rank's seconds per call in each repetition."""
+    """Per candidate: this rank's repetitions, each ``timed``'s seconds and CPU seconds per call."""
     world_size = dist.get_world_size()
     numel -= numel % world_size  # whole blocks for the all-gather and the reduce-scatter
     tensor = torch.ones(numel)
     block = torch.ones(numel // world_size)
     sync, sync_block = torch.ones(world_size), torch.ones(1)
+    timed_calls = {candidate: user_call(candidate, collective, tensor, block) for candidate in candidates}
+    syncs = {candidate: user_call(candidate, collective, sync, sync_block) for candidate in candidates}
     for candidate in candidates:  # warm: set-up, connections, caches
-        _call(candidate, collective, tensor, block)
+        timed_calls[candidate]()
 
-    def measure(candidate: str) -> float:
-        _call(candidate, collective, sync, sync_block)
-        return common.time_per_call(_call, candidate, collective, tensor, block, calls=calls)
+    def measure(candidate: str) -> dict:
+        syncs[candidate]()
+        return timed(timed_calls[candidate], calls)
 
     return common.interleave(candidates, reps, measure, warmup=1)
 
@@ -127,9 +137,9 @@ def case_ddp(reps: int, steps: int, candidates: list) -> dict:
 
     sync = torch.ones(1)
 
-    def measure(name: str) -> float:
+    def measure(name: str) -> dict:
         dist.all_reduce(sync, group=groups["gloo"])
-        return common.time_per_call(step, name, calls=steps)
+        return timed(functools.partial(step, name), steps)
 
     return common.interleave(candidates, reps, measure, warmup=1)
 
@@ -137,7 +147,18 @@ def case_ddp(reps: int, steps: int, candidates: list) -> dict:
 # --- parent ---------------------------------------------------------------------------------------
 
 def slowest(per_rank: list, candidate: str) -> list:
-    return timing.slowest_per_rep([rank[candidate] for rank in per_rank])
+    """Per repetition, the slowest rank's seconds per call."""
+    return timing.slowest_per_rep([[rep["seconds"] for rep in rank[candidate]] for rank in per_rank])
+
+
+def cpu_figures(per_rank: list, candidate: str) -> dict:
+    """The CPU the ranks spent per call, summed over ranks (all on this machine), median over
+    repetitions; and its share of this machine's CPUs over the slowest rank's time: near 1, a
+    candidate was bound by the CPUs the simulated hosts share, not by its link."""
+    totals = [sum(column) for column in zip(*[[rep["cpu_s"] for rep in rank[candidate]] for rank in per_rank])]
+    cpus = os.cpu_count() or 1
+    busy = [total / (seconds * cpus) for total, seconds in zip(totals, slowest(per_rank, candidate))]
+    return {"all_ranks_cpu_s": common.median(totals), "cpu_busy": common.median(busy)}
 
 
 def calls_for(numel: int) -> int:
@@ -193,12 +214,14 @@ def main() -> None:
                             stats = timing.time_stats(slowest(per_rank, candidate))
                             fields = dict(topology=topology, link=link, numel=numel, candidate=candidate,
                                           median_s=stats["median_s"], p25_s=stats["p25_s"], p75_s=stats["p75_s"],
-                                          reps=reps, batch=calls_for(numel), ratio_to_gloo=stats["median_s"] / gloo)
+                                          reps=reps, batch=calls_for(numel), ratio_to_gloo=stats["median_s"] / gloo,
+                                          **cpu_figures(per_rank, candidate))
                             row.append(MultihostRecord(**fields) if collective == "all_reduce"
                                        else MultihostCollectiveRecord(collective=collective, **fields))
                         records += row
                         print(f"{topology} {link} {collective} {numel}: " + ", ".join(
-                            f"{r.candidate} {common.seconds(r.median_s)} ({r.ratio_to_gloo:.2f}x)" for r in row),
+                            f"{r.candidate} {common.seconds(r.median_s)} ({r.ratio_to_gloo:.2f}x, CPUs {r.cpu_busy:.0%} busy)"
+                            for r in row),
                             flush=True)
                 if topology == "2x2" and link == "unshaped" and not args.no_ddp:
                     per_rank = pool.run(cases.case_ddp, args.ddp_reps, 3, list(DDP_CANDIDATES), timeout=3600)
@@ -209,7 +232,8 @@ def main() -> None:
                         records.append(MultihostDdpRecord(topology=topology, link=link, candidate=candidate,
                                                           median_s=stats["median_s"], p25_s=stats["p25_s"],
                                                           p75_s=stats["p75_s"], reps=len(times),
-                                                          ratio_to_torch_ddp_gloo=stats["median_s"] / baseline))
+                                                          ratio_to_torch_ddp_gloo=stats["median_s"] / baseline,
+                                                          **cpu_figures(per_rank, candidate)))
             finally:
                 pool.close()
     summary = {f"{r.topology} {r.link} numel={r.numel} {r.candidate}": r.ratio_to_gloo
@@ -228,19 +252,24 @@ def main() -> None:
                   "dtype": "float32", "threads_per_process": 1,
                   "hosts": "network + mount namespaces, veth to a bridge, tc tbf shaping (ddpkit.testing.HostPool)",
                   "timing": "per repetition: one call of the candidate to synchronise, then a batch of back-to-back "
-                            "calls timed on every rank; slowest rank per repetition, median over interleaved "
-                            "repetitions"})
+                            "calls of the library's own function timed on every rank; slowest rank per repetition, "
+                            "median over interleaved repetitions",
+                  "cpu": "all_ranks_cpu_s: every rank's process CPU time per call (time.process_time, all threads), "
+                         "summed over ranks, median over repetitions; cpu_busy: that sum over (the slowest "
+                         "rank's time x this machine's CPUs), median over repetitions",
+                  "cpus": os.cpu_count()})
     print()
-    table = {"headers": {"median_s": "median", "ratio_to_gloo": "/ gloo"},
-             "formats": {"median_s": common.seconds, "ratio_to_gloo": common.times}}
+    table = {"headers": {"median_s": "median", "ratio_to_gloo": "/ gloo", "cpu_busy": "CPUs busy"},
+             "formats": {"median_s": common.seconds, "ratio_to_gloo": common.times,
+                         "cpu_busy": lambda share: f"{share:.0%}"}}
     common.print_table([r for r in records if isinstance(r, MultihostRecord)],
-                       ["topology", "link", "numel", "candidate", "median_s", "ratio_to_gloo"],
+                       ["topology", "link", "numel", "candidate", "median_s", "ratio_to_gloo", "cpu_busy"],
                        align_left=["topology", "link", "candidate"], **table)
     others = [r for r in records if isinstance(r, MultihostCollectiveRecord)]
     if others:
         print()
         common.print_table(others, ["collective", "topology", "link", "numel", "candidate", "median_s",
-                                    "ratio_to_gloo"], align_left=["collective", "topology", "link", "candidate"],
+                                    "ratio_to_gloo", "cpu_busy"], align_left=["collective", "topology", "link", "candidate"],
                            **table)
     ddp = [r for r in records if isinstance(r, MultihostDdpRecord)]
     if ddp:

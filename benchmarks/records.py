@@ -272,6 +272,11 @@ class MultihostRecord(Record):
     reps: int
     batch: int                    # back-to-back calls per repetition
     ratio_to_gloo: float
+    # The CPU the ranks spent per call, summed over them (all run on this machine), and its share of
+    # the machine's CPUs over the slowest rank's time (near 1: bound by the shared CPUs, not the link).
+    # Files before these fields lack them.
+    all_ranks_cpu_s: Optional[float] = optional()
+    cpu_busy: Optional[float] = optional()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,6 +295,9 @@ class MultihostCollectiveRecord(Record):
     reps: int
     batch: int
     ratio_to_gloo: float
+    # as MultihostRecord's
+    all_ranks_cpu_s: Optional[float] = optional()
+    cpu_busy: Optional[float] = optional()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -304,6 +312,8 @@ class MultihostDdpRecord(Record):
     p75_s: float
     reps: int
     ratio_to_torch_ddp_gloo: float
+    all_ranks_cpu_s: Optional[float] = optional()  # per step; as MultihostRecord's
+    cpu_busy: Optional[float] = optional()
 
 
 # -- bench_torch_stack.py: torch_stack.json -----------------------------------------------------------

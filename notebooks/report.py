@@ -673,7 +673,9 @@ interleaved in the same repetitions:
 | `gloo` | `torch.distributed.all_reduce` on the gloo group: the baseline |
 
 A repetition synchronises the ranks through the candidate itself, then every rank times a batch of back-to-back
-calls; a point is the slowest rank's time per call, the median over the repetitions. The other collectives
+calls of the library's own function (bound once, nothing of the benchmark's between the calls); a point is the
+slowest rank's time per call, the median over the repetitions. Every rank also reads its process's CPU time
+around the batch, so the table can say how much of the machine's 2 cores a point kept busy. The other collectives
 (`broadcast` and `reduce` from the last rank, `all_gather_into_tensor`, `reduce_scatter_tensor`; the size is the
 whole tensor: the all-gather's output, the reduce-scatter's input) are timed the same way with the same candidates,
 `ddpkit_flat` being ddpkit's collective with `transport="process_group"` (its flat schedule over gloo's send/recv).
@@ -764,13 +766,20 @@ else:
                     backend = by_point.get((topology, link, numel, "ddpkit_backend"))
                     own = by_point.get((topology, link, numel, "ddpkit"))
                     row["backend / ddpkit"] = backend.median_s / own.median_s if backend and own else None
+                    busy = [r.cpu_busy for r in (own, gloo) if r is not None and r.cpu_busy is not None]
+                    row["CPUs busy: ddpkit, gloo"] = " / ".join(f"{b:.0%}" for b in busy) if len(busy) == 2 else None
                     row["reps"] = gloo.reps if gloo else None
                     rows.append(row)
-        table(rows, ["hosts × ranks", "link", "floats", "gloo", *others, "backend / ddpkit", "reps"],
+        cpu_column = ["CPUs busy: ddpkit, gloo"] if any(row["CPUs busy: ddpkit, gloo"] for row in rows) else []
+        table(rows, ["hosts × ranks", "link", "floats", "gloo", *others, "backend / ddpkit", *cpu_column, "reps"],
               {"gloo": lambda s: ms(s) if s >= 1e-3 else us(s), **{c: ratio for c in others}, "backend / ddpkit": ratio})
         display(Markdown("`gloo`: its time per call (median); the candidates' columns: their time over gloo's; "
                          "`backend / ddpkit`: the \"ddpkit\" backend's time over `ddpkit.all_reduce`'s, the cost of going "
-                         "through torch's API."))
+                         "through torch's API. `CPUs busy`: the CPU time all ranks' processes spent per call (every "
+                         "thread, kernel time included), over the slowest rank's time × this machine's cores, for "
+                         "`ddpkit` and `gloo`. Near 100%, a point was bound by the cores the simulated hosts share, not by "
+                         "its link: there every CPU-microsecond a candidate or torch's own call path spends adds to "
+                         "its time."))
     if collectives:
         points = {(r.collective, r.topology, r.link, r.numel, r.candidate): r for r in collectives}
         crows = []

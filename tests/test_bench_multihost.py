@@ -1,0 +1,54 @@
+"""The pure parts of benchmarks/bench_multihost.py (no timing is asserted; the hosts are not started)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+spec = importlib.util.spec_from_file_location("bench_multihost", BENCHMARKS / "bench_multihost.py")
+bench = importlib.util.module_from_spec(spec)
+sys.modules["bench_multihost"] = bench
+spec.loader.exec_module(bench)
+
+
+def per_rank(*ranks):
+    """Results as case_collective returns them from each rank: candidate -> repetitions."""
+    return [{"c": [{"seconds": s, "cpu_s": c} for s, c in rank]} for rank in ranks]
+
+
+def test_slowest_rank_per_repetition_and_cpu_summed_over_ranks(monkeypatch):
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    ranks = per_rank([(1.0, 0.5), (2.0, 1.0), (3.0, 0.5)], [(1.5, 1.5), (1.0, 3.0), (2.0, 0.5)])
+    assert bench.slowest(ranks, "c") == [1.5, 2.0, 3.0]
+    figures = bench.cpu_figures(ranks, "c")
+    assert figures["all_ranks_cpu_s"] == 2.0                       # median of 2.0, 4.0, 1.0
+    assert figures["cpu_busy"] == pytest.approx(2.0 / (1.5 * 2))   # median of 2/3, 1, 1/6
+    with pytest.raises(ValueError, match="different numbers of repetitions"):
+        bench.slowest(per_rank([(1.0, 0.0)], [(1.0, 0.0), (1.0, 0.0)]), "c")
+
+
+def test_the_timed_call_is_the_librarys_own_function(monkeypatch):
+    groups = {"gloo": object(), "ddpkit": object()}
+    monkeypatch.setattr(bench, "_groups", lambda: groups)
+    monkeypatch.setattr(bench.dist, "get_world_size", lambda: 4)
+    tensor, block = object(), object()
+    call = bench.user_call("gloo", "broadcast", tensor, block)
+    assert (call.func, call.args, call.keywords) == (bench.dist.broadcast, (tensor,), {"group": groups["gloo"], "src": 3})
+    call = bench.user_call("ddpkit_backend", "reduce_scatter", tensor, block)
+    assert (call.func, call.args, call.keywords) == (bench.dist.reduce_scatter_tensor, (block, tensor),
+                                                     {"group": groups["ddpkit"]})
+    call = bench.user_call("ddpkit", "all_reduce", tensor, block)
+    assert (call.func, call.args, call.keywords) == (bench.ddpkit.all_reduce, (tensor,), {"group": groups["gloo"]})
+    call = bench.user_call("ddpkit_flat", "all_gather", tensor, block)
+    assert (call.func, call.args, call.keywords) == (bench.ddpkit.all_gather_into_tensor, (tensor, block),
+                                                     {"group": groups["gloo"], "transport": "process_group"})
+    call = bench.user_call("ddpkit_flat", "all_reduce", tensor, block)
+    assert call.keywords == {"group": groups["gloo"], "algorithm": "halving_doubling"}
+    call = bench.user_call("ddpkit_star", "all_reduce", tensor, block)
+    assert call.keywords == {"group": groups["gloo"], "algorithm": "star"}
+    call = bench.user_call("ddpkit", "reduce", tensor, block)
+    assert (call.func, call.keywords) == (bench.ddpkit.reduce, {"group": groups["gloo"], "dst": 3})
