@@ -863,6 +863,32 @@ if "multihost" in R:
     lines += [f"- Judged on part of its points only: {r['target']} (not measured at {r['not measured at']})."
               for r in rows if r["not measured at"] and r["result"] != "not measured"]
     display(Markdown(lines[0] + "\n\n" + "\n".join(lines[1:])))
+
+    # What the missed points' own figures say: their CPU (files before bench_multihost measured it lack it).
+    why = []
+    RANKS = {"2x2": 4, "2x1": 2}
+    for numel in sorted(own):
+        backend, mine = (by_point.get(("2x2", "unshaped", numel, c)) for c in ("ddpkit_backend", "ddpkit"))
+        if backend and mine and backend.median_s > 1.1 * mine.median_s and backend.cpu_busy is not None:
+            extra = (backend.all_ranks_cpu_s - mine.all_ranks_cpu_s) / RANKS["2x2"]
+            why.append(f"- The backend at 2 hosts × 2 ranks, {floats(numel)}: {backend.median_s / mine.median_s:.2f}× "
+                       f"`ddpkit.all_reduce`'s time. Each rank's call through torch's API spent {us(extra)} more CPU "
+                       f"than `ddpkit.all_reduce`'s, with the cores {backend.cpu_busy:.0%} busy: the 4 ranks share 2 "
+                       "cores, so what a call costs in CPU adds to its time.")
+    for r in reduces:
+        gloo = by_point.get((r.topology, r.link, r.numel, "gloo"))
+        if (r.topology, r.candidate) == ("2x1", "ddpkit") and r.ratio_to_gloo > 1.0 and gloo and r.cpu_busy is not None:
+            text = (f"- 2 hosts × 1 rank, {LINKS.get(r.link, r.link)}, {floats(r.numel)}: {r.ratio_to_gloo:.3f}× "
+                    f"({ms(r.median_s)} against gloo's {ms(gloo.median_s)}), the cores {r.cpu_busy:.0%} and "
+                    f"{gloo.cpu_busy:.0%} busy")
+            rate = {"10gbit": 10e9, "1gbit": 1e9}.get(r.link)
+            if rate:  # an all-reduce between two ranks moves the whole vector each way, whatever its schedule
+                line = r.numel * 4 * 8 / rate
+                text += (f"; {4 * r.numel / 1e6:g} MB each way take {ms(line)} at the link's rate: ddpkit "
+                         f"{r.median_s / line - 1:+.1%}, gloo {gloo.median_s / line - 1:+.1%} above it")
+            why.append(text + ".")
+    if why:
+        display(Markdown("The missed points' own figures:\n\n" + "\n".join(why)))
 '''
 
 TORCH_STACK = r'''
