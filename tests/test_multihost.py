@@ -506,9 +506,9 @@ def test_one_rank_rejecting_or_choosing_another_algorithm_across_hosts_raises_ev
             assert after == 1111.0, f"rank {rank}, {kind}: the next all-reduce paired wrongly ({after})"
 
 
-def case_all_reduces(count=5):
+def case_all_reduces(count=5, numel=1000):
     for _ in range(count):
-        ddpkit.all_reduce(torch.ones(1000))
+        ddpkit.all_reduce(torch.ones(numel))
 
 
 def test_a_rank_dying_in_its_hosts_step_of_a_small_all_reduce_is_named_on_every_host():
@@ -523,3 +523,77 @@ def test_a_rank_dying_in_its_hosts_step_of_a_small_all_reduce_is_named_on_every_
         assert isinstance(outcomes[rank], RuntimeError), f"rank {rank}: {outcomes[rank]!r}"
         assert "rank 3" in str(outcomes[rank]) and "timed out" not in str(outcomes[rank]).lower(), \
             f"rank {rank}: {outcomes[rank]}"
+
+
+# --- what a collective across hosts must leave untouched --------------------------------------------
+
+def case_half_precision_broadcast_bits(numel):
+    """A float16 and a bfloat16 broadcast from the last rank of tensors holding arbitrary 16-bit
+    patterns (NaNs with payloads and signs among them): every rank's bits afterwards, and the root's
+    before."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        generator = torch.Generator().manual_seed(7)
+        bits = torch.randint(-2**15, 2**15, (numel,), dtype=torch.int16, generator=generator)
+        bits[:4] = torch.tensor([0x7FC1, -0x0001, 0x7E01, -0x003F], dtype=torch.int16)  # NaNs of both signs
+        tensor = (bits if rank == world_size - 1 else torch.zeros_like(bits)).view(dtype)
+        ddpkit.broadcast(tensor, src=world_size - 1)
+        out[str(dtype)] = (tensor.view(torch.int16).clone(), bits)
+    return out
+
+
+@needs_hosts
+@pytest.mark.parametrize("numel", [1001, 40_000])  # in the check's round; over the links (80 KB)
+def test_a_half_precision_broadcast_across_hosts_moves_its_bits_unchanged(hosts, numel):
+    # A broadcast reduces nothing: the root's bits, NaN payloads included, reach every rank, and the
+    # root's own tensor keeps them (no float32 working copy on the way).
+    for rank, out in enumerate(hosts("2x2").run(case_half_precision_broadcast_bits, numel)):
+        for dtype, (received, sent) in out.items():
+            assert torch.equal(received, sent), f"rank {rank}, {dtype}"
+
+
+def case_disagreeing_small_all_reduce(culprit, how):
+    """Every rank all-reduces a small tensor of its rank + 1; ``culprit`` passes another size
+    ("size") or arguments it rejects ("rejects": an integer mean). This rank's error and tensor."""
+    rank = dist.get_rank()
+    odd = rank == culprit
+    tensor = torch.full((1000 + (odd and how == "size"),), float(rank + 1))
+    op = "sum"
+    if odd and how == "rejects":
+        tensor, op = tensor.long(), "mean"
+    try:
+        ddpkit.all_reduce(tensor, op=op)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    after = torch.ones(10)
+    ddpkit.all_reduce(after)  # the group survives
+    return error, tensor.double().unique().tolist(), after[0].item()
+
+
+@pytest.mark.parametrize("how", ["size", "rejects"])
+def test_a_small_all_reduce_another_host_disagrees_with_leaves_every_tensor_as_it_was(how):
+    # Note [Collective checks]: a disagreement moves no data. Host a's ranks agree with each other, so
+    # their host's all-reduce runs before the round across hosts meets host b's culprit; it runs on a
+    # copy, so host a's tensors still hold their own values when every rank raises.
+    with WorkerPool(4, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": "a,a,b,b"}) as pool:
+        outcomes = pool.run(case_disagreeing_small_all_reduce, 3, how)
+    for rank, (error, values, after) in enumerate(outcomes):
+        assert error is not None, f"rank {rank} did not raise"
+        assert values == [float(rank + 1)], f"rank {rank}: its tensor became {values}"
+        assert after == 4.0
+
+
+def test_a_rank_dying_in_a_large_all_reduce_is_reported_on_the_other_host_at_once():
+    # Rank 3 dies after the check, before host b's reduce-scatter. Rank 2, its host's other rank,
+    # raises there, alive; it breaks its links across hosts, so rank 0, its partner on host a, which
+    # waits for rank 2's frame of the swap, raises at once instead of at the links' timeout.
+    env = {"DDPKIT_TEST_HOSTS": "a,a,b,b", "DDPKIT_TEST_FAULT": "die_in_host_data_step:3"}
+    with WorkerPool(4, timeout=120, group_timeout=GROUP_TIMEOUT_S, env=env) as pool:
+        outcomes = pool.run(case_all_reduces, 2, 100_000, return_exceptions=True)
+    assert isinstance(outcomes[3], WorkerFailure)
+    for rank in (0, 1, 2):
+        assert isinstance(outcomes[rank], RuntimeError), f"rank {rank}: {outcomes[rank]!r}"
+        assert "timed out" not in str(outcomes[rank]).lower(), f"rank {rank}: {outcomes[rank]}"
+    assert "rank 2" in str(outcomes[0]) or "rank 1" in str(outcomes[0]), str(outcomes[0])

@@ -531,15 +531,25 @@ void across_hosts(const Hierarchy& h, Communicator& comm, Step&& step) {
   }
 }
 
-// Runs the data steps of a hierarchical collective on this rank. A failure (a rank lost, a step across
-// hosts that failed) stops this host's other ranks too, who may be waiting for this one inside the
-// host, then raises here.
+// What a failure inside on_hosts' steps leaves of the links across hosts.
+enum class OnFailure {
+  kKeepLinks,  // the check's round, which still sends the partners this rank's words naming the failure
+  kCutLinks,   // the data steps, after the check: the partners may be waiting for this rank's frames
+};
+
+// Runs steps of a hierarchical collective on this rank. A failure (a rank lost, a step across hosts
+// that failed) stops this host's other ranks too, who may be waiting for this one inside the host,
+// then raises here. With kCutLinks it also shuts the links across hosts down, so that a partner on
+// another host waiting for this rank's frame raises at once instead of at the group's timeout (this
+// rank is alive, so its connections would stay open). Among three hosts or more the sums cross on
+// gloo's all-reduce, which nothing here can interrupt: those partners wait for the timeout.
 template <class Steps>
-void on_hosts(const Hierarchy& h, Steps&& steps) {
+void on_hosts(const Hierarchy& h, OnFailure on_failure, Steps&& steps) {
   try {
     steps();
   } catch (const std::exception& e) {
     if (DirectCollectives* local = h.local ? h.local->direct() : nullptr) local->abandon(without_backtrace(e));
+    if (on_failure == OnFailure::kCutLinks && h.links) h.links->break_off(without_backtrace(e));
     throw;
   }
 }
@@ -756,7 +766,7 @@ at::Tensor check_in_one_round(const CollectiveHeader& header, const std::string&
   std::memcpy(words.data_ptr<int64_t>() + h.cross_rank * kCheckWords, check.words.data_ptr(), kCheckBytes);
   at::Tensor reply;
   SocketLinks& links = *h.links;
-  on_hosts(h, [&] {
+  on_hosts(h, OnFailure::kKeepLinks, [&] {
     across_hosts(h, comm, [&] {
       if (h.cross_rank != center) {
         at::Tensor answer = at::empty({kReplyPrefixBytes + partners * (kCheckBytes + kOneRoundMaxBytes)}, at::kByte);
@@ -868,7 +878,11 @@ bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
   }
   comm.note_collective(static_cast<CollectiveKind>(header.kind));
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+  // A copy whatever the dtype: the host's all-reduce runs before the round has compared every host's
+  // header, and a call that another host disagrees with must leave the tensor as it was (Note
+  // [Collective checks]). At most kOneRoundMaxBytes.
   at::Tensor work = working_copy(tensor);
+  if (work.is_same(tensor)) work = tensor.clone();
   at::Tensor flat = work.view(-1);
   const ReduceOp sum_or_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
   // The host's result on every rank of the host, then to the center with the check's words; the
@@ -879,7 +893,8 @@ bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
       [&] {
         faults::die_if_armed("die_in_host_step", comm.rank());
         if (local != nullptr && flat.numel() > 0) {
-          on_hosts(h, [&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false); });
+          on_hosts(h, OnFailure::kKeepLinks,
+                   [&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false); });
         }
         return flat.view(at::kByte);
       },
@@ -936,9 +951,10 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
   // Unchecked steps: the group's check already ran over the process group.
   CollectiveHeader header = comm.stamp(make_header(CollectiveKind::kAllReduce, flat, local_op, Algorithm::kHierarchical, -1), {});
-  on_hosts(h, [&] {
+  on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform) {
       // Horovod's split: reduce-scatter in the host, the slices across hosts, all-gather in the host.
+      faults::die_if_armed("die_in_host_data_step", comm.rank());
       const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h);
       cross_host_all_reduce(slices.mine, op, h, comm);
       finish_reduction_(slices.mine, op, comm.size());
@@ -982,7 +998,7 @@ void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h
   const int root_local = topology.local_rank_of(root);
   const CollectiveHeader header =
       comm.stamp(make_header(CollectiveKind::kBroadcast, flat, std::nullopt, Algorithm::kHierarchical, root), {});
-  on_hosts(h, [&] {
+  on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform) {
       // The ranks of the root's local rank carry the tensor across hosts (cross rank = host), then
       // every host broadcasts it from that local rank over shared memory.
@@ -1073,7 +1089,7 @@ void hierarchical_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hi
   const bool root_side = topology.host() == root_host;
   const CollectiveHeader header =
       comm.stamp(make_header(CollectiveKind::kReduce, flat, local_op, Algorithm::kHierarchical, root), {});
-  on_hosts(h, [&] {
+  on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform) {
       const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h);
       cross_host_reduce(slices.mine, root_host, local_op, h, comm);
@@ -1107,7 +1123,7 @@ void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, 
   auto block = [m](const at::Tensor& bytes, int64_t i) { return bytes.narrow(0, i * m, m); };
   const CollectiveHeader header =
       comm.stamp(make_header(CollectiveKind::kAllGather, input, std::nullopt, Algorithm::kHierarchical, -1), {});
-  on_hosts(h, [&] {
+  on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform && local == nullptr) {
       // One rank per host, numbered as the hosts: the ring runs in the output itself.
       if (!is_own_block(out, in, comm.rank())) block(out, comm.rank()).copy_(in);
@@ -1167,7 +1183,7 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
     at::Tensor ordered = h.scratch.get(0, n * m, options.dtype().toScalarType());
     for (int p = 0; p < n; ++p) slice(ordered, p * m, (p + 1) * m).copy_(blocks[local_major_rank(topology, p)]);
     at::Tensor run = local != nullptr ? h.scratch.get(1, hosts * m, options.dtype().toScalarType()) : ordered;
-    on_hosts(h, [&] {
+    on_hosts(h, OnFailure::kCutLinks, [&] {
       if (local != nullptr) local->reduce_scatter(run, ordered, local_op, header, {}, /*checked=*/false);
       if (m == 0) return;
       across_hosts(h, comm, [&] {
@@ -1220,7 +1236,8 @@ bool hierarchical_broadcast_in_one_round(const at::Tensor& tensor, int root, con
   if (bytes.numel() == 0) return true;
   if (carries && comm.rank() != root) bytes.copy_(reply.narrow(0, 0, bytes.numel()));
   if (h.local == nullptr) return true;
-  on_hosts(h, [&] { h.local->direct()->broadcast(bytes, root_local, comm.stamp(header, {}), {}, /*checked=*/false); });
+  on_hosts(h, OnFailure::kCutLinks,
+           [&] { h.local->direct()->broadcast(bytes, root_local, comm.stamp(header, {}), {}, /*checked=*/false); });
   return true;
 }
 
@@ -1251,7 +1268,8 @@ bool hierarchical_all_gather_in_one_round(const at::Tensor& output, const at::Te
   at::Tensor gathered = run;
   if (h.local != nullptr) {
     gathered = h.scratch.get(0, comm.size() * m, at::kByte);
-    on_hosts(h, [&] { h.local->direct()->all_gather(gathered, run, comm.stamp(header, {}), {}, /*checked=*/false); });
+    on_hosts(h, OnFailure::kCutLinks,
+             [&] { h.local->direct()->all_gather(gathered, run, comm.stamp(header, {}), {}, /*checked=*/false); });
   }
   for (int p = 0; p < comm.size(); ++p) out.narrow(0, local_major_rank(topology, p) * m, m).copy_(gathered.narrow(0, p * m, m));
   return true;
@@ -1364,9 +1382,9 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
     if (hierarchical_broadcast_in_one_round(tensor, src, header, error, h, comm)) return;
     check_across_hosts(header, error, h, comm);
     if (tensor.numel() == 0) return;
-    at::Tensor work = working_copy(tensor);
-    hierarchical_broadcast(work.view(-1), src, h, comm);
-    write_back(tensor, work);
+    // The tensor itself, whatever its dtype: a broadcast moves bytes, and a float32 working copy of a
+    // float16/bfloat16 tensor would rewrite its NaNs' bits on every rank, the root's too.
+    hierarchical_broadcast(tensor.view(-1), src, h, comm);
     return;
   }
   comm.begin(header, error);

@@ -8,6 +8,9 @@
 //    answers, before the verdict.
 //  die_in_host_step: the rank SIGKILLs itself in a small all-reduce across equal hosts, after the
 //    check's step inside its host and before the host's all-reduce (Note [One round across hosts]).
+//  die_in_host_data_step: the rank SIGKILLs itself in a large all-reduce across equal hosts, after
+//    the collective check and before the reduce-scatter inside its host (Note [Hierarchical
+//    collectives]).
 //  corrupt_chunk: the rank's first shared-memory message chunk claims to lie at offset 2^46 of its
 //    message (Note [Shared-memory messages]), as a forged or corrupted segment would.
 //  stray_links: at the set-up of the socket links (Note [Socket links]), before any rank can connect,

@@ -391,6 +391,17 @@ void SocketLinks::shut_down() noexcept {
   }
 }
 
+void SocketLinks::break_off(const std::string& why) noexcept {
+  if (broken_.empty()) {
+    try {
+      broken_ = why.empty() ? std::string("this rank failed in a collective") : why;
+    } catch (const std::exception&) {
+      broken_ = "?";  // out of memory: the links still break
+    }
+  }
+  shut_down();
+}
+
 void SocketLinks::send_last_words(uint64_t sequence, int peer, const void* data, int64_t bytes) noexcept {
   if (peer == rank_ || peer < 0 || peer >= size() || fds_[peer] < 0) return;
   const FrameHeader header{kFrameMagic, sequence, static_cast<uint64_t>(bytes)};

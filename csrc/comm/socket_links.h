@@ -38,7 +38,9 @@ namespace ddpkit::comm {
 //    which the poll sees at once; a peer that stops is given up at the group's timeout. Either
 //    failure breaks the links: the link to the failed peer, and every link a frame stopped halfway
 //    on, is shut down, so that those peers raise at once too, and every later exchange raises at
-//    once (shutting the rest down), as gloo's pairs do.
+//    once (shutting the rest down), as gloo's pairs do. A rank whose own step fails elsewhere in a
+//    collective's data steps (a rank of its host lost) breaks its links too (break_off): it is alive,
+//    so its partners on other hosts would otherwise wait for its frames until the timeout.
 class SocketLinks {
  public:
   // One frame to send: `first` then `second` (either may be empty), as one message.
@@ -82,6 +84,11 @@ class SocketLinks {
 
   // Shuts every link down, so that no peer waits for this rank (after a failure).
   void shut_down() noexcept;
+
+  // Breaks the links over a failure of this rank's own in a collective (`why`): shuts every one down,
+  // so that a partner waiting for this rank's frames raises at once, and every later exchange raises
+  // naming `why` (unless the links had already broken).
+  void break_off(const std::string& why) noexcept;
 
   // After exchange() raised: best effort, sends `peer` one frame of `bytes` (a center's news of which
   // rank failed, Note [One round across hosts]) over its own connection, which may still work;
