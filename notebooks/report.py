@@ -877,6 +877,15 @@ if "multihost" in R:
                        "cores, so what a call costs in CPU adds to its time.")
     for r in reduces:
         gloo = by_point.get((r.topology, r.link, r.numel, "gloo"))
+        goal = MH_TARGET[(r.topology, r.link)](r.numel) if (r.topology, r.link) in MH_TARGET else None
+        if (r.candidate == "ddpkit" and goal is not None and r.ratio_to_gloo > goal and gloo
+                and r.cpu_busy is not None and gloo.cpu_busy is not None):
+            why.append(f"- {HOSTS.get(r.topology, r.topology)}, {LINKS.get(r.link, r.link)}, {floats(r.numel)}: "
+                       f"{r.ratio_to_gloo:.2f}× (target {goal}×; gloo {ms(gloo.median_s)}, p25–p75 "
+                       f"{ms(gloo.p25_s)}–{ms(gloo.p75_s)}). All ranks spent {ms(r.all_ranks_cpu_s)} of CPU per call "
+                       f"against gloo's {ms(gloo.all_ranks_cpu_s)} ({r.all_ranks_cpu_s / gloo.all_ranks_cpu_s:.2f}×), "
+                       f"the cores {r.cpu_busy:.0%} and {gloo.cpu_busy:.0%} busy: where the cores bound both, the time "
+                       "follows the CPU.")
         if (r.topology, r.candidate) == ("2x1", "ddpkit") and r.ratio_to_gloo > 1.0 and gloo and r.cpu_busy is not None:
             text = (f"- 2 hosts × 1 rank, {LINKS.get(r.link, r.link)}, {floats(r.numel)}: {r.ratio_to_gloo:.3f}× "
                     f"({ms(r.median_s)} against gloo's {ms(gloo.median_s)}), the cores {r.cpu_busy:.0%} and "
