@@ -1,6 +1,6 @@
 """All-reduce, the other collectives and DDP across simulated hosts: ddpkit's hierarchical collectives against gloo.
 
-    sudo .venv/bin/python benchmarks/bench_multihost.py            # about 45 minutes on 2 cores
+    sudo .venv/bin/python benchmarks/bench_multihost.py            # about 7 minutes on 2 cores
     sudo .venv/bin/python benchmarks/bench_multihost.py --quick    # a smoke run, into results/quick/
     sudo .venv/bin/python benchmarks/bench_multihost.py --topologies 2x1 --collectives all_reduce \
         --candidates ddpkit ddpkit_star ddpkit_recursive_doubling gloo --output multihost_2x1_algorithms
