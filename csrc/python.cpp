@@ -119,8 +119,9 @@ PyObject* sync_batch_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_
   at::Tensor output;
   {
     py::gil_scoped_release no_gil;  // the forward's all-reduce may wait for the other ranks
-    output = std::get<0>(ddpkit::syncbn::sync_batch_norm_op().call(input, per_channel[0], per_channel[1], per_channel[2], per_channel[3], training,
-                                 momentum, eps, algorithm, group_name));
+    output = std::get<0>(ddpkit::syncbn::sync_batch_norm_op().call(input, per_channel[0], per_channel[1],
+                                                                    per_channel[2], per_channel[3], training,
+                                                                    momentum, eps, algorithm, group_name));
   }
   return THPVariable_Wrap(std::move(output));
   END_HANDLE_TH_ERRORS

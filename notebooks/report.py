@@ -866,11 +866,10 @@ if "multihost" in R:
 
     # What the missed points' own figures say: their CPU (files before bench_multihost measured it lack it).
     why = []
-    RANKS = {"2x2": 4, "2x1": 2}
     for numel in sorted(own):
         backend, mine = (by_point.get(("2x2", "unshaped", numel, c)) for c in ("ddpkit_backend", "ddpkit"))
         if backend and mine and backend.median_s > 1.1 * mine.median_s and backend.cpu_busy is not None:
-            extra = (backend.all_ranks_cpu_s - mine.all_ranks_cpu_s) / RANKS["2x2"]
+            extra = (backend.all_ranks_cpu_s - mine.all_ranks_cpu_s) / 4  # 2 hosts x 2 ranks
             why.append(f"- The backend at 2 hosts × 2 ranks, {floats(numel)}: {backend.median_s / mine.median_s:.2f}× "
                        f"`ddpkit.all_reduce`'s time. Each rank's call through torch's API spent {us(extra)} more CPU "
                        f"than `ddpkit.all_reduce`'s, with the cores {backend.cpu_busy:.0%} busy: the 4 ranks share 2 "

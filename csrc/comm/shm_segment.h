@@ -91,9 +91,10 @@ namespace ddpkit::comm {
 // keeps two ranks on one CPU for a while although another CPU is there (a fresh pair of processes
 // that started on one CPU, or ranks that gloo's socket wake-ups left on one), and each wait's
 // 30 us spin then only kept the peer it waited for off the CPU (n=2 pinned to one CPU: 70 us per
-// 1k-float all-reduce; 11 us yielding at once). Sleeps are bounded (kLivenessMillis): each timeout checks that
-// the peers still live (their pid in /proc, zombies counting as dead) and the group's timeout, so a
-// peer killed in the middle of a collective is reported within a fraction of a second, naming it.
+// 1k-float all-reduce; 11 us yielding at once). Sleeps are bounded (kLivenessMillis): each timeout
+// checks that the peers still live (their pid in /proc, zombies counting as dead) and the group's
+// timeout, so a peer killed in the middle of a collective is reported within a fraction of a
+// second, naming it.
 // The first rank any rank finds dead is recorded in the segment, and every later report names that
 // rank, so a survivor that reported it and exited is never blamed in its place. A rank whose
 // transport fails (a dead peer, a timeout, corrupt data) records that and why in the segment too
