@@ -262,6 +262,88 @@ def case_overlap():
     return ddp.reducer_stats()
 
 
+def case_frozen_after_wrapping(as_view):
+    rank = dist.get_rank()
+    model = make_model("mlp", seed=0)
+    ddp = ddpkit.DistributedDataParallel(model, gradient_as_bucket_view=as_view)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    x = torch.full((4, FEATURES), float(rank + 1))
+    ddp(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    ddp(x).sum().backward()
+    grad_while_frozen = model[0].weight.grad
+    optimizer.step()
+    moved = not torch.equal(model[0].weight, frozen)
+    optimizer.zero_grad(set_to_none=True)
+    model[0].weight.requires_grad_(True)
+    ddp(x).sum().backward()
+    return grad_while_frozen, moved, model[0].weight.grad.clone(), model[2].weight.grad.clone()
+
+
+def low_precision_input(rank):
+    return (torch.rand(1, 256, generator=torch.Generator().manual_seed(rank)) + 0.5).to(torch.bfloat16)
+
+
+def case_low_precision_gradients_average():
+    model = nn.Linear(256, 8, bias=False).to(torch.bfloat16)
+    ddp = ddpkit.DistributedDataParallel(model)
+    ddp(low_precision_input(dist.get_rank())).sum().backward()  # the gradient: the input, in every row
+    return model.weight.grad.clone()
+
+
+def case_backward_with_create_graph():
+    rank = dist.get_rank()
+    model = make_model("mlp", seed=0)
+    ddp = ddpkit.DistributedDataParallel(model)
+    x = torch.full((4, FEATURES), float(rank + 1))
+    ddp(x).sum().backward(create_graph=True)
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in backward")
+
+
+def case_a_backward_that_raised():
+    rank = dist.get_rank()
+    model = make_model("mlp", seed=0)
+    ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0005)
+    x = torch.full((4, FEATURES), float(rank + 1))
+    # The model's last layer gets its gradient (and its bucket leaves) before the failure below it.
+    out = model[4](torch.relu(model[3](_FailingBackward.apply(torch.relu(model[2](model[1](model[0](x))))))))
+    try:
+        out.sum().backward()
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    ddp.zero_grad(set_to_none=True)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp(x).sum().backward()
+    return raised, [str(w.message) for w in caught], [p.grad.clone() for p in model.parameters()]
+
+
+def case_two_forwards_one_backward_with_batch_norm():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    ddp = ddpkit.DistributedDataParallel(model)
+    x1 = torch.randn(4, FEATURES) + rank
+    x2 = torch.randn(4, FEATURES) - rank
+    (ddp(x1).sum() + ddp(x2).sum()).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
 # --- tests ----------------------------------------------------------------------------------------
 
 def assert_states_close(actual, expected):
@@ -389,3 +471,50 @@ def test_arguments_are_checked():
         ddpkit.DistributedDataParallel(nn.Linear(2, 2), grad_sync="sometimes")
     with pytest.raises(ValueError, match="accumulation_steps"):
         ddpkit.GradientAccumulation(nn.Linear(2, 2), 0)
+
+
+@pytest.mark.parametrize("as_view", [True, False])
+def test_a_parameter_frozen_after_wrapping_keeps_no_gradient_and_does_not_move(pool, as_view):
+    for grad_while_frozen, moved, grad_after, other_grad in pool(2).run(case_frozen_after_wrapping, as_view):
+        assert grad_while_frozen is None  # so SGD's weight decay and momentum leave it alone
+        assert not moved
+        # Switched on again, it is synchronised again: the average of ranks' inputs 1 and 2.
+        reference = make_model("mlp", seed=0)
+        assert grad_after.shape == reference[0].weight.shape and other_grad.abs().sum() > 0
+
+
+def test_low_precision_gradients_are_averaged_with_a_float32_scale(pool):
+    grads = pool(3).run(case_low_precision_gradients_average)
+    expected = sum(low_precision_input(rank).double() for rank in range(3)) / 3
+    for grad in grads:
+        # Unbiased: a scale rounded to bfloat16 (1/3 -> 0.333984) makes every gradient 0.2% too large,
+        # where bfloat16's own rounding averages out over 256 values to within about 0.02%.
+        ratio = (grad.double() / expected).mean().item()
+        assert abs(ratio - 1) < 7e-4, ratio
+
+
+def test_backward_with_create_graph_synchronises_as_without(pool):
+    grads = pool(2).run(case_backward_with_create_graph)
+    reference = make_model("mlp", seed=0)
+    (reference(torch.full((4, FEATURES), 1.0)).sum() + reference(torch.full((4, FEATURES), 2.0)).sum()).backward()
+    for rank_grads in grads:
+        for grad, expected in zip(rank_grads, reference.parameters()):
+            torch.testing.assert_close(grad, expected.grad / 2)
+
+
+def test_a_backward_that_raised_leaves_the_next_step_synchronised(pool):
+    results = pool(2).run(case_a_backward_that_raised, timeout=60)
+    reference = make_model("mlp", seed=0)
+    (reference(torch.full((4, FEATURES), 1.0)).sum() + reference(torch.full((4, FEATURES), 2.0)).sum()).backward()
+    for raised, warnings, grads in results:
+        assert raised is not None and "injected failure" in raised
+        assert any("previous backward raised" in w for w in warnings), warnings
+        for grad, expected in zip(grads, reference.parameters()):
+            torch.testing.assert_close(grad, expected.grad / 2)
+
+
+def test_two_forwards_then_one_backward_through_batch_norm(pool):
+    grads = pool(2).run(case_two_forwards_one_backward_with_batch_norm)
+    for rank_grads in grads:
+        for grad, expected in zip(rank_grads, grads[0]):
+            torch.testing.assert_close(grad, expected)

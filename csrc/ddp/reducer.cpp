@@ -110,14 +110,33 @@ Reducer::~Reducer() {
 
 void Reducer::prepare_for_forward() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (mode_ != SyncMode::kBucketed || !gradient_as_bucket_view_ || in_backward_) return;
+  if (in_backward_) abandon_unfinished_backward();
+  if (mode_ != SyncMode::kBucketed || !gradient_as_bucket_view_) return;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!slots_[i].included) continue;
+    if (!slots_[i].included || !params_[i].requires_grad()) continue;  // Note [Frozen after wrapping]
     at::Tensor& grad = params_[i].mutable_grad();
     if (grad.defined()) continue;
     slots_[i].view.zero_();
     grad = slots_[i].view;
   }
+}
+
+void Reducer::abandon_unfinished_backward() {
+  // Note [A backward that raised]
+  std::string errors;
+  for (auto& bucket : buckets_) {
+    auto work = std::move(bucket.work);
+    if (!work) continue;
+    try {
+      work->wait();  // its all-reduce writes into the bucket, which the next backward refills
+    } catch (const std::exception& e) {
+      errors += c10::str("; a bucket's all-reduce failed: ", e.what());
+    }
+  }
+  in_backward_ = false;
+  TORCH_WARN("ddpkit.DistributedDataParallel: the previous backward raised before its gradients were "
+             "synchronised, so they hold this rank's own, unaveraged values: zero them before the next "
+             "optimizer step", errors);
 }
 
 void Reducer::set_sync(bool enabled) {
@@ -156,13 +175,21 @@ void Reducer::start_iteration() {
 void Reducer::copy_into_slot(size_t index) {
   Slot& slot = slots_[index];
   at::Tensor& grad = params_[index].mutable_grad();
-  const double scale = 1.0 / world_size_;
-  if (!grad.defined()) {
+  // The scale as a float64 CPU tensor: ATen multiplies a float16/bfloat16 gradient by it in float32,
+  // where a scale of the gradient's own dtype, or a Scalar (mul_.Scalar rounds it to that dtype), is
+  // 1/3 rounded to 0.333984 in bfloat16: every gradient 0.2% too large.
+  const at::Tensor scale = at::scalar_tensor(1.0 / world_size_, at::TensorOptions().dtype(at::kDouble));
+  if (!params_[index].requires_grad()) {  // Note [Frozen after wrapping]: it contributes zeros
+    if (grad.defined() && same_memory(grad, slot.view)) grad = grad.clone();
+    slot.view.zero_();
+  } else if (!grad.defined()) {
     slot.view.zero_();
   } else if (same_memory(grad, slot.view)) {
     slot.view.mul_(scale);
   } else {
-    at::mul_out(slot.view, grad, at::scalar_tensor(scale, grad.options().device(at::kCPU)));
+    // detach(): under backward(create_graph=True) the gradient carries a graph of its own, which the
+    // averaged gradient does not keep (nor does torch's DDP's).
+    at::mul_out(slot.view, grad.detach(), scale);
     if (gradient_as_bucket_view_) grad = slot.view;
   }
 }
@@ -217,7 +244,7 @@ void Reducer::finish_bucketed() {
   }
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& slot = slots_[i];
-    if (!slot.included) continue;
+    if (!slot.included || !params_[i].requires_grad()) continue;  // Note [Frozen after wrapping]
     at::Tensor& grad = params_[i].mutable_grad();
     if (gradient_as_bucket_view_ || !grad.defined()) {
       if (!grad.defined() || !same_memory(grad, slot.view)) {
@@ -234,12 +261,16 @@ void Reducer::finish_per_parameter() {
       mode_ == SyncMode::kGatherScatter ? comm::Algorithm::kGatherScatter : algorithm_;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!slots_[i].included) continue;
+    // Every rank issues the same collectives: a frozen parameter's (Note [Frozen after wrapping]) is
+    // an all-reduce of zeros that leaves its gradient alone.
+    const bool frozen = !params_[i].requires_grad();
     at::Tensor& grad = params_[i].mutable_grad();
-    if (!grad.defined()) grad = at::zeros_like(params_[i]);  // every rank must issue the same collectives
-    at::Tensor contiguous = grad.is_contiguous() ? grad : grad.contiguous();
+    if (!grad.defined() && !frozen) grad = at::zeros_like(params_[i]);
+    at::Tensor contiguous =
+        frozen ? at::zeros_like(params_[i], at::MemoryFormat::Contiguous) : grad.detach().contiguous();
     engine_->run(contiguous.device().type(), comm::TransportKind::kAuto, "all_reduce",
                  [&](comm::Communicator& comm) { comm::all_reduce_(contiguous, comm::ReduceOp::kMean, algorithm, comm); });
-    if (!contiguous.is_same(grad)) grad.copy_(contiguous);
+    if (!frozen && !same_memory(contiguous, grad)) grad.copy_(contiguous);
     ++collectives_;
   }
 }

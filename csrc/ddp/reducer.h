@@ -49,7 +49,27 @@ std::vector<std::string> grad_sync_modes();
 // its slot is filled with what it has locally (zeros when its gradient is None; the sum of earlier
 // no_sync() micro-batches when it was used only in those), scaled like any other, and its bucket
 // launched, so nothing waits for it and no accumulated gradient is lost. A parameter no rank used
-// ends with a zero gradient (torch DDP would leave it None).
+// ends with a zero gradient (torch DDP would leave it None). A parameter used on some ranks only
+// holds its bucket back on the others until the end of backward, so other collectives the model
+// issues on the same group during backward (ddpkit.SyncBatchNorm's) come in another order there: the
+// collective checks report that as a mismatch on every rank (torch's DDP with
+// find_unused_parameters=True marks such parameters ready at the first hook instead).
+
+// Note [Frozen after wrapping]
+// A parameter whose requires_grad is switched off after the reducer was built keeps its slot, so
+// that every rank still issues the same collectives, but contributes zeros, and its gradient is left
+// as it is (None after zero_grad(set_to_none=True)), so that an optimizer's weight decay or momentum
+// does not move it, as with torch's DDP with find_unused_parameters=True. Switched on again, it is
+// synchronised again.
+
+// Note [A backward that raised]
+// A backward that raised after the reducer's first hook (an error in the model's backward, out of
+// memory) never runs the callback that finishes the synchronisation. The next training forward
+// (prepare_for_forward) notices: it waits for the buckets already launched, whose all-reduces write
+// into memory the next backward refills, starts afresh and warns that the abandoned step's
+// gradients were never averaged; without it the next backward would queue no callback and return
+// gradients that were never synchronised. torch's DDP raises there instead ("Expected to have
+// finished reduction in the prior iteration").
 
 // Note [Gradient as bucket view]
 // With gradient_as_bucket_view, param.grad is made a view of its bucket slot once the gradient has
@@ -83,7 +103,8 @@ class Reducer : public torch::CustomClassHolder {
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
-  // Called before a training forward: Note [Gradient as bucket view]. A no-op in other modes.
+  // Called before a training forward: finishes off a backward that raised (Note [A backward that
+  // raised]), then Note [Gradient as bucket view].
   void prepare_for_forward();
 
   // no_sync(): while disabled, hooks return at once and gradients just accumulate in param.grad.
@@ -125,6 +146,7 @@ class Reducer : public torch::CustomClassHolder {
   void launch(Bucket& bucket);
   void finish_bucketed();
   void finish_per_parameter();
+  void abandon_unfinished_backward();  // Note [A backward that raised]
 
   std::vector<at::Tensor> params_;
   std::vector<Slot> slots_;

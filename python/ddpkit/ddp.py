@@ -86,7 +86,10 @@ class DistributedDataParallel(nn.Module):
         if self.broadcast_buffers and self.training and self.world_size > 1:
             buffers = list(self.module.buffers())
             if buffers:
-                with torch.no_grad():
+                # Keeping the buffers' version counters, as torch's DDP does: a forward's graph may have
+                # saved them (BatchNorm's running statistics), and a second forward before the backward
+                # must not make that backward raise "modified by an inplace operation".
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
                     _broadcast_tensors(buffers, self.process_group)
         return self.module(*inputs, **kwargs)
 
