@@ -660,6 +660,25 @@ def test_gradcheck():
         lambda x, w, b: ddpkit.sync_batch_norm(x, w, b, None, None, True, 0.1, 1e-5), (x, weight, bias))
 
 
+def test_double_backward_raises_instead_of_dropping_terms():
+    """A gradient penalty through the layer: its backward is differentiable once (torch's SyncBatchNorm
+    raises too), so the second backward must raise, not return gradients without their second-order terms."""
+    torch.manual_seed(5)
+    layer = ddpkit.SyncBatchNorm(3)
+    head = torch.nn.Linear(3, 1)
+    x = torch.randn(8, 3, requires_grad=True)
+    (grad_x,) = torch.autograd.grad(head(layer(x)).sum(), x, create_graph=True)
+    assert grad_x.grad_fn is not None
+    with pytest.raises(RuntimeError, match="SyncBatchNorm's backward is not differentiable"):
+        grad_x.pow(2).sum().backward()
+    # Without create_graph, nothing changes: the first-order gradients are BatchNorm's.
+    reference = torch.nn.BatchNorm1d(3)
+    x_ref = x.detach().clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(head(reference(x_ref)).sum(), x_ref)
+    (grad,) = torch.autograd.grad(head(layer(x)).sum(), x)
+    torch.testing.assert_close(grad, expected)
+
+
 @pytest.mark.parametrize("shape,memory_format", [
     ((256, 512), torch.contiguous_format),
     ((16, 8, 32, 32), torch.contiguous_format),

@@ -7,6 +7,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include <string>
@@ -117,6 +118,9 @@ const c10::TypedOperatorHandle<BackwardFn>& backward_op() {
 // A backward run under compiled autograd (torch._dynamo.compiled_autograd's enable) raises
 // "compiled_args not implemented: SyncBatchNormBackward"; the Function failed there too, on an
 // internal assert of torch's.
+// The backward is differentiable once, as torch.nn.SyncBatchNorm's: under create_graph=True its
+// gradients get an Error node as grad_fn (what torch's @once_differentiable does), so that a second
+// backward through them raises rather than silently leaving out their second-order terms.
 struct SyncBatchNormBackward final : public torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     const at::Tensor input = input_.unpack();
@@ -130,7 +134,15 @@ struct SyncBatchNormBackward final : public torch::autograd::Node {
     auto [grad_input, grad_weight, grad_bias] =
         backward_op().call(grad_output, input, weight.defined() ? std::optional<at::Tensor>(weight) : std::nullopt,
                            mean_.unpack(), invstd_.unpack(), training, count, algorithm, group, mask);
-    return {grad_input, grad_weight, grad_bias};
+    torch::autograd::variable_list grads_in{grad_input, grad_weight, grad_bias};
+    if (torch::autograd::compute_requires_grad(grad_output, input, weight)) {
+      auto error = c10::make_intrusive<torch::autograd::Error>(
+          "ddpkit.SyncBatchNorm's backward is not differentiable: a second backward through it (double "
+          "backward, e.g. a gradient penalty) is not supported, as with torch.nn.SyncBatchNorm",
+          torch::autograd::collect_next_edges(grad_output, input, weight));
+      torch::autograd::set_history(grads_in, error);
+    }
+    return grads_in;
   }
   std::string name() const override { return "SyncBatchNormBackward"; }
   void release_variables() override {
