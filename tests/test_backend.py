@@ -293,6 +293,14 @@ def case_every_op():
                                             group=g)
         return outputs
     out["all_gather_into_tensor_coalesced"] = both(coalesced_gather)
+
+    def coalesced_gather_strided(g):
+        output = torch.empty(2, 2 * n).t()  # (2n, 2), not contiguous: filled in its own row-major order
+        with dist._coalescing_manager(group=g):
+            dist.all_gather_into_tensor(output, values(rank, (2, 2), salt=42), group=g)
+        return output
+    out["all_gather_into_tensor_coalesced_strided"] = (coalesced_gather_strided(None),
+                                                       torch.cat([values(peer, (2, 2), salt=42) for peer in range(n)]))
     for op in (RED.SUM, RED.MAX):
         def coalesced_reduce_scatter(g):
             outputs = [torch.empty(3), torch.empty(2, 2)]
@@ -733,6 +741,30 @@ def test_bad_arguments_on_the_root_raise_on_every_rank(kind):
     outcomes = run_on_a_fresh_pool(case_then_all_reduce, "ROOT_ARGUMENT_ERRORS", kind)
     what = kind.split("_")[0]
     problems = mismatch_problems(outcomes, expected_everywhere="rank 0 rejected its arguments", expected_on={0: what})
+    assert not problems, "\n".join(problems)
+
+
+LIST_ARGUMENT_ERRORS = {
+    # a wrong list with an empty input once passed the collective's size check and read past the list
+    "all_gather_empty_list_everywhere": lambda rank: dist.all_gather([], torch.empty(0)),
+    "all_gather_short_list_on_rank_1": lambda rank: dist.all_gather([torch.empty(0)] * (2 if rank == 1 else 3),
+                                                                    torch.empty(0)),
+    # PRODUCT is delegated to gloo, which checks the list on rank 1 alone: the others waited for it
+    "reduce_scatter_short_list_on_rank_1": lambda rank: dist.reduce_scatter(
+        torch.empty(2), [torch.ones(2)] * (2 if rank == 1 else 3), op=RED.PRODUCT),
+    "all_gather_coalesced_short_list_on_rank_1": lambda rank: quiet(
+        dist.all_gather_coalesced, [[torch.empty(2)] for _ in range(2 if rank == 1 else 3)], [torch.ones(2)]),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(LIST_ARGUMENT_ERRORS))
+def test_bad_lists_raise_on_every_rank(kind):
+    outcomes = run_on_a_fresh_pool(case_then_all_reduce, "LIST_ARGUMENT_ERRORS", kind)
+    if kind.endswith("everywhere"):
+        problems = mismatch_problems(outcomes, expected_everywhere="takes a list of one tensor per rank of the group (3)")
+    else:
+        problems = mismatch_problems(outcomes, expected_everywhere="rank 1 rejected its arguments",
+                                     expected_on={1: "per rank of the group (3), got 2"})
     assert not problems, "\n".join(problems)
 
 

@@ -77,6 +77,18 @@ std::string error_of(Checks&& checks) {
   }
 }
 
+// TORCH_CHECKs that `list` (an all-gather's outputs, a reduce-scatter's inputs) holds one tensor per
+// rank of a group of `n`, each with `single`'s dtype and number of elements.
+void check_output_list(const std::vector<at::Tensor>& list, const at::Tensor& single, int n, std::string_view what) {
+  TORCH_CHECK(static_cast<int>(list.size()) == n, "ddpkit backend: ", what, " takes a list of one tensor per rank of "
+              "the group (", n, "), got ", list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    TORCH_CHECK(list[i].numel() == single.numel() && list[i].scalar_type() == single.scalar_type(), "ddpkit backend: ",
+                what, "'s tensor ", i, " of the list has ", list[i].numel(), " elements of ", list[i].scalar_type(),
+                ", expected ", single.numel(), " of ", single.scalar_type());
+  }
+}
+
 // The concatenation of `tensors`, flattened, as one contiguous vector (empty when there are none).
 at::Tensor flat_cat(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> flat;
@@ -248,17 +260,15 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather(std::vector<std::vector<at::Te
     check_cpu(inputs, "all_gather");
     TORCH_CHECK(outputs.size() == 1, "ddpkit backend: all_gather takes one output list per rank, got ", outputs.size());
     check_cpu(outputs[0], "all_gather");
+    check_output_list(outputs[0], inputs[0], getSize(), "all_gather");
   });
   if (!error.empty()) return reject(c10d::OpType::ALLGATHER, opts.asyncOp, comm::CollectiveKind::kAllGather, error);
   const at::Tensor input = inputs[0].contiguous();
   std::vector<at::Tensor> targets = outputs[0];
   const int n = getSize();
   return launch(c10d::OpType::ALLGATHER, opts.asyncOp, targets, [input, targets, n](comm::Communicator& comm) {
-    // One all-gather into a contiguous buffer; a list of the wrong length or sizes gives a buffer of
-    // the wrong size, which the collective rejects on every rank.
-    bool matching = static_cast<int>(targets.size()) == n;
-    for (const auto& t : targets) matching = matching && t.numel() == input.numel() && t.scalar_type() == input.scalar_type();
-    at::Tensor gathered = at::empty({matching ? n * input.numel() : 0}, input.options());
+    // One all-gather into a contiguous buffer, then copied out to the list.
+    at::Tensor gathered = at::empty({n * input.numel()}, input.options());
     comm::all_gather_into_tensor_(gathered, input, comm::Algorithm::kAuto, comm);
     for (int i = 0; i < n; ++i) {
       at::Tensor target = targets[i];
@@ -286,6 +296,27 @@ c10::intrusive_ptr<c10d::Work> Backend::_allgather_base(at::Tensor& output, at::
 c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                             std::vector<at::Tensor>& inputs,
                                                             const c10d::AllgatherOptions& opts) {
+  // gloo checks the lists too, but on this rank alone, before its collective starts: its peers would
+  // then wait for it until the timeout. Rejected here, every rank raises.
+  const std::string error = error_of([&] {
+    check_cpu(inputs, "all_gather_coalesced");
+    TORCH_CHECK(!inputs.empty(), "ddpkit backend: all_gather_coalesced needs at least one input tensor");
+    TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "ddpkit backend: all_gather_coalesced takes one output "
+                "list per rank of the group (", getSize(), "), got ", outputs.size());
+    for (const auto& list : outputs) {
+      check_cpu(list, "all_gather_coalesced");
+      TORCH_CHECK(list.size() == inputs.size(), "ddpkit backend: all_gather_coalesced takes output lists as long as "
+                  "the input list (", inputs.size(), "), got one of ", list.size());
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        TORCH_CHECK(list[i].sizes() == inputs[i].sizes() && list[i].scalar_type() == inputs[i].scalar_type(),
+                    "ddpkit backend: all_gather_coalesced's output ", i, " has shape ", list[i].sizes(), " and dtype ",
+                    list[i].scalar_type(), " where its input has ", inputs[i].sizes(), " and ", inputs[i].scalar_type());
+      }
+    }
+  });
+  if (!error.empty()) {
+    return reject(c10d::OpType::ALLGATHER_COALESCED, opts.asyncOp, comm::CollectiveKind::kAllGather, error);
+  }
   std::vector<at::Tensor> results;
   for (const auto& list : outputs) results.insert(results.end(), list.begin(), list.end());
   auto header = delegated_header(comm::CollectiveKind::kAllGather, inputs.empty() ? at::Tensor() : inputs[0], std::nullopt);
@@ -322,7 +353,8 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vec
     int64_t offset = 0;
     for (size_t i = 0; i < inputs.size(); ++i) {
       const int64_t m = inputs[i].numel();
-      outputs[i].view({n, m}).copy_(rows.narrow(1, offset, m));
+      // Each output holds the ranks' blocks one after the other in its own (row-major) order, whatever its strides.
+      outputs[i].copy_(rows.narrow(1, offset, m).reshape(outputs[i].sizes()));
       offset += m;
     }
   });
@@ -373,6 +405,8 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
     check_cpu(outputs, "reduce_scatter");
     TORCH_CHECK(inputs.size() == 1, "ddpkit backend: reduce_scatter takes one input list per rank, got ", inputs.size());
     check_cpu(inputs[0], "reduce_scatter");
+    // Also for a reduction delegated to gloo, which checks the list on this rank alone.
+    check_output_list(inputs[0], outputs[0], getSize(), "reduce_scatter");
   });
   if (!error.empty()) {
     return reject(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, comm::CollectiveKind::kReduceScatter, error);
@@ -385,12 +419,8 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
   }
   at::Tensor output = outputs[0];
   std::vector<at::Tensor> sources = inputs[0];
-  const int n = getSize();
-  return launch(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs, [output, sources, op, n](comm::Communicator& comm) mutable {
-    bool matching = static_cast<int>(sources.size()) == n;
-    for (const auto& s : sources) matching = matching && s.numel() == output.numel();
-    // A list of the wrong length or sizes gives an input of the wrong size, rejected on every rank.
-    at::Tensor input = matching ? flat_cat(sources) : at::empty({0}, output.options());
+  return launch(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs, [output, sources, op](comm::Communicator& comm) mutable {
+    at::Tensor input = flat_cat(sources);
     at::Tensor target = output.is_contiguous() ? output : output.contiguous();
     comm::reduce_scatter_tensor_(target, input, *op, comm::Algorithm::kAuto, comm);
     if (!target.is_same(output)) output.copy_(target);
