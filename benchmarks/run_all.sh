@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Measures every result notebooks/report.ipynb shows, from this tree and nothing outside it, then
 # rebuilds and executes the notebook.
-#   bash benchmarks/run_all.sh           # full: about 2.5 hours on 2 cores; results in benchmarks/results/
+#   bash benchmarks/run_all.sh           # full: about 1 hour 45 minutes on 2 cores (104 minutes at c3f5aa0); results in benchmarks/results/
 #   bash benchmarks/run_all.sh --quick   # smoke check in a few minutes; results in benchmarks/results/quick/
 # Each result records the commit it was measured at, with "-dirty" when tracked files had uncommitted
 # changes: commit first, so that the whole report comes from one commit (the notebook warns otherwise).
