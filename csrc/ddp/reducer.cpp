@@ -39,6 +39,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_
   TORCH_CHECK(params_.size() == bucket_of_param.size(), "Reducer: one bucket index per parameter expected");
   engine_ = comm::Engine::of(group_name_);
   world_size_ = engine_->size();
+  scale_ = at::scalar_tensor(1.0 / world_size_, at::TensorOptions().dtype(at::kDouble));
   slots_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (bucket_of_param[i] < 0) continue;
@@ -175,21 +176,17 @@ void Reducer::start_iteration() {
 void Reducer::copy_into_slot(size_t index) {
   Slot& slot = slots_[index];
   at::Tensor& grad = params_[index].mutable_grad();
-  // The scale as a float64 CPU tensor: ATen multiplies a float16/bfloat16 gradient by it in float32,
-  // where a scale of the gradient's own dtype, or a Scalar (mul_.Scalar rounds it to that dtype), is
-  // 1/3 rounded to 0.333984 in bfloat16: every gradient 0.2% too large.
-  const at::Tensor scale = at::scalar_tensor(1.0 / world_size_, at::TensorOptions().dtype(at::kDouble));
   if (!params_[index].requires_grad()) {  // Note [Frozen after wrapping]: it contributes zeros
     if (grad.defined() && same_memory(grad, slot.view)) grad = grad.clone();
     slot.view.zero_();
   } else if (!grad.defined()) {
     slot.view.zero_();
   } else if (same_memory(grad, slot.view)) {
-    slot.view.mul_(scale);
+    slot.view.mul_(scale_);
   } else {
     // detach(): under backward(create_graph=True) the gradient carries a graph of its own, which the
     // averaged gradient does not keep (nor does torch's DDP's).
-    at::mul_out(slot.view, grad.detach(), scale);
+    at::mul_out(slot.view, grad.detach(), scale_);
     if (gradient_as_bucket_view_) grad = slot.view;
   }
 }

@@ -160,6 +160,10 @@ class Reducer : public torch::CustomClassHolder {
   SyncMode mode_;
   bool gradient_as_bucket_view_;
   int world_size_ = 1;
+  // 1/world_size as a float64 CPU tensor: ATen multiplies a float16/bfloat16 gradient by it in
+  // float32, where a scale of the gradient's own dtype, or a Scalar (mul_.Scalar rounds it to that
+  // dtype), is 1/3 rounded to 0.333984 in bfloat16: every gradient 0.2% too large.
+  at::Tensor scale_;
 
   mutable std::mutex mutex_;  // hooks of parameters on different devices run on different threads
   bool sync_enabled_ = true;
