@@ -310,6 +310,27 @@ def case_every_op():
                                                                      salt=salt), op=op, group=g)
             return outputs
         out[("reduce_scatter_tensor_coalesced", str(op))] = both(coalesced_reduce_scatter)
+    # delegated to gloo: an op or a dtype ddpkit does not reduce, or several dtypes at once
+    for op, dtypes in ((RED.PRODUCT, (torch.float32, torch.float32)), (RED.SUM, (torch.int8, torch.int8)),
+                       (RED.BAND, (torch.int32, torch.int32)), (RED.SUM, (torch.float32, torch.float64))):
+        def delegated_reduce_scatter(g):
+            outputs = [torch.empty(3, dtype=dtypes[0]), torch.empty(2, 2, dtype=dtypes[1])]
+            with dist._coalescing_manager(group=g):
+                for output, salt in zip(outputs, (43, 44)):
+                    quiet(dist.reduce_scatter_tensor, output,
+                          values(rank, (n * output.shape[0], *output.shape[1:]), output.dtype, salt=salt, low=-3, high=4),
+                          op=op, group=g)
+            return outputs
+        out[("reduce_scatter_tensor_coalesced", str(op), dtypes)] = both(delegated_reduce_scatter)
+
+    def coalesced_gather_mixed(g):
+        outputs = [torch.empty(3 * n), torch.empty(2 * n, dtype=torch.int64)]
+        with dist._coalescing_manager(group=g):
+            for output, salt in zip(outputs, (45, 46)):
+                quiet(dist.all_gather_into_tensor, output, values(rank, (output.shape[0] // n,), output.dtype, salt=salt),
+                      group=g)
+        return outputs
+    out["all_gather_into_tensor_coalesced_mixed_dtypes"] = both(coalesced_gather_mixed)
 
     def coalesced_reduce(g):
         tensors = [values(rank, (3,), salt=38), values(rank, (2, 2), salt=39)]

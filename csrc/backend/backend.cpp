@@ -333,16 +333,23 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vec
     check_cpu(inputs, "all_gather_into_tensor_coalesced");
     TORCH_CHECK(outputs.size() == inputs.size(), "ddpkit backend: all_gather_into_tensor_coalesced got ", inputs.size(),
                 " inputs and ", outputs.size(), " outputs");
-    bool one_dtype = true;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      one_dtype = one_dtype && inputs[i].scalar_type() == inputs[0].scalar_type() &&
-                  outputs[i].scalar_type() == inputs[0].scalar_type() &&
-                  outputs[i].numel() == inputs[i].numel() * getSize();
+      TORCH_CHECK(outputs[i].scalar_type() == inputs[i].scalar_type() && outputs[i].numel() == inputs[i].numel() * getSize(),
+                  "ddpkit backend: all_gather_into_tensor_coalesced's output ", i, " has ", outputs[i].numel(),
+                  " elements of ", outputs[i].scalar_type(), ", expected world size times its input's ",
+                  inputs[i].numel(), " of ", inputs[i].scalar_type());
     }
-    TORCH_CHECK(one_dtype, "ddpkit backend: all_gather_into_tensor_coalesced needs one dtype and outputs of world "
-                           "size times their input's elements");
   });
   if (!error.empty()) return reject(c10d::OpType::COALESCED, opts.asyncOp, comm::CollectiveKind::kAllGather, error);
+  bool one_dtype = true;
+  for (const auto& input : inputs) one_dtype = one_dtype && input.scalar_type() == inputs[0].scalar_type();
+  if (!one_dtype) {  // gathered side by side only in one dtype; gloo gathers each
+    auto header = delegated_header(comm::CollectiveKind::kAllGather, inputs[0], std::nullopt);
+    header.numel = total_numel(inputs);
+    return delegate(c10d::OpType::COALESCED, opts.asyncOp, outputs, header, [gloo = gloo_, outputs, inputs, opts]() mutable {
+      return gloo->allgather_into_tensor_coalesced(outputs, inputs, opts);
+    });
+  }
   const int n = getSize();
   return launch(c10d::OpType::COALESCED, opts.asyncOp, outputs, [outputs, inputs, n](comm::Communicator& comm) mutable {
     // All inputs side by side, gathered at once: row i of `gathered` is rank i's concatenation.
@@ -459,16 +466,25 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vec
     TORCH_CHECK(outputs.size() == inputs.size() && !outputs.empty(),
                 "ddpkit backend: reduce_scatter_tensor_coalesced got ", inputs.size(), " inputs and ", outputs.size(),
                 " outputs");
-    bool own = true;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      own = own && own_reduction(opts.reduceOp, outputs[i]) && outputs[i].scalar_type() == outputs[0].scalar_type() &&
-            inputs[i].scalar_type() == outputs[0].scalar_type() && inputs[i].numel() == outputs[i].numel() * n;
+      TORCH_CHECK(inputs[i].scalar_type() == outputs[i].scalar_type() && inputs[i].numel() == outputs[i].numel() * n,
+                  "ddpkit backend: reduce_scatter_tensor_coalesced's input ", i, " has ", inputs[i].numel(),
+                  " elements of ", inputs[i].scalar_type(), ", expected world size times its output's ",
+                  outputs[i].numel(), " of ", outputs[i].scalar_type());
     }
-    TORCH_CHECK(own, "ddpkit backend: reduce_scatter_tensor_coalesced needs one dtype ddpkit reduces (float32/64, "
-                     "float16, bfloat16, int32/64), sum/avg/max/min, and inputs of world size times their output's "
-                     "elements");
   });
   if (!error.empty()) return reject(c10d::OpType::COALESCED, opts.asyncOp, comm::CollectiveKind::kReduceScatter, error);
+  bool own = true;
+  for (const auto& output : outputs) {
+    own = own && own_reduction(opts.reduceOp, output) && output.scalar_type() == outputs[0].scalar_type();
+  }
+  if (!own) {  // an op or a dtype ddpkit does not reduce, or several dtypes: gloo reduces each
+    auto header = delegated_header(comm::CollectiveKind::kReduceScatter, outputs[0], opts.reduceOp);
+    header.numel = total_numel(outputs);
+    return delegate(c10d::OpType::COALESCED, opts.asyncOp, outputs, header, [gloo = gloo_, outputs, inputs, opts]() mutable {
+      return gloo->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+    });
+  }
   const comm::ReduceOp op = *own_reduction(opts.reduceOp, outputs[0]);
   return launch(c10d::OpType::COALESCED, opts.asyncOp, outputs, [outputs, inputs, op, n](comm::Communicator& comm) mutable {
     // Block r of the combined input is every input's block r side by side.
