@@ -36,7 +36,9 @@ namespace ddpkit::backend {
 //  - Delegated to the inner gloo backend, still in the engine's order and after the same collective
 //    check (its header carries gloo's op, kDelegatedOp): reductions with an op or a dtype ddpkit
 //    does not reduce (PRODUCT, BAND, BOR, BXOR, PREMUL_SUM; bool, uint8, int8, int16, sparse
-//    tensors), allgather_coalesced, allreduce_sparse. Errors for what gloo cannot do either are gloo's.
+//    tensors; the coalesced forms also for several dtypes at once), allgather_coalesced,
+//    allgather_into_tensor_coalesced of several dtypes, allreduce_sparse. Errors for what gloo
+//    cannot do either are gloo's.
 //  - Delegated directly to a second gloo backend, outside the engine (they are not collectives, so
 //    they take no sequence number, and their tags are the program's): send, recv, recvAnysource,
 //    monitoredBarrier.
