@@ -93,6 +93,36 @@ def test_dead_rank_fails_every_other_rank_quickly(algorithm):
                 outcome
 
 
+def case_leaves_exit_after_their_part(numel: int):
+    """A reduce to rank 0 over shared-memory messages (a binomial tree: 1 -> 0 and 3 -> 2, then
+    2 -> 0) whose leaves exit as soon as their call returns, while rank 2, late, keeps rank 0
+    waiting for several liveness periods. Without the collective check's step, which waits for
+    every rank, the leaves' small messages leave at once."""
+    rank = dist.get_rank()
+    tensor = torch.full((numel,), float(rank + 1))
+    ddpkit.all_reduce(torch.ones(1))  # the group's set-up, which waits for every rank, is behind us
+    if rank == 2:
+        time.sleep(1.0)
+    ddpkit.set_collective_checks(False)
+    ddpkit.reduce(tensor, dst=0)
+    ddpkit.set_collective_checks(True)
+    if rank in (1, 3):
+        os._exit(0)  # done with its part: no clean-up, as a program that ends here
+    return tensor[:3].tolist() + [bool(torch.all(tensor == tensor[0]))]
+
+
+def test_a_rank_that_exits_after_its_part_is_not_reported_dead():
+    pool = WorkerPool(4, timeout=120, group_timeout=GROUP_TIMEOUT_S)
+    try:
+        outcomes = pool.run(case_leaves_exit_after_their_part, 1000, return_exceptions=True)
+    finally:
+        pool.kill()
+    for rank in (1, 3):
+        assert isinstance(outcomes[rank], WorkerFailure) and "exit code 0" in str(outcomes[rank]), outcomes[rank]
+    assert outcomes[0] == [10.0, 10.0, 10.0, True], outcomes[0]  # 1 + 2 + 3 + 4
+    assert outcomes[2] == [7.0, 7.0, 7.0, True], outcomes[2]  # 3 + 4: the inner node's partial sum
+
+
 def case_die_during_training(victim: int):
     """DDP + SyncBatchNorm steps; the victim kills itself inside a backward, with buckets in flight."""
     rank = dist.get_rank()

@@ -724,17 +724,22 @@ std::string ShmSegment::describe_rank(int peer) const {
   return c10::str("rank ", ranks_[peer], " (pid ", pids_[peer], note, ")");
 }
 
-std::string ShmSegment::describe_awaited(const WaitContext& context) const {
+std::vector<int> ShmSegment::awaited_peers(const WaitContext& context) const {
   std::vector<int> missing;
   if (context.awaited == WaitContext::Awaited::kPeer) {
-    if (context.peer >= 0) missing.push_back(context.peer);
-  } else {
-    for (int peer = 0; peer < size_; ++peer) {
-      if (peer == rank_) continue;
-      const Signal& counter = context.awaited == WaitContext::Awaited::kArrived ? control(peer).arrived : control(peer).reduced;
-      if (!reached(counter.value.load(std::memory_order_acquire), context.step)) missing.push_back(peer);
-    }
+    if (context.peer >= 0 && context.peer < size_ && context.peer != rank_) missing.push_back(context.peer);
+    return missing;
   }
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    const Signal& counter = context.awaited == WaitContext::Awaited::kArrived ? control(peer).arrived : control(peer).reduced;
+    if (!reached(counter.value.load(std::memory_order_acquire), context.step)) missing.push_back(peer);
+  }
+  return missing;
+}
+
+std::string ShmSegment::describe_awaited(const WaitContext& context) const {
+  const std::vector<int> missing = awaited_peers(context);
   if (missing.empty()) return "the peers";
   std::string text;
   for (size_t i = 0; i < missing.size(); ++i) {
@@ -743,9 +748,12 @@ std::string ShmSegment::describe_awaited(const WaitContext& context) const {
   return text;
 }
 
-void ShmSegment::check_peers(const WaitContext& context) const {
-  for (int peer = 0; peer < size_; ++peer) {
-    if (peer == rank_ || process_alive(pids_[peer])) continue;
+void ShmSegment::check_peers(const WaitContext& context, const std::function<bool()>& ready) const {
+  // Note [Only an awaited peer is blamed]
+  for (const int peer : awaited_peers(context)) {
+    if (process_alive(pids_[peer])) continue;
+    // It may have posted what this wait lacks just before it exited: it failed only if that is missing.
+    if (ready()) return;
     const int dead = blame(peer);
     const std::string why = c10::str("rank ", ranks_[dead], " (pid ", pids_[dead], ") failed: the process died");
     mark_broken(why);

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -100,6 +101,15 @@ namespace ddpkit::comm {
 // transport fails (a dead peer, a timeout, corrupt data) records that and why in the segment too
 // (mark_broken), so every peer stops within a liveness period, saying which rank gave up and why. A
 // timeout names the ranks still awaited, and says which of them are stopped (SIGSTOP) or gone.
+//
+// Note [Only an awaited peer is blamed]
+// The liveness check looks only at the peers the wait still needs (awaited_peers): a rank may
+// finish its part of a collective and exit while its peers are still inside it (the leaves of a
+// reduce's tree return once their message is in the channel; the last step of a program often
+// is such a reduce), and its slots and messages stay readable after it exits. Blaming it would
+// fail a collective that every rank completed. A dead peer that no wait needs still stops the
+// group: whoever waits for it reports it in the segment (mark_broken), and every other wait sees
+// that within a liveness period.
 
 namespace shm_detail {
 
@@ -190,9 +200,11 @@ class ShmSegment {
   template <class Ready>
   void wait_for(Signal& signal, Ready ready, const WaitContext& context) const;
 
-  // Throws when a rank of the group died or gave up, or the deadline passed (after marking the
-  // segment broken).
-  void check_peers(const WaitContext& context) const;
+  // Throws when a peer the wait still needs died (and `ready()` still fails), a rank of the group
+  // gave up, or the deadline passed (after marking the segment broken).
+  void check_peers(const WaitContext& context, const std::function<bool()>& ready) const;
+  // The peers `context`'s wait still needs: its one peer, or those whose counter lacks its step.
+  std::vector<int> awaited_peers(const WaitContext& context) const;
 
   // After a failure in the middle of a collective the slots' state is unknown: every later use raises,
   // on this rank and (through the segment) on every peer.
@@ -308,7 +320,7 @@ void ShmSegment::wait_for(Signal& signal, Ready ready, const WaitContext& contex
     if (ready()) return;
     const auto now = std::chrono::steady_clock::now();
     if (now >= next_check) {
-      check_peers(context);
+      check_peers(context, [&] { return static_cast<bool>(ready()); });
       next_check = now + std::chrono::milliseconds(shm_detail::kLivenessMillis);
     }
   }
