@@ -12,6 +12,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -475,6 +476,60 @@ def test_async_work_and_futures(dpool, world_size):
     per_rank = dpool(world_size).run(case_async, timeout=60)
     check_against_gloo(per_rank)
     assert torch.equal(per_rank[0]["many"][0][49], torch.full((3,), float(sum(r + 49 for r in range(world_size)))))
+
+
+def case_async_under_the_callers_state():
+    """Asynchronous collectives run on the engine's thread under the state they were issued in
+    (Note [Issued, then run])."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+    # under no_grad, into a parameter: the bfloat16 all-reduce copies its float32 result back in place
+    parameter = torch.nn.Parameter(torch.full((5,), float(rank + 1), dtype=torch.bfloat16))
+    with torch.no_grad():
+        dist.all_reduce(parameter, async_op=True).wait()
+    out["no_grad_parameter"] = (parameter.detach().clone(), torch.full((5,), float(n * (n + 1) // 2),
+                                                                       dtype=torch.bfloat16))
+    # a synchronous call queued behind an asynchronous one also runs on the engine's thread
+    big = torch.ones(300_001)
+    with torch.no_grad():
+        work = dist.all_reduce(big, async_op=True)
+        dist.all_reduce(parameter)
+        work.wait()
+    out["no_grad_queued_sync"] = (parameter.detach().clone(), torch.full((5,), float(n * n * (n + 1) // 2),
+                                                                         dtype=torch.bfloat16))
+    # under inference_mode, into inference tensors
+    with torch.inference_mode():
+        source = torch.arange(2 * n, dtype=torch.float32) + 100 * rank
+        target = torch.empty(2 * n)
+        dist.all_to_all_single(target, source, async_op=True).wait()
+    out["inference_mode_all_to_all"] = (target.clone(), torch.cat([torch.arange(2) + 2 * rank + 100 * peer
+                                                                   for peer in range(n)]).float())
+    # a rank that turns the checks off while its collective is still queued runs it checked, as its
+    # peers, which issued it checked too, do
+    first, second = torch.ones(300_001), torch.full((7,), float(rank))
+    if rank != 0:
+        time.sleep(0.3)  # rank 0's engine is still busy with `first` when it turns the checks off
+    # (the reduce runs over messages, whose check is a step of its own: run unchecked on one rank
+    # alone, the ranks' steps would part)
+    works = [dist.all_reduce(first, async_op=True), dist.reduce(second, dst=0, async_op=True)]
+    if rank == 0:
+        ddpkit.set_collective_checks(False)
+    try:
+        for work in works:
+            work.wait()
+    finally:
+        ddpkit.set_collective_checks(True)
+    third = torch.full((3,), float(rank))
+    dist.all_reduce(third)  # and the ranks still pair
+    out["checks_as_issued"] = (second, torch.full((7,), float(n * (n - 1) // 2 if rank == 0 else rank)))
+    out["checks_as_issued_then"] = (third, torch.full((3,), float(n * (n - 1) // 2)))
+    return out
+
+
+def test_async_collectives_run_under_the_issuing_threads_state(dpool):
+    for results in dpool(2).run(case_async_under_the_callers_state, timeout=60):
+        for key, (ours, expected) in results.items():
+            assert torch.equal(ours, expected), (key, ours, expected)
 
 
 # --- subgroups -----------------------------------------------------------------------------------

@@ -27,8 +27,14 @@ std::atomic<int64_t> peak_buffered{0};
 
 }  // namespace
 
+// The setting a collective run by the engine's thread was issued under (ScopedChecks); -1: none.
+thread_local int issued_checked = -1;
+
 void set_checked(bool value) { checked.store(value); }
-bool is_checked() { return checked.load(); }
+bool is_checked() { return issued_checked >= 0 ? issued_checked == 1 : checked.load(); }
+
+ScopedChecks::ScopedChecks(bool checked) : previous_(issued_checked) { issued_checked = checked ? 1 : 0; }
+ScopedChecks::~ScopedChecks() { issued_checked = previous_; }
 
 CommCounters counters() {
   return CommCounters{collective_count.load(), message_count.load(), byte_count.load(), peak_buffered.load()};

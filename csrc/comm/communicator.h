@@ -78,7 +78,23 @@ namespace ddpkit::comm {
 // Turns checked mode (Note [Collective checks]) on or off for this process; on by default.
 // All ranks must agree: a checked rank waits for headers an unchecked peer never sends.
 void set_checked(bool checked);
+// Checked mode for the collective running on this thread: the process's setting, or the one its
+// collective was issued under (ScopedChecks).
 bool is_checked();
+
+// While alive, is_checked() on this thread answers `checked`: the engine's thread runs each queued
+// collective under the setting of the moment it was issued, so that a rank that changes the setting
+// while its asynchronous collectives are queued still runs them as its peers do.
+class ScopedChecks {
+ public:
+  explicit ScopedChecks(bool checked);
+  ~ScopedChecks();
+  ScopedChecks(const ScopedChecks&) = delete;
+  ScopedChecks& operator=(const ScopedChecks&) = delete;
+
+ private:
+  int previous_;
+};
 
 // Per-process counters of what ddpkit sent, for tests and benchmarks.
 struct CommCounters {

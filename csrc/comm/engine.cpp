@@ -226,7 +226,8 @@ c10::intrusive_ptr<CollectiveWork> Engine::enqueue_locked(c10::DeviceType device
                                                           std::string_view what, uint64_t sequence, Body body,
                                                           c10d::OpType type, std::vector<at::Tensor> outputs) {
   auto work = c10::make_intrusive<CollectiveWork>(group_.rank, type, std::move(outputs));
-  queue_.push_back(Task{device, requested, std::string(what), sequence, std::move(body), work});
+  queue_.push_back(Task{device, requested, std::string(what), sequence, std::move(body), work, at::ThreadLocalState(),
+                        is_checked()});
   if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
   cv_.notify_all();
   return work;
@@ -244,6 +245,9 @@ void Engine::worker_loop() {
     lock.unlock();
     std::exception_ptr error;
     try {
+      // Note [Issued, then run]
+      const at::ThreadLocalStateGuard thread_state(task.thread_state);
+      const ScopedChecks checks(task.checked);
       execute(task.device, task.requested, task.what, task.sequence, task.body);
     } catch (...) {
       error = std::current_exception();

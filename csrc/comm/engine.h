@@ -6,6 +6,7 @@
 #include "comm/shm_channels.h"
 
 #include <ATen/ATen.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -38,6 +39,14 @@ namespace ddpkit::comm {
 //  - Serial execution per group is what lets the shared-memory slots and channels be used without
 //    per-collective locking, and it keeps two threads of one process (a DDP bucket on the engine's
 //    thread, SyncBatchNorm's backward on the autograd thread) from ever interleaving their messages.
+//
+// Note [Issued, then run]
+// A collective queued for the engine's thread runs there under the issuing thread's state, as gloo's
+// work does: its thread-local ATen state (grad mode, inference mode, dispatch keys; a collective
+// under torch.no_grad() writes into a parameter, one under torch.inference_mode() into inference
+// tensors, and both raise on a thread with the defaults) and its checked mode (Note [Collective
+// checks]): a rank that turns the checks off while its asynchronous collectives are queued still
+// runs those as its peers, which ran them at once, did.
 
 // Note [Where a small all-reduce's time goes]
 // benchmarks/bench_latency.py loops each layer of ddpkit.all_reduce's call path back to back, the
@@ -167,6 +176,9 @@ class Engine {
     uint64_t sequence;
     Body body;
     c10::intrusive_ptr<CollectiveWork> work;
+    // The issuing thread's state, under which the engine's thread runs it (Note [Issued, then run]).
+    at::ThreadLocalState thread_state;
+    bool checked;
   };
   void execute(c10::DeviceType device, TransportKind requested, std::string_view what, uint64_t sequence,
                const Body& body);
