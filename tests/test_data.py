@@ -4,6 +4,7 @@ import io
 import math
 import os
 import pickle
+import re
 import struct
 import sys
 import tarfile
@@ -335,6 +336,30 @@ def test_cifar_unpickling_runs_no_foreign_code(tmp_path):
     with pytest.raises(ValueError, match=r"global io.open is not allowed in a CIFAR batch"):
         load_cifar("cifar100", tmp_path, train=False)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("payload,raised", [
+    # _codecs.encode("x", "no-such-codec"): an allowed global called with a codec that does not exist
+    (b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00xX\r\x00\x00\x00no-such-codec\x86R.", "LookupError"),
+    # BUILD with a dict state on the bytes that _codecs.encode returns: bytes have no __dict__
+    (b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00xX\x06\x00\x00\x00latin1\x86R}X\x01\x00\x00\x00aK\x01sb.",
+     "AttributeError"),
+    (b"\x80\x02h\x05.", "UnpicklingError"),  # a memo entry that was never stored
+], ids=["lookup", "attribute", "memo"])
+def test_cifar_corrupt_batch_pickle_is_a_value_error_naming_the_file(tmp_path, payload, raised):
+    top = tmp_path / "cifar-100-python"
+    top.mkdir()
+    (top / "test").write_bytes(payload)
+    with pytest.raises(ValueError, match=re.escape(f"{top / 'test'}: not a CIFAR batch pickle ({raised}: ")):
+        load_cifar("cifar100", tmp_path, train=False)
+    with tarfile.open(tmp_path / "cifar-100-python.tar.gz", "w:gz") as tar:  # the same inside the archive
+        info = tarfile.TarInfo("cifar-100-python/test")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    (top / "test").unlink()
+    top.rmdir()
+    with pytest.raises(ValueError, match=re.escape(f"cifar-100-python/test: not a CIFAR batch pickle ({raised}: ")):
+        load_cifar("cifar100", tmp_path, train=False)
 
 
 def test_download_url_verifies_md5_and_writes_atomically(tmp_path):

@@ -8,10 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.launch import init_distributed
+from ddpkit.launch import _local_rank, init_distributed
 from ddpkit.testing import RemoteTraceback, WorkerPool
 
 
@@ -79,6 +80,17 @@ def test_explicit_launch_arguments_are_checked():
         init_distributed(master_addr="127.0.0.1", master_port=29500)
     with pytest.raises(ValueError, match=r"rank 3 is not in \[0, world_size=2\)"):
         init_distributed(master_addr="127.0.0.1", master_port=29500, world_size=2, rank=3)
+
+
+def test_local_rank_picks_a_gpu_per_process_without_a_launcher(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [_local_rank(rank) for rank in range(6)] == [0, 1, 2, 3, 0, 1]  # rank % device_count
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert _local_rank(3) == 0  # no GPU to pick
+    monkeypatch.setenv("LOCAL_RANK", "2")  # torchrun's word is final
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert _local_rank(5) == 2
 
 
 def test_the_library_imports_without_the_training_application():

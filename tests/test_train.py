@@ -1,9 +1,11 @@
 """The training pipeline: real short runs, distributed validation, resume, multi-node launch, CLI errors."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.training.data import FASHION_MNIST_ROOT
+from ddpkit.training.data import FASHION_MNIST_ROOT, dataset_info, load_dataset, normalize
+from ddpkit.training.models import build_model
 from ddpkit.training.train import TrainConfig, Trainer, evaluate, parse_args
+
+from test_data import write_cifar
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train.py"
@@ -22,16 +27,20 @@ needs_fashion_mnist = pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(),
 
 def small_config(out_dir, **overrides) -> TrainConfig:
     settings = dict(dataset="fashion_mnist", model="net", epochs=1, batch_size=32, accumulation_steps=2,
-                    limit_train=4096, limit_test=1001, lr=0.05, log_every=1000, out_dir=str(out_dir),
+                    limit_train=4096, limit_test=1001, lr=0.05, log_every=1000,
+                    out_dir=str(out_dir) if out_dir is not None else None,
                     progress=False, eval_batch_size=256)
     settings.update(overrides)
     return TrainConfig(**settings)
 
 
-def case_train(config: TrainConfig, until_step=None):
+def make_trainer(config: TrainConfig) -> Trainer:
     from ddpkit.launch import DistInfo
-    info = DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo")
-    trainer = Trainer(config, info)
+    return Trainer(config, DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo"))
+
+
+def case_train(config: TrainConfig, until_step=None):
+    trainer = make_trainer(config)
     if until_step is not None:
         while trainer.step < until_step:
             trainer.train_epoch(until_step=until_step)
@@ -69,14 +78,153 @@ def test_ddpkit_and_torch_pipelines_match_with_plain_batchnorm(pool, tmp_path):
 @needs_fashion_mnist
 def test_resumed_run_equals_uninterrupted_run(pool, tmp_path):
     base = dict(epochs=2, limit_train=2048, checkpoint_every=5, model="net")
-    _, uninterrupted = pool(2).run(case_train, small_config(tmp_path / "a", **base), timeout=300)[0]
+    expected, uninterrupted = pool(2).run(case_train, small_config(tmp_path / "a", **base), timeout=300)[0]
     pool(2).run(case_train, small_config(tmp_path / "b", **base), until_step=12, timeout=300)  # stops mid-epoch 1
     summary, resumed = pool(2).run(case_train, small_config(tmp_path / "b", **base), timeout=300)[0]
-    assert summary["history"]["steps"][0]["step"] == 1 and len(summary["history"]["epochs"]) >= 2
     for key in uninterrupted:
         assert torch.equal(resumed[key], uninterrupted[key]), key
+    # The same history too: one evaluation per epoch, none where the first launch stopped.
+    fields_of = {"epochs": ("epoch", "step", "test_loss", "test_accuracy"), "steps": ("step", "local_loss")}
+    for kind, fields in fields_of.items():
+        assert [[record[f] for f in fields] for record in summary["history"][kind]] == \
+            [[record[f] for f in fields] for record in expected["history"][kind]], kind
     errors = pool(2).run(case_resume_error, small_config(tmp_path / "b", **{**base, "lr": 0.1}), timeout=300)
     assert all("belongs to a different run (lr 0.05 -> 0.1)" in error for error in errors), errors
+
+
+def case_pause_within_an_epoch(config: TrainConfig, until_step: int):
+    trainer = make_trainer(config)
+    paused = trainer.train_epoch(until_step=until_step)
+    record = trainer.train_epoch()
+    return paused, record, trainer.step, trainer.epoch, trainer.history["epochs"], trainer._module().state_dict()
+
+
+def case_one_epoch(config: TrainConfig):
+    trainer = make_trainer(config)
+    trainer.train_epoch()
+    return trainer._module().state_dict()
+
+
+@needs_fashion_mnist
+def test_an_epoch_paused_at_until_step_goes_on_where_it_stopped(pool):
+    config = small_config(None, epochs=2, limit_train=512, accumulation_steps=1, limit_test=100)
+    # 512 samples over 2 ranks in batches of 32: 8 optimizer steps an epoch.
+    paused, record, step, epoch, epochs, model = pool(2).run(case_pause_within_an_epoch, config, 3, timeout=300)[0]
+    assert paused is None  # no evaluation of a part of an epoch
+    assert (step, epoch) == (8, 1)
+    assert [(e["epoch"], e["step"]) for e in epochs] == [(0, 8)] and record == epochs[0]
+    expected = pool(2).run(case_one_epoch, config, timeout=300)[0]
+    for key in expected:
+        assert torch.equal(model[key], expected[key]), key
+
+
+@needs_fashion_mnist
+@pytest.mark.parametrize("impl", ["torch", "ddpkit"])
+def test_reported_test_figures_are_those_of_model_pt_with_plain_batchnorm(pool, tmp_path, impl):
+    """With plain BatchNorm each rank keeps running statistics of its own; model.pt holds rank 0's, and so
+    must the model that the distributed evaluation scores."""
+    config = small_config(tmp_path / "run", impl=impl, sync_bn=False, accumulation_steps=1, limit_train=1024,
+                          limit_test=500, eval_batch_size=100)
+    summary, _ = pool(2).run(case_train, config, timeout=300)[0]
+    assert summary["batch_norm"] == "BatchNorm"
+    info = dataset_info("fashion_mnist")
+    model = build_model("net", info.channels, info.num_classes, info.image_size)
+    model.load_state_dict(torch.load(tmp_path / "run" / "model.pt"))
+    model.eval()
+    images, labels = (t[:500] for t in load_dataset("fashion_mnist", train=False))
+    with torch.no_grad():
+        logits = model(normalize(images, info.mean, info.std))
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["final_test_accuracy"] == pytest.approx(float((logits.argmax(1) == labels).double().mean()),
+                                                           abs=1e-12)
+    assert metrics["final_test_loss"] == pytest.approx(float(nn.functional.cross_entropy(logits.double(), labels)),
+                                                       rel=1e-6)
+
+
+@needs_fashion_mnist
+def test_a_finished_run_writes_the_results_it_was_stopped_before(pool, tmp_path):
+    """A run killed after its last checkpoint but before model.pt and metrics.json: the next launch
+    writes them from the checkpoint, as the first would have."""
+    config = small_config(tmp_path / "run", limit_train=512, limit_test=100)
+    pool(2).run(case_train, config, timeout=300)
+    model_before = torch.load(tmp_path / "run" / "model.pt")
+    metrics_before = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    for name in ("model.pt", "metrics.json"):
+        (tmp_path / "run" / name).unlink()
+    pool(2).run(case_train, config, timeout=300)
+    model_after = torch.load(tmp_path / "run" / "model.pt")
+    assert model_after.keys() == model_before.keys()
+    for key in model_before:
+        assert torch.equal(model_after[key], model_before[key]), key
+    metrics_after = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    for metrics in (metrics_before, metrics_after):
+        metrics.pop("peak_rss_bytes_max_over_ranks")  # the process's own, not the run's
+    assert metrics_after == metrics_before
+
+
+@needs_fashion_mnist
+def test_augment_given_as_its_default_resumes_the_same_run(pool, tmp_path):
+    config = small_config(tmp_path / "run", limit_train=512, limit_test=100, max_steps=2)
+    pool(2).run(case_train, config, timeout=300)  # no --augment: off for Fashion-MNIST
+    summary, _ = pool(2).run(case_train, small_config(tmp_path / "run", limit_train=512, limit_test=100, max_steps=2,
+                                                      augment=False), timeout=300)[0]
+    assert summary["config"]["augment"] is False  # stored as resolved
+    # A checkpoint that stored the option as given (None) resumes with it given too.
+    checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    checkpoint["config"]["augment"] = None
+    torch.save(checkpoint, tmp_path / "run" / "checkpoint.pt")
+    pool(2).run(case_train, small_config(tmp_path / "run", limit_train=512, limit_test=100, max_steps=2,
+                                         augment=False), timeout=300)
+    errors = pool(2).run(case_resume_error, small_config(tmp_path / "run", limit_train=512, limit_test=100,
+                                                         max_steps=2, augment=True), timeout=300)
+    assert all("belongs to a different run (augment False -> True)" in error for error in errors), errors
+
+
+def case_download_once_per_node(root: Path, mirror: Path, events: Path):
+    """Trainer setup with --download, downloading as torchvision does: straight to the final path, in
+    pieces; every download and every load is logged to `events`."""
+    from ddpkit.training import data
+    rank = dist.get_rank()
+
+    def log(event):
+        with open(events, "a") as out:
+            out.write(f"{event} {rank}\n")
+
+    def download(source, into):
+        log("download")
+        payload = mirror.read_bytes()
+        into.mkdir(parents=True, exist_ok=True)
+        with open(into / source.archive, "wb") as out:
+            out.write(payload[:len(payload) // 2])
+            out.flush()
+            time.sleep(1.0)
+            out.write(payload[len(payload) // 2:])
+        log("downloaded")
+
+    def load(*args, **kwargs):
+        result = real_load(*args, **kwargs)
+        log("loaded")
+        return result
+
+    real_download, real_load = data._download_cifar, data.load_cifar
+    data._download_cifar, data.load_cifar = download, load
+    try:
+        config = small_config(None, dataset="cifar10", data_root=str(root), download=True, batch_size=2,
+                              accumulation_steps=1, limit_train=None, limit_test=None)
+        return len(make_trainer(config).train_x)
+    finally:
+        data._download_cifar, data.load_cifar = real_download, real_load
+
+
+def test_download_by_local_rank_0_while_the_others_wait(pool, tmp_path):
+    expected = write_cifar(tmp_path / "mirror", "cifar10", as_archive=True)
+    events = tmp_path / "events"
+    archive = tmp_path / "mirror" / "cifar-10-python.tar.gz"
+    sizes = pool(2).run(case_download_once_per_node, tmp_path / "root", archive, events, timeout=300)
+    assert sizes == [len(expected["train"][0])] * 2
+    log = events.read_text().split("\n")[:-1]
+    assert log[:2] == ["download 0", "downloaded 0"], log  # rank 1 neither downloads nor loads before that
+    assert sorted(log[2:]) == ["loaded 0", "loaded 0", "loaded 1", "loaded 1"], log
 
 
 def case_resume_error(config: TrainConfig):
@@ -118,11 +266,13 @@ def test_distributed_validation_equals_single_process(pool, world_size):
         logits = model(transform(images))
     expected_accuracy = float((logits.argmax(1) == labels).double().mean())
     expected_loss = float(nn.functional.cross_entropy(logits.double(), labels))
-    result, collectives = pool(world_size).run(case_evaluate, count, 64)[0]
-    assert collectives == 2  # the shards' scatter and the sums' reduce, both ddpkit's
-    assert result["samples"] == count
-    assert result["accuracy"] == pytest.approx(expected_accuracy, abs=1e-12)
-    assert result["loss"] == pytest.approx(expected_loss, rel=1e-6)
+    results = pool(world_size).run(case_evaluate, count, 64)
+    for result, collectives in results:  # every rank's, not rank 0's only
+        assert collectives == 2  # the shards' scatter and the sums' all-reduce, both ddpkit's
+        assert result == results[0][0]
+        assert result["samples"] == count
+        assert result["accuracy"] == pytest.approx(expected_accuracy, abs=1e-12)
+        assert result["loss"] == pytest.approx(expected_loss, rel=1e-6)
 
 
 # --- launching ------------------------------------------------------------------------------------
@@ -222,6 +372,23 @@ def assert_one_line_error(result, status, expected):
 ])
 def test_bad_options_are_one_line(argv, expected):
     assert_one_line_error(run_cli(*argv), 2, expected)
+
+
+def test_torchrun_variables_without_master_are_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run([sys.executable, str(TRAIN), "--out", str(tmp_path / "out")], capture_output=True,
+                            text=True, timeout=120, env={**env, "RANK": "0", "WORLD_SIZE": "1"})
+    assert_one_line_error(result, 2, "RANK/WORLD_SIZE are set but MASTER_ADDR, MASTER_PORT is not")
+
+
+@needs_fashion_mnist
+@pytest.mark.parametrize("batch_norm", [["--no-sync-bn"], ["--impl", "torch"], []])
+def test_one_sample_for_batch_norm_1d_is_one_line(tmp_path, batch_norm):
+    """Plain BatchNorm with a micro-batch of 1, or synchronized over one rank: the first forward would raise."""
+    result = run_cli("--dataset", "fashion_mnist", "--limit-train", "64", "--batch-size", "1", "--max-steps", "1",
+                     "--no-progress", "--out", str(tmp_path / "out"), *batch_norm)
+    assert_one_line_error(result, 1, "--model net has BatchNorm1d, which in training normalises over the samples of")
+    assert "use --batch-size 2 or more" in result.stderr
 
 
 def test_missing_dataset_is_one_line(tmp_path):

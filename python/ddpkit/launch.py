@@ -38,7 +38,10 @@ def init_distributed(backend: Optional[str] = None, *, master_addr: Optional[str
 
     With ``master_addr`` it rendezvouses at ``tcp://master_addr:master_port`` with the given
     ``world_size`` and ``rank``; otherwise it expects torchrun's environment variables. Without either
-    (plain ``python script.py``) it starts a group of one, so scripts also run single-process.
+    (plain ``python script.py``) it starts a group of one, so scripts also run single-process. The
+    local rank, the CUDA device with NCCL, is ``LOCAL_RANK``, or without it ``rank % device_count``. A
+    launch configuration that cannot work (arguments out of range, torchrun's variables half set) raises
+    ``ValueError``.
     """
     backend = backend or default_backend()
     if dist.is_initialized():
@@ -51,17 +54,17 @@ def init_distributed(backend: Optional[str] = None, *, master_addr: Optional[str
             raise ValueError(f"ddpkit: rank {rank} is not in [0, world_size={world_size})")
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 world_size=world_size, rank=rank, timeout=group_timeout)
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = _local_rank(rank)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
         if missing:
-            raise RuntimeError(f"ddpkit: RANK/WORLD_SIZE are set but {', '.join(missing)} is not; launch with torchrun")
+            raise ValueError(f"ddpkit: RANK/WORLD_SIZE are set but {', '.join(missing)} is not; launch with torchrun")
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             dist.init_process_group(backend, store=_attempt_store(group_timeout), rank=int(os.environ["RANK"]),
                                     world_size=int(os.environ["WORLD_SIZE"]), timeout=group_timeout)
         else:
             dist.init_process_group(backend, timeout=group_timeout)
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = _local_rank(int(os.environ["RANK"]))
     else:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, world_size=1, rank=0, timeout=group_timeout)
@@ -69,6 +72,16 @@ def init_distributed(backend: Optional[str] = None, *, master_addr: Optional[str
     if "nccl" in backend:
         torch.cuda.set_device(local_rank)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend)
+
+
+def _local_rank(rank: int) -> int:
+    """This process's index among those of its node, which picks its CUDA device: ``LOCAL_RANK`` where the
+    launcher sets it (torchrun does), else ``rank % torch.cuda.device_count()`` (0 without CUDA), so that
+    processes started by hand with consecutive ranks on one node take different GPUs."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    devices = torch.cuda.device_count()
+    return rank % devices if devices else 0
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
@@ -85,5 +98,4 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
 
 
 def _current_info() -> DistInfo:
-    return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
-                    dist.get_backend())
+    return DistInfo(dist.get_rank(), dist.get_world_size(), _local_rank(dist.get_rank()), dist.get_backend())

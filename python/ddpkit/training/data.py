@@ -303,8 +303,8 @@ def _unpickle_cifar_batch(file, origin: str) -> dict:
     try:
         # The batches are Python 2 pickles: encoding="bytes" keeps their str keys as bytes (b"data").
         batch = _CifarUnpickler(file, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as exc:
-        raise ValueError(f"ddpkit: {origin}: not a CIFAR batch pickle ({exc})") from None
+    except Exception as exc:  # corrupt bytes reach the allowed globals and pickle's opcodes with anything
+        raise ValueError(f"ddpkit: {origin}: not a CIFAR batch pickle ({type(exc).__name__}: {exc})") from None
     if not isinstance(batch, dict):
         raise ValueError(f"ddpkit: {origin}: a CIFAR batch is a dict, found {type(batch).__name__}")
     return batch

@@ -17,7 +17,8 @@ CPU torch has none, so plain BatchNorm, and the log says so) and
 augmentation, optimizer, schedule. ``--accumulation-steps k`` runs k micro-batches per optimizer
 step with no gradient all-reduce on the first k-1. Only rank 0 prints; after every epoch the test
 set is evaluated in a distributed way (rank 0 scatters shard indices with
-``ddpkit.scatter``, each rank counts its correct predictions, rank 0 combines them).
+``ddpkit.scatter``, each rank counts the correct predictions of rank 0's model, buffers included,
+and ``ddpkit.all_reduce`` adds them up).
 Rank 0 writes ``<out>/metrics.json``, ``<out>/model.pt`` and a resumable ``<out>/checkpoint.pt``
 (atomically: temp file, then rename); a restarted run (e.g. ``torchrun --max-restarts 1``)
 continues from the checkpoint exactly.
@@ -39,7 +40,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,11 @@ def init_from_args(args: argparse.Namespace) -> DistInfo:
     """``init_distributed`` with the flags of ``add_launch_arguments``."""
     return init_distributed(backend=args.backend, master_addr=args.master_addr, master_port=args.master_port,
                             world_size=args.world_size, rank=args.rank, timeout=args.timeout)
+
+
+def _resolved_augment(augment: Optional[bool], dataset: str) -> bool:
+    """``--augment`` as the run uses it: where not given, on for CIFAR and off for Fashion-MNIST."""
+    return augment if augment is not None else dataset.startswith("cifar")
 
 
 class UsageError(ValueError):
@@ -310,9 +316,8 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
 
     Rank 0 splits the indices 0..N-1 into world_size contiguous shards (sizes differing by at most
     one, padded with -1 to a common length) and hands them out with ``ddpkit.scatter``;
-    each rank sums the loss and counts the correct predictions of its shard; ``ddpkit.reduce``
-    brings the sums to rank 0, which divides by N. Every rank returns the same dict only on rank 0;
-    the others get their local part.
+    each rank sums the loss and counts the correct predictions of its shard; ``ddpkit.all_reduce``
+    adds up the sums, and every rank divides them by N: every rank returns the same dict.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     count = len(images)
@@ -338,8 +343,8 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
         totals[1] += int((logits.argmax(1) == y).sum())
         totals[2] += len(batch)
     model.train(was_training)
-    comm.reduce(totals, dst=0, op="sum")
-    if rank == 0 and int(totals[2]) != count:
+    comm.all_reduce(totals, op="sum")
+    if int(totals[2]) != count:
         raise RuntimeError(f"distributed evaluation covered {int(totals[2])} of {count} samples")
     return {"loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2]), "samples": int(totals[2])}
 
@@ -369,44 +374,63 @@ class Trainer:
             config = dataclasses.replace(config, dataset=dataset_name(config.dataset))
         except ValueError as error:
             raise UsageError(str(error)) from None
+        # Resolved before the checkpoint stores it and resume compares it: an explicit --augment equal
+        # to the dataset's default is the same run.
+        config = dataclasses.replace(config, augment=_resolved_augment(config.augment, config.dataset))
         self.config = config
         self.rank, self.world_size = info.rank, info.world_size
         self.progress_label = ""  # put before "epoch N" on the progress bar
         self.verbose = True  # rank 0 logs progress lines (a caller that reports itself turns them off)
         self.device = torch.device("cuda", info.local_rank) if "nccl" in info.backend else torch.device("cpu")
         self.info = dataset_info(config.dataset)
-        self.augment = config.augment if config.augment is not None else config.dataset.startswith("cifar")
+        self.augment = config.augment
         self.out_dir = Path(config.out_dir) if config.out_dir else None
 
         # This rank's own setup (options, data, shards) comes first, and every rank learns whether any
         # failed before the first collective, so that no rank is left waiting for one that has gone.
+        # With --download, local rank 0 sets up first and the node's other ranks wait for it: torchvision
+        # writes the archive straight to its final path, where they would find it half written.
+        downloads_first = config.download and info.local_rank == 0
+        if config.download and not downloads_first:
+            _raise_if_any_rank_failed(None)  # matches the downloaders' check below
         error = None
         try:
             self._set_up_data()
         except (OSError, ValueError) as exc:  # UsageError, or a missing, unreadable or malformed dataset
             error = str(exc)
+        if downloads_first:
+            _raise_if_any_rank_failed(error)
         _raise_if_any_rank_failed(error)
 
         torch.manual_seed(config.seed)
         model = build_model(config.model, self.info.channels, self.info.num_classes, self.info.image_size)
+        # The models' BatchNorm1d normalise [N, C] features over the samples alone (the 2d ones also over
+        # H x W pixels), so one sample leaves training nothing to normalise over: torch's forward raises.
+        has_batch_norm_1d = any(isinstance(module, nn.BatchNorm1d) for module in model.modules())
         self.notes = []
         # What this run's BatchNorm layers really are (the model may have none): "ddpkit.SyncBatchNorm",
         # "torch.nn.SyncBatchNorm" or "BatchNorm" (plain, statistics of each rank's own batch).
         self.batch_norm = "BatchNorm"
+        if config.impl == "ddpkit" and config.sync_bn:
+            from ..syncbn import convert_sync_batchnorm
+            model = convert_sync_batchnorm(model)
+            self.batch_norm = "ddpkit.SyncBatchNorm"
+        elif config.impl == "torch" and config.sync_bn and self.device.type == "cuda":
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            self.batch_norm = "torch.nn.SyncBatchNorm"
+        elif config.impl == "torch" and config.sync_bn:
+            self.notes.append("torch.nn.SyncBatchNorm needs CUDA: the torch pipeline uses plain BatchNorm on CPU")
+        # Every rank has the same settings, so every rank raises here, before the first collective.
+        samples = self.micro_batch * (self.world_size if self.batch_norm != "BatchNorm" else 1)
+        if has_batch_norm_1d and samples == 1:
+            where = "each rank's micro-batch" if self.batch_norm == "BatchNorm" else "all ranks' micro-batches"
+            raise UsageError(f"ddpkit: --model {config.model} has BatchNorm1d, which in training normalises over "
+                             f"the samples of {where} ({self.batch_norm}), and 1 sample leaves nothing to "
+                             "normalise over; use --batch-size 2 or more (or a --global-batch-size that gives it)")
+        model = model.to(self.device)
         if config.impl == "ddpkit":
-            if config.sync_bn:
-                from ..syncbn import convert_sync_batchnorm
-                model = convert_sync_batchnorm(model)
-                self.batch_norm = "ddpkit.SyncBatchNorm"
-            model = model.to(self.device)
             self.model = DistributedDataParallel(model, grad_sync=config.grad_sync, algorithm=config.algorithm)
         else:
-            if config.sync_bn and self.device.type == "cuda":
-                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-                self.batch_norm = "torch.nn.SyncBatchNorm"
-            elif config.sync_bn:
-                self.notes.append("torch.nn.SyncBatchNorm needs CUDA: the torch pipeline uses plain BatchNorm on CPU")
-            model = model.to(self.device)
             self.model = nn.parallel.DistributedDataParallel(
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
@@ -427,6 +451,8 @@ class Trainer:
         self.step = 0
         self.history: dict = {"epochs": [], "steps": []}
         self.resumed_from: Optional[Path] = None  # the checkpoint this run continues, if any
+        self._epoch_batches: Optional[Iterator[torch.Tensor]] = None  # the epoch a train_epoch paused in
+        self._epoch_time_s = 0.0  # training time of the current epoch so far, over the calls that ran it
         if config.resume:
             self._resume()
 
@@ -524,7 +550,8 @@ class Trainer:
         if state["world_size"] != self.world_size:
             raise UsageError(f"ddpkit: checkpoint {path} was written by {state['world_size']} ranks, this run has "
                              f"{self.world_size}; use another --out or --no-resume")
-        saved = state["config"]
+        saved = dict(state["config"])
+        saved["augment"] = _resolved_augment(saved.get("augment"), saved["dataset"])  # older checkpoints kept None
         # More epochs continue a run that has finished all of its own; anywhere else a different
         # length would change the learning-rate schedule under the run.
         extending = (self.config.epochs > saved["epochs"] and state["epoch"] >= saved["epochs"]
@@ -566,17 +593,22 @@ class Trainer:
     def done(self) -> bool:
         return self.step >= self.total_steps or self.epoch >= self.config.epochs
 
-    def train_epoch(self, until_step: Optional[int] = None) -> dict:
+    def train_epoch(self, until_step: Optional[int] = None) -> Optional[dict]:
         """Trains to the end of the current epoch (or to optimizer step ``until_step``, or the last
-        step), then evaluates and checkpoints."""
+        step), then checkpoints. A call after one that stopped at ``until_step`` within an epoch goes
+        on with that epoch's next batch. The epoch's evaluation, and its record (returned, and added to
+        ``history["epochs"]``), come at its end or at the last step only: a call that stops at
+        ``until_step`` before either returns None."""
         config = self.config
-        self.sampler.set_epoch(self.epoch)
+        if self._epoch_batches is None:
+            self.sampler.set_epoch(self.epoch)
+            self._epoch_batches = iter(self.sampler)
         self.model.train()
         micro_batches = self.steps_per_epoch * config.accumulation_steps
         progress = self._progress_bar()
         started = time.perf_counter()
         loss_sum = torch.zeros(2, dtype=torch.float64)  # for the log: sum of losses, micro-batches
-        for indices in self.sampler:
+        for indices in self._epoch_batches:
             position = self.sampler.state_dict()["position"]  # 1-based index of this micro-batch
             if position > micro_batches:
                 break  # the epoch's tail that does not fill a whole optimizer step
@@ -617,10 +649,16 @@ class Trainer:
                 break
         if progress is not None:
             progress.close()
-        epoch_time = time.perf_counter() - started
+        self._epoch_time_s += time.perf_counter() - started
+        finished_epoch = self.sampler.state_dict()["position"] >= micro_batches
+        if not (finished_epoch or self.done()):
+            # A pause within the epoch: evaluating here would add a record an uninterrupted run has not.
+            self.save_checkpoint()
+            return None
+        self._take_rank_0_buffers()
         result = evaluate(self._module(), self.test_x, self.test_y, self._eval_transform, config.eval_batch_size,
                           self.device)
-        finished_epoch = self.sampler.state_dict()["position"] >= micro_batches
+        epoch_time, self._epoch_time_s = self._epoch_time_s, 0.0
         record = {"epoch": self.epoch, "step": self.step, "epoch_time_s": epoch_time, "test_loss": result["loss"],
                   "test_accuracy": result["accuracy"], "test_samples": result["samples"]}
         self._log(f"epoch {self.epoch + 1}: test loss {result['loss']:.4f} accuracy {100 * result['accuracy']:.2f}% "
@@ -628,8 +666,17 @@ class Trainer:
         self.history["epochs"].append(record)
         if finished_epoch:
             self.epoch += 1
+            self._epoch_batches = None
         self.save_checkpoint()
         return record
+
+    def _take_rank_0_buffers(self) -> None:
+        """Gives every rank rank 0's buffers (plain BatchNorm's running statistics are each rank's own),
+        so that the distributed evaluation scores the model that model.pt and the checkpoint hold."""
+        if self.world_size > 1:
+            with torch.no_grad():
+                for buffer in self._module().buffers():
+                    dist.broadcast(buffer, src=0)
 
     def _progress_bar(self):
         if self.rank != 0 or not self.config.progress:
@@ -667,13 +714,25 @@ class Trainer:
 
     def run(self) -> dict:
         """Trains to the end, writes the model and the metrics, and returns the metrics. A run whose
-        checkpoint has finished already trains nothing and writes nothing: it says so."""
+        checkpoint has finished already trains nothing: it says so, and writes model.pt and
+        metrics.json from the checkpoint only where they are missing (a run stopped between writing
+        its last checkpoint and them)."""
         header = self.header()
         for note in self.notes:
             self._log(f"note: {note}")
         if self.done():
             summary = self.summary()
             finished = f"epoch {self.epoch}" if self.epoch >= self.config.epochs else f"optimizer step {self.step}"
+            missing = [name for name in ("model.pt", "metrics.json")
+                       if self.rank == 0 and self.out_dir and not (self.out_dir / name).exists()]
+            if "model.pt" in missing:
+                _save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
+            if "metrics.json" in missing:
+                _write_json_atomically(summary, self.out_dir / "metrics.json")
+            if missing:
+                self._log(f"{self.resumed_from}: the run already finished at {finished}; wrote the missing "
+                          f"{' and '.join(str(self.out_dir / name) for name in missing)} from it")
+                return summary
             how = (f"pass --epochs {self.config.epochs + 1} (or more) to continue" if not self.config.max_steps
                    else "use another --out or --no-resume to train again")
             self._log(f"{self.resumed_from}: the run already finished at {finished}; nothing to do ({how})")
