@@ -123,6 +123,23 @@ def case_every_op():
         x = values(rank, (1001,), dtype, salt=9)
         mean = all_reduced(x.clone(), RED.AVG, None)
         out[("all_reduce_avg", dtype)] = (mean, (all_reduced(x.clone(), RED.SUM, gloo_group()).double() / n).to(dtype))
+    # layouts other than contiguous, which gloo takes as they are (ZeroRedundancyOptimizer broadcasts
+    # a channels_last model's parameters)
+    x = values(rank, (3, 5), salt=50)
+    out[("all_reduce", "transposed")] = both(lambda g: all_reduced(x.clone().t(), RED.SUM, g))
+    image = values(rank, (2, 3, 4, 5), salt=51).contiguous(memory_format=torch.channels_last)
+
+    def broadcast_channels_last(g):
+        t = image.clone(memory_format=torch.channels_last)
+        dist.broadcast(t, src=n - 1, group=g)
+        return t
+    out[("broadcast", "channels_last")] = both(broadcast_channels_last)
+
+    def reduce_transposed(g):
+        t = x.clone().t()
+        dist.reduce(t, dst=0, op=RED.MAX, group=g)
+        return t if rank == 0 else None  # elsewhere what is left is the algorithm's
+    out[("reduce", "transposed")] = both(reduce_transposed)
     # delegated to gloo: PRODUCT, bitwise ops, dtypes ddpkit does not reduce
     for dtype in (torch.float32, torch.int32, torch.int64, torch.float64):
         x = values(rank, (101,), dtype, salt=10, low=-3, high=4)
@@ -247,6 +264,12 @@ def case_every_op():
                 quiet(dist.reduce_scatter_tensor, t, x.clone(), op=op, group=g)
                 return t
             out[("reduce_scatter_tensor", str(op), dtype)] = both(rs_tensor)
+
+            def rs_tensor_stacked(g):  # the input as [n, *output.shape], which the docs allow
+                t = torch.empty(3, 2, dtype=dtype)
+                quiet(dist.reduce_scatter_tensor, t, x.clone().view(n, 3, 2), op=op, group=g)
+                return t
+            out[("reduce_scatter_tensor_stacked", str(op), dtype)] = (rs_tensor_stacked(None), both(rs_tensor)[1])
     x = values(rank, (n * 501,), salt=29)
     rs_mean = torch.empty(501)
     quiet(dist.reduce_scatter_tensor, rs_mean, x.clone(), op=RED.AVG)
@@ -825,6 +848,9 @@ LIST_ARGUMENT_ERRORS = {
     "all_gather_empty_list_everywhere": lambda rank: dist.all_gather([], torch.empty(0)),
     "all_gather_short_list_on_rank_1": lambda rank: dist.all_gather([torch.empty(0)] * (2 if rank == 1 else 3),
                                                                     torch.empty(0)),
+    # delegated to gloo, which checks the input on rank 1 alone: the others waited for it
+    "reduce_scatter_tensor_short_input_on_rank_1": lambda rank: quiet(
+        dist.reduce_scatter_tensor, torch.empty(2), torch.ones(4 if rank == 1 else 6), op=RED.PRODUCT),
     # PRODUCT is delegated to gloo, which checks the list on rank 1 alone: the others waited for it
     "reduce_scatter_short_list_on_rank_1": lambda rank: dist.reduce_scatter(
         torch.empty(2), [torch.ones(2)] * (2 if rank == 1 else 3), op=RED.PRODUCT),
@@ -840,7 +866,8 @@ def test_bad_lists_raise_on_every_rank(kind):
         problems = mismatch_problems(outcomes, expected_everywhere="takes a list of one tensor per rank of the group (3)")
     else:
         problems = mismatch_problems(outcomes, expected_everywhere="rank 1 rejected its arguments",
-                                     expected_on={1: "per rank of the group (3), got 2"})
+                                     expected_on={1: "expected world size times the output's 2" if "tensor" in kind
+                                                  else "per rank of the group (3), got 2"})
     assert not problems, "\n".join(problems)
 
 
@@ -859,9 +886,8 @@ def test_mismatch_with_a_delegated_op_raises_on_every_rank():
 # --- 5. what the backend does not do: clear errors ------------------------------------------------
 
 UNSUPPORTED_CALLS = {
-    "non_contiguous_all_reduce": lambda rank: dist.all_reduce(torch.ones(4, 4).t()),
-    "non_contiguous_on_one_rank": lambda rank: dist.all_reduce(torch.ones(4, 4).t() if rank == 1 else torch.ones(4, 4)),
-    "non_contiguous_broadcast": lambda rank: dist.broadcast(torch.ones(4, 4).t(), src=0),
+    "avg_of_integers_on_one_rank": lambda rank: dist.all_reduce(
+        torch.ones(4, dtype=torch.int64) if rank == 1 else torch.ones(4), op=RED.AVG),
     "non_contiguous_all_to_all_single": lambda rank: dist.all_to_all_single(torch.empty(6, 2).t(),
                                                                             torch.ones(6, 2).t()),
     "avg_of_integers": lambda rank: dist.all_reduce(torch.ones(4, dtype=torch.int64), op=RED.AVG),
@@ -870,10 +896,7 @@ UNSUPPORTED_CALLS = {
 }
 
 UNSUPPORTED_MESSAGES = {
-    "non_contiguous_all_reduce": "ddpkit.all_reduce: expected a contiguous tensor (strides [1, 4] for shape [4, 4]); "
-                                 "call .contiguous() first",
-    "non_contiguous_on_one_rank": "ddpkit.all_reduce: rank 1 rejected its arguments",
-    "non_contiguous_broadcast": "ddpkit.broadcast: expected a contiguous tensor",
+    "avg_of_integers_on_one_rank": "ddpkit.all_reduce: rank 1 rejected its arguments",
     "non_contiguous_all_to_all_single": "ddpkit backend: all_to_all_single needs contiguous tensors",
     "avg_of_integers": "ddpkit.all_reduce: op 'mean' needs a floating-point tensor, got Long",
     "premul_sum": "Cannot use ReduceOp.PREMUL_SUM with Gloo",  # delegated: gloo's error
@@ -894,8 +917,8 @@ def test_unsupported_calls_raise_clearly(dpool, kind):
     outcomes = dpool(3).run(case_unsupported, kind, timeout=30)
     for rank, (error, after) in enumerate(outcomes):
         assert error is not None, f"rank {rank} did not raise"
-        if kind == "non_contiguous_on_one_rank" and rank == 1:
-            assert "expected a contiguous tensor" in error, error
+        if kind == "avg_of_integers_on_one_rank" and rank == 1:
+            assert UNSUPPORTED_MESSAGES["avg_of_integers"] in error, error
         else:
             assert UNSUPPORTED_MESSAGES[kind] in error, error
         assert torch.equal(after, torch.full((3,), 3.0)), "the group must stay usable"

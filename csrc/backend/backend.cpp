@@ -89,6 +89,18 @@ void check_output_list(const std::vector<at::Tensor>& list, const at::Tensor& si
   }
 }
 
+// Runs `body` on `tensor`, or, where it is not contiguous, on a contiguous copy whose result is then
+// copied back: the element-wise collectives (all-reduce, broadcast, reduce) take any layout, as gloo's
+// do for a channels_last or transposed tensor (ZeroRedundancyOptimizer broadcasts parameters as they
+// are), and their result does not depend on it.
+template <class Body>
+void on_contiguous(at::Tensor& tensor, Body&& body) {
+  if (tensor.is_contiguous()) return body(tensor);
+  at::Tensor work = tensor.contiguous();
+  body(work);
+  tensor.copy_(work);
+}
+
 // The concatenation of `tensors`, flattened, as one contiguous vector (empty when there are none).
 at::Tensor flat_cat(const std::vector<at::Tensor>& tensors) {
   std::vector<at::Tensor> flat;
@@ -178,7 +190,7 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
                     [gloo = gloo_, tensors, opts]() mutable { return gloo->allreduce(tensors, opts); });
   }
   return launch(c10d::OpType::ALLREDUCE, opts.asyncOp, tensors, [tensor, op](comm::Communicator& comm) mutable {
-    comm::all_reduce_(tensor, *op, comm::Algorithm::kAuto, comm);
+    on_contiguous(tensor, [&](at::Tensor& t) { comm::all_reduce_(t, *op, comm::Algorithm::kAuto, comm); });
   });
 }
 
@@ -231,7 +243,9 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
   at::Tensor tensor = tensors[0];
   const int root = static_cast<int>(opts.rootRank);
   return launch(c10d::OpType::BROADCAST, opts.asyncOp, tensors,
-                [tensor, root](comm::Communicator& comm) mutable { comm::broadcast_(tensor, root, comm); });
+                [tensor, root](comm::Communicator& comm) mutable {
+                  on_contiguous(tensor, [&](at::Tensor& t) { comm::broadcast_(t, root, comm); });
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
@@ -249,7 +263,7 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors,
   }
   const int root = static_cast<int>(opts.rootRank);
   return launch(c10d::OpType::REDUCE, opts.asyncOp, tensors, [tensor, root, op](comm::Communicator& comm) mutable {
-    comm::reduce_(tensor, root, *op, comm);
+    on_contiguous(tensor, [&](at::Tensor& t) { comm::reduce_(t, root, *op, comm); });
   });
 }
 
@@ -445,9 +459,24 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output,
   }
   const auto op = own_reduction(opts.reduceOp, output);
   if (!op) {
+    // gloo checks these on this rank alone, once its peers are inside its collective: checked here,
+    // a wrong input raises on every rank, as on ddpkit's own path.
+    const std::string bad = error_of([&] {
+      TORCH_CHECK(input.scalar_type() == output.scalar_type() && input.numel() == output.numel() * getSize(),
+                  "ddpkit backend: reduce_scatter_tensor's input has ", input.numel(), " elements of ",
+                  input.scalar_type(), ", expected world size times the output's ", output.numel(), " of ",
+                  output.scalar_type());
+      TORCH_CHECK(input.is_contiguous() && output.is_contiguous(),
+                  "ddpkit backend: reduce_scatter_tensor takes contiguous tensors");
+    });
+    if (!bad.empty()) return reject(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, comm::CollectiveKind::kReduceScatter, bad);
+    // Flat, so that every shape ddpkit's own path takes (an input stacked as [n, *output.shape]) goes
+    // to gloo, which compares the shapes' first dimensions.
     return delegate(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output},
                     delegated_header(comm::CollectiveKind::kReduceScatter, output, opts.reduceOp),
-                    [gloo = gloo_, output, input, opts]() mutable { return gloo->_reduce_scatter_base(output, input, opts); });
+                    [gloo = gloo_, output = output.view(-1), input = input.view(-1), opts]() mutable {
+                      return gloo->_reduce_scatter_base(output, input, opts);
+                    });
   }
   at::Tensor out = output;
   const at::Tensor in = input;
