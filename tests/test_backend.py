@@ -555,6 +555,30 @@ def test_async_collectives_run_under_the_issuing_threads_state(dpool):
             assert torch.equal(ours, expected), (key, ours, expected)
 
 
+def case_callback_waits_for_the_next_collective():
+    """A future's callback that waits for the next collective's future, with fewer idle completion
+    threads than completions: both completions once went to the one idle thread, which the first
+    callback then held (Note [Future callbacks])."""
+    results = []
+    for attempt in range(20):
+        dist.all_reduce(torch.ones(1), async_op=True).get_future().wait()  # one completion thread, warm
+        busy = dist.all_reduce(torch.ones(200_000), async_op=True)  # the next two queue behind it
+        a, b = torch.ones(3), torch.full((3,), 2.0)
+        first, second = dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)
+        later = second.get_future()
+        chained = first.get_future().then(lambda _: later.wait()[0].clone())
+        busy.wait()
+        results.append(chained.wait())
+    return results
+
+
+def test_a_callback_may_wait_for_the_next_collective():
+    n = 3
+    for outcome in run_on_a_fresh_pool(case_callback_waits_for_the_next_collective):
+        assert not isinstance(outcome, BaseException), outcome
+        assert all(torch.equal(t, torch.full((3,), 2.0 * n)) for t in outcome)
+
+
 # --- subgroups -----------------------------------------------------------------------------------
 
 def case_subgroups():

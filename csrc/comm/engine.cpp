@@ -45,7 +45,10 @@ class CompletionPool {
   void post(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mutex_);
     tasks_.push_back(std::move(task));
-    if (idle_ > 0) {
+    // Every queued task needs an idle thread of its own: a woken thread leaves the idle count only
+    // once it runs, so counting idle threads alone would hand two completions posted within one
+    // wake-up to one thread, whose first callback may wait for the second.
+    if (static_cast<int64_t>(tasks_.size()) <= idle_) {
       cv_.notify_one();
     } else {
       std::thread([this] { loop(); }).detach();
@@ -73,7 +76,7 @@ class CompletionPool {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> tasks_;
-  int idle_ = 0;
+  int64_t idle_ = 0;
 };
 
 }  // namespace
