@@ -506,6 +506,39 @@ def test_one_rank_rejecting_or_choosing_another_algorithm_across_hosts_raises_ev
             assert after == 1111.0, f"rank {rank}, {kind}: the next all-reduce paired wrongly ({after})"
 
 
+def case_rank_2_rejects_with_checks_off():
+    """Checks off; rank 2 rejects its all-reduce (a 4-element int64 mean) and goes on to the next one.
+    Each rank's outcome of both calls: the error, or the sum."""
+    rank = dist.get_rank()
+    ddpkit.barrier()  # the group's set-up
+    ddpkit.set_collective_checks(False)
+    outcomes = []
+    try:
+        for value in (1.0, 10.0):
+            tensor = torch.full((4,), value * (rank + 1))
+            if rank == 2 and value == 1.0:
+                tensor = tensor.long()  # a mean of integers: rejected on this rank alone
+            try:
+                ddpkit.all_reduce(tensor, op="mean" if rank == 2 and value == 1.0 else "sum")
+                outcomes.append(float(tensor[0]))
+            except RuntimeError as error:
+                outcomes.append(str(error))
+    finally:
+        ddpkit.set_collective_checks(True)
+    return outcomes
+
+
+def test_a_rank_rejecting_with_checks_off_between_unequal_hosts_stops_its_host():
+    # Hosts a (rank 0) and b (ranks 1-3): rank 2's rejection must stop host b's shared memory, else
+    # its next all-reduce would take the step its host's ranks wait in, and they would return a sum
+    # with another call's data in it.
+    with WorkerPool(4, timeout=120, group_timeout=20, env={"DDPKIT_TEST_HOSTS": "a,b,b,b"}) as pool:
+        outcomes = pool.run(case_rank_2_rejects_with_checks_off, timeout=100)
+    for rank, (first, second) in enumerate(outcomes):
+        assert isinstance(first, str), f"rank {rank} returned {first} from a collective rank 2 never joined"
+        assert isinstance(second, str) or second == 100.0, f"rank {rank}: {second}"
+
+
 def case_all_reduces(count=5, numel=1000):
     for _ in range(count):
         ddpkit.all_reduce(torch.ones(numel))

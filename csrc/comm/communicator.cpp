@@ -110,7 +110,12 @@ void Communicator::begin(const CollectiveHeader& header, const std::string& loca
   if (!is_checked()) {
     // Nobody learns of this rank's rejection, so its peers wait for it; over shared memory its next
     // collective would take their current one's step: stop this rank's transport instead.
+    // Across unequal hosts the transport is the process group's, and the host's shared memory, which
+    // the collective's steps inside the host take, is the hierarchy's.
     if (!local_error.empty() && transport_->direct() != nullptr) transport_->direct()->reject_unchecked(what_);
+    if (!local_error.empty() && hierarchy_ != nullptr && hierarchy_->local != nullptr) {
+      hierarchy_->local->direct()->reject_unchecked(what_);
+    }
     TORCH_CHECK(local_error.empty(), local_error);
     return;
   }
