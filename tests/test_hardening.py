@@ -283,6 +283,17 @@ def test_a_rank_dying_during_setup_is_named_and_leaves_nothing(fault, victim):
     assert ddpkit_segments() == before
 
 
+@pytest.mark.parametrize("setting", ["DDPKIT_SHM_SLOT_BYTES=2147483648", "DDPKIT_SHM_CHUNK_BYTES=1000"])
+def test_shared_memory_settings_that_give_no_layout_fail_the_set_up_on_every_rank(setting):
+    # Only the host's leader (rank 0) reads them: it once raised alone, and the others waited for its
+    # offer until the group's timeout.
+    name, value = setting.split("=")
+    outcomes = run_and_kill(fresh_pool(3, **{name: value}), case_setup, "auto")
+    for rank, outcome in enumerate(outcomes):
+        assert isinstance(outcome, RuntimeError), f"rank {rank}: {outcome!r}"
+        assert "give no valid layout" in str(outcome), f"rank {rank}: {outcome}"
+
+
 def case_setup_leaves_one_anonymous_mapping():
     group = dist.new_group(list(range(dist.get_world_size())))
     before = memfd_state()

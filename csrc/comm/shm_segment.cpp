@@ -147,6 +147,7 @@ enum SetupFailure : int64_t {
   kMapFailed,
   kWrongHeader,
   kPeerFailed,
+  kBadSettings,
 };
 
 std::string describe_failure(int64_t failure, int64_t error_number) {
@@ -161,6 +162,9 @@ std::string describe_failure(int64_t failure, int64_t error_number) {
     case kMapFailed: return c10::str("mapping the segment failed", errno_text);
     case kWrongHeader: return "the segment's header (magic, layout or nonce) is not the one rank 0 announced";
     case kPeerFailed: return "it died or stopped answering during the set-up";
+    case kBadSettings:
+      return "its DDPKIT_SHM_SLOT_BYTES, DDPKIT_SHM_WHOLE_BYTES and DDPKIT_SHM_CHUNK_BYTES give no valid layout (each "
+             "at least 4096 bytes; slots and chunks at most 1 GiB)";
   }
   return c10::str("unknown failure ", failure);
 }
@@ -454,19 +458,26 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
 void ShmSegment::offer_to_host(Communicator& setup, HostFailure& failed) {
   // Note [Direct all-reduce]: two slots per rank; Note [Shared-memory messages]: kChannelSlots
   // chunks per ordered pair, shrinking with the host's ranks, so the whole segment stays bounded.
-  const Layout layout{size_, env_bytes("DDPKIT_SHM_SLOT_BYTES", kSlotBytes),
-                      env_bytes("DDPKIT_SHM_WHOLE_BYTES",
-                                spin_ && size_ == 2 ? kDirectWholeBytesSpinningPair : kDirectWholeBytes),
-                      env_bytes("DDPKIT_SHM_CHUNK_BYTES",
-                                std::clamp<int64_t>(round_up((1 << 20) / std::max(1, size_ - 1), kLine), 64 << 10,
-                                                    512 << 10))};
-  TORCH_CHECK(layout.valid(), "ddpkit: the DDPKIT_SHM_* sizes give an invalid shared-memory layout");
-  const size_t bytes = layout.bytes();
+  // Settings that give no layout fail the set-up as a segment that could not be made does: told to the
+  // host's ranks and through rank 0 to the group, so that none waits for an offer that never comes.
+  bool settings_ok = true;
+  int64_t slot_bytes = 0, whole_bytes = 0, chunk_bytes = 0;
+  try {
+    slot_bytes = env_bytes("DDPKIT_SHM_SLOT_BYTES", kSlotBytes);
+    whole_bytes = env_bytes("DDPKIT_SHM_WHOLE_BYTES", spin_ && size_ == 2 ? kDirectWholeBytesSpinningPair : kDirectWholeBytes);
+    chunk_bytes = env_bytes("DDPKIT_SHM_CHUNK_BYTES", std::clamp<int64_t>(round_up((1 << 20) / std::max(1, size_ - 1), kLine),
+                                                                          64 << 10, 512 << 10));
+  } catch (const c10::Error&) {
+    settings_ok = false;
+  }
+  const Layout layout{size_, slot_bytes, whole_bytes, chunk_bytes};
+  settings_ok = settings_ok && layout.valid();
+  const size_t bytes = settings_ok ? layout.bytes() : 0;
   std::random_device random;
   uint64_t nonce[2];
   for (uint64_t& word : nonce) word = (static_cast<uint64_t>(random()) << 32) ^ random();
-  const int fd = memfd_create("ddpkit", MFD_CLOEXEC);
-  int error_number = fd < 0 ? errno : 0;
+  const int fd = settings_ok ? memfd_create("ddpkit", MFD_CLOEXEC) : -1;
+  int error_number = settings_ok && fd < 0 ? errno : 0;
   if (fd >= 0 && (fchmod(fd, 0600) != 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0)) error_number = errno;
   if (error_number == 0) {
     try {
@@ -482,10 +493,11 @@ void ShmSegment::offer_to_host(Communicator& setup, HostFailure& failed) {
     }
   } close_at_exit{fd};  // the mapping keeps the memory; the descriptor is only for the host's open
   Offer offer{};
-  if (error_number != 0) {
-    failed = {kCreateFailed, error_number, ranks_[rank_]};
+  if (!settings_ok || error_number != 0) {
+    const SetupFailure failure = settings_ok ? kCreateFailed : kBadSettings;
+    failed = {failure, error_number, ranks_[rank_]};
     offer.status = kSetupFailed;
-    offer.failure = kCreateFailed;
+    offer.failure = failure;
     offer.failed_rank = ranks_[rank_];
     offer.error_number = error_number;
     tell(setup, ranks_, message_of(offer), kOfferRound, -1);
