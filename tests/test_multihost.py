@@ -506,6 +506,34 @@ def test_one_rank_rejecting_or_choosing_another_algorithm_across_hosts_raises_ev
             assert after == 1111.0, f"rank {rank}, {kind}: the next all-reduce paired wrongly ({after})"
 
 
+def case_all_reduce_twice():
+    outcomes = []
+    for _ in range(2):
+        try:
+            tensor = torch.ones(1000)
+            ddpkit.all_reduce(tensor)
+            outcomes.append(float(tensor[0]))
+        except RuntimeError as error:
+            outcomes.append(str(error))
+    return outcomes
+
+
+def test_links_that_fail_in_one_cross_subgroup_fail_the_set_up_on_every_rank():
+    # Hosts a (ranks 0, 1) and b (ranks 2, 3): the links of local rank 1's subgroup {1, 3} fail (rank 3
+    # cannot listen); those of {0, 2} work. Ranks 0 and 2 once went on into the collective and waited
+    # for 1 and 3 until the group's timeout (60 s, beyond the run's 40), and the next call paired a
+    # set-up with a collective.
+    env = {"DDPKIT_TEST_HOSTS": "a,a,b,b", "DDPKIT_TEST_FAULT": "links_cannot_listen:3"}
+    with WorkerPool(4, timeout=120, group_timeout=60, env=env) as pool:
+        outcomes = pool.run(case_all_reduce_twice, timeout=40)
+    for rank, calls in enumerate(outcomes):
+        for call, outcome in enumerate(calls):
+            assert isinstance(outcome, str), f"rank {rank}, call {call}: {outcome}"
+            expected = ("links_cannot_listen" if rank == 3 else "rank 3 could not listen" if rank == 1
+                        else "rank 1, rank 3 could not set up its steps across hosts")
+            assert expected in outcome, f"rank {rank}, call {call}: {outcome}"
+
+
 def case_rank_2_rejects_with_checks_off():
     """Checks off; rank 2 rejects its all-reduce (a 4-element int64 mean) and goes on to the next one.
     Each rank's outcome of both calls: the error, or the sum."""

@@ -332,15 +332,36 @@ void Engine::set_up(std::string_view what, uint64_t sequence) {
     } else if (topology_.local_rank() == 0) {
       for (const auto& host : topology_.hosts) cross.push_back(host.front());
     }
-    if (!cross.empty()) {
-      hierarchy->cross = cross_backend(cross, result.nonce, hierarchy->uniform ? topology_.local_rank() : 0);
-      TORCH_INTERNAL_ASSERT(hierarchy->cross, "splitting the group's backend gave no subgroup");
-      hierarchy->cross_ranks = cross;
-      hierarchy->cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), group_.rank) - cross.begin());
-      hierarchy->cross_size = static_cast<int>(cross.size());
-      hierarchy->cross_messages = std::make_shared<ProcessGroupTransport>(hierarchy->cross, c10::kCPU);
-      hierarchy->links = SocketLinks::connect(*hierarchy->cross, hierarchy->cross_rank, cross, timeout);
+    std::exception_ptr failure;
+    try {
+      if (!cross.empty()) {
+        hierarchy->cross = cross_backend(cross, result.nonce, hierarchy->uniform ? topology_.local_rank() : 0);
+        TORCH_INTERNAL_ASSERT(hierarchy->cross, "splitting the group's backend gave no subgroup");
+        hierarchy->cross_ranks = cross;
+        hierarchy->cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), group_.rank) - cross.begin());
+        hierarchy->cross_size = static_cast<int>(cross.size());
+        hierarchy->cross_messages = std::make_shared<ProcessGroupTransport>(hierarchy->cross, c10::kCPU);
+        hierarchy->links = SocketLinks::connect(*hierarchy->cross, hierarchy->cross_rank, cross, timeout);
+      }
+    } catch (...) {
+      failure = std::current_exception();
     }
+    // The cross subgroups set up apart (each learns only of its own failures), and the ranks that
+    // cross no hosts (the leaders' form) set up none: the whole group learns whether all did, so that
+    // every rank raises, and the next collective sets up again on every rank, instead of some ranks
+    // going on to wait for the others' steps.
+    at::Tensor failed = at::zeros({group_.size}, at::kLong);
+    failed[group_.rank] = failure ? 1 : 0;
+    std::vector<at::Tensor> flags{failed};
+    cpu->allreduce(flags)->wait();
+    if (failure) std::rethrow_exception(failure);
+    std::vector<int> failed_ranks;
+    for (int r = 0; r < group_.size; ++r) {
+      if (failed[r].item<int64_t>() != 0) failed_ranks.push_back(r);
+    }
+    TORCH_CHECK(failed_ranks.empty(), "ddpkit.", what, " (rank ", group_.rank, " of ", group_.size, " in group '",
+                group_.name, "'): rank ", c10::Join(", rank ", failed_ranks),
+                " could not set up its steps across hosts (its error says why); the next collective sets them up again");
     hierarchy_ = std::move(hierarchy);
   }
   set_up_ = true;
