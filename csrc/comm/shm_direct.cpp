@@ -120,9 +120,6 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
     for (int peer = 0; peer < seg_.size(); ++peer) sources[peer] = seg_.slot(peer, set);
     if (whole) {
       reduce_sources(dtype, chunk, sources, 0, count, op);
-      // Not waited on here, but kept current so that a later sliced step never compares a stale,
-      // wrapped-around counter.
-      seg_.control(seg_.rank()).reduced.value.store(target, std::memory_order_release);
       continue;
     }
     // This rank's slice, reduced by this rank alone (so every rank gets the same bits), in place in
@@ -234,6 +231,12 @@ void ShmDirect::broadcast(const at::Tensor& tensor, int root, const CollectiveHe
 }
 
 void ShmDirect::arrive_and_wait(uint32_t target, const WaitContext& context) {
+  // Only a sliced all-reduce step posts `reduced`, and reached() compares counters modulo 2^32: one
+  // left behind by 2^31 steps of other kinds (an all-gather-only job: some 512 TiB per rank) would
+  // read as ahead, and the next sliced step would copy slices its peers never reduced. Kept one step
+  // behind here (never `target` itself: that is posted once this rank's slice is reduced), published
+  // by the arrival's release.
+  seg_.control(seg_.rank()).reduced.value.store(target - 1, std::memory_order_relaxed);
   seg_.control(seg_.rank()).arrived.post(target);
   WaitContext arrivals = context;
   arrivals.awaited = WaitContext::Awaited::kArrived;
