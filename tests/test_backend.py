@@ -579,6 +579,33 @@ def test_a_callback_may_wait_for_the_next_collective():
         assert all(torch.equal(t, torch.full((3,), 2.0 * n)) for t in outcome)
 
 
+def case_barrier_with_its_own_timeout():
+    """Rank 0 calls a barrier with a timeout of 2 s; rank 1 never joins it (it returns after 8 s)."""
+    import datetime
+    if dist.get_rank() == 1:
+        time.sleep(8)
+        return "late"
+    try:
+        dist.barrier(timeout=datetime.timedelta(seconds=2))
+    except RuntimeError as error:
+        return str(error)
+    return "passed"
+
+
+@pytest.mark.parametrize("env", [{}, {"DDPKIT_TRANSPORT": "process_group"}, {"DDPKIT_TEST_HOSTS": "a,b"}],
+                         ids=["shm", "process_group", "across_hosts"])
+def test_a_barrier_gives_up_after_its_own_timeout(env):
+    # The group's timeout (60 s) is beyond the run's 30: a barrier that waits it out fails the test.
+    worker_pool = WorkerPool(2, backend="ddpkit", timeout=60.0, group_timeout=60.0, env=env)
+    try:
+        worker_pool.run(all_reduced, torch.ones(1), RED.SUM, None, timeout=30)  # the group's set-up
+        outcomes = worker_pool.run(case_barrier_with_its_own_timeout, timeout=30)
+    finally:
+        worker_pool.kill()
+    assert outcomes[1] == "late"
+    assert "2000" in outcomes[0] and ("timeout" in outcomes[0] or "imed out" in outcomes[0]), outcomes[0]
+
+
 # --- subgroups -----------------------------------------------------------------------------------
 
 def case_subgroups():

@@ -1,5 +1,6 @@
 #include "backend/backend.h"
 
+#include "comm/call_timeout.h"
 #include "comm/collectives.h"
 
 #include <algorithm>
@@ -599,7 +600,13 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& output
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts) {
-  return launch(c10d::OpType::BARRIER, opts.asyncOp, {}, [](comm::Communicator& comm) { comm::barrier(comm); });
+  // Its own timeout, where the caller gave one (Note [A call's timeout]); c10d marks none with kUnsetTimeout.
+  std::optional<std::chrono::milliseconds> timeout;
+  if (opts.timeout != c10d::kUnsetTimeout) timeout = opts.timeout;
+  return launch(c10d::OpType::BARRIER, opts.asyncOp, {}, [timeout](comm::Communicator& comm) {
+    const comm::ScopedCallTimeout scoped(timeout);
+    comm::barrier(comm);
+  });
 }
 
 void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {

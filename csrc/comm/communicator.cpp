@@ -1,5 +1,7 @@
 #include "comm/communicator.h"
 
+#include "comm/call_timeout.h"
+
 
 #include <algorithm>
 #include <cstring>
@@ -175,7 +177,7 @@ void Communicator::settle_header() {
     // root's verdict naming it arrives here before this wait times out knowing nothing.
     std::chrono::milliseconds verdict_timeout = ::kNoTimeout;
     try {
-      const auto group_timeout = backend_->getBackendOptions()->timeout;
+      const auto group_timeout = call_timeout_or(backend_->getBackendOptions()->timeout);
       verdict_timeout = group_timeout + std::max(std::chrono::milliseconds(2000), group_timeout / 4);
     } catch (const std::exception&) {
     }
@@ -288,7 +290,8 @@ Message Communicator::irecv(const at::Tensor& tensor, int src, int round) {
 void Communicator::wait(MessageList& messages, std::chrono::milliseconds timeout) {
   for (size_t i = 0; i < messages.size(); ++i) {
     try {
-      if (messages[i].work) messages[i].work->wait(timeout);
+      // The running collective's own timeout (Note [A call's timeout]) bounds what the group's would.
+      if (messages[i].work) messages[i].work->wait(timeout == ::kNoTimeout ? call_timeout_or(::kNoTimeout) : timeout);
     } catch (const std::exception& e) {
       const Message failed = messages[i];
       messages.erase(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(i) + 1);

@@ -782,9 +782,9 @@ void ShmSegment::check_peers(const WaitContext& context, const std::function<boo
   check_usable(context.what);
   if (std::chrono::steady_clock::now() > context.deadline) {
     const std::string awaited = describe_awaited(context);
-    mark_broken(c10::str("no progress within the group's timeout (", timeout_.count(), " ms) waiting for ", awaited));
+    mark_broken(c10::str("no progress within the timeout (", timeout().count(), " ms) waiting for ", awaited));
     TORCH_CHECK(false, "ddpkit.", context.what, " (", where(), "): waiting for ", awaited,
-                " failed: no progress within the group's timeout (", timeout_.count(),
+                " failed: no progress within the timeout (", timeout().count(),
                 " ms); they stopped calling this collective or called another one");
   }
 }

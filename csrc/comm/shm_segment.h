@@ -3,6 +3,7 @@
 // liveness and waits. The transport built on it is ShmTransport (shm_channels.h): point-to-point
 // messages through channels, and the direct collectives of shm_direct.h.
 
+#include "comm/call_timeout.h"
 #include "comm/header.h"
 #include "comm/topology.h"
 
@@ -191,7 +192,8 @@ class ShmSegment {
   int group_rank(int local) const { return ranks_[local]; }
   // "rank 0 of 4 in group '1'": where an error happened (the group's numbering).
   std::string where() const;
-  std::chrono::milliseconds timeout() const { return timeout_; }
+  // The group's timeout, or the running collective's own (Note [A call's timeout]).
+  std::chrono::milliseconds timeout() const { return call_timeout_or(timeout_); }
   int64_t slot_bytes() const { return slot_bytes_; }
   int64_t channel_chunk_bytes() const { return chunk_bytes_; }
 

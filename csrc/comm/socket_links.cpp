@@ -1,5 +1,7 @@
 #include "comm/socket_links.h"
 
+#include "comm/call_timeout.h"
+
 #include "comm/communicator.h"
 #include "comm/faults.h"
 
@@ -424,7 +426,7 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     stale_frame_pending_ = false;
     --sent_sequence;  // as a frame of an abandoned collective would arrive
   }
-  const Clock::time_point deadline = Clock::now() + timeout_;
+  const Clock::time_point deadline = Clock::now() + call_timeout_or(timeout_);
   struct Outgoing {
     FrameHeader header;
     int64_t done = 0;  // bytes of header, first and second sent
@@ -565,7 +567,7 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     if (ready < 0 && errno == EINTR) continue;
     if (ready < 0) give_up(-1, c10::str("poll failed: ", errno_text()));
     if (ready == 0) {
-      give_up(waiting_peer.front(), c10::str("timed out after ", timeout_.count(), " ms waiting for rank ",
+      give_up(waiting_peer.front(), c10::str("timed out after ", call_timeout_or(timeout_).count(), " ms waiting for rank ",
                                           group_ranks_[waiting_peer.front()]));
     }
   }
