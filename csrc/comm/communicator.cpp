@@ -2,7 +2,6 @@
 
 #include "comm/call_timeout.h"
 
-
 #include <algorithm>
 #include <cstring>
 
@@ -27,10 +26,10 @@ std::atomic<int64_t> message_count{0};
 std::atomic<int64_t> byte_count{0};
 std::atomic<int64_t> peak_buffered{0};
 
-}  // namespace
-
 // The setting a collective run by the engine's thread was issued under (ScopedChecks); -1: none.
 thread_local int issued_checked = -1;
+
+}  // namespace
 
 void set_checked(bool value) { checked.store(value); }
 bool is_checked() { return issued_checked >= 0 ? issued_checked == 1 : checked.load(); }

@@ -353,7 +353,12 @@ void Engine::set_up(std::string_view what, uint64_t sequence) {
     at::Tensor failed = at::zeros({group_.size}, at::kLong);
     failed[group_.rank] = failure ? 1 : 0;
     std::vector<at::Tensor> flags{failed};
-    cpu->allreduce(flags)->wait();
+    try {
+      cpu->allreduce(flags)->wait();
+    } catch (...) {
+      if (failure) std::rethrow_exception(failure);  // this rank's own reason first (a peer that died)
+      throw;
+    }
     if (failure) std::rethrow_exception(failure);
     std::vector<int> failed_ranks;
     for (int r = 0; r < group_.size; ++r) {
