@@ -229,8 +229,8 @@ c10::intrusive_ptr<CollectiveWork> Engine::enqueue_locked(c10::DeviceType device
                                                           std::string_view what, uint64_t sequence, Body body,
                                                           c10d::OpType type, std::vector<at::Tensor> outputs) {
   auto work = c10::make_intrusive<CollectiveWork>(group_.rank, type, std::move(outputs));
-  queue_.push_back(Task{device, requested, std::string(what), sequence, std::move(body), work, at::ThreadLocalState(),
-                        is_checked()});
+  queue_.push_back(Task{device, requested, std::string(what), sequence, std::move(body), work,
+                        c10::impl::tls_local_dispatch_key_set(), c10::AutogradState::get_tls_state(), is_checked()});
   if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
   cv_.notify_all();
   return work;
@@ -249,7 +249,12 @@ void Engine::worker_loop() {
     std::exception_ptr error;
     try {
       // Note [Issued, then run]
-      const at::ThreadLocalStateGuard thread_state(task.thread_state);
+      const c10::impl::ForceDispatchKeyGuard dispatch_keys(task.dispatch_keys);
+      struct AutogradScope {
+        c10::AutogradState previous = c10::AutogradState::get_tls_state();
+        explicit AutogradScope(const c10::AutogradState& state) { c10::AutogradState::set_tls_state(state); }
+        ~AutogradScope() { c10::AutogradState::set_tls_state(previous); }
+      } autograd(task.autograd);
       const ScopedChecks checks(task.checked);
       execute(task.device, task.requested, task.what, task.sequence, task.body);
     } catch (...) {
