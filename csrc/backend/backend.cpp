@@ -93,7 +93,7 @@ void check_output_list(const std::vector<at::Tensor>& list, const at::Tensor& si
 // Runs `body` on `tensor`, or, where it is not contiguous, on a contiguous copy whose result is then
 // copied back: the element-wise collectives (all-reduce, broadcast, reduce) take any layout, as gloo's
 // do for a channels_last or transposed tensor (ZeroRedundancyOptimizer broadcasts parameters as they
-// are), and their result does not depend on it.
+// are), and their result does not depend on it; so do the outputs of scatter and reduce_scatter.
 template <class Body>
 void on_contiguous(at::Tensor& tensor, Body&& body) {
   if (tensor.is_contiguous()) return body(tensor);
@@ -413,9 +413,7 @@ c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs
   if (!error.empty()) return reject(c10d::OpType::SCATTER, opts.asyncOp, comm::CollectiveKind::kScatter, error);
   at::Tensor output = outputs[0];
   return launch(c10d::OpType::SCATTER, opts.asyncOp, outputs, [output, sources, root](comm::Communicator& comm) mutable {
-    at::Tensor target = output.is_contiguous() ? output : output.contiguous();
-    comm::scatter_from(target, sources, root, comm);
-    if (!target.is_same(output)) output.copy_(target);
+    on_contiguous(output, [&](at::Tensor& target) { comm::scatter_from(target, sources, root, comm); });
   });
 }
 
@@ -442,10 +440,10 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
   at::Tensor output = outputs[0];
   std::vector<at::Tensor> sources = inputs[0];
   return launch(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs, [output, sources, op](comm::Communicator& comm) mutable {
-    at::Tensor input = flat_cat(sources);
-    at::Tensor target = output.is_contiguous() ? output : output.contiguous();
-    comm::reduce_scatter_tensor_(target, input, *op, comm::Algorithm::kAuto, comm);
-    if (!target.is_same(output)) output.copy_(target);
+    const at::Tensor input = flat_cat(sources);
+    on_contiguous(output, [&](at::Tensor& target) {
+      comm::reduce_scatter_tensor_(target, input, *op, comm::Algorithm::kAuto, comm);
+    });
   });
 }
 

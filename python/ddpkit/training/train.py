@@ -48,7 +48,7 @@ from torch import nn
 
 from .. import comm
 from ..atomic import write_atomically
-from ..ddp import DEFAULT_ALGORITHM, GRAD_SYNC_MODES, DistributedDataParallel, GradientAccumulation
+from ..ddp import DEFAULT_ALGORITHM, GRAD_SYNC_MODES, DistributedDataParallel, GradientAccumulation, _broadcast_tensors
 from ..launch import DEFAULT_GROUP_TIMEOUT_S, DistInfo, init_distributed
 from .data import (DATA_ROOT, DATASETS, FASHION_MNIST_ROOT, ShardedBatches, dataset_info, dataset_name, load_dataset,
                    normalize, random_crop_flip)
@@ -675,8 +675,7 @@ class Trainer:
         so that the distributed evaluation scores the model that model.pt and the checkpoint hold."""
         if self.world_size > 1:
             with torch.no_grad():
-                for buffer in self._module().buffers():
-                    dist.broadcast(buffer, src=0)
+                _broadcast_tensors(list(self._module().buffers()), None)  # one broadcast per dtype
 
     def _progress_bar(self):
         if self.rank != 0 or not self.config.progress:
