@@ -644,6 +644,41 @@ def main() -> None:
             print(f"{name}: not installed ({status['install']}); skipped", flush=True)
     runnable_peers = [n for n in peers if statuses[n]["status"] == "installed"]
 
+    def write(records: list) -> Path:
+        """Writes the results so far: after every world size, so that a run cut short keeps them."""
+        summary = summarize(records)
+        for name in runnable_peers:
+            statuses[name]["world_sizes"] = [n for n in args.world_sizes if 2 <= n <= args.peer_max_world_size]
+        path = common.write_results(
+            args.output, backend="gloo", device_type="cpu",
+            settings={"format": "candidates-v2",
+                      "world_sizes": args.world_sizes, "sizes": args.sizes,
+                      "max_numel_above_8_processes": args.max_numel_above_8,
+                      "candidates": statuses,
+                      "candidate_definitions": {c.name: {"implementation": c.implementation, "algorithm": c.algorithm,
+                                                         "transport": c.effective_transport,
+                                                         "checked": c.checked if c.implementation == "ddpkit" else None}
+                                                for c in args.candidates},
+                      "ddpkit_transport_argument": HAS_TRANSPORT, "ddpkit_default_transport": DEFAULT_TRANSPORT,
+                      "reps": args.reps,
+                      "reps_per_point": {f"n={n}": {str(s): timing.reps_for(s, n, args.reps) for s in args.sizes
+                                                    if n <= 8 or s <= args.max_numel_above_8}
+                                         for n in args.world_sizes},
+                      "calls_per_repetition": {str(s): timing.batch_size(s) for s in args.sizes},
+                      "pools_per_world_size": args.pools, "dtype": "float32",
+                      "memory_sizes": args.memory_sizes, "memory_up_to_processes": 8,
+                      "accuracy_max_numel": args.accuracy_max_numel,
+                      "peer_max_world_size": args.peer_max_world_size, "peer_point_budget_s": args.point_budget,
+                      "threads_per_process": 1, "collective_checks": ddpkit.collective_checks_enabled(),
+                      "settle_s": timing.SETTLE_S,
+                      "timing": "per point and job: settle_s of back-to-back calls first; per repetition: synchronise through the candidate itself, time a batch of back-to-back "
+                                "calls on every rank; slowest rank per repetition, median over interleaved repetitions; "
+                                "the in-process candidates that spin on shared memory and the others in separate sets of processes; "
+                                "mpich and deepspeed in separate jobs, each split like the in-process repetitions over "
+                                "--pools jobs that run between the in-process pools"},
+            records=records, summary=summary, quick=args.quick)
+        return path
+
     records = []
     started = time.monotonic()
     for world_size in args.world_sizes:
@@ -688,38 +723,10 @@ def main() -> None:
         for name in peers_here:
             new += peer_records(name, world_size, sizes, peer_points[name], peer_problems[name])
         records.extend(new)
+        write(records)
         print(f"{world_size} processes: done, {time.monotonic() - started:.0f} s since the start", flush=True)
+    path = write(records)
     summary = summarize(records)
-    for name in runnable_peers:
-        statuses[name]["world_sizes"] = [n for n in args.world_sizes if 2 <= n <= args.peer_max_world_size]
-    path = common.write_results(
-        args.output, backend="gloo", device_type="cpu",
-        settings={"format": "candidates-v2",
-                  "world_sizes": args.world_sizes, "sizes": args.sizes,
-                  "max_numel_above_8_processes": args.max_numel_above_8,
-                  "candidates": statuses,
-                  "candidate_definitions": {c.name: {"implementation": c.implementation, "algorithm": c.algorithm,
-                                                     "transport": c.effective_transport,
-                                                     "checked": c.checked if c.implementation == "ddpkit" else None}
-                                            for c in args.candidates},
-                  "ddpkit_transport_argument": HAS_TRANSPORT, "ddpkit_default_transport": DEFAULT_TRANSPORT,
-                  "reps": args.reps,
-                  "reps_per_point": {f"n={n}": {str(s): timing.reps_for(s, n, args.reps) for s in args.sizes
-                                                if n <= 8 or s <= args.max_numel_above_8}
-                                     for n in args.world_sizes},
-                  "calls_per_repetition": {str(s): timing.batch_size(s) for s in args.sizes},
-                  "pools_per_world_size": args.pools, "dtype": "float32",
-                  "memory_sizes": args.memory_sizes, "memory_up_to_processes": 8,
-                  "accuracy_max_numel": args.accuracy_max_numel,
-                  "peer_max_world_size": args.peer_max_world_size, "peer_point_budget_s": args.point_budget,
-                  "threads_per_process": 1, "collective_checks": ddpkit.collective_checks_enabled(),
-                  "settle_s": timing.SETTLE_S,
-                  "timing": "per point and job: settle_s of back-to-back calls first; per repetition: synchronise through the candidate itself, time a batch of back-to-back "
-                            "calls on every rank; slowest rank per repetition, median over interleaved repetitions; "
-                            "the in-process candidates that spin on shared memory and the others in separate sets of processes; "
-                            "mpich and deepspeed in separate jobs, each split like the in-process repetitions over "
-                            "--pools jobs that run between the in-process pools"},
-        records=records, summary=summary, quick=args.quick)
     print_summary(records, summary)
     print(f"wrote {path}")
 

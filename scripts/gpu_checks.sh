@@ -1,51 +1,92 @@
 #!/usr/bin/env bash
-# Issue 13's GPU work on a machine with a CUDA torch and nvcc (no network), in the repository root:
-#   bash scripts/gpu_checks.sh build   # build and install against that torch (--no-build-isolation --no-deps)
-#   bash scripts/gpu_checks.sh test    # tests/test_cuda.py, then the CPU suites that exercise torch's APIs
-#   bash scripts/gpu_checks.sh bench   # bench_syncbn.py --device cuda, bench_ddp.py --device cuda
-# Several phases in one call: bash scripts/gpu_checks.sh build test bench. Logs and results go to
-# $OUT (default /tmp/ddpkit-gpu); each step has its own time limit so that a slow one still leaves
-# the others' output. Where the machine's copy of the tree may carry a stale .git (the device tool
-# sends the session's first one), name the commit: DDPKIT_GIT_COMMIT=<sha> bash scripts/gpu_checks.sh ...
+# The GPU list (issue 44) on a machine with a CUDA torch and nvcc (no network), in the repository root:
+#   bash scripts/gpu_checks.sh build       # build and install against that torch (--no-build-isolation --no-deps)
+#   bash scripts/gpu_checks.sh test        # tests/test_cuda.py
+#   bash scripts/gpu_checks.sh bench       # bench_syncbn.py --device cuda, bench_ddp.py --device cuda
+#   bash scripts/gpu_checks.sh grid        # bench_allreduce.py on the machine's CPU cores: n = 2, 4, 8, 16,
+#                                          # 1k-16M floats, ddpkit, gloo, the floor and MPICH (from the
+#                                          # wheels in .whl/: mpich, mpi4py) -> allreduce_16core.json
+#   bash scripts/gpu_checks.sh profile     # scripts/gpu_profile.py: where SyncBatchNorm's and DDP's time goes
+#   bash scripts/gpu_checks.sh cpu-suites  # the CPU suites that exercise torch's APIs, on the CUDA torch
+# Several phases in one call: bash scripts/gpu_checks.sh build test bench grid profile.
+#
+# Each phase runs under a time limit of its own, capped by what is left of BUDGET seconds (default
+# 560, for a 600-second device call), so a slow phase still leaves the later ones some time and the
+# call ends inside its limit. Logs and results go to $WORK (default /tmp/ddpkit-gpu), and each
+# phase packs what it wrote into $OUT/gpu-PHASE.tgz as soon as it ends: the device tool brings back
+# at most 8 files, and a call cut short still returns the phases that finished. Where the machine's
+# copy of the tree may carry a stale .git (the device tool sends the session's first one), name the
+# commit: DDPKIT_GIT_COMMIT=<sha> bash scripts/gpu_checks.sh ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ddpkit-gpu}
-mkdir -p "$OUT"
+OUT=${OUT:-/tmp/ddpkit-gpu-out}
+WORK=${WORK:-/tmp/ddpkit-gpu}
+BUDGET=${BUDGET:-560}
+mkdir -p "$OUT" "$WORK/results"
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 PY=${PY:-python3}
 
 installed() { (cd /tmp && $PY -c "import ddpkit, torch; assert torch._C._dispatch_has_kernel_for_dispatch_key('ddpkit::sync_batch_norm', 'CUDA')") 2>/dev/null; }
+# limit SECONDS: the smaller of SECONDS and what is left of the budget (at least 10).
+limit() { local left=$((BUDGET - SECONDS)); ((left < $1)) && echo $((left > 10 ? left : 10)) || echo "$1"; }
+pack() { tar czf "$OUT/gpu-$1.tgz" -C "$WORK" . 2>/dev/null; rm -rf "${WORK:?}"/*; mkdir -p "$WORK/results"; }
 
 for phase in "$@"; do
+  echo "== $phase at ${SECONDS}s"
   case "$phase" in
     build)
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
       $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
       nvcc --version | tail -1
-      echo "CXX=${CXX:-unset} $(${CXX:-c++} --version | head -1); shared libstdc++: $(${CXX:-c++} -print-file-name=libstdc++.so)"
+      lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA node\(s\))"
       start=$SECONDS
-      timeout 300 $PY -m pip install --no-build-isolation --no-deps -v . >"$OUT/build.log" 2>&1
+      timeout "$(limit 300)" $PY -m pip install --no-build-isolation --no-deps -v . >"$WORK/build.log" 2>&1
       echo "build: rc=$? in $((SECONDS - start)) s"
-      grep -E "ddpkit: |error" "$OUT/build.log" | head -20
-      readelf -d "$($PY -c 'import ddpkit._C as c; print(c.__file__)' 2>/dev/null)" 2>/dev/null | grep -i "libstdc" \
-        || echo "WARNING: _C.so does not load a shared libstdc++"
+      grep -E "ddpkit: |error" "$WORK/build.log" | head -20
       installed && echo "ddpkit installed with its CUDA kernels" || echo "ddpkit NOT installed with CUDA kernels"
       ;;
     test)
-      installed || { echo "test: build first"; exit 1; }
-      timeout 180 $PY -m pytest -q -rfEsx -p no:cacheprovider tests/test_cuda.py --junitxml="$OUT/test_cuda.xml" 2>&1 \
-        | tee "$OUT/test_cuda.log" | tail -40
-      timeout 200 $PY -m pytest -q -p no:cacheprovider tests/test_comm.py tests/test_shm.py tests/test_ddp.py tests/test_syncbn.py tests/test_opcheck.py 2>&1 | tee "$OUT/test_cpu_suites.log" | tail -15
+      installed || { echo "test: build first"; continue; }
+      timeout "$(limit 150)" $PY -m pytest -q -rfEsx -p no:cacheprovider tests/test_cuda.py \
+        --junitxml="$WORK/test_cuda.xml" >"$WORK/test_cuda.log" 2>&1
+      echo "test: rc=$?"; tail -25 "$WORK/test_cuda.log"
+      ;;
+    cpu-suites)
+      installed || { echo "cpu-suites: build first"; continue; }
+      timeout "$(limit 200)" $PY -m pytest -q -p no:cacheprovider tests/test_comm.py tests/test_shm.py tests/test_ddp.py \
+        tests/test_syncbn.py tests/test_opcheck.py >"$WORK/test_cpu_suites.log" 2>&1
+      echo "cpu-suites: rc=$?"; tail -8 "$WORK/test_cpu_suites.log"
       ;;
     bench)
-      installed || { echo "bench: build first"; exit 1; }
-      mkdir -p "$OUT/results"
-      timeout 240 $PY benchmarks/bench_syncbn.py --device cuda --cuda-algorithms process_group auto 2>&1 \
-        | tee "$OUT/bench_syncbn.log" | tail -45
-      cp benchmarks/results/syncbn_cuda.json "$OUT/results/" 2>/dev/null
-      timeout 150 $PY benchmarks/bench_ddp.py --device cuda --blocks 6 2>&1 | tee "$OUT/bench_ddp.log" | tail -25
-      cp benchmarks/results/ddp_cuda.json "$OUT/results/" 2>/dev/null
+      installed || { echo "bench: build first"; continue; }
+      timeout "$(limit 200)" $PY benchmarks/bench_syncbn.py --device cuda --cuda-algorithms ${SYNCBN_ALGORITHMS:-auto} \
+        >"$WORK/bench_syncbn.log" 2>&1
+      echo "bench_syncbn: rc=$?"; tail -32 "$WORK/bench_syncbn.log"
+      cp benchmarks/results/syncbn_cuda.json "$WORK/results/" 2>/dev/null
+      timeout "$(limit 150)" $PY benchmarks/bench_ddp.py --device cuda --blocks ${DDP_BLOCKS:-6} >"$WORK/bench_ddp.log" 2>&1
+      echo "bench_ddp: rc=$?"; tail -22 "$WORK/bench_ddp.log"
+      cp benchmarks/results/ddp_cuda.json "$WORK/results/" 2>/dev/null
       ;;
-    *) echo "unknown phase $phase"; exit 2 ;;
+    grid)
+      installed || { echo "grid: build first"; continue; }
+      if ls .whl/mpich-*.whl .whl/mpi4py-*.whl >/dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile .whl/mpich-*.whl .whl/mpi4py-*.whl 2>&1 | grep -v WARNING
+      fi
+      # bench_allreduce.py rewrites its JSON after every world size, so a cut leaves the sizes done.
+      timeout "$(limit 240)" $PY benchmarks/bench_allreduce.py --world-sizes ${GRID_WORLD_SIZES:-2 4 8 16} \
+        --sizes 1000 100000 1000000 16000000 --max-numel-above-8 16000000 --candidates ddpkit gloo floor mpich \
+        --peer-max-world-size 16 --reps ${GRID_REPS:-12} --pools 1 --point-budget 2 --memory-sizes \
+        --output allreduce_16core >"$WORK/grid.log" 2>&1
+      echo "grid: rc=$?"; tail -30 "$WORK/grid.log"
+      cp benchmarks/results/allreduce_16core.json "$WORK/results/" 2>/dev/null
+      ;;
+    profile)
+      installed || { echo "profile: build first"; continue; }
+      timeout "$(limit 120)" $PY scripts/gpu_profile.py syncbn ddp >"$WORK/profile.log" 2>&1
+      echo "profile: rc=$?"; grep -E "^(===|ratio|ddpkit |torch |--- )" "$WORK/profile.log"
+      ;;
+    *) echo "unknown phase $phase"; continue ;;
   esac
+  pack "$phase"
 done
+echo "== done at ${SECONDS}s"

@@ -146,21 +146,61 @@ def test_cuda_kernels_are_built():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("ddpkit::sync_batch_norm_backward", "CUDA")
 
 
+# (shape, memory format, whether a channel's values are reduced in several splits: Note [Reduction
+# sinks] in csrc/syncbn/cuda/kernels.cuh). A single split ends in the reduction kernel itself; several
+# end in a finishing kernel over the partials.
+KERNEL_ROUTES = [((64, 256), torch.contiguous_format, False),
+                 ((8, 32, 9, 9), torch.contiguous_format, False),
+                 ((8, 32, 9, 9), torch.channels_last, False),
+                 ((16, 8, 64, 64), torch.contiguous_format, True),
+                 ((16384, 64), torch.contiguous_format, True)]
+
+
 @only_cuda
 @needs_kernels
-@pytest.mark.parametrize("shape,memory_format", [((64, 256), torch.contiguous_format),
-                                                 ((8, 32, 9, 9), torch.contiguous_format),
-                                                 ((8, 32, 9, 9), torch.channels_last)])
-def test_hand_written_kernels_run(shape, memory_format):
-    """The CUDA kernels launched by a training step are ddpkit's own, never torch's batch norm."""
+@pytest.mark.parametrize("shape,memory_format,split", KERNEL_ROUTES)
+def test_hand_written_kernels_run(shape, memory_format, split):
+    """The CUDA kernels launched by a training step are ddpkit's own, never torch's batch norm, and
+    a channel reduced in several splits is finished by the finishing kernels, one in a single split
+    in the reduction kernel (two launches per pass instead of three)."""
     layer = ddpkit.SyncBatchNorm(shape[1], affine=True).to(DEVICE)
     x = torch.randn(shape, device=DEVICE).contiguous(memory_format=memory_format).requires_grad_()
     names = cuda_kernel_names(lambda: layer(x).sum().backward())
     ours = [n for n in names if "ddpkit::syncbn::cuda::" in n]
-    for kernel in ("moments", "local_stats_finish", "affine", "grad_sums", "grad_sums_finish"):
-        assert any(f"{kernel}_" in n for n in ours), (kernel, names)
+    for kernel in ("moments_", "affine_", "grad_sums_"):
+        assert any(kernel in n for n in ours), (kernel, names)
+    finishing = [n for n in ours if "finish_kernel" in n]
+    assert len(finishing) == (2 if split else 0), names
     torch_kernels = [n for n in names if "ddpkit::" not in n and ("batch_norm" in n.lower() or "welford" in n.lower())]
     assert not torch_kernels, names
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape,memory_format,split", KERNEL_ROUTES)
+def test_both_reduction_routes_match_float64_batch_norm(shape, memory_format, split):
+    """Both routes of Note [Reduction sinks] on inputs whose mean is large against their spread."""
+    torch.manual_seed(13)
+    x, grad_out = 100 + 3 * torch.randn(shape), torch.randn(shape)
+    on_cuda = step(make_layers(shape[1], True, torch.float32, DEVICE), x, grad_out, memory_format)
+    expected = reference(x, grad_out, shape[1], True)
+    assert_matches(on_cuda, expected, 1e-4, affine_atol=1e-2, rtol=1e-5)
+
+
+@needs_kernels
+def test_non_contiguous_running_statistics():
+    """Running estimates that are strided views are updated afterwards from the batch variance, which
+    the CUDA passes compute only for them."""
+    torch.manual_seed(17)
+    features = 24
+    ours = ddpkit.SyncBatchNorm(features, affine=False).to(DEVICE)
+    ref = nn.BatchNorm1d(features, affine=False, dtype=torch.float64)
+    storage = torch.zeros(2 * features, 2, device=DEVICE)
+    ours.running_mean = storage[::2, 0]
+    ours.running_var = storage[1::2, 1].fill_(1.0)
+    assert not ours.running_mean.is_contiguous() and not ours.running_var.is_contiguous()
+    for i in range(3):
+        x, grad_out = torch.randn(20, features) * (i + 1) + i, torch.randn(20, features)
+        assert_matches(step(ours, x, grad_out), step(ref, x.double(), grad_out.double()), TIGHT)
 
 
 # ----------------------------------------------------------------------------------------------

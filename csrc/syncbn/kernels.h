@@ -64,7 +64,9 @@ at::Tensor match_layout(const LocalInput& in, const at::Tensor& t);
 // they are over (read on the host).
 struct BatchStats {
   at::Tensor mean;
-  at::Tensor var;  // biased; undefined for statistics taken from running estimates
+  // Biased; undefined for statistics taken from running estimates, and from the CUDA passes unless
+  // update_running_stats needs it (non-contiguous running estimates): no other caller reads it.
+  at::Tensor var;
   at::Tensor invstd;
   double count = 0;
 };

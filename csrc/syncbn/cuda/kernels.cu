@@ -66,6 +66,15 @@ int64_t reduction_splits(int64_t blocks_per_split, int64_t values_per_block_step
   return std::clamp<int64_t>(std::min(wanted, most), 1, kMaxGridY);
 }
 
+// Splits per channel of a reduction over in's layout (moments and grad sums share the grid).
+int64_t moments_splits(const cpu::Shape& shape, int64_t channels, int64_t count) {
+  if (shape.channels_inner) {
+    const dim3 block = rows_block(channels);
+    return reduction_splits(ceil_div(channels, block.x), block.y, shape.outer);
+  }
+  return reduction_splits(channels, kThreads, count);
+}
+
 Param param(const at::Tensor& t) {
   if (!t.defined()) return Param{nullptr, ParamType::kNone};
   switch (t.scalar_type()) {
@@ -123,11 +132,12 @@ at::Tensor affine_pass(const LocalInput& in, const at::Tensor& dy, const PassArg
   return out;
 }
 
-// Runs the moments partial kernel over in's layout and then `finish(partial, splits, x,
-// shift_stride)` in the same dtype dispatch, so the finishing kernel fuses the per-channel math.
-// An empty input runs no partial kernel (splits = 0, x = null).
+// Runs the moments reduction over in's layout and ends it with `finish(c, moments)` per channel
+// (LocalStats or PackedMoments): in the reduction kernel itself when each channel has one split,
+// else in a finishing kernel over the partials (Note [Reduction sinks]). An empty input runs only
+// the finishing kernel, over no partials.
 template <typename Finish>
-void run_moments(const LocalInput& in, Finish&& finish) {
+void run_moments(const LocalInput& in, const Finish& finish) {
   const at::Tensor& x = in.x;
   const int64_t channels = in.channels();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -135,33 +145,31 @@ void run_moments(const LocalInput& in, Finish&& finish) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ddpkit_syncbn_cuda_moments", [&] {
     using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
     const scalar_t* xp = in.count() == 0 ? nullptr : x.const_data_ptr<scalar_t>();
-    int64_t splits = 0;
-    at::Tensor partial;
-    if (xp == nullptr) {
-      partial = workspace(x, 0);
-    } else if (shape.channels_inner) {
-      const dim3 block = rows_block(channels);
-      const int64_t grid_x = ceil_div(channels, block.x);
-      splits = reduction_splits(grid_x, block.y, shape.outer);
-      partial = workspace(x, splits * channels * static_cast<int64_t>(sizeof(Welford<acc_t>)));
-      moments_rows_kernel<scalar_t, acc_t><<<dim3(grid_x, splits), block, 0, stream>>>(
-          xp, shape.outer, channels, reinterpret_cast<Welford<acc_t>*>(partial.mutable_data_ptr()));
-    } else {
-      splits = reduction_splits(channels, kThreads, in.count());
-      partial = workspace(x, splits * channels * static_cast<int64_t>(sizeof(Welford<acc_t>)));
-      auto* p = reinterpret_cast<Welford<acc_t>*>(partial.mutable_data_ptr());
-      const dim3 grid(channels, splits);
-      if (in.count() < (int64_t{1} << 31)) {
-        moments_planar_kernel<scalar_t, acc_t, uint32_t><<<grid, kThreads, 0, stream>>>(
-            xp, shape.outer, channels, shape.inner, p);
+    // Launches the reduction with `sink` on a grid of `splits` splits per channel.
+    auto reduce = [&](int64_t splits, auto sink) {
+      if (shape.channels_inner) {
+        const dim3 block = rows_block(channels);
+        moments_rows_kernel<scalar_t, acc_t><<<dim3(ceil_div(channels, block.x), splits), block, 0, stream>>>(
+            xp, shape.outer, channels, sink);
+      } else if (in.count() < (int64_t{1} << 31)) {
+        moments_planar_kernel<scalar_t, acc_t, uint32_t><<<dim3(channels, splits), kThreads, 0, stream>>>(
+            xp, shape.outer, channels, shape.inner, sink);
       } else {
-        moments_planar_kernel<scalar_t, acc_t, uint64_t><<<grid, kThreads, 0, stream>>>(
-            xp, shape.outer, channels, shape.inner, p);
+        moments_planar_kernel<scalar_t, acc_t, uint64_t><<<dim3(channels, splits), kThreads, 0, stream>>>(
+            xp, shape.outer, channels, shape.inner, sink);
       }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const int64_t splits = xp == nullptr ? 0 : moments_splits(shape, channels, in.count());
+    if (splits == 1) {
+      reduce(1, FinishMoments<Finish>{finish});
+      return;
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    finish(reinterpret_cast<const Welford<acc_t>*>(partial.const_data_ptr()), splits, xp,
-           shape.channels_inner ? int64_t{1} : shape.inner, stream);
+    const at::Tensor partial = workspace(x, splits * channels * static_cast<int64_t>(sizeof(Welford<acc_t>)));
+    auto* p = reinterpret_cast<Welford<acc_t>*>(partial.mutable_data_ptr());
+    if (splits > 0) reduce(splits, StoreMoments<acc_t>{p, channels});
+    moments_finish_kernel<scalar_t, acc_t><<<ceil_div(channels, kThreads), kThreads, 0, stream>>>(
+        p, splits, channels, xp, shape.channels_inner ? int64_t{1} : shape.inner, finish);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -177,17 +185,20 @@ struct StatsTarget {
 StatsTarget stats_target(const at::Tensor& like, int64_t channels, double count, const RunningStats& running) {
   const auto doubles = like.options().dtype(at::kDouble);
   StatsTarget t;
-  t.stats = BatchStats{at::empty({channels}, doubles), at::empty({channels}, doubles), at::empty({channels}, doubles),
-                       count};
-  t.out = StatsOut{t.stats.mean.mutable_data_ptr<double>(), t.stats.var.mutable_data_ptr<double>(),
-                   t.stats.invstd.mutable_data_ptr<double>(), MutableParam{nullptr, ParamType::kNone},
-                   MutableParam{nullptr, ParamType::kNone}, running.momentum, count > 1 ? count / (count - 1) : 0.0};
+  t.stats = BatchStats{at::empty({channels}, doubles), at::Tensor(), at::empty({channels}, doubles), count};
+  t.out = StatsOut{t.stats.mean.mutable_data_ptr<double>(), nullptr, t.stats.invstd.mutable_data_ptr<double>(),
+                   MutableParam{nullptr, ParamType::kNone}, MutableParam{nullptr, ParamType::kNone}, running.momentum,
+                   count > 1 ? count / (count - 1) : 0.0};
   if (running.applies(count)) {
     if (running.mean.is_contiguous() && running.var.is_contiguous()) {
       t.out.running_mean = mutable_param(running.mean);
       t.out.running_var = mutable_param(running.var);
     } else {
+      // update_running_stats needs the batch variance; no caller reads it otherwise, so the
+      // kernels skip it and save a [C] float64 allocation per forward.
       t.update_afterwards = true;
+      t.stats.var = at::empty({channels}, doubles);
+      t.out.var = t.stats.var.mutable_data_ptr<double>();
     }
   }
   return t;
@@ -200,11 +211,7 @@ BatchStats local_batch_stats(const LocalInput& in, double eps, const RunningStat
   const int64_t channels = in.channels();
   const double count = static_cast<double>(in.count());
   StatsTarget t = stats_target(in.x, channels, count, running);
-  run_moments(in, [&]<typename scalar_t, typename acc_t>(const Welford<acc_t>* partial, int64_t splits,
-                                                         const scalar_t* x, int64_t shift_stride, cudaStream_t stream) {
-    local_stats_finish_kernel<scalar_t, acc_t><<<ceil_div(channels, kThreads), kThreads, 0, stream>>>(
-        partial, splits, channels, x, shift_stride, count > 0 ? 1.0 / count : 0.0, eps, t.out);
-  });
+  run_moments(in, LocalStats{count > 0 ? 1.0 / count : 0.0, eps, t.out});
   if (t.update_afterwards) update_running_stats(running, t.stats);
   return t.stats;
 }
@@ -213,12 +220,7 @@ at::Tensor packed_moments(const LocalInput& in) {
   const c10::cuda::CUDAGuard device_guard(in.x.device());
   const int64_t channels = in.channels();
   at::Tensor packed = at::empty({2 * channels + 1}, in.x.options().dtype(at::kDouble));
-  double* out = packed.mutable_data_ptr<double>();
-  run_moments(in, [&]<typename scalar_t, typename acc_t>(const Welford<acc_t>* partial, int64_t splits,
-                                                         const scalar_t* x, int64_t shift_stride, cudaStream_t stream) {
-    packed_moments_finish_kernel<scalar_t, acc_t><<<ceil_div(channels + 1, kThreads), kThreads, 0, stream>>>(
-        partial, splits, channels, x, shift_stride, static_cast<double>(in.count()), out);
-  });
+  run_moments(in, PackedMoments{channels, static_cast<double>(in.count()), packed.mutable_data_ptr<double>()});
   return packed;
 }
 
@@ -260,39 +262,38 @@ LocalGradSums local_grad_sums(const LocalInput& in, const at::Tensor& dy, const 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ddpkit_syncbn_cuda_grad_sums", [&] {
     using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
     const double* mp = m.const_data_ptr<double>();
-    int64_t splits = 0;
-    at::Tensor partial;
-    if (in.count() == 0) {
-      partial = workspace(x, 0);
-    } else if (shape.channels_inner) {
+    const FinishSums<acc_t> finish{channels,
+                                   mp,
+                                   s.const_data_ptr<double>(),
+                                   result.sums.mutable_data_ptr<double>(),
+                                   mutable_param(result.grad_weight),
+                                   mutable_param(result.grad_bias)};
+    // Launches the reduction with `sink` on a grid of `splits` splits per channel (Note [Reduction sinks]).
+    auto reduce = [&](int64_t splits, auto sink) {
       const scalar_t* xp = x.const_data_ptr<scalar_t>();
       const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
-      const dim3 block = rows_block(channels);
-      const int64_t grid_x = ceil_div(channels, block.x);
-      splits = reduction_splits(grid_x, block.y, shape.outer);
-      partial = workspace(x, splits * channels * static_cast<int64_t>(sizeof(GradSums<acc_t>)));
-      grad_sums_rows_kernel<scalar_t, acc_t><<<dim3(grid_x, splits), block, 0, stream>>>(
-          xp, dyp, mp, shape.outer, channels, reinterpret_cast<GradSums<acc_t>*>(partial.mutable_data_ptr()));
-    } else {
-      const scalar_t* xp = x.const_data_ptr<scalar_t>();
-      const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
-      splits = reduction_splits(channels, kThreads, in.count());
-      partial = workspace(x, splits * channels * static_cast<int64_t>(sizeof(GradSums<acc_t>)));
-      auto* p = reinterpret_cast<GradSums<acc_t>*>(partial.mutable_data_ptr());
-      const dim3 grid(channels, splits);
-      if (in.count() < (int64_t{1} << 31)) {
-        grad_sums_planar_kernel<scalar_t, acc_t, uint32_t><<<grid, kThreads, 0, stream>>>(
-            xp, dyp, mp, shape.outer, channels, shape.inner, p);
+      if (shape.channels_inner) {
+        const dim3 block = rows_block(channels);
+        grad_sums_rows_kernel<scalar_t, acc_t><<<dim3(ceil_div(channels, block.x), splits), block, 0, stream>>>(
+            xp, dyp, mp, shape.outer, channels, sink);
+      } else if (in.count() < (int64_t{1} << 31)) {
+        grad_sums_planar_kernel<scalar_t, acc_t, uint32_t><<<dim3(channels, splits), kThreads, 0, stream>>>(
+            xp, dyp, mp, shape.outer, channels, shape.inner, sink);
       } else {
-        grad_sums_planar_kernel<scalar_t, acc_t, uint64_t><<<grid, kThreads, 0, stream>>>(
-            xp, dyp, mp, shape.outer, channels, shape.inner, p);
+        grad_sums_planar_kernel<scalar_t, acc_t, uint64_t><<<dim3(channels, splits), kThreads, 0, stream>>>(
+            xp, dyp, mp, shape.outer, channels, shape.inner, sink);
       }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const int64_t splits = in.count() == 0 ? 0 : moments_splits(shape, channels, in.count());
+    if (splits == 1) {
+      reduce(1, finish);
+      return;
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    grad_sums_finish_kernel<acc_t><<<ceil_div(channels, kThreads), kThreads, 0, stream>>>(
-        reinterpret_cast<const GradSums<acc_t>*>(partial.const_data_ptr()), splits, channels, mp,
-        s.const_data_ptr<double>(), result.sums.mutable_data_ptr<double>(), mutable_param(result.grad_weight),
-        mutable_param(result.grad_bias));
+    const at::Tensor partial = workspace(x, splits * channels * static_cast<int64_t>(sizeof(GradSums<acc_t>)));
+    auto* p = reinterpret_cast<GradSums<acc_t>*>(partial.mutable_data_ptr());
+    if (splits > 0) reduce(splits, StoreSums<acc_t>{p, channels});
+    grad_sums_finish_kernel<acc_t><<<ceil_div(channels, kThreads), kThreads, 0, stream>>>(p, splits, finish);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return result;

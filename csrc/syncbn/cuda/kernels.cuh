@@ -185,13 +185,42 @@ __device__ __forceinline__ void store_param(const MutableParam& p, int64_t c, do
 
 // --- statistics (forward) ---------------------------------------------------------------------
 
+// Note [Reduction sinks]
+// A reduction kernel ends with one merged value per channel and split of the channel's values, and
+// hands it to its sink. With several splits the sink stores it as a partial, and a finishing kernel
+// merges a channel's partials; with a single split (every 2-D batch of a few hundred rows, Note
+// [CUDA moments]) the merged value is already the channel's whole, and the sink finishes it in the
+// same kernel: one launch and no workspace less per pass. Both routes do the same float64 math on
+// the same values (merging with an empty Welford or adding to 0.0 is exact), so they give the same
+// bits; tests/test_cuda.py compares them.
+
+// Stores a moments kernel's merged value as the partial of (split, c).
+template <typename acc_t>
+struct StoreMoments {
+  Welford<acc_t>* partial;
+  int64_t channels;
+  __device__ __forceinline__ void operator()(int64_t c, int64_t split, const Welford<acc_t>& w, acc_t) const {
+    partial[split * channels + c] = w;
+  }
+};
+
+// Finishes channel c from its only partial: K added back in double, then `finish(c, moments)`.
+template <typename Finish>
+struct FinishMoments {
+  Finish finish;
+  template <typename acc_t>
+  __device__ __forceinline__ void operator()(int64_t c, int64_t, const Welford<acc_t>& w, acc_t shift) const {
+    finish(c, Welford<double>{static_cast<double>(w.n), static_cast<double>(shift) + static_cast<double>(w.mean),
+                              static_cast<double>(w.m2)});
+  }
+};
+
 // Planar: block (channel c = blockIdx.x, split = blockIdx.y) runs over the channel's values t =
 // n·inner + s for t ≡ split·kThreads + threadIdx.x (mod gridDim.y·kThreads). index_t: uint32_t when
 // a channel has fewer than 2^32 values (a cheaper division), else uint64_t.
-template <typename scalar_t, typename acc_t, typename index_t>
+template <typename scalar_t, typename acc_t, typename index_t, typename Sink>
 __global__ void __launch_bounds__(kThreads)
-    moments_planar_kernel(const scalar_t* __restrict__ x, index_t n_outer, index_t channels, index_t inner,
-                          Welford<acc_t>* __restrict__ partial) {
+    moments_planar_kernel(const scalar_t* __restrict__ x, index_t n_outer, index_t channels, index_t inner, Sink sink) {
   const index_t c = blockIdx.x;
   const index_t count = n_outer * inner;
   const acc_t shift = static_cast<acc_t>(x[static_cast<int64_t>(c) * inner]);
@@ -204,16 +233,15 @@ __global__ void __launch_bounds__(kThreads)
     welford_add(w, static_cast<acc_t>(x[offset]) - shift);
   }
   w = block_merge_1d<WelfordOps>(w);
-  if (threadIdx.x == 0) partial[static_cast<int64_t>(blockIdx.y) * channels + c] = w;
+  if (threadIdx.x == 0) sink(c, blockIdx.y, w, shift);
 }
 
 // Channels-inner: block (blockDim.x channels from blockIdx.x·blockDim.x, blockDim.y rows at a time)
 // runs over rows r ≡ blockIdx.y·blockDim.y + threadIdx.y (mod gridDim.y·blockDim.y); a warp reads
 // whole runs of consecutive channels of a row.
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, typename Sink>
 __global__ void __launch_bounds__(kThreads)
-    moments_rows_kernel(const scalar_t* __restrict__ x, int64_t rows, int64_t channels,
-                        Welford<acc_t>* __restrict__ partial) {
+    moments_rows_kernel(const scalar_t* __restrict__ x, int64_t rows, int64_t channels, Sink sink) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool valid = c < channels;
   const acc_t shift = valid ? static_cast<acc_t>(x[c]) : acc_t(0);
@@ -225,7 +253,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   w = block_merge_rows<WelfordOps>(w);
-  if (threadIdx.y == 0 && valid) partial[static_cast<int64_t>(blockIdx.y) * channels + c] = w;
+  if (threadIdx.y == 0 && valid) sink(c, blockIdx.y, w, shift);
 }
 
 // Merges the `splits` partials of channel c in double: K + merged mean and the merged M2, K =
@@ -245,8 +273,8 @@ __device__ __forceinline__ Welford<double> merged_moments(const Welford<acc_t>* 
   return Welford<double>{total.n, shift + total.mean, total.m2};
 }
 
-// Where a forward's statistics go: mean, biased var and invstd (float64 [C]) and the running
-// estimates to update (kNone: none), with the factors of the update.
+// Where a forward's statistics go: mean, biased var (null: not wanted) and invstd (float64 [C]) and
+// the running estimates to update (kNone: none), with the factors of the update.
 struct StatsOut {
   double* mean;
   double* var;
@@ -260,7 +288,7 @@ struct StatsOut {
 // The per-channel end of a forward's statistics, as the CPU code computes it.
 __device__ __forceinline__ void store_stats(const StatsOut& out, int64_t c, double mean, double var, double eps) {
   out.mean[c] = mean;
-  out.var[c] = var;
+  if (out.var != nullptr) out.var[c] = var;
   out.invstd[c] = 1.0 / sqrt(var + eps);
   if (out.running_mean.type != ParamType::kNone) {
     const double m = out.momentum;
@@ -272,28 +300,35 @@ __device__ __forceinline__ void store_stats(const StatsOut& out, int64_t c, doub
 }
 
 // Statistics of this rank's values alone: var = M2·inv_count.
-template <typename scalar_t, typename acc_t>
-__global__ void local_stats_finish_kernel(const Welford<acc_t>* __restrict__ partial, int64_t splits,
-                                          int64_t channels, const scalar_t* __restrict__ x, int64_t shift_stride,
-                                          double inv_count, double eps, StatsOut out) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= channels) return;
-  const Welford<double> w = merged_moments(partial, splits, channels, x, shift_stride, c);
-  store_stats(out, c, w.mean, w.m2 * inv_count, eps);
-}
+struct LocalStats {
+  double inv_count;
+  double eps;
+  StatsOut out;
+  __device__ __forceinline__ void operator()(int64_t c, const Welford<double>& w) const {
+    store_stats(out, c, w.mean, w.m2 * inv_count, eps);
+  }
+};
 
 // This rank's all-reduce buffer [count·mean | M2 + count·mean² | count] (Note [One all-reduce per
 // pass] in syncbn/kernels.h).
-template <typename scalar_t, typename acc_t>
-__global__ void packed_moments_finish_kernel(const Welford<acc_t>* __restrict__ partial, int64_t splits,
-                                             int64_t channels, const scalar_t* __restrict__ x, int64_t shift_stride,
-                                             double count, double* __restrict__ packed) {
+struct PackedMoments {
+  int64_t channels;
+  double count;
+  double* packed;
+  __device__ __forceinline__ void operator()(int64_t c, const Welford<double>& w) const {
+    if (c == 0) packed[2 * channels] = count;
+    packed[c] = count * w.mean;
+    packed[channels + c] = w.m2 + count * w.mean * w.mean;
+  }
+};
+
+// Merges each channel's `splits` partials (none for an empty input) and finishes them.
+template <typename scalar_t, typename acc_t, typename Finish>
+__global__ void moments_finish_kernel(const Welford<acc_t>* __restrict__ partial, int64_t splits, int64_t channels,
+                                      const scalar_t* __restrict__ x, int64_t shift_stride, Finish finish) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c == 0) packed[2 * channels] = count;
   if (c >= channels) return;
-  const Welford<double> w = merged_moments(partial, splits, channels, x, shift_stride, c);
-  packed[c] = count * w.mean;
-  packed[channels + c] = w.m2 + count * w.mean * w.mean;
+  finish(c, merged_moments(partial, splits, channels, x, shift_stride, c));
 }
 
 // Statistics from the summed buffer of a group of `count` values per channel.
@@ -308,13 +343,48 @@ __global__ void packed_stats_kernel(const double* __restrict__ packed, int64_t c
 
 // --- backward reduction -----------------------------------------------------------------------
 
+// Stores a grad-sums kernel's merged value as the partial of (split, c).
+template <typename acc_t>
+struct StoreSums {
+  GradSums<acc_t>* partial;
+  int64_t channels;
+  __device__ __forceinline__ void operator()(int64_t c, int64_t split, const GradSums<acc_t>& s) const {
+    partial[split * channels + c] = s;
+  }
+};
+
+// out[c] = Σ dy, out[C + c] = Σ dy·(x - center) - (mean - center)·Σ dy of channel c, in double
+// (Note [Centred arithmetic] in syncbn/kernels.h): the [2C] layout of the backward's sums. From
+// them, grad_weight[c] = invstd[c]·out[C + c] and grad_bias[c] = out[c] where wanted.
+template <typename acc_t>
+struct FinishSums {
+  int64_t channels;
+  const double* mean;
+  const double* invstd;
+  double* out;
+  MutableParam grad_weight;
+  MutableParam grad_bias;
+  __device__ __forceinline__ void finish(int64_t c, double dy, double dy_xc) const {
+    const double center = static_cast<double>(static_cast<acc_t>(mean[c]));
+    const double centred = dy_xc - (mean[c] - center) * dy;
+    out[c] = dy;
+    out[channels + c] = centred;
+    store_param(grad_weight, c, invstd[c] * centred);
+    store_param(grad_bias, c, dy);
+  }
+  // As a sink (Note [Reduction sinks]): the channel's only partial is its whole.
+  __device__ __forceinline__ void operator()(int64_t c, int64_t, const GradSums<acc_t>& s) const {
+    finish(c, static_cast<double>(s.dy), static_cast<double>(s.dy_xc));
+  }
+};
+
 // Σ dy and Σ dy·(x - center[c]), center[c] = (acc_t) mean[c], in the layouts and splits of the
 // moments kernels.
-template <typename scalar_t, typename acc_t, typename index_t>
+template <typename scalar_t, typename acc_t, typename index_t, typename Sink>
 __global__ void __launch_bounds__(kThreads)
     grad_sums_planar_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
                             const double* __restrict__ mean, index_t n_outer, index_t channels, index_t inner,
-                            GradSums<acc_t>* __restrict__ partial) {
+                            Sink sink) {
   const index_t c = blockIdx.x;
   const index_t count = n_outer * inner;
   const acc_t center = static_cast<acc_t>(mean[c]);
@@ -329,14 +399,13 @@ __global__ void __launch_bounds__(kThreads)
     sums.dy_xc += g * (static_cast<acc_t>(x[offset]) - center);
   }
   sums = block_merge_1d<SumsOps>(sums);
-  if (threadIdx.x == 0) partial[static_cast<int64_t>(blockIdx.y) * channels + c] = sums;
+  if (threadIdx.x == 0) sink(c, blockIdx.y, sums);
 }
 
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, typename Sink>
 __global__ void __launch_bounds__(kThreads)
     grad_sums_rows_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
-                          const double* __restrict__ mean, int64_t rows, int64_t channels,
-                          GradSums<acc_t>* __restrict__ partial) {
+                          const double* __restrict__ mean, int64_t rows, int64_t channels, Sink sink) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool valid = c < channels;
   const acc_t center = valid ? static_cast<acc_t>(mean[c]) : acc_t(0);
@@ -351,30 +420,21 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   sums = block_merge_rows<SumsOps>(sums);
-  if (threadIdx.y == 0 && valid) partial[static_cast<int64_t>(blockIdx.y) * channels + c] = sums;
+  if (threadIdx.y == 0 && valid) sink(c, blockIdx.y, sums);
 }
 
-// out[c] = Σ_k partial Σ dy, out[C + c] = Σ_k partial Σ dy·(x - center) - (mean - center)·Σ dy, in
-// double (Note [Centred arithmetic] in syncbn/kernels.h): the [2C] layout of the backward's sums.
-// From them, grad_weight[c] = invstd[c]·out[C + c] and grad_bias[c] = out[c] where wanted.
+// Merges each channel's `splits` partials in double (none for an empty input) and finishes them.
 template <typename acc_t>
 __global__ void grad_sums_finish_kernel(const GradSums<acc_t>* __restrict__ partial, int64_t splits,
-                                        int64_t channels, const double* __restrict__ mean,
-                                        const double* __restrict__ invstd, double* __restrict__ out,
-                                        MutableParam grad_weight, MutableParam grad_bias) {
+                                        FinishSums<acc_t> finish) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= channels) return;
+  if (c >= finish.channels) return;
   double dy = 0.0, dy_xc = 0.0;
   for (int64_t k = 0; k < splits; ++k) {
-    dy += static_cast<double>(partial[k * channels + c].dy);
-    dy_xc += static_cast<double>(partial[k * channels + c].dy_xc);
+    dy += static_cast<double>(partial[k * finish.channels + c].dy);
+    dy_xc += static_cast<double>(partial[k * finish.channels + c].dy_xc);
   }
-  const double center = static_cast<double>(static_cast<acc_t>(mean[c]));
-  const double centred = dy_xc - (mean[c] - center) * dy;
-  out[c] = dy;
-  out[channels + c] = centred;
-  store_param(grad_weight, c, invstd[c] * centred);
-  store_param(grad_bias, c, dy);
+  finish.finish(c, dy, dy_xc);
 }
 
 // --- element-wise passes ----------------------------------------------------------------------
