@@ -10,7 +10,10 @@
 #include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
+#include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 namespace ddpkit::syncbn {
 namespace {
@@ -96,6 +99,20 @@ void check_or_reject(Checks&& checks, const at::Tensor& input, bool communicates
   }
 }
 
+// torch's autograd graph holds its nodes by c10::intrusive_ptr from torch 2.13 on and by
+// std::shared_ptr before (the lent GPU machines' CUDA torch is 2.11): make_node builds a node the
+// way the torch it is compiled against holds them, read off Tensor::grad_fn's type.
+using NodePtr = std::remove_cvref_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
+
+template <class T, class... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
 using BackwardFn = decltype(sync_batch_norm_backward);
 
 const c10::TypedOperatorHandle<BackwardFn>& backward_op() {
@@ -136,7 +153,7 @@ struct SyncBatchNormBackward final : public torch::autograd::Node {
                            mean_.unpack(), invstd_.unpack(), training, count, algorithm, group, mask);
     torch::autograd::variable_list grads_in{grad_input, grad_weight, grad_bias};
     if (torch::autograd::compute_requires_grad(grad_output, input, weight)) {
-      auto error = c10::make_intrusive<torch::autograd::Error>(
+      auto error = make_node<torch::autograd::Error>(
           "ddpkit.SyncBatchNorm's backward is not differentiable: a second backward through it (double "
           "backward, e.g. a gradient penalty) is not supported, as with torch.nn.SyncBatchNorm",
           torch::autograd::collect_next_edges(grad_output, input, weight));
@@ -259,9 +276,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm_autograd
     double momentum, double eps, std::string_view algorithm, std::optional<std::string_view> group_name) {
   // Note [SyncBatchNorm's autograd node]
   auto requires_grad = [](const std::optional<at::Tensor>& t) { return t && t->defined() && t->requires_grad(); };
-  c10::intrusive_ptr<SyncBatchNormBackward> node;
+  decltype(make_node<SyncBatchNormBackward>()) node;
   if (at::GradMode::is_enabled() && (input.requires_grad() || requires_grad(weight) || requires_grad(bias))) {
-    node = c10::make_intrusive<SyncBatchNormBackward>();
+    node = make_node<SyncBatchNormBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
   }
   at::Tensor output, mean, invstd;
