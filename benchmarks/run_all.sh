@@ -5,8 +5,9 @@
 #   bash benchmarks/run_all.sh --quick   # smoke check in a few minutes; results in benchmarks/results/quick/
 # Each result records the commit it was measured at, with "-dirty" when tracked files had uncommitted
 # changes: commit first, so that the whole report comes from one commit (the notebook warns otherwise).
-# With a GPU, the CUDA benchmarks (syncbn_cuda.json, ddp_cuda.json) run too; without one, the report
-# keeps the GPU results it has and says which commit they come from. Run it on an otherwise idle
+# With a GPU, the CUDA benchmarks (syncbn_cuda.json, ddp_cuda.json) run too, and with 16 cores or more
+# the all-reduce grid up to 16 ranks (allreduce_16core.json); without them, the report keeps the
+# results it has and says which commit they come from. Run it on an otherwise idle
 # machine: every figure is a ratio measured in one run, but a busy neighbour still adds noise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,10 @@ fi
 if $PY -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   run $PY benchmarks/bench_syncbn.py "${QUICK[@]}" --device cuda
   run $PY benchmarks/bench_ddp.py "${QUICK[@]}" --device cuda
+fi
+if [ "$(nproc)" -ge 16 ]; then  # a core per rank up to 16 ranks (the lent GPU machines have 16)
+  run $PY benchmarks/bench_allreduce.py "${QUICK[@]}" --world-sizes 2 4 8 16 --sizes 1000 100000 1000000 16000000 \
+    --max-numel-above-8 16000000 --peer-max-world-size 16 --memory-sizes --output allreduce_16core
 fi
 run $PY "${REPORT[@]}"
 echo

@@ -23,9 +23,9 @@ HERE = Path(__file__).resolve().parent
 # results/<name>.json the report reads: benchmarks/run_all.sh produces every one of them from the current tree.
 EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backend"]
 # Shown when present, a sentence in their place when not: the GPU results, which run_all.sh produces only on a
-# machine with a GPU; torch_stack (bench_torch_stack.py); multihost (bench_multihost.py, which needs root);
+# machine with a GPU, and the all-reduce grid on that machine's CPU cores (scripts/gpu_checks.sh grid); torch_stack (bench_torch_stack.py); multihost (bench_multihost.py, which needs root);
 # latency (bench_latency.py).
-OPTIONAL = ["syncbn_cuda", "ddp_cuda", "torch_stack", "multihost", "latency"]
+OPTIONAL = ["syncbn_cuda", "ddp_cuda", "allreduce_16core", "torch_stack", "multihost", "latency"]
 # Read from the repository, not from the results folder: torch's own distributed test suite on gloo and on
 # "ddpkit", written by scripts/run_torch_suite.py (run_all.sh does not run it); a sentence in its place when absent.
 SUITE = "docs/torch_suite.json"
@@ -586,6 +586,27 @@ if "ddp_cuda" in R:
             for k, v in d["summary"].items()]
     table(rows, ["candidate", "time / torch DDP", "memory / torch DDP"], {"time / torch DDP": ratio,
                                                                           "memory / torch DDP": ratio})
+if "allreduce_16core" in R:
+    c = R["allreduce_16core"]
+    command("allreduce_16core")
+    env = c["environment"]
+    display(Markdown(f"**CPU all-reduce on the GPU machine's cores**, not this report's machine: {env['cpu_model']}, "
+                     f"{env['cpu_count']} cores (the machine lent with the {env['gpu']['gpu_name']}). Every rank has a "
+                     "core of its own up to 16 ranks, where the other CPU tables share 2. ddpkit (shared memory), gloo, "
+                     "the memory floor and MPICH's `MPI_Allreduce`, float32, median of the slowest rank."))
+    med = {(r.world_size, r.numel, r.candidate): r.median_s for r in c["records"] if r.kind == "time" and r.median_s}
+    rows = []
+    for n, numel in sorted({(n, numel) for n, numel, _ in med}):
+        row = {"n": n, "floats": numel, **{k: med.get((n, numel, k)) for k in ("ddpkit", "gloo", "mpich", "floor")}}
+        if row["ddpkit"] and row["gloo"]:
+            row["ddpkit / gloo"] = row["ddpkit"] / row["gloo"]
+        if row["ddpkit"] and row["mpich"]:
+            row["ddpkit / MPICH"] = row["ddpkit"] / row["mpich"]
+        rows.append(row)
+    per_call = lambda s: f"{s * 1e6:.1f} µs" if s < 1e-3 else f"{s * 1e3:.2f} ms"
+    table(rows, ["n", "floats", "ddpkit", "gloo", "mpich", "floor", "ddpkit / gloo", "ddpkit / MPICH"],
+          {"ddpkit": per_call, "gloo": per_call, "mpich": per_call, "floor": per_call, "ddpkit / gloo": ratio,
+           "ddpkit / MPICH": ratio})
 '''
 
 BACKEND = r'''

@@ -72,7 +72,8 @@ for phase in "$@"; do
       if ls .whl/mpich-*.whl .whl/mpi4py-*.whl >/dev/null 2>&1; then
         $PY -m pip install -q --no-index --no-deps --no-compile .whl/mpich-*.whl .whl/mpi4py-*.whl 2>&1 | grep -v WARNING
       fi
-      # bench_allreduce.py rewrites its JSON after every world size, so a cut leaves the sizes done.
+      # run_all.sh's 16-core grid, with fewer repetitions to fit the call. bench_allreduce.py rewrites
+      # its JSON after every world size, so a cut leaves the sizes done.
       timeout "$(limit 240)" $PY benchmarks/bench_allreduce.py --world-sizes ${GRID_WORLD_SIZES:-2 4 8 16} \
         --sizes 1000 100000 1000000 16000000 --max-numel-above-8 16000000 --candidates ddpkit gloo floor mpich \
         --peer-max-world-size 16 --reps ${GRID_REPS:-12} --pools 1 --point-budget 2 --memory-sizes \

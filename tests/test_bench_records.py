@@ -14,6 +14,7 @@ import records  # noqa: E402
 RESULTS = sorted((BENCHMARKS / "results").glob("*.json"))
 CLASSES = {"allreduce": {records.AllreduceTimeRecord, records.AllreduceMemoryRecord},
            "allreduce_checks": {records.AllreduceTimeRecord},
+           "allreduce_16core": {records.AllreduceTimeRecord},  # --memory-sizes left empty: no memory records
            "allreduce_peers_n2": {records.AllreduceTimeRecord}, "allreduce_small_n2": {records.AllreduceTimeRecord},
            "backend": {records.CollectiveRecord, records.LayerRecord, records.DdpRecord},
            "ddp": {records.DdpRecord}, "ddp_cuda": {records.DdpRecord},

@@ -129,6 +129,7 @@ def test_the_report_reads_only_what_run_all_produces():
                "syncbn": "bench_syncbn.py", "ddp": "bench_ddp.py", "training": "bench_training.py",
                "backend": "bench_backend.py", "syncbn_cuda": "bench_syncbn.py \"${QUICK[@]}\" --device cuda",
                "ddp_cuda": "bench_ddp.py \"${QUICK[@]}\" --device cuda",
+               "allreduce_16core": "--output allreduce_16core",
                "torch_stack": "bench_torch_stack.py \"${QUICK[@]}\"", "multihost": "bench_multihost.py \"${QUICK[@]}\"",
                "latency": "bench_latency.py \"${QUICK[@]}\""}
     assert set(report.EXPECTED + report.OPTIONAL) == scripts.keys()
