@@ -190,9 +190,10 @@ __device__ __forceinline__ void store_param(const MutableParam& p, int64_t c, do
 // hands it to its sink. With several splits the sink stores it as a partial, and a finishing kernel
 // merges a channel's partials; with a single split (every 2-D batch of a few hundred rows, Note
 // [CUDA moments]) the merged value is already the channel's whole, and the sink finishes it in the
-// same kernel: one launch and no workspace less per pass. Both routes do the same float64 math on
-// the same values (merging with an empty Welford or adding to 0.0 is exact), so they give the same
-// bits; tests/test_cuda.py compares them.
+// same kernel: one launch and no workspace less per pass. For a single split the finishing kernel
+// would do the same float64 math on the same value (merging with an empty Welford, or adding to
+// 0.0, is exact), so fusing changes no bit. tests/test_cuda.py runs both routes against float64
+// BatchNorm (test_both_reduction_routes_match_float64_batch_norm) and checks which one a shape takes.
 
 // Stores a moments kernel's merged value as the partial of (split, c).
 template <typename acc_t>
