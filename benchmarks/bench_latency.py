@@ -7,7 +7,7 @@
 
 Two processes on one host (shared memory), float32 sums. Each stage adds one layer to the one before:
 
-  C++ loops (``ddpkit.time_engine_loop``: the loop itself runs in C++, no Python and no dispatcher
+  C++ loops (``ddpkit.testing.time_engine_loop``, a testing build's: the loop itself runs in C++, no Python and no dispatcher
   between calls; csrc/comm/ops.h):
     c++ lookup                 Engine::of(group name), the group's engine from its name
     c++ engine                 + an empty collective through the engine (numbering, ordering, transport)
@@ -69,7 +69,7 @@ def measure(numel: int, stages: list[str], reps: int, warmup: int, calls: int) -
     def measure_one(stage: str) -> float:
         ddpkit.all_reduce(line_up)
         if stage in CPP_STAGES:
-            return ddpkit.comm.time_engine_loop(numel, calls, CPP_STAGES[stage])
+            return ddpkit.testing.time_engine_loop(numel, calls, CPP_STAGES[stage])
         if stage == "python op call":
             return common.time_per_call(torch.ops.ddpkit.collective_checks_enabled, calls=calls)
         if stage == "python torch.ops":

@@ -62,9 +62,6 @@ TORCH_LIBRARY(ddpkit, m) {
   m.def("collectives() -> str[]", &ddpkit::comm::collectives_op);
   m.def("resolved_transport(str group_name, str transport=\"auto\") -> str", &ddpkit::comm::resolved_transport_op);
   m.def("topology(str group_name) -> int[]", &ddpkit::comm::topology_op);
-  // A benchmark: `stage` looped in C++ (ops.h), seconds per call.
-  m.def("time_engine_loop(int numel, int iterations, str stage, str group_name) -> float",
-        &ddpkit::comm::time_engine_loop_op);
 
   // Gradient bucketing DDP (csrc/ddp): the pure bucket assignment and the reducer.
   m.def("grad_sync_modes() -> str[]", &ddpkit::ddp::grad_sync_modes);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU list (issue 44) on a machine with a CUDA torch and nvcc (no network), in the repository root:
-#   bash scripts/gpu_checks.sh build       # build and install against that torch (--no-build-isolation --no-deps)
+#   bash scripts/gpu_checks.sh build       # a testing build against that torch (--no-build-isolation --no-deps)
 #   bash scripts/gpu_checks.sh test        # tests/test_cuda.py
 #   bash scripts/gpu_checks.sh bench       # bench_syncbn.py --device cuda, bench_ddp.py --device cuda
 #   bash scripts/gpu_checks.sh grid        # bench_allreduce.py on the machine's CPU cores: n = 2, 4, 8, 16,
@@ -40,7 +40,8 @@ for phase in "$@"; do
       nvcc --version | tail -1
       lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA node\(s\))"
       start=$SECONDS
-      timeout "$(limit 300)" $PY -m pip install --no-build-isolation --no-deps -v . >"$WORK/build.log" 2>&1
+      timeout "$(limit 300)" $PY -m pip install --no-build-isolation --no-deps -C cmake.define.DDPKIT_TESTING=ON -v . \
+        >"$WORK/build.log" 2>&1
       echo "build: rc=$? in $((SECONDS - start)) s"
       grep -E "ddpkit: |error" "$WORK/build.log" | head -20
       installed && echo "ddpkit installed with its CUDA kernels" || echo "ddpkit NOT installed with CUDA kernels"

@@ -332,10 +332,10 @@ def test_unchecked_mode_is_correct_and_counts(pool):
 
 
 def case_engine_loop():
-    per_call = {stage: ddpkit.comm.time_engine_loop(1000, 20, stage)
+    per_call = {stage: ddpkit.testing.time_engine_loop(1000, 20, stage)
                 for stage in ("lookup", "engine", "all_reduce_unchecked", "all_reduce")}
     try:
-        ddpkit.comm.time_engine_loop(1000, 20, "everything")
+        ddpkit.testing.time_engine_loop(1000, 20, "everything")
         error = None
     except RuntimeError as exc:
         error = str(exc)

@@ -1,6 +1,6 @@
 #include "comm/collectives.h"
 
-#include "comm/faults.h"
+#include "testing/faults.h"
 #include "comm/split.h"
 
 #include <algorithm>
@@ -901,7 +901,7 @@ bool hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
   const at::Tensor reply = check_in_one_round(
       header, error, /*center=*/0, h, comm,
       [&] {
-        faults::die_if_armed("die_in_host_step", comm.rank());
+        DDPKIT_DIE_IF_FAULT_ARMED("die_in_host_step", comm.rank());
         if (local != nullptr && flat.numel() > 0) {
           on_hosts(h, OnFailure::kKeepLinks,
                    [&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false); });
@@ -964,7 +964,7 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform) {
       // Horovod's split: reduce-scatter in the host, the slices across hosts, all-gather in the host.
-      faults::die_if_armed("die_in_host_data_step", comm.rank());
+      DDPKIT_DIE_IF_FAULT_ARMED("die_in_host_data_step", comm.rank());
       const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h);
       cross_host_all_reduce(slices.mine, op, h, comm);
       finish_reduction_(slices.mine, op, comm.size());

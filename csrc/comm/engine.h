@@ -54,23 +54,14 @@ namespace ddpkit::comm {
 // belong to the issuing thread, whose own calls they see.
 
 // Note [Where a small all-reduce's time goes]
-// benchmarks/bench_latency.py loops each layer of ddpkit.all_reduce's call path back to back, the
-// engine's layers from C++ (time_engine_loop in ops.h: no Python, no dispatcher between calls). At
-// n=2 on one host (2-vCPU VM, 1k floats; latency.json at e5c1fa2; the VM has slow spells in which
-// every library's figures double, MPICH's too) a call splits into:
-//   0.06 us  Engine::of: the group's engine from its name (torch's group registry, one map lookup);
-//   0.05 us  the engine: numbering, the in-order check, transport resolution, inline on the
-//            caller's thread (no queue, no thread hand-off, no heap allocation of its own, no
-//            store access);
-//   0.93 us  communication: copy into this rank's slot, the arrivals, the waits for the peer, the
-//            reduction (Note [Direct all-reduce], Note [Waiting on shared memory]);
-//   0.08 us  the collective check: the header rides in the payload's slot and is compared after
-//            the first arrival;
-//   0.6 us   Python: ddpkit.all_reduce calling the kernel past the dispatcher (Note [Eager calls
-//            past the dispatcher] in csrc/python.cpp), where torch.ops.ddpkit.all_reduce_ costs 2.0 us.
-// So from C++ (SyncBatchNorm's passes, DDP's buckets) a small all-reduce is about 1.1 us and from
-// Python 1.7 us; MPICH's MPI_Allreduce from Python (mpi4py) takes 1.5 us in the same conditions. At
-// 10k floats the communication is 6.4 us, the copies and the reduction of 40 KB per slot.
+// benchmarks/bench_latency.py loops each layer of ddpkit.all_reduce's call path back to back: the
+// engine's layers from C++ (ddpkit.testing.time_engine_loop, csrc/testing/engine_loop.cpp: no Python
+// and no dispatcher between calls), then the Python layers. The decision it backs: a blocking
+// collective runs inline on the caller's thread (no queue, no thread hand-off, no heap allocation
+// of the engine's own, no store access), so that communication (the copy into this rank's slot,
+// the arrivals, the waits, the reduction: Note [Direct all-reduce], Note [Waiting on shared memory])
+// is most of a small call, and the collective check rides in the payload's slot. latency.json
+// holds the figures of each layer against MPICH's; the report shows them.
 
 // Note [Device tensors on a host group]
 // gloo's all-reduce stages CUDA tensors through host memory itself, but its send/recv hands the raw

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 
 namespace ddpkit::comm {
 namespace {
@@ -160,48 +159,6 @@ std::string resolved_transport_op(const std::string& group_name, std::string_vie
     resolved = parse_transport(comm.transport_name());
   });
   return std::string(transport_name(resolved));
-}
-
-double time_engine_loop_op(int64_t numel, int64_t iterations, std::string_view stage, const std::string& group_name) {
-  TORCH_CHECK(numel >= 0 && iterations >= 1, "ddpkit.time_engine_loop: numel must be >= 0 and iterations >= 1, got ",
-              numel, " and ", iterations);
-  enum class Stage { kLookup, kEngine, kAllReduce, kAllReduceUnchecked };
-  constexpr std::array<std::string_view, 4> kStageNames = {"lookup", "engine", "all_reduce", "all_reduce_unchecked"};
-  const auto found = std::find(kStageNames.begin(), kStageNames.end(), stage);
-  TORCH_CHECK(found != kStageNames.end(), "ddpkit.time_engine_loop: unknown stage '", stage,
-              "' (lookup, engine, all_reduce, all_reduce_unchecked)");
-  const auto which = static_cast<Stage>(found - kStageNames.begin());
-  at::Tensor tensor = at::ones({numel}, at::kFloat);
-  const auto all_reduce = [&] {
-    Engine::of(group_name)->run(c10::kCPU, TransportKind::kAuto, "all_reduce", [&](Communicator& comm) {
-      all_reduce_(tensor, ReduceOp::kSum, Algorithm::kAuto, comm);
-    });
-  };
-  all_reduce();  // sets the group up if needed and lines the ranks up
-  struct RestoreChecks {
-    bool checked = is_checked();
-    ~RestoreChecks() { set_checked(checked); }
-  } restore;
-  if (which == Stage::kAllReduceUnchecked) set_checked(false);
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < iterations; ++i) {
-    switch (which) {
-      case Stage::kLookup: {
-        const std::shared_ptr<Engine> engine = Engine::of(group_name);
-        asm volatile("" : : "r"(engine.get()) : "memory");  // keep the lookup
-        break;
-      }
-      case Stage::kEngine:
-        Engine::of(group_name)->run(c10::kCPU, TransportKind::kAuto, "all_reduce", [](Communicator&) {});
-        break;
-      case Stage::kAllReduce:
-      case Stage::kAllReduceUnchecked:
-        all_reduce();
-        break;
-    }
-  }
-  const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;
-  return elapsed.count() / static_cast<double>(iterations);
 }
 
 }  // namespace ddpkit::comm

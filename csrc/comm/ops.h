@@ -50,15 +50,5 @@ std::vector<int64_t> topology_op(const std::string& group_name);
 // What `transport` resolves to for CPU tensors of the group (a collective: every rank calls it).
 std::string resolved_transport_op(const std::string& group_name, std::string_view transport);
 
-// Seconds per call of `iterations` back-to-back calls of `stage`, looped in C++ (no Python, no
-// dispatcher between calls), after one untimed all-reduce that lines the ranks up. Stages, each
-// one layer more of what `ddpkit.all_reduce` does (Note [Where a small all-reduce's time goes]):
-//   "lookup"               Engine::of(group_name): the group's engine from its name;
-//   "engine"               that plus an empty collective through the engine (numbering, ordering,
-//                          transport resolution; no communication);
-//   "all_reduce"           that plus the sum all-reduce, algorithm "auto", of `numel` float32 values;
-//   "all_reduce_unchecked" the same with Note [Collective checks] off for the loop.
-// Every rank of the group calls it with the same arguments (the all-reduces pair across ranks).
-double time_engine_loop_op(int64_t numel, int64_t iterations, std::string_view stage, const std::string& group_name);
 
 }  // namespace ddpkit::comm

@@ -1,7 +1,7 @@
 #include "comm/shm_channels.h"
 
 #include "comm/communicator.h"
-#include "comm/faults.h"
+#include "testing/faults.h"
 
 #include <algorithm>
 #include <cstring>
@@ -63,8 +63,11 @@ ShmTransport::ShmTransport(std::shared_ptr<ShmSegment> segment)
       direct_(segment_),
       sends_(segment_->size()),
       recvs_(segment_->size()),
-      unexpected_(segment_->size()),
-      corrupt_next_chunk_(faults::armed("corrupt_chunk", segment_->rank())) {}
+      unexpected_(segment_->size()) {
+#ifdef DDPKIT_TESTING
+  corrupt_next_chunk_ = DDPKIT_FAULT_ARMED("corrupt_chunk", segment_->rank());
+#endif
+}
 
 ShmTransport::~ShmTransport() = default;
 
@@ -139,10 +142,12 @@ bool ShmTransport::progress_locked() {
       char* chunk = channel.chunks + (head % kChannelSlots) * chunk_stride;
       const int64_t length = std::min(chunk_bytes, message.total_ - message.moved_);
       *reinterpret_cast<ChunkHeader*>(chunk) = ChunkHeader{message.tag_, message.total_, message.moved_, length};
-      if (corrupt_next_chunk_) {  // faults.h: corrupt_chunk
+#ifdef DDPKIT_TESTING
+      if (corrupt_next_chunk_) {  // testing/faults.h: corrupt_chunk
         reinterpret_cast<ChunkHeader*>(chunk)->offset = int64_t{1} << 46;
         corrupt_next_chunk_ = false;
       }
+#endif
       if (length > 0) std::memcpy(chunk + kChunkHeaderBytes, message.data_ + message.moved_, length);
       channel.head.store(++head, std::memory_order_release);
       message.moved_ += length;

@@ -1,7 +1,7 @@
 #include "comm/shm_segment.h"
 
 #include "comm/communicator.h"
-#include "comm/faults.h"
+#include "testing/faults.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -311,7 +311,7 @@ struct ShmSegment::Layout {
 ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseconds timeout) {
   const int rank = setup.rank();
   const int size = setup.size();
-  const std::string identity = host_identity() + faults::test_host();
+  const std::string identity = host_identity() + DDPKIT_TEST_HOST();
   Hello mine{};
   mine.pid = getpid();
   mine.euid = static_cast<int64_t>(geteuid());
@@ -370,7 +370,7 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
     for (int peer = 1; peer < size; ++peer) messages.push_back(setup.isend(plan_message, peer, kPlanRound));
     setup.wait(messages);
   } else {
-    faults::die_if_armed("die_at_hello", rank);
+    DDPKIT_DIE_IF_FAULT_ARMED("die_at_hello", rank);
     plan_message = at::empty({static_cast<int64_t>(sizeof(Plan) + plan_extra)}, at::kByte);
     MessageList answer{setup.irecv(plan_message, 0, kPlanRound)};
     MessageList sent{setup.isend(message_of(mine), 0, kHelloRound)};
@@ -438,7 +438,7 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
       const Answer report = value_of<Answer>(reports[i]);
       if (report.status != kSetupOk) verdict = report;
     }
-    faults::die_if_armed("die_at_verdict", rank);
+    DDPKIT_DIE_IF_FAULT_ARMED("die_at_verdict", rank);
     tell(setup, everyone, message_of(verdict), kVerdictRound, -1);
   } else {
     at::Tensor verdict_message = at::empty({static_cast<int64_t>(sizeof(Answer))}, at::kByte);
@@ -521,7 +521,7 @@ void ShmSegment::offer_to_host(Communicator& setup, HostFailure& failed) {
   offer.slot_bytes = layout.slot_bytes;
   offer.whole_bytes = layout.whole_bytes;
   offer.chunk_bytes = layout.chunk_bytes;
-  faults::die_if_armed("die_at_offer", group_rank_);
+  DDPKIT_DIE_IF_FAULT_ARMED("die_at_offer", group_rank_);
   const at::Tensor offer_message = message_of(offer);
   std::vector<at::Tensor> acks(size_);
   MessageList messages;
@@ -592,7 +592,7 @@ void ShmSegment::accept_from_leader(Communicator& setup, int leader, HostFailure
     munmap(base_, bytes_);
     base_ = nullptr;
   }
-  faults::die_if_armed("die_at_map", group_rank_);
+  DDPKIT_DIE_IF_FAULT_ARMED("die_at_map", group_rank_);
   MessageList sent{setup.isend(message_of(Answer{mine.failure == kNoFailure ? kSetupOk : kSetupFailed, mine.failure,
                                                  group_rank_, mine.error_number}),
                                leader, kAckRound)};

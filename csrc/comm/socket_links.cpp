@@ -3,7 +3,7 @@
 #include "comm/call_timeout.h"
 
 #include "comm/communicator.h"
-#include "comm/faults.h"
+#include "testing/faults.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -226,7 +226,7 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
   Fd listener;
   std::string local_error;
   try {
-    TORCH_CHECK(!faults::armed("links_cannot_listen", group_ranks[rank]), "the test fault links_cannot_listen");
+    TORCH_CHECK(!DDPKIT_FAULT_ARMED("links_cannot_listen", group_ranks[rank]), "the test fault links_cannot_listen");
     mine = link_address();
     listener = Fd(::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
     TORCH_CHECK(listener.get() >= 0, "socket failed: ", errno_text());
@@ -257,7 +257,7 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
   // (every rank connects after the all-gather): one names the rank this one expects first with a
   // wrong token, one sends junk and hangs up. Set-up must close both and still link every rank.
   std::vector<Fd> strays;
-  const bool strays_armed = faults::armed("stray_links", group_ranks[rank]) && rank + 1 < size && local_error.empty();
+  const bool strays_armed = DDPKIT_FAULT_ARMED("stray_links", group_ranks[rank]) && rank + 1 < size && local_error.empty();
   if (strays_armed) {
     const Clock::time_point soon = Clock::now() + std::chrono::seconds(10);
     for (int stray = 0; stray < 2; ++stray) {
@@ -422,10 +422,12 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     TORCH_CHECK(false, "the links across hosts broke in an earlier collective: ", broken_);
   }
   uint64_t sent_sequence = sequence;
-  if (!sends.empty() && stale_frame_pending_ && faults::armed("stale_link_frame", group_ranks_[rank_])) {
+#ifdef DDPKIT_TESTING
+  if (!sends.empty() && stale_frame_pending_ && DDPKIT_FAULT_ARMED("stale_link_frame", group_ranks_[rank_])) {
     stale_frame_pending_ = false;
     --sent_sequence;  // as a frame of an abandoned collective would arrive
   }
+#endif
   const Clock::time_point deadline = Clock::now() + call_timeout_or(timeout_);
   struct Outgoing {
     FrameHeader header;

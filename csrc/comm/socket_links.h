@@ -111,7 +111,9 @@ class SocketLinks {
   std::chrono::milliseconds timeout_;
   int failed_peer_ = -1;
   std::string broken_;  // why the links broke; empty while they work
-  bool stale_frame_pending_ = true;  // the test fault stale_link_frame (faults.h)
+#ifdef DDPKIT_TESTING
+  bool stale_frame_pending_ = true;  // testing/faults.h: stale_link_frame
+#endif
 };
 
 }  // namespace ddpkit::comm

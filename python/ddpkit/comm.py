@@ -244,11 +244,6 @@ def reset_comm_counters() -> None:
     torch.ops.ddpkit.reset_comm_counters()
 
 
-def time_engine_loop(numel: int, iterations: int, stage: str, group: Optional[dist.ProcessGroup] = None) -> float:
-    """Seconds per call of ``stage`` ("lookup", "engine", "all_reduce", "all_reduce_unchecked") looped in C++
-    with no Python or dispatcher between calls: a benchmark of the engine's layers (csrc/comm/ops.h); a
-    collective, so every rank calls it with the same arguments."""
-    return torch.ops.ddpkit.time_engine_loop(numel, iterations, stage, group_name(group))
 
 
 def choose_algorithm(nbytes: int, world_size: int, shared_memory: bool = False, hierarchical: bool = False,

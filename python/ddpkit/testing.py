@@ -5,6 +5,11 @@ them; ``spawn`` is a one-shot pool. A failing rank's exception is re-raised in t
 remote traceback; on a failure or a timeout every worker is killed, so nothing is left behind.
 ``HostPool`` is a WorkerPool whose ranks run on simulated hosts: network and mount namespaces of
 this machine, each with a launcher of its own (``python -m ddpkit.testing host``).
+``time_engine_loop`` times the engine's layers in C++ loops; it needs a testing build (below).
+
+A testing build (``scripts/setup.sh``, the CMake option DDPKIT_TESTING) also carries the fault
+points the tests arm with DDPKIT_TEST_FAULT and the host split of DDPKIT_TEST_HOSTS
+(csrc/testing/faults.h); ``pip install .`` builds the release library without any of them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,23 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+
+def is_testing_build() -> bool:
+    """Whether the installed extension carries the test hooks (the CMake option DDPKIT_TESTING)."""
+    from . import _C  # noqa: F401  (registers the op libraries)
+    return hasattr(torch.ops.ddpkit_testing, "time_engine_loop")
+
+
+def time_engine_loop(numel: int, iterations: int, stage: str, group: Optional[dist.ProcessGroup] = None) -> float:
+    """Seconds per call of ``stage`` ("lookup", "engine", "all_reduce", "all_reduce_unchecked") looped in C++
+    with no Python or dispatcher between calls: a benchmark of the engine's layers
+    (csrc/testing/engine_loop.cpp); a collective, so every rank calls it with the same arguments."""
+    if not is_testing_build():
+        raise RuntimeError("ddpkit.testing.time_engine_loop needs a testing build of ddpkit (scripts/setup.sh, "
+                           "or pip install -C cmake.define.DDPKIT_TESTING=ON --no-build-isolation .)")
+    from .comm import group_name
+    return torch.ops.ddpkit_testing.time_engine_loop(numel, iterations, stage, group_name(group))
 
 
 class RemoteTraceback(Exception):

@@ -1,4 +1,4 @@
-#include "comm/faults.h"
+#include "testing/faults.h"
 
 #include <csignal>
 #include <cstdlib>
@@ -6,7 +6,7 @@
 
 #include <unistd.h>
 
-namespace ddpkit::comm::faults {
+namespace ddpkit::testing {
 namespace {
 
 struct Armed {
@@ -31,13 +31,13 @@ const Armed& configured() {
 
 }  // namespace
 
-bool armed(std::string_view fault, int rank) {
+bool fault_armed(std::string_view fault, int rank) {
   const Armed& set = configured();
   return set.rank == rank && set.fault == fault;
 }
 
-void die_if_armed(std::string_view fault, int rank) {
-  if (armed(fault, rank)) kill(getpid(), SIGKILL);
+void die_if_fault_armed(std::string_view fault, int rank) {
+  if (fault_armed(fault, rank)) kill(getpid(), SIGKILL);
 }
 
 std::string test_host() {
@@ -55,4 +55,4 @@ std::string test_host() {
   return labels.substr(start, labels.find(',', start) - start);
 }
 
-}  // namespace ddpkit::comm::faults
+}  // namespace ddpkit::testing

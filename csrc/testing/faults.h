@@ -1,7 +1,6 @@
 #pragma once
 // Test-only fault injection: DDPKIT_TEST_FAULT=<fault>:<rank> makes that rank fail at a chosen point
-// that no test could otherwise hit at the right moment. Read once per process; unset (always, outside
-// the tests) it costs one load of a flag.
+// that no test could otherwise hit at the right moment. Read once per process.
 //  die_at_hello, die_at_offer, die_at_map, die_at_verdict: the rank SIGKILLs itself at that step of
 //    the shared-memory set-up (Note [Shared-memory segment]): before sending its hello; rank 0 after
 //    creating the segment, before offering it; after mapping it, before answering; rank 0 after the
@@ -24,18 +23,39 @@
 // hosts, in every group. The tests of real
 // hosts use network and mount namespaces instead (tests/test_multihost.py).
 
+//
+// All of it exists only in a testing build (the CMake option DDPKIT_TESTING, which scripts/setup.sh
+// turns on for the test suite and the benchmarks). The call sites use the macros below, which a
+// release build (`pip install .`) reduces to constants, so that no fault point, fault name or test
+// variable reaches the shipped library (scripts/check_release_strings.sh builds one and checks).
+
 #include <string>
+
+#ifdef DDPKIT_TESTING
+
 #include <string_view>
 
-namespace ddpkit::comm::faults {
+namespace ddpkit::testing {
 
 // True when DDPKIT_TEST_FAULT names `fault` for `rank`.
-bool armed(std::string_view fault, int rank);
+bool fault_armed(std::string_view fault, int rank);
 
 // SIGKILLs this process when DDPKIT_TEST_FAULT names `fault` for `rank`.
-void die_if_armed(std::string_view fault, int rank);
+void die_if_fault_armed(std::string_view fault, int rank);
 
 // This process's label in DDPKIT_TEST_HOSTS (by its RANK), or "" when either is unset.
 std::string test_host();
 
-}  // namespace ddpkit::comm::faults
+}  // namespace ddpkit::testing
+
+#define DDPKIT_FAULT_ARMED(fault, rank) (::ddpkit::testing::fault_armed((fault), (rank)))
+#define DDPKIT_DIE_IF_FAULT_ARMED(fault, rank) (::ddpkit::testing::die_if_fault_armed((fault), (rank)))
+#define DDPKIT_TEST_HOST() (::ddpkit::testing::test_host())
+
+#else
+
+#define DDPKIT_FAULT_ARMED(fault, rank) false
+#define DDPKIT_DIE_IF_FAULT_ARMED(fault, rank) ((void)0)
+#define DDPKIT_TEST_HOST() std::string()
+
+#endif
