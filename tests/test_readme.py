@@ -13,12 +13,17 @@ The markers are HTML comments on the line right above a block's fence (GitHub do
 
 A Python block whose first line is ``# Save as NAME.py and run: COMMAND`` runs as that line says; any
 other Python block runs as a script in one process.
+
+Besides: every relative link leads to a file and heading that exist, and every figure of the README's
+results table is the one its benchmarks/results/ file holds.
 """
 
+import json
 import os
 import re
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,6 +35,7 @@ from ddpkit.training.train import parse_args
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+README = (REPO / "README.md").read_text()
 LANGUAGES = {"python", "bash", "text"}
 SAVE_AS = re.compile(r"# Save as (?P<name>\w+\.py) and run: (?P<command>.+)")
 # Each one hides commands from the suite: raising this needs a reason that a reviewer accepts.
@@ -193,3 +199,83 @@ def test_training_commands_do_not_resume_each_others_runs():
             runs.setdefault(config.out_dir, set()).add(repr(config))
     assert len(runs) >= 3, runs
     assert {out: configs for out, configs in runs.items() if len(configs) > 1} == {}
+
+
+def anchors(doc: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.DOTALL)  # a '#' in a code block is no heading
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda doc: str(doc.relative_to(REPO)))
+def test_links_lead_somewhere(doc):
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (doc.parent / path).resolve() if path else doc
+        assert linked.is_file(), f"{doc.name}: {target}"
+        assert not anchor or anchor in anchors(linked), f"{doc.name}: {target}: no such heading"
+
+
+def results_table_rows() -> dict[str, list[str]]:
+    """The README's results, each row's figures as benchmarks/results/*.json give them today."""
+    def load(name):
+        return json.loads((REPO / "benchmarks" / "results" / name).read_text())
+
+    def spread(unit, digits, middle, low, high):
+        scale = {"s": 1, "ms": 1e3}[unit]
+        return f"{middle * scale:.{digits}f} {unit} [{low * scale:.{digits}f}, {high * scale:.{digits}f}]"
+
+    training = load("training.json")
+    runs = {r["candidate"]: r for r in training["records"]}
+    epochs = {name: [e["epoch_time_s"] for e in runs[name]["epochs"]] for name in ("ddpkit", "torch")}
+    allreduce = {r["candidate"]: r for r in load("allreduce.json")["records"]
+                 if r["kind"] == "time" and r["world_size"] == 2 and r["numel"] == 1_000_000}
+    ddp = load("ddp.json")
+    steps = {(r["model"], r["candidate"]): r for r in ddp["records"] if r["accumulation"] == 1}
+    stack = load("torch_stack.json")
+    fsdp = {r["candidate"]: r for r in stack["records"] if r["workload"] == "fsdp2" and r["world_size"] == 2}
+    syncbn = [r["ratio"] for r in load("syncbn.json")["records"] if r["world_size"] == 2 and "ratio" in r]
+    return {
+        "training, Fashion-MNIST, 15 epochs": [
+            *(spread("s", 1, statistics.median(e), min(e), max(e)) for e in epochs.values()),
+            f"{training['summary']['epoch_time_ratio']:.2f}"],
+        "the same runs: final test accuracy": [
+            *(f"{runs[name]['final_test_accuracy'] * 100:.2f} %" for name in ("ddpkit", "torch")),
+            f"{training['summary']['accuracy_difference_pp']:.2f} points"],
+        "all-reduce of 1M floats": [
+            *(spread("ms", 2, r["median_s"], r["p25_s"], r["p75_s"]) for r in (allreduce["ddpkit"], allreduce["gloo"])),
+            f"{allreduce['ddpkit']['median_s'] / allreduce['gloo']['median_s']:.2f}"],
+        **{f"DDP step, {label}": [
+            *(spread("ms", digits, r["median_step_s"], r["p25_step_s"], r["p75_step_s"])
+              for r in (steps[model, "ddpkit"], steps[model, "torch"])),
+            f"{ddp['summary'][f'ddpkit {model} acc=1']['time_ratio']:.2f}"]
+           for model, label, digits in (("net", "template Net", 1), ("resnet18", "ResNet-18", 0))},
+        "torch's FSDP2 step": [
+            *(spread("ms", 0, r["median_step_s"], r["p25_step_s"], r["p75_step_s"])
+              for r in (fsdp["ddpkit"], fsdp["gloo"])),
+            f"{stack['summary']['fsdp2 n=2: ddpkit/gloo time']:.2f}"],
+        "SyncBatchNorm forward+backward": [f"{min(syncbn):.2f} to {max(syncbn):.2f}"],
+    }
+
+
+def test_the_readme_results_are_the_committed_results():
+    """Every figure of the README's results table is the committed benchmarks/results/ file's, rounded as
+    shown: after a new benchmark run this fails, showing the row to update."""
+    table = [line for line in README.splitlines() if line.startswith("| ")]
+    for label, figures in results_table_rows().items():
+        rows = [row for row in table if row.startswith(f"| {label}")]
+        assert len(rows) == 1, f"the README's results table has no row '{label}'"
+        cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+        assert [figure for figure in figures if not any(cell.startswith(figure) for cell in cells)] == [], rows[0]
+    assert f"commit `{results_commit()}`" in README, "the README names the commit of its results"
+
+
+def results_commit() -> str:
+    """The one commit the README's results were measured at."""
+    commits = {json.loads((REPO / "benchmarks" / "results" / name).read_text())["environment"]["git_commit"]
+               for name in ("training.json", "allreduce.json", "ddp.json", "torch_stack.json", "syncbn.json")}
+    assert len(commits) == 1, f"the README's results come from several commits: {commits}"
+    return commits.pop()[:7]
