@@ -41,9 +41,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist

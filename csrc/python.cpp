@@ -26,9 +26,9 @@ namespace py = pybind11;
 namespace {
 
 // Note [Eager calls past the dispatcher]
-// A Python call of torch.ops.ddpkit.all_reduce_ spends about 2 us in argument parsing and the
-// dispatcher before the kernel runs, as long as the whole all-reduce of 1k floats between two ranks
-// (Note [Where a small all-reduce's time goes]). ddpkit.all_reduce therefore calls the kernel
+// A Python call of torch.ops.ddpkit.all_reduce_ spends as long in argument parsing and the
+// dispatcher as the whole all-reduce of 1k floats between two ranks takes (bench_latency.py's
+// layers, Note [Where a small all-reduce's time goes]). ddpkit.all_reduce therefore calls the kernel
 // directly when nothing the dispatcher would do applies: a plain CPU torch.Tensor (not a subclass,
 // no Python or functionalization key, no conjugate or negative bit, not an inference tensor) that
 // does not require grad, with no torch function mode, no dispatch mode and no thread-local dispatch
@@ -37,8 +37,9 @@ namespace {
 // in-place write. Anything else takes the op, which stays the one definition: the same kernel,
 // checks and errors; torch.compile never sees this function (ddpkit.comm registers a substitute
 // for it, Note [Collectives under torch.compile]). The binding itself is a plain CPython
-// function reading its strings in place: at world size 1 (no communication) it takes 0.35 us a
-// call where pybind11's took 0.46 us, and the whole ddpkit.all_reduce 0.98 us where it took 1.14 us.
+// function reading its strings in place, which cost less per call than pybind11's overload
+// dispatch and string casters did for the same function (bench_latency.py's Python layers show
+// what the binding costs now).
 bool eager_all_reduce_applies(PyObject* object) {
   if (!THPVariable_CheckExact(object)) return false;
   const at::Tensor& tensor = THPVariable_Unpack(object);
@@ -85,9 +86,9 @@ PyObject* all_reduce_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize
 // SyncBatchNorm's forward calls ddpkit::sync_batch_norm through the dispatcher's typed handle from
 // this binding rather than through torch.ops: the dispatcher still runs every key (autograd,
 // autocast, dispatch modes, functorch, the profiler's record), only torch.ops' boxing of the ten
-// Python arguments into IValues and of the four outputs back is skipped. Forward+backward of
-// ddpkit.SyncBatchNorm on a (16, 128) float32 batch, one thread, no group (2-vCPU VM): 56.6-56.9 us
-// through torch.ops, 48.6-49.4 us through this binding, torch's BatchNorm1d 57.8-59.2. Tensor
+// Python arguments into IValues and of the four outputs back is skipped, which brought a small
+// layer's forward+backward below torch's BatchNorm1d (bench_syncbn.py's ddpkit_local against
+// torch_bn_local at world size 1). Tensor
 // subclasses and torch function modes, which torch.ops hands to __torch_function__, and arguments of
 // other types than the module passes take the op (the binding returns None).
 PyObject* sync_batch_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
@@ -140,8 +141,7 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("gloo"), py::arg("gloo_p2p"),
            "See Note [The ddpkit backend] in csrc/backend/backend.h; made by ddpkit.backend's creator.");
-  // A plain CPython function (METH_FASTCALL), not pybind11's: pybind11's overload dispatch and its
-  // std::string casters took 0.12 us more per call (Note [Eager calls past the dispatcher]).
+  // A plain CPython function (METH_FASTCALL), not pybind11's (Note [Eager calls past the dispatcher]).
   static PyMethodDef all_reduce_eager_def = {
       "all_reduce_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_reduce_eager)), METH_FASTCALL,
       "all_reduce_eager(tensor, op, algorithm, group_name, transport) -> bool: ddpkit::all_reduce_'s kernel called "

@@ -1119,7 +1119,7 @@ def test_two_torchrun_launchers_as_two_nodes_with_the_ddpkit_backend(tmp_path):
 # --- a backend per device, and torch's debug wrapper ---------------------------------------------
 
 def case_per_device_backend():
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     ddpkit.reset_comm_counters()
     x = values(rank, (1001,), salt=71)
     dist.all_reduce(x)

@@ -222,7 +222,7 @@ def subgroup_inputs(numel):
 def case_message_counts(numel):
     """What each algorithm sends over shared memory: the direct paths no messages at all, the ring
     n-1 messages of one block per rank (Note [All-gather and reduce-scatter])."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    world_size = dist.get_world_size()
     out = {}
     for algorithm in algorithms_for("shm"):
         ddpkit.reset_comm_counters()
@@ -696,7 +696,7 @@ def test_barrier_waits_for_the_last_rank(pool, world_size, group_ranks, checked,
 
 
 def test_nothing_left_in_dev_shm(pool):
-    """A fresh group's segment is unlinked as soon as every rank has mapped it, while still in use."""
+    """A fresh group's segment (an anonymous memfd) leaves no name in /dev/shm, while in use or after."""
     before = ddpkit_segments()
     results = pool(3).run(case_fresh_group_segments)
     for seen in results:

@@ -41,7 +41,7 @@ def reference(world_size, numel, op, **kwargs):
 # --- cases that run on every rank ----------------------------------------------------------------
 
 def case_all_reduce(numels, ops, integer):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     results = {}
     for algorithm in ALGORITHMS:
         for numel in numels:
@@ -54,7 +54,7 @@ def case_all_reduce(numels, ops, integer):
 
 
 def case_dtypes():
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = {}
     for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64):
         for algorithm in ALGORITHMS:

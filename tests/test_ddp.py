@@ -1,6 +1,5 @@
 """ddpkit.DistributedDataParallel against single-process training, on real gloo groups."""
 
-import copy
 
 import pytest
 import torch
@@ -198,7 +197,7 @@ def case_buffers_resync_each_forward():
 
 
 def case_unused_parameters(algorithm):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     model = UnusedBranchNet()
     ddp = ddpkit.DistributedDataParallel(model, algorithm=algorithm, bucket_cap_mb=0.0001,
                                          first_bucket_cap_mb=0.0001)

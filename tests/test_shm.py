@@ -6,7 +6,6 @@ bits); the direct all-reduce's checks, chunking, transport selection, concurrenc
 threads, and the promise that nothing is ever in /dev/shm.
 """
 
-import os
 import threading
 import time
 from pathlib import Path

@@ -12,7 +12,6 @@ or fails otherwise, the table is out of date). The whole suite on both backends:
 from __future__ import annotations
 
 import importlib.util
-import importlib.util
 import json
 import subprocess
 import sys

@@ -570,9 +570,10 @@ Communicator cross_communicator(const Hierarchy& h, const Communicator& comm) {
   return Communicator(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
 }
 
-// The part of a frame across two hosts reduced at a time while the rest arrives. Two simulated hosts
-// x 1 rank, against reducing once everything is in: 1M floats 3.76 against 4.09 ms unshaped and
-// 34.5 against 34.9 ms at 1 Gbit/s, 16M floats 46.3 against 47.8 ms (1 MiB parts: 4.14 and 45.9 ms).
+// The part of a frame across two hosts reduced at a time while the rest arrives: reducing parts as
+// they land beat reducing once everything is in, unshaped and at 1 Gbit/s, and 256 KiB parts beat
+// 1 MiB ones at 1M floats while tying at 16M (bench_multihost.py's 2x1 points, the part size
+// changed by hand).
 constexpr int64_t kSwapStepBytes = 256 << 10;
 
 // The steps across two hosts (h.cross_size == 2) move over the socket links (Note [Socket links]):
@@ -1068,9 +1069,9 @@ void cross_host_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hier
 
 // The blocks of `flat` (cross_size blocks of m bytes, this rank's at its cross rank) of every rank
 // `h.cross` spans, into every rank's `flat`: between two hosts a swap of the blocks over the socket
-// link, else ddpkit's ring all-gather on the cross subgroup (of 16M floats across two simulated
-// hosts, that ring over gloo's messages took 0.4x the time of gloo's all-gather, 51 against 128 ms
-// at 2x2 ranks, 28 against 75 ms at 2x1).
+// link, else ddpkit's ring all-gather on the cross subgroup, which over gloo's messages took well
+// under half the time of gloo's own all-gather (bench_multihost.py's all_gather_into_tensor at 16M
+// floats).
 void cross_host_all_gather(const at::Tensor& flat, int64_t m, const Hierarchy& h, Communicator& comm) {
   if (h.cross_size == 1 || m == 0) return;
   across_hosts(h, comm, [&] {

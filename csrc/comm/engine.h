@@ -48,10 +48,10 @@ namespace ddpkit::comm {
 // torch.inference_mode() into inference tensors, and both raise on a thread with the defaults) and
 // its checked mode (Note [Collective checks]): a rank that turns the checks off while its
 // asynchronous collectives are queued still runs those as its peers, which ran them at once, did.
-// Not the whole at::ThreadLocalState, as gloo's work takes: with it a 1k-float asynchronous
-// all-reduce at 2 ranks took 17.4 us against 14.6 without (medians of 12 and 13 interleaved runs,
-// 2-vCPU VM), with these two no more than without; and Python's dispatch and function modes
-// belong to the issuing thread, whose own calls they see.
+// Not the whole at::ThreadLocalState, as gloo's work takes: copying it cost a 1k-float asynchronous
+// all-reduce at 2 ranks a fifth of its time, these two fields nothing measurable (an interleaved
+// loop of async_op=True all-reduces, the two builds alternated); and Python's dispatch and function
+// modes belong to the issuing thread, whose own calls they see.
 
 // Note [Where a small all-reduce's time goes]
 // benchmarks/bench_latency.py loops each layer of ddpkit.all_reduce's call path back to back: the

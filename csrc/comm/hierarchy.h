@@ -75,8 +75,7 @@ namespace ddpkit::comm {
 // header, its host's culprit with that culprit's header, the rank its host lost); once all are in,
 // the center answers each with every partner's words, so every rank compares every host's headers
 // after two one-way messages. The round runs over the partners' socket links (Note [Socket links]),
-// not gloo's send/recv: between two simulated hosts a ping-pong took 0.06 ms there against gloo's
-// 0.16-0.29 ms, and left gloo's next all-reduce as fast as alone. Up to kOneRoundMaxBytes of data ride in the same messages, after the words, so that a small
+// not gloo's send/recv, for the reasons of that Note. Up to kOneRoundMaxBytes of data ride in the same messages, after the words, so that a small
 // collective crosses hosts once, check included: for the all-reduce each partner sends its host's
 // result (the host's all-reduce runs between the check's step and the round) and the center answers
 // with the hosts' results reduced in host order (the same bits everywhere); the reduce and the
@@ -90,8 +89,8 @@ namespace ddpkit::comm {
 // rank failed.
 
 // Buffers the hierarchical collectives of one group reuse from call to call, so that a large
-// collective does not fault in fresh pages each time: filling a fresh 64 MB buffer took 21 ms on the
-// 2-vCPU VM, a reused one 5 ms. Only that group's collectives use them, one at a time (the engine's
+// collective does not fault in fresh pages each time (filling a fresh 64 MB buffer took several
+// times as long as filling a reused one). Only that group's collectives use them, one at a time (the engine's
 // order), and never past the collective's end. Slots 0 and 1 hold a collective's own steps; kFromPeer
 // what the other host sends in a step across two hosts, which may reduce into either of them.
 class ScratchBuffers {

@@ -34,7 +34,7 @@ void meta_collective_op(std::string_view collective, const at::Tensor& tensor, s
 
 void set_collective_checks_op(bool enabled);
 bool collective_checks_enabled_op();
-// [collectives, messages sent, bytes sent] since the last reset, for this process.
+// [collectives, messages sent, bytes sent, peak buffered bytes] since the last reset, for this process.
 std::vector<int64_t> comm_counters_op();
 void reset_comm_counters_op();
 std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory, bool hierarchical,

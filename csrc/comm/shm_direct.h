@@ -22,15 +22,15 @@ namespace ddpkit::comm {
 //     the peers reduce. Per rank: (n-1)/n of the chunk copied in, one reduce pass over 1/n of it
 //     from n sources, (n-1)/n copied out. At n=2 that is 4 chunk-sized memory passes per rank
 //     against the whole-chunk path's 5; it costs a second barrier per chunk, which only matters
-//     for small chunks: the whole path is kept up to n·bytes = 128 KiB (measured on the 2-vCPU VM,
-//     16M floats: n=2 8.2 ms sliced vs 12.1 ms whole, n=4 31 vs 52 ms; 100k-1M no worse), where
-//     ranks sleep in their waits (more ranks than CPUs: a barrier is a futex wake-up, n=3 and 4 at
-//     1k floats 44-50 us sliced vs 25 us whole). Two ranks that spin pass a barrier in a fraction
-//     of a microsecond, and there the sliced path wins from n·bytes = 4 KiB on: 1.92 vs 2.17 us at
-//     1k floats, 7.1 vs 8.1 us at 10k, 10.4 vs 12.2 us at 16k, equal at 256 floats, whole ahead
-//     at 64 (same processes, two groups interleaved, 2-vCPU VM); such pairs keep the whole path up
-//     to 2 KiB. More ranks that spin were not measured (a machine with more CPUs than this VM's 2)
-//     and keep 128 KiB.
+//     for small chunks: the whole path is kept up to n·bytes = 128 KiB where ranks sleep in their
+//     waits (more ranks than CPUs: a barrier is a futex wake-up, and the second barrier doubled a
+//     1k-float call at n=3 and 4), while the sliced path is the faster one from 100k floats on at
+//     every n (bench_allreduce.py on 2 cores, DDPKIT_SHM_WHOLE_BYTES moving the threshold). Two
+//     ranks that spin pass a barrier in a fraction of a microsecond, and there the sliced path wins
+//     from n·bytes = 4 KiB on and ties at 1 KiB (n=2, 64 to 16k floats, the two paths as two groups
+//     of the same processes, interleaved: a probe, not a committed benchmark); such pairs keep the
+//     whole path up to 2 KiB. More ranks that spin were not measured when this was decided and keep 128 KiB; the
+//     16-core grid (allreduce_16core.json) is where to re-decide it.
 // Each step alternates between the rank's two slots; a rank writes slot s again only two steps
 // later, after passing the next step's barrier, i.e. after every peer has finished reading it.
 // Every rank takes the same number of steps per collective (the numel is checked on the first), so

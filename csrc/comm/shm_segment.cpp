@@ -46,9 +46,10 @@ void shm_detail::futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int 
 
 namespace {
 
-// Small enough that a chunk is still in cache when peers reduce it and when it is copied out (a 2-vCPU
-// EPYC VM, 16M floats at n=2: 256 KiB slots ran 11 ms, 1 MiB 29 ms, 4 MiB 33 ms); the extra steps
-// cost a barrier each, about a microsecond when the ranks have cores.
+// Small enough that a chunk is still in cache when peers reduce it and when it is copied out: 256
+// KiB slots ran 16M floats at n=2 in under half the time of 1 and 4 MiB ones (bench_allreduce.py with
+// DDPKIT_SHM_SLOT_BYTES); the extra steps cost a barrier each, about a microsecond when the ranks
+// have cores.
 constexpr int64_t kSlotBytes = 256 << 10;
 // Note [Direct all-reduce]; DDPKIT_SHM_WHOLE_BYTES overrides both.
 constexpr int64_t kDirectWholeBytes = 128 << 10;

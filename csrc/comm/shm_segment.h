@@ -92,8 +92,8 @@ namespace ddpkit::comm {
 // rank records its CPU as it starts a wait) yields from the first check on: the scheduler sometimes
 // keeps two ranks on one CPU for a while although another CPU is there (a fresh pair of processes
 // that started on one CPU, or ranks that gloo's socket wake-ups left on one), and each wait's
-// 30 us spin then only kept the peer it waited for off the CPU (n=2 pinned to one CPU: 70 us per
-// 1k-float all-reduce; 11 us yielding at once). Sleeps are bounded (kLivenessMillis): each timeout
+// spin then only kept the peer it waited for off the CPU (n=2 pinned to one CPU: yielding at once
+// made a 1k-float all-reduce several times faster, measured by hand with taskset). Sleeps are bounded (kLivenessMillis): each timeout
 // checks that the peers still live (their pid in /proc, zombies counting as dead) and the group's
 // timeout, so a peer killed in the middle of a collective is reported within a fraction of a
 // second, naming it.

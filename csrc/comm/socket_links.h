@@ -14,11 +14,10 @@ namespace ddpkit::comm {
 
 // Note [Socket links]
 // The check across hosts (Note [One round across hosts]) is a ping-pong of a few hundred bytes. Over
-// gloo's send/recv it took 0.16-0.29 ms between two simulated hosts, and gloo's own all-reduce right
-// after any gloo point-to-point round took another 0.2-0.6 ms longer than alone (gloo's pairs hand
-// late sends to their device thread). The same ping-pong over a plain TCP connection, blocking on
-// the caller's thread, took 0.06 ms, and gloo's all-reduce after it ran as fast as alone (100k
-// floats: 0.88 against 0.78 ms, within the noise; after gloo's ping-pong 1.77). So the ranks of a
+// gloo's send/recv it took several times as long as over a plain TCP connection blocking on the
+// caller's thread, and it slowed gloo's own next all-reduce (gloo's pairs hand late sends to their
+// device thread), where the plain connection left it as fast as alone (a ping-pong probe between
+// two simulated hosts; bench_multihost.py's small all-reduces across hosts are what it serves). So the ranks of a
 // cross subgroup (Hierarchy::cross) keep one TCP connection per pair for the check's round, and
 // between two hosts for every step across hosts too (Note [Hierarchical collectives]); among more
 // hosts the data steps stay on gloo.

@@ -125,9 +125,9 @@ const c10::TypedOperatorHandle<BackwardFn>& backward_op() {
 // The Autograd kernel records one node of its own, as torch's generated code does for its ops
 // (NativeBatchNormBackward0), rather than a torch::autograd::Function: a CppNode checks and wraps
 // every one of the op's 11 arguments and 3 outputs and keeps its state in a map keyed by strings.
-// Forward+backward of a (16, 128) float32 batch, one thread, no group (2-vCPU VM): the op 57.7 us
-// as a Function, 46.0-46.8 us with this node, torch's F.batch_norm 48.6-49.1; the module 70.0 us,
-// now 55.5-56.9, BatchNorm1d 57.9-58.3.
+// The node is what let a small layer's forward+backward match torch's F.batch_norm (bench_syncbn.py,
+// ddpkit_local against torch_bn_local at world size 1); the Function's wrapping cost more than the
+// pass itself on such a layer.
 // Edges 0, 1 and 2 are input, weight and bias (an empty edge for an absent or frozen one). Only
 // `output` has this node as its grad_fn; mean and invstd are computed below autograd and carry no
 // gradient, so the node's one input is output's gradient, which an undefined tensor may stand for:

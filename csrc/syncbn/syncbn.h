@@ -7,9 +7,10 @@
 // needs a gradient. Nothing else communicates: eval mode, `group_name` = None (a rank on its own)
 // and weight/bias-only backward passes use local values only. Every rank of the group must make
 // the same calls with the same `training`, `algorithm` and channel count; ranks may hold
-// different batch sizes, empty ones included. A rank that rejects its own arguments raises before
-// communicating (its peers then wait for the group's timeout); errors that depend on the global
-// batch (a single value per channel) are raised after the all-reduce, on every rank alike.
+// different batch sizes, empty ones included. A rank that rejects its own arguments takes part in
+// the pass's all-reduce as a rank that rejects (Note [Collective checks]), so that every rank of the
+// group raises at once, then raises its own error; errors that depend on the global batch (a single
+// value per channel) are raised after the all-reduce, on every rank alike.
 //
 // Both ops run synchronously on the calling thread; the all-reduce waits for all ranks.
 

@@ -68,7 +68,11 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
 
 
 # The default group whose name group_name() keeps, and that name.
-_default_group: Callable[[], Optional[dist.ProcessGroup]] = lambda: None
+def _no_default_group() -> Optional[dist.ProcessGroup]:
+    return None
+
+
+_default_group: Callable[[], Optional[dist.ProcessGroup]] = _no_default_group
 _default_group_name = ""
 
 

@@ -100,9 +100,9 @@ class SyncBatchNorm(_BatchNorm):
     for the global batch. ``weight``/``bias`` gradients are this rank's, as with
     ``torch.nn.SyncBatchNorm``: averaging them across ranks (DDP) gives the global batch's gradient.
 
-    ``torch.compile``: the op has fake (meta) kernels, so a model holding this layer compiles and
-    runs; with a process group the op's fourth output (the global number of values per channel) is
-    only known after the all-reduce, so the compiled graph treats it as a data-dependent size.
+    ``torch.compile``: a model holding this layer compiles, runs and gives eager's results; each
+    layer's op runs eagerly at a graph break, between compiled graphs (Note [SyncBatchNorm under
+    torch.compile] in this file says why).
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
