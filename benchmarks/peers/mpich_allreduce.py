@@ -80,7 +80,7 @@ def main() -> None:
                       "max_abs_error_of_mean": error, "library": library.splitlines()[0]}
             with args.out.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        del base, buf
+        base = buf = None  # frees them before the next size (the closures above hold their cells)
 
 
 if __name__ == "__main__":
