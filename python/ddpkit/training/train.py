@@ -138,7 +138,7 @@ class UsageError(ValueError):
 
 @dataclasses.dataclass
 class TrainConfig:
-    dataset: str = "cifar100"
+    dataset: str = "fashion_mnist"  # the one scripts/setup.sh installs
     data_root: Optional[str] = None
     download: bool = False
     model: str = "net"
@@ -701,15 +701,28 @@ class Trainer:
 
         Collective (``comm.resolved_transport``): every rank must call it."""
         transport = comm.resolved_transport()
-        transport_words = {"shm": "shared memory", "process_group": "the process group's send/recv"}
-        ddp = "ddpkit.DistributedDataParallel" if self.config.impl == "ddpkit" else \
-            "torch.nn.parallel.DistributedDataParallel"
+        transport = {"shm": "shared memory", "process_group": "the process group's send/recv"}.get(transport, transport)
+        backend = dist.get_backend()
+        if self.config.impl == "ddpkit":
+            ddp = "ddpkit.DistributedDataParallel"
+            collectives = f"ddpkit's collectives over {transport}"
+        else:
+            # torch's DDP goes through the process group, whatever its backend; ddpkit's own collectives
+            # serve the evaluation and the loss log.
+            ddp = "torch.nn.parallel.DistributedDataParallel"
+            collectives = (f"torch's DDP all-reduces gradients through the process group ({backend}); "
+                           f"evaluation and loss logs use ddpkit's collectives over {transport}")
+        # A run that --max-steps cuts short runs fewer epochs than --epochs asks for: say what will run.
+        epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        length = f"{self.total_steps} optimizer steps in {epochs} epoch{'' if epochs == 1 else 's'}"
+        if self.total_steps < self.steps_per_epoch * self.config.epochs:
+            length += (f" (--max-steps {self.config.max_steps} of --epochs {self.config.epochs}; "
+                       f"{self.steps_per_epoch} steps an epoch)")
         return (f"training {self.config.model} on {self.config.dataset} with {ddp} and {self.batch_norm}: "
                 f"micro-batch {self.micro_batch}/rank, accumulation {self.config.accumulation_steps}, global batch "
-                f"{self.global_batch}, {self.total_steps} optimizer steps in {self.config.epochs} "
-                f"epoch{'' if self.config.epochs == 1 else 's'}\n"
-                f"process group: backend {dist.get_backend()}, world size {self.world_size}, device "
-                f"{self.device.type}; ddpkit's collectives over {transport_words.get(transport, transport)}")
+                f"{self.global_batch}, {length}\n"
+                f"process group: backend {backend}, world size {self.world_size}, device "
+                f"{self.device.type}; {collectives}")
 
     def run(self) -> dict:
         """Trains to the end, writes the model and the metrics, and returns the metrics. A run whose
