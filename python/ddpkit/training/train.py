@@ -165,7 +165,7 @@ class TrainConfig:
     out_dir: Optional[str] = "runs/latest"
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: after every epoch only
     resume: bool = True
-    progress: bool = True
+    progress: Optional[bool] = None  # None: a bar only where stderr is a terminal
 
 
 # The settings a resumed run must share with its checkpoint; the others (paths, logging, evaluation
@@ -269,7 +269,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
                         help="continue from <out>/checkpoint.pt if it exists (--no-resume: start afresh and "
                              "overwrite it)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=defaults.progress,
-                        help="a progress bar per epoch on stderr")
+                        help="a progress bar per epoch on stderr (default: when stderr is a terminal)")
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
     if args.checkpoint_every < 0:
@@ -678,13 +678,15 @@ class Trainer:
                 _broadcast_tensors(list(self._module().buffers()), None)  # one broadcast per dtype
 
     def _progress_bar(self):
-        if self.rank != 0 or not self.config.progress:
+        if self.rank != 0 or self.config.progress is False:
             return None
         from tqdm import tqdm
         done_in_epoch = self.step - self.epoch * self.steps_per_epoch
         desc = f"{self.progress_label} epoch {self.epoch + 1}/{self.config.epochs}".lstrip()
         return tqdm(total=self.steps_per_epoch, initial=max(0, done_in_epoch), desc=desc,
-                    unit="step", leave=False, file=sys.stderr)
+                    unit="step", leave=False, file=sys.stderr,
+                    # A bar redrawn into a pipe or a log file turns into thousands of fragments.
+                    disable=None if self.config.progress is None else False)
 
     def summary(self) -> dict:
         peak = torch.tensor([float(_peak_rss_bytes())], dtype=torch.float64)
