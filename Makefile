@@ -8,10 +8,13 @@ PY := .venv/bin/python
 
 .PHONY: setup main test
 
+# `make setup` and `make test` install the test and report extras too (pytest, jupyter's kernel);
+# `make main` needs only matplotlib for its plot.
 setup:
-	bash scripts/setup.sh
+	bash scripts/setup.sh test,report
 
-main: setup
+main:
+	bash scripts/setup.sh plot
 	@echo "== main: ddpkit's and torch's training pipelines side by side (benchmarks/bench_training.py)"
 	$(PY) benchmarks/bench_training.py
 
