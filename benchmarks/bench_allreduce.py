@@ -734,7 +734,7 @@ def print_summary(records: list[Record], summary: dict) -> None:
     print("\nall-reduce of float32 vectors: median time per call of the slowest rank (p25, p75), against gloo")
     common.print_table(rows, ["world_size", "numel", "candidate", "median_s", "p25_s", "p75_s", "over_gloo",
                               "bus_bandwidth_GBps", "max_abs_error_of_mean", "reps", "cut_off", "status"],
-                       align_left={"candidate", "status"},
+                       align_left={"candidate", "status"}, keys=3,
                        headers={"world_size": "ranks", "numel": "floats", "median_s": "median", "p25_s": "p25",
                                 "p75_s": "p75", "over_gloo": "/gloo", "bus_bandwidth_GBps": "bus bandwidth",
                                 "max_abs_error_of_mean": "error of mean", "cut_off": ""},

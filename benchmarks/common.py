@@ -298,14 +298,19 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+TABLE_WIDTH = 100  # a terminal's or a log's width: wider tables are printed in parts
+
+
 def print_table(rows: Sequence[Union[Mapping, Record]], columns: list[str], *,
                 headers: Optional[Mapping[str, str]] = None, formats: Optional[Mapping[str, Callable[[Any], str]]] = None,
-                align_left: Iterable[str] = ()) -> None:
+                align_left: Iterable[str] = (), keys: int = 1, width: int = TABLE_WIDTH) -> None:
     """A plain fixed-width table on stdout, of dicts or records (a field a row lacks: blank).
 
     ``headers`` renames columns (default: the key), ``formats`` turns a column's values into text
     with their unit (``seconds``, ``mebibytes``, ``times``; default: 4 significant digits), and the
-    columns in ``align_left`` are aligned left (names), the others right (numbers).
+    columns in ``align_left`` are aligned left (names), the others right (numbers). A table wider
+    than ``width`` is printed as several, one under the other, each repeating the first ``keys``
+    columns (what names a row) before as many of the others as fit.
     """
     headers, formats, align_left = headers or {}, formats or {}, set(align_left)
     cells = []
@@ -315,13 +320,27 @@ def print_table(rows: Sequence[Union[Mapping, Record]], columns: list[str], *,
     titles = [headers.get(col, col) for col in columns]
     widths = [max(len(title), *(len(c[i]) for c in cells)) if cells else len(title) for i, title in enumerate(titles)]
 
-    def line(texts: Sequence[str]) -> str:
-        return "  ".join(text.ljust(w) if col in align_left else text.rjust(w)
-                         for col, text, w in zip(columns, texts, widths)).rstrip()
+    def line(indices: Sequence[int], texts: Sequence[str]) -> str:
+        return "  ".join(texts[i].ljust(widths[i]) if columns[i] in align_left else texts[i].rjust(widths[i])
+                         for i in indices).rstrip()
 
-    print(line(titles))
-    for row in cells:
-        print(line(row))
+    def span(indices: Sequence[int]) -> int:
+        return sum(widths[i] for i in indices) + 2 * (len(indices) - 1)
+
+    keys = min(keys, len(columns))
+    parts, part = [], list(range(keys))
+    for i in range(keys, len(columns)):
+        if len(part) > keys and span(part + [i]) > width:
+            parts.append(part)
+            part = list(range(keys))
+        part.append(i)
+    parts.append(part)
+    for number, part in enumerate(parts):
+        if number:
+            print()
+        print(line(part, titles))
+        for row in cells:
+            print(line(part, row))
 
 
 def _format(value: Any, format: Optional[Callable[[Any], str]] = None) -> str:

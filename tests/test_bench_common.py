@@ -55,6 +55,23 @@ def test_tables_print_values_with_their_units(capsys):
     assert [common.seconds(s) for s in (2e-6, 2e-3, 2.0)] == ["2.0 µs", "2.00 ms", "2.00 s"]
 
 
+def test_a_wide_table_is_printed_in_parts_that_fit_and_repeat_the_row_names(capsys):
+    columns = ["ranks", "candidate", *(f"column_{i}" for i in range(12))]
+    rows = [{"ranks": n, "candidate": name, **{f"column_{i}": 1000.0 * i for i in range(12)}}
+            for n in (2, 4) for name in ("ddpkit", "gloo")]
+    common.print_table(rows, columns, align_left={"candidate"}, keys=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= common.TABLE_WIDTH
+    parts = "\n".join(lines).split("\n\n")
+    assert len(parts) > 1
+    for part in parts:
+        header, *body = part.splitlines()
+        assert header.split()[:2] == ["ranks", "candidate"]
+        assert [row.split()[:2] for row in body] == [["2", "ddpkit"], ["2", "gloo"], ["4", "ddpkit"], ["4", "gloo"]]
+    shown = [title for part in parts for title in part.splitlines()[0].split()[2:]]
+    assert shown == columns[2:]  # every column once, in order
+
+
 def test_the_median_interval_is_the_binomial_one():
     assert common.median_interval(range(1, 11)) == (2, 9)  # n = 10: the 2nd and 9th of the sorted values
     assert common.median_interval([3, 1, 2]) == (1, 3)  # too few values for 95%: their whole range
