@@ -121,7 +121,7 @@ def pipelines(backend: str) -> dict[str, tuple[str, bool]]:
 FULL = {"epochs": 15, "limit_train": None}  # `--full`: the measured comparison the report shows
 SHORT = {"epochs": 3, "limit_train": 30000}  # the default (`make main`): under 10 minutes on 2 cores
 QUICK = {"epochs": 2, "limit_train": 4096}  # `--quick`: a smoke run
-BLOCK_STEPS = 20  # long enough that a turn's switch costs little, short enough for many pairs
+BLOCK_STEPS = 10  # long enough that a turn's switch costs little, short enough for many pairs close in time
 
 
 def main() -> None:
