@@ -161,6 +161,8 @@ def main() -> None:
         return
     if args.world_size < 2 or args.accumulation_steps < 2:
         parser.error("the comparison needs --world-size >= 2 and --accumulation-steps >= 2")
+    if args.block_steps < 1:
+        parser.error("--block-steps must be >= 1")
     try:
         args.dataset = dataset_name(args.dataset)
     except ValueError as error:
