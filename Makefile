@@ -8,13 +8,17 @@ PY := .venv/bin/python
 
 .PHONY: setup main test
 
+# `make setup` and `make test` install the test and report extras too (pytest, jupyter's kernel);
+# `make main` needs only matplotlib for its plot.
 setup:
-	bash scripts/setup.sh
+	bash scripts/setup.sh test,report
 
-main: setup
+main:
+	bash scripts/setup.sh plot
 	@echo "== main: ddpkit's and torch's training pipelines side by side (benchmarks/bench_training.py)"
 	$(PY) benchmarks/bench_training.py
 
 test: setup
-	@echo "== test: the whole suite (what CI runs)"
+	@echo "== test: ruff (pyproject.toml's [tool.ruff]), then the whole suite (what CI runs)"
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q --durations=30

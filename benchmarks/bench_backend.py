@@ -284,7 +284,7 @@ def print_summary(records: list[Record]) -> None:
     print("\ntorch.distributed's collectives on the ddpkit backend (backend) against gloo and against ddpkit's own "
           "function on the same group (ddpkit); median time per call of the slowest rank, float32")
     common.print_table(rows, ["collective", "world_size", "numel", *CANDIDATES, "backend_over_gloo",
-                              "backend_over_ddpkit"], align_left={"collective"},
+                              "backend_over_ddpkit"], align_left={"collective"}, keys=3,
                        headers={"world_size": "ranks", "numel": "floats", "backend_over_gloo": "backend/gloo",
                                 "backend_over_ddpkit": "backend/ddpkit"},
                        formats={**{candidate: common.seconds for candidate in CANDIDATES},

@@ -226,7 +226,7 @@ def print_summary(records: list[DdpRecord], reference: str) -> None:
     print(f"\nDDP step (forward + backward of every micro-batch + optimizer step; median of the slowest rank) against "
           f"{reference}; floor: the same steps without any gradient communication")
     common.print_table(rows, ["model", "accumulation", "candidate", "median_step_s", "p25_step_s", "p75_step_s",
-                              "time_ratio", "peak_memory_bytes", "memory_ratio"], align_left={"candidate"},
+                              "time_ratio", "peak_memory_bytes", "memory_ratio"], align_left={"candidate"}, keys=3,
                        headers={"median_step_s": "median step", "p25_step_s": "p25", "p75_step_s": "p75",
                                 "time_ratio": f"time/{reference}", "peak_memory_bytes": "peak memory",
                                 "memory_ratio": f"memory/{reference}"},

@@ -264,13 +264,13 @@ def main() -> None:
                          "cpu_busy": lambda share: f"{share:.0%}"}}
     common.print_table([r for r in records if isinstance(r, MultihostRecord)],
                        ["topology", "link", "numel", "candidate", "median_s", "ratio_to_gloo", "cpu_busy"],
-                       align_left=["topology", "link", "candidate"], **table)
+                       align_left=["topology", "link", "candidate"], keys=4, **table)
     others = [r for r in records if isinstance(r, MultihostCollectiveRecord)]
     if others:
         print()
         common.print_table(others, ["collective", "topology", "link", "numel", "candidate", "median_s",
                                     "ratio_to_gloo", "cpu_busy"], align_left=["collective", "topology", "link", "candidate"],
-                           **table)
+                           keys=5, **table)
     ddp = [r for r in records if isinstance(r, MultihostDdpRecord)]
     if ddp:
         print()

@@ -540,7 +540,7 @@ def print_summary(records: list[SyncBatchNormRecord], summary: dict, cuda: bool)
     print(f"\nSyncBatchNorm forward + backward per step (steps back to back, median of the slowest rank); baseline: "
           f"{baseline} at world size > 1, torch's BatchNorm at world size 1"
           + ("" if cuda else "; auto/(BN+2 gloo): against the older floor, BatchNorm plus two gloo all-reduces"))
-    print_table(rows, [c for c in columns if any(row.get(c) is not None for row in rows)],
+    print_table(rows, [c for c in columns if any(row.get(c) is not None for row in rows)], keys=3,
                 headers={"world_size": "ranks", "threads_per_rank": "threads", "t_ddpkit": "ddpkit auto",
                          "t_ddpkit_pg": "ddpkit process_group", "t_ddpkit_unchecked": "auto unchecked",
                          "ratio": "auto/baseline", "ratio_pg": "pg/baseline", "ratio_unchecked": "unchecked/baseline",

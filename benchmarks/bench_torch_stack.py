@@ -302,7 +302,7 @@ def print_summary(records: list[TorchStackRecord]) -> None:
           "each candidate alone")
     common.print_table(rows, ["workload", "ranks", "model", "batch", "gloo", "ddpkit", "ratio", "bar", "floor",
                               "floor_ratio", "gloo_mem", "ddpkit_mem", "mem_ratio", "diff"],
-                       align_left={"workload", "model", "bar"},
+                       align_left={"workload", "model", "bar"}, keys=2,
                        headers={"gloo": "gloo step", "ddpkit": "ddpkit step", "ratio": "ddpkit/gloo",
                                 "floor": "floor step", "floor_ratio": "floor/gloo",
                                 "gloo_mem": "gloo mem", "ddpkit_mem": "ddpkit mem", "mem_ratio": "mem ddpkit/gloo",

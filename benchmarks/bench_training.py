@@ -13,12 +13,17 @@ except ``--impl`` and ``--sync-bn``. The headline compares ``ddpkit`` (ddpkit's 
 torch.nn.SyncBatchNorm); on CPU, where torch has no SyncBatchNorm, both run plain BatchNorm, and a
 third pipeline, ``ddpkit_sync_bn`` (ddpkit's DDP with ddpkit.SyncBatchNorm), is its own row: the
 difference between it and ``ddpkit`` is the cost of synchronizing batch statistics. Each pipeline runs
-in its own pool of processes, kept alive across the run, and they alternate epoch by epoch (order
-rotating, ``common.interleave``) so that machine noise hits all alike. Reported: time per epoch
-(median, min and max over the epochs), peak memory (RSS, max over ranks), loss curve, test accuracy
-after every epoch; each record says which BatchNorm really ran (``batch_norm``). A progress bar
-follows each epoch; at the end a table compares the pipelines and a plot (loss curves, accuracy per
-epoch, epoch time, peak memory) is saved next to the results as a PNG.
+in its own pool of processes, kept alive across the run, and they take turns every ``--block-steps``
+optimizer steps (order rotating, ``common.interleave``): each block of steps is run by every pipeline
+one right after the other, on the same data, so that a slow spell of the machine falls on all alike.
+The headline ratio is the median over those blocks of ddpkit's time over torch's (the first block, the
+warm-up, left out), with its 95% confidence interval; the run also measures how much CPU other
+processes took meanwhile (``common.MachineLoad``), and says so when the interval includes 1.0 or the
+machine was loaded. Reported besides: time per epoch (median, min and max over the epochs, training
+only), peak memory (RSS, max over ranks), loss curve, test accuracy after every epoch; each record
+says which BatchNorm really ran (``batch_norm``). A progress bar follows each epoch where stderr is a
+terminal; at the end a table compares the pipelines and a plot (loss curves, accuracy per epoch, epoch
+time, peak memory) is saved next to the results as a PNG.
 
 Where results go: ``--full`` writes ``training.json`` (+ ``training.png``) to benchmarks/results/,
 the measured figures the report reads, ``--quick`` to benchmarks/results/quick/ (``$DDPKIT_RESULTS_DIR``
@@ -35,7 +40,6 @@ import json
 import math
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -63,17 +67,39 @@ def build(config: TrainConfig, label: str = "") -> dict:
     trainer.verbose = False  # the parent prints one line per epoch
     _state["trainer"] = trainer
     return {"notes": trainer.notes, "total_steps": trainer.total_steps, "global_batch": trainer.global_batch,
-            "batch_norm": trainer.batch_norm}
+            "batch_norm": trainer.batch_norm, "steps_per_epoch": trainer.steps_per_epoch}
 
 
-def epoch() -> dict:
+def block(until_step: int) -> dict:
+    """Trains up to optimizer step ``until_step`` (or the end of the epoch) and returns the training
+    time of those steps, without the evaluation, and the epoch's record where the epoch ended."""
     trainer = _state["trainer"]
-    first = len(trainer.history["steps"])
-    record = trainer.train_epoch()
-    steps = trainer.history["steps"][first:]
-    record["median_step_s"] = common.median(s["forward_s"] + s["backward_s"] for s in steps) if steps else None
-    record["mean_comm_wait_s"] = (sum(s.get("comm_wait_s", 0.0) for s in steps) / len(steps)) if steps else None
-    return record
+    before, first = trainer._epoch_time_s, trainer.step
+    record = trainer.train_epoch(until_step=until_step)
+    seconds = (record["epoch_time_s"] if record else trainer._epoch_time_s) - before
+    if record:
+        steps = [s for s in trainer.history["steps"] if s["epoch"] == record["epoch"]]
+        record["median_step_s"] = common.median(s["forward_s"] + s["backward_s"] for s in steps) if steps else None
+        record["mean_comm_wait_s"] = (sum(s.get("comm_wait_s", 0.0) for s in steps) / len(steps)) if steps else None
+    return {"steps": trainer.step - first, "seconds": seconds, "epoch": record}
+
+
+def block_ends(steps_per_epoch: int, total_steps: int, block_steps: int) -> list[int]:
+    """The optimizer steps at which the blocks end: each epoch cut into blocks of about ``block_steps``,
+    none across an epoch's end (where the evaluation runs)."""
+    ends = []
+    for start in range(0, total_steps, steps_per_epoch):
+        end = min(start + steps_per_epoch, total_steps)
+        count = max(1, round((end - start) / block_steps))
+        ends += [start + round(k * (end - start) / count) for k in range(1, count + 1)]
+    return ends
+
+
+def paired_ratios(mine: list[dict], theirs: list[dict]) -> list[float]:
+    """The time ratio of every block both pipelines ran (the same steps, one right after the other),
+    the first left out: it pays for the warm-up."""
+    return [a["seconds"] / b["seconds"] for a, b in zip(mine[1:], theirs[1:])
+            if a["steps"] == b["steps"] and b["seconds"] > 0]
 
 
 def finish() -> dict:
@@ -95,6 +121,7 @@ def pipelines(backend: str) -> dict[str, tuple[str, bool]]:
 FULL = {"epochs": 15, "limit_train": None}  # `--full`: the measured comparison the report shows
 SHORT = {"epochs": 3, "limit_train": 30000}  # the default (`make main`): under 10 minutes on 2 cores
 QUICK = {"epochs": 2, "limit_train": 4096}  # `--quick`: a smoke run
+BLOCK_STEPS = 10  # long enough that a turn's switch costs little, short enough for many pairs close in time
 
 
 def main() -> None:
@@ -122,7 +149,10 @@ def main() -> None:
     parser.add_argument("--results-dir",
                         help=f"default: {common.RESULTS_DIR} with --full, {common.QUICK_RESULTS_DIR} with --quick, "
                              f"else {common.REPO_ROOT / 'runs/main'} ($DDPKIT_RESULTS_DIR overrides the first two)")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    parser.add_argument("--block-steps", type=int, default=BLOCK_STEPS,
+                        help="optimizer steps per timed block: the pipelines take turns block by block")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                        help="no progress bars (default: bars only where stderr is a terminal)")
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="no PNG")
     parser.add_argument("--plot-from", metavar="JSON", help="only draw the plot of saved results (next to them)")
     args = parser.parse_args()
@@ -131,6 +161,8 @@ def main() -> None:
         return
     if args.world_size < 2 or args.accumulation_steps < 2:
         parser.error("the comparison needs --world-size >= 2 and --accumulation-steps >= 2")
+    if args.block_steps < 1:
+        parser.error("--block-steps must be >= 1")
     try:
         args.dataset = dataset_name(args.dataset)
     except ValueError as error:
@@ -142,17 +174,16 @@ def main() -> None:
         common.results_dir(args.quick) if args.full or args.quick else common.REPO_ROOT / "runs" / "main")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
 
-    runs_dir = Path(tempfile.mkdtemp(prefix="ddpkit-bench-training-"))
     candidates = pipelines(backend)
     configs = {name: TrainConfig(dataset=args.dataset, data_root=args.data_root, model=args.model, impl=impl,
                                  sync_bn=sync_bn, epochs=epochs, batch_size=args.batch_size,
                                  accumulation_steps=args.accumulation_steps, lr=args.lr, optimizer=args.optimizer,
-                                 seed=args.seed, limit_train=limit_train, out_dir=str(runs_dir / name), resume=False,
+                                 seed=args.seed, limit_train=limit_train, out_dir=None, resume=False,
                                  progress=args.progress, log_every=10**9)
                for name, (impl, sync_bn) in candidates.items()}
     width = max(map(len, configs))
     print(f"Training {args.model} on {args.dataset} ({limit_train or 'all'} training samples, {epochs} epochs) with "
-          f"{', '.join(configs)}: {args.world_size} processes each, epochs alternating between them"
+          f"{', '.join(configs)}: {args.world_size} processes each, taking turns every {args.block_steps} steps"
           + ("" if args.full else "; --full for the full-length comparison"), flush=True)
     pools = {name: WorkerPool(args.world_size, backend=backend, timeout=24 * 3600, group_timeout=1800)
              for name in configs}
@@ -160,18 +191,33 @@ def main() -> None:
     try:
         built = {name: pools[name].run(build, config, name.ljust(width))[0] for name, config in configs.items()}
 
-        def run_epoch(name: str) -> dict:
-            record = pools[name].run(epoch)[0]
-            print(f"[{time.monotonic() - started:7.0f}s] {name:{width}s} epoch {record['epoch'] + 1}/{epochs}: test "
-                  f"accuracy {100 * record['test_accuracy']:.2f}%, {record['epoch_time_s']:.1f}s", flush=True)
-            return record
+        first = built[next(iter(configs))]
+        ends = block_ends(first["steps_per_epoch"], first["total_steps"], args.block_steps)
+        done = {name: 0 for name in configs}  # blocks each pipeline has run
 
-        epochs_by_name = common.interleave(list(configs), epochs, run_epoch)
+        def run_block(name: str) -> dict:
+            result = pools[name].run(block, ends[done[name]])[0]
+            done[name] += 1
+            load.sample()
+            record = result["epoch"]
+            if record:
+                print(f"[{time.monotonic() - started:7.0f}s] {name:{width}s} epoch {record['epoch'] + 1}/{epochs}: "
+                      f"test accuracy {100 * record['test_accuracy']:.2f}%, {record['epoch_time_s']:.1f}s",
+                      flush=True)
+            return result
+
+        # Short blocks in turn, not whole epochs: a slow spell of the machine then falls on both
+        # pipelines of a pair, and the many pairs give the ratio an interval.
+        load = common.MachineLoad()
+        load.start()
+        blocks = common.interleave(list(configs), len(ends), run_block)
+        machine_load = load.stop()
         finals = {name: pools[name].run(finish)[0] for name in configs}
     finally:
         for pool in pools.values():
             pool.close()
     elapsed = time.monotonic() - started
+    epochs_by_name = {name: [b["epoch"] for b in results if b["epoch"]] for name, results in blocks.items()}
 
     records = []
     for name, config in configs.items():
@@ -185,6 +231,7 @@ def main() -> None:
             median_epoch_time_s=common.median(r["epoch_time_s"] for r in history),
             peak_rss_bytes=finals[name]["peak_rss_bytes"],
             loss_curve=finals[name]["losses"],
+            block_times_s=[b["seconds"] for b in blocks[name]], block_steps=[b["steps"] for b in blocks[name]],
         ))
     by_name = {record.candidate: record for record in records}
 
@@ -192,10 +239,11 @@ def main() -> None:
         mine, theirs = by_name[name], by_name["torch"]
         return {"accuracy_difference_pp": 100 * (mine.final_test_accuracy - theirs.final_test_accuracy),
                 "epoch_time_ratio": mine.median_epoch_time_s / theirs.median_epoch_time_s,
+                "time_ratio": common.ratio_spread(paired_ratios(blocks[name], blocks["torch"])),
                 "memory_ratio": mine.peak_rss_bytes / theirs.peak_rss_bytes}
 
     # The headline: ddpkit against torch on the same BatchNorm; ddpkit's SyncBatchNorm (CPU) beside it.
-    summary = {"batch_norm": by_name["ddpkit"].batch_norm, **compare("ddpkit")}
+    summary = {"batch_norm": by_name["ddpkit"].batch_norm, **compare("ddpkit"), "machine_load": machine_load}
     if "ddpkit_sync_bn" in by_name:
         summary["ddpkit_sync_bn_vs_torch"] = compare("ddpkit_sync_bn")
     path = common.write_results(
@@ -206,10 +254,13 @@ def main() -> None:
                   "candidates": {r.candidate: {"impl": r.impl, "sync_bn": r.sync_bn, "batch_norm": r.batch_norm}
                                  for r in records},
                   "headline": "ddpkit against torch, both with the same BatchNorm",
-                  "interleaving": "epochs alternate between the pipelines, order rotating"},
+                  "block_steps": args.block_steps,
+                  "interleaving": "the pipelines take turns every block_steps optimizer steps (none across an "
+                                  "epoch's end), order rotating; time_ratio: the median of the blocks' time "
+                                  "ratios, the first block left out, with its confidence interval"},
         records=records, summary=summary, directory=results_dir)
     print()
-    print_comparison(records, by_name)
+    print_comparison(records, by_name, summary)
     for note in sorted({note for record in records for note in record.notes}):
         print(f"note: {note}")
     print(f"training took {elapsed / 60:.1f} minutes; wrote {path}")
@@ -220,29 +271,39 @@ def main() -> None:
             print("no plot: matplotlib is missing (pip install -e '.[report]')")
 
 
-def print_comparison(records: list[TrainingRecord], by_name: dict) -> None:
+def print_comparison(records: list[TrainingRecord], by_name: dict, summary: dict) -> None:
     """The pipelines side by side, each with its ratios to torch's; the like-for-like pair first."""
     base = by_name["torch"]
+    ratios = {"ddpkit": summary["time_ratio"]}
+    if "ddpkit_sync_bn_vs_torch" in summary:
+        ratios["ddpkit_sync_bn"] = summary["ddpkit_sync_bn_vs_torch"]["time_ratio"]
     rows = [{
-        "pipeline": f"{r.candidate}: {r.label}",
+        "pipeline": r.candidate,
         "accuracy": f"{100 * r.final_test_accuracy:.2f} %",
         "accuracy_vs_torch": f"{100 * (r.final_test_accuracy - base.final_test_accuracy):+.2f} pp",
-        "epoch_time": f"{r.median_epoch_time_s:.1f} s [{min(r.epoch_times_s):.1f}, {max(r.epoch_times_s):.1f}]",
-        "time_vs_torch": r.median_epoch_time_s / base.median_epoch_time_s,
+        "epoch_time": r.median_epoch_time_s,
+        "time_vs_torch": (f"{ratios[r.candidate]['median']:.3f}x [{ratios[r.candidate]['low']:.3f}, "
+                          f"{ratios[r.candidate]['high']:.3f}]") if r.candidate in ratios else "",
         "memory": r.peak_rss_bytes,
         "memory_vs_torch": r.peak_rss_bytes / base.peak_rss_bytes,
     } for r in records]
     common.print_table(rows, list(rows[0]), align_left={"pipeline"},
-                       headers={"accuracy": "final test accuracy", "accuracy_vs_torch": "vs torch",
-                                "epoch_time": "epoch time: median [min, max]", "time_vs_torch": "vs torch",
-                                "memory": "peak memory", "memory_vs_torch": "vs torch"},
-                       formats={"time_vs_torch": common.times, "memory": common.mebibytes,
+                       headers={"accuracy": "accuracy", "accuracy_vs_torch": "vs torch", "epoch_time": "epoch time",
+                                "time_vs_torch": "time vs torch [95% CI]", "memory": "peak memory",
+                                "memory_vs_torch": "vs torch"},
+                       formats={"epoch_time": lambda v: f"{v:.1f} s", "memory": common.mebibytes,
                                 "memory_vs_torch": common.times})
-    like = by_name["ddpkit"]
-    print(f"headline, like for like: {like.label} against {base.label}: epoch time "
-          f"{like.median_epoch_time_s / base.median_epoch_time_s:.3f}x, final accuracy "
+    for r in records:
+        print(f"  {r.candidate}: {r.label}")
+    print("accuracy: on the test set after the last epoch; epoch time: training only, median over the epochs\n"
+          "time vs torch: the median ratio of the blocks of steps both ran one after the other, and its 95% CI")
+    like, spread = by_name["ddpkit"], summary["time_ratio"]
+    print(f"headline, like for like: {like.label} against {base.label}:\n"
+          f"  training time {common.spread_text(spread)}: {common.verdict(spread, 'ddpkit', 'torch')}\n"
+          f"  final accuracy "
           f"{100 * (like.final_test_accuracy - base.final_test_accuracy):+.2f} pp, peak memory "
           f"{like.peak_rss_bytes / base.peak_rss_bytes:.3f}x (below 1x: ddpkit takes less)")
+    print(common.load_text(summary["machine_load"]))
 
 
 def plot(document: dict, path: Path) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import resource
@@ -160,19 +161,156 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(list(values))
 
 
+def median_interval(values: Iterable[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median: the order statistics that the binomial
+    distribution puts around it. Too few values for ``confidence`` give their whole range."""
+    xs = sorted(values)
+    n = len(xs)
+    if n == 0:
+        raise ValueError("median_interval needs at least one value")
+    tail = (1 - confidence) / 2
+    below, k = 0.0, 0  # P(Binomial(n, 1/2) < k), and k
+    while k < n:
+        p = math.comb(n, k) / 2**n
+        if below + p > tail:
+            break
+        below += p
+        k += 1
+    return (xs[k - 1], xs[n - k]) if k else (xs[0], xs[-1])
+
+
+def ratio_spread(ratios: Iterable[float], confidence: float = 0.95) -> dict:
+    """The median of paired ratios with its confidence interval (``low``, ``high``) and the pairs'
+    quartiles: what a printed ratio needs to be read as more than one draw."""
+    ratios = list(ratios)
+    low, high = median_interval(ratios, confidence)
+    p25, _, p75 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {"median": statistics.median(ratios), "low": low, "high": high, "confidence": confidence,
+            "p25": p25, "p75": p75, "pairs": len(ratios)}
+
+
+def spread_text(spread: dict) -> str:
+    """``0.812x (95% CI 0.795-0.830, 40 pairs)``."""
+    pairs = f"{spread['pairs']} pair{'' if spread['pairs'] == 1 else 's'}"
+    if spread["pairs"] < MIN_PAIRS:
+        return f"{spread['median']:.3f}x ({pairs}, no interval)"
+    return (f"{spread['median']:.3f}x ({100 * spread['confidence']:.0f}% CI {spread['low']:.3f}-{spread['high']:.3f}, "
+            f"{pairs})")
+
+
+MIN_PAIRS = 6  # fewer values than this have no 95% interval of their median, only their range
+
+
+def verdict(spread: dict, faster: str, slower: str) -> str:
+    """What a ratio's interval lets one say: which side of 1.0 it lies on, or that it includes it."""
+    if spread["pairs"] < MIN_PAIRS:
+        return f"too few pairs to tell ({MIN_PAIRS} or more give a {100 * spread['confidence']:.0f}% interval)"
+    if spread["low"] <= 1.0 <= spread["high"]:
+        return f"the interval includes 1.0: this run cannot tell {faster} and {slower} apart"
+    return f"{faster} faster" if spread["high"] < 1.0 else f"{faster} slower"
+
+
+def _cpu_jiffies() -> Optional[tuple[int, int, int]]:
+    """The machine's (total, busy, steal) CPU time since boot, in clock ticks (/proc/stat)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return sum(fields), user + nice + system + irq + softirq, steal
+
+
+def _own_jiffies() -> int:
+    """CPU time of this process and all its descendants alive now, in clock ticks."""
+    parents, times = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces
+        pid = int(stat.parent.name)
+        parents[pid], times[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
+    mine, frontier = {os.getpid()}, [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in mine]
+        mine.update(children)
+        frontier.extend(children)
+    return sum(times.get(pid, 0) for pid in mine)
+
+
+class MachineLoad:
+    """How busy the machine was with other work while a benchmark ran: the CPU time that neither this
+    process nor its descendants used, the hypervisor's steal, and the 1-minute load average.
+
+    ``start()`` and ``stop()`` must be called while the benchmark's worker processes are alive: the
+    time of a process that has exited is lost to the count of our own, and would read as others'."""
+
+    # Above these, a ratio measured here may not be what a quiet machine gives.
+    OTHERS_LIMIT = 0.10
+    STEAL_LIMIT = 0.05
+
+    def __init__(self) -> None:
+        self._start: Optional[tuple] = None
+        self.load_averages: list[float] = []
+
+    def start(self) -> None:
+        self._start = (_cpu_jiffies(), _own_jiffies())
+        self.sample()
+
+    def sample(self) -> None:
+        try:
+            self.load_averages.append(os.getloadavg()[0])
+        except OSError:
+            pass
+
+    def stop(self) -> dict:
+        self.sample()
+        machine, own = _cpu_jiffies(), _own_jiffies()
+        result: dict = {"cpus": os.cpu_count(), "load_average_1m_max": max(self.load_averages, default=None),
+                        "others_cpu_fraction": None, "steal_fraction": None}
+        if self._start and self._start[0] and machine:
+            total = machine[0] - self._start[0][0]
+            if total > 0:
+                others = (machine[1] - self._start[0][1]) - (own - self._start[1])
+                result["others_cpu_fraction"] = max(0.0, others / total)
+                result["steal_fraction"] = (machine[2] - self._start[0][2]) / total
+        result["loaded"] = bool((result["others_cpu_fraction"] or 0) > self.OTHERS_LIMIT
+                                or (result["steal_fraction"] or 0) > self.STEAL_LIMIT)
+        return result
+
+
+def load_text(load: dict) -> str:
+    """One sentence on how busy the machine was with other work."""
+    others, steal = load.get("others_cpu_fraction"), load.get("steal_fraction")
+    if others is None:
+        return "machine load: not measured (no /proc/stat)"
+    text = (f"other processes used {100 * others:.0f}% of the {load['cpus']} CPUs, steal {100 * steal:.0f}%, "
+            f"load average up to {load['load_average_1m_max']:.1f}")
+    if load["loaded"]:
+        return f"the machine was loaded: {text}; a quiet machine may give another ratio"
+    return f"the machine was quiet: {text}"
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+TABLE_WIDTH = 100  # a terminal's or a log's width: wider tables are printed in parts
+
+
 def print_table(rows: Sequence[Union[Mapping, Record]], columns: list[str], *,
                 headers: Optional[Mapping[str, str]] = None, formats: Optional[Mapping[str, Callable[[Any], str]]] = None,
-                align_left: Iterable[str] = ()) -> None:
+                align_left: Iterable[str] = (), keys: int = 1, width: int = TABLE_WIDTH) -> None:
     """A plain fixed-width table on stdout, of dicts or records (a field a row lacks: blank).
 
     ``headers`` renames columns (default: the key), ``formats`` turns a column's values into text
     with their unit (``seconds``, ``mebibytes``, ``times``; default: 4 significant digits), and the
-    columns in ``align_left`` are aligned left (names), the others right (numbers).
+    columns in ``align_left`` are aligned left (names), the others right (numbers). A table wider
+    than ``width`` is printed as several, one under the other, each repeating the first ``keys``
+    columns (what names a row) before as many of the others as fit.
     """
     headers, formats, align_left = headers or {}, formats or {}, set(align_left)
     cells = []
@@ -182,13 +320,27 @@ def print_table(rows: Sequence[Union[Mapping, Record]], columns: list[str], *,
     titles = [headers.get(col, col) for col in columns]
     widths = [max(len(title), *(len(c[i]) for c in cells)) if cells else len(title) for i, title in enumerate(titles)]
 
-    def line(texts: Sequence[str]) -> str:
-        return "  ".join(text.ljust(w) if col in align_left else text.rjust(w)
-                         for col, text, w in zip(columns, texts, widths)).rstrip()
+    def line(indices: Sequence[int], texts: Sequence[str]) -> str:
+        return "  ".join(texts[i].ljust(widths[i]) if columns[i] in align_left else texts[i].rjust(widths[i])
+                         for i in indices).rstrip()
 
-    print(line(titles))
-    for row in cells:
-        print(line(row))
+    def span(indices: Sequence[int]) -> int:
+        return sum(widths[i] for i in indices) + 2 * (len(indices) - 1)
+
+    keys = min(keys, len(columns))
+    parts, part = [], list(range(keys))
+    for i in range(keys, len(columns)):
+        if len(part) > keys and span(part + [i]) > width:
+            parts.append(part)
+            part = list(range(keys))
+        part.append(i)
+    parts.append(part)
+    for number, part in enumerate(parts):
+        if number:
+            print()
+        print(line(part, titles))
+        for row in cells:
+            print(line(part, row))
 
 
 def _format(value: Any, format: Optional[Callable[[Any], str]] = None) -> str:

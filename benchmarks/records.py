@@ -235,6 +235,9 @@ class TrainingRecord(Record):
     median_epoch_time_s: float
     peak_rss_bytes: int
     loss_curve: list[float]                  # rank 0's loss at every optimizer step (its last micro-batch)
+    # The timed blocks in the order run (absent before they were): training seconds, optimizer steps.
+    block_times_s: Optional[list[float]] = optional()
+    block_steps: Optional[list[int]] = optional()
 
     @property
     def synchronized(self) -> bool:

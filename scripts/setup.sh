@@ -4,6 +4,8 @@
 # would download another, multi-GB CUDA torch). Each step says what it does and shows its progress.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The extras of pyproject.toml to install beside ddpkit: `make main` asks for the plot alone.
+extras=${1:-test,report}
 
 if [ ! -d /usr/share/datasets/fashion-mnist ]; then
   echo "== apt: Fashion-MNIST (dataset-fashion-mnist, 30 MB)"
@@ -54,5 +56,5 @@ logged "$INSTALLS
         s#^ *(\[[0-9]+/[0-9]+\]) Building CXX object CMakeFiles/([^/]*)\.dir/(.*)\.o\$#  \1 \3 (\2)#p
         s#^ *(\[[0-9]+/[0-9]+\]) Linking CXX .*\$#  \1 linking#p
         s#^.*(ddpkit: CUDA kernels .*)\$#  \1#p" \
-  $PIP install -v --progress-bar off --no-build-isolation -C cmake.define.DDPKIT_TESTING=ON -e ".[test,report]"
+  $PIP install -v --progress-bar off --no-build-isolation -C cmake.define.DDPKIT_TESTING=ON -e ".[$extras]"
 .venv/bin/python -c "import ddpkit, torch; print(f'ddpkit {ddpkit.__version__} ready: torch {torch.__version__}')"

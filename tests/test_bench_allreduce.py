@@ -130,6 +130,19 @@ def test_summary_bars():
     assert summary["cut_off_points"] == ["mpich n=4 numel=64000000"]
 
 
+def test_a_quick_run_is_summarized_as_the_grid_it_ran(capsys):
+    records = [_record(n, numel, candidate, median) for n in (2, 4) for numel in (1_000, 100_000, 1_000_000)
+               for candidate, median in (("gloo", 1.0), ("ddpkit", 0.1))]
+    summary = bench.summarize(records)
+    assert summary["ddpkit_over_gloo_measured"] == "n in {2, 4} x 1k-1M floats"
+    assert summary["ddpkit_over_gloo_bar_met"] is None  # within the target where run, but 6 of its 15 points
+    bench.print_summary(records, summary)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ddpkit / gloo"))
+    assert line.startswith("ddpkit / gloo at n in {2, 4} x 1k-1M floats: worst 0.100x"), line
+    assert line.endswith("; target <= 0.2x at n in {2, 4, 8} x 1k-16M floats: not checked, 6 of its 15 points run")
+    assert bench.grid_text([(2, 1_000), (4, 1_000), (2, 10_000)]) == "n in {2, 4} x 1k-10k floats (3 of those points)"
+
+
 def test_peer_records_keep_missing_points():
     points = [{"numel": 1_000, "world_size": 4, "times_s": [3e-6, 1e-6, 2e-6], "batch": 16, "reps_planned": 30,
                "cut_off": True, "warmup_s": 4e-6, "max_abs_error_of_mean": 1e-7, "library": "MPICH 4.1.2"}]

@@ -55,6 +55,46 @@ def test_tables_print_values_with_their_units(capsys):
     assert [common.seconds(s) for s in (2e-6, 2e-3, 2.0)] == ["2.0 µs", "2.00 ms", "2.00 s"]
 
 
+def test_a_wide_table_is_printed_in_parts_that_fit_and_repeat_the_row_names(capsys):
+    columns = ["ranks", "candidate", *(f"column_{i}" for i in range(12))]
+    rows = [{"ranks": n, "candidate": name, **{f"column_{i}": 1000.0 * i for i in range(12)}}
+            for n in (2, 4) for name in ("ddpkit", "gloo")]
+    common.print_table(rows, columns, align_left={"candidate"}, keys=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= common.TABLE_WIDTH
+    parts = "\n".join(lines).split("\n\n")
+    assert len(parts) > 1
+    for part in parts:
+        header, *body = part.splitlines()
+        assert header.split()[:2] == ["ranks", "candidate"]
+        assert [row.split()[:2] for row in body] == [["2", "ddpkit"], ["2", "gloo"], ["4", "ddpkit"], ["4", "gloo"]]
+    shown = [title for part in parts for title in part.splitlines()[0].split()[2:]]
+    assert shown == columns[2:]  # every column once, in order
+
+
+def test_the_median_interval_is_the_binomial_one():
+    assert common.median_interval(range(1, 11)) == (2, 9)  # n = 10: the 2nd and 9th of the sorted values
+    assert common.median_interval([3, 1, 2]) == (1, 3)  # too few values for 95%: their whole range
+    spread = common.ratio_spread([0.9, 0.8, 1.0, 0.85, 0.95, 0.9, 0.88, 0.92, 0.87, 0.91])
+    assert spread["median"] == 0.9 and spread["pairs"] == 10 and spread["low"] <= 0.9 <= spread["high"]
+    many = {"pairs": 40, "confidence": 0.95}
+    assert "includes 1.0" in common.verdict({**many, "low": 0.9, "high": 1.1}, "ddpkit", "torch")
+    assert common.verdict({**many, "low": 0.8, "high": 0.9}, "ddpkit", "torch") == "ddpkit faster"
+    assert common.verdict({**many, "low": 1.1, "high": 1.2}, "ddpkit", "torch") == "ddpkit slower"
+    few = common.ratio_spread([0.8, 0.9])  # no interval from two pairs: no verdict either
+    assert "too few pairs" in common.verdict(few, "ddpkit", "torch") and "no interval" in common.spread_text(few)
+
+
+def test_the_machine_load_counts_others_work_not_ours():
+    load = common.MachineLoad()
+    load.start()
+    sum(i * i for i in range(2_000_000))  # our own work: not the others'
+    result = load.stop()
+    assert set(result) >= {"others_cpu_fraction", "steal_fraction", "load_average_1m_max", "loaded", "cpus"}
+    assert result["others_cpu_fraction"] is None or 0 <= result["others_cpu_fraction"] <= 1
+    assert common.load_text({**result, "loaded": True}).startswith("the machine was loaded")
+
+
 def test_a_commit_is_dirty_for_changed_code_not_for_the_results_the_benchmarks_write(monkeypatch, tmp_path):
     # run_all.sh writes the results one after the other: each must still name the clean commit.
     import subprocess

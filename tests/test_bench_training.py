@@ -21,11 +21,25 @@ def test_the_headline_pair_runs_the_same_batch_norm():
     assert bench_training.pipelines("nccl") == {"ddpkit": ("ddpkit", True), "torch": ("torch", True)}
 
 
+def test_blocks_cut_every_epoch_and_never_cross_its_end():
+    ends = bench_training.block_ends(234, 702, 20)
+    assert {234, 468, 702} <= set(ends) and ends == sorted(set(ends)) and ends[-1] == 702
+    assert all(15 <= b - a <= 25 for a, b in zip([0, *ends], ends))
+    assert bench_training.block_ends(10, 25, 4) == [5, 10, 15, 20, 25]  # --max-steps ends within an epoch
+    assert bench_training.block_ends(3, 6, 20) == [3, 6]  # an epoch shorter than a block is one block
+
+
+def test_the_ratio_pairs_blocks_and_leaves_out_the_warm_up():
+    mine = [{"steps": 5, "seconds": 9.0}, {"steps": 5, "seconds": 1.0}, {"steps": 5, "seconds": 3.0}]
+    theirs = [{"steps": 5, "seconds": 1.0}, {"steps": 5, "seconds": 2.0}, {"steps": 5, "seconds": 4.0}]
+    assert bench_training.paired_ratios(mine, theirs) == [0.5, 0.75]
+
+
 @pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(), reason="apt-get install dataset-fashion-mnist")
 def test_a_tiny_run_records_what_ran_and_plots_it(tmp_path):
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "bench_training.py"), "--quick", "--epochs", "2", "--limit-train",
-         "512", "--no-progress", "--results-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+         "512", "--block-steps", "1", "--no-progress", "--results-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads((tmp_path / "training.json").read_text())
     ran = {r["candidate"]: (r["impl"], r["sync_bn"], r["batch_norm"]) for r in document["records"]}
@@ -34,4 +48,9 @@ def test_a_tiny_run_records_what_ran_and_plots_it(tmp_path):
     assert document["settings"]["candidates"]["torch"] == {"impl": "torch", "sync_bn": False, "batch_norm": "BatchNorm"}
     assert document["summary"]["batch_norm"] == "BatchNorm" and "ddpkit_sync_bn_vs_torch" in document["summary"]
     assert "headline, like for like: ddpkit DDP, plain BatchNorm against torch DDP, plain BatchNorm" in result.stdout
+    spread = document["summary"]["time_ratio"]
+    assert spread["low"] <= spread["median"] <= spread["high"] and spread["pairs"] >= 1
+    assert f"training time {spread['median']:.3f}x (95% CI" in result.stdout, result.stdout
+    assert "the machine was " in result.stdout and "loaded" in document["summary"]["machine_load"]
+    assert all(len(r["block_times_s"]) == len(r["block_steps"]) > 1 for r in document["records"])
     assert (tmp_path / "training.png").stat().st_size > 0

@@ -40,12 +40,13 @@ def test_help_shows_every_default_and_booleans_both_ways(capsys):
     entries = help_entries(capsys)
     for flags, default in [("--epochs EPOCHS", "10"), ("--model {net,vgg11,resnet18,resnet34}", "net"),
                            ("--impl {ddpkit,torch}", "ddpkit"), ("--lr LR", "0.05"),
-                           ("--dataset {cifar10,cifar100,fashion_mnist}", "cifar100"),
+                           ("--dataset {cifar10,cifar100,fashion_mnist}", "fashion_mnist"),
                            ("--accumulation-steps ACCUMULATION_STEPS", "1"), ("--optimizer {sgd,adamw}", "sgd")]:
         assert entries[flags].endswith(f"(default: {default})"), (flags, entries[flags])
     # A boolean reads as the pair it is, its default the value of the positive flag.
-    for flag, default in [("sync-bn", True), ("resume", True), ("progress", True), ("download", False)]:
+    for flag, default in [("sync-bn", True), ("resume", True), ("download", False)]:
         assert entries[f"--{flag}, --no-{flag}"].endswith(f"(default: {default})"), flag
+    assert entries["--progress, --no-progress"].endswith("(default: when stderr is a terminal)")
     assert "cpu:ddpkit,cuda:nccl" in entries["--backend {gloo,nccl,ddpkit}"]
     # Every option says its default, or what happens without it.
     assert all(help_ for help_ in entries.values()), [flags for flags, help_ in entries.items() if not help_]
@@ -87,6 +88,47 @@ def test_torchrun_trains_the_installed_module_outside_the_repository(tmp_path):
         f"wrote {out / 'metrics.json'}, {out / 'model.pt'} and {out / 'checkpoint.pt'}", output
     for name in ("metrics.json", "model.pt", "checkpoint.pt"):
         assert stat.S_IMODE((tmp_path / out / name).stat().st_mode) == 0o644, name
+
+
+@pytest.fixture(scope="module")
+def short_torch_run(tmp_path_factory):
+    """A run as a newcomer types it: no --dataset, no --no-progress, --max-steps shorter than --epochs, its
+    output piped (not a terminal)."""
+    result = run_outside_the_repository(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ddpkit.training",
+         "--impl", "torch", "--limit-train", "256", "--limit-test", "100", "--batch-size", "32",
+         "--epochs", "10", "--max-steps", "2"], cwd=tmp_path_factory.mktemp("short"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@needs_fashion_mnist
+def test_the_default_dataset_is_the_installed_one(short_torch_run):
+    assert "training net on fashion_mnist with" in short_torch_run.stdout, short_torch_run.stdout
+
+
+@needs_fashion_mnist
+def test_the_header_says_how_many_epochs_max_steps_leaves(short_torch_run):
+    assert "2 optimizer steps in 1 epoch (--max-steps 2 of --epochs 10; 4 steps an epoch)" in short_torch_run.stdout, \
+        short_torch_run.stdout
+
+
+@needs_fashion_mnist
+def test_the_torch_header_names_torchs_ddp_path(short_torch_run):
+    assert ("process group: backend gloo, world size 2, device cpu; torch's DDP all-reduces gradients through the "
+            "process group (gloo); evaluation and loss logs use ddpkit's collectives over shared memory") \
+        in short_torch_run.stdout, short_torch_run.stdout
+
+
+@needs_fashion_mnist
+def test_no_progress_bar_into_a_pipe(short_torch_run):
+    assert "\r" not in short_torch_run.stderr and "step/s" not in short_torch_run.stderr, short_torch_run.stderr
+
+
+def test_parse_args_default_dataset_and_progress():
+    config, _ = parse_args([])
+    assert (config.dataset, config.progress) == ("fashion_mnist", None)
+    assert parse_args(["--progress"])[0].progress is True and parse_args(["--no-progress"])[0].progress is False
 
 
 @needs_fashion_mnist

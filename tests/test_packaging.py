@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -37,3 +38,17 @@ def test_changelog_has_an_unreleased_section_and_the_current_version():
     headings = re.findall(r"^## (.+)$", text, flags=re.MULTILINE)
     assert headings[0] == "Unreleased"
     assert any(heading.startswith(PYPROJECT["project"]["version"]) for heading in headings[1:]), headings
+
+
+def dry_run(target: str) -> list[str]:
+    """The setup commands `make TARGET` would run (make -n prints them without running them)."""
+    printed = subprocess.run(["make", "-n", target], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return [line for line in printed.splitlines() if "scripts/setup.sh" in line]
+
+
+def test_make_main_installs_only_what_it_runs():
+    # The training comparison and its plot need matplotlib; pytest and jupyter are the suite's and the report's.
+    assert dry_run("main") == ["bash scripts/setup.sh plot"]
+    assert PYPROJECT["project"]["optional-dependencies"]["plot"] == ["matplotlib"]
+    # CI runs `make test` on a fresh clone: it still gets everything the suite needs.
+    assert dry_run("test") == ["bash scripts/setup.sh test,report"]

@@ -151,5 +151,26 @@ def test_the_notebook_speaks_plainly():
 def test_committed_notebook_is_the_built_one():
     built = report.build()
     committed = nbformat.read(NOTEBOOK, as_version=4)
-    assert [c.source for c in committed.cells] == [c.source for c in built.cells], \
+    assert [(c.id, c.source) for c in committed.cells] == [(c.id, c.source) for c in built.cells], \
         "notebooks/report.ipynb is stale: run python notebooks/report.py"
+    assert not [c.id for c in committed.cells if "execution" in c.metadata], "timestamps in the committed report"
+
+
+def test_a_rebuild_from_the_same_results_leaves_the_file_alone(tmp_path):
+    """Running report.py must not dirty the tree when nothing it shows has changed."""
+    assert nbformat.writes(report.build()) == nbformat.writes(report.build())  # no random cell ids
+    path = tmp_path / "report.ipynb"
+    assert report.write_if_changed(report.build(), path)
+    before = path.stat().st_mtime_ns
+    assert not report.write_if_changed(report.build(), path)
+    assert path.stat().st_mtime_ns == before
+    changed = report.build()
+    changed.cells[0].source += " "
+    assert report.write_if_changed(changed, path)
+    assert nbformat.read(path, as_version=4).cells[0].source == changed.cells[0].source
+
+
+def test_executing_records_no_timestamps(tmp_path):
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")])
+    report.execute(notebook, RESULTS, timeout=60)
+    assert notebook.cells[0].outputs and "execution" not in notebook.cells[0].metadata

@@ -138,7 +138,7 @@ class UsageError(ValueError):
 
 @dataclasses.dataclass
 class TrainConfig:
-    dataset: str = "cifar100"
+    dataset: str = "fashion_mnist"  # the one scripts/setup.sh installs
     data_root: Optional[str] = None
     download: bool = False
     model: str = "net"
@@ -165,7 +165,7 @@ class TrainConfig:
     out_dir: Optional[str] = "runs/latest"
     checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: after every epoch only
     resume: bool = True
-    progress: bool = True
+    progress: Optional[bool] = None  # None: a bar only where stderr is a terminal
 
 
 # The settings a resumed run must share with its checkpoint; the others (paths, logging, evaluation
@@ -269,7 +269,7 @@ def parse_args(argv: Optional[list[str]] = None) -> tuple[TrainConfig, argparse.
                         help="continue from <out>/checkpoint.pt if it exists (--no-resume: start afresh and "
                              "overwrite it)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=defaults.progress,
-                        help="a progress bar per epoch on stderr")
+                        help="a progress bar per epoch on stderr (default: when stderr is a terminal)")
     add_launch_arguments(parser)
     args = parser.parse_args(argv)
     if args.checkpoint_every < 0:
@@ -678,13 +678,15 @@ class Trainer:
                 _broadcast_tensors(list(self._module().buffers()), None)  # one broadcast per dtype
 
     def _progress_bar(self):
-        if self.rank != 0 or not self.config.progress:
+        if self.rank != 0 or self.config.progress is False:
             return None
         from tqdm import tqdm
         done_in_epoch = self.step - self.epoch * self.steps_per_epoch
         desc = f"{self.progress_label} epoch {self.epoch + 1}/{self.config.epochs}".lstrip()
         return tqdm(total=self.steps_per_epoch, initial=max(0, done_in_epoch), desc=desc,
-                    unit="step", leave=False, file=sys.stderr)
+                    unit="step", leave=False, file=sys.stderr,
+                    # A bar redrawn into a pipe or a log file turns into thousands of fragments.
+                    disable=None if self.config.progress is None else False)
 
     def summary(self) -> dict:
         peak = torch.tensor([float(_peak_rss_bytes())], dtype=torch.float64)
@@ -701,15 +703,28 @@ class Trainer:
 
         Collective (``comm.resolved_transport``): every rank must call it."""
         transport = comm.resolved_transport()
-        transport_words = {"shm": "shared memory", "process_group": "the process group's send/recv"}
-        ddp = "ddpkit.DistributedDataParallel" if self.config.impl == "ddpkit" else \
-            "torch.nn.parallel.DistributedDataParallel"
+        transport = {"shm": "shared memory", "process_group": "the process group's send/recv"}.get(transport, transport)
+        backend = dist.get_backend()
+        if self.config.impl == "ddpkit":
+            ddp = "ddpkit.DistributedDataParallel"
+            collectives = f"ddpkit's collectives over {transport}"
+        else:
+            # torch's DDP goes through the process group, whatever its backend; ddpkit's own collectives
+            # serve the evaluation and the loss log.
+            ddp = "torch.nn.parallel.DistributedDataParallel"
+            collectives = (f"torch's DDP all-reduces gradients through the process group ({backend}); "
+                           f"evaluation and loss logs use ddpkit's collectives over {transport}")
+        # A run that --max-steps cuts short runs fewer epochs than --epochs asks for: say what will run.
+        epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        length = f"{self.total_steps} optimizer steps in {epochs} epoch{'' if epochs == 1 else 's'}"
+        if self.total_steps < self.steps_per_epoch * self.config.epochs:
+            length += (f" (--max-steps {self.config.max_steps} of --epochs {self.config.epochs}; "
+                       f"{self.steps_per_epoch} steps an epoch)")
         return (f"training {self.config.model} on {self.config.dataset} with {ddp} and {self.batch_norm}: "
                 f"micro-batch {self.micro_batch}/rank, accumulation {self.config.accumulation_steps}, global batch "
-                f"{self.global_batch}, {self.total_steps} optimizer steps in {self.config.epochs} "
-                f"epoch{'' if self.config.epochs == 1 else 's'}\n"
-                f"process group: backend {dist.get_backend()}, world size {self.world_size}, device "
-                f"{self.device.type}; ddpkit's collectives over {transport_words.get(transport, transport)}")
+                f"{self.global_batch}, {length}\n"
+                f"process group: backend {backend}, world size {self.world_size}, device "
+                f"{self.device.type}; {collectives}")
 
     def run(self) -> dict:
         """Trains to the end, writes the model and the metrics, and returns the metrics. A run whose
