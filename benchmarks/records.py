@@ -204,6 +204,10 @@ class SyncBatchNormRecord(Record):
     ratio_local_compute: Optional[float] = optional()
     ratio_pg_vs_emulated: Optional[float] = optional()
     ratio_floor: Optional[float] = optional()  # CPU, world size > 1: t_ddpkit / t_floor
+    # The 95% interval of `ratio`'s median over the repetitions' paired ratios (common.ratio_spread);
+    # absent in files written before it was recorded.
+    ratio_low: Optional[float] = optional()
+    ratio_high: Optional[float] = optional()
     alloc_extra: int
     alloc_extra_per_channel: float
 

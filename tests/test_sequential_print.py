@@ -27,7 +27,9 @@ def test_expected_output_format():
     assert iteration_order(1, 3, "ascending_descending") == [0, 1, 2, 2, 1, 0]
 
 
-@pytest.mark.parametrize("world_size,launches", [(1, 3), (2, 3), (4, 3), (8, 2)])
+# Repeated launches where ranks can race (2 and more); each launch costs several seconds of start-up
+# (torchrun and every rank import torch), so the suite keeps them few.
+@pytest.mark.parametrize("world_size,launches", [(1, 1), (2, 2), (4, 2), (8, 2)])
 def test_torchrun_output_is_deterministic(world_size, launches):
     expected = expected_output(world_size)
     for _ in range(launches):
