@@ -9,6 +9,11 @@
 #   bash scripts/gpu_checks.sh profile     # scripts/gpu_profile.py: where SyncBatchNorm's and DDP's time goes
 #   bash scripts/gpu_checks.sh cpu-suites  # the CPU suites that exercise torch's APIs, on the CUDA torch
 # Several phases in one call: bash scripts/gpu_checks.sh build test bench grid profile.
+# The machine reaches no network: fetch MPICH's wheels here first, into .whl/ (ignore it in
+# .git/info/exclude and carry it with the call), for the machine's Python 3.12:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 \
+#     -d .whl mpich==5.0.2 mpi4py==4.1.2
 #
 # Each phase runs under a time limit of its own, capped by what is left of BUDGET seconds (default
 # 560, for a 600-second device call), so a slow phase still leaves the later ones some time and the

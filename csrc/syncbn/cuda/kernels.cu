@@ -66,8 +66,9 @@ int64_t reduction_splits(int64_t blocks_per_split, int64_t values_per_block_step
   return std::clamp<int64_t>(std::min(wanted, most), 1, kMaxGridY);
 }
 
-// Splits per channel of a reduction over in's layout (moments and grad sums share the grid).
-int64_t moments_splits(const cpu::Shape& shape, int64_t channels, int64_t count) {
+// How many splits of each channel's values a reduction over in's layout runs (the moments and the
+// grad sums share one grid).
+int64_t splits_per_channel(const cpu::Shape& shape, int64_t channels, int64_t count) {
   if (shape.channels_inner) {
     const dim3 block = rows_block(channels);
     return reduction_splits(ceil_div(channels, block.x), block.y, shape.outer);
@@ -160,7 +161,7 @@ void run_moments(const LocalInput& in, const Finish& finish) {
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    const int64_t splits = xp == nullptr ? 0 : moments_splits(shape, channels, in.count());
+    const int64_t splits = xp == nullptr ? 0 : splits_per_channel(shape, channels, in.count());
     if (splits == 1) {
       reduce(1, FinishMoments<Finish>{finish});
       return;
@@ -285,7 +286,7 @@ LocalGradSums local_grad_sums(const LocalInput& in, const at::Tensor& dy, const 
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    const int64_t splits = in.count() == 0 ? 0 : moments_splits(shape, channels, in.count());
+    const int64_t splits = in.count() == 0 ? 0 : splits_per_channel(shape, channels, in.count());
     if (splits == 1) {
       reduce(1, finish);
       return;

@@ -188,8 +188,9 @@ __device__ __forceinline__ void store_param(const MutableParam& p, int64_t c, do
 // Note [Reduction sinks]
 // A reduction kernel ends with one merged value per channel and split of the channel's values, and
 // hands it to its sink. With several splits the sink stores it as a partial, and a finishing kernel
-// merges a channel's partials; with a single split (every 2-D batch of a few hundred rows, Note
-// [CUDA moments]) the merged value is already the channel's whole, and the sink finishes it in the
+// merges a channel's partials; with a single split (reduction_splits in kernels.cu gives one to a
+// batch of fewer than 16 block rows: 128 rows of 32 or more channels) the merged value is already
+// the channel's whole, and the sink finishes it in the
 // same kernel: one launch and no workspace less per pass. For a single split the finishing kernel
 // would do the same float64 math on the same value (merging with an empty Welford, or adding to
 // 0.0, is exact), so fusing changes no bit. tests/test_cuda.py runs both routes against float64
