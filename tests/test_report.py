@@ -4,6 +4,7 @@ import importlib.util
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import nbformat
@@ -16,6 +17,10 @@ ENVIRONMENT_FIELDS = {"command", "git_commit", "date", "hostname", "torch_versio
                       "device_type", "cpu_model", "cpu_count", "gpu"}
 
 
+sys.path.insert(0, str(REPO / "notebooks"))
+import report_analysis as analysis  # noqa: E402
+
+
 def load_report_module():
     spec = importlib.util.spec_from_file_location("report", REPO / "notebooks" / "report.py")
     module = importlib.util.module_from_spec(spec)
@@ -26,7 +31,7 @@ def load_report_module():
 report = load_report_module()
 
 
-@pytest.mark.parametrize("name", report.EXPECTED + [n for n in report.OPTIONAL if (RESULTS / f"{n}.json").exists()])
+@pytest.mark.parametrize("name", analysis.EXPECTED + [n for n in analysis.OPTIONAL if (RESULTS / f"{n}.json").exists()])
 def test_results_exist_and_follow_the_schema(name):
     document = json.loads((RESULTS / f"{name}.json").read_text())
     assert document["schema_version"] == 1
@@ -86,7 +91,7 @@ def results_copy(tmp_path, commits: dict, names=None):
     """The committed results (of names: by default every one the report reads) with their recorded commits replaced
     (name -> git_commit; the others: "c0ffee")."""
     tmp_path.mkdir()
-    for name in report.EXPECTED + report.OPTIONAL if names is None else names:
+    for name in analysis.EXPECTED + analysis.OPTIONAL if names is None else names:
         path = RESULTS / f"{name}.json"
         if not path.exists():
             continue
@@ -113,7 +118,7 @@ def test_the_report_states_its_commit_once_and_warns_about_results_of_others(tmp
 
 
 def test_the_optional_results_missing_are_a_sentence_each(tmp_path):
-    notebook = report.execute(report.build(), results_copy(tmp_path / "expected", {}, report.EXPECTED), timeout=120)
+    notebook = report.execute(report.build(), results_copy(tmp_path / "expected", {}, analysis.EXPECTED), timeout=120)
     outputs = outputs_of(notebook)
     assert not [o for o in outputs if o.get("output_type") == "error"]
     text = text_of(outputs)
@@ -132,20 +137,35 @@ def test_the_report_reads_only_what_run_all_produces():
                "allreduce_16core": "--output allreduce_16core",
                "torch_stack": "bench_torch_stack.py \"${QUICK[@]}\"", "multihost": "bench_multihost.py \"${QUICK[@]}\"",
                "latency": "bench_latency.py \"${QUICK[@]}\""}
-    assert set(report.EXPECTED + report.OPTIONAL) == scripts.keys()
+    assert set(analysis.EXPECTED + analysis.OPTIONAL) == scripts.keys()
     assert all(command in run_all for command in scripts.values())
     # The one input from outside the results folder: torch's suite, which scripts/run_torch_suite.py writes.
-    suite = Path(report.SUITE)
+    suite = Path(analysis.SUITE)
     assert f'"{suite.parent}" / "{suite.name}"' in (REPO / "scripts" / "run_torch_suite.py").read_text()
     # Nothing from outside the repository: no absolute path, no option that reads an earlier run's file.
     assert "/tmp" not in run_all and "--ddp-from" not in (REPO / "benchmarks" / "bench_backend.py").read_text()
 
 
 def test_the_notebook_speaks_plainly():
-    sources = "\n".join(cell.source for cell in report.build().cells)
+    # The prose is report.py's cells; the sentences computed when it runs are report_analysis.py's.
+    sources = "\n".join(cell.source for cell in report.build().cells) + Path(analysis.__file__).read_text()
     assert "Note [" not in sources
     assert not re.search(r"\bbars?\b[^(]", sources.replace("ax.bar(", "").replace("time_ax.bar(", "")), \
         "say target, not bar"
+
+
+def test_the_code_cells_are_calls_into_the_module():
+    """No analysis in the notebook's cells: each code cell after the setup is one call of a report_analysis
+    function, each function once."""
+    code = [cell.source for cell in report.build().cells if cell.cell_type == "code"]
+    assert code[0] == report.SETUP
+    called = []
+    for source in code[1:]:
+        match = re.fullmatch(r"analysis\.(\w+)\((R?)\)", source)
+        assert match, source
+        assert callable(getattr(analysis, match[1])), source
+        called.append(match[1])
+    assert len(called) == len(set(called))
 
 
 def test_committed_notebook_is_the_built_one():
