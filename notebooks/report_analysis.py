@@ -75,11 +75,12 @@ def commit_of(document: dict) -> tuple[str, bool]:
 
 
 def report_commit(R: dict) -> str:
-    """The report's commit: the one most of the EXPECTED results were measured at (the latest of a tie)."""
-    by_commit: dict[str, list[str]] = {}
-    for name in sorted(EXPECTED, key=lambda name: R[name]["environment"]["date"]):
-        by_commit.setdefault(commit_of(R[name])[0], []).append(name)
-    return max(by_commit, key=lambda commit: len(by_commit[commit]))
+    """The report's commit: the one most of the EXPECTED results were measured at; of a tie, the one whose latest
+    result is the latest."""
+    dates: dict[str, list[str]] = {}
+    for name in EXPECTED:
+        dates.setdefault(commit_of(R[name])[0], []).append(R[name]["environment"]["date"])
+    return max(dates, key=lambda commit: (len(dates[commit]), max(dates[commit])))
 
 
 def provenance_problem(R: dict, name: str) -> str | None:

@@ -84,6 +84,17 @@ def test_the_report_commit_is_the_one_of_most_expected_results():
     assert analysis.report_commit(R) == "badbeef"  # a dirty tree still counts for its commit
 
 
+def test_a_tie_goes_to_the_commit_of_the_latest_result():
+    half = len(analysis.EXPECTED) // 2
+    older = {name: environment("older", "2026-01-01T10:00:00") for name in analysis.EXPECTED[:half]}
+    newer = {name: environment("newer", "2026-01-02T10:00:00") for name in analysis.EXPECTED[half:]}
+    assert analysis.report_commit({**older, **newer}) == "newer"
+    # whichever results come first in the list
+    older = {name: environment("older", "2026-01-01T10:00:00") for name in analysis.EXPECTED[half:]}
+    newer = {name: environment("newer", "2026-01-02T10:00:00") for name in analysis.EXPECTED[:half]}
+    assert analysis.report_commit({**older, **newer}) == "newer"
+
+
 def test_provenance_problem_names_another_commit_and_a_dirty_tree():
     R = results(ddp=environment("c0ffee-dirty"), backend=environment("badbeef1234567"),
                 training=environment("badbeef-dirty"))
