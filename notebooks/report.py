@@ -32,6 +32,7 @@ R = analysis.load_results(analysis.results_folder())"""
 
 
 def markdown(text: str) -> nbformat.NotebookNode:
+    """A cell of prose: the text as written here, without its surrounding blank lines."""
     return nbformat.v4.new_markdown_cell(text.strip())
 
 
