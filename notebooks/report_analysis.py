@@ -565,7 +565,8 @@ def syncbn_local(R: dict) -> None:
     """The local kernels against torch's batch norm, the memory per channel, and the 2-worker ratios in words
     (with the collective checks off too, where measured)."""
     s = R["syncbn"]
-    two = [r for r in syncbn_distributed(R) if r.world_size == 2]
+    distributed = syncbn_distributed(R)
+    two = [r for r in distributed if r.world_size == 2]
     best = [min(r.t_ddpkit, r.t_ddpkit_pg) / r.t_torch_bn_local for r in two]
     floor = [r.t_ddpkit / r.t_floor for r in two]
     local = s["summary"]["local_ratios"]
@@ -573,7 +574,7 @@ def syncbn_local(R: dict) -> None:
           ["shape / threads", "ddpkit local / torch BN"], {"ddpkit local / torch BN": ratio})
     memory_rows = [{"workers": r.world_size, "shape": "×".join(map(str, r.shape)), "ddpkit bytes": r.alloc_ddpkit,
                     "BatchNorm bytes": r.alloc_torch_bn_local, "extra per channel": r.alloc_extra_per_channel}
-                   for r in syncbn_distributed(R)]
+                   for r in distributed]
     table(memory_rows, ["workers", "shape", "ddpkit bytes", "BatchNorm bytes", "extra per channel"],
           {"ddpkit bytes": kib, "BatchNorm bytes": kib, "extra per channel": lambda v: f"{v:.1f} B"})
     display(Markdown(
