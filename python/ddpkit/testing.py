@@ -76,6 +76,10 @@ def _die_with_parent() -> None:
         pass
 
 
+# How long a pool's ranks may take to start, all together (see _worker_main).
+SETUP_TIMEOUT_S = 180.0
+
+
 def _worker_main(rank: int, world_size: int, store_port: int, backend: str, group_timeout: float,
                  threads: int, env: dict, conn: multiprocessing.connection.Connection,
                  master_addr: str = "127.0.0.1", local: tuple = (None, None)) -> None:
@@ -91,8 +95,16 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, grou
     import ddpkit  # noqa: F401  (registers the ops before any task runs)
 
     try:
+        # Every rank is started before the group's own timeout runs: on a loaded machine processes
+        # start seconds apart, and the group's rendezvous waits only `group_timeout` for the last one
+        # (a short one, where a test waits for a failure). A rank that never starts still ends the
+        # wait, at SETUP_TIMEOUT_S.
         store = dist.TCPStore(master_addr, store_port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=group_timeout))
+                              timeout=datetime.timedelta(seconds=max(group_timeout, SETUP_TIMEOUT_S)))
+        if store.add("ddpkit.testing/started", 1) == world_size:
+            store.set("ddpkit.testing/all_started", "")
+        store.wait(["ddpkit.testing/all_started"])
+        store.set_timeout(datetime.timedelta(seconds=group_timeout))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=group_timeout))
     except BaseException as exc:  # report, then exit: the parent kills the pool
