@@ -1,13 +1,14 @@
-"""Shared fixtures: one pool of gloo worker processes per world size for the whole session, and the
-check that the session leaves nothing behind."""
+"""Shared fixtures: one pool of gloo worker processes per world size and one pool of simulated hosts per
+topology for the whole session, and the check that the session leaves nothing behind."""
 
 import os
-import re
 from pathlib import Path
 
 import pytest
 
-from ddpkit.testing import WorkerPool
+from ddpkit.testing import HostPool, WorkerPool
+
+from helpers import HOSTS_GROUP_TIMEOUT_S, TOPOLOGIES, shm_names
 
 # Processes of this session (this pytest and everything it started), seen so far: what a leftover
 # must come from to count as this session's, so that another job on the host never fails the suite.
@@ -42,18 +43,6 @@ def _alive(pid: int) -> bool:
     return "zombie" not in state
 
 
-def _named_segments_of(pids: set) -> set:
-    """Names in /dev/shm that a process of `pids` created: "ddpkit-<pid>-..." (ddpkit's segments are
-    anonymous now, Note [Shared-memory segment]; a name would be a regression)."""
-    shm = Path("/dev/shm")
-    names = set()
-    for entry in shm.iterdir() if shm.is_dir() else []:
-        match = re.match(r"ddpkit-(\d+)-", entry.name)
-        if match and int(match.group(1)) in pids:
-            names.add(entry.name)
-    return names
-
-
 @pytest.fixture(autouse=True)
 def _record_session_processes():
     yield
@@ -77,7 +66,7 @@ def nothing_left_behind():
         if _alive(pid) and not any(helper in command for helper in helpers):
             left.append((pid, command[:160]))
     assert not left, f"processes this session started are still running: {left}"
-    named = _named_segments_of(_SESSION_PIDS | _descendants(os.getpid()))
+    named = shm_names(_SESSION_PIDS | _descendants(os.getpid()))
     assert not named, f"shared-memory names this session created are in /dev/shm: {sorted(named)}"
 
 
@@ -98,3 +87,23 @@ def pool():
     yield get
     for worker_pool in pools.values():
         worker_pool.close()
+
+
+
+@pytest.fixture(scope="session")
+def hosts():
+    """``hosts(name, backend="gloo")``: a live HostPool of the topology ``name`` (TOPOLOGIES), made on
+    first use and shared by the modules that test a feature across hosts; at the end every host's
+    /dev/shm must be empty (shm_names' rule, inside each host's private /dev/shm)."""
+    pools = {}
+
+    def get(name, backend="gloo"):
+        key = (name, backend)
+        if key not in pools:
+            pools[key] = HostPool(TOPOLOGIES[name], backend=backend, group_timeout=HOSTS_GROUP_TIMEOUT_S)
+        return pools[key]
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+        assert all(left == [] for left in pool.leftovers.values()), f"left in /dev/shm: {pool.leftovers}"

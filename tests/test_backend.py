@@ -5,7 +5,7 @@ each torch.distributed operation on both groups with the same integer-valued inp
 results: they must be identical (where both reduce in the same order) or within one rounding. On top
 of that: asynchronous work and futures, subgroups, torch's DistributedDataParallel and
 ZeroRedundancyOptimizer unchanged, mismatched calls, clear errors, ddpkit's own API on a "ddpkit"
-group, the process-group transport, torchrun, and nothing left in /dev/shm.
+group, the process-group transport and torchrun.
 """
 
 import contextlib
@@ -23,8 +23,7 @@ from torch import nn
 import ddpkit
 from ddpkit.testing import WorkerPool
 
-from test_shm import ddpkit_segments
-from test_train import TRAIN, free_port, needs_fashion_mnist, small_cli
+from helpers import TRAIN, free_port, needs_fashion_mnist, needs_hosts, small_cli
 
 RED = dist.ReduceOp
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -33,17 +32,8 @@ OWN_DTYPES = FLOAT_DTYPES + (torch.int32, torch.int64)
 
 # --- pools ---------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def no_segments_left():
-    """After the module (every pool closed, torchrun runs included) no new ddpkit-* segment is in /dev/shm."""
-    before = set(ddpkit_segments())
-    yield
-    left = set(ddpkit_segments()) - before
-    assert not left, f"shared-memory segments left in /dev/shm: {sorted(left)}"
-
-
 @pytest.fixture(scope="module")
-def dpool(no_segments_left):
+def dpool():
     """``dpool(n, group_timeout=30, **env)``: a live WorkerPool of n "ddpkit" ranks (one per n, timeout and
     environment). A case that fails kills its pool; the next call starts a fresh one."""
     pools = {}
@@ -760,6 +750,16 @@ def test_torch_ddp_and_zero_match_gloo(dpool, world_size):
     # rank 0 consolidated every rank's shard of the optimizer state
     parameters = len(list(Branchy().parameters()))
     assert sum(key.startswith("momentum.") for key in per_rank[0]["zero"][0]) == parameters
+
+
+@needs_hosts
+def test_torch_ddp_across_hosts_matches_gloo(hosts):
+    """Two simulated hosts of two ranks: torch DDP's buckets cross hosts through the backend's hierarchy."""
+    per_rank = hosts("2x2", backend="ddpkit").run(case_torch_ddp, ["plain", "no_sync"], 3, timeout=300)
+    for rank, results in enumerate(per_rank):
+        for name, (ours, theirs) in results.items():
+            for key in ours:
+                torch.testing.assert_close(ours[key], theirs[key], rtol=1e-6, atol=1e-6, msg=f"{rank} {name} {key}")
 
 
 # --- 4. mismatched calls -------------------------------------------------------------------------

@@ -15,27 +15,13 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit.comm import ONE_HOST_ALGORITHMS as ALGORITHMS
 
+from helpers import all_inputs, rank_input, reference
+
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 
 
 def numels_for(world_size):
     return sorted({0, 1, max(world_size - 1, 0), 1000, 1001, 100_000})
-
-
-def rank_input(rank, numel, dtype=torch.float32, integer=False, seed=0):
-    generator = torch.Generator().manual_seed(seed * 1000 + rank)
-    if integer:
-        return torch.randint(-1000, 1000, (numel,), generator=generator).to(dtype)
-    return torch.randn(numel, generator=generator, dtype=torch.float64).to(dtype)
-
-
-def all_inputs(world_size, numel, **kwargs):
-    return torch.stack([rank_input(r, numel, **kwargs).double() for r in range(world_size)])
-
-
-def reference(world_size, numel, op, **kwargs):
-    stacked = all_inputs(world_size, numel, **kwargs)
-    return {"sum": stacked.sum(0), "mean": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[op]
 
 
 # --- cases that run on every rank ----------------------------------------------------------------

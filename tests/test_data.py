@@ -31,6 +31,8 @@ from ddpkit.training.data import (
     read_idx,
 )
 
+from helpers import CIFAR_LAYOUT, write_cifar
+
 # ----------------------------------------------------------------------------------------------
 # IDX / Fashion-MNIST
 
@@ -195,54 +197,6 @@ def test_real_fashion_mnist():
 
 # ----------------------------------------------------------------------------------------------
 # CIFAR
-
-
-CIFAR_LAYOUT = {
-    # name: (top directory, archive, train members, test members, label key, classes)
-    "cifar10": ("cifar-10-batches-py", "cifar-10-python.tar.gz",
-                [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], b"labels", 10),
-    "cifar100": ("cifar-100-python", "cifar-100-python.tar.gz", ["train"], ["test"], b"fine_labels", 100),
-}
-
-
-def cifar_batch(n: int, label_key: bytes, classes: int, rng) -> tuple[bytes, np.ndarray, np.ndarray]:
-    """A pickled batch in the official format, and the images [n, 3, 32, 32] and labels it encodes."""
-    images = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
-    labels = rng.integers(0, classes, n)
-    # Each row is the red plane, then the green, then the blue, each row-major.
-    rows = np.stack([np.concatenate([image[0].ravel(), image[1].ravel(), image[2].ravel()]) for image in images])
-    batch = {b"batch_label": b"training batch", b"data": rows, label_key: labels.tolist(),
-             b"filenames": [b"img_%d.png" % i for i in range(n)]}
-    if label_key == b"fine_labels":
-        batch[b"coarse_labels"] = (labels // 5).tolist()
-    return pickle.dumps(batch, protocol=2), images, labels
-
-
-def write_cifar(root: Path, name: str, as_archive: bool, seed: int = 0, skip: tuple = ()) -> dict:
-    top, archive, train_members, test_members, label_key, classes = CIFAR_LAYOUT[name]
-    rng = np.random.default_rng(seed)
-    files, expected = {}, {}
-    for split, members in (("train", train_members), ("test", test_members)):
-        parts = []
-        for member in members:
-            payload, images, labels = cifar_batch(int(rng.integers(2, 5)), label_key, classes, rng)
-            if member not in skip:
-                files[f"{top}/{member}"] = payload
-            parts.append((images, labels))
-        expected[split] = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-    files[f"{top}/batches.meta" if name == "cifar10" else f"{top}/meta"] = pickle.dumps({b"label_names": []}, 2)
-    root.mkdir(parents=True, exist_ok=True)
-    if as_archive:
-        with tarfile.open(root / archive, "w:gz") as tar:
-            for member, payload in files.items():
-                info = tarfile.TarInfo(member)
-                info.size = len(payload)
-                tar.addfile(info, io.BytesIO(payload))
-    else:
-        for member, payload in files.items():
-            (root / member).parent.mkdir(parents=True, exist_ok=True)
-            (root / member).write_bytes(payload)
-    return expected
 
 
 @pytest.mark.parametrize("as_archive", [False, True], ids=["directory", "archive"])

@@ -10,6 +10,8 @@ import ddpkit
 from ddpkit.ddp import assign_buckets
 from ddpkit.testing import WorkerPool
 
+from helpers import needs_hosts
+
 GLOBAL_BATCH = 16
 FEATURES = 12
 STEPS = 5
@@ -360,6 +362,14 @@ def test_matches_single_process_training(pool, world_size, name):
         results = pool(world_size).run(case_train, name, STEPS, grad_sync, algorithm)
         for state, _, _ in results:
             assert_states_close(state, expected)
+
+
+@needs_hosts
+def test_matches_single_process_training_across_hosts(hosts):
+    """Two simulated hosts of two ranks: the buckets' all-reduces run hierarchically."""
+    expected = train_reference("tied", STEPS)
+    for state, _, _ in hosts("2x2").run(case_train, "tied", STEPS, "bucketed", "auto", timeout=300):
+        assert_states_close(state, expected)
 
 
 def case_backward_messages():

@@ -1,43 +1,25 @@
 """Every script of examples/ runs as its docstring says and checks its own results. The docs show some of
 them whole; tests/test_readme.py checks that those blocks are the files as they are."""
 
-import ast
 import importlib.util
 import os
-import re
-import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import EXAMPLES, documented_command, free_port
+
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 # The framework guides' examples need their framework, which the test extras install (make setup does).
 NEEDS = {"lightning_ddpkit": "lightning", "accelerate_ddpkit": "accelerate"}
-
-
-def documented_command(path: Path) -> list[str]:
-    """The torchrun line of the example's docstring, as argv (environment assignments first, if any)."""
-    docstring = ast.get_docstring(ast.parse(path.read_text()))
-    lines = [line.strip() for line in docstring.splitlines()
-             if re.fullmatch(r"([A-Z_]+=\S+ )*torchrun .* examples/\w+\.py", line.strip())]
-    assert len(lines) == 1, f"{path.name}: its docstring should give one torchrun command"
-    return shlex.split(lines[0])
 
 
 def test_there_are_the_examples():
     assert [path.stem for path in EXAMPLES] == [
         "accelerate_ddpkit", "checkpoint_dcp", "collectives", "compile_functional", "ddp_accumulation",
         "elastic_restart", "lightning_ddpkit", "pipelining_gpipe", "syncbn", "torch_ddp_on_ddpkit"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.stem)

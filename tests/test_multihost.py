@@ -17,12 +17,10 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit.testing import HostPool, WorkerFailure, WorkerPool
 
-from test_comm import rank_input
-from test_hardening import BACKEND_ONE_RANK_REJECTS, ONE_RANK_REJECTS, call_each_then_all_reduce
+from helpers import (BACKEND_ONE_RANK_REJECTS, ONE_RANK_REJECTS, TOPOLOGIES, call_each_then_all_reduce, needs_hosts,
+                     rank_input)
+from helpers import HOSTS_GROUP_TIMEOUT_S as GROUP_TIMEOUT_S
 
-needs_hosts = pytest.mark.skipif(HostPool.unavailable() is not None, reason=str(HostPool.unavailable()))
-GROUP_TIMEOUT_S = 15.0
-TOPOLOGIES = {"2x2": [2, 2], "2x1": [1, 1], "3x1": [1, 1, 1], "1+3": [1, 3]}
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
 
@@ -32,24 +30,6 @@ def expected_hosts(ranks_per_host):
         hosts.append(tuple(range(first, first + count)))
         first += count
     return tuple(hosts)
-
-
-@pytest.fixture(scope="module")
-def hosts():
-    """``hosts(name)``: a live HostPool of the topology ``name`` (TOPOLOGIES), made on first use; at
-    the end every host's /dev/shm must be empty."""
-    pools = {}
-
-    def get(name, backend="gloo"):
-        key = (name, backend)
-        if key not in pools:
-            pools[key] = HostPool(TOPOLOGIES[name], backend=backend, group_timeout=GROUP_TIMEOUT_S)
-        return pools[key]
-
-    yield get
-    for pool in pools.values():
-        pool.close()
-        assert all(left == [] for left in pool.leftovers.values()), f"left in /dev/shm: {pool.leftovers}"
 
 
 # --- cases run on every rank ----------------------------------------------------------------------
@@ -345,44 +325,6 @@ def test_a_frame_of_another_collective_raises_on_both_hosts_at_once():
     assert isinstance(outcomes[0], RuntimeError) and "rank 1 sent a frame of collective" in str(outcomes[0]), \
         outcomes[0]
     assert isinstance(outcomes[1], RuntimeError) and "rank 0" in str(outcomes[1]), outcomes[1]
-
-
-def case_ddpkit_ddp_and_syncbn():
-    from test_ddp import STEPS, case_train
-    from test_syncbn import even_sizes, run_step
-    torch.manual_seed(5)
-    x = torch.randn(32, 64)
-    syncbn = run_step(x, even_sizes(32, dist.get_world_size()), 64, 16, "auto", {})
-    return case_train("tied", STEPS, "bucketed", "auto"), syncbn
-
-
-@needs_hosts
-def test_ddpkit_ddp_and_syncbatchnorm_across_hosts_match_one_process(hosts):
-    from test_ddp import STEPS, assert_states_close, train_reference
-    from test_syncbn import TIGHT, reference
-    expected_state = train_reference("tied", STEPS)
-    torch.manual_seed(5)
-    x = torch.randn(32, 64)
-    y_ref, grad_ref = reference(x, torch.nn.BatchNorm1d(64), 16)
-    per_rank = hosts("2x2").run(case_ddpkit_ddp_and_syncbn, timeout=300)
-    for (state, _, _), _ in per_rank:
-        assert_states_close(state, expected_state)
-    torch.testing.assert_close(torch.cat([s["y"] for _, s in per_rank]), y_ref, atol=TIGHT, rtol=0)
-    torch.testing.assert_close(torch.cat([s["grad"] for _, s in per_rank]), grad_ref, atol=TIGHT, rtol=0)
-
-
-def case_torch_ddp_on_ddpkit():
-    from test_backend import case_torch_ddp
-    return case_torch_ddp(["plain", "no_sync"], 3)
-
-
-@needs_hosts
-def test_torch_ddp_on_the_ddpkit_backend_across_hosts_matches_gloo(hosts):
-    per_rank = hosts("2x2", backend="ddpkit").run(case_torch_ddp_on_ddpkit, timeout=300)
-    for rank, results in enumerate(per_rank):
-        for name, (ours, theirs) in results.items():
-            for key in ours:
-                torch.testing.assert_close(ours[key], theirs[key], rtol=1e-6, atol=1e-6, msg=f"{rank} {name} {key}")
 
 
 # --- one machine split by DDPKIT_TEST_HOSTS -----------------------------------------------------------

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ from pathlib import Path
 import pytest
 
 from ddpkit.training.train import parse_args
+
+from helpers import EXAMPLES, documented_command, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -93,14 +94,7 @@ COMMANDS = [(block, argv) for block in BLOCKS if block.language == "bash" for ar
 
 def example_commands() -> set[tuple[str, ...]]:
     """The examples' own commands, as their docstrings give them and tests/test_examples.py runs them."""
-    from test_examples import EXAMPLES, documented_command
     return {tuple(documented_command(path)) for path in EXAMPLES}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def venv_program(argv: list[str]) -> list[str]:

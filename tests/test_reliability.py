@@ -84,7 +84,7 @@ def survivors_of_rank_1(case, *args) -> list:
     return [outcomes[0], outcomes[2]]
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "auto", "process_group"])
+@pytest.mark.parametrize("algorithm", ["ring", "direct", "auto", "process_group"])
 def test_dead_rank_fails_every_other_rank_quickly(algorithm):
     for outcome in survivors_of_rank_1(case_die_during_collectives, algorithm):
         if algorithm != "process_group":

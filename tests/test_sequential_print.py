@@ -29,7 +29,7 @@ def test_expected_output_format():
 
 # Repeated launches where ranks can race (2 and more); each launch costs several seconds of start-up
 # (torchrun and every rank import torch), so the suite keeps them few.
-@pytest.mark.parametrize("world_size,launches", [(1, 1), (2, 2), (4, 2), (8, 2)])
+@pytest.mark.parametrize("world_size,launches", [(1, 1), (2, 2), (4, 1), (8, 1)])
 def test_torchrun_output_is_deterministic(world_size, launches):
     expected = expected_output(world_size)
     for _ in range(launches):

@@ -3,33 +3,20 @@
 Every collective runs over shared memory and over the process group's send/recv on the same inputs
 and is compared with a float64 reference (integer-valued inputs exactly) and across ranks (identical
 bits); the direct all-reduce's checks, chunking, transport selection, concurrency across groups and
-threads, and the promise that nothing is ever in /dev/shm.
+threads.
 """
 
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.comm import ONE_HOST_ALGORITHMS as ALGORITHMS
 from ddpkit.testing import WorkerPool
 
-from test_comm import all_inputs, rank_input, reference
-
-SHM = Path("/dev/shm")
-
-
-def ddpkit_segments() -> list[str]:
-    return sorted(p.name for p in SHM.iterdir() if p.name.startswith("ddpkit-")) if SHM.is_dir() else []
-
-
-def algorithms_for(transport: str) -> list[str]:
-    # "direct" reads peers' slots: shared memory only.
-    return [a for a in ALGORITHMS if transport == "shm" or a != "direct"]
+from helpers import algorithms_for, all_inputs, rank_input, reference
 
 
 # --- cases that run on every rank ----------------------------------------------------------------
@@ -132,17 +119,6 @@ def case_two_groups_two_threads(iterations):
     transports = (ddpkit.comm.resolved_transport(), ddpkit.comm.resolved_transport(other))
     dist.destroy_process_group(other)
     return errors, results, transports
-
-
-def case_segments_visible():
-    # A new group: its segment is created during this call, not reused.
-    group = dist.new_group(list(range(dist.get_world_size())))
-    ddpkit.all_reduce(torch.ones(10), group=group)
-    transport = ddpkit.comm.resolved_transport(group)
-    dist.barrier()
-    seen = ddpkit_segments()
-    dist.destroy_process_group(group)
-    return transport, seen
 
 
 def case_busy_receiver(numel):
@@ -302,14 +278,6 @@ def test_two_groups_from_two_threads_never_cross(pool):
         assert torch.equal(results["other"], torch.full((200_000,), float(expected_sum)))
 
 
-def test_segments_never_appear_in_dev_shm(pool):
-    """The segment is an anonymous memfd (Note [Shared-memory segment]): no name in /dev/shm, ever."""
-    before = ddpkit_segments()
-    for transport, seen in pool(4).run(case_segments_visible):
-        assert transport == "shm"
-        assert [name for name in seen if name not in before] == []
-
-
 def test_early_messages_wait_in_shared_memory(pool):
     """A message whose receive is not posted yet waits in its channel (its sender waits for room):
     a rank busy with an earlier collective holds nothing of a 16 MB broadcast on the heap
@@ -323,9 +291,3 @@ def test_early_messages_wait_in_shared_memory(pool):
         assert peak_buffered == 0, f"rank {rank} buffered {peak_buffered} bytes of early messages"
 
 
-def test_nothing_left_in_dev_shm_after_a_kill():
-    from test_reliability import case_die_during_collectives, survivors_of_rank_1
-    before = ddpkit_segments()
-    for outcome in survivors_of_rank_1(case_die_during_collectives, "direct"):
-        assert "ddpkit.all_reduce" in str(outcome) and "rank 1" in str(outcome) and "died" in str(outcome), outcome
-    assert ddpkit_segments() == before

@@ -20,6 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 import ddpkit
 from ddpkit.testing import WorkerPool
 
+from helpers import needs_hosts
+
 TIGHT = 1e-5  # what the float32 kernels achieve against BatchNorm1d (observed errors are ~1e-6)
 
 
@@ -322,6 +324,18 @@ def test_matches_batchnorm1d_over_the_process_group_transport():
         assert pool.run(ddpkit.comm.resolved_transport) == ["process_group"] * 4
     finally:
         pool.close()
+
+
+@needs_hosts
+def test_matches_batchnorm1d_across_hosts(hosts):
+    """Two simulated hosts of two ranks: each pass's all-reduce runs hierarchically."""
+    features, batch = 64, 32
+    torch.manual_seed(5)
+    x = torch.randn(batch, features)
+    y_ref, grad_ref = reference(x, torch.nn.BatchNorm1d(features), batch // 2)
+    results = hosts("2x2").run(run_step, x, even_sizes(batch, 4), features, batch // 2, "auto", {}, timeout=300)
+    torch.testing.assert_close(torch.cat([r["y"] for r in results]), y_ref, atol=TIGHT, rtol=0)
+    torch.testing.assert_close(torch.cat([r["grad"] for r in results]), grad_ref, atol=TIGHT, rtol=0)
 
 
 def test_process_group_option_selects_the_group(pools):

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,12 +16,9 @@ from ddpkit.training.data import FASHION_MNIST_ROOT, dataset_info, load_dataset,
 from ddpkit.training.models import build_model
 from ddpkit.training.train import TrainConfig, Trainer, evaluate, parse_args
 
-from test_data import write_cifar
+from helpers import TRAIN, free_port, needs_fashion_mnist, small_cli, write_cifar
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "train.py"
-needs_fashion_mnist = pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(),
-                                         reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)")
 
 
 def small_config(out_dir, **overrides) -> TrainConfig:
@@ -276,17 +272,6 @@ def test_distributed_validation_equals_single_process(pool, world_size):
 
 
 # --- launching ------------------------------------------------------------------------------------
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def small_cli(out_dir):
-    return ["--dataset", "fashion_mnist", "--limit-train", "1024", "--limit-test", "500", "--batch-size", "32",
-            "--max-steps", "4", "--epochs", "1", "--no-progress", "--out", str(out_dir)]
-
 
 @needs_fashion_mnist
 def test_two_torchrun_launchers_as_two_nodes(tmp_path):

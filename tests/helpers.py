@@ -1,0 +1,205 @@
+"""What more than one test module uses: inputs and their references, the calls one rank rejects,
+ports, the training script's small runs, CIFAR archives, the examples' commands, and the leak check.
+
+Test modules import from here, never from each other (a test module imported by another runs its
+module-level code twice and couples their fixtures)."""
+
+import ast
+import io
+import pickle
+import re
+import shlex
+import socket
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.comm import ONE_HOST_ALGORITHMS
+from ddpkit.testing import HostPool
+from ddpkit.training.data import FASHION_MNIST_ROOT
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "train.py"
+EXAMPLES = sorted((REPO / "examples").glob("*.py"))
+
+# Simulated hosts (conftest's ``hosts`` fixture): namespaces need root, as CI has.
+needs_hosts = pytest.mark.skipif(HostPool.unavailable() is not None, reason=str(HostPool.unavailable()))
+HOSTS_GROUP_TIMEOUT_S = 15.0
+TOPOLOGIES = {"2x2": [2, 2], "2x1": [1, 1], "3x1": [1, 1, 1], "1+3": [1, 3]}
+
+
+# --- the leak check ------------------------------------------------------------------------------
+
+def shm_names(pids=None) -> set:
+    """Names in /dev/shm that ddpkit made ("ddpkit-<pid>-..."), of the processes ``pids`` if given.
+
+    ddpkit's segments are anonymous (Note [Shared-memory segment]): they vanish with the last process
+    that maps them, so a name here is the one thing a process can leave behind. conftest's session
+    check and HostPool (each host's /dev/shm) apply it; tests of set-up and teardown add their own
+    in-process measure (memfd mappings and descriptors, threads)."""
+    shm = Path("/dev/shm")
+    names = set()
+    for entry in shm.iterdir() if shm.is_dir() else []:
+        match = re.match(r"ddpkit-(\d+)-", entry.name)
+        if match and (pids is None or int(match.group(1)) in pids):
+            names.add(entry.name)
+    return names
+
+
+# --- collective inputs and their float64 references ----------------------------------------------
+
+def rank_input(rank, numel, dtype=torch.float32, integer=False, seed=0):
+    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+    if integer:
+        return torch.randint(-1000, 1000, (numel,), generator=generator).to(dtype)
+    return torch.randn(numel, generator=generator, dtype=torch.float64).to(dtype)
+
+
+def all_inputs(world_size, numel, **kwargs):
+    return torch.stack([rank_input(r, numel, **kwargs).double() for r in range(world_size)])
+
+
+def reference(world_size, numel, op, **kwargs):
+    stacked = all_inputs(world_size, numel, **kwargs)
+    return {"sum": stacked.sum(0), "mean": stacked.mean(0), "max": stacked.amax(0), "min": stacked.amin(0)}[op]
+
+
+def algorithms_for(transport: str) -> list[str]:
+    # "direct" reads peers' slots: shared memory only.
+    return [a for a in ONE_HOST_ALGORITHMS if transport == "shm" or a != "direct"]
+
+
+# --- one rank rejects its arguments: every rank raises, the next call pairs ------------------------
+
+def _syncbn_bad_weight(rank):
+    name = dist.group.WORLD.group_name
+    weight = torch.ones(4 if rank != 1 else 5)
+    torch.ops.ddpkit.sync_batch_norm(torch.randn(8, 4), weight, None, None, None, True, 0.1, 1e-5, "auto", name)
+
+
+def _a2a_bad_splits(rank):
+    n = dist.get_world_size()
+    output, data = torch.empty(n * 2), torch.ones(n * 2)
+    splits = [2] * n if rank != 1 else [3] * n
+    dist.all_to_all_single(output, data, output_split_sizes=[2] * n, input_split_sizes=splits)
+
+
+def _coalesced_gather_bad_sizes(rank):
+    n = dist.get_world_size()
+    with dist._coalescing_manager():
+        dist.all_gather_into_tensor(torch.empty(n * 3 + (rank == 1)), torch.ones(3))
+
+
+ONE_RANK_REJECTS = {
+    "op": lambda rank: ddpkit.all_reduce(torch.ones(8), op="prod" if rank == 1 else "sum"),
+    "algorithm": lambda rank: ddpkit.all_reduce(torch.ones(8), algorithm="telepathy" if rank == 1 else "auto"),
+    "transport": lambda rank: ddpkit.all_reduce(torch.ones(8), transport="pigeon" if rank == 1 else "auto"),
+    "torch_op": lambda rank: ddpkit.reduce_scatter_tensor(torch.empty(2), torch.ones(4),
+                                                          op=dist.ReduceOp.PRODUCT if rank == 1 else "sum"),
+    "meta": lambda rank: ddpkit.broadcast(torch.ones(8, device="meta" if rank == 1 else "cpu"), src=0),
+    "syncbn_weight": _syncbn_bad_weight,
+}
+
+
+BACKEND_ONE_RANK_REJECTS = {
+    "all_to_all_splits": _a2a_bad_splits,
+    "coalesced_all_gather": _coalesced_gather_bad_sizes,
+}
+
+
+def call_each_then_all_reduce(calls, kinds):
+    """Per kind: this rank's error from ``calls[kind](rank)``, or None, then the group's next
+    all-reduce of 10**rank."""
+    rank = dist.get_rank()
+    out = {}
+    for kind in kinds:
+        try:
+            calls[kind](rank)
+            error = None
+        except (RuntimeError, ValueError) as exc:
+            error = str(exc)
+        after = torch.full((1000,), 10.0 ** rank)
+        ddpkit.all_reduce(after)
+        out[kind] = (error, after[0].item())
+    return out
+
+
+# --- processes: ports, train.py, the examples --------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+needs_fashion_mnist = pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(),
+                                         reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)")
+
+
+def small_cli(out_dir):
+    return ["--dataset", "fashion_mnist", "--limit-train", "1024", "--limit-test", "500", "--batch-size", "32",
+            "--max-steps", "4", "--epochs", "1", "--no-progress", "--out", str(out_dir)]
+
+
+def documented_command(path: Path) -> list[str]:
+    """The torchrun line of the example's docstring, as argv (environment assignments first, if any)."""
+    docstring = ast.get_docstring(ast.parse(path.read_text()))
+    lines = [line.strip() for line in docstring.splitlines()
+             if re.fullmatch(r"([A-Z_]+=\S+ )*torchrun .* examples/\w+\.py", line.strip())]
+    assert len(lines) == 1, f"{path.name}: its docstring should give one torchrun command"
+    return shlex.split(lines[0])
+
+
+# --- CIFAR archives in the official format ----------------------------------------------------------
+
+CIFAR_LAYOUT = {
+    # name: (top directory, archive, train members, test members, label key, classes)
+    "cifar10": ("cifar-10-batches-py", "cifar-10-python.tar.gz",
+                [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], b"labels", 10),
+    "cifar100": ("cifar-100-python", "cifar-100-python.tar.gz", ["train"], ["test"], b"fine_labels", 100),
+}
+
+
+def cifar_batch(n: int, label_key: bytes, classes: int, rng) -> tuple[bytes, np.ndarray, np.ndarray]:
+    """A pickled batch in the official format, and the images [n, 3, 32, 32] and labels it encodes."""
+    images = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
+    labels = rng.integers(0, classes, n)
+    # Each row is the red plane, then the green, then the blue, each row-major.
+    rows = np.stack([np.concatenate([image[0].ravel(), image[1].ravel(), image[2].ravel()]) for image in images])
+    batch = {b"batch_label": b"training batch", b"data": rows, label_key: labels.tolist(),
+             b"filenames": [b"img_%d.png" % i for i in range(n)]}
+    if label_key == b"fine_labels":
+        batch[b"coarse_labels"] = (labels // 5).tolist()
+    return pickle.dumps(batch, protocol=2), images, labels
+
+
+def write_cifar(root: Path, name: str, as_archive: bool, seed: int = 0, skip: tuple = ()) -> dict:
+    top, archive, train_members, test_members, label_key, classes = CIFAR_LAYOUT[name]
+    rng = np.random.default_rng(seed)
+    files, expected = {}, {}
+    for split, members in (("train", train_members), ("test", test_members)):
+        parts = []
+        for member in members:
+            payload, images, labels = cifar_batch(int(rng.integers(2, 5)), label_key, classes, rng)
+            if member not in skip:
+                files[f"{top}/{member}"] = payload
+            parts.append((images, labels))
+        expected[split] = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    files[f"{top}/batches.meta" if name == "cifar10" else f"{top}/meta"] = pickle.dumps({b"label_names": []}, 2)
+    root.mkdir(parents=True, exist_ok=True)
+    if as_archive:
+        with tarfile.open(root / archive, "w:gz") as tar:
+            for member, payload in files.items():
+                info = tarfile.TarInfo(member)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    else:
+        for member, payload in files.items():
+            (root / member).parent.mkdir(parents=True, exist_ok=True)
+            (root / member).write_bytes(payload)
+    return expected
