@@ -85,7 +85,6 @@ CollectiveWork::CollectiveWork(int rank, c10d::OpType type, std::vector<at::Tens
     : c10d::Work(rank, type), outputs_(std::move(outputs)) {}
 
 void CollectiveWork::complete(std::exception_ptr error) {
-  finish(error);
   c10::intrusive_ptr<c10::ivalue::Future> future;
   {
     std::lock_guard<std::mutex> lock(future_mutex_);
@@ -93,6 +92,10 @@ void CollectiveWork::complete(std::exception_ptr error) {
     error_ = error;
     future = future_;
   }
+  // Only now wake wait(): a getFuture() after wait() returned then gets a future that is already
+  // settled, as gloo's is, so a then() chained on it runs at once on the caller's thread (torchft's
+  // managed work chains its callbacks right after wait() and relies on that).
+  finish(error);
   // Outside the lock, and off this thread (Note [Future callbacks]): the future runs its callbacks
   // on whichever thread settles it.
   if (future) {

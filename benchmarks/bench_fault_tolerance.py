@@ -1,0 +1,187 @@
+"""Fault tolerance side by side: torchft on gloo, torchft on ddpkit, and torchrun --max-restarts with a
+checkpoint (no torchft), in one run. Writes benchmarks/results/fault_tolerance.json.
+
+    .venv/bin/python benchmarks/bench_fault_tolerance.py
+
+For each torchft candidate (ProcessGroupGloo, ddpkit.torchft.ProcessGroupDdpkit; torchft's Manager,
+DDP and optimizer wrappers; one lighthouse per run with the same settings for both):
+  - steady state: the median step time of 2 replica groups training the 8.4M-parameter MLP (8 linear
+    layers 1024 wide), without failures;
+  - kill: 3 replica groups of a small MLP with a stand-in compute per step; one is SIGKILLed mid-run
+    and restarted --restart-delay later. Figures: death to the survivors' next committed step (the
+    last survivor's), restart to the rejoined replica's first committed step, the steps lost (steps
+    some replica had committed and no longer holds: always 0 under torchft) and the iterations the
+    survivors did not commit in between.
+The baseline is one torchrun job of 3 ranks (ddpkit backend and DDP, a checkpoint after every step,
+--max-restarts 1): a rank kills itself, torchrun restarts the whole job, which resumes from the
+checkpoint. Its kill and restart figures are measured from the same logs.
+Each kill is repeated --repeats times, candidates interleaved; the medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ft_replica  # noqa: E402
+import records  # noqa: E402
+from common import write_results  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def lighthouse(heartbeat_ms: int):
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20,
+                            heartbeat_timeout_ms=heartbeat_ms)
+
+
+def steady_state(pg: str, steps: int, heartbeat_ms: int) -> dict:
+    server = lighthouse(heartbeat_ms)
+    with tempfile.TemporaryDirectory() as folder:
+        groups = ft_replica.ReplicaGroups(Path(folder), server.address(),
+                                          ["--pg", pg, "--model", "mlp8x1024", "--steps", str(steps)], 2)
+        try:
+            groups.start_all()
+            groups.wait_all(600)
+        finally:
+            groups.close()
+            server.shutdown()
+        times = [r["end"] - r["start"] for replica in range(2) for r in groups.committed(replica)
+                 if r["step"] >= 3]
+    return {"step_s_median": statistics.median(times), "steps_timed": len(times)}
+
+
+def kill_run(pg: str, args) -> dict:
+    server = lighthouse(args.heartbeat_ms)
+    victim, count = 1, 3
+    with tempfile.TemporaryDirectory() as folder:
+        groups = ft_replica.ReplicaGroups(Path(folder), server.address(),
+                                          ["--pg", pg, "--steps", str(args.kill_steps), "--compute",
+                                           str(args.compute)], count)
+        try:
+            groups.start_all()
+            groups.wait_until(lambda: any(r["participants"] == count and r["step"] >= 5
+                                          for r in groups.committed(victim)), 120, "a full quorum")
+            committed_before = {r: {x["step"] for x in groups.committed(r)} for r in range(count)}
+            killed = time.time()
+            groups.signal(victim, signal.SIGKILL)
+            survivors = [r for r in range(count) if r != victim]
+            groups.wait_until(lambda: all(any(x["end"] > killed for x in groups.committed(s)) for s in survivors),
+                              120, "the survivors' next commit")
+            time.sleep(args.restart_delay)
+            restarted = time.time()
+            process = groups.start(victim)
+            groups.wait_until(lambda: any(x["pid"] == process.pid for x in groups.committed(victim)), 120,
+                              "the rejoined replica's first commit")
+            groups.wait_all(300)
+            survivor_error = None
+        except RuntimeError as error:  # a candidate that died: recorded, not fatal to the benchmark
+            survivor_error = str(error)[-1500:]
+        finally:
+            groups.close()
+            server.shutdown()
+        if survivor_error:
+            return {"failed": survivor_error}
+        next_commit = max(min(x["end"] for x in groups.committed(s) if x["end"] > killed) for s in survivors)
+        rejoin = min(x["end"] for x in groups.committed(victim) if x["pid"] == process.pid)
+        final = {r: {x["step"] for x in groups.committed(r)} for r in survivors}
+        lost = sum(len(committed_before[r] - final[r]) for r in survivors)
+        uncommitted = sum(1 for s in survivors for x in groups.records(s) if x["start"] > killed - 1 and not x["committed"])
+        timeline = sorted((round(x["end"] - killed, 3), x["replica"], x["step"], x["committed"], x["participants"])
+                          for r in range(count) for x in groups.records(r) if -0.3 < x["end"] - killed < 3)
+    return {"death_to_next_commit_s": next_commit - killed, "restart_to_first_commit_s": rejoin - restarted,
+            "steps_lost": lost, "uncommitted_iterations": uncommitted, "timeline": timeline}
+
+
+def baseline_run(args) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "log.jsonl"
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
+               "PET_MASTER_PORT": str(ft_replica.free_port())}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "1",
+                   str(Path(ft_replica.__file__)), "--baseline", "--steps", str(args.kill_steps), "--compute",
+                   str(args.compute), "--kill-rank", "1", "--kill-step", "8", "--log", str(log),
+                   "--out", str(Path(folder) / "state.pt")]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            return {"failed": (done.stdout + done.stderr)[-1500:]}
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+    killed = next(r["killed"] for r in records if "killed" in r)
+    restart = min(r["launched"] for r in records if r.get("attempt") == 1)
+    steps = [r for r in records if "step" in r and "killed" not in r]
+    before = {r["step"] for r in steps if r["end"] < killed}
+    after = [r for r in steps if r["end"] > killed]
+    first_after = min(r["end"] for r in after)
+    restarted_from = min(r["step"] for r in after)
+    return {"death_to_next_commit_s": first_after - killed, "restart_to_first_commit_s": first_after - restart,
+            "steps_lost": max(0, max(before) + 1 - restarted_from), "uncommitted_iterations": 0,
+            }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steady-steps", type=int, default=20)
+    parser.add_argument("--kill-steps", type=int, default=30)
+    parser.add_argument("--compute", type=float, default=0.02, help="stand-in compute per step, seconds")
+    parser.add_argument("--restart-delay", type=float, default=1.0)
+    parser.add_argument("--heartbeat-ms", type=int, default=500, help="the lighthouse's heartbeat timeout")
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "fault_tolerance.json"))
+    args = parser.parse_args()
+
+    candidates = ["gloo", "ddpkit"]
+    results: dict = {c: {"kills": []} for c in candidates + ["torchrun"]}
+    for c in candidates:
+        results[c]["steady_state"] = steady_state(c, args.steady_steps, args.heartbeat_ms)
+        print(c, "steady state", results[c]["steady_state"], flush=True)
+    for repeat in range(args.repeats):
+        order = candidates[repeat % 2:] + candidates[:repeat % 2]
+        for c in order:
+            results[c]["kills"].append(kill_run(c, args))
+            print(c, "kill", {k: v for k, v in results[c]["kills"][-1].items() if k != "timeline"}, flush=True)
+        results["torchrun"]["kills"].append(baseline_run(args))
+        print("torchrun", "kill", results["torchrun"]["kills"][-1], flush=True)
+    names = {"gloo": "torchft-gloo", "ddpkit": "torchft-ddpkit", "torchrun": "torchrun-restart"}
+    rows = []
+    for c, entry in results.items():
+        if "steady_state" in entry:
+            rows.append(records.FaultToleranceRecord(candidate=names[c], measure="steady", repeat=0,
+                                                     step_s=entry["steady_state"]["step_s_median"]))
+        for repeat, kill in enumerate(entry["kills"]):
+            rows.append(records.FaultToleranceRecord(candidate=names[c], measure="kill", repeat=repeat, **kill))
+    summary: dict = {}
+    for c, entry in results.items():
+        ok = [k for k in entry["kills"] if "failed" not in k]
+        summary[names[c]] = {"failed_kill_runs": len(entry["kills"]) - len(ok)}
+        if "steady_state" in entry:
+            summary[names[c]]["steady_step_s"] = entry["steady_state"]["step_s_median"]
+        for key in ("death_to_next_commit_s", "restart_to_first_commit_s", "steps_lost", "uncommitted_iterations"):
+            if ok:
+                summary[names[c]][key + "_median"] = statistics.median(k[key] for k in ok)
+    gloo, ours = summary["torchft-gloo"], summary["torchft-ddpkit"]
+    summary["steady_step_ratio_ddpkit_over_gloo"] = ours["steady_step_s"] / gloo["steady_step_s"]
+    for key in ("death_to_next_commit_s_median", "restart_to_first_commit_s_median"):
+        if key in ours and key in gloo:
+            summary[key.replace("_s_median", "_ratio_ddpkit_over_gloo")] = ours[key] / gloo[key]
+    settings = {k: getattr(args, k) for k in ("repeats", "steady_steps", "kill_steps", "compute", "restart_delay",
+                                              "heartbeat_ms")}
+    settings["lighthouse"] = {"min_replicas": 1, "join_timeout_ms": 400, "quorum_tick_ms": 20,
+                              "heartbeat_timeout_ms": args.heartbeat_ms}
+    write_results("fault_tolerance", backend="ddpkit", device_type="cpu", settings=settings, records=rows,
+                  summary=summary, directory=Path(args.output).parent)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""ddpkit as torchft's process group: per-step fault tolerance on ddpkit's engine.
+
+torchft (PyTorch's fault-tolerant training: replica groups, a lighthouse that forms a quorum every
+step, live recovery of a joining replica) reconfigures its process group on every quorum change.
+``ProcessGroupDdpkit`` is that process group with ddpkit's backend inside, as torchft's own
+``ProcessGroupGloo`` is with gloo: each ``configure`` builds a fresh "ddpkit" backend on the quorum's
+store prefix, so replicas on one host reduce through shared memory and replicas on several hosts
+through ddpkit's hierarchy, and a peer that dies is named at once instead of after a timeout.
+
+A collective that fails (a peer died, stopped past the timeout, or the group was aborted) never
+raises into torchft's code: its Work completes with the tensors as they are, and ``errored()``
+returns the error until the next ``configure``. The ``Manager`` reads ``errored()`` in
+``should_commit()``, so the step is discarded and the next quorum goes on without the lost peer.
+``model.register_comm_hook(manager, allreduce_hook)`` plugs the manager's all-reduce into
+``ddpkit.DistributedDataParallel``.
+
+Needs torchft (``pip install --no-deps torchft``; scripts/setup.sh installs it with the test extra).
+See docs/fault_tolerance.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+try:
+    from torchft.process_group import ProcessGroupWrapper
+except ImportError as error:  # pragma: no cover - exercised only without torchft
+    raise ImportError(
+        "ddpkit.torchft needs torchft, which is not installed: `pip install --no-deps torchft "
+        "opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp` (its declared dependencies would "
+        "replace the CPU torch; scripts/setup.sh does this for the test extra)") from error
+
+from . import backend as _backend
+
+if TYPE_CHECKING:
+    from torchft.manager import Manager
+
+__all__ = ["ProcessGroupDdpkit", "allreduce_hook"]
+
+
+class ProcessGroupDdpkit(ProcessGroupWrapper):
+    """A reconfigurable ddpkit process group for ``torchft.Manager(pg=...)``.
+
+    Args:
+        timeout: bounds every collective (a peer that stops answering fails it after this long) and
+            the connection to each quorum's store. Give it the manager's ``timeout``.
+    """
+
+    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=60)) -> None:
+        super().__init__(timeout=timeout)
+        self._error_lock = threading.Lock()
+        self._error: Optional[Exception] = None
+
+    def getBackendName(self) -> str:
+        return "torchft-ddpkit"
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                  quorum_id: Optional[int] = None, group_rank: Optional[int] = None,
+                  group_world_size: Optional[int] = None, global_ranks: Optional[list[int]] = None) -> None:
+        # An error belongs to the group it happened in: the new quorum starts clean.
+        with self._error_lock:
+            self._error = None
+        super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                          global_ranks)
+
+    def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
+        pg = dist.ProcessGroup(store, rank, world_size)
+        pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+        inner = _backend._create(store, rank, world_size, self._timeout)
+        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, inner)
+        # The engine names its group in every error; the quorum id tells the quorums apart (alike on
+        # every rank of one quorum, as the name must be).
+        name = f"torchft-ddpkit-q{self._quorum_id if self._quorum_id is not None else 0}"
+        if self._group_rank is not None:
+            name += f"-r{self._group_rank}"
+        pg._set_group_name(name)
+        return pg
+
+    def abort(self, errored: bool = True) -> None:
+        pg = self._pg
+        if pg is not None:
+            # Outstanding work of the old quorum fails instead of waiting out the timeout.
+            try:
+                pg.abort()
+            except RuntimeError:
+                pass
+        super().abort(errored=errored)
+
+    def errored(self) -> Optional[Exception]:
+        with self._error_lock:
+            return self._error
+
+    def _report(self, error: Exception) -> None:
+        with self._error_lock:
+            if self._error is None:
+                self._error = error
+
+    def _wrap_work(self, work: dist.Work, opts: object) -> dist.Work:
+        return _ReportingWork(self, work)
+
+
+class _ReportingWork(dist._Work):
+    """A collective's Work that reports its failure to the group (``errored()``) instead of raising,
+    and whose future is settled when ``wait()`` returns (torchft chains callbacks right after it and
+    expects them to run at once)."""
+
+    def __init__(self, pg: ProcessGroupDdpkit, work: dist.Work) -> None:
+        super().__init__()
+        self._pg = pg
+        self._work = work
+
+    def _settled(self) -> torch.futures.Future:
+        return self._work.get_future()
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        try:
+            self._work.wait()
+            self._settled().wait()
+        except Exception as error:  # noqa: BLE001  (any failure of the collective is the group's)
+            self._pg._report(error)
+            return False
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._pg.errored() is None and self._work.is_success()
+
+    def get_future(self) -> torch.futures.Future:
+        pg, work = self._pg, self._work
+
+        def reported(future: torch.futures.Future) -> Any:
+            try:
+                return future.value()
+            except Exception as error:  # noqa: BLE001
+                pg._report(error)
+                return work.result()
+
+        return self._settled().then(reported)
+
+
+def allreduce_hook(manager: "Manager", bucket: torch.Tensor) -> torch.futures.Future:
+    """The communication hook of ``ddpkit.DistributedDataParallel`` under torchft:
+    ``model.register_comm_hook(manager, allreduce_hook)`` averages each gradient bucket over the
+    replicas of the manager's quorum (``manager.allreduce``). A failed all-reduce is the manager's to
+    report: the step is then discarded, so the bucket's value does not matter."""
+    work = manager.allreduce(bucket)
+    work.wait()
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(bucket)
+    return future

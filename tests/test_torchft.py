@@ -1,0 +1,92 @@
+"""ddpkit as torchft's process group (ddpkit.torchft): replica groups that lose a member and go on.
+
+Each test starts torchft's lighthouse in this process and replica groups of one rank each as their
+own processes (benchmarks/ft_replica.py, its harness ReplicaGroups). The lighthouse's heartbeat
+timeout is short, so a lost replica leaves the quorum within a second. Runs with --exact make every
+replica's parameters comparable bit for bit with a single-process replay of the membership schedule
+the replicas logged (each committed step's gradient averaged over the replicas that committed it).
+"""
+
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+torchft = pytest.importorskip("torchft", reason="scripts/setup.sh installs torchft with the test extra")
+from torchft._torchft import LighthouseServer  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+import ft_replica  # noqa: E402
+
+STEPS = 1000  # an upper bound: the harness sets the last step once the killed replica is back
+
+
+@pytest.fixture
+def lighthouse():
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20,
+                              heartbeat_timeout_ms=700)
+    yield server.address()
+    server.shutdown()
+
+
+def assert_bitwise_equal(a: dict, b: dict, what: str) -> None:
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), f"{what}: parameter {key} differs"
+    for (index, state), (_, other) in zip(a["optim"]["state"].items(), b["optim"]["state"].items()):
+        for name, tensor in state.items():
+            if isinstance(tensor, torch.Tensor):
+                assert torch.equal(tensor, other[name]), f"{what}: optimizer state {index}.{name} differs"
+
+
+def kill_and_rejoin(tmp_path: Path, lighthouse: str, args: list, count: int = 3, victim: int = 1) -> None:
+    """Trains `count` replicas, SIGKILLs `victim` mid-training, checks the others commit without it,
+    restarts it, checks it rejoins, and compares the end state with the replay."""
+    groups = ft_replica.ReplicaGroups(tmp_path, lighthouse, ["--exact", "--steps", str(STEPS), *args], count)
+    try:
+        groups.start_all()
+        # Every replica in one quorum, a few steps in.
+        groups.wait_until(lambda: any(r["participants"] == count and r["step"] >= 4 for r in groups.committed(victim)),
+                          60, f"a step committed by all {count} replicas")
+        groups.signal(victim, signal.SIGKILL)
+        killed_at = max(r["step"] for r in groups.committed(victim))
+        survivors = [r for r in range(count) if r != victim]
+        groups.wait_until(lambda: all(any(r["participants"] == count - 1 for r in groups.committed(s))
+                                      for s in survivors), 60, "a step committed without the killed replica")
+        groups.start(victim)
+        groups.wait_until(lambda: any(r["pid"] == groups.processes[victim].pid for r in groups.committed(victim)),
+                          60, "a step committed by the restarted replica")
+        last = max(r["step"] for r in groups.committed(victim)) + 3
+        groups.stop_at(last)
+        groups.wait_all(90)
+    finally:
+        groups.close()
+    members = ft_replica.membership(groups)
+    assert sorted(members) == list(range(last)), f"steps committed: {sorted(members)}"
+    # Steps without the killed replica, then with it again.
+    assert any(victim not in m for s, (m, n) in members.items() if s > killed_at), members
+    assert victim in members[last - 1][0] and members[last - 1][1] == count, members
+    finals = {r: torch.load(tmp_path / f"r{r}.pt") for r in range(count)}
+    assert all(f["step"] == last for f in finals.values())
+    expected = ft_replica.replay(members, last, syncbn="ddpkit-syncbn" in args)
+    for replica, final in finals.items():
+        assert_bitwise_equal(final, expected, f"replica {replica} against the replay")
+
+
+GLOO_IN_TORCHFT_DDP = pytest.mark.xfail(
+    strict=False, reason="torchft 0.2.0's DDP hook asserts (`assert fut._fut`, torchft/ddp.py) when gloo's all-reduce "
+    "raises for a peer that died mid-collective; ddpkit's group reports the failure through errored() instead")
+
+
+@pytest.mark.parametrize("pg", ["ddpkit", pytest.param("gloo", marks=GLOO_IN_TORCHFT_DDP)])
+def test_kill_and_rejoin_torchft_ddp(tmp_path, lighthouse, pg):
+    """torchft's Manager, DDP and optimizer wrappers on ddpkit's group, and on torchft's gloo group beside it."""
+    kill_and_rejoin(tmp_path, lighthouse, ["--pg", pg, "--wrapper", "torchft-ddp", "--compute", "0.05"])
+
+
+def test_kill_and_rejoin_ddpkit_ddp(tmp_path, lighthouse):
+    """ddpkit's DistributedDataParallel with the manager's all-reduce as its communication hook."""
+    kill_and_rejoin(tmp_path, lighthouse, ["--pg", "ddpkit", "--wrapper", "ddpkit-ddp", "--compute", "0.05"],
+                    count=2, victim=0)
