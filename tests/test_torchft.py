@@ -7,7 +7,12 @@ replica's parameters comparable bit for bit with a single-process replay of the 
 the replicas logged (each committed step's gradient averaged over the replicas that committed it).
 """
 
+import ast
+import os
+import re
+import shlex
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -90,3 +95,45 @@ def test_kill_and_rejoin_ddpkit_ddp(tmp_path, lighthouse):
     """ddpkit's DistributedDataParallel with the manager's all-reduce as its communication hook."""
     kill_and_rejoin(tmp_path, lighthouse, ["--pg", "ddpkit", "--wrapper", "ddpkit-ddp", "--compute", "0.05"],
                     count=2, victim=0)
+
+
+def test_example_runs_as_documented(lighthouse):
+    """examples/fault_tolerance.py: its replica groups' torchrun lines, against this test's lighthouse."""
+    path = REPO / "examples" / "fault_tolerance.py"
+    docstring = ast.get_docstring(ast.parse(path.read_text()))
+    lines = [shlex.split(line.strip()) for line in docstring.splitlines() if " torchrun " in line]
+    assert len(lines) == 2 and any(line.strip().startswith("torchft_lighthouse ") for line in docstring.splitlines())
+    launches = []
+    for command in lines:
+        split = command.index("torchrun")
+        env = {**os.environ, **dict(a.split("=", 1) for a in command[:split]), "TORCHFT_LIGHTHOUSE": lighthouse,
+               "STEPS": "15", "PET_MASTER_PORT": str(ft_replica.free_port())}
+        arguments = [a for a in command[split + 1:]]
+        port = arguments.index("--master-port")
+        del arguments[port:port + 2]  # PET_MASTER_PORT: a free port instead of the documented one
+        launches.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *arguments], cwd=REPO,
+                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         start_new_session=True))
+    outputs = []
+    try:
+        for launch in launches:
+            out, _ = launch.communicate(timeout=120)
+            assert launch.returncode == 0, out[-3000:]
+            outputs.append(out)
+    finally:
+        for launch in launches:
+            if launch.poll() is None:
+                os.killpg(launch.pid, signal.SIGKILL)
+                launch.wait()
+    checksums = {re.search(r"15 steps, parameter checksum (\S+)", out).group(1) for out in outputs}
+    assert len(checksums) == 1, outputs
+
+
+def test_unreachable_lighthouse_is_a_clear_error():
+    from ddpkit.torchft import check_lighthouse
+
+    port = ft_replica.free_port()
+    with pytest.raises(RuntimeError, match=rf"lighthouse at http://127.0.0.1:{port} is unreachable.*torchft_lighthouse"):
+        check_lighthouse(f"http://127.0.0.1:{port}", timeout=2)
+    with pytest.raises(RuntimeError, match="TORCHFT_LIGHTHOUSE"):
+        check_lighthouse("", timeout=2)

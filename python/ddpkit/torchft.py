@@ -21,7 +21,10 @@ See docs/fault_tolerance.md.
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import threading
+import urllib.parse
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -40,7 +43,7 @@ from . import backend as _backend
 if TYPE_CHECKING:
     from torchft.manager import Manager
 
-__all__ = ["ProcessGroupDdpkit", "allreduce_hook"]
+__all__ = ["ProcessGroupDdpkit", "allreduce_hook", "check_lighthouse"]
 
 
 class ProcessGroupDdpkit(ProcessGroupWrapper):
@@ -155,3 +158,25 @@ def allreduce_hook(manager: "Manager", bucket: torch.Tensor) -> torch.futures.Fu
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(bucket)
     return future
+
+
+def check_lighthouse(address: Optional[str] = None, timeout: float = 10.0) -> str:
+    """Returns the lighthouse's address (default: TORCHFT_LIGHTHOUSE) once it accepts a connection, or
+    raises RuntimeError saying which address was tried and how to start one: torchft's manager would
+    otherwise retry its connection until its own timeout and fail with a transport error."""
+    address = address or os.environ.get("TORCHFT_LIGHTHOUSE")
+    if not address:
+        raise RuntimeError("ddpkit.torchft: no lighthouse address: set TORCHFT_LIGHTHOUSE=http://HOST:PORT (start "
+                           "one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`)")
+    parsed = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
+    host, port = parsed.hostname, parsed.port
+    if host is None or port is None:
+        raise RuntimeError(f"ddpkit.torchft: TORCHFT_LIGHTHOUSE={address!r} is not http://HOST:PORT")
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as error:
+        raise RuntimeError(f"ddpkit.torchft: the lighthouse at {address} is unreachable ({error}); start it first "
+                           f"(`torchft_lighthouse --min_replicas 1 --bind [::]:{port}`) or fix TORCHFT_LIGHTHOUSE"
+                           ) from None
+    return address
