@@ -111,7 +111,7 @@ def baseline_run(args) -> dict:
                "PET_MASTER_PORT": str(ft_replica.free_port())}
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "1",
                    str(Path(ft_replica.__file__)), "--baseline", "--steps", str(args.kill_steps), "--compute",
-                   str(args.compute), "--kill-rank", "1", "--kill-step", "8", "--log", str(log),
+                   str(args.compute), "--kill-rank", "1", "--kill-step", "8", "--records", str(log),
                    "--out", str(Path(folder) / "state.pt")]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:

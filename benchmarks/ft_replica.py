@@ -4,11 +4,11 @@ benchmarks/bench_fault_tolerance.py (docs/fault_tolerance.md has the user-facing
 Each process is rank RANK of a replica group of WORLD_SIZE ranks (torchrun's variables; without
 torchrun, rank 0 hosts the group's store at MASTER_ADDR:MASTER_PORT), replica REPLICA_GROUP_ID,
 and trains under ``torchft.Manager`` with the lighthouse at TORCHFT_LIGHTHOUSE until the manager's
-step reaches --steps. Every iteration appends one JSON line to --log (what a test replays and a
+step reaches --steps. Every iteration appends one JSON line to --records (what a test replays and a
 benchmark times); at the end the model and optimizer state go to --out.
 
     TORCHFT_LIGHTHOUSE=http://host:29510 REPLICA_GROUP_ID=0 torchrun --nproc-per-node 1 \\
-        benchmarks/ft_replica.py --pg ddpkit --steps 20 --log /tmp/r0.jsonl --out /tmp/r0.pt
+        benchmarks/ft_replica.py --pg ddpkit --steps 20 --records /tmp/r0.jsonl --out /tmp/r0.pt
 
 --wrapper picks the data-parallel wrapper: torchft's DistributedDataParallel ("torchft-ddp"),
 ddpkit's with the manager's all-reduce as its communication hook ("ddpkit-ddp"), or ddpkit's with a
@@ -88,7 +88,7 @@ def baseline(args) -> None:
 
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    with open(args.log, "a") as log:
+    with open(args.records, "a") as log:
         log.write(json.dumps({"launched": LAUNCHED, "attempt": attempt}) + "\n")
     dist.init_process_group("ddpkit", timeout=datetime.timedelta(seconds=args.timeout))
     model = build_model(args.model, args.exact)
@@ -102,7 +102,7 @@ def baseline(args) -> None:
         step = state["step"]
     wrapped = ddpkit.DistributedDataParallel(model, broadcast_buffers=False)
     first_attempt = attempt == 0
-    log = open(args.log, "a", buffering=1)
+    log = open(args.records, "a", buffering=1)
     while step < args.steps:
         if first_attempt and rank == args.kill_rank and step == args.kill_step:
             log.write(json.dumps({"killed": time.time(), "step": step}) + "\n")
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--compute", type=float, default=0.0, help="seconds of stand-in compute per step")
     parser.add_argument("--timeout", type=float, default=10.0, help="manager and process-group timeout, seconds")
     parser.add_argument("--exact", action="store_true")
-    parser.add_argument("--log", required=True)
+    parser.add_argument("--records", required=True, help="the JSON lines log (a test replays it)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.baseline:
@@ -193,7 +193,7 @@ def main() -> None:
         wrapped.register_comm_hook(manager, allreduce_hook)
     optim = OptimizerWrapper(manager, optimizer)
 
-    log = open(args.log, "a", buffering=1)
+    log = open(args.records, "a", buffering=1)
     stop_file = Path(os.environ["FT_STOP_FILE"]) if os.environ.get("FT_STOP_FILE") else None
     steps = args.steps
     while manager.current_step() < steps:
@@ -263,7 +263,7 @@ class ReplicaGroups:
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         out = open(self.folder / f"r{replica}.{self.incarnations[replica]}.out", "w")
         process = subprocess.Popen(
-            [sys.executable, __file__, *self.args, "--log", str(self.log_path(replica)),
+            [sys.executable, __file__, *self.args, "--records", str(self.log_path(replica)),
              "--out", str(self.folder / f"r{replica}.pt")],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         out.close()

@@ -97,11 +97,23 @@ def test_kill_and_rejoin_ddpkit_ddp(tmp_path, lighthouse):
                     count=2, victim=0)
 
 
-def test_example_runs_as_documented(lighthouse):
-    """examples/fault_tolerance.py: its replica groups' torchrun lines, against this test's lighthouse."""
+def test_example_runs_as_documented():
+    """examples/fault_tolerance.py: its replica groups' torchrun lines, against this test's lighthouse, which
+    waits for both (the documented one, --min_replicas 1, lets a replica that starts first train alone
+    until the other joins and heals from it; its 15 steps here could end before the other started)."""
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=400, quorum_tick_ms=20,
+                              heartbeat_timeout_ms=700)
+    try:
+        run_example(server.address())
+    finally:
+        server.shutdown()
+
+
+def run_example(lighthouse: str) -> None:
     path = REPO / "examples" / "fault_tolerance.py"
     docstring = ast.get_docstring(ast.parse(path.read_text()))
-    lines = [shlex.split(line.strip()) for line in docstring.splitlines() if " torchrun " in line]
+    lines = [shlex.split(line.strip()) for line in docstring.splitlines()
+             if " torchrun " in line and line.strip().endswith("examples/fault_tolerance.py")]
     assert len(lines) == 2 and any(line.strip().startswith("torchft_lighthouse ") for line in docstring.splitlines())
     launches = []
     for command in lines:
