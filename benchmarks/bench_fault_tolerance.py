@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ft_replica  # noqa: E402
@@ -57,18 +58,18 @@ def steady_state(pg: str, steps: int, heartbeat_ms: int) -> dict:
         finally:
             groups.close()
             server.shutdown()
-        times = [r["end"] - r["start"] for replica in range(2) for r in groups.committed(replica)
-                 if r["step"] >= 3]
-    return {"step_s_median": statistics.median(times), "steps_timed": len(times)}
+        steps = [r for replica in range(2) for r in groups.committed(replica) if r["step"] >= 3]
+    return {"step_s": statistics.median(r["end"] - r["start"] for r in steps),
+            "comm_s": statistics.median(r["comm_s"] for r in steps)}
 
 
-def kill_run(pg: str, args) -> dict:
+def kill_run(pg: str, wrapper: str, args) -> dict:
     server = lighthouse(args.heartbeat_ms)
     victim, count = 1, 3
     with tempfile.TemporaryDirectory() as folder:
         groups = ft_replica.ReplicaGroups(Path(folder), server.address(),
-                                          ["--pg", pg, "--steps", str(args.kill_steps), "--compute",
-                                           str(args.compute)], count)
+                                          ["--pg", pg, "--wrapper", wrapper, "--steps", str(args.kill_steps),
+                                           "--compute", str(args.compute)], count)
         try:
             groups.start_all()
             groups.wait_until(lambda: any(r["participants"] == count and r["step"] >= 5
@@ -140,40 +141,55 @@ def main() -> None:
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "fault_tolerance.json"))
     args = parser.parse_args()
 
-    candidates = ["gloo", "ddpkit"]
-    results: dict = {c: {"kills": []} for c in candidates + ["torchrun"]}
-    for c in candidates:
-        results[c]["steady_state"] = steady_state(c, args.steady_steps, args.heartbeat_ms)
-        print(c, "steady state", results[c]["steady_state"], flush=True)
-    for repeat in range(args.repeats):
-        order = candidates[repeat % 2:] + candidates[:repeat % 2]
-        for c in order:
-            results[c]["kills"].append(kill_run(c, args))
-            print(c, "kill", {k: v for k, v in results[c]["kills"][-1].items() if k != "timeline"}, flush=True)
-        results["torchrun"]["kills"].append(baseline_run(args))
-        print("torchrun", "kill", results["torchrun"]["kills"][-1], flush=True)
     names = {"gloo": "torchft-gloo", "ddpkit": "torchft-ddpkit", "torchrun": "torchrun-restart"}
     rows = []
-    for c, entry in results.items():
-        if "steady_state" in entry:
-            rows.append(records.FaultToleranceRecord(candidate=names[c], measure="steady", repeat=0,
-                                                     step_s=entry["steady_state"]["step_s_median"]))
-        for repeat, kill in enumerate(entry["kills"]):
-            rows.append(records.FaultToleranceRecord(candidate=names[c], measure="kill", repeat=repeat, **kill))
+    for repeat in range(args.repeats):
+        # Candidates interleaved, their order rotating: the machine's drift hits both alike.
+        order = ["gloo", "ddpkit"] if repeat % 2 == 0 else ["ddpkit", "gloo"]
+        for pg in order:
+            steady = steady_state(pg, args.steady_steps, args.heartbeat_ms)
+            rows.append(records.FaultToleranceRecord(candidate=names[pg], measure="steady", repeat=repeat,
+                                                     wrapper="torchft-ddp", **steady))
+            print(names[pg], "steady", steady, flush=True)
+        for wrapper in ("torchft-ddp", "ddpkit-ddp"):
+            for pg in order:
+                kill = kill_run(pg, wrapper, args)
+                rows.append(records.FaultToleranceRecord(candidate=names[pg], measure="kill", repeat=repeat,
+                                                         wrapper=wrapper, **kill))
+                print(names[pg], wrapper, "kill", {k: v for k, v in kill.items() if k != "timeline"}, flush=True)
+        kill = baseline_run(args)
+        rows.append(records.FaultToleranceRecord(candidate="torchrun-restart", measure="kill", repeat=repeat,
+                                                 wrapper="ddpkit-ddp", **kill))
+        print("torchrun-restart kill", kill, flush=True)
+
     summary: dict = {}
-    for c, entry in results.items():
-        ok = [k for k in entry["kills"] if "failed" not in k]
-        summary[names[c]] = {"failed_kill_runs": len(entry["kills"]) - len(ok)}
-        if "steady_state" in entry:
-            summary[names[c]]["steady_step_s"] = entry["steady_state"]["step_s_median"]
-        for key in ("death_to_next_commit_s", "restart_to_first_commit_s", "steps_lost", "uncommitted_iterations"):
-            if ok:
-                summary[names[c]][key + "_median"] = statistics.median(k[key] for k in ok)
-    gloo, ours = summary["torchft-gloo"], summary["torchft-ddpkit"]
-    summary["steady_step_ratio_ddpkit_over_gloo"] = ours["steady_step_s"] / gloo["steady_step_s"]
-    for key in ("death_to_next_commit_s_median", "restart_to_first_commit_s_median"):
-        if key in ours and key in gloo:
-            summary[key.replace("_s_median", "_ratio_ddpkit_over_gloo")] = ours[key] / gloo[key]
+    for row in rows:
+        key = f"{row.candidate}/{row.wrapper}/{row.measure}"
+        summary.setdefault(key, []).append(row)
+    medians: dict = {}
+    for key, group in summary.items():
+        ok = [r for r in group if r.failed is None]
+        entry = {"runs": len(group), "failed_runs": len(group) - len(ok)}
+        for field in ("step_s", "comm_s", "death_to_next_commit_s", "restart_to_first_commit_s", "steps_lost",
+                      "uncommitted_iterations"):
+            values = [getattr(r, field) for r in ok if getattr(r, field) is not None]
+            if values:
+                entry[field + "_median"] = statistics.median(values)
+        medians[key] = entry
+
+    def ratio(key_ours: str, key_gloo: str, field: str) -> Optional[float]:
+        ours, gloo = medians.get(key_ours, {}).get(field), medians.get(key_gloo, {}).get(field)
+        return ours / gloo if ours is not None and gloo else None
+
+    medians["ratios_ddpkit_over_gloo"] = {
+        "steady_step": ratio("torchft-ddpkit/torchft-ddp/steady", "torchft-gloo/torchft-ddp/steady", "step_s_median"),
+        "steady_comm": ratio("torchft-ddpkit/torchft-ddp/steady", "torchft-gloo/torchft-ddp/steady", "comm_s_median"),
+        "death_to_next_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
+                                                 "death_to_next_commit_s_median"),
+        "restart_to_first_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
+                                                    "restart_to_first_commit_s_median"),
+    }
+    summary = medians
     settings = {k: getattr(args, k) for k in ("repeats", "steady_steps", "kill_steps", "compute", "restart_delay",
                                               "heartbeat_ms")}
     settings["lighthouse"] = {"min_replicas": 1, "join_timeout_ms": 400, "quorum_tick_ms": 20,

@@ -90,7 +90,14 @@ def baseline(args) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     with open(args.records, "a") as log:
         log.write(json.dumps({"launched": LAUNCHED, "attempt": attempt}) + "\n")
-    dist.init_process_group("ddpkit", timeout=datetime.timedelta(seconds=args.timeout))
+    timeout = datetime.timedelta(seconds=args.timeout)
+    world_size = int(os.environ["WORLD_SIZE"])
+    # torchrun's agent keeps its store across restarts: an attempt of its own keys, so that the restarted
+    # job never reads the first attempt's addresses (pytorch/pytorch#135712).
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group("ddpkit", store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
     model = build_model(args.model, args.exact)
     optimizer = make_optimizer(model)
     checkpoint = Path(args.out).with_suffix(".ckpt")
@@ -183,14 +190,27 @@ def main() -> None:
         Path(f"{gate}.{replica}.{rank}").touch()
         while not Path(gate).exists():
             time.sleep(0.01)
+    comm_seconds = [0.0]  # this step's time in the gradient all-reduces (the process group's part)
+
+    def timed(hook):
+        def run(state, bucket):
+            started = time.perf_counter()
+            try:
+                return hook(state, bucket)
+            finally:
+                comm_seconds[0] += time.perf_counter() - started
+        return run
+
     if args.wrapper == "torchft-ddp":
-        wrapped = TorchftDDP(manager, model)
+        wrapped = TorchftDDP.__new__(TorchftDDP)
+        TorchftDDP._comm_hook = staticmethod(timed(TorchftDDP._comm_hook))
+        wrapped.__init__(manager, model)
     else:
         if syncbn:
             model = ddpkit.convert_sync_batchnorm(model, process_group=pg)
         wrapped = ddpkit.DistributedDataParallel(model, process_group=pg, broadcast_buffers=False,
                                                  init_sync=False)
-        wrapped.register_comm_hook(manager, allreduce_hook)
+        wrapped.register_comm_hook(manager, timed(allreduce_hook))
     optim = OptimizerWrapper(manager, optimizer)
 
     log = open(args.records, "a", buffering=1)
@@ -202,6 +222,7 @@ def main() -> None:
             if manager.current_step() >= steps:
                 break
         started = time.time()
+        comm_seconds[0] = 0.0
         optim.zero_grad()
         # The step this iteration computes: a joining replica's manager moves to the quorum's step
         # once the quorum is in (wait_quorum), and the batch is that step's.
@@ -216,7 +237,7 @@ def main() -> None:
         log.write(json.dumps({"replica": replica, "rank": rank, "pid": os.getpid(), "step": step,
                               "committed": committed, "participating": manager.is_participating(),
                               "participants": manager.num_participants(), "start": started,
-                              "end": time.time(), "errored": repr(manager.errored()) if manager.errored() else None})
+                              "end": time.time(), "comm_s": comm_seconds[0], "errored": repr(manager.errored()) if manager.errored() else None})
                   + "\n")
     if args.out:
         torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": manager.current_step()},

@@ -374,7 +374,9 @@ class FaultToleranceRecord(Record):
     candidate: str                           # "torchft-gloo", "torchft-ddpkit", "torchrun-restart"
     measure: str                             # "steady" or "kill"
     repeat: int
+    wrapper: Optional[str] = optional()      # the DDP wrapper: "torchft-ddp" or "ddpkit-ddp" (its comm hook)
     step_s: Optional[float] = optional()     # steady: median step time of the 8.4M-parameter MLP
+    comm_s: Optional[float] = optional()     # steady: median time per step in the gradient all-reduces
     death_to_next_commit_s: Optional[float] = optional()     # kill: to the survivors' next committed step
     restart_to_first_commit_s: Optional[float] = optional()  # kill: restart to its first committed step
     steps_lost: Optional[int] = optional()   # kill: steps a replica had committed and no longer holds
