@@ -96,12 +96,15 @@ def kill_run(pg: str, wrapper: str, args) -> dict:
             return {"failed": survivor_error}
         next_commit = max(min(x["end"] for x in groups.committed(s) if x["end"] > killed) for s in survivors)
         rejoin = min(x["end"] for x in groups.committed(victim) if x["pid"] == process.pid)
+        ready = min(x["ready"] for x in groups.records(victim) if "ready" in x and x["pid"] == process.pid)
         final = {r: {x["step"] for x in groups.committed(r)} for r in survivors}
         lost = sum(len(committed_before[r] - final[r]) for r in survivors)
-        uncommitted = sum(1 for s in survivors for x in groups.records(s) if x["start"] > killed - 1 and not x["committed"])
+        uncommitted = sum(1 for s in survivors for x in groups.iterations(s) if x["start"] > killed - 1
+                          and not x["committed"])
         timeline = sorted((round(x["end"] - killed, 3), x["replica"], x["step"], x["committed"], x["participants"])
-                          for r in range(count) for x in groups.records(r) if -0.3 < x["end"] - killed < 3)
+                          for r in range(count) for x in groups.iterations(r) if -0.3 < x["end"] - killed < 3)
     return {"death_to_next_commit_s": next_commit - killed, "restart_to_first_commit_s": rejoin - restarted,
+            "ready_to_first_commit_s": rejoin - ready,
             "steps_lost": lost, "uncommitted_iterations": uncommitted, "timeline": timeline}
 
 
@@ -119,13 +122,18 @@ def baseline_run(args) -> dict:
             return {"failed": (done.stdout + done.stderr)[-1500:]}
         records = [json.loads(line) for line in log.read_text().splitlines()]
     killed = next(r["killed"] for r in records if "killed" in r)
-    restart = min(r["launched"] for r in records if r.get("attempt") == 1)
-    steps = [r for r in records if "step" in r and "killed" not in r]
-    before = {r["step"] for r in steps if r["end"] < killed}
-    after = [r for r in steps if r["end"] > killed]
+    second = {r["pid"]: r["launched"] for r in records if r.get("attempt") == 1}
+    restart = min(second.values())
+    steps = [r for r in records if "committed" in r]
+    before = {r["step"] for r in steps if r["pid"] not in second}
+    after = [r for r in steps if r["pid"] in second]
     first_after = min(r["end"] for r in after)
     restarted_from = min(r["step"] for r in after)
+    # The restarted job's first step, counted from its first worker's start: the restart itself
+    # (torchrun noticing the death, stopping the others, starting new workers) lies before it.
     return {"death_to_next_commit_s": first_after - killed, "restart_to_first_commit_s": first_after - restart,
+            "ready_to_first_commit_s": first_after - min(r["ready"] for r in records if r.get("pid") in second
+                                                         and "ready" in r),
             "steps_lost": max(0, max(before) + 1 - restarted_from), "uncommitted_iterations": 0,
             }
 
@@ -170,8 +178,8 @@ def main() -> None:
     for key, group in summary.items():
         ok = [r for r in group if r.failed is None]
         entry = {"runs": len(group), "failed_runs": len(group) - len(ok)}
-        for field in ("step_s", "comm_s", "death_to_next_commit_s", "restart_to_first_commit_s", "steps_lost",
-                      "uncommitted_iterations"):
+        for field in ("step_s", "comm_s", "death_to_next_commit_s", "restart_to_first_commit_s",
+                      "ready_to_first_commit_s", "steps_lost", "uncommitted_iterations"):
             values = [getattr(r, field) for r in ok if getattr(r, field) is not None]
             if values:
                 entry[field + "_median"] = statistics.median(values)
@@ -188,6 +196,8 @@ def main() -> None:
                                                  "death_to_next_commit_s_median"),
         "restart_to_first_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
                                                     "restart_to_first_commit_s_median"),
+        "ready_to_first_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
+                                                  "ready_to_first_commit_s_median"),
     }
     summary = medians
     settings = {k: getattr(args, k) for k in ("repeats", "steady_steps", "kill_steps", "compute", "restart_delay",

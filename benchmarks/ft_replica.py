@@ -89,7 +89,7 @@ def baseline(args) -> None:
     rank = int(os.environ["RANK"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     with open(args.records, "a") as log:
-        log.write(json.dumps({"launched": LAUNCHED, "attempt": attempt}) + "\n")
+        log.write(json.dumps({"launched": LAUNCHED, "attempt": attempt, "pid": os.getpid()}) + "\n")
     timeout = datetime.timedelta(seconds=args.timeout)
     world_size = int(os.environ["WORLD_SIZE"])
     # torchrun's agent keeps its store across restarts: an attempt of its own keys, so that the restarted
@@ -110,6 +110,7 @@ def baseline(args) -> None:
     wrapped = ddpkit.DistributedDataParallel(model, broadcast_buffers=False)
     first_attempt = attempt == 0
     log = open(args.records, "a", buffering=1)
+    log.write(json.dumps({"ready": time.time(), "pid": os.getpid()}) + "\n")
     while step < args.steps:
         if first_attempt and rank == args.kill_rank and step == args.kill_step:
             log.write(json.dumps({"killed": time.time(), "step": step}) + "\n")
@@ -184,7 +185,15 @@ def main() -> None:
     manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
                       replica_id=f"replica_{replica}", timeout=timeout, quorum_timeout=timeout * 3,
                       connect_timeout=timeout, store_addr=addr, store_port=port, rank=rank, world_size=world_size,
-                      init_sync=False)  # every replica builds the same model from one seed
+                      init_sync=False,  # every replica builds the same model from one seed
+                      # A healing replica's forward moves the shared statistics: it must run on the state it
+                      # heals to, which the manager then loads at the quorum instead of at the commit.
+                      use_async_quorum=not syncbn,
+                      # the address its peers reach its manager at (a simulated host's name resolves nowhere)
+                      hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()))
+    log = open(args.records, "a", buffering=1)
+    # Interpreter and imports done, manager up: a restart's own start-up ends here.
+    log.write(json.dumps({"ready": time.time(), "replica": replica, "pid": os.getpid()}) + "\n")
     gate = os.environ.get("FT_START_GATE")
     if gate:  # every replica heartbeating before the first quorum, so that it holds them all
         Path(f"{gate}.{replica}.{rank}").touch()
@@ -213,7 +222,6 @@ def main() -> None:
         wrapped.register_comm_hook(manager, timed(allreduce_hook))
     optim = OptimizerWrapper(manager, optimizer)
 
-    log = open(args.records, "a", buffering=1)
     stop_file = Path(os.environ["FT_STOP_FILE"]) if os.environ.get("FT_STOP_FILE") else None
     steps = args.steps
     while manager.current_step() < steps:
@@ -231,9 +239,19 @@ def main() -> None:
         x, y = batch(args.model, replica, step, args.exact)
         if args.compute:
             time.sleep(args.compute)
-        loss_of(wrapped, x, y).backward()
+        # A discarded step must leave no trace, and a forward moves the batch-norm running statistics:
+        # they go back to where the step found them unless it commits.
+        buffers = [b.clone() for b in model.buffers()] if syncbn else []
+        try:
+            loss_of(wrapped, x, y).backward()
+        except RuntimeError as error:  # SyncBatchNorm's collectives raise when a peer is lost
+            manager.report_error(error)
         optim.step()
         committed = manager.current_step() > step
+        if not committed:
+            with torch.no_grad():
+                for buffer, saved in zip(model.buffers(), buffers):
+                    buffer.copy_(saved)
         log.write(json.dumps({"replica": replica, "rank": rank, "pid": os.getpid(), "step": step,
                               "committed": committed, "participating": manager.is_participating(),
                               "participants": manager.num_participants(), "start": started,
@@ -263,9 +281,12 @@ class ReplicaGroups:
     Each incarnation of replica r logs to ``folder/r{r}.jsonl`` (appended) and writes its output to
     ``folder/r{r}.{incarnation}.out``."""
 
-    def __init__(self, folder: Path, lighthouse: str, args: list, count: int, env: Optional[dict] = None):
+    def __init__(self, folder: Path, lighthouse: str, args: list, count: int, env: Optional[dict] = None,
+                 launch: Optional[Callable[[int, list, dict], tuple]] = None):
         self.folder, self.lighthouse, self.args, self.count = Path(folder), lighthouse, list(args), count
         self.env = env or {}
+        # (replica, argv, env) -> (argv, env) as started: a simulated host's namespaces, say.
+        self.launch = launch or (lambda replica, argv, env: (argv, env))
         self.processes: dict = {}
         self.incarnations = {r: 0 for r in range(count)}
         self.stop_file = self.folder / "stop"
@@ -283,15 +304,15 @@ class ReplicaGroups:
                "OMP_NUM_THREADS": "1", **self.env}
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         out = open(self.folder / f"r{replica}.{self.incarnations[replica]}.out", "w")
-        process = subprocess.Popen(
-            [sys.executable, __file__, *self.args, "--records", str(self.log_path(replica)),
-             "--out", str(self.folder / f"r{replica}.pt")],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        argv, env = self.launch(replica, [sys.executable, __file__, *self.args, "--records",
+                                          str(self.log_path(replica)), "--out", str(self.folder / f"r{replica}.pt")],
+                                env)
+        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
         self.processes[replica] = process
         return process
 
-    def start_all(self, timeout: float = 120) -> None:
+    def start_all(self, timeout: float = 300) -> None:
         """Starts every replica and lets them train together once all have their manager."""
         gate = self.folder / "gate"
         self.env["FT_START_GATE"] = str(gate)
@@ -338,7 +359,10 @@ class ReplicaGroups:
             time.sleep(0.02)
 
     def committed(self, replica: int) -> list:
-        return [r for r in self.records(replica) if r["committed"]]
+        return [r for r in self.records(replica) if r.get("committed")]
+
+    def iterations(self, replica: int) -> list:
+        return [r for r in self.records(replica) if "committed" in r]
 
     def wait_all(self, timeout: float) -> None:
         """Waits for every live replica to exit, raising with its output when one fails."""

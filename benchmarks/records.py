@@ -379,6 +379,7 @@ class FaultToleranceRecord(Record):
     comm_s: Optional[float] = optional()     # steady: median time per step in the gradient all-reduces
     death_to_next_commit_s: Optional[float] = optional()     # kill: to the survivors' next committed step
     restart_to_first_commit_s: Optional[float] = optional()  # kill: restart to its first committed step
+    ready_to_first_commit_s: Optional[float] = optional()  # kill: the same from its manager's start (imports done)
     steps_lost: Optional[int] = optional()   # kill: steps a replica had committed and no longer holds
     uncommitted_iterations: Optional[int] = optional()  # kill: survivors' iterations not committed meanwhile
     failed: Optional[str] = optional()       # the candidate's failure, when it did not survive the kill

@@ -8,12 +8,14 @@ the replicas logged (each committed step's gradient averaged over the replicas t
 """
 
 import ast
+import json
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,8 @@ from torchft._torchft import LighthouseServer  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 import ft_replica  # noqa: E402
+
+from ddpkit.testing import HostPool  # noqa: E402
 
 STEPS = 1000  # an upper bound: the harness sets the last step once the killed replica is back
 
@@ -46,10 +50,12 @@ def assert_bitwise_equal(a: dict, b: dict, what: str) -> None:
                 assert torch.equal(tensor, other[name]), f"{what}: optimizer state {index}.{name} differs"
 
 
-def kill_and_rejoin(tmp_path: Path, lighthouse: str, args: list, count: int = 3, victim: int = 1) -> None:
+def kill_and_rejoin(tmp_path: Path, lighthouse: str, args: list, count: int = 3, victim: int = 1,
+                    launch=None) -> None:
     """Trains `count` replicas, SIGKILLs `victim` mid-training, checks the others commit without it,
     restarts it, checks it rejoins, and compares the end state with the replay."""
-    groups = ft_replica.ReplicaGroups(tmp_path, lighthouse, ["--exact", "--steps", str(STEPS), *args], count)
+    groups = ft_replica.ReplicaGroups(tmp_path, lighthouse, ["--exact", "--steps", str(STEPS), *args], count,
+                                      launch=launch)
     try:
         groups.start_all()
         # Every replica in one quorum, a few steps in.
@@ -75,7 +81,11 @@ def kill_and_rejoin(tmp_path: Path, lighthouse: str, args: list, count: int = 3,
     assert victim in members[last - 1][0] and members[last - 1][1] == count, members
     finals = {r: torch.load(tmp_path / f"r{r}.pt") for r in range(count)}
     assert all(f["step"] == last for f in finals.values())
-    expected = ft_replica.replay(members, last, syncbn="ddpkit-syncbn" in args)
+    for replica, final in finals.items():
+        assert_bitwise_equal(final, finals[0], f"replica {replica} against replica 0")
+    if "ddpkit-syncbn" in args:
+        return  # the statistics mix the quorum's batches (a healing replica's too): no per-replica replay
+    expected = ft_replica.replay(members, last)
     for replica, final in finals.items():
         assert_bitwise_equal(final, expected, f"replica {replica} against the replay")
 
@@ -95,6 +105,13 @@ def test_kill_and_rejoin_ddpkit_ddp(tmp_path, lighthouse):
     """ddpkit's DistributedDataParallel with the manager's all-reduce as its communication hook."""
     kill_and_rejoin(tmp_path, lighthouse, ["--pg", "ddpkit", "--wrapper", "ddpkit-ddp", "--compute", "0.05"],
                     count=2, victim=0)
+
+
+def test_kill_and_rejoin_ddpkit_syncbn(tmp_path, lighthouse):
+    """ddpkit's SyncBatchNorm on the quorum's group (its statistics over the quorum's batches) and ddpkit's
+    DDP with the manager's hook: the replicas end bitwise equal."""
+    kill_and_rejoin(tmp_path, lighthouse, ["--pg", "ddpkit", "--wrapper", "ddpkit-syncbn", "--compute", "0.05"],
+                    count=3, victim=2)
 
 
 def test_example_runs_as_documented():
@@ -149,3 +166,130 @@ def test_unreachable_lighthouse_is_a_clear_error():
         check_lighthouse(f"http://127.0.0.1:{port}", timeout=2)
     with pytest.raises(RuntimeError, match="TORCHFT_LIGHTHOUSE"):
         check_lighthouse("", timeout=2)
+
+
+def test_stopped_replica_is_dropped_and_rejoins(tmp_path, lighthouse):
+    """A replica that stops (SIGSTOP) instead of dying: the others' collective fails at the group's timeout,
+    the quorum drops it at the lighthouse's heartbeat timeout and goes on; resumed (SIGCONT), it rejoins."""
+    count, victim = 3, 2
+    groups = ft_replica.ReplicaGroups(tmp_path, lighthouse, ["--exact", "--steps", str(STEPS), "--pg", "ddpkit",
+                                                             "--compute", "0.05", "--timeout", "3"], count)
+    try:
+        groups.start_all()
+        groups.wait_until(lambda: any(r["participants"] == count and r["step"] >= 3 for r in groups.committed(victim)),
+                          60, f"a step committed by all {count} replicas")
+        groups.signal(victim, signal.SIGSTOP)
+        survivors = [r for r in range(count) if r != victim]
+        groups.wait_until(lambda: all(sum(r["participants"] == count - 1 for r in groups.committed(s)) >= 3
+                                      for s in survivors), 60, "steps committed without the stopped replica")
+        resumed = time.time()
+        groups.signal(victim, signal.SIGCONT)
+        groups.wait_until(lambda: any(r["start"] > resumed and r["participants"] == count
+                                      for r in groups.committed(victim)), 60, "the resumed replica back in the quorum")
+        last = max(r["step"] for r in groups.committed(victim)) + 3
+        groups.stop_at(last)
+        groups.wait_all(90)
+    finally:
+        groups.signal(victim, signal.SIGCONT)
+        groups.close()
+    members = ft_replica.membership(groups)
+    assert sorted(members) == list(range(last))
+    expected = ft_replica.replay(members, last)
+    for replica in range(count):
+        assert_bitwise_equal(torch.load(tmp_path / f"r{replica}.pt"), expected, f"replica {replica}")
+
+
+QUORUM_CHANGES = r"""
+import datetime, json, os, sys, torch
+import torch.distributed as dist
+from ddpkit.torchft import ProcessGroupDdpkit
+
+rank, port, changes = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, wait_for_workers=False)
+pg = ProcessGroupDdpkit(timeout=datetime.timedelta(seconds=20))
+opts = dist.AllreduceOptions()
+opts.reduceOp = dist.ReduceOp.SUM
+
+def resources():
+    rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return {"threads": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")), "rss": rss}
+
+seen = {}
+for quorum in range(changes):
+    pg.configure(f"127.0.0.1:{port}/torchft/{quorum}/0", f"replica_{rank}", rank, 2, quorum)
+    tensor = torch.full((100_000,), float(rank + 1))
+    pg.allreduce([tensor], opts).wait()
+    assert pg.errored() is None and torch.all(tensor == 3.0), (pg.errored(), tensor[:4])
+    if quorum in (9, changes - 1):
+        seen[quorum] = resources()
+pg.shutdown()
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_quorum_changes_keep_resources_flat(tmp_path):
+    """50 quorum changes in a row (configure, then an all-reduce over shared memory): threads, fds and
+    memory after the 50th as after the 10th, and nothing left in /dev/shm."""
+    script = tmp_path / "changes.py"
+    script.write_text(QUORUM_CHANGES)
+    shm_before = set(os.listdir("/dev/shm"))
+    port = ft_replica.free_port()
+    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), "50"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in range(2)]
+    try:
+        results = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                os.killpg(rank.pid, signal.SIGKILL)
+                rank.wait()
+    for rank, (out, err) in zip(ranks, results):
+        assert rank.returncode == 0, err[-3000:]
+        seen = json.loads(out.strip().splitlines()[-1])
+        early, late = seen["9"], seen["49"]
+        assert late["threads"] <= early["threads"], seen
+        assert late["fds"] <= early["fds"], seen
+        assert late["rss"] - early["rss"] < 32 * 2**20, seen
+    assert set(os.listdir("/dev/shm")) <= shm_before
+
+
+LIGHTHOUSE = """
+import sys
+from torchft._torchft import LighthouseServer
+server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20, heartbeat_timeout_ms=700)
+print(server.address().rsplit(":", 1)[1], flush=True)
+sys.stdin.read()
+server.shutdown()
+"""
+
+
+@pytest.mark.skipif(HostPool.unavailable() is not None, reason=str(HostPool.unavailable()))
+def test_kill_and_rejoin_across_two_simulated_hosts(tmp_path):
+    """Two replica groups on each of two simulated hosts (ddpkit.testing.HostPool's namespaces): the quorum's
+    group reduces through shared memory inside a host and ddpkit's hierarchy across them; a replica
+    SIGKILLed on host 0 leaves, rejoins, and every replica ends bitwise equal to the replay."""
+    pool = HostPool([2, 2])
+    lighthouse = None
+    try:
+        pool._make_network()
+        namespaces = [pool._host_namespace(h) for h in range(2)]
+        address = [f"{HostPool.SUBNET}.{h + 1}" for h in range(2)]
+        lighthouse = subprocess.Popen(["ip", "netns", "exec", namespaces[0], sys.executable, "-c", LIGHTHOUSE],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        port = int(lighthouse.stdout.readline())
+
+        def on_host(replica: int, argv: list, env: dict) -> tuple:
+            host = replica // 2
+            env = {**env, "MASTER_ADDR": address[host], "FT_HOSTNAME": address[host], "GLOO_SOCKET_IFNAME": "dkh",
+                   "TORCHFT_LIGHTHOUSE": f"http://{address[0]}:{port}"}
+            script = f"mount -t tmpfs tmpfs /dev/shm && hostname ft-host{host} && exec {shlex.join(argv)}"
+            return ["ip", "netns", "exec", namespaces[host], "unshare", "-m", "-u", "--fork", "--kill-child",
+                    "sh", "-c", script], env
+
+        kill_and_rejoin(tmp_path, "unused", ["--pg", "ddpkit", "--compute", "0.05"], count=4, victim=1,
+                        launch=on_host)
+    finally:
+        if lighthouse is not None:
+            os.killpg(lighthouse.pid, signal.SIGKILL)
+            lighthouse.wait()
+        pool.kill()

@@ -52,12 +52,30 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
     Args:
         timeout: bounds every collective (a peer that stops answering fails it after this long) and
             the connection to each quorum's store. Give it the manager's ``timeout``.
+        point_to_point: carry the program's own ``send``/``recv`` (torchft's ``PGTransport``), on a
+            second inner gloo group that each quorum then connects too. Off by default (torchft's
+            default checkpoint transport is HTTP): a quorum change connects one group, and ``send``
+            and ``recv`` raise.
     """
 
-    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=60)) -> None:
+    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+                 point_to_point: bool = False) -> None:
         super().__init__(timeout=timeout)
+        self._point_to_point = point_to_point
         self._error_lock = threading.Lock()
         self._error: Optional[Exception] = None
+        self._generation = 0
+        self._registered: Optional[str] = None
+
+    @property
+    def group_name(self) -> str:
+        """The registered name of the current quorum's group: ddpkit's own collectives on this group
+        (``ddpkit.SyncBatchNorm(process_group=pg)``, ``ddpkit.all_reduce(t, group=pg)``) run on the
+        quorum's engine, in one order with the manager's all-reduces. They raise on a failure, as
+        anywhere: report it with ``manager.report_error(error)`` to discard the step."""
+        if self._registered is None:
+            raise ValueError("ProcessGroupDdpkit: not configured yet (the manager configures it at its first quorum)")
+        return self._registered
 
     def getBackendName(self) -> str:
         return "torchft-ddpkit"
@@ -65,16 +83,18 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   quorum_id: Optional[int] = None, group_rank: Optional[int] = None,
                   group_world_size: Optional[int] = None, global_ranks: Optional[list[int]] = None) -> None:
-        # An error belongs to the group it happened in: the new quorum starts clean.
+        # An error belongs to the group it happened in: the new quorum starts clean, and a late report
+        # from the old group's work (its generation) is dropped.
         with self._error_lock:
             self._error = None
+            self._generation += 1
         super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
                           global_ranks)
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
         pg = dist.ProcessGroup(store, rank, world_size)
         pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-        inner = _backend._create(store, rank, world_size, self._timeout)
+        inner = _backend._create(store, rank, world_size, self._timeout, point_to_point=self._point_to_point)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, inner)
         # The engine names its group in every error; the quorum id tells the quorums apart (alike on
         # every rank of one quorum, as the name must be).
@@ -82,9 +102,30 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
         if self._group_rank is not None:
             name += f"-r{self._group_rank}"
         pg._set_group_name(name)
+        # Registered, so that ddpkit's ops resolve it by name (group_name); the previous quorum's went
+        # in abort(), so a name is registered once at a time.
+        torch._C._distributed_c10d._unregister_process_group(name)
+        torch._C._distributed_c10d._register_process_group(name, pg)
+        self._registered = name
         return pg
 
+    def send(self, tensors: list, dst_rank: int, tag: int) -> dist.Work:
+        self._check_point_to_point("send")
+        return super().send(tensors, dst_rank, tag)
+
+    def recv(self, tensors: list, src_rank: int, tag: int) -> dist.Work:
+        self._check_point_to_point("recv")
+        return super().recv(tensors, src_rank, tag)
+
+    def _check_point_to_point(self, what: str) -> None:
+        if not self._point_to_point:
+            raise RuntimeError(f"ProcessGroupDdpkit.{what}: this group carries collectives only; make it with "
+                               f"ProcessGroupDdpkit(point_to_point=True) for send/recv (torchft's PGTransport)")
+
     def abort(self, errored: bool = True) -> None:
+        if self._registered is not None:
+            torch._C._distributed_c10d._unregister_process_group(self._registered)
+            self._registered = None
         pg = self._pg
         if pg is not None:
             # Outstanding work of the old quorum fails instead of waiting out the timeout.
@@ -98,13 +139,13 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
         with self._error_lock:
             return self._error
 
-    def _report(self, error: Exception) -> None:
+    def _report(self, error: Exception, generation: int) -> None:
         with self._error_lock:
-            if self._error is None:
+            if self._error is None and generation == self._generation:
                 self._error = error
 
     def _wrap_work(self, work: dist.Work, opts: object) -> dist.Work:
-        return _ReportingWork(self, work)
+        return _ReportingWork(self, work, self._generation)
 
 
 class _ReportingWork(dist._Work):
@@ -112,10 +153,11 @@ class _ReportingWork(dist._Work):
     and whose future is settled when ``wait()`` returns (torchft chains callbacks right after it and
     expects them to run at once)."""
 
-    def __init__(self, pg: ProcessGroupDdpkit, work: dist.Work) -> None:
+    def __init__(self, pg: ProcessGroupDdpkit, work: dist.Work, generation: int) -> None:
         super().__init__()
         self._pg = pg
         self._work = work
+        self._generation = generation
 
     def _settled(self) -> torch.futures.Future:
         return self._work.get_future()
@@ -125,7 +167,7 @@ class _ReportingWork(dist._Work):
             self._work.wait()
             self._settled().wait()
         except Exception as error:  # noqa: BLE001  (any failure of the collective is the group's)
-            self._pg._report(error)
+            self._pg._report(error, self._generation)
             return False
         return True
 
@@ -136,13 +178,13 @@ class _ReportingWork(dist._Work):
         return self._pg.errored() is None and self._work.is_success()
 
     def get_future(self) -> torch.futures.Future:
-        pg, work = self._pg, self._work
+        pg, work, generation = self._pg, self._work, self._generation
 
         def reported(future: torch.futures.Future) -> Any:
             try:
                 return future.value()
             except Exception as error:  # noqa: BLE001
-                pg._report(error)
+                pg._report(error, generation)
                 return work.result()
 
         return self._settled().then(reported)
