@@ -82,8 +82,8 @@ def kill_run(pg: str, wrapper: str, args) -> dict:
                               120, "the survivors' next commit")
             time.sleep(args.restart_delay)
             restarted = time.time()
-            process = groups.start(victim)
-            groups.wait_until(lambda: any(x["pid"] == process.pid for x in groups.committed(victim)), 120,
+            groups.start(victim)
+            groups.wait_until(lambda: any(x["incarnation"] == 2 for x in groups.committed(victim)), 300,
                               "the rejoined replica's first commit")
             groups.wait_all(300)
             survivor_error = None
@@ -95,8 +95,8 @@ def kill_run(pg: str, wrapper: str, args) -> dict:
         if survivor_error:
             return {"failed": survivor_error}
         next_commit = max(min(x["end"] for x in groups.committed(s) if x["end"] > killed) for s in survivors)
-        rejoin = min(x["end"] for x in groups.committed(victim) if x["pid"] == process.pid)
-        ready = min(x["ready"] for x in groups.records(victim) if "ready" in x and x["pid"] == process.pid)
+        rejoin = min(x["end"] for x in groups.committed(victim) if x["incarnation"] == 2)
+        ready = min(x["ready"] for x in groups.records(victim) if "ready" in x and x["incarnation"] == 2)
         final = {r: {x["step"] for x in groups.committed(r)} for r in survivors}
         lost = sum(len(committed_before[r] - final[r]) for r in survivors)
         uncommitted = sum(1 for s in survivors for x in groups.iterations(s) if x["start"] > killed - 1

@@ -193,7 +193,9 @@ def main() -> None:
                       hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()))
     log = open(args.records, "a", buffering=1)
     # Interpreter and imports done, manager up: a restart's own start-up ends here.
-    log.write(json.dumps({"ready": time.time(), "replica": replica, "pid": os.getpid()}) + "\n")
+    incarnation = int(os.environ.get("FT_INCARNATION", "1"))  # which start of this replica (the harness counts)
+    log.write(json.dumps({"ready": time.time(), "replica": replica, "pid": os.getpid(), "incarnation": incarnation})
+              + "\n")
     gate = os.environ.get("FT_START_GATE")
     if gate:  # every replica heartbeating before the first quorum, so that it holds them all
         Path(f"{gate}.{replica}.{rank}").touch()
@@ -252,7 +254,8 @@ def main() -> None:
             with torch.no_grad():
                 for buffer, saved in zip(model.buffers(), buffers):
                     buffer.copy_(saved)
-        log.write(json.dumps({"replica": replica, "rank": rank, "pid": os.getpid(), "step": step,
+        log.write(json.dumps({"replica": replica, "rank": rank, "pid": os.getpid(), "incarnation": incarnation,
+                              "step": step,
                               "committed": committed, "participating": manager.is_participating(),
                               "participants": manager.num_participants(), "start": started,
                               "end": time.time(), "comm_s": comm_seconds[0], "errored": repr(manager.errored()) if manager.errored() else None})
@@ -299,7 +302,8 @@ class ReplicaGroups:
 
     def start(self, replica: int) -> subprocess.Popen:
         self.incarnations[replica] += 1
-        env = {**os.environ, "REPLICA_GROUP_ID": str(replica), "RANK": "0", "WORLD_SIZE": "1",
+        env = {**os.environ, "REPLICA_GROUP_ID": str(replica), "FT_INCARNATION": str(self.incarnations[replica]),
+               "RANK": "0", "WORLD_SIZE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHFT_LIGHTHOUSE": self.lighthouse,
                "OMP_NUM_THREADS": "1", **self.env}
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)

@@ -60,15 +60,15 @@ def kill_and_rejoin(tmp_path: Path, lighthouse: str, args: list, count: int = 3,
         groups.start_all()
         # Every replica in one quorum, a few steps in.
         groups.wait_until(lambda: any(r["participants"] == count and r["step"] >= 4 for r in groups.committed(victim)),
-                          60, f"a step committed by all {count} replicas")
+                          240, f"a step committed by all {count} replicas")
         groups.signal(victim, signal.SIGKILL)
         killed_at = max(r["step"] for r in groups.committed(victim))
         survivors = [r for r in range(count) if r != victim]
         groups.wait_until(lambda: all(any(r["participants"] == count - 1 for r in groups.committed(s))
-                                      for s in survivors), 60, "a step committed without the killed replica")
+                                      for s in survivors), 240, "a step committed without the killed replica")
         groups.start(victim)
-        groups.wait_until(lambda: any(r["pid"] == groups.processes[victim].pid for r in groups.committed(victim)),
-                          60, "a step committed by the restarted replica")
+        groups.wait_until(lambda: any(r["incarnation"] == 2 for r in groups.committed(victim)),
+                          240, "a step committed by the restarted replica")
         last = max(r["step"] for r in groups.committed(victim)) + 3
         groups.stop_at(last)
         groups.wait_all(90)
@@ -177,7 +177,7 @@ def test_stopped_replica_is_dropped_and_rejoins(tmp_path, lighthouse):
     try:
         groups.start_all()
         groups.wait_until(lambda: any(r["participants"] == count and r["step"] >= 3 for r in groups.committed(victim)),
-                          60, f"a step committed by all {count} replicas")
+                          240, f"a step committed by all {count} replicas")
         groups.signal(victim, signal.SIGSTOP)
         survivors = [r for r in range(count) if r != victim]
         groups.wait_until(lambda: all(sum(r["participants"] == count - 1 for r in groups.committed(s)) >= 3
@@ -278,16 +278,25 @@ def test_kill_and_rejoin_across_two_simulated_hosts(tmp_path):
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
         port = int(lighthouse.stdout.readline())
 
+        # torchft's checkpoint server names itself by the host's name: each host resolves both names.
+        hosts = tmp_path / "hosts"
+        hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{a} ft-host{h}\n" for h, a in enumerate(address)))
+        # No name server is reachable from a simulated host: a lookup must fail at once, not time out.
+        resolv = tmp_path / "resolv.conf"
+        resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+
         def on_host(replica: int, argv: list, env: dict) -> tuple:
             host = replica // 2
             env = {**env, "MASTER_ADDR": address[host], "FT_HOSTNAME": address[host], "GLOO_SOCKET_IFNAME": "dkh",
                    "TORCHFT_LIGHTHOUSE": f"http://{address[0]}:{port}"}
-            script = f"mount -t tmpfs tmpfs /dev/shm && hostname ft-host{host} && exec {shlex.join(argv)}"
+            script = (f"mount -t tmpfs tmpfs /dev/shm && mount --bind {shlex.quote(str(hosts))} /etc/hosts && "
+                      f"mount --bind {shlex.quote(str(resolv))} /etc/resolv.conf && "
+                      f"hostname ft-host{host} && exec {shlex.join(argv)}")
             return ["ip", "netns", "exec", namespaces[host], "unshare", "-m", "-u", "--fork", "--kill-child",
                     "sh", "-c", script], env
 
-        kill_and_rejoin(tmp_path, "unused", ["--pg", "ddpkit", "--compute", "0.05"], count=4, victim=1,
-                        launch=on_host)
+        kill_and_rejoin(tmp_path, "unused", ["--pg", "ddpkit", "--wrapper", "ddpkit-ddp", "--compute", "0.05"],
+                        count=4, victim=1, launch=on_host)
     finally:
         if lighthouse is not None:
             os.killpg(lighthouse.pid, signal.SIGKILL)
