@@ -363,12 +363,36 @@ class LatencyRecord(Record):
     calls_per_rep: int
 
 
+# -- bench_fault_tolerance.py: fault_tolerance.json -------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultToleranceRecord(Record):
+    """One measurement of a fault-tolerance candidate: "steady" (no failure) or "kill" (one replica, or
+    for the torchrun baseline one rank, SIGKILLed mid-run and restarted)."""
+    kind: str = _kind("fault_tolerance")
+    candidate: str                           # "torchft-gloo", "torchft-ddpkit", "torchrun-restart"
+    measure: str                             # "steady" or "kill"
+    repeat: int
+    wrapper: Optional[str] = optional()      # the DDP wrapper: "torchft-ddp" or "ddpkit-ddp" (its comm hook)
+    step_s: Optional[float] = optional()     # steady: median step time of the 8.4M-parameter MLP
+    comm_s: Optional[float] = optional()     # steady: median time per step in the gradient all-reduces
+    death_to_next_commit_s: Optional[float] = optional()     # kill: to the survivors' next committed step
+    restart_to_first_commit_s: Optional[float] = optional()  # kill: restart to its first committed step
+    ready_to_first_commit_s: Optional[float] = optional()  # kill: the same from its manager's start (imports done)
+    steps_lost: Optional[int] = optional()   # kill: steps a replica had committed and no longer holds
+    uncommitted_iterations: Optional[int] = optional()  # kill: survivors' iterations not committed meanwhile
+    failed: Optional[str] = optional()       # the candidate's failure, when it did not survive the kill
+    timeline: Optional[list] = optional()    # kill: [s after the kill, replica, step, committed, participants]
+
+
 # A record with a "kind" is of the class of its kind; a record without one, of the class of its file.
 BY_KIND: dict[str, type[Record]] = {"time": AllreduceTimeRecord, "memory": AllreduceMemoryRecord,
                                     "collective": CollectiveRecord, "layers": LayerRecord, "ddp": DdpRecord,
                                     "multihost_all_reduce": MultihostRecord, "multihost_ddp": MultihostDdpRecord,
                                     "multihost_collective": MultihostCollectiveRecord,
-                                    "torch_stack": TorchStackRecord, "latency": LatencyRecord}
+                                    "torch_stack": TorchStackRecord, "latency": LatencyRecord,
+                                    "fault_tolerance": FaultToleranceRecord}
 BY_BENCHMARK: dict[str, type[Record]] = {"syncbn": SyncBatchNormRecord, "ddp": DdpRecord, "training": TrainingRecord}
 
 

@@ -15,6 +15,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/backend.h"
+#include "comm/exit.h"
 #include "comm/ops.h"
 #include "syncbn/syncbn.h"
 
@@ -156,4 +157,11 @@ PYBIND11_MODULE(_C, m) {
       "op must be called from Python: Note [SyncBatchNorm's eager call] in csrc/python.cpp."};
   m.add_object("sync_batch_norm_eager",
                py::reinterpret_steal<py::object>(PyCFunction_New(&sync_batch_norm_eager_def, nullptr)));
+  m.def(
+      "prepare_for_exit",
+      [] {
+        py::gil_scoped_release release;  // the completions it waits for run Python callbacks
+        ddpkit::comm::prepare_for_exit();
+      },
+      "Called by atexit (ddpkit/__init__.py): Note [Exit paths] in csrc/comm/engine.cpp.");
 }

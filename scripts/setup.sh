@@ -57,4 +57,16 @@ logged "$INSTALLS
         s#^ *(\[[0-9]+/[0-9]+\]) Linking CXX .*\$#  \1 linking#p
         s#^.*(ddpkit: CUDA kernels .*)\$#  \1#p" \
   $PIP install -v --progress-bar off --no-build-isolation -C cmake.define.DDPKIT_TESTING=ON -e ".[$extras]"
+if [[ ",$extras," == *",test,"* ]]; then
+  # torchft (docs/fault_tolerance.md, tests/test_torchft.py) declares a dependency on a torch build that pip
+  # would replace the CPU torch with, which the test extra cannot prevent: it goes in without its
+  # dependencies, and the few it needs at import beside torch go in by name.
+  if .venv/bin/python -c "import torchft" 2>/dev/null; then
+    echo "== pip: torchft is installed"
+  else
+    echo "== pip: torchft 0.2.0 (without its dependencies) and OpenTelemetry"
+    logged "$INSTALLS" $PIP install --progress-bar off --no-deps "torchft==0.2.0"
+    logged "$INSTALLS" $PIP install --progress-bar off opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp
+  fi
+fi
 .venv/bin/python -c "import ddpkit, torch; print(f'ddpkit {ddpkit.__version__} ready: torch {torch.__version__}')"

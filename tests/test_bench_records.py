@@ -21,7 +21,7 @@ CLASSES = {"allreduce": {records.AllreduceTimeRecord, records.AllreduceMemoryRec
            "syncbn": {records.SyncBatchNormRecord}, "syncbn_cuda": {records.SyncBatchNormRecord},
            "training": {records.TrainingRecord}, "torch_stack": {records.TorchStackRecord},
            "multihost": {records.MultihostRecord, records.MultihostCollectiveRecord, records.MultihostDdpRecord},
-           "latency": {records.LatencyRecord}}
+           "latency": {records.LatencyRecord}, "fault_tolerance": {records.FaultToleranceRecord}}
 
 
 def _left_out_when_none(record) -> set:

@@ -528,3 +528,56 @@ def test_two_forwards_then_one_backward_through_batch_norm(pool):
     for rank_grads in grads:
         for grad, expected in zip(rank_grads, grads[0]):
             torch.testing.assert_close(grad, expected)
+
+
+# --- the communication-hook seam ------------------------------------------------------------------
+
+def case_comm_hook(bucket_cap_mb):
+    """The same steps with the native all-reduce and with a hook that averages through torch's own
+    dist.all_reduce: the same gradients, the hook called once per bucket, in bucket order."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shard = GLOBAL_BATCH // world_size
+    results = []
+    for hooked in (False, True):
+        ddp = ddpkit.DistributedDataParallel(make_model("mlp", seed=0), bucket_cap_mb=bucket_cap_mb,
+                                             first_bucket_cap_mb=bucket_cap_mb / 2)
+        calls = []
+
+        def hook(state, bucket):
+            calls.append(bucket.numel())
+            state.append(bucket.numel())
+            work = dist.all_reduce(bucket, async_op=True)
+            return work.get_future().then(lambda f: f.value()[0] / world_size)
+
+        if hooked:
+            ddp.register_comm_hook([], hook)
+        grads = []
+        for step in range(2):
+            x, y = global_batch(step, 0)
+            ddp.zero_grad(set_to_none=True)
+            loss_fn(ddp(x[rank * shard:(rank + 1) * shard]), y[rank * shard:(rank + 1) * shard]).backward()
+            grads.append([p.grad.clone() for p in ddp.parameters()])
+        results.append((grads, calls, [b.numel() for b in ddp.bucket_tensors()]))
+    return results
+
+
+def test_comm_hook_replaces_the_all_reduce(pool):
+    for (native, _, _), (hooked, calls, buckets) in pool(2).run(case_comm_hook, 0.002):
+        assert len(buckets) > 1 and calls == buckets * 2  # every bucket, each step, in bucket order
+        for step_native, step_hooked in zip(native, hooked):
+            for a, b in zip(step_native, step_hooked):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_comm_hook_is_registered_once_on_a_bucketed_reducer():
+    module = nn.Linear(2, 2)
+    ddp = ddpkit.DistributedDataParallel.__new__(ddpkit.DistributedDataParallel)
+    nn.Module.__init__(ddp)
+    ddp.module, ddp.grad_sync, ddp._comm_hook, ddp._reducer = module, "per_parameter", None, None
+    ddp._bucket_of = [0, 0]
+    with pytest.raises(ValueError, match="grad_sync='bucketed'"):
+        ddp.register_comm_hook(lambda bucket: bucket)
+    ddp.grad_sync = "bucketed"
+    ddp.register_comm_hook(lambda bucket: bucket)
+    with pytest.raises(RuntimeError, match="only be called once"):
+        ddp.register_comm_hook(lambda bucket: bucket)

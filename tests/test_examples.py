@@ -14,15 +14,18 @@ from helpers import EXAMPLES, documented_command, free_port
 REPO = Path(__file__).resolve().parent.parent
 # The framework guides' examples need their framework, which the test extras install (make setup does).
 NEEDS = {"lightning_ddpkit": "lightning", "accelerate_ddpkit": "accelerate"}
+# Examples of several launches (a lighthouse and one torchrun per replica group), each run as documented by
+# its own test: fault_tolerance by tests/test_torchft.py.
+SEVERAL_LAUNCHES = {"fault_tolerance"}
 
 
 def test_there_are_the_examples():
     assert [path.stem for path in EXAMPLES] == [
         "accelerate_ddpkit", "checkpoint_dcp", "collectives", "compile_functional", "ddp_accumulation",
-        "elastic_restart", "lightning_ddpkit", "pipelining_gpipe", "syncbn", "torch_ddp_on_ddpkit"]
+        "elastic_restart", "fault_tolerance", "lightning_ddpkit", "pipelining_gpipe", "syncbn", "torch_ddp_on_ddpkit"]
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.stem)
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.stem not in SEVERAL_LAUNCHES], ids=lambda path: path.stem)
 def test_example_runs_as_documented(path):
     needed = NEEDS.get(path.stem)
     if needed and importlib.util.find_spec(needed) is None:

@@ -1,7 +1,11 @@
 #include "comm/engine.h"
 
+#include "comm/exit.h"
+
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <pthread.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -35,15 +39,46 @@ bool registered(const std::string& name, const RegistryEntry& entry) {
 // pool, which runs each completion on an idle thread of its own, or on a new one when all are busy,
 // so that a callback blocked on a later collective never holds up that collective's completion.
 // Threads idle for kIdleSeconds exit, so a program without futures keeps none.
+//
+// Note [Exit paths]
+// A future's callbacks may be Python functions, and so may the objects they hold. Settling such a
+// future takes the GIL, and so does dropping its callbacks afterwards. Once the interpreter is
+// finalizing, a thread that is not the finalizing one and asks for the GIL is ended with pthread_exit,
+// whose forced unwinding through a destructor (a dropped Python callback's) is std::terminate:
+// "terminate called without an active exception", SIGABRT, in a job that merely ended (an exception
+// or sys.exit with asynchronous work outstanding). So Python's atexit, which runs before the
+// finalization, calls prepare_for_exit(): it waits, with the GIL released, for the completions
+// already running, and from then on a completion is kept unsettled (its future and callbacks are
+// never destroyed: the process is ending). The Work itself still completes, so a C++ wait() returns.
+// A forked child gets a pool of its own (the parent's threads do not exist there).
 class CompletionPool {
  public:
   static CompletionPool& instance() {
-    static auto* pool = new CompletionPool();  // never destroyed: its threads may outlive static destructors
-    return *pool;
+    static const bool registered = [] {
+      // The child's pool is a fresh one: the parent's may be locked, and its threads are not the child's.
+      pthread_atfork(nullptr, nullptr, [] { current() = new CompletionPool(); });
+      return true;
+    }();
+    (void)registered;
+    return *current();
+  }
+
+  void prepare_for_exit() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    exiting_ = true;
+    // Bounded: a callback that blocks (on a collective whose peers are gone, say) must not hold the
+    // exit; after this, it is the process's end that stops it.
+    done_cv_.wait_for(lock, kIdleSeconds, [&] { return running_ == 0; });
+    for (auto& task : tasks_) new std::function<void()>(std::move(task));  // kept, never run or destroyed
+    tasks_.clear();
   }
 
   void post(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (exiting_) {
+      new std::function<void()>(std::move(task));  // Note [Exit paths]: kept, never run or destroyed
+      return;
+    }
     tasks_.push_back(std::move(task));
     // Every queued task needs an idle thread of its own: a woken thread leaves the idle count only
     // once it runs, so counting idle threads alone would hand two completions posted within one
@@ -58,6 +93,11 @@ class CompletionPool {
  private:
   static constexpr auto kIdleSeconds = std::chrono::seconds(10);
 
+  static CompletionPool*& current() {
+    static CompletionPool* pool = new CompletionPool();  // never destroyed: its threads may outlive static destructors
+    return pool;
+  }
+
   void loop() {
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
@@ -67,16 +107,22 @@ class CompletionPool {
       if (!woken) return;
       std::function<void()> task = std::move(tasks_.front());
       tasks_.pop_front();
+      ++running_;
       lock.unlock();
       task();
+      task = nullptr;  // its callbacks dropped here, before the exit may begin
       lock.lock();
+      if (--running_ == 0) done_cv_.notify_all();
     }
   }
 
   std::mutex mutex_;
   std::condition_variable cv_;
+  std::condition_variable done_cv_;
   std::deque<std::function<void()>> tasks_;
   int64_t idle_ = 0;
+  int64_t running_ = 0;
+  bool exiting_ = false;
 };
 
 }  // namespace
@@ -85,7 +131,6 @@ CollectiveWork::CollectiveWork(int rank, c10d::OpType type, std::vector<at::Tens
     : c10d::Work(rank, type), outputs_(std::move(outputs)) {}
 
 void CollectiveWork::complete(std::exception_ptr error) {
-  finish(error);
   c10::intrusive_ptr<c10::ivalue::Future> future;
   {
     std::lock_guard<std::mutex> lock(future_mutex_);
@@ -93,6 +138,10 @@ void CollectiveWork::complete(std::exception_ptr error) {
     error_ = error;
     future = future_;
   }
+  // Only now wake wait(): a getFuture() after wait() returned then gets a future that is already
+  // settled, as gloo's is, so a then() chained on it runs at once on the caller's thread (torchft's
+  // managed work chains its callbacks right after wait() and relies on that).
+  finish(error);
   // Outside the lock, and off this thread (Note [Future callbacks]): the future runs its callbacks
   // on whichever thread settles it.
   if (future) {
@@ -101,6 +150,8 @@ void CollectiveWork::complete(std::exception_ptr error) {
     });
   }
 }
+
+void prepare_for_exit() { CompletionPool::instance().prepare_for_exit(); }
 
 c10::intrusive_ptr<c10::ivalue::Future> CollectiveWork::getFuture() {
   static const c10::TypePtr kTensorList = c10::ListType::create(c10::TensorType::get());
@@ -193,7 +244,14 @@ Engine::~Engine() {
     stopping_ = true;
   }
   cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
+  // Never from the engine's own thread (a last reference dropped there): join would throw there.
+  if (worker_.joinable()) {
+    if (worker_.get_id() == std::this_thread::get_id()) {
+      worker_.detach();
+    } else {
+      worker_.join();
+    }
+  }
 }
 
 void Engine::run(c10::DeviceType device, TransportKind requested, std::string_view what, const Body& body) {

@@ -8,12 +8,13 @@ imports. ``ddpkit.spawn`` (run a function on N fresh processes) is the harness's
 ``ddpkit.__version__`` is the installed distribution's version (pyproject.toml's).
 """
 
+import atexit as _atexit
 from importlib.metadata import PackageNotFoundError, version as _distribution_version
 
 import torch
 import torch.distributed  # noqa: F401  (before _C: its backend class derives from torch's)
 
-from . import _C  # noqa: F401  (registers torch.ops.ddpkit.*)
+from . import _C  # registers torch.ops.ddpkit.*
 from .backend import register as _register_backend
 from .comm import (
     all_gather_into_tensor,
@@ -35,6 +36,8 @@ from .syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
 from .testing import spawn
 
 _register_backend()
+# Before the interpreter finalizes: no thread of ddpkit's may take the GIL after that (Note [Exit paths]).
+_atexit.register(_C.prepare_for_exit)
 
 try:
     __version__ = _distribution_version("ddpkit")

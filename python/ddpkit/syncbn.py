@@ -33,9 +33,10 @@ __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "sync_batch_norm", "set_na
 
 def _sync_group_name(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     """The name of the group to synchronize over, or None when this rank is on its own."""
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    group = group if group is not None else dist.group.WORLD
+    if group is None:  # the world, if there is one; a group given needs none (torchft's quorum group)
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        group = dist.group.WORLD
     return group.group_name if group.size() > 1 else None
 
 

@@ -1,0 +1,213 @@
+"""Fault tolerance side by side: torchft on gloo, torchft on ddpkit, and torchrun --max-restarts with a
+checkpoint (no torchft), in one run. Writes benchmarks/results/fault_tolerance.json.
+
+    .venv/bin/python benchmarks/bench_fault_tolerance.py
+
+For each torchft candidate (ProcessGroupGloo, ddpkit.torchft.ProcessGroupDdpkit; torchft's Manager,
+DDP and optimizer wrappers; one lighthouse per run with the same settings for both):
+  - steady state: the median step time of 2 replica groups training the 8.4M-parameter MLP (8 linear
+    layers 1024 wide), without failures;
+  - kill: 3 replica groups of a small MLP with a stand-in compute per step; one is SIGKILLed mid-run
+    and restarted --restart-delay later. Figures: death to the survivors' next committed step (the
+    last survivor's), restart to the rejoined replica's first committed step, the steps lost (steps
+    some replica had committed and no longer holds: always 0 under torchft) and the iterations the
+    survivors did not commit in between.
+The baseline is one torchrun job of 3 ranks (ddpkit backend and DDP, a checkpoint after every step,
+--max-restarts 1): a rank kills itself, torchrun restarts the whole job, which resumes from the
+checkpoint. Its kill and restart figures are measured from the same logs.
+Each kill is repeated --repeats times, candidates interleaved; the medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ft_replica  # noqa: E402
+import records  # noqa: E402
+from common import write_results  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def lighthouse(heartbeat_ms: int):
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20,
+                            heartbeat_timeout_ms=heartbeat_ms)
+
+
+def steady_state(pg: str, steps: int, heartbeat_ms: int) -> dict:
+    server = lighthouse(heartbeat_ms)
+    with tempfile.TemporaryDirectory() as folder:
+        groups = ft_replica.ReplicaGroups(Path(folder), server.address(),
+                                          ["--pg", pg, "--model", "mlp8x1024", "--steps", str(steps)], 2)
+        try:
+            groups.start_all()
+            groups.wait_all(600)
+        finally:
+            groups.close()
+            server.shutdown()
+        steps = [r for replica in range(2) for r in groups.committed(replica) if r["step"] >= 3]
+    return {"step_s": statistics.median(r["end"] - r["start"] for r in steps),
+            "comm_s": statistics.median(r["comm_s"] for r in steps)}
+
+
+def kill_run(pg: str, wrapper: str, args) -> dict:
+    server = lighthouse(args.heartbeat_ms)
+    victim, count = 1, 3
+    with tempfile.TemporaryDirectory() as folder:
+        groups = ft_replica.ReplicaGroups(Path(folder), server.address(),
+                                          ["--pg", pg, "--wrapper", wrapper, "--steps", str(args.kill_steps),
+                                           "--compute", str(args.compute)], count)
+        try:
+            groups.start_all()
+            groups.wait_until(lambda: any(r["participants"] == count and r["step"] >= 5
+                                          for r in groups.committed(victim)), 120, "a full quorum")
+            committed_before = {r: {x["step"] for x in groups.committed(r)} for r in range(count)}
+            killed = time.time()
+            groups.signal(victim, signal.SIGKILL)
+            survivors = [r for r in range(count) if r != victim]
+            groups.wait_until(lambda: all(any(x["end"] > killed for x in groups.committed(s)) for s in survivors),
+                              120, "the survivors' next commit")
+            time.sleep(args.restart_delay)
+            restarted = time.time()
+            groups.start(victim)
+            groups.wait_until(lambda: any(x["incarnation"] == 2 for x in groups.committed(victim)), 300,
+                              "the rejoined replica's first commit")
+            groups.wait_all(300)
+            survivor_error = None
+        except RuntimeError as error:  # a candidate that died: recorded, not fatal to the benchmark
+            survivor_error = str(error)[-1500:]
+        finally:
+            groups.close()
+            server.shutdown()
+        if survivor_error:
+            return {"failed": survivor_error}
+        next_commit = max(min(x["end"] for x in groups.committed(s) if x["end"] > killed) for s in survivors)
+        rejoin = min(x["end"] for x in groups.committed(victim) if x["incarnation"] == 2)
+        ready = min(x["ready"] for x in groups.records(victim) if "ready" in x and x["incarnation"] == 2)
+        final = {r: {x["step"] for x in groups.committed(r)} for r in survivors}
+        lost = sum(len(committed_before[r] - final[r]) for r in survivors)
+        uncommitted = sum(1 for s in survivors for x in groups.iterations(s) if x["start"] > killed - 1
+                          and not x["committed"])
+        timeline = sorted((round(x["end"] - killed, 3), x["replica"], x["step"], x["committed"], x["participants"])
+                          for r in range(count) for x in groups.iterations(r) if -0.3 < x["end"] - killed < 3)
+    return {"death_to_next_commit_s": next_commit - killed, "restart_to_first_commit_s": rejoin - restarted,
+            "ready_to_first_commit_s": rejoin - ready,
+            "steps_lost": lost, "uncommitted_iterations": uncommitted, "timeline": timeline}
+
+
+def baseline_run(args) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "log.jsonl"
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
+               "PET_MASTER_PORT": str(ft_replica.free_port())}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "1",
+                   str(Path(ft_replica.__file__)), "--baseline", "--steps", str(args.kill_steps), "--compute",
+                   str(args.compute), "--kill-rank", "1", "--kill-step", "8", "--records", str(log),
+                   "--out", str(Path(folder) / "state.pt")]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            return {"failed": (done.stdout + done.stderr)[-1500:]}
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+    killed = next(r["killed"] for r in records if "killed" in r)
+    second = {r["pid"]: r["launched"] for r in records if r.get("attempt") == 1}
+    restart = min(second.values())
+    steps = [r for r in records if "committed" in r]
+    before = {r["step"] for r in steps if r["pid"] not in second}
+    after = [r for r in steps if r["pid"] in second]
+    first_after = min(r["end"] for r in after)
+    restarted_from = min(r["step"] for r in after)
+    # The restarted job's first step, counted from its first worker's start: the restart itself
+    # (torchrun noticing the death, stopping the others, starting new workers) lies before it.
+    return {"death_to_next_commit_s": first_after - killed, "restart_to_first_commit_s": first_after - restart,
+            "ready_to_first_commit_s": first_after - min(r["ready"] for r in records if r.get("pid") in second
+                                                         and "ready" in r),
+            "steps_lost": max(0, max(before) + 1 - restarted_from), "uncommitted_iterations": 0,
+            }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steady-steps", type=int, default=20)
+    parser.add_argument("--kill-steps", type=int, default=30)
+    parser.add_argument("--compute", type=float, default=0.02, help="stand-in compute per step, seconds")
+    parser.add_argument("--restart-delay", type=float, default=1.0)
+    parser.add_argument("--heartbeat-ms", type=int, default=500, help="the lighthouse's heartbeat timeout")
+    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "fault_tolerance.json"))
+    args = parser.parse_args()
+
+    names = {"gloo": "torchft-gloo", "ddpkit": "torchft-ddpkit", "torchrun": "torchrun-restart"}
+    rows = []
+    for repeat in range(args.repeats):
+        # Candidates interleaved, their order rotating: the machine's drift hits both alike.
+        order = ["gloo", "ddpkit"] if repeat % 2 == 0 else ["ddpkit", "gloo"]
+        for pg in order:
+            steady = steady_state(pg, args.steady_steps, args.heartbeat_ms)
+            rows.append(records.FaultToleranceRecord(candidate=names[pg], measure="steady", repeat=repeat,
+                                                     wrapper="torchft-ddp", **steady))
+            print(names[pg], "steady", steady, flush=True)
+        for wrapper in ("torchft-ddp", "ddpkit-ddp"):
+            for pg in order:
+                kill = kill_run(pg, wrapper, args)
+                rows.append(records.FaultToleranceRecord(candidate=names[pg], measure="kill", repeat=repeat,
+                                                         wrapper=wrapper, **kill))
+                print(names[pg], wrapper, "kill", {k: v for k, v in kill.items() if k != "timeline"}, flush=True)
+        kill = baseline_run(args)
+        rows.append(records.FaultToleranceRecord(candidate="torchrun-restart", measure="kill", repeat=repeat,
+                                                 wrapper="ddpkit-ddp", **kill))
+        print("torchrun-restart kill", kill, flush=True)
+
+    summary: dict = {}
+    for row in rows:
+        key = f"{row.candidate}/{row.wrapper}/{row.measure}"
+        summary.setdefault(key, []).append(row)
+    medians: dict = {}
+    for key, group in summary.items():
+        ok = [r for r in group if r.failed is None]
+        entry = {"runs": len(group), "failed_runs": len(group) - len(ok)}
+        for field in ("step_s", "comm_s", "death_to_next_commit_s", "restart_to_first_commit_s",
+                      "ready_to_first_commit_s", "steps_lost", "uncommitted_iterations"):
+            values = [getattr(r, field) for r in ok if getattr(r, field) is not None]
+            if values:
+                entry[field + "_median"] = statistics.median(values)
+        medians[key] = entry
+
+    def ratio(key_ours: str, key_gloo: str, field: str) -> Optional[float]:
+        ours, gloo = medians.get(key_ours, {}).get(field), medians.get(key_gloo, {}).get(field)
+        return ours / gloo if ours is not None and gloo else None
+
+    medians["ratios_ddpkit_over_gloo"] = {
+        "steady_step": ratio("torchft-ddpkit/torchft-ddp/steady", "torchft-gloo/torchft-ddp/steady", "step_s_median"),
+        "steady_comm": ratio("torchft-ddpkit/torchft-ddp/steady", "torchft-gloo/torchft-ddp/steady", "comm_s_median"),
+        "death_to_next_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
+                                                 "death_to_next_commit_s_median"),
+        "restart_to_first_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
+                                                    "restart_to_first_commit_s_median"),
+        "ready_to_first_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
+                                                  "ready_to_first_commit_s_median"),
+    }
+    summary = medians
+    settings = {k: getattr(args, k) for k in ("repeats", "steady_steps", "kill_steps", "compute", "restart_delay",
+                                              "heartbeat_ms")}
+    settings["lighthouse"] = {"min_replicas": 1, "join_timeout_ms": 400, "quorum_tick_ms": 20,
+                              "heartbeat_timeout_ms": args.heartbeat_ms}
+    write_results("fault_tolerance", backend="ddpkit", device_type="cpu", settings=settings, records=rows,
+                  summary=summary, directory=Path(args.output).parent)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Every way a short job on the "ddpkit" backend ends leaves its processes without an abort: no C++ thread
+destroyed while joinable, no thread unwound through the interpreter's exit ("terminate called without
+an active exception", SIGABRT). Each job is 2 ranks of a fresh interpreter that ends one way."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+JOB = textwrap.dedent(r"""
+    import os, signal, sys, datetime, torch
+    import torch.distributed as dist
+    import ddpkit
+
+    how, rank = sys.argv[1], int(os.environ["RANK"])
+    dist.init_process_group("ddpkit", timeout=datetime.timedelta(seconds=20))
+    big = torch.ones(2_000_000)
+    for _ in range(3):
+        dist.all_reduce(torch.ones(1000))
+    # Asynchronous work with a Python callback on its future, outstanding as the job ends.
+    works = [dist.all_reduce(big.clone(), async_op=True) for _ in range(4)]
+    futures = [w.get_future().then(lambda f: f.value()) for w in works]
+    if how == "normal":  # returns from the script without destroy_process_group
+        futures[-1].wait()
+    elif how == "callback_exit":  # sys.exit inside a future's callback
+        dist.all_reduce(torch.ones(10), async_op=True).get_future().then(lambda f: sys.exit(3)).wait()
+    elif how == "exception":  # an uncaught exception while the work is in flight
+        raise RuntimeError("the job's own error")
+    elif how == "os_exit":
+        os._exit(0)
+    elif how == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()
+    elif how == "destroy":
+        for f in futures:
+            f.wait()
+        dist.destroy_process_group()
+""")
+
+# What each way of ending returns: the exit status a job ended that way has anyway.
+ENDINGS = {"normal": {0}, "callback_exit": {0, 1, 3}, "exception": {1}, "os_exit": {0}, "sigterm": {-signal.SIGTERM},
+           "destroy": {0}}
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_job(tmp_path, how: str) -> list:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    port = free_port()
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        ranks.append(subprocess.Popen([sys.executable, str(script), how], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    return ranks
+
+
+def test_every_ending_is_clean(tmp_path):
+    jobs = {how: start_job(tmp_path, how) for how in ENDINGS}
+    failures = []
+    try:
+        for how, ranks in jobs.items():
+            for rank, process in enumerate(ranks):
+                try:
+                    _, err = process.communicate(timeout=120)
+                except subprocess.TimeoutExpired:
+                    failures.append(f"{how}, rank {rank}: still running (a hang at exit)")
+                    continue
+                if process.returncode not in ENDINGS[how] or "terminate called" in err or "Fatal Python" in err:
+                    failures.append(f"{how}, rank {rank}: exit status {process.returncode}\n{err[-2000:]}")
+    finally:
+        for ranks in jobs.values():
+            for process in ranks:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+    assert not failures, "\n".join(failures)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
