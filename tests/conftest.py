@@ -1,5 +1,5 @@
-"""Shared fixtures: one pool of gloo worker processes per world size and one pool of simulated hosts per
-topology for the whole session, and the check that the session leaves nothing behind."""
+"""Shared fixtures: one pool of gloo worker processes per world size for the whole session, pools of
+simulated hosts per module, and the check that the session leaves nothing behind."""
 
 import os
 from pathlib import Path
@@ -90,11 +90,12 @@ def pool():
 
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def hosts():
     """``hosts(name, backend="gloo")``: a live HostPool of the topology ``name`` (TOPOLOGIES), made on
-    first use and shared by the modules that test a feature across hosts; at the end every host's
-    /dev/shm must be empty (shm_names' rule, inside each host's private /dev/shm)."""
+    first use in a module and closed at its end (a pool of simulated hosts holds a launcher and ranks
+    per host); then every host's /dev/shm must be empty (shm_names' rule, inside each host's private
+    /dev/shm)."""
     pools = {}
 
     def get(name, backend="gloo"):

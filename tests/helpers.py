@@ -146,13 +146,12 @@ def small_cli(out_dir):
             "--max-steps", "4", "--epochs", "1", "--no-progress", "--out", str(out_dir)]
 
 
-def documented_command(path: Path) -> list[str]:
-    """The torchrun line of the example's docstring, as argv (environment assignments first, if any)."""
+def documented_commands(path: Path) -> list[list[str]]:
+    """The torchrun lines of the example's docstring, as argv (environment assignments first, if any):
+    one for most examples, one per launch for those of several (fault_tolerance)."""
     docstring = ast.get_docstring(ast.parse(path.read_text()))
-    lines = [line.strip() for line in docstring.splitlines()
-             if re.fullmatch(r"([A-Z_]+=\S+ )*torchrun .* examples/\w+\.py", line.strip())]
-    assert len(lines) == 1, f"{path.name}: its docstring should give one torchrun command"
-    return shlex.split(lines[0])
+    return [shlex.split(line.strip()) for line in docstring.splitlines()
+            if re.fullmatch(r"([A-Z_]+=\S+ )*torchrun .* examples/\w+\.py", line.strip())]
 
 
 # --- CIFAR archives in the official format ----------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, documented_command, free_port
+from helpers import EXAMPLES, documented_commands, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # The framework guides' examples need their framework, which the test extras install (make setup does).
@@ -30,7 +30,9 @@ def test_example_runs_as_documented(path):
     needed = NEEDS.get(path.stem)
     if needed and importlib.util.find_spec(needed) is None:
         pytest.skip(f"{needed} is not installed: make setup installs it, with the test extra")
-    command = documented_command(path)
+    commands = documented_commands(path)
+    assert len(commands) == 1, f"{path.name}: its docstring should give one torchrun command"
+    command = commands[0]
     assignments = command[:command.index("torchrun")]
     command = command[len(assignments):]
     assert command[-1] == f"examples/{path.name}"

@@ -32,7 +32,7 @@ import pytest
 
 from ddpkit.training.train import parse_args
 
-from helpers import EXAMPLES, documented_command, free_port
+from helpers import EXAMPLES, documented_commands, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -94,7 +94,7 @@ COMMANDS = [(block, argv) for block in BLOCKS if block.language == "bash" for ar
 
 def example_commands() -> set[tuple[str, ...]]:
     """The examples' own commands, as their docstrings give them and tests/test_examples.py runs them."""
-    return {tuple(documented_command(path)) for path in EXAMPLES}
+    return {tuple(command) for path in EXAMPLES for command in documented_commands(path)}
 
 
 def venv_program(argv: list[str]) -> list[str]:
