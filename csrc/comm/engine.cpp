@@ -1,5 +1,7 @@
 #include "comm/engine.h"
 
+#include "comm/cross_host_check.h"
+
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -322,7 +324,10 @@ void Engine::set_up(std::string_view what, uint64_t sequence) {
   setup.use_for_setup(setup_what);
   ShmSegment::SetUp result = ShmSegment::set_up(setup, timeout);
   topology_ = result.topology;
-  if (result.segment) shm_transport_ = std::make_shared<ShmTransport>(result.segment);
+  if (result.segment) {
+    shm_transport_ = std::make_shared<ShmTransport>(result.segment);
+    shm_check_ = std::make_unique<SlotCheck>(*shm_transport_->direct());
+  }
   // Every rank of the group must agree on whether it is hierarchical: the cross subgroups come from
   // splitting the group's gloo backend, possible on every rank or on none.
   if (topology_.hierarchical() && cpu->supportsSplitting() && group_.store) {
@@ -373,6 +378,15 @@ void Engine::set_up(std::string_view what, uint64_t sequence) {
                 group_.name, "'): rank ", c10::Join(", rank ", failed_ranks),
                 " could not set up its steps across hosts (its error says why); the next collective sets them up again");
     hierarchy_ = std::move(hierarchy);
+    // Note [Check seam]: across equal hosts every collective of the group takes the round across
+    // hosts, whatever path its data take; across unequal ones the root's verdict over the process
+    // group, which stops the host's shared memory where a rank rejects its arguments unchecked.
+    if (hierarchy_->uniform) {
+      hierarchy_check_ = std::make_unique<CrossHostCheck>(*hierarchy_);
+    } else {
+      hierarchy_check_ =
+          std::make_unique<RootVerdictCheck>(hierarchy_->local ? hierarchy_->local->direct() : nullptr);
+    }
   }
   set_up_ = true;
 }
@@ -403,6 +417,12 @@ Topology Engine::topology() {
   return result;
 }
 
+CollectiveCheck* Engine::process_group_check(c10::DeviceType device) {
+  auto& cached = pg_checks_[static_cast<int>(device)];
+  if (!cached) cached = std::make_unique<RootVerdictCheck>();
+  return cached.get();
+}
+
 std::shared_ptr<Transport> Engine::process_group_transport(c10::DeviceType device) {
   auto& cached = pg_transports_[static_cast<int>(device)];
   if (!cached) cached = std::make_shared<ProcessGroupTransport>(backend(device), device);
@@ -429,12 +449,17 @@ void Engine::execute(c10::DeviceType device, TransportKind requested, std::strin
   c10::intrusive_ptr<c10d::Backend> device_backend = backend(device);
   std::shared_ptr<Transport> transport =
       kind == TransportKind::kShm ? std::shared_ptr<Transport>(shm_transport_) : process_group_transport(device);
-  Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport), sequence, group_.name);
-  // Across hosts, CPU collectives over the process group may take the hierarchical path.
-  if (device == c10::kCPU && kind == TransportKind::kProcessGroup && hierarchy_ && requested != TransportKind::kProcessGroup &&
-      forced_by_environment() != TransportKind::kProcessGroup) {
-    comm.use_hierarchy(hierarchy_.get());
-  }
+  // Across hosts, CPU collectives over the process group may take the hierarchical path, and every
+  // one of them then takes the hierarchy's check (Note [Check seam]).
+  const bool hierarchical = device == c10::kCPU && kind == TransportKind::kProcessGroup && hierarchy_ &&
+                            requested != TransportKind::kProcessGroup &&
+                            forced_by_environment() != TransportKind::kProcessGroup;
+  CollectiveCheck* check = hierarchical              ? hierarchy_check_.get()
+                           : kind == TransportKind::kShm ? static_cast<CollectiveCheck*>(shm_check_.get())
+                                                         : process_group_check(device);
+  Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport), sequence, group_.name,
+                    check);
+  if (hierarchical) comm.use_hierarchy(hierarchy_.get());
   body(comm);
 }
 

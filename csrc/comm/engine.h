@@ -1,6 +1,7 @@
 #pragma once
 // One entry point per process group for every ddpkit collective (Note [Collective engine]).
 
+#include "comm/checks.h"
 #include "comm/communicator.h"
 #include "comm/hierarchy.h"
 #include "comm/shm_channels.h"
@@ -196,6 +197,8 @@ class Engine {
   // that the backend can be split and the group has a store.
   c10::intrusive_ptr<c10d::Backend> cross_backend(const std::vector<int>& ranks, uint64_t nonce, int index);
   std::shared_ptr<Transport> process_group_transport(c10::DeviceType device);
+  // The collective check of `device`'s process-group transport (Note [Check seam]).
+  CollectiveCheck* process_group_check(c10::DeviceType device);
   c10::intrusive_ptr<c10d::Backend> backend(c10::DeviceType device);
   // True when `device` tensors travel through host copies (Note [Device tensors on a host group]).
   bool stages_through_host(c10::DeviceType device);
@@ -203,10 +206,13 @@ class Engine {
   const EngineGroup group_;
   std::unordered_map<int, c10::intrusive_ptr<c10d::Backend>> backends_;  // by device type; execution thread only
   std::unordered_map<int, std::shared_ptr<Transport>> pg_transports_;
+  std::unordered_map<int, std::unique_ptr<RootVerdictCheck>> pg_checks_;  // by device type, with pg_transports_
   bool set_up_ = false;
   Topology topology_;
   std::shared_ptr<ShmTransport> shm_transport_;  // this host's shared memory, when it holds more ranks
+  std::unique_ptr<SlotCheck> shm_check_;          // with shm_transport_
   std::unique_ptr<Hierarchy> hierarchy_;         // when the group spans hosts (Note [Hierarchical collectives])
+  std::unique_ptr<CollectiveCheck> hierarchy_check_;  // with hierarchy_: the check its collectives take
 
   std::mutex mutex_;  // guards everything below
   std::condition_variable cv_;
