@@ -59,9 +59,10 @@ namespace ddpkit::comm {
 // two hosts), max and min halving-doubling for powers of two, else the ring (they keep Note
 // [Reductions]'s semantics, which gloo's do not). So these choices serve a group on one host whose
 // collectives go over the process group (by request, or where shared memory cannot be had); a group
-// spanning hosts takes kHierarchical at every size, also with one rank per host. On GPUs kAuto takes the group's own all-reduce:
-// NCCL's kernels beat any schedule of point-to-point calls. The collective check runs whichever
-// algorithm kAuto takes; only kProcessGroup asked for by name skips it (the baseline).
+// spanning hosts takes kHierarchical at every size, also with one rank per host. On GPUs kAuto takes
+// the group's own all-reduce: NCCL's kernels beat any schedule of point-to-point calls. The
+// collective check runs whichever algorithm kAuto takes; only kProcessGroup asked for by name skips
+// it (the baseline).
 
 enum class Algorithm : int64_t {
   kRing = 0,

@@ -10,7 +10,9 @@ bool is_own_block(const at::Tensor& whole, const at::Tensor& part, int rank) {
 
 std::string tensor_error(const at::Tensor& tensor, std::string_view what, std::optional<ReduceOp> op) {
   if (!tensor.defined()) return c10::str("ddpkit.", what, ": expected a tensor, got None");
-  if (tensor.layout() != at::kStrided) return c10::str("ddpkit.", what, ": expected a dense tensor, got layout ", tensor.layout());
+  if (tensor.layout() != at::kStrided) {
+    return c10::str("ddpkit.", what, ": expected a dense tensor, got layout ", tensor.layout());
+  }
   if (!tensor.is_contiguous()) {
     return c10::str("ddpkit.", what, ": expected a contiguous tensor (strides ", tensor.strides(),
                     " for shape ", tensor.sizes(), "); call .contiguous() first");

@@ -16,7 +16,9 @@
 namespace ddpkit::comm {
 
 // Elements [begin, end) of the 1-D `flat`.
-inline at::Tensor slice(const at::Tensor& flat, int64_t begin, int64_t end) { return flat.narrow(0, begin, end - begin); }
+inline at::Tensor slice(const at::Tensor& flat, int64_t begin, int64_t end) {
+  return flat.narrow(0, begin, end - begin);
+}
 
 // True when `part` is exactly block `rank` of `whole` (contiguous, the same dtype): the in-place
 // forms torch's backends accept (Note [All-gather and reduce-scatter]).

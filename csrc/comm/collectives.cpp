@@ -30,6 +30,15 @@ at::Tensor to_host(const at::Tensor& tensor) {
   return host;
 }
 
+// The bytes of `tensor` as it is, or in the dtype it is reduced in; 0 where this rank rejected its
+// arguments (`error`: the tensor may be undefined).
+int64_t bytes_of(const at::Tensor& tensor, const std::string& error) {
+  return error.empty() ? tensor.numel() * static_cast<int64_t>(tensor.element_size()) : 0;
+}
+int64_t working_bytes_of(const at::Tensor& tensor, const std::string& error) {
+  return error.empty() ? tensor.numel() * static_cast<int64_t>(working_element_size(tensor)) : 0;
+}
+
 // Runs `collective` on a host copy of `tensor`, then copies the result back into `tensor`.
 template <class Collective>
 void on_host_copy(at::Tensor& tensor, Collective&& collective) {
@@ -73,11 +82,9 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
     return on_host_copy(tensor, [&](at::Tensor& host) { all_reduce_(host, op, algorithm, comm); });
   }
   std::string error = tensor_error(tensor, "all_reduce", op);
-  const bool accepted = error.empty();
   const RouteChoice route = choose_route(
-      {CollectiveKind::kAllReduce, algorithm, accepted ? tensor.numel() * static_cast<int64_t>(tensor.element_size()) : 0,
-       accepted ? tensor.numel() * static_cast<int64_t>(working_element_size(tensor)) : 0, op},
-      comm, error);
+      {CollectiveKind::kAllReduce, algorithm, bytes_of(tensor, error), working_bytes_of(tensor, error), op}, comm,
+      error);
   const CollectiveHeader header = make_header(CollectiveKind::kAllReduce, tensor, op, algorithm, -1);
   if (route.route == Route::kDirect) {
     // Note [Direct all-reduce]: the header check rides in the transport's first step, no messages.
@@ -89,7 +96,9 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
     write_back(tensor, work);
     return;
   }
-  if (route.route == Route::kOneRound) return hierarchical_all_reduce_in_one_round(tensor, op, header, *comm.hierarchy(), comm);
+  if (route.route == Route::kOneRound) {
+    return hierarchical_all_reduce_in_one_round(tensor, op, header, *comm.hierarchy(), comm);
+  }
   // The group's own all-reduce asked for by name is the unchecked baseline (Note [Choosing an algorithm]).
   comm.begin(header, error, /*exchange_header=*/algorithm != Algorithm::kProcessGroup);
   const int n = comm.size();
@@ -119,7 +128,7 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
   const int n = comm.size();
   std::string error = tensor_error(tensor, "broadcast", std::nullopt);
   if (error.empty()) error = root_error(src, n, "broadcast", "src");
-  const int64_t bytes = tensor.defined() ? tensor.numel() * static_cast<int64_t>(tensor.element_size()) : 0;
+  const int64_t bytes = bytes_of(tensor, error);
   const RouteChoice route = choose_route({CollectiveKind::kBroadcast, Algorithm::kAuto, bytes, bytes}, comm, error);
   const CollectiveHeader header = make_header(CollectiveKind::kBroadcast, tensor, std::nullopt, std::nullopt, src);
   if (route.route == Route::kOneRound) {
@@ -145,7 +154,7 @@ void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm) {
   const int n = comm.size();
   std::string error = tensor_error(tensor, "reduce", op);
   if (error.empty()) error = root_error(dst, n, "reduce", "dst");
-  const int64_t working_bytes = error.empty() ? tensor.numel() * static_cast<int64_t>(working_element_size(tensor)) : 0;
+  const int64_t working_bytes = working_bytes_of(tensor, error);
   const RouteChoice route =
       choose_route({CollectiveKind::kReduce, Algorithm::kAuto, working_bytes, working_bytes, op}, comm, error);
   const CollectiveHeader header = make_header(CollectiveKind::kReduce, tensor, op, std::nullopt, dst);
@@ -286,7 +295,7 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
   const int n = comm.size();
   const int r = comm.rank();
   std::string error = gather_scatter_error(output, input, n, r, /*gather=*/true, std::nullopt);
-  const int64_t bytes = error.empty() ? input.numel() * static_cast<int64_t>(input.element_size()) : 0;
+  const int64_t bytes = bytes_of(input, error);
   const RouteChoice route = choose_route({CollectiveKind::kAllGather, algorithm, bytes, bytes}, comm, error);
   const CollectiveHeader header = make_header(CollectiveKind::kAllGather, input, std::nullopt, algorithm, -1);
   if (route.route == Route::kDirect) {
@@ -327,14 +336,13 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   const int n = comm.size();
   const int r = comm.rank();
   std::string error = gather_scatter_error(output, input, n, r, /*gather=*/false, op);
-  const bool accepted = error.empty();
   const RouteChoice route = choose_route(
-      {CollectiveKind::kReduceScatter, algorithm, accepted ? input.numel() * static_cast<int64_t>(input.element_size()) : 0,
-       accepted ? input.numel() * static_cast<int64_t>(working_element_size(input)) : 0, op},
-      comm, error);
+      {CollectiveKind::kReduceScatter, algorithm, bytes_of(input, error), working_bytes_of(input, error), op}, comm,
+      error);
   const CollectiveHeader header = make_header(CollectiveKind::kReduceScatter, output, op, algorithm, -1);
   // float16/bfloat16 are reduced in float32, like every reduction (collectives.h).
-  const bool narrow_float = error.empty() && (output.scalar_type() == at::kHalf || output.scalar_type() == at::kBFloat16);
+  const bool narrow_float =
+      error.empty() && (output.scalar_type() == at::kHalf || output.scalar_type() == at::kBFloat16);
   if (route.route == Route::kDirect) {
     const at::Tensor work_in = narrow_float ? input.to(at::kFloat) : input;
     at::Tensor work_out = narrow_float ? at::empty(output.sizes(), output.options().dtype(at::kFloat)) : output;

@@ -70,15 +70,15 @@ void verify_hosts(const HostCheck& check, const std::string& error, WordsOf word
     std::memcpy(static_cast<void*>(&value), at, sizeof(CollectiveHeader));
     return value;
   };
-  for (int j = 0; j < h.cross_size; ++j) {  // a rank lost on another host first
+  for (int j = 0; j < h.cross->size(); ++j) {  // a rank lost on another host first
     const int64_t* theirs = words_of(j);
     if (theirs == nullptr) continue;
     const int64_t lost = theirs[kLostRankWord];
     TORCH_CHECK(lost < 0, "ddpkit.", comm.what(), " (", comm.where(), "): rank ", lost,
-                " failed on its host: the process died or its transport gave up (rank ", h.cross_ranks[j],
+                " failed on its host: the process died or its transport gave up (rank ", h.cross->group_ranks()[j],
                 " reported it)");
   }
-  for (int j = 0; j < h.cross_size; ++j) {  // then a culprit on some host: its host saw how it differs
+  for (int j = 0; j < h.cross->size(); ++j) {  // then a culprit on some host: its host saw how it differs
     const int64_t* theirs = words_of(j);
     if (theirs == nullptr || theirs[kHeaderWords] < 0) continue;
     const int rank = static_cast<int>(theirs[kHeaderWords]);
@@ -88,11 +88,11 @@ void verify_hosts(const HostCheck& check, const std::string& error, WordsOf word
     const int host_first = h.topology.hosts[h.topology.host_of[rank]].front();
     TORCH_CHECK(false, describe_mismatch(rank, bad, header_at(theirs + 2 * kHeaderWords + 1), comm.what(), host_first));
   }
-  for (int j = 0; j < h.cross_size; ++j) {  // else the hosts' own headers, against this rank's
+  for (int j = 0; j < h.cross->size(); ++j) {  // else the hosts' own headers, against this rank's
     const int64_t* theirs = words_of(j);
     if (theirs == nullptr) continue;
     const std::string mismatch =
-        describe_mismatch(h.cross_ranks[j], header_at(theirs), check.stamped, comm.what(), comm.rank());
+        describe_mismatch(h.cross->group_ranks()[j], header_at(theirs), check.stamped, comm.what(), comm.rank());
     TORCH_CHECK(mismatch.empty(), mismatch);
   }
 }
@@ -128,15 +128,15 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
     }
   }
   TORCH_INTERNAL_ASSERT(payload.scalar_type() == at::kByte && payload.numel() <= kOneRoundMaxBytes);
-  const int partners = h.cross_size;
+  const int partners = h.cross->size();
   at::Tensor words = at::empty({partners * kCheckWords}, at::kLong);
   auto words_of = [&](int j) { return static_cast<const int64_t*>(words.data_ptr<int64_t>()) + j * kCheckWords; };
-  std::memcpy(words.data_ptr<int64_t>() + h.cross_rank * kCheckWords, check.words.data_ptr(), kCheckBytes);
+  std::memcpy(words.data_ptr<int64_t>() + h.cross->rank() * kCheckWords, check.words.data_ptr(), kCheckBytes);
   at::Tensor reply;
-  SocketLinks& links = *h.links;
+  SocketLinks& links = h.cross->links();
   on_hosts(h, OnFailure::kKeepLinks, [&] {
     across_hosts(h, comm, [&] {
-      if (h.cross_rank != center) {
+      if (h.cross->rank() != center) {
         at::Tensor answer = at::empty({kReplyPrefixBytes + partners * (kCheckBytes + kOneRoundMaxBytes)}, at::kByte);
         std::vector<SocketLinks::Recv> recvs{{center, answer.data_ptr(), answer.numel()}};
         recvs[0].minimum = kReplyPrefixBytes;
@@ -144,9 +144,9 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
                        {{center, check.words.data_ptr(), kCheckBytes, payload.data_ptr(), payload.numel()}}, recvs);
         const auto* prefix = static_cast<const int64_t*>(answer.data_ptr());
         TORCH_CHECK(prefix[0] == kReplyOk, "rank ", prefix[1], " failed or died during the check (rank ",
-                    h.cross_ranks[center], " reported it)");
-        TORCH_CHECK(recvs[0].received >= kReplyPrefixBytes + partners * kCheckBytes, "rank ", h.cross_ranks[center],
-                    " sent a short answer");
+                    h.cross->group_ranks()[center], " reported it)");
+        TORCH_CHECK(recvs[0].received >= kReplyPrefixBytes + partners * kCheckBytes, "rank ",
+                    h.cross->group_ranks()[center], " sent a short answer");
         std::memcpy(words.data_ptr(), static_cast<const char*>(answer.data_ptr()) + kReplyPrefixBytes,
                     partners * kCheckBytes);
         reply = answer.narrow(0, kReplyPrefixBytes + partners * kCheckBytes,
@@ -167,7 +167,7 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
         // Best effort: the partners still waiting learn at once which rank failed, not at the timeout.
         // The links are broken from here on, so this goes to each partner over its own socket.
         const int failed = links.failed_peer();
-        const int64_t failure[2] = {kReplyPartnerFailed, failed >= 0 ? h.cross_ranks[failed] : -1};
+        const int64_t failure[2] = {kReplyPartnerFailed, failed >= 0 ? h.cross->group_ranks()[failed] : -1};
         for (int j = 0; j < partners; ++j) {
           if (j == center || j == failed) continue;
           links.send_last_words(comm.sequence(), j, failure, sizeof(failure));

@@ -2,7 +2,6 @@
 
 #include "comm/arguments.h"
 #include "comm/algorithm.h"
-#include "comm/schedules.h"
 #include "testing/faults.h"
 
 #include <algorithm>
@@ -11,85 +10,22 @@
 namespace ddpkit::comm {
 namespace {
 
-// A communicator for ddpkit's own schedules among the ranks `h.cross` spans, as part of `comm`'s
-// collective (its sequence number, so its tags).
-Communicator cross_communicator(const Hierarchy& h, const Communicator& comm) {
-  return Communicator(h.cross_rank, h.cross_size, c10::kCPU, h.cross, h.cross_messages, comm.sequence(), comm.group());
-}
-
-// The part of a frame across two hosts reduced at a time while the rest arrives: reducing parts as
-// they land beat reducing once everything is in, unshaped and at 1 Gbit/s, and 256 KiB parts beat
-// 1 MiB ones at 1M floats while tying at 16M (bench_multihost.py's 2x1 points, the part size
-
-constexpr int64_t kSwapStepBytes = 256 << 10;
-
-// The steps across two hosts (h.cross_size == 2) move over the socket links (Note [Socket links]):
-// `sends` go to the other host while its frame of exactly `mine`'s size arrives and is reduced into
-// `mine` (contiguous) part by part, in host order, so that both hosts reduce to the same bits. A
-// part is reduced once it is in and, where `sends` reads `mine`, once this rank's copy of it has
-// left. A kMean is summed; the caller divides once. A peer that passed another size breaks the links
-// (with checks off), and both ranks raise, naming the sizes.
-void receive_and_combine_across_two_hosts(const at::Tensor& mine, ReduceOp op, std::vector<SocketLinks::Send> sends,
-                                          const Hierarchy& h, Communicator& comm) {
-  TORCH_INTERNAL_ASSERT(h.cross_size == 2 && mine.is_contiguous());
-  const int peer = 1 - h.cross_rank;
-  const int64_t element = mine.element_size();
-  const int64_t bytes = mine.numel() * element;
-  const ReduceOp sum_or_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
-  at::Tensor theirs = h.scratch.get(ScratchBuffers::kFromPeer, mine.numel(), mine.scalar_type());
-  int64_t reduced = 0;  // elements
-  auto reduce_ready = [&](int64_t ready_bytes) {
-    const int64_t ready = ready_bytes / element;
-    combine_(slice(mine, reduced, ready), slice(theirs, reduced, ready), sum_or_op, /*other_first=*/peer == 0);
-    reduced = ready;
-  };
-  std::vector<SocketLinks::Recv> recvs{{peer, theirs.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
-  h.links->exchange(comm.sequence(), std::move(sends), recvs);
-  TORCH_INTERNAL_ASSERT(reduced == mine.numel());
-}
-
-// Between two hosts, sends `outgoing` (null: nothing) to the other host while its frame of exactly
-// `incoming`'s size (undefined: none) arrives into `incoming`, both contiguous, over the socket links.
-void move_across_two_hosts(const at::Tensor& outgoing, const at::Tensor& incoming, const Hierarchy& h,
-                           Communicator& comm) {
-  TORCH_INTERNAL_ASSERT(h.cross_size == 2);
-  const int peer = 1 - h.cross_rank;
-  std::vector<SocketLinks::Send> sends;
-  if (outgoing.defined()) sends.push_back({peer, outgoing.data_ptr(), static_cast<int64_t>(outgoing.nbytes())});
-  std::vector<SocketLinks::Recv> recvs;
-  if (incoming.defined()) {
-    const auto bytes = static_cast<int64_t>(incoming.nbytes());
-    recvs.push_back({peer, incoming.data_ptr(), bytes, 0, nullptr, 0, bytes});
-  }
-  h.links->exchange(comm.sequence(), std::move(sends), recvs);
-}
-
-// The all-reduce of `block` (contiguous) among the ranks `h.cross` spans (one per host), in place
-// (Note [Hierarchical collectives]): between two hosts a swap over the socket links, each host
-// sending the other its block whole, both ways at once, then both reducing the two in host order (each
-// link carries the block once each way, as a ring's reduce-scatter and all-gather together would);
-// else gloo's own for sums, ddpkit's ring for max and min. A kMean is summed here; the caller
-// divides once.
+// The steps across hosts (Note [Steps across hosts]), on this rank's channel; a failure raises
+// naming the partners.
 void cross_host_all_reduce(const at::Tensor& block, ReduceOp op, const Hierarchy& h, Communicator& comm) {
-  if (h.cross_size == 1 || block.numel() == 0) return;
-  across_hosts(h, comm, [&] {
-    if (h.cross_size == 2) {
-      const int peer = 1 - h.cross_rank;
-      receive_and_combine_across_two_hosts(block, op, {{peer, block.data_ptr(), block.numel() * block.element_size()}},
-                                           h, comm);
-      return;
-    }
-    if (op == ReduceOp::kSum || op == ReduceOp::kMean) {
-      c10d::AllreduceOptions options;
-      options.reduceOp = c10d::ReduceOp::SUM;
-      std::vector<at::Tensor> tensors{block};
-      h.cross->allreduce(tensors, options)->wait();
-      return;
-    }
-    Communicator cross = cross_communicator(h, comm);
-    Schedule schedule = ring_schedule(block, op, h.cross_size, h.cross_rank);
-    run_schedule(cross, schedule, schedule.size());
-  });
+  across_hosts(h, comm, [&] { h.cross->all_reduce(block, op, comm); });
+}
+
+void cross_host_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, Communicator& comm) {
+  across_hosts(h, comm, [&] { h.cross->broadcast(flat, root, comm); });
+}
+
+void cross_host_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hierarchy& h, Communicator& comm) {
+  across_hosts(h, comm, [&] { h.cross->reduce(flat, root, op, comm); });
+}
+
+void cross_host_all_gather(const at::Tensor& flat, int64_t m, const Hierarchy& h, Communicator& comm) {
+  across_hosts(h, comm, [&] { h.cross->all_gather(flat, m, comm); });
 }
 
 // `flat` in one slice per rank of this host (Horovod's split), padded with zeros in a scratch buffer
@@ -123,23 +59,6 @@ void all_gather_in_host(const HostSlices& slices, const at::Tensor& flat, const 
   if (!slices.padded.is_same(flat)) flat.copy_(slices.padded.narrow(0, 0, flat.numel()));
 }
 
-// `flat` of cross rank `root` to the other ranks `h.cross` spans (one per host): between two hosts
-// over the socket link, else ddpkit's binomial tree on that subgroup (every dtype alike: only bytes
-// move).
-void cross_host_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, Communicator& comm) {
-  if (h.cross_size == 1 || flat.numel() == 0) return;
-  across_hosts(h, comm, [&] {
-    if (h.cross_size == 2) {
-      const bool sender = h.cross_rank == root;
-      move_across_two_hosts(sender ? flat : at::Tensor(), sender ? at::Tensor() : flat, h, comm);
-      return;
-    }
-    Communicator cross = cross_communicator(h, comm);
-    Schedule schedule = broadcast_schedule(flat, h.cross_size, h.cross_rank, root);
-    run_schedule(cross, schedule);
-  });
-}
-
 // The group's rank at local-major position p = j·H + i of H equal hosts: local rank j of host i.
 // The hierarchical all-gather and reduce-scatter hold the ranks' blocks in this order, so that the
 // step across hosts moves one contiguous run of H blocks per local rank and the step inside the host
@@ -147,45 +66,6 @@ void cross_host_broadcast(const at::Tensor& flat, int root, const Hierarchy& h, 
 int local_major_rank(const Topology& topology, int position) {
   const int hosts = static_cast<int>(topology.hosts.size());
   return topology.hosts[position % hosts][position / hosts];
-}
-
-// op over the `flat` of the ranks `h.cross` spans, into `flat` of cross rank `root`: between two
-// hosts the other sends its `flat` over the socket link, else ddpkit's binomial reduce on the cross
-// subgroup (the others keep partial results).
-void cross_host_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hierarchy& h, Communicator& comm) {
-  if (h.cross_size == 1 || flat.numel() == 0) return;
-  across_hosts(h, comm, [&] {
-    if (h.cross_size == 2) {
-      if (h.cross_rank == root) {
-        receive_and_combine_across_two_hosts(flat, op, {}, h, comm);
-      } else {
-        move_across_two_hosts(flat, at::Tensor(), h, comm);
-      }
-      return;
-    }
-    Communicator cross = cross_communicator(h, comm);
-    Schedule schedule = reduce_schedule(flat, op, h.cross_size, h.cross_rank, root);
-    run_schedule(cross, schedule);
-  });
-}
-
-// The blocks of `flat` (cross_size blocks of m bytes, this rank's at its cross rank) of every rank
-// `h.cross` spans, into every rank's `flat`: between two hosts a swap of the blocks over the socket
-// link, else ddpkit's ring all-gather on the cross subgroup, which over gloo's messages took well
-// under half the time of gloo's own all-gather (bench_multihost.py's all_gather_into_tensor at 16M
-// floats).
-void cross_host_all_gather(const at::Tensor& flat, int64_t m, const Hierarchy& h, Communicator& comm) {
-  if (h.cross_size == 1 || m == 0) return;
-  across_hosts(h, comm, [&] {
-    if (h.cross_size == 2) {
-      const int peer = 1 - h.cross_rank;
-      move_across_two_hosts(flat.narrow(0, h.cross_rank * m, m), flat.narrow(0, peer * m, m), h, comm);
-      return;
-    }
-    Communicator cross = cross_communicator(h, comm);
-    Schedule schedule = ring_all_gather_schedule(flat, m, h.cross_size, h.cross_rank);
-    run_schedule(cross, schedule, schedule.size());
-  });
 }
 
 }  // namespace
@@ -231,7 +111,8 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   // Inside a host the mean is a sum: the division by the group's size comes once, at the end.
   const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
   // Unchecked steps: the group's check already ran over the process group.
-  CollectiveHeader header = comm.stamp(make_header(CollectiveKind::kAllReduce, flat, local_op, Algorithm::kHierarchical, -1), {});
+  const CollectiveHeader header =
+      comm.stamp(make_header(CollectiveKind::kAllReduce, flat, local_op, Algorithm::kHierarchical, -1), {});
   on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform) {
       // Horovod's split: reduce-scatter in the host, the slices across hosts, all-gather in the host.
@@ -320,7 +201,7 @@ void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, 
       cross_host_all_gather(out, m, h, comm);
     } else if (h.uniform) {
       at::Tensor run = h.scratch.get(0, hosts * m, at::kByte);
-      run.narrow(0, h.cross_rank * m, m).copy_(in);
+      run.narrow(0, h.cross->rank() * m, m).copy_(in);
       cross_host_all_gather(run, m, h, comm);
       at::Tensor gathered = h.scratch.get(1, comm.size() * m, at::kByte);
       local->all_gather(gathered, run, header, {}, /*checked=*/false);
@@ -337,7 +218,7 @@ void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, 
       }
       if (topology.local_rank() == 0) {
         at::Tensor runs = h.scratch.get(1, hosts * run_bytes, at::kByte);
-        runs.narrow(0, h.cross_rank * run_bytes, run_bytes).copy_(run);
+        runs.narrow(0, h.cross->rank() * run_bytes, run_bytes).copy_(run);
         cross_host_all_gather(runs, run_bytes, h, comm);
         for (int i = 0; i < hosts; ++i) {
           for (size_t j = 0; j < topology.hosts[i].size(); ++j) {
@@ -369,22 +250,9 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
     at::Tensor run = local != nullptr ? h.scratch.get(1, hosts * m, options.dtype().toScalarType()) : ordered;
     on_hosts(h, OnFailure::kCutLinks, [&] {
       if (local != nullptr) local->reduce_scatter(run, ordered, local_op, header, {}, /*checked=*/false);
-      if (m == 0) return;
-      across_hosts(h, comm, [&] {
-        if (h.cross_size == 2) {  // each host sends the other its block of the run, and reduces its own
-          const int peer = 1 - h.cross_rank;
-          const at::Tensor theirs = slice(run, peer * m, (peer + 1) * m);
-          const at::Tensor mine = slice(run, h.cross_rank * m, (h.cross_rank + 1) * m);
-          receive_and_combine_across_two_hosts(
-              mine, local_op, {{peer, theirs.data_ptr(), static_cast<int64_t>(theirs.nbytes())}}, h, comm);
-          return;
-        }
-        Communicator cross = cross_communicator(h, comm);
-        Schedule schedule = ring_reduce_scatter_schedule(run, m, local_op, h.cross_size, h.cross_rank);
-        run_schedule(cross, schedule);
-      });
+      if (m > 0) across_hosts(h, comm, [&] { h.cross->reduce_scatter(run, m, local_op, comm); });
     });
-    result = slice(run, h.cross_rank * m, (h.cross_rank + 1) * m);
+    result = slice(run, h.cross->rank() * m, (h.cross->rank() + 1) * m);
   } else {
     at::Tensor whole = input.reshape(-1).to(options, /*non_blocking=*/false, /*copy=*/true);
     hierarchical_all_reduce(whole, local_op, h, comm);
@@ -432,7 +300,7 @@ void hierarchical_all_gather_in_one_round(const at::Tensor& output, const at::Te
   const RideAlong ride{payload, reply_of};
   const at::Tensor reply = comm.begin(header, {}, /*exchange_header=*/true, &ride);
   if (m == 0) return;
-  const at::Tensor run = reply.narrow(0, 0, h.cross_size * m);
+  const at::Tensor run = reply.narrow(0, 0, h.cross->size() * m);
   at::Tensor gathered = run;
   if (h.local != nullptr) {
     gathered = h.scratch.get(0, comm.size() * m, at::kByte);

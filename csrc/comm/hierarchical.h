@@ -38,7 +38,9 @@ namespace ddpkit::comm {
 // order in both, so every rank ends with the same bits.
 // Between two hosts every step across hosts moves over the socket links: the all-reduce's swap, the
 // broadcast's and the reduce's one frame, the all-gather's and the reduce-scatter's swap of blocks;
-// the receiver reduces as parts arrive, in host order. The rest of this Note names the schedules
+// the receiver reduces as parts arrive, in host order. The collectives here ask the channel across
+// hosts for each step, never how many hosts there are: the group set-up picked the channel that
+// does it so (Note [Steps across hosts] in cross_host.h). The rest of this Note names the schedules
 // among three hosts or more.
 // The broadcast follows the same forms: with equal hosts, the ranks of the root's local rank carry
 // the tensor across hosts (ddpkit's binomial tree on their subgroup), then every host

@@ -6,12 +6,12 @@ namespace ddpkit::comm {
 namespace {
 
 // "rank 2" or "ranks 2, 4": the ranks this one crosses hosts with, for errors.
-std::string cross_ranks_text(const Hierarchy& h) {
+std::string cross_ranks_text(const CrossHostChannel& cross) {
   std::string ranks;
-  for (int j = 0; j < h.cross_size; ++j) {
-    if (j != h.cross_rank) ranks += c10::str(ranks.empty() ? "" : ", ", h.cross_ranks[j]);
+  for (int j = 0; j < cross.size(); ++j) {
+    if (j != cross.rank()) ranks += c10::str(ranks.empty() ? "" : ", ", cross.group_ranks()[j]);
   }
-  return c10::str(h.cross_size > 2 ? "ranks " : "rank ", ranks);
+  return c10::str(cross.size() > 2 ? "ranks " : "rank ", ranks);
 }
 
 }  // namespace
@@ -22,11 +22,12 @@ std::string without_backtrace(const std::exception& e) {
 }
 
 void across_hosts(const Hierarchy& h, Communicator& comm, c10::function_ref<void()> step) {
+  TORCH_INTERNAL_ASSERT(h.cross != nullptr, "a step across hosts on a rank that crosses none");
   try {
     step();
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "ddpkit.", comm.what(), " (", comm.where(), "): the step across hosts, with ",
-                cross_ranks_text(h), ", failed: ", without_backtrace(e));
+                cross_ranks_text(*h.cross), ", failed: ", without_backtrace(e));
   }
 }
 
@@ -35,7 +36,7 @@ void on_hosts(const Hierarchy& h, OnFailure on_failure, c10::function_ref<void()
     steps();
   } catch (const std::exception& e) {
     if (DirectCollectives* local = h.local ? h.local->direct() : nullptr) local->abandon(without_backtrace(e));
-    if (on_failure == OnFailure::kCutLinks && h.links) h.links->break_off(without_backtrace(e));
+    if (on_failure == OnFailure::kCutLinks && h.cross) h.cross->break_off(without_backtrace(e));
     throw;
   }
 }

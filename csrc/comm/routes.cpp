@@ -65,7 +65,8 @@ RouteChoice route_all_reduce(const RouteQuery& query, const Communicator& comm, 
   }
   if (algorithm == Algorithm::kAuto) {
     const int64_t bytes = error.empty() ? query.bytes : 0;
-    algorithm = choose_algorithm(bytes, n, comm.device_type(), comm.has_direct(), comm.hierarchy() != nullptr, query.op);
+    algorithm =
+        choose_algorithm(bytes, n, comm.device_type(), comm.has_direct(), comm.hierarchy() != nullptr, query.op);
   }
   if (n == 1) return {Route::kSchedule, algorithm};
   switch (algorithm) {
