@@ -8,9 +8,11 @@ namespace ddpkit::comm {
 namespace {
 
 // True when `bytes` of data may ride in the collective check's messages (Note [Check seam]): checks
-// on, this rank's arguments accepted, and a check that carries that much (the round across equal hosts).
+// on, this rank's arguments accepted, and a check that carries data (the round across equal hosts),
+// that much of it. An empty tensor rides too, where the check can carry data at all.
 bool fits_one_round(int64_t bytes, const std::string& error, const Communicator& comm) {
-  return is_checked() && error.empty() && bytes <= comm.ride_along_bytes();
+  const int64_t capacity = comm.ride_along_bytes();
+  return is_checked() && error.empty() && capacity > 0 && bytes <= capacity;
 }
 
 // What `algorithm` runs on `comm`. An algorithm this collective cannot run sets `error` (when it
