@@ -13,13 +13,6 @@
 namespace ddpkit::comm {
 namespace {
 
-constexpr int64_t kVerdictMagic = 0x64647076;
-constexpr int64_t kVerdictRejected = 1;
-constexpr int64_t kVerdictMismatch = 2;
-constexpr int64_t kVerdictPeerFailed = 3;
-// A verdict: [magic, status, rank, then the headers of rank 0 and of `rank`] (status kVerdictMismatch).
-constexpr int64_t kVerdictWords = 3 + 2 * kHeaderWords;
-
 std::atomic<bool> checked{true};
 std::atomic<int64_t> collective_count{0};
 std::atomic<int64_t> message_count{0};
@@ -61,12 +54,13 @@ void note_buffered_bytes(int64_t bytes) {
 
 Communicator::Communicator(int rank, int size, c10::DeviceType device_type,
                            c10::intrusive_ptr<c10d::Backend> backend, std::shared_ptr<Transport> transport,
-                           uint64_t sequence, std::string_view group)
+                           uint64_t sequence, std::string_view group, CollectiveCheck* check)
     : rank_(rank),
       size_(size),
       device_type_(device_type),
       backend_(std::move(backend)),
       transport_(std::move(transport)),
+      check_(check),
       sequence_(sequence),
       group_(group) {
   independent_messages_ = transport_->posts_ahead();
@@ -95,173 +89,27 @@ CollectiveHeader Communicator::stamp(const CollectiveHeader& header, const std::
   return stamped;
 }
 
-void Communicator::begin(const CollectiveHeader& header, const std::string& local_error, bool exchange_header) {
-  if (hierarchy_ != nullptr && hierarchy_->uniform && exchange_header && size_ > 1) {
-    // Across equal hosts every collective takes the one check the hierarchical ones take.
-    local_error_.clear();
-    hierarchical_check(header, local_error, *hierarchy_, *this);
-    return;
-  }
+at::Tensor Communicator::begin(const CollectiveHeader& header, const std::string& local_error, bool exchange_header,
+                               const RideAlong* ride) {
   note_collective(static_cast<CollectiveKind>(header.kind));
-  local_error_ = local_error;
   if (size_ == 1 || !exchange_header) {
     TORCH_CHECK(local_error.empty(), local_error);
-    return;
+    return {};
   }
   if (!is_checked()) {
     // Nobody learns of this rank's rejection, so its peers wait for it; over shared memory its next
-    // collective would take their current one's step: stop this rank's transport instead.
-    // Across unequal hosts the transport is the process group's, and the host's shared memory, which
-    // the collective's steps inside the host take, is the hierarchy's.
-    if (!local_error.empty() && transport_->direct() != nullptr) transport_->direct()->reject_unchecked(what_);
-    if (!local_error.empty() && hierarchy_ != nullptr && hierarchy_->local != nullptr) {
-      hierarchy_->local->direct()->reject_unchecked(what_);
-    }
+    // collective would take their current one's step: the check stops that memory instead.
+    if (!local_error.empty() && check_ != nullptr) check_->reject_unchecked(what_);
     TORCH_CHECK(local_error.empty(), local_error);
-    return;
+    return {};
   }
-  CollectiveHeader words = stamp(header, local_error);
-  if (DirectCollectives* direct = transport_->direct()) {
-    direct->check(words, local_error, what_);  // Note [Collective checks]: one step, no messages
-    return;
-  }
-  const auto device_options = at::TensorOptions().dtype(at::kLong).device(device_type_);
-  at::Tensor mine = at::from_blob(&words, {kHeaderWords}, at::kLong).to(device_options, false, true);
-  header_messages_.clear();
-  if (!independent_messages_) start_group();
-  if (rank_ == kCheckRoot) {
-    headers_ = at::empty({size_, kHeaderWords}, device_options);
-    headers_[kCheckRoot].copy_(mine);
-    for (int peer = 0; peer < size_; ++peer) {
-      if (peer != kCheckRoot) header_messages_.push_back(irecv(headers_[peer], peer, kHeaderRound));
-    }
-  } else {
-    headers_ = mine;
-    verdict_ = at::empty({kVerdictWords}, device_options);
-    header_messages_.push_back(isend(mine, kCheckRoot, kHeaderRound));
-    // Posted now, so that the root's verdict finds it ready (Note [Pre-posted receives]).
-    if (independent_messages_) header_messages_.push_back(irecv(verdict_, kCheckRoot, kVerdictRound));
-  }
-  if (!independent_messages_) {
-    header_messages_.clear();
-    header_messages_.push_back(end_group());
-  }
-  header_pending_ = true;
-  if (!local_error.empty()) settle_header();
+  TORCH_INTERNAL_ASSERT(check_ != nullptr, "a collective on a communicator without a check");
+  TORCH_INTERNAL_ASSERT(ride == nullptr || ride_along_bytes() > 0, "the check cannot carry data");
+  return check_->start(*this, header, local_error, ride);
 }
 
 void Communicator::settle_header() {
-  if (!header_pending_) return;
-  header_pending_ = false;
-  at::Tensor verdict;
-  if (rank_ == kCheckRoot) {
-    try {
-      wait(header_messages_);
-    } catch (...) {
-      send_failure_verdict();
-      throw;
-    }
-    verdict = make_verdict().to(headers_.device());
-    if (!independent_messages_) start_group();
-    for (int peer = 0; peer < size_; ++peer) {
-      if (peer != kCheckRoot) header_messages_.push_back(isend(verdict, peer, kVerdictRound));
-    }
-    if (!independent_messages_) {
-      header_messages_.clear();
-      header_messages_.push_back(end_group());
-    }
-    wait(header_messages_);  // a verdict send left pending would outlive its buffer
-  } else {
-    // Longer than the root's own wait for the headers, so that when a rank never sends its header the
-    // root's verdict naming it arrives here before this wait times out knowing nothing.
-    std::chrono::milliseconds verdict_timeout = ::kNoTimeout;
-    try {
-      const auto group_timeout = call_timeout_or(backend_->getBackendOptions()->timeout);
-      verdict_timeout = group_timeout + std::max(std::chrono::milliseconds(2000), group_timeout / 4);
-    } catch (const std::exception&) {
-    }
-    try {
-      wait(header_messages_, verdict_timeout);
-      if (!independent_messages_) {
-        start_group();
-        irecv(verdict_, kCheckRoot, kVerdictRound);
-        header_messages_.push_back(end_group());
-        wait(header_messages_);
-      }
-    } catch (const c10::Error& e) {
-      // gloo closes every connection of a group whose wait timed out, so a root that waited in vain
-      // for some rank's header cannot send its verdict naming it: say where that name is.
-      TORCH_CHECK(false, e.what_without_backtrace(), "; rank ", kCheckRoot,
-                  " gathers every rank's header for the collective check: when it gives up, its own error names "
-                  "the rank it waited for");
-    }
-    verdict = verdict_;
-  }
-  TORCH_CHECK(local_error_.empty(), local_error_);
-  const std::string error = describe_verdict(verdict.cpu());
-  TORCH_CHECK(error.empty(), error);
-}
-
-void Communicator::send_failure_verdict() {
-  // Best effort: a peer we cannot reach fails on its own, through its broken connection.
-  const int failed = failed_peer_;
-  at::Tensor verdict = at::zeros({kVerdictWords}, at::kLong);
-  verdict[0] = kVerdictMagic;
-  verdict[1] = kVerdictPeerFailed;
-  verdict[2] = failed;
-  verdict = verdict.to(device_type_);
-  for (int peer = 0; peer < size_; ++peer) {
-    if (peer == kCheckRoot || peer == failed) continue;
-    MessageList one;
-    try {
-      one.push_back(isend(verdict, peer, kVerdictRound));
-      wait(one);
-    } catch (const std::exception&) {
-    }
-  }
-}
-
-at::Tensor Communicator::make_verdict() const {
-  at::Tensor verdict = at::zeros({kVerdictWords}, at::kLong);
-  int64_t* out = verdict.data_ptr<int64_t>();
-  out[0] = kVerdictMagic;
-  at::Tensor all = headers_.cpu().contiguous();
-  const auto* headers = reinterpret_cast<const CollectiveHeader*>(all.data_ptr<int64_t>());
-  for (int peer = 0; peer < size_; ++peer) {
-    if (headers[peer].magic != kHeaderMagic) {
-      out[1] = kVerdictRejected;
-      out[2] = peer;
-      return verdict;
-    }
-  }
-  for (int peer = 1; peer < size_; ++peer) {
-    if (describe_mismatch(peer, headers[peer], headers[0], what_).empty()) continue;
-    out[1] = kVerdictMismatch;
-    out[2] = peer;
-    std::memcpy(out + 3, &headers[0], sizeof(CollectiveHeader));
-    std::memcpy(out + 3 + kHeaderWords, &headers[peer], sizeof(CollectiveHeader));
-    return verdict;
-  }
-  return verdict;
-}
-
-std::string Communicator::describe_verdict(const at::Tensor& verdict) const {
-  const int64_t* v = verdict.data_ptr<int64_t>();
-  TORCH_INTERNAL_ASSERT(v[0] == kVerdictMagic, "ddpkit: malformed collective verdict");
-  if (v[1] == kVerdictRejected) {
-    return c10::str("ddpkit.", what_, ": rank ", v[2], " rejected its arguments (its own error says why)");
-  }
-  if (v[1] == kVerdictPeerFailed) {
-    return c10::str("ddpkit.", what_, " (", where(), "): rank ", v[2],
-                    " failed or died during the collective check (rank 0 reported it)");
-  }
-  if (v[1] == kVerdictMismatch) {
-    CollectiveHeader reference, theirs;
-    std::memcpy(static_cast<void*>(&reference), v + 3, sizeof(CollectiveHeader));
-    std::memcpy(static_cast<void*>(&theirs), v + 3 + kHeaderWords, sizeof(CollectiveHeader));
-    return describe_mismatch(static_cast<int>(v[2]), theirs, reference, what_);
-  }
-  return {};
+  if (check_ != nullptr) check_->settle(*this);
 }
 
 Message Communicator::isend(const at::Tensor& tensor, int dst, int round) {

@@ -4,7 +4,7 @@
 
 #include <ATen/ATen.h>
 #include "comm/header.h"
-#include "comm/hierarchy.h"
+#include "comm/collective_check.h"
 #include "comm/reduce_op.h"
 #include "comm/transport.h"
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -58,6 +58,8 @@ namespace ddpkit::comm {
 // peers wait for it, so over shared memory its transport stops there (reject_unchecked: its next
 // collective would otherwise take its peers' current step) and they learn it from the segment.
 // Headers are the plain struct CollectiveHeader (header.h), compared field by field by name.
+// These are the implementations of one interface, CollectiveCheck, that the engine picks per group
+// and transport (Note [Check seam] in collective_check.h).
 
 // Note [Pre-posted receives]
 // Gloo's point-to-point is a rendezvous: a send leaves at once only if the receiver's "ready"
@@ -65,7 +67,7 @@ namespace ddpkit::comm {
 // run_schedule() therefore posts round k+1's receives before waiting for round k. That is safe when
 // round k+1's receive buffers are not touched by round k, or when they are only read by a round-k
 // send to the very peer whose round-k+1 message lands there (that peer sends only after it has
-// received ours). Every schedule in collectives.cpp keeps to this; NCCL, whose grouped sends and
+// received ours). Every schedule in schedules.cpp keeps to this; NCCL, whose grouped sends and
 // receives would deadlock with a look-ahead, runs round by round.
 //
 // Note [Ring receives up front]
@@ -120,14 +122,20 @@ struct Message {
 };
 using MessageList = std::vector<Message>;
 
+struct Hierarchy;  // hierarchy.h
+
 class Communicator {
  public:
   // Made by the group's Engine for one collective: `backend` is the group's backend for `device_type`
   // (the group's own collectives), `transport` carries the collective (its messages, and its direct
   // collectives where it has them), `sequence` is the collective's number (Note [Tags]), `group` the
   // group's name for errors (it must outlive the communicator).
+  // `check` (owned by the engine, outliving the communicator) is the group's collective check for
+  // this transport (Note [Check seam]); null on communicators that run no checked collective (a
+  // transport's set-up, the steps across hosts of a hierarchical collective).
   Communicator(int rank, int size, c10::DeviceType device_type, c10::intrusive_ptr<c10d::Backend> backend,
-               std::shared_ptr<Transport> transport, uint64_t sequence, std::string_view group);
+               std::shared_ptr<Transport> transport, uint64_t sequence, std::string_view group,
+               CollectiveCheck* check = nullptr);
 
   int rank() const { return rank_; }
   // "rank 0 of 4 in group '1'": where an error happened.
@@ -146,6 +154,10 @@ class Communicator {
   // collectives]): CPU tensors of a group spanning hosts; else null.
   const Hierarchy* hierarchy() const { return hierarchy_; }
   void use_hierarchy(const Hierarchy* hierarchy) { hierarchy_ = hierarchy; }
+  // The group's backend for this communicator's device.
+  const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
+  // The most bytes of data that may ride in this collective's check (CollectiveCheck::ride_along_bytes).
+  int64_t ride_along_bytes() const { return check_ != nullptr ? check_->ride_along_bytes() : 0; }
 
   // `header` as this rank sends it: its magic (rejected when `local_error` is non-empty) and this
   // collective's sequence number (its low 23 bits, as in the tags). The one place headers are stamped.
@@ -175,14 +187,16 @@ class Communicator {
   // The peer of the last message whose wait failed, or -1.
   int failed_peer() const { return failed_peer_; }
 
-  // Binds this communicator to the collective described by `header`; in checked mode starts the
-  // header check (Note [Collective checks]), which settle_header() completes.
+  // Binds this communicator to the collective described by `header` (counts and names it); in checked
+  // mode starts the collective check (Note [Collective checks], through the check of Note [Check
+  // seam]), which settle_header() completes.
   // A non-empty `local_error` means this rank rejected its own arguments: it still takes part in
-  // the header exchange, so that its peers fail at once naming it, then throws `local_error`.
-  // `exchange_header=false` skips the exchange (for the group's own collectives, which torch checks).
-  // With a hierarchy of equal hosts (use_hierarchy), the check is hierarchical_check, complete on
-  // return, whatever path the collective's data take.
-  void begin(const CollectiveHeader& header, const std::string& local_error = {}, bool exchange_header = true);
+  // the check, so that its peers fail at once naming it, then throws `local_error`.
+  // `exchange_header=false` skips the check (for the group's own collectives, which torch checks).
+  // `ride`: data riding in the check's messages (only where ride_along_bytes() covers them); returns
+  // the reply's payload, else an empty tensor.
+  at::Tensor begin(const CollectiveHeader& header, const std::string& local_error = {}, bool exchange_header = true,
+                   const RideAlong* ride = nullptr);
 
   // The group's own all-reduce (kSum/kMean as a sum, kMax, kMin) of `tensor`, asynchronous.
   c10::intrusive_ptr<c10d::Work> process_group_all_reduce(at::Tensor& tensor, ReduceOp op);
@@ -193,8 +207,8 @@ class Communicator {
   Message isend(const at::Tensor& tensor, int dst, int round);
   Message irecv(const at::Tensor& tensor, int src, int round);
 
-  // Waits for the header exchange begun by begin() and checks it (Note [Collective checks]); a
-  // no-op when there is none. Call it before the first send of the collective. On failure the
+  // Completes the check begin() started (Note [Collective checks]); a no-op when there is none in
+  // flight. Call it before the first send of the collective. On failure the
   // caller must abort the receives it posted meanwhile (no peer will ever match them).
   void settle_header();
 
@@ -220,27 +234,20 @@ class Communicator {
   // Raises the error of a message to or from `failed.peer` that failed for `cause`, naming that peer
   // and the `silent` ones still awaited; records the peer for failed_peer().
   [[noreturn]] void fail(const Message& failed, const std::exception& cause, const std::vector<int>& silent);
-  at::Tensor make_verdict() const;                                // on the root
-  void send_failure_verdict();                                    // on the root, when a header never came
-  std::string describe_verdict(const at::Tensor& verdict) const;  // "" when the ranks agree
 
   int rank_ = 0;
   int size_ = 1;
   c10::DeviceType device_type_;
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::shared_ptr<Transport> transport_;
+  CollectiveCheck* check_ = nullptr;
   bool independent_messages_ = true;
   const Hierarchy* hierarchy_ = nullptr;
   bool counted_ = true;
   uint64_t sequence_ = 0;
   std::string_view group_;
   std::string_view what_ = "collective";
-  std::string local_error_;
-  bool header_pending_ = false;
-  at::Tensor headers_;  // root: [size, kHeaderWords] int64, every rank's header; others: their own
-  at::Tensor verdict_;  // others: the root's verdict
   int failed_peer_ = -1;  // the peer of the last message whose wait failed
-  MessageList header_messages_;
 };
 
 // Aborts every message in `messages` (a failed peer will never complete them) and clears the list.

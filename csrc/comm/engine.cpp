@@ -3,7 +3,6 @@
 #include "comm/exit.h"
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <pthread.h>
 
@@ -358,7 +357,7 @@ TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind re
     return TransportKind::kProcessGroup;
   }
   set_up(what, sequence);
-  if (topology_.single_host()) return TransportKind::kShm;
+  if (setup_.topology.single_host()) return TransportKind::kShm;
   TORCH_CHECK(requested != TransportKind::kShm,
               "ddpkit: transport 'shm' needs every rank of the group on this host; use transport='auto' or "
               "'process_group'");
@@ -373,92 +372,27 @@ void Engine::set_up(std::string_view what, uint64_t sequence) {
     timeout = cpu->getBackendOptions()->timeout;
   } catch (const std::exception&) {
   }
-  // Note [Shared-memory segment]: over the group's own messages, as part of this collective.
   Communicator setup(group_.rank, group_.size, c10::kCPU, cpu, process_group_transport(c10::kCPU), sequence,
                      group_.name);
   const std::string setup_what = c10::str(what, "'s shared-memory set-up");
   setup.use_for_setup(setup_what);
-  ShmSegment::SetUp result = ShmSegment::set_up(setup, timeout);
-  topology_ = result.topology;
-  if (result.segment) shm_transport_ = std::make_shared<ShmTransport>(result.segment);
-  // Every rank of the group must agree on whether it is hierarchical: the cross subgroups come from
-  // splitting the group's gloo backend, possible on every rank or on none.
-  if (topology_.hierarchical() && cpu->supportsSplitting() && group_.store) {
-    // Note [Hierarchical collectives]: the ranks this rank crosses hosts with.
-    auto hierarchy = std::make_unique<Hierarchy>();
-    hierarchy->topology = topology_;
-    hierarchy->local = shm_transport_;
-    hierarchy->uniform = topology_.uniform();
-    std::vector<int> cross;
-    if (hierarchy->uniform) {
-      for (const auto& host : topology_.hosts) cross.push_back(host[topology_.local_rank()]);
-    } else if (topology_.local_rank() == 0) {
-      for (const auto& host : topology_.hosts) cross.push_back(host.front());
-    }
-    std::exception_ptr failure;
-    try {
-      if (!cross.empty()) {
-        hierarchy->cross = cross_backend(cross, result.nonce, hierarchy->uniform ? topology_.local_rank() : 0);
-        TORCH_INTERNAL_ASSERT(hierarchy->cross, "splitting the group's backend gave no subgroup");
-        hierarchy->cross_ranks = cross;
-        hierarchy->cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), group_.rank) - cross.begin());
-        hierarchy->cross_size = static_cast<int>(cross.size());
-        hierarchy->cross_messages = std::make_shared<ProcessGroupTransport>(hierarchy->cross, c10::kCPU);
-        hierarchy->links = SocketLinks::connect(*hierarchy->cross, hierarchy->cross_rank, cross, timeout);
-      }
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    // The cross subgroups set up apart (each learns only of its own failures), and the ranks that
-    // cross no hosts (the leaders' form) set up none: the whole group learns whether all did, so that
-    // every rank raises, and the next collective sets up again on every rank, instead of some ranks
-    // going on to wait for the others' steps.
-    at::Tensor failed = at::zeros({group_.size}, at::kLong);
-    failed[group_.rank] = failure ? 1 : 0;
-    std::vector<at::Tensor> flags{failed};
-    try {
-      cpu->allreduce(flags)->wait();
-    } catch (...) {
-      if (failure) std::rethrow_exception(failure);  // this rank's own reason first (a peer that died)
-      throw;
-    }
-    if (failure) std::rethrow_exception(failure);
-    std::vector<int> failed_ranks;
-    for (int r = 0; r < group_.size; ++r) {
-      if (failed[r].item<int64_t>() != 0) failed_ranks.push_back(r);
-    }
-    TORCH_CHECK(failed_ranks.empty(), "ddpkit.", what, " (rank ", group_.rank, " of ", group_.size, " in group '",
-                group_.name, "'): rank ", c10::Join(", rank ", failed_ranks),
-                " could not set up its steps across hosts (its error says why); the next collective sets them up again");
-    hierarchy_ = std::move(hierarchy);
-  }
+  setup_ = set_up_group(setup, cpu, group_.store, timeout, what);
   set_up_ = true;
-}
-
-c10::intrusive_ptr<c10d::Backend> Engine::cross_backend(const std::vector<int>& ranks, uint64_t nonce, int index) {
-  c10::intrusive_ptr<c10d::Backend> parent = backend(c10::kCPU);
-  // gloo's split takes the parent's options (its devices, so GLOO_SOCKET_IFNAME's interface, and its
-  // timeout) and writes the subgroup's ranks into them; the parent keeps its own.
-  c10::intrusive_ptr<c10d::Backend::Options> options = parent->getBackendOptions();
-  const std::vector<uint64_t> parent_ranks = options->global_ranks_in_group;
-  if (options->global_ranks_in_group.empty()) {
-    // A gloo backend made outside init_process_group/new_group (the "ddpkit" backend's inner one)
-    // has no ranks recorded, and split reads one per member: they are the group's own.
-    for (int r = 0; r < group_.size; ++r) options->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
-  }
-  auto store = c10::make_intrusive<c10d::PrefixStore>(c10::str("ddpkit/cross/", nonce, "/", index, "/"), group_.store());
-  c10::intrusive_ptr<c10d::Backend> cross = parent->split(store, ranks, options);
-  options->global_ranks_in_group = parent_ranks;
-  return cross;
 }
 
 Topology Engine::topology() {
   Topology result;
   run(c10::kCPU, TransportKind::kProcessGroup, "topology", [&](Communicator& comm) {
     set_up("topology", comm.sequence());
-    result = topology_;
+    result = setup_.topology;
   });
   return result;
+}
+
+CollectiveCheck* Engine::process_group_check(c10::DeviceType device) {
+  auto& cached = pg_checks_[static_cast<int>(device)];
+  if (!cached) cached = std::make_unique<RootVerdictCheck>();
+  return cached.get();
 }
 
 std::shared_ptr<Transport> Engine::process_group_transport(c10::DeviceType device) {
@@ -486,13 +420,18 @@ void Engine::execute(c10::DeviceType device, TransportKind requested, std::strin
   const TransportKind kind = resolve_transport(device, requested, what, sequence);
   c10::intrusive_ptr<c10d::Backend> device_backend = backend(device);
   std::shared_ptr<Transport> transport =
-      kind == TransportKind::kShm ? std::shared_ptr<Transport>(shm_transport_) : process_group_transport(device);
-  Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport), sequence, group_.name);
-  // Across hosts, CPU collectives over the process group may take the hierarchical path.
-  if (device == c10::kCPU && kind == TransportKind::kProcessGroup && hierarchy_ && requested != TransportKind::kProcessGroup &&
-      forced_by_environment() != TransportKind::kProcessGroup) {
-    comm.use_hierarchy(hierarchy_.get());
-  }
+      kind == TransportKind::kShm ? std::shared_ptr<Transport>(setup_.shm) : process_group_transport(device);
+  // Across hosts, CPU collectives over the process group may take the hierarchical path, and every
+  // one of them then takes the hierarchy's check (Note [Check seam]).
+  const bool hierarchical = device == c10::kCPU && kind == TransportKind::kProcessGroup && setup_.hierarchy &&
+                            requested != TransportKind::kProcessGroup &&
+                            forced_by_environment() != TransportKind::kProcessGroup;
+  CollectiveCheck* check = hierarchical              ? setup_.hierarchy_check.get()
+                           : kind == TransportKind::kShm ? setup_.shm_check.get()
+                                                         : process_group_check(device);
+  Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport), sequence, group_.name,
+                    check);
+  if (hierarchical) comm.use_hierarchy(setup_.hierarchy.get());
   body(comm);
 }
 

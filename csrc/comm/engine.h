@@ -1,9 +1,9 @@
 #pragma once
 // One entry point per process group for every ddpkit collective (Note [Collective engine]).
 
+#include "comm/checks.h"
 #include "comm/communicator.h"
-#include "comm/hierarchy.h"
-#include "comm/shm_channels.h"
+#include "comm/group_setup.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
@@ -188,14 +188,12 @@ class Engine {
   // segment]), so every rank must resolve the same request there.
   TransportKind resolve_transport(c10::DeviceType device, TransportKind requested, std::string_view what,
                                   uint64_t sequence);
-  // Sets the group up (Note [Shared-memory segment], Note [Hierarchical collectives]) as part of
-  // collective `sequence`, once; every rank must reach it in the same collective.
+  // Sets the group up (Note [Group set-up]) as part of collective `sequence`, once; every rank must
+  // reach it in the same collective.
   void set_up(std::string_view what, uint64_t sequence);
-  // The subgroup of the process group's CPU backend over `ranks` (this rank among them) for the
-  // cross-host steps, made with its own store connection (split clones the store). The caller checks
-  // that the backend can be split and the group has a store.
-  c10::intrusive_ptr<c10d::Backend> cross_backend(const std::vector<int>& ranks, uint64_t nonce, int index);
   std::shared_ptr<Transport> process_group_transport(c10::DeviceType device);
+  // The collective check of `device`'s process-group transport (Note [Check seam]).
+  CollectiveCheck* process_group_check(c10::DeviceType device);
   c10::intrusive_ptr<c10d::Backend> backend(c10::DeviceType device);
   // True when `device` tensors travel through host copies (Note [Device tensors on a host group]).
   bool stages_through_host(c10::DeviceType device);
@@ -203,11 +201,9 @@ class Engine {
   const EngineGroup group_;
   std::unordered_map<int, c10::intrusive_ptr<c10d::Backend>> backends_;  // by device type; execution thread only
   std::unordered_map<int, std::shared_ptr<Transport>> pg_transports_;
+  std::unordered_map<int, std::unique_ptr<RootVerdictCheck>> pg_checks_;  // by device type, with pg_transports_
   bool set_up_ = false;
-  Topology topology_;
-  std::shared_ptr<ShmTransport> shm_transport_;  // this host's shared memory, when it holds more ranks
-  std::unique_ptr<Hierarchy> hierarchy_;         // when the group spans hosts (Note [Hierarchical collectives])
-
+  GroupSetUp setup_;  // once set_up_ (Note [Group set-up])
   std::mutex mutex_;  // guards everything below
   std::condition_variable cv_;
   uint64_t next_sequence_ = 0;

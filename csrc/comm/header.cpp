@@ -1,6 +1,6 @@
 #include "comm/header.h"
 
-#include "comm/collectives.h"
+#include "comm/algorithm.h"
 #include "comm/reduce_op.h"
 
 namespace ddpkit::comm {

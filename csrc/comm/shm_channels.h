@@ -18,7 +18,7 @@
 namespace ddpkit::comm {
 
 // Note [Shared-memory messages]
-// Point-to-point messages between ranks of one host, so that every schedule of collectives.cpp runs
+// Point-to-point messages between ranks of one host, so that every schedule of schedules.cpp runs
 // unchanged over shared memory. Each ordered pair (src, dst) has a channel: a ring of fixed-size
 // chunks, each tagged with the message's tag, its total size and the chunk's offset. A send copies
 // its tensor into the channel chunk by chunk (eager: a send is complete when its last chunk is in
@@ -30,7 +30,7 @@ namespace ddpkit::comm {
 // A chunk whose receive is not posted yet stays in the channel (its sender waits for room), so the
 // memory a rank uses is the segment's whatever the message size. Only when a posted receive from
 // the same peer waits behind such a chunk is the chunk moved to a heap buffer kept for its receive,
-// so that a channel never stays blocked. The schedules of collectives.cpp post their receives round
+// so that a channel never stays blocked. The schedules of schedules.cpp post their receives round
 // by round ahead of their sends (Note [Pre-posted receives]) and send to a peer in round order, so
 // that case needs a peer that sends what this rank never receives (a mismatched schedule, or the
 // rest of an aborted collective); comm_counters' peak_buffered_bytes shows what it ever held. No

@@ -1,0 +1,148 @@
+#include "comm/cross_host.h"
+
+#include "comm/arguments.h"
+#include "comm/communicator.h"
+#include "comm/schedules.h"
+
+namespace ddpkit::comm {
+namespace {
+
+// The part of a frame across two hosts reduced at a time while the rest arrives: reducing parts as
+// they land beat reducing once everything is in, unshaped and at 1 Gbit/s, and 256 KiB parts beat
+// 1 MiB ones at 1M floats while tying at 16M (bench_multihost.py's 2x1 points, the part size
+// changed by hand).
+constexpr int64_t kSwapStepBytes = 256 << 10;
+
+ReduceOp sum_or(ReduceOp op) { return op == ReduceOp::kMean ? ReduceOp::kSum : op; }
+
+}  // namespace
+
+SocketPairChannel::SocketPairChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links,
+                                     ScratchBuffers& scratch)
+    : CrossHostChannel(rank, std::move(group_ranks), std::move(links)), scratch_(scratch) {
+  TORCH_INTERNAL_ASSERT(size() == 2, "a socket pair spans two hosts");
+}
+
+// A part is reduced once it is in and, where `sends` reads `mine`, once this rank's copy of it has
+// left. A peer that passed another size breaks the links (with checks off), and both ranks raise,
+// naming the sizes.
+void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<SocketLinks::Send> sends,
+                                            Communicator& comm) {
+  TORCH_INTERNAL_ASSERT(mine.is_contiguous());
+  const int64_t element = mine.element_size();
+  const int64_t bytes = mine.numel() * element;
+  const ReduceOp sum_or_op = sum_or(op);
+  at::Tensor theirs = scratch_.get(ScratchBuffers::kFromPeer, mine.numel(), mine.scalar_type());
+  int64_t reduced = 0;  // elements
+  auto reduce_ready = [&](int64_t ready_bytes) {
+    const int64_t ready = ready_bytes / element;
+    combine_(slice(mine, reduced, ready), slice(theirs, reduced, ready), sum_or_op, /*other_first=*/peer() == 0);
+    reduced = ready;
+  };
+  std::vector<SocketLinks::Recv> recvs{{peer(), theirs.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
+  links().exchange(comm.sequence(), std::move(sends), recvs);
+  TORCH_INTERNAL_ASSERT(reduced == mine.numel());
+}
+
+void SocketPairChannel::move(const at::Tensor& outgoing, const at::Tensor& incoming, Communicator& comm) {
+  std::vector<SocketLinks::Send> sends;
+  if (outgoing.defined()) sends.push_back({peer(), outgoing.data_ptr(), static_cast<int64_t>(outgoing.nbytes())});
+  std::vector<SocketLinks::Recv> recvs;
+  if (incoming.defined()) {
+    const auto bytes = static_cast<int64_t>(incoming.nbytes());
+    recvs.push_back({peer(), incoming.data_ptr(), bytes, 0, nullptr, 0, bytes});
+  }
+  links().exchange(comm.sequence(), std::move(sends), recvs);
+}
+
+// A swap: each host sends the other its block whole, both ways at once, then both reduce the two in
+// host order (each link carries the block once each way, as a ring's reduce-scatter and all-gather
+// together would).
+void SocketPairChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
+  if (block.numel() == 0) return;
+  receive_and_combine(block, op, {{peer(), block.data_ptr(), block.numel() * block.element_size()}}, comm);
+}
+
+void SocketPairChannel::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
+  if (flat.numel() == 0) return;
+  const bool sender = rank() == root;
+  move(sender ? flat : at::Tensor(), sender ? at::Tensor() : flat, comm);
+}
+
+void SocketPairChannel::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) {
+  if (flat.numel() == 0) return;
+  if (rank() == root) {
+    receive_and_combine(flat, op, {}, comm);
+  } else {
+    move(flat, at::Tensor(), comm);
+  }
+}
+
+void SocketPairChannel::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
+  if (m == 0) return;
+  move(flat.narrow(0, rank() * m, m), flat.narrow(0, peer() * m, m), comm);
+}
+
+// Each host sends the other its block of the run, and reduces its own.
+void SocketPairChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
+  if (m == 0) return;
+  const at::Tensor theirs = slice(run, peer() * m, (peer() + 1) * m);
+  const at::Tensor mine = slice(run, rank() * m, (rank() + 1) * m);
+  receive_and_combine(mine, op, {{peer(), theirs.data_ptr(), static_cast<int64_t>(theirs.nbytes())}}, comm);
+}
+
+SubgroupChannel::SubgroupChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links,
+                                 c10::intrusive_ptr<c10d::Backend> backend)
+    : CrossHostChannel(rank, std::move(group_ranks), std::move(links)),
+      backend_(std::move(backend)),
+      messages_(std::make_shared<ProcessGroupTransport>(backend_, c10::kCPU)) {}
+
+Communicator SubgroupChannel::subgroup(const Communicator& comm) const {
+  return Communicator(rank(), size(), c10::kCPU, backend_, messages_, comm.sequence(), comm.group());
+}
+
+// Sums through gloo's own all-reduce; max and min through ddpkit's ring, which keeps Note
+// [Reductions]'s semantics (gloo's max drops a NaN held by a later rank).
+void SubgroupChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
+  if (block.numel() == 0) return;
+  if (op == ReduceOp::kSum || op == ReduceOp::kMean) {
+    c10d::AllreduceOptions options;
+    options.reduceOp = c10d::ReduceOp::SUM;
+    std::vector<at::Tensor> tensors{block};
+    backend_->allreduce(tensors, options)->wait();
+    return;
+  }
+  Communicator cross = subgroup(comm);
+  Schedule schedule = ring_schedule(block, op, size(), rank());
+  run_schedule(cross, schedule, schedule.size());
+}
+
+void SubgroupChannel::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
+  if (flat.numel() == 0) return;
+  Communicator cross = subgroup(comm);
+  Schedule schedule = broadcast_schedule(flat, size(), rank(), root);
+  run_schedule(cross, schedule);
+}
+
+void SubgroupChannel::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) {
+  if (flat.numel() == 0) return;
+  Communicator cross = subgroup(comm);
+  Schedule schedule = reduce_schedule(flat, op, size(), rank(), root);
+  run_schedule(cross, schedule);
+}
+
+void SubgroupChannel::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
+  if (m == 0) return;
+  Communicator cross = subgroup(comm);
+  Schedule schedule = ring_all_gather_schedule(flat, m, size(), rank());
+  run_schedule(cross, schedule, schedule.size());
+}
+
+void SubgroupChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
+  if (m == 0) return;
+  Communicator cross = subgroup(comm);
+  Schedule schedule = ring_reduce_scatter_schedule(run, m, op, size(), rank());
+  run_schedule(cross, schedule);
+}
+
+}  // namespace ddpkit::comm

@@ -1,0 +1,125 @@
+#include "comm/group_setup.h"
+
+#include "comm/checks.h"
+#include "comm/cross_host_check.h"
+#include "comm/shm_segment.h"
+#include "comm/socket_links.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <algorithm>
+#include <exception>
+#include <vector>
+
+namespace ddpkit::comm {
+namespace {
+
+// The subgroup of `parent` (the group's CPU backend, of `size` ranks) over `ranks` (this rank among
+// them) for the steps across hosts, made with its own store connection (split clones the store).
+c10::intrusive_ptr<c10d::Backend> split_backend(const c10::intrusive_ptr<c10d::Backend>& parent, int size,
+                                                const std::vector<int>& ranks,
+                                                const c10::intrusive_ptr<c10d::Store>& group_store, uint64_t nonce,
+                                                int index) {
+  // gloo's split takes the parent's options (its devices, so GLOO_SOCKET_IFNAME's interface, and its
+  // timeout) and writes the subgroup's ranks into them; the parent keeps its own.
+  c10::intrusive_ptr<c10d::Backend::Options> options = parent->getBackendOptions();
+  const std::vector<uint64_t> parent_ranks = options->global_ranks_in_group;
+  if (options->global_ranks_in_group.empty()) {
+    // A gloo backend made outside init_process_group/new_group (the "ddpkit" backend's inner one)
+    // has no ranks recorded, and split reads one per member: they are the group's own.
+    for (int r = 0; r < size; ++r) options->global_ranks_in_group.push_back(static_cast<uint64_t>(r));
+  }
+  auto store = c10::make_intrusive<c10d::PrefixStore>(c10::str("ddpkit/cross/", nonce, "/", index, "/"), group_store);
+  c10::intrusive_ptr<c10d::Backend> cross = parent->split(store, ranks, options);
+  options->global_ranks_in_group = parent_ranks;
+  return cross;
+}
+
+// The channel across hosts among the group's ranks `cross` (this rank among them; Note [Steps across
+// hosts]), over a subgroup split from `cpu`, with the socket links between every pair of them.
+std::unique_ptr<CrossHostChannel> connect_across_hosts(const std::vector<int>& cross, Hierarchy& hierarchy,
+                                                       const c10::intrusive_ptr<c10d::Backend>& cpu, int size,
+                                                       const c10::intrusive_ptr<c10d::Store>& store, uint64_t nonce,
+                                                       std::chrono::milliseconds timeout, int rank) {
+  const int index = hierarchy.uniform ? hierarchy.topology.local_rank() : 0;
+  c10::intrusive_ptr<c10d::Backend> subgroup = split_backend(cpu, size, cross, store, nonce, index);
+  TORCH_INTERNAL_ASSERT(subgroup, "splitting the group's backend gave no subgroup");
+  const int cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), rank) - cross.begin());
+  std::shared_ptr<SocketLinks> links = SocketLinks::connect(*subgroup, cross_rank, cross, timeout);
+  // The capability table of Note [Steps across hosts]: two hosts swap over their link, more take
+  // the subgroup.
+  if (cross.size() == 2) return std::make_unique<SocketPairChannel>(cross_rank, cross, links, hierarchy.scratch);
+  return std::make_unique<SubgroupChannel>(cross_rank, cross, links, subgroup);
+}
+
+}  // namespace
+
+GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Backend>& cpu,
+                        const std::function<c10::intrusive_ptr<c10d::Store>()>& store,
+                        std::chrono::milliseconds timeout, std::string_view what) {
+  GroupSetUp group;
+  // Note [Shared-memory segment]: over the group's own messages, as part of this collective.
+  ShmSegment::SetUp result = ShmSegment::set_up(setup, timeout);
+  group.topology = result.topology;
+  if (result.segment) {
+    group.shm = std::make_shared<ShmTransport>(result.segment);
+    group.shm_check = std::make_unique<SlotCheck>(*group.shm->direct());
+  }
+  const Topology& topology = group.topology;
+  // Every rank of the group must agree on whether it is hierarchical: the cross subgroups come from
+  // splitting the group's gloo backend, possible on every rank or on none.
+  if (!topology.hierarchical() || !cpu->supportsSplitting() || !store) return group;
+  // Note [Hierarchical collectives]: the ranks this rank crosses hosts with.
+  auto hierarchy = std::make_unique<Hierarchy>();
+  hierarchy->topology = topology;
+  hierarchy->local = group.shm;
+  hierarchy->uniform = topology.uniform();
+  std::vector<int> cross;
+  if (hierarchy->uniform) {
+    for (const auto& host : topology.hosts) cross.push_back(host[topology.local_rank()]);
+  } else if (topology.local_rank() == 0) {
+    for (const auto& host : topology.hosts) cross.push_back(host.front());
+  }
+  std::exception_ptr failure;
+  try {
+    if (!cross.empty()) {
+      hierarchy->cross =
+          connect_across_hosts(cross, *hierarchy, cpu, setup.size(), store(), result.nonce, timeout, setup.rank());
+    }
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  // The cross subgroups set up apart (each learns only of its own failures), and the ranks that
+  // cross no hosts (the leaders' form) set up none: the whole group learns whether all did, so that
+  // every rank raises, and the next collective sets up again on every rank, instead of some ranks
+  // going on to wait for the others' steps.
+  at::Tensor failed = at::zeros({setup.size()}, at::kLong);
+  failed[setup.rank()] = failure ? 1 : 0;
+  std::vector<at::Tensor> flags{failed};
+  try {
+    cpu->allreduce(flags)->wait();
+  } catch (...) {
+    if (failure) std::rethrow_exception(failure);  // this rank's own reason first (a peer that died)
+    throw;
+  }
+  if (failure) std::rethrow_exception(failure);
+  std::vector<int> failed_ranks;
+  for (int r = 0; r < setup.size(); ++r) {
+    if (failed[r].item<int64_t>() != 0) failed_ranks.push_back(r);
+  }
+  TORCH_CHECK(failed_ranks.empty(), "ddpkit.", what, " (", setup.where(), "): rank ",
+              c10::Join(", rank ", failed_ranks),
+              " could not set up its steps across hosts (its error says why); the next collective sets them up again");
+  // Note [Check seam]: across equal hosts every collective of the group takes the round across
+  // hosts, whatever path its data take; across unequal ones the root's verdict over the process
+  // group, which stops the host's shared memory where a rank rejects its arguments unchecked.
+  if (hierarchy->uniform) {
+    group.hierarchy_check = std::make_unique<CrossHostCheck>(*hierarchy);
+  } else {
+    group.hierarchy_check = std::make_unique<RootVerdictCheck>(hierarchy->local ? hierarchy->local->direct() : nullptr);
+  }
+  group.hierarchy = std::move(hierarchy);
+  return group;
+}
+
+}  // namespace ddpkit::comm

@@ -1,0 +1,127 @@
+#include "comm/routes.h"
+
+#include "comm/hierarchy.h"
+
+#include <bit>
+
+namespace ddpkit::comm {
+namespace {
+
+// True when `bytes` of data may ride in the collective check's messages (Note [Check seam]): checks
+// on, this rank's arguments accepted, and a check that carries data (the round across equal hosts),
+// that much of it. An empty tensor rides too, where the check can carry data at all.
+bool fits_one_round(int64_t bytes, const std::string& error, const Communicator& comm) {
+  const int64_t capacity = comm.ride_along_bytes();
+  return is_checked() && error.empty() && capacity > 0 && bytes <= capacity;
+}
+
+// What `algorithm` runs on `comm`. An algorithm this collective cannot run sets `error` (when it
+// holds none yet), so that the rank rejects its arguments in the collective check like any other
+// bad argument and its peers learn it (Note [Collective checks]); the rank then takes kAuto's path,
+// which meets its peers' first step whatever they chose.
+Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm, std::string_view what,
+                                  std::string& error) {
+  const Algorithm automatic = comm.has_direct()               ? Algorithm::kDirect
+                              : comm.hierarchy() != nullptr ? Algorithm::kHierarchical
+                                                            : Algorithm::kRing;
+  std::string problem;
+  if (algorithm != Algorithm::kAuto && algorithm != Algorithm::kRing && algorithm != Algorithm::kDirect &&
+      algorithm != Algorithm::kHalvingDoubling && algorithm != Algorithm::kHierarchical) {
+    problem = c10::str("ddpkit.", what,
+                       ": algorithm must be 'auto', 'ring', 'halving_doubling', 'direct' or 'hierarchical', got '",
+                       algorithm_name(algorithm), "'");
+  } else if (algorithm == Algorithm::kDirect && !comm.has_direct() && comm.size() > 1) {
+    problem = c10::str("ddpkit.", what,
+                       ": algorithm 'direct' needs the shared-memory transport (every rank on this host, CPU tensors)");
+  } else if (algorithm == Algorithm::kHierarchical && comm.hierarchy() == nullptr && comm.size() > 1) {
+    problem = c10::str("ddpkit.", what,
+                       ": algorithm 'hierarchical' needs a group spanning hosts, and CPU "
+                       "tensors over transport 'auto'");
+  } else if (algorithm == Algorithm::kHalvingDoubling && !std::has_single_bit(static_cast<unsigned>(comm.size()))) {
+    problem = c10::str("ddpkit.", what, ": algorithm 'halving_doubling' needs a power-of-two world size, got ",
+                       comm.size(), "; use 'ring'");
+  }
+  if (problem.empty()) return algorithm == Algorithm::kAuto ? automatic : algorithm;
+  if (error.empty()) error = std::move(problem);
+  return automatic;
+}
+
+// kAllReduce's route: the algorithm asked for where this rank can run it, else kAuto's choice
+// (Note [Choosing an algorithm]).
+RouteChoice route_all_reduce(const RouteQuery& query, const Communicator& comm, std::string& error) {
+  Algorithm algorithm = query.algorithm;
+  const int n = comm.size();
+  if (algorithm == Algorithm::kDirect && !comm.has_direct() && n > 1) {
+    if (error.empty()) {
+      error = "ddpkit.all_reduce: algorithm 'direct' needs the shared-memory transport (every rank on this host, "
+              "CPU tensors)";
+    }
+    algorithm = Algorithm::kAuto;
+  }
+  if (algorithm == Algorithm::kHierarchical && comm.hierarchy() == nullptr) {
+    if (error.empty()) {
+      error = "ddpkit.all_reduce: algorithm 'hierarchical' needs a group spanning hosts, "
+              "and CPU tensors over transport 'auto'";
+    }
+    algorithm = Algorithm::kAuto;
+  }
+  if (algorithm == Algorithm::kAuto) {
+    const int64_t bytes = error.empty() ? query.bytes : 0;
+    algorithm =
+        choose_algorithm(bytes, n, comm.device_type(), comm.has_direct(), comm.hierarchy() != nullptr, query.op);
+  }
+  if (n == 1) return {Route::kSchedule, algorithm};
+  switch (algorithm) {
+    case Algorithm::kDirect: return {Route::kDirect, algorithm};
+    case Algorithm::kHierarchical:
+      return {fits_one_round(query.working_bytes, error, comm) ? Route::kOneRound : Route::kHierarchical,
+              algorithm};
+    case Algorithm::kProcessGroup: return {Route::kProcessGroup, algorithm};
+    default: return {Route::kSchedule, algorithm};
+  }
+}
+
+// A collective with a root or none of its own algorithm (broadcast, reduce): across hosts
+// hierarchically, small ones in one round, else ddpkit's schedule on the transport.
+RouteChoice route_across_hosts_or_flat(int64_t one_round_bytes, const Communicator& comm, const std::string& error) {
+  if (comm.hierarchy() == nullptr || comm.size() == 1) return {Route::kSchedule, Algorithm::kAuto};
+  const bool one_round = fits_one_round(one_round_bytes, error, comm);
+  return {one_round ? Route::kOneRound : Route::kHierarchical, Algorithm::kHierarchical};
+}
+
+}  // namespace
+
+RouteChoice choose_route(const RouteQuery& query, const Communicator& comm, std::string& error) {
+  const int n = comm.size();
+  switch (query.kind) {
+    case CollectiveKind::kAllReduce: return route_all_reduce(query, comm, error);
+    case CollectiveKind::kBroadcast: return route_across_hosts_or_flat(query.bytes, comm, error);
+    case CollectiveKind::kReduce: return route_across_hosts_or_flat(query.working_bytes, comm, error);
+    case CollectiveKind::kAllGather:
+    case CollectiveKind::kReduceScatter: {
+      const bool gather = query.kind == CollectiveKind::kAllGather;
+      const Algorithm algorithm = resolve_block_algorithm(
+          query.algorithm, comm, gather ? "all_gather_into_tensor" : "reduce_scatter_tensor", error);
+      if (n > 1 && algorithm == Algorithm::kDirect) return {Route::kDirect, algorithm};
+      if (n > 1 && algorithm == Algorithm::kHierarchical) {
+        const int64_t bytes = gather ? query.bytes : query.working_bytes;
+        return {fits_one_round(bytes, error, comm) ? Route::kOneRound : Route::kHierarchical, algorithm};
+      }
+      return {Route::kSchedule, algorithm};
+    }
+    case CollectiveKind::kBarrier:
+      // Across equal hosts with checks on, the check's round is a barrier in itself (Note [One round
+      // across hosts]); so is one step of the direct collectives, checked or not.
+      if (comm.hierarchy() != nullptr && comm.hierarchy()->uniform && is_checked()) {
+        return {Route::kOneRound, Algorithm::kHierarchical};
+      }
+      if (comm.has_direct()) return {Route::kDirect, Algorithm::kDirect};
+      return {Route::kSchedule, Algorithm::kAuto};
+    case CollectiveKind::kGather:
+    case CollectiveKind::kScatter:
+    case CollectiveKind::kAllToAll: return {Route::kSchedule, Algorithm::kAuto};
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown collective ", static_cast<int64_t>(query.kind));
+}
+
+}  // namespace ddpkit::comm

@@ -1,0 +1,34 @@
+#pragma once
+// Buffers a group's hierarchical collectives reuse from call to call.
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <cstdint>
+
+namespace ddpkit::comm {
+
+// Buffers the hierarchical collectives of one group reuse from call to call, so that a large
+// collective does not fault in fresh pages each time (filling a fresh 64 MB buffer took several
+// times as long as filling a reused one). Only that group's collectives use them, one at a time (the engine's
+// order), and never past the collective's end. Slots 0 and 1 hold a collective's own steps; kFromPeer
+// what the other host sends in a step across two hosts, which may reduce into either of them.
+class ScratchBuffers {
+ public:
+  static constexpr int kFromPeer = 2;
+
+  // `numel` elements of `dtype` of buffer `slot` (0, 1 or kFromPeer), contents undefined; grows the
+  // buffer.
+  at::Tensor get(int slot, int64_t numel, at::ScalarType dtype) {
+    TORCH_INTERNAL_ASSERT(slot >= 0 && slot < static_cast<int>(buffers_.size()));
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    at::Tensor& buffer = buffers_[slot];
+    if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({bytes}, at::kByte);
+    return buffer.narrow(0, 0, bytes).view(dtype);
+  }
+
+ private:
+  std::array<at::Tensor, 3> buffers_;
+};
+
+}  // namespace ddpkit::comm
