@@ -48,8 +48,7 @@ bool eager_all_reduce_applies(PyObject* object) {
       c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
                            c10::DispatchKey::Functionalize, c10::DispatchKey::Conjugate, c10::DispatchKey::Negative});
   return tensor.defined() && tensor.device().is_cpu() && tensor.layout() == c10::kStrided && !tensor.requires_grad() &&
-         !tensor.is_inference() &&
-         !tensor.key_set().has_any(kUnhandled) && !at::impl::torch_function_mode_enabled() &&
+         !tensor.is_inference() && !tensor.key_set().has_any(kUnhandled) && !at::impl::torch_function_mode_enabled() &&
          !c10::impl::TorchDispatchModeTLS::any_modes_set() &&
          c10::impl::tls_local_dispatch_key_set().included_ == c10::default_included_set;
 }
@@ -122,8 +121,8 @@ PyObject* sync_batch_norm_eager(PyObject* /*module*/, PyObject* const* args, Py_
   {
     py::gil_scoped_release no_gil;  // the forward's all-reduce may wait for the other ranks
     output = std::get<0>(ddpkit::syncbn::sync_batch_norm_op().call(input, per_channel[0], per_channel[1],
-                                                                    per_channel[2], per_channel[3], training,
-                                                                    momentum, eps, algorithm, group_name));
+                                                                   per_channel[2], per_channel[3], training, momentum,
+                                                                   eps, algorithm, group_name));
   }
   return THPVariable_Wrap(std::move(output));
   END_HANDLE_TH_ERRORS
@@ -150,8 +149,8 @@ PYBIND11_MODULE(_C, m) {
       "csrc/python.cpp."};
   m.add_object("all_reduce_eager", py::reinterpret_steal<py::object>(PyCFunction_New(&all_reduce_eager_def, nullptr)));
   static PyMethodDef sync_batch_norm_eager_def = {
-      "sync_batch_norm_eager",
-      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(sync_batch_norm_eager)), METH_FASTCALL,
+      "sync_batch_norm_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(sync_batch_norm_eager)),
+      METH_FASTCALL,
       "sync_batch_norm_eager(input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm, "
       "group_name) -> Tensor | None: ddpkit::sync_batch_norm's output through the dispatcher, or None where the "
       "op must be called from Python: Note [SyncBatchNorm's eager call] in csrc/python.cpp."};

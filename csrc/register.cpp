@@ -13,16 +13,17 @@
 
 namespace {
 
-std::vector<int64_t> assign_buckets_op(std::vector<int64_t> sizes_bytes, std::vector<int64_t> kinds,
-                                       int64_t cap_bytes, int64_t first_cap_bytes,
-                                       std::optional<c10::List<bool>> included) {
+std::vector<int64_t> assign_buckets_op(std::vector<int64_t> sizes_bytes, std::vector<int64_t> kinds, int64_t cap_bytes,
+                                       int64_t first_cap_bytes, std::optional<c10::List<bool>> included) {
   std::vector<bool> keep(kinds.size(), true);
   if (included) {
-    TORCH_CHECK(included->size() == kinds.size(), "assign_buckets: sizes, kinds and included must have the same length");
+    TORCH_CHECK(included->size() == kinds.size(),
+                "assign_buckets: sizes, kinds and included must have the same length");
     for (size_t i = 0; i < keep.size(); ++i) keep[i] = included->get(i);
   }
-  for (int64_t kind : kinds) TORCH_CHECK(kind >= 0, "assign_buckets: kinds must be >= 0, got ", kind,
-                                         "; leave a parameter out with included[i] = False");
+  for (int64_t kind : kinds)
+    TORCH_CHECK(kind >= 0, "assign_buckets: kinds must be >= 0, got ", kind,
+                "; leave a parameter out with included[i] = False");
   return ddpkit::ddp::assign_buckets(sizes_bytes, kinds, keep, cap_bytes, first_cap_bytes);
 }
 
@@ -47,15 +48,17 @@ TORCH_LIBRARY(ddpkit, m) {
   m.def("barrier(str group_name, str transport=\"auto\") -> ()", &ddpkit::comm::barrier_op);
   // The collective check of `collective` for meta tensors (no data): what the collectives' fake
   // kernels run for real meta tensors, so that a meta tensor on one rank raises on every rank.
-  m.def("meta_collective(str collective, Tensor tensor, str op, str algorithm, int root, str group_name, "
-        "str transport=\"auto\") -> ()");
+  m.def(
+      "meta_collective(str collective, Tensor tensor, str op, str algorithm, int root, str group_name, "
+      "str transport=\"auto\") -> ()");
   m.def("set_collective_checks(bool enabled) -> ()", &ddpkit::comm::set_collective_checks_op);
   m.def("collective_checks_enabled() -> bool", &ddpkit::comm::collective_checks_enabled_op);
   m.def("comm_counters() -> int[]", &ddpkit::comm::comm_counters_op);
   m.def("reset_comm_counters() -> ()", &ddpkit::comm::reset_comm_counters_op);
-  m.def("choose_algorithm(int bytes, int world_size, bool shared_memory=False, bool hierarchical=False, "
-        "str op=\"sum\") -> str",
-        &ddpkit::comm::choose_algorithm_op);
+  m.def(
+      "choose_algorithm(int bytes, int world_size, bool shared_memory=False, bool hierarchical=False, "
+      "str op=\"sum\") -> str",
+      &ddpkit::comm::choose_algorithm_op);
   m.def("algorithms() -> str[]", &ddpkit::comm::algorithms_op);
   m.def("transports() -> str[]", &ddpkit::comm::transports_op);
   m.def("reduce_ops() -> str[]", &ddpkit::comm::reduce_ops_op);
@@ -66,11 +69,14 @@ TORCH_LIBRARY(ddpkit, m) {
   // Gradient bucketing DDP (csrc/ddp): the pure bucket assignment and the reducer.
   m.def("grad_sync_modes() -> str[]", &ddpkit::ddp::grad_sync_modes);
   // Bucket index per parameter, -1 where included[i] is False (Note [Bucket assignment]).
-  m.def("assign_buckets(int[] sizes_bytes, int[] kinds, int cap_bytes, int first_cap_bytes, bool[]? included=None) "
-        "-> int[]", &assign_buckets_op);
+  m.def(
+      "assign_buckets(int[] sizes_bytes, int[] kinds, int cap_bytes, int first_cap_bytes, bool[]? included=None) "
+      "-> int[]",
+      &assign_buckets_op);
   m.class_<ddpkit::ddp::Reducer>("Reducer")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::string, std::string, std::string, bool>(),
-           "See csrc/ddp/reducer.h", {torch::arg("parameters"), torch::arg("bucket_of_param"), torch::arg("group_name"),
+           "See csrc/ddp/reducer.h",
+           {torch::arg("parameters"), torch::arg("bucket_of_param"), torch::arg("group_name"),
             torch::arg("algorithm") = "auto", torch::arg("grad_sync") = "bucketed",
             torch::arg("gradient_as_bucket_view") = true})
       .def("prepare_for_forward", &ddpkit::ddp::Reducer::prepare_for_forward)
@@ -110,6 +116,4 @@ TORCH_LIBRARY_IMPL(ddpkit, CompositeExplicitAutograd, m) {
 }
 
 // sync_batch_norm's hand-written backward (sync_batch_norm_backward is not differentiable).
-TORCH_LIBRARY_IMPL(ddpkit, Autograd, m) {
-  m.impl("sync_batch_norm", &ddpkit::syncbn::sync_batch_norm_autograd);
-}
+TORCH_LIBRARY_IMPL(ddpkit, Autograd, m) { m.impl("sync_batch_norm", &ddpkit::syncbn::sync_batch_norm_autograd); }

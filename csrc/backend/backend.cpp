@@ -56,8 +56,8 @@ void check_single(const std::vector<at::Tensor>& tensors, std::string_view what)
 }
 
 void check_cpu(const at::Tensor& tensor, std::string_view what) {
-  TORCH_CHECK(!tensor.defined() || tensor.device().is_cpu(), "ddpkit backend: ", what,
-              " got a tensor on ", tensor.device(),
+  TORCH_CHECK(!tensor.defined() || tensor.device().is_cpu(), "ddpkit backend: ", what, " got a tensor on ",
+              tensor.device(),
               "; the ddpkit backend carries CPU tensors: use backend=\"cpu:ddpkit,cuda:nccl\" for CUDA tensors");
 }
 
@@ -81,12 +81,12 @@ std::string error_of(Checks&& checks) {
 // TORCH_CHECKs that `list` (an all-gather's outputs, a reduce-scatter's inputs) holds one tensor per
 // rank of a group of `n`, each with `single`'s dtype and number of elements.
 void check_output_list(const std::vector<at::Tensor>& list, const at::Tensor& single, int n, std::string_view what) {
-  TORCH_CHECK(static_cast<int>(list.size()) == n, "ddpkit backend: ", what, " takes a list of one tensor per rank of "
-              "the group (", n, "), got ", list.size());
+  TORCH_CHECK(static_cast<int>(list.size()) == n, "ddpkit backend: ", what,
+              " takes a list of one tensor per rank of the group (", n, "), got ", list.size());
   for (size_t i = 0; i < list.size(); ++i) {
-    TORCH_CHECK(list[i].numel() == single.numel() && list[i].scalar_type() == single.scalar_type(), "ddpkit backend: ",
-                what, "'s tensor ", i, " of the list has ", list[i].numel(), " elements of ", list[i].scalar_type(),
-                ", expected ", single.numel(), " of ", single.scalar_type());
+    TORCH_CHECK(list[i].numel() == single.numel() && list[i].scalar_type() == single.scalar_type(),
+                "ddpkit backend: ", what, "'s tensor ", i, " of the list has ", list[i].numel(), " elements of ",
+                list[i].scalar_type(), ", expected ", single.numel(), " of ", single.scalar_type());
   }
 }
 
@@ -161,9 +161,8 @@ c10::intrusive_ptr<c10d::Work> Backend::launch(c10d::OpType type, bool async, st
 
 c10::intrusive_ptr<c10d::Work> Backend::reject(c10d::OpType type, bool async, comm::CollectiveKind kind,
                                                std::string error) {
-  return launch(type, async, {}, [kind, error = std::move(error)](comm::Communicator& comm) {
-    comm::reject(kind, error, comm);
-  });
+  return launch(type, async, {},
+                [kind, error = std::move(error)](comm::Communicator& comm) { comm::reject(kind, error, comm); });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::delegate(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
@@ -177,7 +176,8 @@ c10::intrusive_ptr<c10d::Work> Backend::delegate(c10d::OpType type, bool async, 
   });
 }
 
-c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) {
   const std::string error = error_of([&] {
     check_single(tensors, "all_reduce");
     check_cpu(tensors, "all_reduce");
@@ -197,10 +197,10 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                          const c10d::AllreduceOptions& opts) {
-  return delegate(c10d::OpType::ALLREDUCE, opts.asyncOp, tensors,
-                  delegated_header(comm::CollectiveKind::kAllReduce, tensors.empty() ? at::Tensor() : tensors[0],
-                                   opts.reduceOp),
-                  [gloo = gloo_, tensors, opts]() mutable { return gloo->allreduce_sparse(tensors, opts); });
+  return delegate(
+      c10d::OpType::ALLREDUCE, opts.asyncOp, tensors,
+      delegated_header(comm::CollectiveKind::kAllReduce, tensors.empty() ? at::Tensor() : tensors[0], opts.reduceOp),
+      [gloo = gloo_, tensors, opts]() mutable { return gloo->allreduce_sparse(tensors, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
@@ -214,8 +214,8 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tens
     own = own && own_reduction(opts.reduceOp, t) && t.scalar_type() == tensors[0].scalar_type();
   }
   if (!own) {
-    auto header = delegated_header(comm::CollectiveKind::kAllReduce, tensors.empty() ? at::Tensor() : tensors[0],
-                                   opts.reduceOp);
+    auto header =
+        delegated_header(comm::CollectiveKind::kAllReduce, tensors.empty() ? at::Tensor() : tensors[0], opts.reduceOp);
     header.numel = total_numel(tensors);
     return delegate(c10d::OpType::ALLREDUCE_COALESCED, opts.asyncOp, tensors, header,
                     [gloo = gloo_, tensors, opts]() mutable { return gloo->allreduce_coalesced(tensors, opts); });
@@ -234,7 +234,8 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce_coalesced(std::vector<at::Tens
                 });
 }
 
-c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
+c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tensors,
+                                                  const c10d::BroadcastOptions& opts) {
   const std::string error = error_of([&] {
     check_single(tensors, "broadcast");
     check_cpu(tensors, "broadcast");
@@ -243,10 +244,9 @@ c10::intrusive_ptr<c10d::Work> Backend::broadcast(std::vector<at::Tensor>& tenso
   if (!error.empty()) return reject(c10d::OpType::BROADCAST, opts.asyncOp, comm::CollectiveKind::kBroadcast, error);
   at::Tensor tensor = tensors[0];
   const int root = static_cast<int>(opts.rootRank);
-  return launch(c10d::OpType::BROADCAST, opts.asyncOp, tensors,
-                [tensor, root](comm::Communicator& comm) mutable {
-                  on_contiguous(tensor, [&](at::Tensor& t) { comm::broadcast_(t, root, comm); });
-                });
+  return launch(c10d::OpType::BROADCAST, opts.asyncOp, tensors, [tensor, root](comm::Communicator& comm) mutable {
+    on_contiguous(tensor, [&](at::Tensor& t) { comm::broadcast_(t, root, comm); });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
@@ -316,16 +316,21 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<std::vec
   const std::string error = error_of([&] {
     check_cpu(inputs, "all_gather_coalesced");
     TORCH_CHECK(!inputs.empty(), "ddpkit backend: all_gather_coalesced needs at least one input tensor");
-    TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "ddpkit backend: all_gather_coalesced takes one output "
-                "list per rank of the group (", getSize(), "), got ", outputs.size());
+    TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(),
+                "ddpkit backend: all_gather_coalesced takes one output "
+                "list per rank of the group (",
+                getSize(), "), got ", outputs.size());
     for (const auto& list : outputs) {
       check_cpu(list, "all_gather_coalesced");
-      TORCH_CHECK(list.size() == inputs.size(), "ddpkit backend: all_gather_coalesced takes output lists as long as "
-                  "the input list (", inputs.size(), "), got one of ", list.size());
+      TORCH_CHECK(list.size() == inputs.size(),
+                  "ddpkit backend: all_gather_coalesced takes output lists as long as "
+                  "the input list (",
+                  inputs.size(), "), got one of ", list.size());
       for (size_t i = 0; i < inputs.size(); ++i) {
         TORCH_CHECK(list[i].sizes() == inputs[i].sizes() && list[i].scalar_type() == inputs[i].scalar_type(),
                     "ddpkit backend: all_gather_coalesced's output ", i, " has shape ", list[i].sizes(), " and dtype ",
-                    list[i].scalar_type(), " where its input has ", inputs[i].sizes(), " and ", inputs[i].scalar_type());
+                    list[i].scalar_type(), " where its input has ", inputs[i].sizes(), " and ",
+                    inputs[i].scalar_type());
       }
     }
   });
@@ -334,10 +339,12 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_coalesced(std::vector<std::vec
   }
   std::vector<at::Tensor> results;
   for (const auto& list : outputs) results.insert(results.end(), list.begin(), list.end());
-  auto header = delegated_header(comm::CollectiveKind::kAllGather, inputs.empty() ? at::Tensor() : inputs[0], std::nullopt);
+  auto header =
+      delegated_header(comm::CollectiveKind::kAllGather, inputs.empty() ? at::Tensor() : inputs[0], std::nullopt);
   header.numel = total_numel(inputs);
-  return delegate(c10d::OpType::ALLGATHER_COALESCED, opts.asyncOp, results, header,
-                  [gloo = gloo_, outputs, inputs, opts]() mutable { return gloo->allgather_coalesced(outputs, inputs, opts); });
+  return delegate(
+      c10d::OpType::ALLGATHER_COALESCED, opts.asyncOp, results, header,
+      [gloo = gloo_, outputs, inputs, opts]() mutable { return gloo->allgather_coalesced(outputs, inputs, opts); });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -349,10 +356,11 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vec
     TORCH_CHECK(outputs.size() == inputs.size(), "ddpkit backend: all_gather_into_tensor_coalesced got ", inputs.size(),
                 " inputs and ", outputs.size(), " outputs");
     for (size_t i = 0; i < inputs.size(); ++i) {
-      TORCH_CHECK(outputs[i].scalar_type() == inputs[i].scalar_type() && outputs[i].numel() == inputs[i].numel() * getSize(),
-                  "ddpkit backend: all_gather_into_tensor_coalesced's output ", i, " has ", outputs[i].numel(),
-                  " elements of ", outputs[i].scalar_type(), ", expected world size times its input's ",
-                  inputs[i].numel(), " of ", inputs[i].scalar_type());
+      TORCH_CHECK(
+          outputs[i].scalar_type() == inputs[i].scalar_type() && outputs[i].numel() == inputs[i].numel() * getSize(),
+          "ddpkit backend: all_gather_into_tensor_coalesced's output ", i, " has ", outputs[i].numel(), " elements of ",
+          outputs[i].scalar_type(), ", expected world size times its input's ", inputs[i].numel(), " of ",
+          inputs[i].scalar_type());
     }
   });
   if (!error.empty()) return reject(c10d::OpType::COALESCED, opts.asyncOp, comm::CollectiveKind::kAllGather, error);
@@ -361,9 +369,10 @@ c10::intrusive_ptr<c10d::Work> Backend::allgather_into_tensor_coalesced(std::vec
   if (!one_dtype) {  // gathered side by side only in one dtype; gloo gathers each
     auto header = delegated_header(comm::CollectiveKind::kAllGather, inputs[0], std::nullopt);
     header.numel = total_numel(inputs);
-    return delegate(c10d::OpType::COALESCED, opts.asyncOp, outputs, header, [gloo = gloo_, outputs, inputs, opts]() mutable {
-      return gloo->allgather_into_tensor_coalesced(outputs, inputs, opts);
-    });
+    return delegate(c10d::OpType::COALESCED, opts.asyncOp, outputs, header,
+                    [gloo = gloo_, outputs, inputs, opts]() mutable {
+                      return gloo->allgather_into_tensor_coalesced(outputs, inputs, opts);
+                    });
   }
   const int n = getSize();
   return launch(c10d::OpType::COALESCED, opts.asyncOp, outputs, [outputs, inputs, n](comm::Communicator& comm) mutable {
@@ -412,9 +421,10 @@ c10::intrusive_ptr<c10d::Work> Backend::scatter(std::vector<at::Tensor>& outputs
   });
   if (!error.empty()) return reject(c10d::OpType::SCATTER, opts.asyncOp, comm::CollectiveKind::kScatter, error);
   at::Tensor output = outputs[0];
-  return launch(c10d::OpType::SCATTER, opts.asyncOp, outputs, [output, sources, root](comm::Communicator& comm) mutable {
-    on_contiguous(output, [&](at::Tensor& target) { comm::scatter_from(target, sources, root, comm); });
-  });
+  return launch(c10d::OpType::SCATTER, opts.asyncOp, outputs,
+                [output, sources, root](comm::Communicator& comm) mutable {
+                  on_contiguous(output, [&](at::Tensor& target) { comm::scatter_from(target, sources, root, comm); });
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -423,7 +433,8 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
   const std::string error = error_of([&] {
     check_single(outputs, "reduce_scatter");
     check_cpu(outputs, "reduce_scatter");
-    TORCH_CHECK(inputs.size() == 1, "ddpkit backend: reduce_scatter takes one input list per rank, got ", inputs.size());
+    TORCH_CHECK(inputs.size() == 1, "ddpkit backend: reduce_scatter takes one input list per rank, got ",
+                inputs.size());
     check_cpu(inputs[0], "reduce_scatter");
     // Also for a reduction delegated to gloo, which checks the list on this rank alone.
     check_output_list(inputs[0], outputs[0], getSize(), "reduce_scatter");
@@ -433,18 +444,20 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter(std::vector<at::Tensor>& 
   }
   const auto op = own_reduction(opts.reduceOp, outputs[0]);
   if (!op) {
-    return delegate(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs,
-                    delegated_header(comm::CollectiveKind::kReduceScatter, outputs[0], opts.reduceOp),
-                    [gloo = gloo_, outputs, inputs, opts]() mutable { return gloo->reduce_scatter(outputs, inputs, opts); });
+    return delegate(
+        c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs,
+        delegated_header(comm::CollectiveKind::kReduceScatter, outputs[0], opts.reduceOp),
+        [gloo = gloo_, outputs, inputs, opts]() mutable { return gloo->reduce_scatter(outputs, inputs, opts); });
   }
   at::Tensor output = outputs[0];
   std::vector<at::Tensor> sources = inputs[0];
-  return launch(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs, [output, sources, op](comm::Communicator& comm) mutable {
-    const at::Tensor input = flat_cat(sources);
-    on_contiguous(output, [&](at::Tensor& target) {
-      comm::reduce_scatter_tensor_(target, input, *op, comm::Algorithm::kAuto, comm);
-    });
-  });
+  return launch(c10d::OpType::REDUCE_SCATTER, opts.asyncOp, outputs,
+                [output, sources, op](comm::Communicator& comm) mutable {
+                  const at::Tensor input = flat_cat(sources);
+                  on_contiguous(output, [&](at::Tensor& target) {
+                    comm::reduce_scatter_tensor_(target, input, *op, comm::Algorithm::kAuto, comm);
+                  });
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -468,7 +481,8 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output,
       TORCH_CHECK(input.is_contiguous() && output.is_contiguous(),
                   "ddpkit backend: reduce_scatter_tensor takes contiguous tensors");
     });
-    if (!bad.empty()) return reject(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, comm::CollectiveKind::kReduceScatter, bad);
+    if (!bad.empty())
+      return reject(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, comm::CollectiveKind::kReduceScatter, bad);
     // Flat, so that every shape ddpkit's own path takes (an input stacked as [n, *output.shape]) goes
     // to gloo, which compares the shapes' first dimensions.
     return delegate(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output},
@@ -479,9 +493,10 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output,
   }
   at::Tensor out = output;
   const at::Tensor in = input;
-  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [out, in, op](comm::Communicator& comm) mutable {
-    comm::reduce_scatter_tensor_(out, in, *op, comm::Algorithm::kAuto, comm);
-  });
+  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output},
+                [out, in, op](comm::Communicator& comm) mutable {
+                  comm::reduce_scatter_tensor_(out, in, *op, comm::Algorithm::kAuto, comm);
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -509,28 +524,30 @@ c10::intrusive_ptr<c10d::Work> Backend::reduce_scatter_tensor_coalesced(std::vec
   if (!own) {  // an op or a dtype ddpkit does not reduce, or several dtypes: gloo reduces each
     auto header = delegated_header(comm::CollectiveKind::kReduceScatter, outputs[0], opts.reduceOp);
     header.numel = total_numel(outputs);
-    return delegate(c10d::OpType::COALESCED, opts.asyncOp, outputs, header, [gloo = gloo_, outputs, inputs, opts]() mutable {
-      return gloo->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
-    });
+    return delegate(c10d::OpType::COALESCED, opts.asyncOp, outputs, header,
+                    [gloo = gloo_, outputs, inputs, opts]() mutable {
+                      return gloo->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+                    });
   }
   const comm::ReduceOp op = *own_reduction(opts.reduceOp, outputs[0]);
-  return launch(c10d::OpType::COALESCED, opts.asyncOp, outputs, [outputs, inputs, op, n](comm::Communicator& comm) mutable {
-    // Block r of the combined input is every input's block r side by side.
-    std::vector<at::Tensor> columns;
-    int64_t total = 0;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      columns.push_back(inputs[i].reshape({n, outputs[i].numel()}));
-      total += outputs[i].numel();
-    }
-    at::Tensor combined = at::cat(columns, 1).reshape(-1);
-    at::Tensor reduced = at::empty({total}, combined.options());
-    comm::reduce_scatter_tensor_(reduced, combined, op, comm::Algorithm::kAuto, comm);
-    int64_t offset = 0;
-    for (auto& out : outputs) {
-      out.copy_(reduced.narrow(0, offset, out.numel()).view(out.sizes()));
-      offset += out.numel();
-    }
-  });
+  return launch(c10d::OpType::COALESCED, opts.asyncOp, outputs,
+                [outputs, inputs, op, n](comm::Communicator& comm) mutable {
+                  // Block r of the combined input is every input's block r side by side.
+                  std::vector<at::Tensor> columns;
+                  int64_t total = 0;
+                  for (size_t i = 0; i < inputs.size(); ++i) {
+                    columns.push_back(inputs[i].reshape({n, outputs[i].numel()}));
+                    total += outputs[i].numel();
+                  }
+                  at::Tensor combined = at::cat(columns, 1).reshape(-1);
+                  at::Tensor reduced = at::empty({total}, combined.options());
+                  comm::reduce_scatter_tensor_(reduced, combined, op, comm::Algorithm::kAuto, comm);
+                  int64_t offset = 0;
+                  for (auto& out : outputs) {
+                    out.copy_(reduced.narrow(0, offset, out.numel()).view(out.sizes()));
+                    offset += out.numel();
+                  }
+                });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -571,9 +588,8 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall_base(at::Tensor& output, at::Te
     ins = pieces(input, input_split_sizes, "input");
   });
   if (!error.empty()) return reject(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, comm::CollectiveKind::kAllToAll, error);
-  return launch(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, {output}, [outs, ins](comm::Communicator& comm) mutable {
-    comm::all_to_all_(outs, ins, comm);
-  });
+  return launch(c10d::OpType::ALLTOALL_BASE, opts.asyncOp, {output},
+                [outs, ins](comm::Communicator& comm) mutable { comm::all_to_all_(outs, ins, comm); });
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
@@ -588,7 +604,8 @@ c10::intrusive_ptr<c10d::Work> Backend::alltoall(std::vector<at::Tensor>& output
   return launch(c10d::OpType::ALLTOALL, opts.asyncOp, outputs, [targets, sources](comm::Communicator& comm) mutable {
     // Messages need contiguous tensors: work on contiguous stand-ins and copy back where needed.
     std::vector<at::Tensor> outs, ins;
-    for (const auto& t : targets) outs.push_back(t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous));
+    for (const auto& t : targets)
+      outs.push_back(t.is_contiguous() ? t : at::empty_like(t, at::MemoryFormat::Contiguous));
     for (const auto& t : sources) ins.push_back(t.contiguous());
     comm::all_to_all_(outs, ins, comm);
     for (size_t i = 0; i < targets.size(); ++i) {

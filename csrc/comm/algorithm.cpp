@@ -21,8 +21,8 @@ std::string_view algorithm_name(Algorithm algorithm) {
   return kAlgorithmNames[index];
 }
 
-Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device, bool shared_memory,
-                           bool hierarchical, ReduceOp op) {
+Algorithm choose_algorithm(int64_t bytes, int world_size, c10::DeviceType device, bool shared_memory, bool hierarchical,
+                           ReduceOp op) {
   if (device != c10::kCPU) return Algorithm::kProcessGroup;
   if (shared_memory) return Algorithm::kDirect;
   if (hierarchical) return Algorithm::kHierarchical;

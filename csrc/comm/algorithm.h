@@ -79,8 +79,8 @@ enum class Algorithm : int64_t {
 
 // One name per Algorithm, in enum order (what the Python API and errors say).
 inline constexpr std::array<std::string_view, 10> kAlgorithmNames = {
-    "ring", "butterfly", "star", "gather_scatter", "recursive_doubling", "halving_doubling", "auto", "process_group",
-    "direct", "hierarchical"};
+    "ring", "butterfly",     "star",   "gather_scatter", "recursive_doubling", "halving_doubling",
+    "auto", "process_group", "direct", "hierarchical"};
 // Parses a name of kAlgorithmNames; TORCH_CHECK-fails otherwise.
 Algorithm parse_algorithm(std::string_view name);
 std::string_view algorithm_name(Algorithm algorithm);

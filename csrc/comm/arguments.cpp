@@ -14,8 +14,8 @@ std::string tensor_error(const at::Tensor& tensor, std::string_view what, std::o
     return c10::str("ddpkit.", what, ": expected a dense tensor, got layout ", tensor.layout());
   }
   if (!tensor.is_contiguous()) {
-    return c10::str("ddpkit.", what, ": expected a contiguous tensor (strides ", tensor.strides(),
-                    " for shape ", tensor.sizes(), "); call .contiguous() first");
+    return c10::str("ddpkit.", what, ": expected a contiguous tensor (strides ", tensor.strides(), " for shape ",
+                    tensor.sizes(), "); call .contiguous() first");
   }
   if (!op) return {};
   const auto dtype = tensor.scalar_type();
@@ -74,7 +74,8 @@ std::string gather_scatter_error(const at::Tensor& output, const at::Tensor& inp
   }
   if (output.scalar_type() != input.scalar_type() || output.device() != input.device()) {
     return c10::str("ddpkit.", what, ": input and output must have the same dtype and device, got ",
-                    input.scalar_type(), " on ", input.device(), " and ", output.scalar_type(), " on ", output.device());
+                    input.scalar_type(), " on ", input.device(), " and ", output.scalar_type(), " on ",
+                    output.device());
   }
   if (output.numel() > 0 && output.is_alias_of(input) && !is_own_block(whole, part, rank)) {
     return c10::str("ddpkit.", what, ": output and input must not share memory, except ",

@@ -32,8 +32,8 @@ class RootVerdictCheck final : public CollectiveCheck {
   }
 
  private:
-  at::Tensor make_verdict(const Communicator& comm) const;                              // on the root
-  void send_failure_verdict(Communicator& comm);                                       // the root, a header lost
+  at::Tensor make_verdict(const Communicator& comm) const;                                  // on the root
+  void send_failure_verdict(Communicator& comm);                                            // the root, a header lost
   std::string describe_verdict(const Communicator& comm, const at::Tensor& verdict) const;  // "": agreement
 
   DirectCollectives* host_;

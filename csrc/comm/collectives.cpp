@@ -204,8 +204,8 @@ void gather_into(std::vector<at::Tensor>& outputs, const at::Tensor& tensor, int
   if (error.empty() && comm.rank() == dst) {
     bool matching = static_cast<int>(outputs.size()) == n;
     for (const auto& out : outputs) {
-      matching = matching && out.defined() && out.numel() == tensor.numel() && out.scalar_type() == tensor.scalar_type() &&
-                 out.device() == tensor.device();
+      matching = matching && out.defined() && out.numel() == tensor.numel() &&
+                 out.scalar_type() == tensor.scalar_type() && out.device() == tensor.device();
     }
     if (!matching) {
       error = c10::str("ddpkit.gather: on dst the outputs must be ", n, " tensors of ", tensor.numel(),
@@ -247,8 +247,8 @@ void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicato
     expected.insert(expected.end(), output.sizes().begin(), output.sizes().end());
     if (!chunks.defined() || chunks.sizes() != c10::IntArrayRef(expected) ||
         chunks.scalar_type() != output.scalar_type() || chunks.device() != output.device()) {
-      error = c10::str("ddpkit.scatter: on src the chunks must have shape ", c10::IntArrayRef(expected),
-                       ", dtype ", output.scalar_type(), " and device ", output.device());
+      error = c10::str("ddpkit.scatter: on src the chunks must have shape ", c10::IntArrayRef(expected), ", dtype ",
+                       output.scalar_type(), " and device ", output.device());
     } else {
       const at::Tensor contiguous = chunks.contiguous();
       for (int peer = 0; peer < n; ++peer) rows.push_back(contiguous[peer]);
@@ -391,14 +391,14 @@ void all_to_all_(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>
   const int r = comm.rank();
   std::string error;
   if (static_cast<int>(outputs.size()) != n || static_cast<int>(inputs.size()) != n) {
-    error = c10::str("ddpkit.all_to_all: expected ", n, " input and output tensors (one per rank), got ",
-                     inputs.size(), " and ", outputs.size());
+    error = c10::str("ddpkit.all_to_all: expected ", n, " input and output tensors (one per rank), got ", inputs.size(),
+                     " and ", outputs.size());
   }
   for (size_t j = 0; error.empty() && j < inputs.size(); ++j) {
     error = tensor_error(inputs[j], "all_to_all", std::nullopt);
     if (error.empty()) error = tensor_error(outputs[j], "all_to_all", std::nullopt);
-    if (error.empty() && (inputs[j].scalar_type() != inputs[0].scalar_type() ||
-                          outputs[j].scalar_type() != inputs[0].scalar_type())) {
+    if (error.empty() &&
+        (inputs[j].scalar_type() != inputs[0].scalar_type() || outputs[j].scalar_type() != inputs[0].scalar_type())) {
       error = c10::str("ddpkit.all_to_all: every input and output must have one dtype, got ", inputs[j].scalar_type(),
                        " and ", outputs[j].scalar_type(), " beside ", inputs[0].scalar_type());
     }
@@ -480,15 +480,13 @@ void reject(CollectiveKind kind, const std::string& error, Communicator& comm) {
 void meta_collective(CollectiveKind kind, const at::Tensor& tensor, std::optional<ReduceOp> op,
                      std::optional<Algorithm> algorithm, int root, Communicator& comm, std::string error) {
   const std::string_view what = collective_name(kind);
-  if (error.empty() && root != -1) error = root_error(root, comm.size(), what, kind == CollectiveKind::kGather ||
-                                                                                   kind == CollectiveKind::kReduce
-                                                                               ? "dst"
-                                                                               : "src");
+  if (error.empty() && root != -1)
+    error = root_error(root, comm.size(), what,
+                       kind == CollectiveKind::kGather || kind == CollectiveKind::kReduce ? "dst" : "src");
   CollectiveHeader header = make_header(kind, tensor, op, algorithm, root);
   header.meta = 1;
   comm.begin(header, error);
   comm.settle_header();
 }
-
 
 }  // namespace ddpkit::comm

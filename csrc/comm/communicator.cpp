@@ -52,9 +52,9 @@ void note_buffered_bytes(int64_t bytes) {
   }
 }
 
-Communicator::Communicator(int rank, int size, c10::DeviceType device_type,
-                           c10::intrusive_ptr<c10d::Backend> backend, std::shared_ptr<Transport> transport,
-                           uint64_t sequence, std::string_view group, CollectiveCheck* check)
+Communicator::Communicator(int rank, int size, c10::DeviceType device_type, c10::intrusive_ptr<c10d::Backend> backend,
+                           std::shared_ptr<Transport> transport, uint64_t sequence, std::string_view group,
+                           CollectiveCheck* check)
     : rank_(rank),
       size_(size),
       device_type_(device_type),
@@ -77,8 +77,8 @@ int Communicator::tag(int round) const {
   // Gloo wants a non-negative int32: 23 bits of sequence, 8 of round. Rounds past 253 wrap (the
   // rounds of one collective are ordered by their waits); 254 and 255 carry the check.
   TORCH_INTERNAL_ASSERT(round >= 0 && round <= kHeaderRound);
-  const uint64_t round_bits = round >= kVerdictRound ? static_cast<uint64_t>(round)
-                                                     : static_cast<uint64_t>(round % kVerdictRound);
+  const uint64_t round_bits =
+      round >= kVerdictRound ? static_cast<uint64_t>(round) : static_cast<uint64_t>(round % kVerdictRound);
   return static_cast<int>(((sequence_ & 0x7FFFFF) << 8) | round_bits);
 }
 
@@ -145,8 +145,8 @@ void Communicator::wait(MessageList& messages, std::chrono::milliseconds timeout
       // Whoever else has not answered by now is named too: a timeout is seldom one rank's alone.
       std::vector<int> silent;
       for (auto& other : messages) {
-        if (other.work && !other.is_send && other.peer >= 0 && other.peer != failed.peer && !other.work->isCompleted() &&
-            std::find(silent.begin(), silent.end(), other.peer) == silent.end()) {
+        if (other.work && !other.is_send && other.peer >= 0 && other.peer != failed.peer &&
+            !other.work->isCompleted() && std::find(silent.begin(), silent.end(), other.peer) == silent.end()) {
           silent.push_back(other.peer);
         }
       }
@@ -168,8 +168,8 @@ void Communicator::fail(const Message& failed, const std::exception& cause, cons
   // The cause without the C++ backtrace c10::Error carries: it ends up in a Python message.
   const auto* error = dynamic_cast<const c10::Error*>(&cause);
   const std::string text = error != nullptr ? error->what_without_backtrace() : cause.what();
-  C10_THROW_ERROR(Error, c10::str("ddpkit.", what_, " (", where(), "): ",
-                                  failed.is_send ? "sending to " : "receiving from ", peer, " failed: ", text,
+  C10_THROW_ERROR(Error, c10::str("ddpkit.", what_, " (", where(),
+                                  "): ", failed.is_send ? "sending to " : "receiving from ", peer, " failed: ", text,
                                   " (a peer that died, stopped calling this collective or sent another size ends a "
                                   "message this way, as does the group's timeout)"));
 }

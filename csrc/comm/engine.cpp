@@ -144,9 +144,8 @@ void CollectiveWork::complete(std::exception_ptr error) {
   // Outside the lock, and off this thread (Note [Future callbacks]): the future runs its callbacks
   // on whichever thread settles it.
   if (future) {
-    CompletionPool::instance().post([self = c10::intrusive_ptr<CollectiveWork>::reclaim_copy(this), future] {
-      self->settle(*future);
-    });
+    CompletionPool::instance().post(
+        [self = c10::intrusive_ptr<CollectiveWork>::reclaim_copy(this), future] { self->settle(*future); });
   }
 }
 
@@ -233,7 +232,9 @@ std::shared_ptr<Engine> Engine::of(const std::string& group_name) {
   return entry.engine;
 }
 
-std::shared_ptr<Engine> Engine::create(EngineGroup group) { return std::shared_ptr<Engine>(new Engine(std::move(group))); }
+std::shared_ptr<Engine> Engine::create(EngineGroup group) {
+  return std::shared_ptr<Engine>(new Engine(std::move(group)));
+}
 
 Engine::Engine(EngineGroup group) : group_(std::move(group)) {}
 
@@ -426,7 +427,7 @@ void Engine::execute(c10::DeviceType device, TransportKind requested, std::strin
   const bool hierarchical = device == c10::kCPU && kind == TransportKind::kProcessGroup && setup_.hierarchy &&
                             requested != TransportKind::kProcessGroup &&
                             forced_by_environment() != TransportKind::kProcessGroup;
-  CollectiveCheck* check = hierarchical              ? setup_.hierarchy_check.get()
+  CollectiveCheck* check = hierarchical                  ? setup_.hierarchy_check.get()
                            : kind == TransportKind::kShm ? setup_.shm_check.get()
                                                          : process_group_check(device);
   Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport), sequence, group_.name,

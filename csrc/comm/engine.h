@@ -158,7 +158,6 @@ class Engine {
   // first, when nothing set the group up yet), so every rank calls it at the same point.
   Topology topology();
 
-
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;

@@ -28,9 +28,9 @@ namespace ddpkit::comm {
 // collective sets up again.
 struct GroupSetUp {
   Topology topology;
-  std::shared_ptr<ShmTransport> shm;       // this host's shared memory, when it holds more ranks
+  std::shared_ptr<ShmTransport> shm;           // this host's shared memory, when it holds more ranks
   std::unique_ptr<CollectiveCheck> shm_check;  // with `shm`: one step of it
-  std::unique_ptr<Hierarchy> hierarchy;    // when the group spans hosts (Note [Hierarchical collectives])
+  std::unique_ptr<Hierarchy> hierarchy;        // when the group spans hosts (Note [Hierarchical collectives])
   // With `hierarchy`: the check every collective taking it takes (the round across equal hosts, else
   // the root's verdict over the process group).
   std::unique_ptr<CollectiveCheck> hierarchy_check;

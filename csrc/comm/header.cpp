@@ -33,7 +33,8 @@ std::string field_value(const HeaderField& field, int64_t value) {
     return std::string(c10::toString(static_cast<c10::ScalarType>(value)));
   }
   if (field.member == &CollectiveHeader::op && value >= kDelegatedOp) {
-    static constexpr const char* kTorchOps[] = {"sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum"};
+    static constexpr const char* kTorchOps[] = {"sum",  "avg", "product", "min",       "max",
+                                                "band", "bor", "bxor",    "premul_sum"};
     const int64_t code = value - kDelegatedOp;
     return c10::str(code < 9 ? kTorchOps[code] : "op " + std::to_string(code), " (gloo)");
   }
@@ -63,8 +64,7 @@ std::string describe_mismatch(int rank, const CollectiveHeader& theirs, const Co
   return {};
 }
 
-std::string describe_headers(const CollectiveHeader* headers, int size, std::string_view what,
-                             const int* group_ranks) {
+std::string describe_headers(const CollectiveHeader* headers, int size, std::string_view what, const int* group_ranks) {
   auto rank_of = [&](int peer) { return group_ranks != nullptr ? group_ranks[peer] : peer; };
   for (int peer = 0; peer < size; ++peer) {
     if (headers[peer].magic != kHeaderMagic) {

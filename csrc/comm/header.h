@@ -24,7 +24,7 @@ enum class CollectiveKind : int64_t {
 // One name per CollectiveKind, in enum order from kAllReduce (as the Python API spells them).
 inline constexpr std::array<std::string_view, 9> kCollectiveNames = {
     "all_reduce", "broadcast", "reduce", "gather", "scatter", "all_gather_into_tensor", "reduce_scatter_tensor",
-    "barrier", "all_to_all"};
+    "barrier",    "all_to_all"};
 // The name of `kind`, or "unknown collective" for a value outside the enum (a corrupt header).
 std::string_view collective_name(CollectiveKind kind);
 // Parses a name of kCollectiveNames; TORCH_CHECK-fails otherwise.
@@ -34,15 +34,15 @@ CollectiveKind parse_collective_kind(std::string_view name);
 // message (process-group transport) or in a shared-memory slot; every field is compared by name
 // through kHeaderFields, never by position.
 struct CollectiveHeader {
-  int64_t magic = 0;      // kHeaderMagic, or kRejectedMagic when this rank rejected its arguments
-  int64_t sequence = 0;   // the group's sequence number of the collective (Note [Tags]), 23 bits
-  int64_t kind = 0;       // CollectiveKind
+  int64_t magic = 0;     // kHeaderMagic, or kRejectedMagic when this rank rejected its arguments
+  int64_t sequence = 0;  // the group's sequence number of the collective (Note [Tags]), 23 bits
+  int64_t kind = 0;      // CollectiveKind
   int64_t numel = 0;
-  int64_t dtype = 0;      // c10::ScalarType
-  int64_t op = -1;        // ReduceOp, or -1 where there is none
-  int64_t algorithm = -1; // Algorithm, or -1 where there is none
-  int64_t root = -1;      // src/dst rank, or -1
-  int64_t meta = 0;       // 1 when this rank's tensors are meta tensors: a check with no data (Note [Collective checks])
+  int64_t dtype = 0;       // c10::ScalarType
+  int64_t op = -1;         // ReduceOp, or -1 where there is none
+  int64_t algorithm = -1;  // Algorithm, or -1 where there is none
+  int64_t root = -1;       // src/dst rank, or -1
+  int64_t meta = 0;  // 1 when this rank's tensors are meta tensors: a check with no data (Note [Collective checks])
 };
 static_assert(std::is_trivially_copyable_v<CollectiveHeader>);
 constexpr int64_t kHeaderWords = sizeof(CollectiveHeader) / sizeof(int64_t);
@@ -57,7 +57,7 @@ constexpr int64_t kRejectedMagic = 0x64647078;  // this rank rejected its own ar
 
 struct HeaderField {
   const char* name;
-  int64_t CollectiveHeader::*member;
+  int64_t CollectiveHeader::* member;
 };
 // The fields compared across ranks, in the order mismatches are reported.
 constexpr std::array<HeaderField, 8> kHeaderFields = {{

@@ -86,8 +86,7 @@ void hierarchical_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hi
 // local rank on every host, then the hosts' runs inside the host, in local-major order, put in rank
 // order at the end. Else the leaders' form: the host's blocks inside the host, the hosts' runs (padded
 // to the largest host's) among the leaders, and every host's result from its leader.
-void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, const Hierarchy& h,
-                             Communicator& comm);
+void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, const Hierarchy& h, Communicator& comm);
 
 // torch's reduce_scatter_tensor; `input` (n blocks of output.numel()) stays unchanged. With equal
 // hosts: the blocks in local-major order (a copy, in the working dtype), the host's reduce-scatter of

@@ -155,9 +155,8 @@ std::vector<int64_t> topology_op(const std::string& group_name) {
 std::string resolved_transport_op(const std::string& group_name, std::string_view transport) {
   TransportKind resolved = TransportKind::kProcessGroup;
   // Resolving may set up the segment, which is collective: it runs in the group's order.
-  run_collective(group_name, c10::kCPU, transport, CollectiveKind::kBarrier, {}, [&](Communicator& comm) {
-    resolved = parse_transport(comm.transport_name());
-  });
+  run_collective(group_name, c10::kCPU, transport, CollectiveKind::kBarrier, {},
+                 [&](Communicator& comm) { resolved = parse_transport(comm.transport_name()); });
   return std::string(transport_name(resolved));
 }
 

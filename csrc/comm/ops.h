@@ -50,5 +50,4 @@ std::vector<int64_t> topology_op(const std::string& group_name);
 // What `transport` resolves to for CPU tensors of the group (a collective: every rank calls it).
 std::string resolved_transport_op(const std::string& group_name, std::string_view transport);
 
-
 }  // namespace ddpkit::comm

@@ -47,8 +47,8 @@ void reduce_into(at::ScalarType dtype, void* out, const void* a, const void* b, 
       return reduce_into_typed(static_cast<float*>(out), static_cast<const float*>(a), static_cast<const float*>(b),
                                count, op);
     case at::kDouble:
-      return reduce_into_typed(static_cast<double*>(out), static_cast<const double*>(a),
-                               static_cast<const double*>(b), count, op);
+      return reduce_into_typed(static_cast<double*>(out), static_cast<const double*>(a), static_cast<const double*>(b),
+                               count, op);
     case at::kInt:
       return reduce_into_typed(static_cast<int32_t*>(out), static_cast<const int32_t*>(a),
                                static_cast<const int32_t*>(b), count, op);

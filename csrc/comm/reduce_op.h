@@ -23,7 +23,8 @@ namespace ddpkit::comm {
 //  - kSum, kMean: a + b; kMean divides by the world size once, at the end (finish_reduction_).
 //  - kMax, kMin on floating point, as IEEE 754-2019 maximum/minimum: a NaN on any rank makes the
 //    result NaN (always the same quiet NaN, whatever payloads came in), as torch.maximum/minimum's,
-//    and +0 is larger than -0 (where torch's return the first of two zeros). Both make the result independent of the operands' order, so every
+//    and +0 is larger than -0 (where torch's return the first of two zeros). Both make the result
+//    independent of the operands' order, so every
 //    schedule, recursive doubling included (where the two ranks of a pair combine in opposite
 //    orders), gives every rank the same bits. gloo differs: its max/min keep a NaN only when it
 //    comes from a rank reduced earlier (std::max), so a NaN on a later rank is dropped there.

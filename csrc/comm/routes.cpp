@@ -21,7 +21,7 @@ bool fits_one_round(int64_t bytes, const std::string& error, const Communicator&
 // which meets its peers' first step whatever they chose.
 Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm, std::string_view what,
                                   std::string& error) {
-  const Algorithm automatic = comm.has_direct()               ? Algorithm::kDirect
+  const Algorithm automatic = comm.has_direct()             ? Algorithm::kDirect
                               : comm.hierarchy() != nullptr ? Algorithm::kHierarchical
                                                             : Algorithm::kRing;
   std::string problem;
@@ -53,15 +53,17 @@ RouteChoice route_all_reduce(const RouteQuery& query, const Communicator& comm, 
   const int n = comm.size();
   if (algorithm == Algorithm::kDirect && !comm.has_direct() && n > 1) {
     if (error.empty()) {
-      error = "ddpkit.all_reduce: algorithm 'direct' needs the shared-memory transport (every rank on this host, "
-              "CPU tensors)";
+      error =
+          "ddpkit.all_reduce: algorithm 'direct' needs the shared-memory transport (every rank on this host, "
+          "CPU tensors)";
     }
     algorithm = Algorithm::kAuto;
   }
   if (algorithm == Algorithm::kHierarchical && comm.hierarchy() == nullptr) {
     if (error.empty()) {
-      error = "ddpkit.all_reduce: algorithm 'hierarchical' needs a group spanning hosts, "
-              "and CPU tensors over transport 'auto'";
+      error =
+          "ddpkit.all_reduce: algorithm 'hierarchical' needs a group spanning hosts, "
+          "and CPU tensors over transport 'auto'";
     }
     algorithm = Algorithm::kAuto;
   }
@@ -74,8 +76,7 @@ RouteChoice route_all_reduce(const RouteQuery& query, const Communicator& comm, 
   switch (algorithm) {
     case Algorithm::kDirect: return {Route::kDirect, algorithm};
     case Algorithm::kHierarchical:
-      return {fits_one_round(query.working_bytes, error, comm) ? Route::kOneRound : Route::kHierarchical,
-              algorithm};
+      return {fits_one_round(query.working_bytes, error, comm) ? Route::kOneRound : Route::kHierarchical, algorithm};
     case Algorithm::kProcessGroup: return {Route::kProcessGroup, algorithm};
     default: return {Route::kSchedule, algorithm};
   }

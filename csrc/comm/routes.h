@@ -31,8 +31,8 @@ enum class Route {
 struct RouteQuery {
   CollectiveKind kind;
   Algorithm algorithm = Algorithm::kAuto;  // as the caller asked for it
-  int64_t bytes = 0;          // its data as they are (0 where this rank rejected its arguments)
-  int64_t working_bytes = 0;  // its data in the dtype it is reduced in (working_dtype)
+  int64_t bytes = 0;                       // its data as they are (0 where this rank rejected its arguments)
+  int64_t working_bytes = 0;               // its data in the dtype it is reduced in (working_dtype)
   ReduceOp op = ReduceOp::kSum;
 };
 

@@ -245,7 +245,10 @@ Schedule halving_doubling_schedule(const at::Tensor& flat, ReduceOp op, int n, i
                              combine_(kept, incoming, op);
                              if (last) finish_reduction_(kept, op, n);  // kept is now chunk q
                            }});
-      if (keep_low) hi = mid; else lo = mid;
+      if (keep_low)
+        hi = mid;
+      else
+        lo = mid;
     }
     // All-gather by recursive doubling: swap the block held so far with the partner's adjacent one.
     for (int mask = 1; mask < f.p; mask <<= 1) {
@@ -275,7 +278,8 @@ Schedule reduce_schedule(const at::Tensor& flat, ReduceOp op, int n, int r, int 
     if (relative + mask < n) {
       if (!scratch.defined()) scratch = at::empty({2, flat.numel()}, flat.options());
       at::Tensor incoming = scratch[schedule.size() % 2];
-      schedule.push_back(Round{{}, {{incoming, real(relative + mask)}}, [=]() mutable { combine_(flat, incoming, op); }, 0});
+      schedule.push_back(
+          Round{{}, {{incoming, real(relative + mask)}}, [=]() mutable { combine_(flat, incoming, op); }, 0});
     }
   }
   return schedule;
@@ -308,8 +312,8 @@ Schedule ring_reduce_scatter_schedule(const at::Tensor& acc, int64_t m, ReduceOp
   for (int t = 0; t < n - 1; ++t) {
     at::Tensor incoming = scratch[t % 2];
     at::Tensor into = block(r - t - 2);
-    schedule.push_back(
-        Round{{{block(r - t - 1), (r + 1) % n}}, {{incoming, (r - 1 + n) % n}}, [=]() { combine_(into, incoming, op); }, t});
+    schedule.push_back(Round{
+        {{block(r - t - 1), (r + 1) % n}}, {{incoming, (r - 1 + n) % n}}, [=]() { combine_(into, incoming, op); }, t});
   }
   return schedule;
 }

@@ -93,7 +93,8 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::recv(const at::Tensor& tensor, int 
   if (found != unexpected_[src].end()) {
     const Unexpected& early = found->second;
     if (early.total != message->total_) {
-      message->error_ = c10::str("rank ", segment_->group_rank(src), " sent ", early.total, " bytes, this rank expected ", message->total_);
+      message->error_ = c10::str("rank ", segment_->group_rank(src), " sent ", early.total,
+                                 " bytes, this rank expected ", message->total_);
       complete = true;
     } else {
       std::memcpy(message->data_, early.bytes.data(), early.bytes.size());
@@ -187,7 +188,8 @@ bool ShmTransport::progress_locked() {
       if (match != posted.end()) {
         Message& message = **match;
         if (header.total != message.total_) {
-          message.error_ = c10::str("rank ", segment_->group_rank(src), " sent ", header.total, " bytes, this rank expected ", message.total_);
+          message.error_ = c10::str("rank ", segment_->group_rank(src), " sent ", header.total,
+                                    " bytes, this rank expected ", message.total_);
         } else if (header.offset != message.moved_) {
           corrupt(src, c10::str("a chunk at offset ", header.offset, " where offset ", message.moved_, " comes next"));
         } else if (header.length > 0) {
@@ -210,10 +212,12 @@ bool ShmTransport::progress_locked() {
           note_buffered_bytes(buffered_bytes_);
         }
         if (header.total != early.total || header.offset != early.received) {
-          corrupt(src, c10::str("a chunk at offset ", header.offset, " of a ", header.total, "-byte message where offset ",
-                                early.received, " of a ", early.total, "-byte one comes next"));
+          corrupt(src,
+                  c10::str("a chunk at offset ", header.offset, " of a ", header.total, "-byte message where offset ",
+                           early.received, " of a ", early.total, "-byte one comes next"));
         }
-        if (header.length > 0) std::memcpy(early.bytes.data() + header.offset, chunk + kChunkHeaderBytes, header.length);
+        if (header.length > 0)
+          std::memcpy(early.bytes.data() + header.offset, chunk + kChunkHeaderBytes, header.length);
         early.received += header.length;
       }
       channel.tail.store(++tail, std::memory_order_release);
@@ -253,7 +257,10 @@ void ShmTransport::abort_message(Message& message) {
       }
     }
   };
-  if (message.is_send_) drop(sends_[message.peer_]); else drop(recvs_[message.peer_]);
+  if (message.is_send_)
+    drop(sends_[message.peer_]);
+  else
+    drop(recvs_[message.peer_]);
   if (message.moved_ > 0) segment_->mark_broken("a message was aborted half-way");
   message.error_ = "aborted";
   message.done_ = true;

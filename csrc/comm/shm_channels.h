@@ -61,7 +61,7 @@ class ShmTransport final : public Transport {
   std::shared_ptr<ShmSegment> segment_;
   ShmDirect direct_;
   std::mutex mutex_;
-  std::vector<std::deque<c10::intrusive_ptr<Message>>> sends_;  // per destination, in posting order
+  std::vector<std::deque<c10::intrusive_ptr<Message>>> sends_;   // per destination, in posting order
   std::vector<std::vector<c10::intrusive_ptr<Message>>> recvs_;  // per source, posted and incomplete
   struct Unexpected {
     std::vector<char> bytes;
@@ -69,7 +69,7 @@ class ShmTransport final : public Transport {
     int64_t received = 0;
   };
   std::vector<std::map<int, Unexpected>> unexpected_;  // per source, by tag
-  int64_t buffered_bytes_ = 0;                          // bytes held in unexpected_
+  int64_t buffered_bytes_ = 0;                         // bytes held in unexpected_
 #ifdef DDPKIT_TESTING
   bool corrupt_next_chunk_ = false;  // testing/faults.h: corrupt_chunk
 #endif

@@ -58,7 +58,8 @@ void reduce_sources(at::ScalarType dtype, char* out, const std::vector<const cha
                     int64_t count, ReduceOp op, char* also = nullptr) {
   switch (dtype) {
     case at::kFloat:
-      return reduce_sources(reinterpret_cast<float*>(out), sources, offset_elems, count, op, reinterpret_cast<float*>(also));
+      return reduce_sources(reinterpret_cast<float*>(out), sources, offset_elems, count, op,
+                            reinterpret_cast<float*>(also));
     case at::kDouble:
       return reduce_sources(reinterpret_cast<double*>(out), sources, offset_elems, count, op,
                             reinterpret_cast<double*>(also));
@@ -83,7 +84,7 @@ WaitContext ShmDirect::begin(std::string_view what, const std::string& local_err
 }
 
 void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
-                            const std::string& local_error, bool checked) {
+                           const std::string& local_error, bool checked) {
   constexpr std::string_view kWhat = "all_reduce";
   const bool rejected = !local_error.empty();
   const WaitContext context = begin(kWhat, local_error, checked);
@@ -136,7 +137,8 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
     for (int peer = 0; peer < seg_.size(); ++peer) {
       if (peer == seg_.rank()) continue;
       Signal& reduced = seg_.control(peer).reduced;
-      seg_.wait_for(reduced, [&] { return reached(reduced.value.load(std::memory_order_acquire), target); }, reductions);
+      seg_.wait_for(
+          reduced, [&] { return reached(reduced.value.load(std::memory_order_acquire), target); }, reductions);
       const int64_t their_start = slices.start(peer);
       const int64_t their_length = slices.length(peer);
       std::memcpy(chunk + their_start * element, sources[peer] + their_start * element, their_length * element);
@@ -145,7 +147,7 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
 }
 
 void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
-                            const std::string& local_error, bool checked) {
+                           const std::string& local_error, bool checked) {
   constexpr std::string_view kWhat = "all_gather_into_tensor";
   const bool rejected = !local_error.empty();
   const WaitContext context = begin(kWhat, local_error, checked);
@@ -172,7 +174,7 @@ void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, co
 }
 
 void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
-                                const CollectiveHeader& header, const std::string& local_error, bool checked) {
+                               const CollectiveHeader& header, const std::string& local_error, bool checked) {
   constexpr std::string_view kWhat = "reduce_scatter_tensor";
   const bool rejected = !local_error.empty();
   const WaitContext context = begin(kWhat, local_error, checked);
@@ -182,7 +184,8 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
   const char* const in = block == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
   char* const out = block == 0 ? nullptr : static_cast<char*>(output.data_ptr());
   // Each step carries a piece of every block: n pieces of `piece` elements per slot, cache-line aligned.
-  const int64_t piece = std::max<int64_t>(1, (seg_.slot_bytes() / seg_.size()) / static_cast<int64_t>(kLine) * static_cast<int64_t>(kLine) / element);
+  const int64_t piece = std::max<int64_t>(
+      1, (seg_.slot_bytes() / seg_.size()) / static_cast<int64_t>(kLine) * static_cast<int64_t>(kLine) / element);
   const int64_t steps = std::max<int64_t>(1, (block + piece - 1) / piece);
   std::vector<const char*> sources(seg_.size());
   for (int64_t c = 0; c < steps; ++c) {

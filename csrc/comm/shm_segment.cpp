@@ -81,9 +81,9 @@ std::string read_first_line(const char* path) {
 std::string host_identity() {
   char hostname[256] = {0};
   gethostname(hostname, sizeof(hostname) - 1);
-  struct stat shm {};
+  struct stat shm{};
   stat("/dev/shm", &shm);
-  struct stat pid_ns {};
+  struct stat pid_ns{};
   stat("/proc/self/ns/pid", &pid_ns);
   return c10::str(hostname, "|", read_first_line("/proc/sys/kernel/random/boot_id"), "|", shm.st_dev, ":", shm.st_ino,
                   "|", pid_ns.st_ino);
@@ -194,8 +194,8 @@ struct Offer {
   int64_t failure;
   int64_t failed_rank;
   int64_t error_number;
-  int64_t pid;     // of the leader
-  int64_t fd;      // the leader's descriptor of the segment
+  int64_t pid;  // of the leader
+  int64_t fd;   // the leader's descriptor of the segment
   int64_t bytes;
   uint64_t nonce[2];
   int64_t slot_bytes;
@@ -322,8 +322,8 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
   const auto what = [&] { return c10::str("ddpkit.", setup.what(), " (", setup.where(), ")"); };
   const std::string hint = "; set DDPKIT_TRANSPORT=process_group to run without shared memory";
   const auto relayed = [&](const auto& answer) {
-    return c10::str(what(), ": rank ", answer.failed_rank, " failed: ",
-                    describe_failure(answer.failure, answer.error_number), hint);
+    return c10::str(what(), ": rank ", answer.failed_rank,
+                    " failed: ", describe_failure(answer.failure, answer.error_number), hint);
   };
   const size_t plan_extra = 24 * static_cast<size_t>(size);
   const std::vector<int> everyone = all_ranks(size);
@@ -465,9 +465,11 @@ void ShmSegment::offer_to_host(Communicator& setup, HostFailure& failed) {
   int64_t slot_bytes = 0, whole_bytes = 0, chunk_bytes = 0;
   try {
     slot_bytes = env_bytes("DDPKIT_SHM_SLOT_BYTES", kSlotBytes);
-    whole_bytes = env_bytes("DDPKIT_SHM_WHOLE_BYTES", spin_ && size_ == 2 ? kDirectWholeBytesSpinningPair : kDirectWholeBytes);
-    chunk_bytes = env_bytes("DDPKIT_SHM_CHUNK_BYTES", std::clamp<int64_t>(round_up((1 << 20) / std::max(1, size_ - 1), kLine),
-                                                                          64 << 10, 512 << 10));
+    whole_bytes =
+        env_bytes("DDPKIT_SHM_WHOLE_BYTES", spin_ && size_ == 2 ? kDirectWholeBytesSpinningPair : kDirectWholeBytes);
+    chunk_bytes =
+        env_bytes("DDPKIT_SHM_CHUNK_BYTES",
+                  std::clamp<int64_t>(round_up((1 << 20) / std::max(1, size_ - 1), kLine), 64 << 10, 512 << 10));
   } catch (const c10::Error&) {
     settings_ok = false;
   }
@@ -560,7 +562,7 @@ void ShmSegment::accept_from_leader(Communicator& setup, int leader, HostFailure
   } else {
     const std::string path = c10::str("/proc/", offer.pid, "/fd/", offer.fd);
     const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-    struct stat info {};
+    struct stat info{};
     if (fd < 0 || fstat(fd, &info) != 0) {
       mine.failure = kOpenFailed;
       mine.error_number = errno;
@@ -605,8 +607,8 @@ void ShmSegment::map(int fd, size_t bytes, const Layout& layout) {
   errno = 0;
   void* address = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int error = errno;
-  TORCH_CHECK(address != MAP_FAILED, "ddpkit: mapping the shared-memory segment (", bytes, " bytes) failed: ",
-              std::strerror(error));
+  TORCH_CHECK(address != MAP_FAILED, "ddpkit: mapping the shared-memory segment (", bytes,
+              " bytes) failed: ", std::strerror(error));
   base_ = static_cast<char*>(address);
   bytes_ = bytes;
   slot_bytes_ = layout.slot_bytes;
@@ -714,8 +716,7 @@ void ShmSegment::check_usable(std::string_view what) const {
   }
   if (why.empty()) why = peer_failure();
   if (why.empty()) return;  // this rank's own failure, still being recorded by another of its threads
-  TORCH_CHECK(false, "ddpkit.", what, " (", where(),
-              "): this process group's shared-memory transport failed (", why,
+  TORCH_CHECK(false, "ddpkit.", what, " (", where(), "): this process group's shared-memory transport failed (", why,
               "); destroy the group and create a new one");
 }
 
@@ -745,7 +746,8 @@ std::vector<int> ShmSegment::awaited_peers(const WaitContext& context) const {
   }
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_) continue;
-    const Signal& counter = context.awaited == WaitContext::Awaited::kArrived ? control(peer).arrived : control(peer).reduced;
+    const Signal& counter =
+        context.awaited == WaitContext::Awaited::kArrived ? control(peer).arrived : control(peer).reduced;
     if (!reached(counter.value.load(std::memory_order_acquire), context.step)) missing.push_back(peer);
   }
   return missing;
@@ -777,8 +779,8 @@ void ShmSegment::check_peers(const WaitContext& context, const std::function<boo
   if (!given_up.empty()) {
     const std::string awaited = describe_awaited(context);
     mark_broken(given_up);
-    TORCH_CHECK(false, "ddpkit.", context.what, " (", where(), "): waiting for ", awaited,
-                " failed: ", given_up, "; destroy the group and create a new one");
+    TORCH_CHECK(false, "ddpkit.", context.what, " (", where(), "): waiting for ", awaited, " failed: ", given_up,
+                "; destroy the group and create a new one");
   }
   check_usable(context.what);
   if (std::chrono::steady_clock::now() > context.deadline) {

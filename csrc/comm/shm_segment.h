@@ -93,7 +93,8 @@ namespace ddpkit::comm {
 // keeps two ranks on one CPU for a while although another CPU is there (a fresh pair of processes
 // that started on one CPU, or ranks that gloo's socket wake-ups left on one), and each wait's
 // spin then only kept the peer it waited for off the CPU (n=2 pinned to one CPU: yielding at once
-// made a 1k-float all-reduce several times faster, measured by hand with taskset). Sleeps are bounded (kLivenessMillis): each timeout
+// made a 1k-float all-reduce several times faster, measured by hand with taskset). Sleeps are
+// bounded (kLivenessMillis): each timeout
 // checks that the peers still live (their pid in /proc, zombies counting as dead) and the group's
 // timeout, so a peer killed in the middle of a collective is reported within a fraction of a
 // second, naming it.
@@ -289,7 +290,7 @@ class ShmSegment {
          channel_stride_ = 0;
   bool spin_ = true;
   mutable std::mutex broken_mutex_;
-  mutable std::string broken_;  // why this rank's transport failed (guarded by broken_mutex_)
+  mutable std::string broken_;                    // why this rank's transport failed (guarded by broken_mutex_)
   mutable std::atomic<bool> broken_flag_{false};  // broken_ is set: the lock-free test of check_usable
 };
 
@@ -317,7 +318,8 @@ void ShmSegment::wait_for(Signal& signal, Ready ready, const WaitContext& contex
     const uint32_t observed = signal.value.load(std::memory_order_seq_cst);
     if (ready()) return;
     signal.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (signal.value.load(std::memory_order_seq_cst) == observed) shm_detail::futex_wait(&signal.value, observed, shm_detail::kLivenessMillis);
+    if (signal.value.load(std::memory_order_seq_cst) == observed)
+      shm_detail::futex_wait(&signal.value, observed, shm_detail::kLivenessMillis);
     signal.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (ready()) return;
     const auto now = std::chrono::steady_clock::now();
@@ -327,6 +329,5 @@ void ShmSegment::wait_for(Signal& signal, Ready ready, const WaitContext& contex
     }
   }
 }
-
 
 }  // namespace ddpkit::comm

@@ -147,12 +147,11 @@ sockaddr_storage link_address() {
   // nor link-local, else the first: every rank on one machine (DDPKIT_TEST_HOSTS) reaches that too.
   const addrinfo* chosen = found;
   for (const addrinfo* entry = found; entry != nullptr; entry = entry->ai_next) {
-    const bool usable =
-        (entry->ai_family == AF_INET &&
-         (ntohl(reinterpret_cast<const sockaddr_in*>(entry->ai_addr)->sin_addr.s_addr) >> 24) != 127) ||
-        (entry->ai_family == AF_INET6 &&
-         !IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(entry->ai_addr)->sin6_addr) &&
-         !IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<const sockaddr_in6*>(entry->ai_addr)->sin6_addr));
+    const bool usable = (entry->ai_family == AF_INET &&
+                         (ntohl(reinterpret_cast<const sockaddr_in*>(entry->ai_addr)->sin_addr.s_addr) >> 24) != 127) ||
+                        (entry->ai_family == AF_INET6 &&
+                         !IN6_IS_ADDR_LOOPBACK(&reinterpret_cast<const sockaddr_in6*>(entry->ai_addr)->sin6_addr) &&
+                         !IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<const sockaddr_in6*>(entry->ai_addr)->sin6_addr));
     if (usable) {
       chosen = entry;
       break;
@@ -257,7 +256,8 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
   // (every rank connects after the all-gather): one names the rank this one expects first with a
   // wrong token, one sends junk and hangs up. Set-up must close both and still link every rank.
   std::vector<Fd> strays;
-  const bool strays_armed = DDPKIT_FAULT_ARMED("stray_links", group_ranks[rank]) && rank + 1 < size && local_error.empty();
+  const bool strays_armed =
+      DDPKIT_FAULT_ARMED("stray_links", group_ranks[rank]) && rank + 1 < size && local_error.empty();
   if (strays_armed) {
     const Clock::time_point soon = Clock::now() + std::chrono::seconds(10);
     for (int stray = 0; stray < 2; ++stray) {
@@ -288,9 +288,9 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
   for (int r = 0; r < size; ++r) {
     std::memcpy(&records[r], outputs[0][r].data_ptr(), sizeof(Record));
     const Record& theirs = records[r];
-    TORCH_CHECK(theirs.magic == kRecordMagic && (theirs.family == AF_INET || theirs.family == AF_INET6) &&
-                    theirs.port != 0,
-                "rank ", group_ranks[r], " could not listen for the links across hosts (its own error says why)");
+    TORCH_CHECK(
+        theirs.magic == kRecordMagic && (theirs.family == AF_INET || theirs.family == AF_INET6) && theirs.port != 0,
+        "rank ", group_ranks[r], " could not listen for the links across hosts (its own error says why)");
     sockaddr_storage& address = addresses[r];
     address.ss_family = theirs.family;
     port_of(address) = theirs.port;
@@ -304,7 +304,8 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
   std::vector<Fd> links(size);
   // Connect to every lower rank, which accepts once its own connections are made (rank 0 at once).
   for (int peer = 0; peer < rank; ++peer) {
-    const std::string whom = c10::str("rank ", group_ranks[peer], " (links across hosts, at ", address_text(addresses[peer]), ")");
+    const std::string whom =
+        c10::str("rank ", group_ranks[peer], " (links across hosts, at ", address_text(addresses[peer]), ")");
     Fd fd(::socket(addresses[peer].ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     TORCH_CHECK(fd.get() >= 0, "socket failed: ", errno_text());
     if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addresses[peer]), address_length(addresses[peer])) != 0) {
@@ -312,8 +313,8 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
       TORCH_CHECK(wait_for(fd.get(), POLLOUT, deadline), "timed out connecting to ", whom);
       int error = 0;
       socklen_t error_length = sizeof(error);
-      TORCH_CHECK(::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &error_length) == 0, "getsockopt failed: ",
-                  errno_text());
+      TORCH_CHECK(::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &error, &error_length) == 0,
+                  "getsockopt failed: ", errno_text());
       TORCH_CHECK(error == 0, "cannot connect to ", whom, ": ", std::strerror(error));
     }
     set_no_delay(fd.get());
@@ -353,7 +354,8 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
     }
     set_no_delay(fd.get());
     const Ack ack{kAckMagic, static_cast<uint64_t>(rank)};
-    write_all(fd.get(), &ack, sizeof(ack), deadline, c10::str("rank ", group_ranks[hello.rank], " (links across hosts)"));
+    write_all(fd.get(), &ack, sizeof(ack), deadline,
+              c10::str("rank ", group_ranks[hello.rank], " (links across hosts)"));
     links[hello.rank] = std::move(fd);
     --expected;
   }
@@ -362,8 +364,8 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank) continue;
     const int flags = ::fcntl(links[peer].get(), F_GETFL);
-    TORCH_CHECK(flags >= 0 && ::fcntl(links[peer].get(), F_SETFL, flags | O_NONBLOCK) == 0, "fcntl failed: ",
-                errno_text());
+    TORCH_CHECK(flags >= 0 && ::fcntl(links[peer].get(), F_SETFL, flags | O_NONBLOCK) == 0,
+                "fcntl failed: ", errno_text());
   }
   for (int peer = 0; peer < size; ++peer) {
     if (peer != rank) fds[peer] = links[peer].release();
@@ -465,7 +467,8 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
   };
   auto send_total = [&](size_t i) { return kHeaderBytes + static_cast<int64_t>(outgoing[i].header.bytes); };
   auto recv_total = [&](size_t i) {
-    return incoming[i].done < kHeaderBytes ? kHeaderBytes + 1 : kHeaderBytes + static_cast<int64_t>(incoming[i].header.bytes);
+    return incoming[i].done < kHeaderBytes ? kHeaderBytes + 1
+                                           : kHeaderBytes + static_cast<int64_t>(incoming[i].header.bytes);
   };
   // Moves every unfinished frame as far as its socket allows; returns how many are unfinished.
   auto progress = [&]() {
@@ -482,7 +485,8 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
             skip -= bytes;
             return;
           }
-          parts[count++] = {const_cast<char*>(static_cast<const char*>(data)) + skip, static_cast<size_t>(bytes - skip)};
+          parts[count++] = {const_cast<char*>(static_cast<const char*>(data)) + skip,
+                            static_cast<size_t>(bytes - skip)};
           skip = 0;
         };
         add(&out.header, kHeaderBytes);
@@ -494,7 +498,8 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
         const ssize_t sent = ::sendmsg(fds_[send.peer], &message, MSG_NOSIGNAL);
         if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         if (sent < 0 && errno == EINTR) continue;
-        if (sent < 0) give_up(send.peer, c10::str("sending to rank ", group_ranks_[send.peer], " failed: ", errno_text()));
+        if (sent < 0)
+          give_up(send.peer, c10::str("sending to rank ", group_ranks_[send.peer], " failed: ", errno_text()));
         out.done += sent;
       }
       if (out.done < send_total(i)) ++unfinished;
@@ -511,17 +516,19 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
         if (got < 0 && errno == EINTR) continue;
         if (got == 0) {
           give_up(recv.peer, c10::str("rank ", group_ranks_[recv.peer],
-                                   " closed its connection: its process died or gave up this collective"));
+                                      " closed its connection: its process died or gave up this collective"));
         }
-        if (got < 0) give_up(recv.peer, c10::str("receiving from rank ", group_ranks_[recv.peer], " failed: ", errno_text()));
+        if (got < 0)
+          give_up(recv.peer, c10::str("receiving from rank ", group_ranks_[recv.peer], " failed: ", errno_text()));
         in.done += got;
         if (in.done == kHeaderBytes) {
           const FrameHeader& header = in.header;
           if (header.magic != kFrameMagic || header.sequence != sequence ||
-              header.bytes > static_cast<uint64_t>(recv.capacity) || header.bytes < static_cast<uint64_t>(recv.minimum)) {
-            give_up(recv.peer, c10::str("rank ", group_ranks_[recv.peer], " sent a frame of collective ", header.sequence, " with ",
-                                     header.bytes, " bytes where collective ", sequence, " expected ",
-                                     recv.minimum, " to ", recv.capacity));
+              header.bytes > static_cast<uint64_t>(recv.capacity) ||
+              header.bytes < static_cast<uint64_t>(recv.minimum)) {
+            give_up(recv.peer, c10::str("rank ", group_ranks_[recv.peer], " sent a frame of collective ",
+                                        header.sequence, " with ", header.bytes, " bytes where collective ", sequence,
+                                        " expected ", recv.minimum, " to ", recv.capacity));
           }
         }
       }
@@ -529,7 +536,8 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
         int64_t ready = std::max<int64_t>(0, in.done - kHeaderBytes);
         const int64_t total = in.done < kHeaderBytes ? -1 : static_cast<int64_t>(in.header.bytes);
         for (size_t j = 0; j < sends.size(); ++j) {
-          if (sends[j].peer == recv.peer) ready = std::min(ready, std::max<int64_t>(0, outgoing[j].done - kHeaderBytes));
+          if (sends[j].peer == recv.peer)
+            ready = std::min(ready, std::max<int64_t>(0, outgoing[j].done - kHeaderBytes));
         }
         if (ready > in.reported && (ready == total || ready - in.reported >= recv.step)) {
           try {
@@ -569,8 +577,8 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     if (ready < 0 && errno == EINTR) continue;
     if (ready < 0) give_up(-1, c10::str("poll failed: ", errno_text()));
     if (ready == 0) {
-      give_up(waiting_peer.front(), c10::str("timed out after ", call_timeout_or(timeout_).count(), " ms waiting for rank ",
-                                          group_ranks_[waiting_peer.front()]));
+      give_up(waiting_peer.front(), c10::str("timed out after ", call_timeout_or(timeout_).count(),
+                                             " ms waiting for rank ", group_ranks_[waiting_peer.front()]));
     }
   }
 }

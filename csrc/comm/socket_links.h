@@ -105,7 +105,7 @@ class SocketLinks {
   [[noreturn]] void fail(int peer, const std::string& why, const std::vector<int>& cut_off);
 
   int rank_;
-  std::vector<int> fds_;  // by peer; -1 for this rank
+  std::vector<int> fds_;          // by peer; -1 for this rank
   std::vector<int> group_ranks_;  // by peer
   std::chrono::milliseconds timeout_;
   int failed_peer_ = -1;

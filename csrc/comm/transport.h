@@ -59,8 +59,8 @@ class DirectCollectives {
   // After a failure: the group's rank that died or gave up first, as far as this transport knows; -1.
   virtual int failed_rank() const = 0;
   // In place on `flat` (contiguous; float32/float64/int32/int64): every rank ends with the same bits.
-  virtual void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
-                          const std::string& local_error, bool checked) = 0;
+  virtual void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
+                          bool checked) = 0;
   // torch's all_gather_into_tensor: `input` is rank i's block i of `output` everywhere.
   virtual void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
                           const std::string& local_error, bool checked) = 0;

@@ -59,7 +59,6 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_
         }));
     hooks_.emplace_back(std::move(accumulator), key);
   }
-
 }
 
 void Reducer::build_buckets(const std::vector<int64_t>& bucket_of_param) {
@@ -135,9 +134,11 @@ void Reducer::abandon_unfinished_backward() {
     }
   }
   in_backward_ = false;
-  TORCH_WARN("ddpkit.DistributedDataParallel: the previous backward raised before its gradients were "
-             "synchronised, so they hold this rank's own, unaveraged values: zero them before the next "
-             "optimizer step", errors);
+  TORCH_WARN(
+      "ddpkit.DistributedDataParallel: the previous backward raised before its gradients were "
+      "synchronised, so they hold this rank's own, unaveraged values: zero them before the next "
+      "optimizer step",
+      errors);
 }
 
 void Reducer::set_sync(bool enabled) {
@@ -202,9 +203,10 @@ void Reducer::launch(Bucket& bucket) {
   // Note [Overlap]: queued on the group's engine, which runs it while backward goes on.
   at::Tensor flat = bucket.flat;
   const comm::Algorithm algorithm = algorithm_;
-  bucket.work = engine_->submit(flat.device().type(), comm::TransportKind::kAuto, "all_reduce", [flat, algorithm](comm::Communicator& comm) mutable {
-    comm::all_reduce_(flat, comm::ReduceOp::kSum, algorithm, comm);
-  });
+  bucket.work = engine_->submit(flat.device().type(), comm::TransportKind::kAuto, "all_reduce",
+                                [flat, algorithm](comm::Communicator& comm) mutable {
+                                  comm::all_reduce_(flat, comm::ReduceOp::kSum, algorithm, comm);
+                                });
 }
 
 void Reducer::finalize() {
@@ -254,8 +256,7 @@ void Reducer::finish_bucketed() {
 }
 
 void Reducer::finish_per_parameter() {
-  const comm::Algorithm algorithm =
-      mode_ == SyncMode::kGatherScatter ? comm::Algorithm::kGatherScatter : algorithm_;
+  const comm::Algorithm algorithm = mode_ == SyncMode::kGatherScatter ? comm::Algorithm::kGatherScatter : algorithm_;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!slots_[i].included) continue;
     // Every rank issues the same collectives: a frozen parameter's (Note [Frozen after wrapping]) is
@@ -265,8 +266,9 @@ void Reducer::finish_per_parameter() {
     if (!grad.defined() && !frozen) grad = at::zeros_like(params_[i]);
     at::Tensor contiguous =
         frozen ? at::zeros_like(params_[i], at::MemoryFormat::Contiguous) : grad.detach().contiguous();
-    engine_->run(contiguous.device().type(), comm::TransportKind::kAuto, "all_reduce",
-                 [&](comm::Communicator& comm) { comm::all_reduce_(contiguous, comm::ReduceOp::kMean, algorithm, comm); });
+    engine_->run(contiguous.device().type(), comm::TransportKind::kAuto, "all_reduce", [&](comm::Communicator& comm) {
+      comm::all_reduce_(contiguous, comm::ReduceOp::kMean, algorithm, comm);
+    });
     if (!frozen && !same_memory(contiguous, grad)) grad.copy_(contiguous);
     ++collectives_;
   }

@@ -126,9 +126,9 @@ class Reducer : public torch::CustomClassHolder {
 
  private:
   struct Bucket {
-    at::Tensor flat;                 // one dtype and device, numel = sum of its parameters' numels
-    std::vector<size_t> params;      // indices into params_, in slot order
-    size_t pending = 0;              // slots still waiting for a gradient this iteration
+    at::Tensor flat;                      // one dtype and device, numel = sum of its parameters' numels
+    std::vector<size_t> params;           // indices into params_, in slot order
+    size_t pending = 0;                   // slots still waiting for a gradient this iteration
     c10::intrusive_ptr<c10d::Work> work;  // its all-reduce on the group's engine, until waited on
   };
   struct Slot {
@@ -139,8 +139,8 @@ class Reducer : public torch::CustomClassHolder {
   };
 
   void build_buckets(const std::vector<int64_t>& bucket_of_param);
-  void mark_ready(size_t index);               // the AccumulateGrad post hook
-  void start_iteration();                      // first hook of a synchronised backward
+  void mark_ready(size_t index);  // the AccumulateGrad post hook
+  void start_iteration();         // first hook of a synchronised backward
   void copy_into_slot(size_t index);
   void launch_ready_buckets();
   void launch(Bucket& bucket);

@@ -163,11 +163,13 @@ LocalMoments local_moments(const LocalInput& in) {
   const int64_t channels = in.channels();
   if (native(in.x)) {
     LocalMoments out{new_doubles(in.x, channels), new_doubles(in.x, channels)};
-    cpu::kernel_table().moments(in.x.scalar_type(), in.x.const_data_ptr(), in.shape, out.mean.mutable_data_ptr<double>(),
-                                out.m2.mutable_data_ptr<double>());
+    cpu::kernel_table().moments(in.x.scalar_type(), in.x.const_data_ptr(), in.shape,
+                                out.mean.mutable_data_ptr<double>(), out.m2.mutable_data_ptr<double>());
     return out;
   }
-  if (in.count() == 0) return {at::zeros({channels}, in.x.options().dtype(at::kDouble)), at::zeros({channels}, in.x.options().dtype(at::kDouble))};
+  if (in.count() == 0)
+    return {at::zeros({channels}, in.x.options().dtype(at::kDouble)),
+            at::zeros({channels}, in.x.options().dtype(at::kDouble))};
   const at::Tensor xf = in.x.to(acc_dtype(in.x.scalar_type()));
   auto [var, mean] = at::var_mean(xf, reduce_dims(xf), /*correction=*/0, /*keepdim=*/false);
   return {mean.to(at::kDouble), var.to(at::kDouble) * static_cast<double>(in.count())};
@@ -189,8 +191,8 @@ at::Tensor pack_moments(const LocalMoments& moments, int64_t count) {
     p[2 * channels] = n;
     return packed;
   }
-  return at::cat({moments.mean * n, moments.m2 + moments.mean * moments.mean * n,
-                  at::full({1}, n, moments.mean.options())});
+  return at::cat(
+      {moments.mean * n, moments.m2 + moments.mean * moments.mean * n, at::full({1}, n, moments.mean.options())});
 }
 
 // Mean, biased var and invstd from a summed pack_moments buffer.

@@ -45,8 +45,9 @@ void check_per_channel(const std::optional<at::Tensor>& t, const char* name, con
               input.device());
   check_parameter_dtype(input.scalar_type(), t->scalar_type(), name);
   if (!parameter_dtype) parameter_dtype = t->scalar_type();
-  TORCH_CHECK(*parameter_dtype == t->scalar_type(), kName, ": weight, bias and running statistics must share one dtype; ",
-              name, " has ", t->scalar_type(), ", another has ", *parameter_dtype);
+  TORCH_CHECK(*parameter_dtype == t->scalar_type(), kName,
+              ": weight, bias and running statistics must share one dtype; ", name, " has ", t->scalar_type(),
+              ", another has ", *parameter_dtype);
 }
 
 void check_input(const at::Tensor& input) {
@@ -87,10 +88,9 @@ void check_or_reject(Checks&& checks, const at::Tensor& input, bool communicates
       const std::string error = e.what_without_backtrace();
       const c10::DeviceType device = input.defined() ? input.device().type() : c10::kCPU;
       try {
-        comm::Engine::of(std::string(*group_name))->run(device, comm::TransportKind::kAuto, "all_reduce",
-                                                        [&](comm::Communicator& comm) {
-          comm::reject(comm::CollectiveKind::kAllReduce, error, comm);
-        });
+        comm::Engine::of(std::string(*group_name))
+            ->run(device, comm::TransportKind::kAuto, "all_reduce",
+                  [&](comm::Communicator& comm) { comm::reject(comm::CollectiveKind::kAllReduce, error, comm); });
       } catch (const std::exception&) {
         // reject always raises; this rank's own error (below) is the one to report
       }
@@ -195,8 +195,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
         check_per_channel(running_var, "running_var", input, parameter_dtype);
         TORCH_CHECK(has_running == (running_var && running_var->defined()), kName,
                     ": running_mean and running_var must be given together");
-        TORCH_CHECK(training || has_running, kName,
-                    ": running_mean and running_var are required when training=False");
+        TORCH_CHECK(training || has_running, kName, ": running_mean and running_var are required when training=False");
         parsed = comm::parse_algorithm(algorithm);
       },
       input, training, group_name);
@@ -219,12 +218,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
     stats = local_batch_stats(in, eps, running);
   }
   // The running estimates were left alone for a single value per channel (RunningStats).
-  TORCH_CHECK_VALUE(stats.count != 1, "Expected more than 1 value per channel when training, got input size ",
-                    input.sizes(),
-                    group_name ? c10::str(" on this rank; the batch of all ", ranks, " ranks of the group has 1")
-                               : std::string());
-  return {normalize(in, stats.mean, stats.invstd, w, b), stats.mean, stats.invstd,
-          static_cast<int64_t>(stats.count)};
+  TORCH_CHECK_VALUE(
+      stats.count != 1, "Expected more than 1 value per channel when training, got input size ", input.sizes(),
+      group_name ? c10::str(" on this rank; the batch of all ", ranks, " ranks of the group has 1") : std::string());
+  return {normalize(in, stats.mean, stats.invstd, w, b), stats.mean, stats.invstd, static_cast<int64_t>(stats.count)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_backward(
@@ -240,8 +237,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_backward(
         TORCH_CHECK(grad_output.sizes() == input.sizes() && grad_output.scalar_type() == input.scalar_type() &&
                         grad_output.device() == input.device(),
                     kName, "_backward: grad_output must match the input's shape, dtype and device; got ",
-                    grad_output.sizes(), " ", grad_output.scalar_type(), " on ", grad_output.device(),
-                    " for an input ", input.sizes(), " ", input.scalar_type(), " on ", input.device());
+                    grad_output.sizes(), " ", grad_output.scalar_type(), " on ", grad_output.device(), " for an input ",
+                    input.sizes(), " ", input.scalar_type(), " on ", input.device());
         check_per_channel(weight, "weight", input, parameter_dtype);
         check_statistic(mean, "mean", input);
         check_statistic(invstd, "invstd", input);
@@ -252,8 +249,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_backward(
   const LocalInput in = prepare_input(input);
   const at::Tensor dy = match_layout(in, grad_output);
   const at::Tensor w = weight.value_or(at::Tensor());
-  const at::ScalarType grad_dtype = parameter_dtype.value_or(reduced_precision(input.scalar_type()) ? at::kFloat
-                                                                                                    : input.scalar_type());
+  const at::ScalarType grad_dtype =
+      parameter_dtype.value_or(reduced_precision(input.scalar_type()) ? at::kFloat : input.scalar_type());
   at::Tensor grad_input;
   LocalGradSums local;
   if (want_weight || want_bias || (want_input && training)) {
@@ -285,8 +282,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm_autograd
   int64_t count = 0;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    std::tie(output, mean, invstd, count) =
-        sync_batch_norm_op().call(input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm, group_name);
+    std::tie(output, mean, invstd, count) = sync_batch_norm_op().call(input, weight, bias, running_mean, running_var,
+                                                                      training, momentum, eps, algorithm, group_name);
   }
   if (node) {
     node->input_ = torch::autograd::SavedVariable(input, /*is_output=*/false);

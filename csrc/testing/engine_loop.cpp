@@ -25,8 +25,9 @@ using namespace ddpkit::comm;
 //   "all_reduce_unchecked" the same with Note [Collective checks] off for the loop.
 // Every rank of the group calls it with the same arguments (the all-reduces pair across ranks).
 double time_engine_loop(int64_t numel, int64_t iterations, std::string_view stage, const std::string& group_name) {
-  TORCH_CHECK(numel >= 0 && iterations >= 1, "ddpkit.testing.time_engine_loop: numel must be >= 0 and iterations >= 1, got ",
-              numel, " and ", iterations);
+  TORCH_CHECK(numel >= 0 && iterations >= 1,
+              "ddpkit.testing.time_engine_loop: numel must be >= 0 and iterations >= 1, got ", numel, " and ",
+              iterations);
   enum class Stage { kLookup, kEngine, kAllReduce, kAllReduceUnchecked };
   constexpr std::array<std::string_view, 4> kStageNames = {"lookup", "engine", "all_reduce", "all_reduce_unchecked"};
   const auto found = std::find(kStageNames.begin(), kStageNames.end(), stage);
@@ -57,9 +58,7 @@ double time_engine_loop(int64_t numel, int64_t iterations, std::string_view stag
         Engine::of(group_name)->run(c10::kCPU, TransportKind::kAuto, "all_reduce", [](Communicator&) {});
         break;
       case Stage::kAllReduce:
-      case Stage::kAllReduceUnchecked:
-        all_reduce();
-        break;
+      case Stage::kAllReduceUnchecked: all_reduce(); break;
     }
   }
   const std::chrono::duration<double> elapsed = std::chrono::steady_clock::now() - start;

@@ -26,7 +26,7 @@ struct Shape {
   bool channels_inner = false;
   int64_t outer = 0;
   int64_t channels = 0;
-  int64_t inner = 1;  // 1 for channels-inner
+  int64_t inner = 1;                               // 1 for channels-inner
   int64_t count() const { return outer * inner; }  // values per channel
 };
 

@@ -434,8 +434,10 @@ void rows_grad_sums(const scalar_t* x, const scalar_t* dy, const Shape& s, const
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * block_rows, r1 = std::min(rows, r0 + block_rows);
       int64_t c = 0;
-      for (; c + kTile <= channels; c += kTile) tile_grad_sums<kTileSteps>(x, dy, channels, r0, r1, c, center, t_dy, t_dy_xc);
-      for (; c + IO::kStep <= channels; c += IO::kStep) tile_grad_sums<1>(x, dy, channels, r0, r1, c, center, t_dy, t_dy_xc);
+      for (; c + kTile <= channels; c += kTile)
+        tile_grad_sums<kTileSteps>(x, dy, channels, r0, r1, c, center, t_dy, t_dy_xc);
+      for (; c + IO::kStep <= channels; c += IO::kStep)
+        tile_grad_sums<1>(x, dy, channels, r0, r1, c, center, t_dy, t_dy_xc);
       for (; c < channels; ++c) {
         acc a = 0, bsum = 0;
         for (int64_t r = r0; r < r1; ++r) {

@@ -119,14 +119,14 @@ at::Tensor affine_pass(const LocalInput& in, const at::Tensor& dy, const PassArg
       const int64_t grid_x = ceil_div(shape.channels, block.x);
       const int64_t grid_y = std::clamp<int64_t>(
           std::min(ceil_div(shape.outer, block.y), ceil_div(4 * resident_blocks(), grid_x)), 1, kMaxGridY);
-      affine_rows_kernel<pass, scalar_t, acc_t><<<dim3(grid_x, grid_y), block, 0, stream>>>(
-          xp, dyp, op, shape.outer, shape.channels, args);
+      affine_rows_kernel<pass, scalar_t, acc_t>
+          <<<dim3(grid_x, grid_y), block, 0, stream>>>(xp, dyp, op, shape.outer, shape.channels, args);
     } else {
       const int lanes_log2 = std::min(ceil_log2(shape.inner), ceil_log2(kThreads));
       const int64_t planes = shape.outer * shape.channels;
       const int64_t grid_x = ceil_div(planes, kThreads >> lanes_log2);
-      affine_planar_kernel<pass, scalar_t, acc_t><<<grid_x, kThreads, 0, stream>>>(
-          xp, dyp, op, planes, shape.channels, shape.inner, lanes_log2, args);
+      affine_planar_kernel<pass, scalar_t, acc_t>
+          <<<grid_x, kThreads, 0, stream>>>(xp, dyp, op, planes, shape.channels, shape.inner, lanes_log2, args);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -150,14 +150,14 @@ void run_moments(const LocalInput& in, const Finish& finish) {
     auto reduce = [&](int64_t splits, auto sink) {
       if (shape.channels_inner) {
         const dim3 block = rows_block(channels);
-        moments_rows_kernel<scalar_t, acc_t><<<dim3(ceil_div(channels, block.x), splits), block, 0, stream>>>(
-            xp, shape.outer, channels, sink);
+        moments_rows_kernel<scalar_t, acc_t>
+            <<<dim3(ceil_div(channels, block.x), splits), block, 0, stream>>>(xp, shape.outer, channels, sink);
       } else if (in.count() < (int64_t{1} << 31)) {
-        moments_planar_kernel<scalar_t, acc_t, uint32_t><<<dim3(channels, splits), kThreads, 0, stream>>>(
-            xp, shape.outer, channels, shape.inner, sink);
+        moments_planar_kernel<scalar_t, acc_t, uint32_t>
+            <<<dim3(channels, splits), kThreads, 0, stream>>>(xp, shape.outer, channels, shape.inner, sink);
       } else {
-        moments_planar_kernel<scalar_t, acc_t, uint64_t><<<dim3(channels, splits), kThreads, 0, stream>>>(
-            xp, shape.outer, channels, shape.inner, sink);
+        moments_planar_kernel<scalar_t, acc_t, uint64_t>
+            <<<dim3(channels, splits), kThreads, 0, stream>>>(xp, shape.outer, channels, shape.inner, sink);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
@@ -187,8 +187,9 @@ StatsTarget stats_target(const at::Tensor& like, int64_t channels, double count,
   const auto doubles = like.options().dtype(at::kDouble);
   StatsTarget t;
   t.stats = BatchStats{at::empty({channels}, doubles), at::Tensor(), at::empty({channels}, doubles), count};
-  t.out = StatsOut{t.stats.mean.mutable_data_ptr<double>(), nullptr, t.stats.invstd.mutable_data_ptr<double>(),
-                   MutableParam{nullptr, ParamType::kNone}, MutableParam{nullptr, ParamType::kNone}, running.momentum,
+  t.out = StatsOut{t.stats.mean.mutable_data_ptr<double>(),   nullptr,
+                   t.stats.invstd.mutable_data_ptr<double>(), MutableParam{nullptr, ParamType::kNone},
+                   MutableParam{nullptr, ParamType::kNone},   running.momentum,
                    count > 1 ? count / (count - 1) : 0.0};
   if (running.applies(count)) {
     if (running.mean.is_contiguous() && running.var.is_contiguous()) {
@@ -275,14 +276,14 @@ LocalGradSums local_grad_sums(const LocalInput& in, const at::Tensor& dy, const 
       const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
       if (shape.channels_inner) {
         const dim3 block = rows_block(channels);
-        grad_sums_rows_kernel<scalar_t, acc_t><<<dim3(ceil_div(channels, block.x), splits), block, 0, stream>>>(
-            xp, dyp, mp, shape.outer, channels, sink);
+        grad_sums_rows_kernel<scalar_t, acc_t>
+            <<<dim3(ceil_div(channels, block.x), splits), block, 0, stream>>>(xp, dyp, mp, shape.outer, channels, sink);
       } else if (in.count() < (int64_t{1} << 31)) {
-        grad_sums_planar_kernel<scalar_t, acc_t, uint32_t><<<dim3(channels, splits), kThreads, 0, stream>>>(
-            xp, dyp, mp, shape.outer, channels, shape.inner, sink);
+        grad_sums_planar_kernel<scalar_t, acc_t, uint32_t>
+            <<<dim3(channels, splits), kThreads, 0, stream>>>(xp, dyp, mp, shape.outer, channels, shape.inner, sink);
       } else {
-        grad_sums_planar_kernel<scalar_t, acc_t, uint64_t><<<dim3(channels, splits), kThreads, 0, stream>>>(
-            xp, dyp, mp, shape.outer, channels, shape.inner, sink);
+        grad_sums_planar_kernel<scalar_t, acc_t, uint64_t>
+            <<<dim3(channels, splits), kThreads, 0, stream>>>(xp, dyp, mp, shape.outer, channels, shape.inner, sink);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
@@ -306,8 +307,8 @@ at::Tensor grad_input_training(const LocalInput& in, const at::Tensor& dy, const
   const c10::cuda::CUDAGuard device_guard(in.x.device());
   const at::Tensor m = mean.contiguous(), s = invstd.contiguous(), g = sums.contiguous();
   const at::Tensor w = contiguous_or_undefined(weight);
-  const PassArgs args{m.const_data_ptr<double>(), s.const_data_ptr<double>(), param(w), Param{nullptr, ParamType::kNone},
-                      g.const_data_ptr<double>(), count > 0 ? 1.0 / count : 0.0};
+  const PassArgs args{m.const_data_ptr<double>(),       s.const_data_ptr<double>(), param(w),
+                      Param{nullptr, ParamType::kNone}, g.const_data_ptr<double>(), count > 0 ? 1.0 / count : 0.0};
   return affine_pass<Pass::kGradTraining>(in, dy, args);
 }
 
@@ -323,9 +324,8 @@ at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at:
 }  // namespace
 
 const ElementKernels& element_kernels() {
-  static const ElementKernels table{c10::kCUDA,          &local_batch_stats,   &packed_moments,
-                                    &stats_from_packed,   &normalize,           &local_grad_sums,
-                                    &grad_input_training, &grad_input_eval};
+  static const ElementKernels table{c10::kCUDA, &local_batch_stats, &packed_moments,      &stats_from_packed,
+                                    &normalize, &local_grad_sums,   &grad_input_training, &grad_input_eval};
   return table;
 }
 

@@ -268,8 +268,8 @@ __device__ __forceinline__ Welford<double> merged_moments(const Welford<acc_t>* 
   Welford<double> total{0.0, 0.0, 0.0};
   for (int64_t k = 0; k < splits; ++k) {
     const Welford<acc_t>& p = partial[k * channels + c];
-    total = welford_merge(total, Welford<double>{static_cast<double>(p.n), static_cast<double>(p.mean),
-                                                 static_cast<double>(p.m2)});
+    total = welford_merge(
+        total, Welford<double>{static_cast<double>(p.n), static_cast<double>(p.mean), static_cast<double>(p.m2)});
   }
   const double shift = x == nullptr ? 0.0 : static_cast<double>(static_cast<acc_t>(x[c * shift_stride]));
   return Welford<double>{total.n, shift + total.mean, total.m2};
@@ -453,9 +453,9 @@ struct PassArgs {
   const double* mean;    // [C]; unused by kGradEval
   const double* invstd;  // [C]
   Param weight;
-  Param bias;            // kNormalize only
-  const double* sums;    // [2C] global [Σ dy | Σ dy·(x - mean)]; kGradTraining only
-  double inv_count;      // 1/N (0 for an empty group); kGradTraining only
+  Param bias;          // kNormalize only
+  const double* sums;  // [2C] global [Σ dy | Σ dy·(x - mean)]; kGradTraining only
+  double inv_count;    // 1/N (0 for an empty group); kGradTraining only
 };
 
 template <typename acc_t>

@@ -1,0 +1,46 @@
+"""The shape issue 41 asks of the code, checked on every run: csrc/comm's includes form no cycle
+(scripts/check_includes.py), no source file in csrc is over 800 lines, and no test module imports
+another (what several use lives in tests/helpers.py)."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_LINES_LIMIT = 800
+
+
+def test_comm_has_no_include_cycle():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_includes.py")], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no include cycle" in result.stdout
+
+
+def test_a_cycle_is_found(tmp_path):
+    (tmp_path / "a.h").write_text('#include "comm/b.h"\n')
+    (tmp_path / "b.h").write_text("#pragma once\n")
+    (tmp_path / "b.cpp").write_text('#include "comm/b.h"\n#include "comm/a.h"\n')
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_includes.py"), str(tmp_path)],
+                            capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "a -> b -> a" in result.stdout
+
+
+def test_no_source_file_is_over_the_limit():
+    sources = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in {".cpp", ".h", ".cu", ".cuh"}]
+    long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > SOURCE_LINES_LIMIT}
+    assert sources and not long, long
+
+
+def test_no_test_module_imports_another():
+    imports = {}
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found = [name for name in names if name.split(".")[0].startswith("test_")]
+            if found:
+                imports[path.name] = found
+    assert not imports, imports
