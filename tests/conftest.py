@@ -89,13 +89,12 @@ def pool():
         worker_pool.close()
 
 
-
 @pytest.fixture(scope="module")
 def hosts():
     """``hosts(name, backend="gloo")``: a live HostPool of the topology ``name`` (TOPOLOGIES), made on
     first use in a module and closed at its end (a pool of simulated hosts holds a launcher and ranks
-    per host); then every host's /dev/shm must be empty (shm_names' rule, inside each host's private
-    /dev/shm)."""
+    per host); then every host's private /dev/shm must be empty (what shm_names checks on this
+    machine, made stricter: a host's /dev/shm holds nothing but what its ranks left)."""
     pools = {}
 
     def get(name, backend="gloo"):

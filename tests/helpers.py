@@ -40,8 +40,9 @@ def shm_names(pids=None) -> set:
 
     ddpkit's segments are anonymous (Note [Shared-memory segment]): they vanish with the last process
     that maps them, so a name here is the one thing a process can leave behind. conftest's session
-    check and HostPool (each host's /dev/shm) apply it; tests of set-up and teardown add their own
-    in-process measure (memfd mappings and descriptors, threads)."""
+    check applies it (and its ``hosts`` fixture asks each simulated host's private /dev/shm to be
+    empty); tests of set-up and teardown add their own in-process measure (memfd mappings and
+    descriptors, threads)."""
     shm = Path("/dev/shm")
     names = set()
     for entry in shm.iterdir() if shm.is_dir() else []:
