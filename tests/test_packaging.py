@@ -3,6 +3,7 @@
 import importlib.metadata
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -52,3 +53,19 @@ def test_make_main_installs_only_what_it_runs():
     assert PYPROJECT["project"]["optional-dependencies"]["plot"] == ["matplotlib"]
     # CI runs `make test` on a fresh clone: it still gets everything the suite needs.
     assert dry_run("test") == ["bash scripts/setup.sh test,report"]
+
+
+def test_importing_ddpkit_leaves_dynamo_for_torch_compile_to_import():
+    """Note [Compile support waits for Dynamo] (comm.py): no Dynamo at import; registered once it is imported."""
+    script = """
+import sys
+import ddpkit
+assert "torch._dynamo" not in sys.modules, "import ddpkit imported torch._dynamo"
+assert ddpkit.syncbn._sync_batch_norm_op_eagerly is None
+import torch._dynamo
+from torch._dynamo.trace_rules import _polyfilled_function_ids
+assert id(ddpkit._C.all_reduce_eager) in _polyfilled_function_ids, "all_reduce's binding has no substitute"
+assert ddpkit.comm._all_reduce_op._torchdynamo_disable
+assert ddpkit.syncbn._sync_batch_norm_op_eagerly._torchdynamo_disable
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)

@@ -19,12 +19,11 @@ import weakref
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
-import torch._dynamo
 import torch.distributed as dist
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _C  # registers torch.ops.ddpkit.*; all_reduce_eager
+from ._on_import import when_imported
 
 # The names the C++ side accepts, read from its enums' name tables (one source for each contract).
 ALGORITHMS = tuple(torch.ops.ddpkit.algorithms())
@@ -120,8 +119,26 @@ _all_reduce_eager = _C.all_reduce_eager
 # before and after the collective is compiled, and the collective runs where every rank expects
 # it. all_reduce pays nothing for this in eager code: Dynamo traces _all_reduce_in_graph in the
 # binding's place; the others check torch.compiler.is_compiling().
+#
+# Note [Compile support waits for Dynamo]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Importing torch._dynamo, which substitute_in_graph and torch.compiler.disable need, costs about as
+# much as importing torch, and most processes that import ddpkit never compile (benchmark ranks,
+# launchers, short jobs). So the compile support above registers itself when Dynamo is imported
+# (_on_import.when_imported), which torch.compile always does before it traces anything.
+# tests/test_packaging.py checks that importing ddpkit leaves Dynamo unimported; the compile tests of
+# tests/test_opcheck.py check that the registration still happens in time.
+_DYNAMO = "torch._dynamo"
+
+
 def _eagerly_under_compile(function: Callable) -> Callable:
-    eagerly = torch.compiler.disable(function)
+    eagerly = None  # torch.compiler.disable(function), once Dynamo is imported (is_compiling() implies it)
+
+    def disable(dynamo) -> None:
+        nonlocal eagerly
+        eagerly = torch.compiler.disable(function)
+
+    when_imported(_DYNAMO, disable)
 
     @functools.wraps(function)
     def call(*args, **kwargs):
@@ -132,16 +149,23 @@ def _eagerly_under_compile(function: Callable) -> Callable:
     return call
 
 
-@torch.compiler.disable
 def _all_reduce_op(tensor: Tensor, op: str, algorithm: str, group_name: str, transport: str) -> None:
     torch.ops.ddpkit.all_reduce_.default(tensor, op, algorithm, group_name, transport)
 
 
-@torch._dynamo.substitute_in_graph(_C.all_reduce_eager, skip_signature_check=True)
 def _all_reduce_in_graph(tensor: Tensor, op: str, algorithm: str, group_name: str, transport: str) -> bool:
     """What torch.compile traces where eager code calls the binding: the op, run eagerly."""
     _all_reduce_op(tensor, op, algorithm, group_name, transport)
     return True
+
+
+def _register_all_reduce(dynamo) -> None:
+    global _all_reduce_op
+    _all_reduce_op = torch.compiler.disable(_all_reduce_op)
+    dynamo.substitute_in_graph(_C.all_reduce_eager, skip_signature_check=True)(_all_reduce_in_graph)
+
+
+when_imported(_DYNAMO, _register_all_reduce)
 
 
 @_eagerly_under_compile
@@ -265,6 +289,8 @@ def choose_algorithm(nbytes: int, world_size: int, shared_memory: bool = False, 
 # (mutated) argument, as their schemas say.
 def _meta_check(collective: str, tensor: Tensor, op: str, algorithm: str, root: int, group_name: str,
                 transport: str) -> None:
+    from torch._subclasses.fake_tensor import FakeTensor  # only where something traces (Note [Compile support waits for Dynamo])
+
     if not isinstance(tensor, FakeTensor):
         torch.ops.ddpkit.meta_collective.default(collective, tensor, op, algorithm, root, group_name, transport)
 

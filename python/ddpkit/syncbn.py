@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._C import sync_batch_norm_eager as _sync_batch_norm_eager
+from ._on_import import when_imported
 from .comm import ALGORITHMS
 
 # torch 2.13 gave the batch-norm layers a `bias` flag; older releases always have a bias when affine.
@@ -81,7 +82,16 @@ def _sync_batch_norm_op(input: Tensor, weight: Optional[Tensor], bias: Optional[
 
 
 # What a compiled graph calls (Dynamo does not trace into it); eager calls skip the wrapper's cost.
-_sync_batch_norm_op_eagerly = torch.compiler.disable(_sync_batch_norm_op)
+# Made when Dynamo is imported (Note [Compile support waits for Dynamo], comm.py).
+_sync_batch_norm_op_eagerly = None
+
+
+def _disable_under_compile(dynamo) -> None:
+    global _sync_batch_norm_op_eagerly
+    _sync_batch_norm_op_eagerly = torch.compiler.disable(_sync_batch_norm_op)
+
+
+when_imported("torch._dynamo", _disable_under_compile)
 
 
 class SyncBatchNorm(_BatchNorm):
