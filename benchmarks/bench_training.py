@@ -138,6 +138,7 @@ def main() -> None:
                         help=f"default: {SHORT['epochs']} ({FULL['epochs']} with --full, {QUICK['epochs']} with --quick)")
     parser.add_argument("--limit-train", type=int,
                         help=f"use the first N training samples (default: {SHORT['limit_train']}; all with --full)")
+    parser.add_argument("--limit-test", type=int, help="evaluate each epoch on the first N test samples (default: all)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--accumulation-steps", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank and micro-batch")
@@ -178,7 +179,7 @@ def main() -> None:
     configs = {name: TrainConfig(dataset=args.dataset, data_root=args.data_root, model=args.model, impl=impl,
                                  sync_bn=sync_bn, epochs=epochs, batch_size=args.batch_size,
                                  accumulation_steps=args.accumulation_steps, lr=args.lr, optimizer=args.optimizer,
-                                 seed=args.seed, limit_train=limit_train, out_dir=None, resume=False,
+                                 seed=args.seed, limit_train=limit_train, limit_test=args.limit_test, out_dir=None, resume=False,
                                  progress=args.progress, log_every=10**9)
                for name, (impl, sync_bn) in candidates.items()}
     width = max(map(len, configs))
