@@ -83,6 +83,7 @@ def test_committed_notebook_executes_without_errors(tmp_path):
     outputs = outputs_of(report.execute(notebook, RESULTS, timeout=120))
     assert not [o for o in outputs if o.get("output_type") == "error"], \
         [o.get("evalue") for o in outputs if o.get("output_type") == "error"]
+    assert not [c.id for c in notebook.cells if "execution" in c.metadata], "executing recorded timestamps"
     # every plot rendered: one per section, two in the all-reduce's, one more for multihost.json where it exists
     assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 6 + (RESULTS / "multihost.json").exists()
 
@@ -101,12 +102,7 @@ def results_copy(tmp_path, commits: dict, names=None):
     return tmp_path
 
 
-def test_the_report_states_its_commit_once_and_warns_about_results_of_others(tmp_path):
-    notebook = report.execute(report.build(), results_copy(tmp_path / "one", {}), timeout=120)
-    text = text_of(outputs_of(notebook))
-    assert text.count("These results were measured at commit `c0ffee`") == 1
-    assert "⚠" not in text and "Every result comes from that commit" in text
-
+def test_the_report_warns_about_results_of_other_commits(tmp_path):
     notebook = report.execute(report.build(), results_copy(tmp_path / "mixed", {"ddp": "c0ffee-dirty",
                                                                                  "backend": "badbeef"}), timeout=120)
     text = text_of(outputs_of(notebook))
@@ -117,11 +113,13 @@ def test_the_report_states_its_commit_once_and_warns_about_results_of_others(tmp
     assert "Every result comes from that commit" not in text
 
 
-def test_the_optional_results_missing_are_a_sentence_each(tmp_path):
+def test_the_optional_results_missing_are_a_sentence_each_and_one_commit_is_stated_once(tmp_path):
     notebook = report.execute(report.build(), results_copy(tmp_path / "expected", {}, analysis.EXPECTED), timeout=120)
     outputs = outputs_of(notebook)
     assert not [o for o in outputs if o.get("output_type") == "error"]
     text = text_of(outputs)
+    assert text.count("These results were measured at commit `c0ffee`") == 1
+    assert "⚠" not in text and "Every result comes from that commit" in text
     assert "No GPU results in this results folder" in text
     assert "No `multihost.json` in this results folder" in text
     assert "No `torch_stack.json` in this results folder" in text
@@ -188,9 +186,3 @@ def test_a_rebuild_from_the_same_results_leaves_the_file_alone(tmp_path):
     changed.cells[0].source += " "
     assert report.write_if_changed(changed, path)
     assert nbformat.read(path, as_version=4).cells[0].source == changed.cells[0].source
-
-
-def test_executing_records_no_timestamps(tmp_path):
-    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 + 1")])
-    report.execute(notebook, RESULTS, timeout=60)
-    assert notebook.cells[0].outputs and "execution" not in notebook.cells[0].metadata
