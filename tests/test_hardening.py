@@ -404,9 +404,10 @@ def case_group_cycles(cycles, backend):
     return samples
 
 
-@pytest.mark.parametrize("backend", ["gloo", "ddpkit"])
-def test_a_thousand_group_cycles_hold_threads_fds_and_memory_flat(backend):
-    cycles = 1000
+# A thousand cycles of a "ddpkit" group (its engine, segment and threads: what the docs claim); ddpkit's
+# collectives on a gloo group keep only per-group state on ddpkit's side, which fewer cycles show as well.
+@pytest.mark.parametrize("backend,cycles", [("gloo", 300), ("ddpkit", 1000)])
+def test_group_cycles_hold_threads_fds_and_memory_flat(backend, cycles):
     with fresh_pool(2) as pool:
         outcomes = pool.run(case_group_cycles, cycles, backend, timeout=600)
     for samples in outcomes:
