@@ -76,6 +76,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def _return_freed_memory() -> None:
+    """Gives the memory the last task freed back to the system (glibc's malloc_trim; elsewhere nothing).
+
+    A pool's ranks live for a whole test session, and glibc keeps what a task's many mid-sized
+    tensors occupied in its arenas once they are freed: after tasks that return every algorithm's
+    results (tests/test_block_collectives.py), each rank kept most of its largest task's memory
+    (smaps_rollup's Pss_Anon), and the suite's pools together exhausted a small machine's. Trimming
+    after each task keeps a rank at what it still holds."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 # How long a pool's ranks may take to start, all together (see _worker_main).
 SETUP_TIMEOUT_S = 180.0
 
@@ -128,6 +142,8 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, grou
             conn.send(message)
         except BaseException as exc:
             conn.send(_error_message(exc))
+        task = fn = args = kwargs = result = message = None  # the task's objects, freed before the trim
+        _return_freed_memory()
     try:
         dist.destroy_process_group()
     except Exception:
