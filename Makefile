@@ -18,8 +18,12 @@ main:
 	@echo "== main: ddpkit's and torch's training pipelines side by side (benchmarks/bench_training.py)"
 	$(PY) benchmarks/bench_training.py
 
+# The suite runs in two pytest-xdist workers, a test file each at a time (--dist loadfile: a file's pools
+# and simulated hosts are made once): much of its time is waiting (process start-up, rendezvous, the
+# timeouts under test), which the other worker fills. Each worker keeps its own session pools, whose
+# ranks return a task's memory after it (ddpkit.testing), so two sets fit a small machine.
 test: setup
-	@echo "== test: ruff (pyproject.toml's [tool.ruff]), clang-format (.clang-format), then the whole suite (what CI runs)"
+	@echo "== test: ruff (pyproject.toml's [tool.ruff]), clang-format (.clang-format), then the whole suite in 2 workers (what CI runs)"
 	$(PY) -m ruff check .
 	git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' | xargs .venv/bin/clang-format --dry-run --Werror
-	$(PY) -m pytest -q --durations=30
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30
