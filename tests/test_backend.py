@@ -948,7 +948,7 @@ UNSUPPORTED_CALLS = {
 
 UNSUPPORTED_MESSAGES = {
     "avg_of_integers_on_one_rank": "ddpkit.all_reduce: rank 1 rejected its arguments",
-    "non_contiguous_all_to_all_single": "ddpkit backend: all_to_all_single needs contiguous tensors",
+    "non_contiguous_all_to_all_single": "ddpkit.all_to_all_single: takes contiguous tensors",
     "avg_of_integers": "ddpkit.all_reduce: op 'mean' needs a floating-point tensor, got Long",
     "premul_sum": "Cannot use ReduceOp.PREMUL_SUM with Gloo",  # delegated: gloo's error
     "int16": "Invalid scalar type",  # delegated: gloo's error (gloo has no int16)

@@ -1,5 +1,5 @@
 """all_gather_into_tensor, reduce_scatter_tensor and barrier (Note [All-gather and reduce-scatter] in
-csrc/comm/collectives.h, Note [Direct all-gather and reduce-scatter] in csrc/comm/shm_direct.h).
+csrc/comm/algorithm.h, Note [Direct all-gather and reduce-scatter] in csrc/comm/shm_direct.h).
 
 Every algorithm valid for each transport runs on the same integer-valued inputs and is compared
 exactly with a float64 reference built here from the same seeds (sums, maxima and minima of

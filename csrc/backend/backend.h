@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -28,17 +29,23 @@ namespace ddpkit::backend {
 //    and returns a completed Work: no thread hand-off. asyncOp=true (async_op=True, and torch DDP's
 //    bucket all-reduces during backward) queues it for the engine's thread; the Work completes
 //    when it ran, and its future holds the output tensors (what DDP's communication hooks read).
-//  - Implemented over the engine: allreduce and allreduce_coalesced (sum, avg, max, min of float32,
-//    float64, float16, bfloat16, int32, int64), broadcast, reduce (same ops and dtypes), allgather,
-//    _allgather_base, allgather_into_tensor_coalesced, gather, scatter, reduce_scatter,
-//    _reduce_scatter_base, reduce_scatter_tensor_coalesced (same ops and dtypes), alltoall,
-//    alltoall_base, barrier. Collectives that only move bytes take any dtype.
+//  - Every operation has one name, torch.distributed's public one (all_reduce, all_gather_into_tensor,
+//    all_to_all_single, ...; the Operation table of backend.cpp maps c10d's overrides to them), and
+//    every error of a call starts with it ("ddpkit.all_reduce: ..."), the engine's included.
+//  - Every override takes the same stages, as gloo's do: the operation's named validators
+//    (check_single_tensor, check_cpu, ...), whose failure rejects the call on every rank; then
+//    ddpkit's own collective on the engine, or gloo's.
+//  - Implemented over the engine: all_reduce and all_reduce_coalesced (sum, avg, max, min of
+//    float32, float64, float16, bfloat16, int32, int64), broadcast, reduce (same ops and dtypes),
+//    all_gather, all_gather_into_tensor, all_gather_into_tensor_coalesced, gather, scatter,
+//    reduce_scatter, reduce_scatter_tensor, reduce_scatter_tensor_coalesced (same ops and dtypes),
+//    all_to_all, all_to_all_single, barrier. Collectives that only move bytes take any dtype.
 //  - Delegated to the inner gloo backend, still in the engine's order and after the same collective
 //    check (its header carries gloo's op, kDelegatedOp): reductions with an op or a dtype ddpkit
 //    does not reduce (PRODUCT, BAND, BOR, BXOR, PREMUL_SUM; bool, uint8, int8, int16, sparse
-//    tensors; the coalesced forms also for several dtypes at once), allgather_coalesced,
-//    allgather_into_tensor_coalesced of several dtypes, allreduce_sparse. Errors for what gloo
-//    cannot do either are gloo's.
+//    tensors; the coalesced forms also for several dtypes at once), all_gather_coalesced,
+//    all_gather_into_tensor_coalesced of several dtypes. Errors for what gloo cannot do either are
+//    gloo's.
 //  - Delegated directly to a second gloo backend, outside the engine (they are not collectives, so
 //    they take no sequence number, and their tags are the program's): send, recv, recvAnysource,
 //    monitoredBarrier.
@@ -109,17 +116,19 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
  private:
-  // Runs `body` as the group's next collective: on this thread when `async` is false (returning a
-  // completed Work), else on the engine's thread. `outputs` become the Work's result.
-  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
-                                        comm::Engine::Body body);
-  // Runs the group's next collective, a `kind`, as a rank that rejected its arguments for `error`:
-  // every rank raises (comm::reject).
-  c10::intrusive_ptr<c10d::Work> reject(c10d::OpType type, bool async, comm::CollectiveKind kind, std::string error);
+  struct Call;  // an Operation (backend.cpp's table) and whether the caller asked for async_op
+  // The stages every collective takes (Note [The ddpkit backend]): `validate(name)` runs the
+  // operation's validators on the caller's arguments; a rank whose arguments fail runs the group's
+  // next collective as a rejection (comm::reject), so that every rank raises and the next calls pair;
+  // else `run()` launches the collective on the engine or delegates it to gloo.
+  template <class Validate, class Run>
+  c10::intrusive_ptr<c10d::Work> collective(Call call, Validate&& validate, Run&& run);
+  // Runs `body` as the group's next collective: on this thread when the call is not async (returning
+  // a completed Work), else on the engine's thread. `outputs` become the Work's result.
+  c10::intrusive_ptr<c10d::Work> launch(Call call, std::vector<at::Tensor> outputs, comm::Engine::Body body);
   // Runs the inner gloo backend's operation `op` as the group's next collective, after the
   // collective check of `header` (Note [The ddpkit backend]).
-  c10::intrusive_ptr<c10d::Work> delegate(c10d::OpType type, bool async, std::vector<at::Tensor> outputs,
-                                          comm::CollectiveHeader header,
+  c10::intrusive_ptr<c10d::Work> delegate(Call call, std::vector<at::Tensor> outputs, comm::CollectiveHeader header,
                                           std::function<c10::intrusive_ptr<c10d::Work>()> op);
 
   c10::intrusive_ptr<c10d::Store> store_;

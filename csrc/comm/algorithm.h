@@ -64,6 +64,22 @@ namespace ddpkit::comm {
 // collective check runs whichever algorithm kAuto takes; only kProcessGroup asked for by name skips
 // it (the baseline).
 
+// Note [All-gather and reduce-scatter]
+// The two halves of the ring all-reduce, as collectives of their own (torch's
+// all_gather_into_tensor and reduce_scatter_tensor), on n ranks and blocks of m elements:
+//  kRing    n-1 rounds around the ring; all-gather forwards the block received last round,
+//           reduce-scatter passes on its partial sum of the next block: (n-1)·m elements per rank.
+//  kHalvingDoubling  power-of-two n only: log2(n) rounds with partner r^d; reduce-scatter halves
+//           the run of blocks it keeps each round (d = n/2 .. 1), all-gather doubles the run it
+//           holds (d = 1 .. n/2): the ring's bytes in log2(n) rounds instead of n-1.
+//  kDirect  shared memory only: every rank publishes its input in its slot and reads what it needs
+//           from its peers' (Note [Direct all-gather and reduce-scatter] in shm_direct.h).
+//  kHierarchical  a group spanning hosts: shared memory inside each host, the ranks of each local
+//           rank across them (Note [Hierarchical collectives] in hierarchical.h).
+//  kAuto    kDirect over shared memory, kHierarchical across hosts, else kRing.
+// Any other algorithm (or kDirect without shared memory, kHalvingDoubling on another n) is one a
+// rank cannot run.
+
 enum class Algorithm : int64_t {
   kRing = 0,
   kButterfly = 1,

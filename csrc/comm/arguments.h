@@ -21,7 +21,7 @@ inline at::Tensor slice(const at::Tensor& flat, int64_t begin, int64_t end) {
 }
 
 // True when `part` is exactly block `rank` of `whole` (contiguous, the same dtype): the in-place
-// forms torch's backends accept (Note [All-gather and reduce-scatter]).
+// forms of all_gather_into_tensor_ and reduce_scatter_tensor_ (collectives.h), as torch's backends.
 bool is_own_block(const at::Tensor& whole, const at::Tensor& part, int rank);
 
 // The reason `tensor` cannot take part in a ddpkit collective, or "" when it can. Collectives that

@@ -56,24 +56,11 @@ void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicato
 void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int src, Communicator& comm,
                   std::string error = {});
 
-// Note [All-gather and reduce-scatter]
-// The two halves of the ring all-reduce, as collectives of their own (torch's
-// all_gather_into_tensor and reduce_scatter_tensor), on n ranks and blocks of m elements:
-//  kRing    n-1 rounds around the ring; all-gather forwards the block received last round,
-//           reduce-scatter passes on its partial sum of the next block: (n-1)·m elements per rank.
-//  kHalvingDoubling  power-of-two n only: log2(n) rounds with partner r^d; reduce-scatter halves
-//           the run of blocks it keeps each round (d = n/2 .. 1), all-gather doubles the run it
-//           holds (d = 1 .. n/2): the ring's bytes in log2(n) rounds instead of n-1.
-//  kDirect  shared memory only: every rank publishes its input in its slot and reads what it needs
-//           from its peers' (Note [Direct all-gather and reduce-scatter] in shm_direct.h).
-//  kHierarchical  a group spanning hosts: shared memory inside each host, the ranks of each local
-//           rank across them (Note [Hierarchical collectives] in hierarchy.h).
-//  kAuto    kDirect over shared memory, kHierarchical across hosts, else kRing.
-// An algorithm a rank cannot run (kDirect without shared memory, kHalvingDoubling on another n, any
-// other) rejects that rank's arguments in the collective check, so every rank raises.
-// In place, as torch's backends allow (FSDP2 all-gathers this way): the all-gather's input may be
-// exactly this rank's block of its output, and the reduce-scatter's output exactly this rank's
-// block of its input; no other overlap of the two is accepted.
+// all_gather_into_tensor_ and reduce_scatter_tensor_ run `algorithm` (Note [All-gather and
+// reduce-scatter] in algorithm.h); one a rank cannot run rejects its arguments, so every rank raises.
+// In place as torch's backends allow (FSDP2 all-gathers this way): the all-gather's input may be
+// exactly this rank's block of its output, the reduce-scatter's output exactly this rank's block of
+// its input; no other overlap.
 
 // Writes rank i's `input` into block i of `output` (contiguous, n·input.numel() elements, the same
 // dtype) on every rank. Any dtype.

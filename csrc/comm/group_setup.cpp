@@ -58,11 +58,12 @@ GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Back
                         const std::function<c10::intrusive_ptr<c10d::Store>()>& store,
                         std::chrono::milliseconds timeout, std::string_view what) {
   GroupSetUp group;
-  // Note [Shared-memory segment]: over the group's own messages, as part of this collective.
-  ShmSegment::SetUp result = ShmSegment::set_up(setup, timeout);
-  group.topology = result.topology;
-  if (result.segment) {
-    group.shm = std::make_shared<ShmTransport>(result.segment);
+  // Over the group's own messages, as part of this collective: discovery (Note [Topology]), then
+  // this host's segment (Note [Shared-memory segment]).
+  const Discovery discovery = discover_topology(setup);
+  group.topology = discovery.topology;
+  if (std::shared_ptr<ShmSegment> segment = ShmSegment::set_up(setup, discovery, timeout)) {
+    group.shm = std::make_shared<ShmTransport>(std::move(segment));
     group.shm_check = std::make_unique<SlotCheck>(*group.shm->direct());
   }
   const Topology& topology = group.topology;
@@ -84,7 +85,7 @@ GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Back
   try {
     if (!cross.empty()) {
       hierarchy->cross =
-          connect_across_hosts(cross, *hierarchy, cpu, setup.size(), store(), result.nonce, timeout, setup.rank());
+          connect_across_hosts(cross, *hierarchy, cpu, setup.size(), store(), discovery.nonce, timeout, setup.rank());
     }
   } catch (...) {
     failure = std::current_exception();

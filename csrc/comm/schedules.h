@@ -2,7 +2,7 @@
 // Flat message schedules: collectives as rounds of point-to-point messages among the ranks of one
 // Communicator, which knows nothing of hosts (a group spanning hosts runs them on a subgroup of its
 // own: hierarchical.h). Note [All-reduce algorithms] and Note [All-gather and reduce-scatter] in
-// collectives.h describe them; Note [Pre-posted receives] in communicator.h how they run.
+// algorithm.h describe them; Note [Pre-posted receives] in communicator.h how they run.
 
 #include "comm/communicator.h"
 #include "comm/reduce_op.h"

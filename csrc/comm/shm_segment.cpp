@@ -1,6 +1,7 @@
 #include "comm/shm_segment.h"
 
 #include "comm/communicator.h"
+#include "comm/setup_messages.h"
 #include "testing/faults.h"
 
 #include <fcntl.h>
@@ -69,26 +70,6 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-std::string read_first_line(const char* path) {
-  std::ifstream in(path);
-  std::string line;
-  std::getline(in, line);
-  return line;
-}
-
-// Processes that can share a segment: same kernel boot, same /dev/shm, same pid namespace (so that
-// the pids published for the liveness check mean the same process to every rank).
-std::string host_identity() {
-  char hostname[256] = {0};
-  gethostname(hostname, sizeof(hostname) - 1);
-  struct stat shm{};
-  stat("/dev/shm", &shm);
-  struct stat pid_ns{};
-  stat("/proc/self/ns/pid", &pid_ns);
-  return c10::str(hostname, "|", read_first_line("/proc/sys/kernel/random/boot_id"), "|", shm.st_dev, ":", shm.st_ino,
-                  "|", pid_ns.st_ino);
-}
-
 // The state letter of /proc/<pid>/stat ('R', 'S', 'T' for stopped, 'Z' for a zombie, ...), or 'X'
 // when there is no such process.
 char process_state(int pid) {
@@ -123,74 +104,14 @@ void Signal::bump() {
 
 namespace {
 
+using namespace setup_messages;
+
 constexpr uint64_t kSegmentMagic = 0x31306d6873706464;  // "ddpshm01"
-// Round tags of the set-up's messages, inside the collective that sets the segment up (Note [Tags]).
-constexpr int kReportRound = 248;
-constexpr int kPlanRound = 249;
-constexpr int kHelloRound = 250;
-constexpr int kOfferRound = 251;
-constexpr int kAckRound = 252;
-constexpr int kVerdictRound = 253;
-constexpr size_t kIdentityBytes = 512;
-constexpr size_t kKernelBytes = 64;  // a boot id is 36 characters
 constexpr size_t kBrokenWhyBytes = 512;
-
-enum SetupStatus : int64_t { kSetupOk = 1, kNotShared = 2, kSetupFailed = 3 };
-// Why a rank could not take part; one table, so that every rank words a failure alike.
-enum SetupFailure : int64_t {
-  kNoFailure = 0,
-  kCreateFailed,
-  kOpenFailed,
-  kNotRegularFile,
-  kWrongOwner,
-  kWrongMode,
-  kWrongSize,
-  kMapFailed,
-  kWrongHeader,
-  kPeerFailed,
-  kBadSettings,
-};
-
-std::string describe_failure(int64_t failure, int64_t error_number) {
-  const std::string errno_text = error_number != 0 ? c10::str(": ", std::strerror(static_cast<int>(error_number))) : "";
-  switch (failure) {
-    case kCreateFailed: return c10::str("creating the segment (memfd_create, ftruncate, mmap) failed", errno_text);
-    case kOpenFailed: return c10::str("opening rank 0's segment through /proc failed", errno_text);
-    case kNotRegularFile: return "the descriptor rank 0 named is not a regular file";
-    case kWrongOwner: return "the segment is not owned by this rank's user";
-    case kWrongMode: return "the segment's mode is not 0600";
-    case kWrongSize: return "the segment does not have the size rank 0 announced";
-    case kMapFailed: return c10::str("mapping the segment failed", errno_text);
-    case kWrongHeader: return "the segment's header (magic, layout or nonce) is not the one rank 0 announced";
-    case kPeerFailed: return "it died or stopped answering during the set-up";
-    case kBadSettings:
-      return "its DDPKIT_SHM_SLOT_BYTES, DDPKIT_SHM_WHOLE_BYTES and DDPKIT_SHM_CHUNK_BYTES give no valid layout (each "
-             "at least 4096 bytes; slots and chunks at most 1 GiB)";
-  }
-  return c10::str("unknown failure ", failure);
-}
-
-struct Hello {
-  int64_t pid;
-  int64_t euid;
-  char identity[kIdentityBytes];
-  char kernel[kKernelBytes];  // the kernel's boot id: ranks with the same one share its CPUs
-};
-
-// Rank 0's answer to the hellos: the host of every rank (by the lowest rank on it) and its pid.
-struct Plan {
-  int64_t status;  // kSetupOk, or kSetupFailed with the three fields below
-  int64_t failure;
-  int64_t failed_rank;
-  int64_t error_number;
-  uint64_t nonce;  // fresh per group set-up: names what the group's ranks make together (Engine)
-  // followed by one int64 host (its lowest rank), one int64 pid and one int64 count of the group's
-  // ranks on its kernel per rank
-};
 
 // A host leader's offer of its segment to the other ranks of its host.
 struct Offer {
-  int64_t status;  // kSetupOk, or kSetupFailed (the leader could not create it)
+  int64_t status;  // kOk, or kFailed (the leader could not create it)
   int64_t failure;
   int64_t failed_rank;
   int64_t error_number;
@@ -210,61 +131,6 @@ struct Answer {
   int64_t failed_rank;
   int64_t error_number;
 };
-
-template <class T>
-at::Tensor message_of(const T& value, size_t extra_bytes = 0) {
-  at::Tensor bytes = at::zeros({static_cast<int64_t>(sizeof(T) + extra_bytes)}, at::kByte);
-  std::memcpy(bytes.data_ptr(), &value, sizeof(T));
-  return bytes;
-}
-
-template <class T>
-T value_of(const at::Tensor& bytes) {
-  TORCH_INTERNAL_ASSERT(bytes.numel() >= static_cast<int64_t>(sizeof(T)));
-  T value;
-  std::memcpy(&value, bytes.data_ptr(), sizeof(T));
-  return value;
-}
-
-// Waits for an `answer` (received into `message`), then, when it says its sender went on (it
-// took this rank's message first), for this rank's `sent` message; when the sender gave up
-// (kSetupFailed), `sent` may never be taken, so it is aborted instead.
-template <class T>
-T wait_for_answer(Communicator& setup, MessageList& answer, MessageList& sent, const at::Tensor& message) {
-  try {
-    setup.wait(answer);
-  } catch (...) {
-    abort_all(sent);
-    throw;
-  }
-  const T value = value_of<T>(message);
-  if (value.status == kSetupFailed) {
-    abort_all(sent);
-  } else {
-    setup.wait(sent);
-  }
-  return value;
-}
-
-// Sends `message` to every rank of `ranks` but `skip`, as best it can (a rank it cannot reach fails
-// on its own), so that none waits out the group's timeout for a set-up that failed.
-void tell(Communicator& setup, const std::vector<int>& ranks, const at::Tensor& message, int round, int skip) {
-  for (int peer : ranks) {
-    if (peer == setup.rank() || peer == skip) continue;
-    MessageList one;
-    try {
-      one.push_back(setup.isend(message, peer, round));
-      setup.wait(one);
-    } catch (const std::exception&) {
-    }
-  }
-}
-
-std::vector<int> all_ranks(int size) {
-  std::vector<int> ranks(size);
-  for (int r = 0; r < size; ++r) ranks[r] = r;
-  return ranks;
-}
 
 }  // namespace
 
@@ -309,92 +175,22 @@ struct ShmSegment::Layout {
   }
 };
 
-ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseconds timeout) {
+std::shared_ptr<ShmSegment> ShmSegment::set_up(Communicator& setup, const Discovery& group,
+                                               std::chrono::milliseconds timeout) {
   const int rank = setup.rank();
   const int size = setup.size();
-  const std::string identity = host_identity() + DDPKIT_TEST_HOST();
-  Hello mine{};
-  mine.pid = getpid();
-  mine.euid = static_cast<int64_t>(geteuid());
-  std::memcpy(mine.identity, identity.data(), std::min(identity.size(), kIdentityBytes - 1));
-  const std::string kernel = read_first_line("/proc/sys/kernel/random/boot_id");
-  std::memcpy(mine.kernel, kernel.data(), std::min(kernel.size(), kKernelBytes - 1));
-  const auto what = [&] { return c10::str("ddpkit.", setup.what(), " (", setup.where(), ")"); };
-  const std::string hint = "; set DDPKIT_TRANSPORT=process_group to run without shared memory";
-  const auto relayed = [&](const auto& answer) {
-    return c10::str(what(), ": rank ", answer.failed_rank,
-                    " failed: ", describe_failure(answer.failure, answer.error_number), hint);
-  };
-  const size_t plan_extra = 24 * static_cast<size_t>(size);
-  const std::vector<int> everyone = all_ranks(size);
-
-  // 1-2. Hellos to rank 0; its plan back (Note [Shared-memory segment]).
-  at::Tensor plan_message;
-  if (rank == 0) {
-    std::vector<at::Tensor> hellos(size);
-    MessageList messages;
-    try {
-      for (int peer = 1; peer < size; ++peer) {
-        hellos[peer] = at::empty({static_cast<int64_t>(sizeof(Hello))}, at::kByte);
-        messages.push_back(setup.irecv(hellos[peer], peer, kHelloRound));
-      }
-      setup.wait(messages);
-    } catch (...) {
-      abort_all(messages);
-      const int failed = setup.failed_peer();
-      tell(setup, everyone, message_of(Plan{kSetupFailed, kPeerFailed, failed, 0, 0}, plan_extra), kPlanRound, failed);
-      throw;
-    }
-    std::random_device random;
-    Plan plan{kSetupOk, kNoFailure, -1, 0, (static_cast<uint64_t>(random()) << 32) ^ random()};
-    plan_message = message_of(plan, plan_extra);
-    auto* hosts = reinterpret_cast<int64_t*>(plan_message.data_ptr<uint8_t>() + sizeof(Plan));
-    int64_t* pids = hosts + size;
-    int64_t* on_kernel = pids + size;
-    for (int r = 0; r < size; ++r) {
-      const Hello hello = r == 0 ? mine : value_of<Hello>(hellos[r]);
-      pids[r] = hello.pid;
-      on_kernel[r] = 0;
-      for (int other = 0; other < size; ++other) {
-        const Hello theirs = other == 0 ? mine : value_of<Hello>(hellos[other]);
-        on_kernel[r] += std::memcmp(theirs.kernel, hello.kernel, kKernelBytes) == 0 ? 1 : 0;
-      }
-      hosts[r] = r;
-      for (int earlier = 0; earlier < r; ++earlier) {  // the host is its lowest rank with the same identity
-        const Hello other = earlier == 0 ? mine : value_of<Hello>(hellos[earlier]);
-        if (other.euid == hello.euid && std::memcmp(other.identity, hello.identity, kIdentityBytes) == 0) {
-          hosts[r] = earlier;
-          break;
-        }
-      }
-    }
-    for (int peer = 1; peer < size; ++peer) messages.push_back(setup.isend(plan_message, peer, kPlanRound));
-    setup.wait(messages);
-  } else {
-    DDPKIT_DIE_IF_FAULT_ARMED("die_at_hello", rank);
-    plan_message = at::empty({static_cast<int64_t>(sizeof(Plan) + plan_extra)}, at::kByte);
-    MessageList answer{setup.irecv(plan_message, 0, kPlanRound)};
-    MessageList sent{setup.isend(message_of(mine), 0, kHelloRound)};
-    const Plan plan = wait_for_answer<Plan>(setup, answer, sent, plan_message);
-    TORCH_CHECK(plan.status == kSetupOk, relayed(plan), " (rank 0 reported it)");
-  }
-  const Plan plan = value_of<Plan>(plan_message);
-  const auto* host_keys = reinterpret_cast<const int64_t*>(plan_message.data_ptr<uint8_t>() + sizeof(Plan));
-  const auto* all_pids = host_keys + size;
-  const auto* ranks_on_kernel = all_pids + size;
-  SetUp result;
-  result.topology = Topology::from_keys(std::vector<int64_t>(host_keys, host_keys + size), rank);
-  result.nonce = plan.nonce;
-  const std::vector<int>& local = result.topology.local_ranks();
+  const Words words(setup);
+  const Topology& topology = group.topology;
+  const std::vector<int>& local = topology.local_ranks();
   const int leader = local.front();
   const int local_size = static_cast<int>(local.size());
 
-  // 3. The host's segment, made by its leader and offered to the other ranks of its host.
+  // 1. The host's segment, made by its leader and offered to the other ranks of its host.
   HostFailure failed;  // this host's first failure, as far as this rank knows it
   std::shared_ptr<ShmSegment> segment;
   if (local_size > 1) {
     segment.reset(new ShmSegment());
-    segment->rank_ = result.topology.local_rank();
+    segment->rank_ = topology.local_rank();
     segment->size_ = local_size;
     segment->ranks_ = local;
     segment->group_rank_ = rank;
@@ -403,8 +199,8 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
     segment->timeout_ = timeout;
     // Note [Waiting on shared memory]: the CPUs are the kernel's, shared by every rank on it, also
     // by those of other hosts that a container or namespace of this machine simulates.
-    segment->spin_ = ranks_on_kernel[rank] <= static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-    for (int r : local) segment->pids_.push_back(static_cast<int>(all_pids[r]));
+    segment->spin_ = group.on_kernel[rank] <= static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+    for (int r : local) segment->pids_.push_back(static_cast<int>(group.pids[r]));
     if (rank == leader) {
       segment->offer_to_host(setup, failed);
     } else {
@@ -413,12 +209,12 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
     if (failed.failure != kNoFailure) segment.reset();
   }
 
-  // 4-5. Every leader reports its host to rank 0, whose verdict every rank takes: the group agrees.
-  Answer verdict{kSetupOk, kNoFailure, -1, 0};
-  if (failed.failure != kNoFailure) verdict = Answer{kSetupFailed, failed.failure, failed.rank, failed.error_number};
+  // 2. Every leader reports its host to rank 0, whose verdict every rank takes: the group agrees.
+  Answer verdict{kOk, kNoFailure, -1, 0};
+  if (failed.failure != kNoFailure) verdict = Answer{kFailed, failed.failure, failed.rank, failed.error_number};
   if (rank == 0) {
     std::vector<int> leaders;
-    for (const auto& host : result.topology.hosts) {
+    for (const auto& host : topology.hosts) {
       if (host.size() > 1 && host.front() != 0) leaders.push_back(host.front());
     }
     std::vector<at::Tensor> reports(leaders.size());
@@ -432,28 +228,28 @@ ShmSegment::SetUp ShmSegment::set_up(Communicator& setup, std::chrono::milliseco
     } catch (...) {
       abort_all(messages);
       const int gone = setup.failed_peer();
-      tell(setup, everyone, message_of(Answer{kSetupFailed, kPeerFailed, gone, 0}), kVerdictRound, gone);
+      tell(setup, all_ranks(size), message_of(Answer{kFailed, kPeerFailed, gone, 0}), kVerdictRound, gone);
       throw;
     }
-    for (size_t i = 0; i < leaders.size() && verdict.status == kSetupOk; ++i) {
+    for (size_t i = 0; i < leaders.size() && verdict.status == kOk; ++i) {
       const Answer report = value_of<Answer>(reports[i]);
-      if (report.status != kSetupOk) verdict = report;
+      if (report.status != kOk) verdict = report;
     }
     DDPKIT_DIE_IF_FAULT_ARMED("die_at_verdict", rank);
-    tell(setup, everyone, message_of(verdict), kVerdictRound, -1);
+    tell(setup, all_ranks(size), message_of(verdict), kVerdictRound, -1);
   } else {
     at::Tensor verdict_message = at::empty({static_cast<int64_t>(sizeof(Answer))}, at::kByte);
     MessageList answer{setup.irecv(verdict_message, 0, kVerdictRound)};
     MessageList sent;
     if (rank == leader && local_size > 1) sent.push_back(setup.isend(message_of(verdict), 0, kReportRound));
-    const Answer group = wait_for_answer<Answer>(setup, answer, sent, verdict_message);
-    TORCH_CHECK(failed.failure == kNoFailure || failed.rank != rank, what(), ": ",
-                describe_failure(failed.failure, failed.error_number), hint);
-    if (group.status != kSetupOk) verdict = group;
+    const Answer reported = wait_for_answer<Answer>(setup, answer, sent, verdict_message);
+    TORCH_CHECK(failed.failure == kNoFailure || failed.rank != rank, words.prefix, ": ",
+                describe_failure(failed.failure, failed.error_number), Words::kHint);
+    if (reported.status != kOk) verdict = reported;
   }
-  TORCH_CHECK(verdict.status == kSetupOk, relayed(verdict), rank == 0 ? "" : " (rank 0 reported it)");
-  result.segment = std::move(segment);
-  return result;
+  TORCH_CHECK(verdict.status == kOk, words.relayed(verdict.failed_rank, verdict.failure, verdict.error_number),
+              rank == 0 ? "" : " (rank 0 reported it)");
+  return segment;
 }
 
 void ShmSegment::offer_to_host(Communicator& setup, HostFailure& failed) {
@@ -497,9 +293,9 @@ void ShmSegment::offer_to_host(Communicator& setup, HostFailure& failed) {
   } close_at_exit{fd};  // the mapping keeps the memory; the descriptor is only for the host's open
   Offer offer{};
   if (!settings_ok || error_number != 0) {
-    const SetupFailure failure = settings_ok ? kCreateFailed : kBadSettings;
+    const Failure failure = settings_ok ? kCreateFailed : kBadSettings;
     failed = {failure, error_number, ranks_[rank_]};
-    offer.status = kSetupFailed;
+    offer.status = kFailed;
     offer.failure = failure;
     offer.failed_rank = ranks_[rank_];
     offer.error_number = error_number;
@@ -515,7 +311,7 @@ void ShmSegment::offer_to_host(Communicator& setup, HostFailure& failed) {
   shared.slot_bytes = layout.slot_bytes;
   shared.whole_bytes = layout.whole_bytes;
   shared.chunk_bytes = layout.chunk_bytes;
-  offer.status = kSetupOk;
+  offer.status = kOk;
   offer.pid = getpid();
   offer.fd = fd;
   offer.bytes = static_cast<int64_t>(bytes);
@@ -542,7 +338,7 @@ void ShmSegment::offer_to_host(Communicator& setup, HostFailure& failed) {
   }
   for (int local = 1; local < size_ && failed.failure == kNoFailure; ++local) {
     const Answer ack = value_of<Answer>(acks[local]);
-    if (ack.status != kSetupOk) failed = {ack.failure, ack.error_number, ranks_[local]};
+    if (ack.status != kOk) failed = {ack.failure, ack.error_number, ranks_[local]};
   }
 }
 
@@ -551,7 +347,7 @@ void ShmSegment::accept_from_leader(Communicator& setup, int leader, HostFailure
   MessageList answer{setup.irecv(offer_message, leader, kOfferRound)};
   MessageList none;
   const Offer offer = wait_for_answer<Offer>(setup, answer, none, offer_message);
-  if (offer.status != kSetupOk) {  // the leader could not create it and says so
+  if (offer.status != kOk) {  // the leader could not create it and says so
     failed = {offer.failure, offer.error_number, offer.failed_rank};
     return;
   }
@@ -596,9 +392,9 @@ void ShmSegment::accept_from_leader(Communicator& setup, int leader, HostFailure
     base_ = nullptr;
   }
   DDPKIT_DIE_IF_FAULT_ARMED("die_at_map", group_rank_);
-  MessageList sent{setup.isend(message_of(Answer{mine.failure == kNoFailure ? kSetupOk : kSetupFailed, mine.failure,
-                                                 group_rank_, mine.error_number}),
-                               leader, kAckRound)};
+  MessageList sent{setup.isend(
+      message_of(Answer{mine.failure == kNoFailure ? kOk : kFailed, mine.failure, group_rank_, mine.error_number}),
+      leader, kAckRound)};
   setup.wait(sent);
   if (mine.failure != kNoFailure) failed = mine;
 }

@@ -37,20 +37,17 @@ namespace ddpkit::comm {
 //  channel  per ordered pair of ranks, a ring of kChannelSlots chunks carrying point-to-point messages.
 
 // Note [Shared-memory segment]
-// One segment per group whose ranks all run on this host, made by a collective of the group that
-// runs over the group's own point-to-point messages (the process group's connections), never
-// through the store:
-//  1. every rank sends rank 0 its pid, effective uid and host identity (hostname, boot id, the
-//     device of /dev/shm and the pid namespace, so that two containers or network namespaces with
-//     private /dev/shm on one kernel are told apart);
-//  2. if any differs, rank 0 answers "not shared" and every rank returns no segment (the caller
-//     falls back to the process group); otherwise rank 0 creates an anonymous memfd of the layout's
-//     size (mode 0600, never a name in /dev/shm), writes a header with a fresh 128-bit nonce into it
-//     and sends every rank its pid, the fd's number, the layout, the nonce and all pids;
-//  3. each rank opens /proc/<rank 0's pid>/fd/<fd>, requires a regular file of its own uid, mode
+// One segment per host that holds more than one rank of a group, made by a collective of the group
+// that runs over the group's own point-to-point messages (the process group's connections), never
+// through the store, after discovery has told every rank the group's hosts and pids (Note [Topology]):
+//  1. each host's leader (its lowest rank) creates an anonymous memfd of the layout's size (mode
+//     0600, never a name in /dev/shm), writes a header with a fresh 128-bit nonce into it and sends
+//     the host's other ranks its pid, the fd's number, the layout and the nonce;
+//  2. each of them opens /proc/<leader's pid>/fd/<fd>, requires a regular file of its own uid, mode
 //     0600 and the exact size, maps it, requires the header's magic, layout and nonce, and answers;
-//  4. rank 0 sends every rank the verdict (every rank mapped it, or which rank failed and why) and
-//     closes its fd: from then on the memory lives only in the mappings.
+//  3. every leader reports its host to rank 0, which sends every rank the verdict (every rank mapped
+//     its segment, or which rank failed and why); the leaders have closed their fds: from then on the
+//     memory lives only in the mappings.
 // A rank that dies or stops at any step is reported by its peers' process-group waits (its
 // connection closes, or the group's timeout expires), naming it; rank 0 relays a failure it sees to
 // the others, so no rank waits out the timeout for a peer that is gone. Nothing is ever left in
@@ -59,8 +56,8 @@ namespace ddpkit::comm {
 // Threat model. The store is a TCP server that any local user can read and write, so nothing about
 // the segment travels through it. A local user of another uid cannot open the segment (it has no
 // name, and the kernel lets only processes of the ranks' uid, or root, open /proc/<pid>/fd), cannot
-// make a rank map memory of theirs (a rank maps only the descriptor rank 0 named over the process
-// group, and only when its owner, mode, size, header and nonce are those rank 0 set), and so can
+// make a rank map memory of theirs (a rank maps only the descriptor its host's leader named over the
+// process group, and only when its owner, mode, size, header and nonce are those the leader set), and so can
 // neither read a payload nor write one. They can still deny service as for any torch.distributed
 // job: disturb the store's own keys or its port, or exhaust memory. A process of the ranks' own uid
 // (or root) can read and write their memory anyway (ptrace), so it is outside this model. Every
@@ -166,21 +163,15 @@ struct WaitContext {
 
 class ShmSegment {
  public:
-  // What a group's set-up learnt: which of its ranks share a host (Note [Topology]), the segment
-  // of this rank's host (null when this rank is alone on its host), and a number fresh for this
-  // set-up, alike on every rank (it names what the group's ranks make together later).
-  struct SetUp {
-    Topology topology;
-    std::shared_ptr<ShmSegment> segment;
-    uint64_t nonce = 0;
-  };
-
   // Collective over the ranks of `setup`'s group (Note [Shared-memory segment]): `setup` is a
   // Communicator of the process-group transport for the collective being run, whose messages carry
-  // the set-up. Throws on every rank, naming the rank and the reason, when a rank could not create,
-  // open, verify or map its host's segment or died during set-up. `timeout` bounds every later wait
-  // on the segment (the set-up's own waits are the process group's, bounded by the group's timeout).
-  static SetUp set_up(Communicator& setup, std::chrono::milliseconds timeout);
+  // the set-up, and `group` what discovery learnt of its ranks. Returns this rank's host's segment,
+  // or null when this rank is alone on its host. Throws on every rank, naming the rank and the
+  // reason, when a rank could not create, open, verify or map its host's segment or died during
+  // set-up. `timeout` bounds every later wait on the segment (the set-up's own waits are the process
+  // group's, bounded by the group's timeout).
+  static std::shared_ptr<ShmSegment> set_up(Communicator& setup, const Discovery& group,
+                                            std::chrono::milliseconds timeout);
   ~ShmSegment();
 
   ShmSegment(const ShmSegment&) = delete;
@@ -230,7 +221,7 @@ class ShmSegment {
 
   struct SegmentHeader;
   struct Layout;
-  // The first failure of a set-up step, as far as this rank knows it: a SetupFailure (shm_segment.cpp),
+  // The first failure of a set-up step, as far as this rank knows it: a setup_messages::Failure,
   // the errno it came with, and the group's rank it happened on.
   struct HostFailure {
     int64_t failure = 0;
@@ -250,10 +241,10 @@ class ShmSegment {
   };
 
   ShmSegment() = default;
-  // Set-up step 3 on the host's leader: creates the segment and offers it to the host's other ranks;
+  // Set-up step 1 on the host's leader: creates the segment and offers it to the host's other ranks;
   // records the host's first failure in `failed`.
   void offer_to_host(Communicator& setup, HostFailure& failed);
-  // Set-up step 3 on the host's other ranks: opens, verifies and maps `leader`'s segment and answers.
+  // Set-up step 2 on the host's other ranks: opens, verifies and maps `leader`'s segment and answers.
   void accept_from_leader(Communicator& setup, int leader, HostFailure& failed);
   // Maps `bytes` of `fd` and lays out the segment for `size` ranks with `layout`'s settings.
   void map(int fd, size_t bytes, const Layout& layout);

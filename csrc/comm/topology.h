@@ -1,18 +1,25 @@
 #pragma once
-// Which ranks of a group share a host (Note [Topology]).
+// Which ranks of a group share a host, and its discovery (Note [Topology]).
 
 #include <cstdint>
 #include <vector>
 
 namespace ddpkit::comm {
 
+class Communicator;
+
 // Note [Topology]
-// A group's first collective that may use shared memory sets it up (Note [Shared-memory segment]),
-// and that set-up learns, from the host identity every rank sends rank 0 over the group's own
-// messages, which ranks share a host: the same answer on every rank, per group, so subgroups and
-// 2-D meshes get their own (torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE describe the launch, not a
-// group). Ranks of different users on one host count as different hosts: they cannot share memory.
-// Hosts are numbered by their lowest rank; a rank's local rank is its index among its host's ranks.
+// A group's set-up (Note [Group set-up]) starts with discovery, over the group's own messages, never
+// through the store: every rank sends rank 0 a hello (its pid, effective uid, host identity and
+// kernel), and rank 0 answers every rank with the plan (each rank's host, pid and how many of the
+// group's ranks share its kernel, and a fresh nonce). The host identity is the hostname, boot id,
+// the device of /dev/shm and the pid namespace, so that two containers or network namespaces with a
+// private /dev/shm on one kernel are told apart. The answer is the same on every rank, per group, so
+// subgroups and 2-D meshes get their own (torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE describe the
+// launch, not a group). Ranks of different users on one host count as different hosts: they cannot
+// share memory. Hosts are numbered by their lowest rank; a rank's local rank is its index among its
+// host's ranks. A rank that dies or stops before its hello is reported by rank 0's process-group
+// wait, naming it, and rank 0 relays that to the others (tests/test_hardening.py, die_at_hello).
 struct Topology {
   std::vector<std::vector<int>> hosts;  // per host, its ranks in rank order
   std::vector<int> host_of;             // per rank, its host
@@ -35,5 +42,19 @@ struct Topology {
   // Every host holds the same number of ranks.
   bool uniform() const;
 };
+
+// What a group's discovery learnt (Note [Topology]): the topology, and what the segments' set-up
+// needs to know of every rank.
+struct Discovery {
+  Topology topology;
+  std::vector<int64_t> pids;       // per rank: its pid, in the pid namespace its host's ranks share
+  std::vector<int64_t> on_kernel;  // per rank: how many of the group's ranks run on its kernel
+  uint64_t nonce = 0;              // fresh per set-up, alike on every rank: names what the group makes together
+};
+
+// Collective over the ranks of `setup`'s group (a communicator made for the group's set-up:
+// Communicator::use_for_setup). Throws on every rank, naming the rank, when a rank died or stopped
+// answering.
+Discovery discover_topology(Communicator& setup);
 
 }  // namespace ddpkit::comm
