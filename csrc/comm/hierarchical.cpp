@@ -2,6 +2,7 @@
 
 #include "comm/arguments.h"
 #include "comm/algorithm.h"
+#include "comm/reduce_kernel.h"
 #include "testing/faults.h"
 
 #include <algorithm>
@@ -79,7 +80,7 @@ void hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
   at::Tensor work = working_copy(tensor);
   if (work.is_same(tensor)) work = tensor.clone();
   at::Tensor flat = work.view(-1);
-  const ReduceOp sum_or_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const ReduceOp sum_or_op = accumulating_op(op);
   // The host's result on every rank of the host, then to the center with the check's words; the
   // center reduces the hosts' results in host order and answers with the total: the same bits everywhere.
   const int64_t data_bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
@@ -109,7 +110,7 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   const Topology& topology = h.topology;
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
   // Inside a host the mean is a sum: the division by the group's size comes once, at the end.
-  const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const ReduceOp local_op = accumulating_op(op);
   // Unchecked steps: the group's check already ran over the process group.
   const CollectiveHeader header =
       comm.stamp(make_header(CollectiveKind::kAllReduce, flat, local_op, Algorithm::kHierarchical, -1), {});
@@ -161,7 +162,7 @@ void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h
 void hierarchical_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   const Topology& topology = h.topology;
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
-  const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const ReduceOp local_op = accumulating_op(op);
   const int root_host = topology.host_of[root];
   const bool root_side = topology.host() == root_host;
   const CollectiveHeader header =
@@ -238,7 +239,7 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
   const int n = comm.size();
   const int hosts = static_cast<int>(topology.hosts.size());
   const int64_t m = output.numel();
-  const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const ReduceOp local_op = accumulating_op(op);
   const auto options = output.options().dtype(working_dtype(output));
   const CollectiveHeader header =
       comm.stamp(make_header(CollectiveKind::kReduceScatter, output, local_op, Algorithm::kHierarchical, -1), {});
