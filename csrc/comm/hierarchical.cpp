@@ -3,6 +3,7 @@
 #include "comm/arguments.h"
 #include "comm/algorithm.h"
 #include "comm/reduce_kernel.h"
+#include "comm/split.h"
 #include "testing/faults.h"
 
 #include <algorithm>
@@ -29,8 +30,9 @@ void cross_host_all_gather(const at::Tensor& flat, int64_t m, const Hierarchy& h
   across_hosts(h, comm, [&] { h.cross->all_gather(flat, m, comm); });
 }
 
-// `flat` in one slice per rank of this host (Horovod's split), padded with zeros in a scratch buffer
-// where the host's size does not divide it.
+// `flat` in one slice per rank of this host (Horovod's split), by PaddedSplit: the direct
+// reduce-scatter and all-gather take equal blocks (Note [Splitting among ranks]). Padded with zeros
+// in a scratch buffer where the host's size does not divide it.
 struct HostSlices {
   at::Tensor padded;  // `flat`, or its padded copy
   at::Tensor mine;    // this rank's slice of `padded`
@@ -40,15 +42,14 @@ struct HostSlices {
 // holds `op` over the host's slices.
 HostSlices reduce_scatter_in_host(const at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
                                   const Hierarchy& h) {
-  const int64_t parts = h.topology.local_size();
-  const int64_t m = (flat.numel() + parts - 1) / parts;
+  const PaddedSplit split{flat.numel(), h.topology.local_size()};
   at::Tensor padded = flat;
-  if (m * parts != flat.numel()) {
-    padded = h.scratch.get(0, m * parts, flat.scalar_type());
+  if (split.padded_numel() != flat.numel()) {
+    padded = h.scratch.get(0, split.padded_numel(), flat.scalar_type());
     padded.narrow(0, 0, flat.numel()).copy_(flat);
-    padded.narrow(0, flat.numel(), m * parts - flat.numel()).zero_();
+    padded.narrow(0, flat.numel(), split.padded_numel() - flat.numel()).zero_();
   }
-  HostSlices slices{padded, padded.narrow(0, h.topology.local_rank() * m, m)};
+  HostSlices slices{padded, padded.narrow(0, split.start(h.topology.local_rank()), split.length())};
   if (h.local != nullptr) h.local->direct()->reduce_scatter(slices.mine, padded, op, header, {}, /*checked=*/false);
   return slices;
 }
