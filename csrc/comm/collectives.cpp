@@ -2,6 +2,7 @@
 
 #include "comm/arguments.h"
 #include "comm/hierarchical.h"
+#include "comm/reduce_kernel.h"
 #include "comm/routes.h"
 #include "comm/schedules.h"
 

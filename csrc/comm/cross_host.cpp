@@ -2,6 +2,7 @@
 
 #include "comm/arguments.h"
 #include "comm/communicator.h"
+#include "comm/reduce_kernel.h"
 #include "comm/schedules.h"
 
 namespace ddpkit::comm {
@@ -12,8 +13,6 @@ namespace {
 // 1 MiB ones at 1M floats while tying at 16M (bench_multihost.py's 2x1 points, the part size
 // changed by hand).
 constexpr int64_t kSwapStepBytes = 256 << 10;
-
-ReduceOp sum_or(ReduceOp op) { return op == ReduceOp::kMean ? ReduceOp::kSum : op; }
 
 }  // namespace
 
@@ -31,7 +30,7 @@ void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op,
   TORCH_INTERNAL_ASSERT(mine.is_contiguous());
   const int64_t element = mine.element_size();
   const int64_t bytes = mine.numel() * element;
-  const ReduceOp sum_or_op = sum_or(op);
+  const ReduceOp sum_or_op = accumulating_op(op);
   at::Tensor theirs = scratch_.get(ScratchBuffers::kFromPeer, mine.numel(), mine.scalar_type());
   int64_t reduced = 0;  // elements
   auto reduce_ready = [&](int64_t ready_bytes) {
@@ -105,7 +104,7 @@ Communicator SubgroupChannel::subgroup(const Communicator& comm) const {
 // [Reductions]'s semantics (gloo's max drops a NaN held by a later rank).
 void SubgroupChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
   if (block.numel() == 0) return;
-  if (op == ReduceOp::kSum || op == ReduceOp::kMean) {
+  if (accumulating_op(op) == ReduceOp::kSum) {
     c10d::AllreduceOptions options;
     options.reduceOp = c10d::ReduceOp::SUM;
     std::vector<at::Tensor> tensors{block};

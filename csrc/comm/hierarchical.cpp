@@ -2,6 +2,8 @@
 
 #include "comm/arguments.h"
 #include "comm/algorithm.h"
+#include "comm/reduce_kernel.h"
+#include "comm/split.h"
 #include "testing/faults.h"
 
 #include <algorithm>
@@ -28,8 +30,9 @@ void cross_host_all_gather(const at::Tensor& flat, int64_t m, const Hierarchy& h
   across_hosts(h, comm, [&] { h.cross->all_gather(flat, m, comm); });
 }
 
-// `flat` in one slice per rank of this host (Horovod's split), padded with zeros in a scratch buffer
-// where the host's size does not divide it.
+// `flat` in one slice per rank of this host (Horovod's split), by PaddedSplit: the direct
+// reduce-scatter and all-gather take equal blocks (Note [Splitting among ranks]). Padded with zeros
+// in a scratch buffer where the host's size does not divide it.
 struct HostSlices {
   at::Tensor padded;  // `flat`, or its padded copy
   at::Tensor mine;    // this rank's slice of `padded`
@@ -39,15 +42,14 @@ struct HostSlices {
 // holds `op` over the host's slices.
 HostSlices reduce_scatter_in_host(const at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
                                   const Hierarchy& h) {
-  const int64_t parts = h.topology.local_size();
-  const int64_t m = (flat.numel() + parts - 1) / parts;
+  const PaddedSplit split{flat.numel(), h.topology.local_size()};
   at::Tensor padded = flat;
-  if (m * parts != flat.numel()) {
-    padded = h.scratch.get(0, m * parts, flat.scalar_type());
+  if (split.padded_numel() != flat.numel()) {
+    padded = h.scratch.get(0, split.padded_numel(), flat.scalar_type());
     padded.narrow(0, 0, flat.numel()).copy_(flat);
-    padded.narrow(0, flat.numel(), m * parts - flat.numel()).zero_();
+    padded.narrow(0, flat.numel(), split.padded_numel() - flat.numel()).zero_();
   }
-  HostSlices slices{padded, padded.narrow(0, h.topology.local_rank() * m, m)};
+  HostSlices slices{padded, padded.narrow(0, split.start(h.topology.local_rank()), split.length())};
   if (h.local != nullptr) h.local->direct()->reduce_scatter(slices.mine, padded, op, header, {}, /*checked=*/false);
   return slices;
 }
@@ -79,7 +81,7 @@ void hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
   at::Tensor work = working_copy(tensor);
   if (work.is_same(tensor)) work = tensor.clone();
   at::Tensor flat = work.view(-1);
-  const ReduceOp sum_or_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const ReduceOp sum_or_op = accumulating_op(op);
   // The host's result on every rank of the host, then to the center with the check's words; the
   // center reduces the hosts' results in host order and answers with the total: the same bits everywhere.
   const int64_t data_bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
@@ -109,7 +111,7 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   const Topology& topology = h.topology;
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
   // Inside a host the mean is a sum: the division by the group's size comes once, at the end.
-  const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const ReduceOp local_op = accumulating_op(op);
   // Unchecked steps: the group's check already ran over the process group.
   const CollectiveHeader header =
       comm.stamp(make_header(CollectiveKind::kAllReduce, flat, local_op, Algorithm::kHierarchical, -1), {});
@@ -161,7 +163,7 @@ void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h
 void hierarchical_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hierarchy& h, Communicator& comm) {
   const Topology& topology = h.topology;
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
-  const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const ReduceOp local_op = accumulating_op(op);
   const int root_host = topology.host_of[root];
   const bool root_side = topology.host() == root_host;
   const CollectiveHeader header =
@@ -238,7 +240,7 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
   const int n = comm.size();
   const int hosts = static_cast<int>(topology.hosts.size());
   const int64_t m = output.numel();
-  const ReduceOp local_op = op == ReduceOp::kMean ? ReduceOp::kSum : op;
+  const ReduceOp local_op = accumulating_op(op);
   const auto options = output.options().dtype(working_dtype(output));
   const CollectiveHeader header =
       comm.stamp(make_header(CollectiveKind::kReduceScatter, output, local_op, Algorithm::kHierarchical, -1), {});

@@ -1,6 +1,7 @@
 #include "comm/schedules.h"
 
 #include "comm/arguments.h"
+#include "comm/reduce_kernel.h"
 #include "comm/split.h"
 
 #include <algorithm>

@@ -1,5 +1,6 @@
 #include "comm/shm_direct.h"
 
+#include "comm/reduce_kernel.h"
 #include "comm/split.h"
 
 #include <algorithm>
@@ -9,71 +10,6 @@
 namespace ddpkit::comm {
 
 using namespace shm_detail;
-
-namespace {
-
-// out[i] = src[0][i] op src[1][i] op ... op src[n-1][i] (then / n for kMean), in the order given, so
-// the bits depend only on the inputs and that order. `out` may be src[0], no other source. Blocks
-// keep `out` in L1 across the passes; `also` (when not null) receives a copy of each finished block
-// from L1, which costs only its writes.
-template <class T>
-void reduce_sources(T* out, const std::vector<const char*>& sources, int64_t offset_elems, int64_t count, ReduceOp op,
-                    T* also) {
-  constexpr int64_t kBlock = 4096 / sizeof(T) * 4;
-  const int n = static_cast<int>(sources.size());
-  for (int64_t b = 0; b < count; b += kBlock) {
-    const int64_t m = std::min(kBlock, count - b);
-    T* o = out + b;
-    const T* s0 = reinterpret_cast<const T*>(sources[0]) + offset_elems + b;
-    if (n == 1) {
-      if (o != s0) std::memmove(o, s0, m * sizeof(T));
-    }
-    for (int j = 1; j < n; ++j) {
-      const T* a = j == 1 ? s0 : o;
-      const T* s = reinterpret_cast<const T*>(sources[j]) + offset_elems + b;
-      switch (op) {
-        case ReduceOp::kSum:
-        case ReduceOp::kMean:
-          for (int64_t i = 0; i < m; ++i) o[i] = a[i] + s[i];
-          break;
-        case ReduceOp::kMax:
-          for (int64_t i = 0; i < m; ++i) o[i] = reduce_value(a[i], s[i], ReduceOp::kMax);
-          break;
-        case ReduceOp::kMin:
-          for (int64_t i = 0; i < m; ++i) o[i] = reduce_value(a[i], s[i], ReduceOp::kMin);
-          break;
-      }
-    }
-    if (op == ReduceOp::kMean) {
-      if constexpr (std::is_floating_point_v<T>) {
-        const T divisor = static_cast<T>(n);
-        for (int64_t i = 0; i < m; ++i) o[i] = o[i] / divisor;
-      }
-    }
-    if (also != nullptr) std::memcpy(also + b, o, m * sizeof(T));
-  }
-}
-
-void reduce_sources(at::ScalarType dtype, char* out, const std::vector<const char*>& sources, int64_t offset_elems,
-                    int64_t count, ReduceOp op, char* also = nullptr) {
-  switch (dtype) {
-    case at::kFloat:
-      return reduce_sources(reinterpret_cast<float*>(out), sources, offset_elems, count, op,
-                            reinterpret_cast<float*>(also));
-    case at::kDouble:
-      return reduce_sources(reinterpret_cast<double*>(out), sources, offset_elems, count, op,
-                            reinterpret_cast<double*>(also));
-    case at::kInt:
-      return reduce_sources(reinterpret_cast<int32_t*>(out), sources, offset_elems, count, op,
-                            reinterpret_cast<int32_t*>(also));
-    case at::kLong:
-      return reduce_sources(reinterpret_cast<int64_t*>(out), sources, offset_elems, count, op,
-                            reinterpret_cast<int64_t*>(also));
-    default: TORCH_INTERNAL_ASSERT(false, "the direct all-reduce reduces float32/64 and int32/64, got ", dtype);
-  }
-}
-
-}  // namespace
 
 WaitContext ShmDirect::begin(std::string_view what, const std::string& local_error, bool checked) {
   seg_.check_usable(what);
@@ -120,7 +56,7 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
     if (count == 0) continue;
     for (int peer = 0; peer < seg_.size(); ++peer) sources[peer] = seg_.slot(peer, set);
     if (whole) {
-      reduce_sources(dtype, chunk, sources, 0, count, op);
+      reduce_sources(dtype, op, chunk, sources, 0, count);
       continue;
     }
     // This rank's slice, reduced by this rank alone (so every rank gets the same bits), in place in
@@ -128,7 +64,7 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
     // block by block from L1 into its slot for the peers.
     sources[seg_.rank()] = chunk;
     std::rotate(sources.begin(), sources.begin() + seg_.rank(), sources.begin() + seg_.rank() + 1);
-    reduce_sources(dtype, chunk + start * element, sources, start, length, op, mine + start * element);
+    reduce_sources(dtype, op, chunk + start * element, sources, start, length, mine + start * element);
     std::rotate(sources.begin(), sources.begin() + 1, sources.begin() + seg_.rank() + 1);
     seg_.control(seg_.rank()).reduced.post(target);
     WaitContext reductions = context;
@@ -208,7 +144,7 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
     for (int peer = 0, next = 1; peer < seg_.size(); ++peer) {
       if (peer != seg_.rank()) sources[next++] = seg_.slot(peer, set) + seg_.rank() * piece * element;
     }
-    reduce_sources(dtype, out + begin * element, sources, 0, count, op);
+    reduce_sources(dtype, op, out + begin * element, sources, 0, count);
   }
 }
 

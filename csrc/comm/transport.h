@@ -59,6 +59,8 @@ class DirectCollectives {
   // After a failure: the group's rank that died or gave up first, as far as this transport knows; -1.
   virtual int failed_rank() const = 0;
   // In place on `flat` (contiguous; float32/float64/int32/int64): every rank ends with the same bits.
+  // Here and in reduce_scatter a kMean is whole: divided by this transport's size (a step of a
+  // larger collective passes accumulating_op(op), Note [One reduction family]).
   virtual void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
                           bool checked) = 0;
   // torch's all_gather_into_tensor: `input` is rank i's block i of `output` everywhere.
