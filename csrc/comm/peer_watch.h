@@ -20,9 +20,9 @@ namespace ddpkit::comm {
 // to destruction, so it costs no CPU while nothing happens.
 // The periodic liveness check stays, as the backstop: for a pid whose pidfd could not be opened
 // (an older kernel, a seccomp filter), and for a wake that races with a wait about to sleep (the
-// futex compares the word, which did not change, not the alarm). tests/test_failures.py's
-// death-notice test checks that a survivor names the dead rank before a liveness period could pass
-// (ordering through a collective that would otherwise wait out that period), and
+// futex compares the word, which did not change, not the alarm).
+// tests/test_reliability.py's test_dead_rank_is_named_without_the_liveness_poll turns the periodic
+// check off (a test fault) and requires the survivor to name the rank killed while it slept, and
 // tests/test_hardening.py that threads and descriptors stay flat over 1000 group cycles.
 class PeerWatch {
  public:
