@@ -6,10 +6,14 @@ checkpoint (no torchft), in one run. Writes benchmarks/results/fault_tolerance.j
 For each torchft candidate (ProcessGroupGloo, ddpkit.torchft.ProcessGroupDdpkit; torchft's Manager,
 DDP and optimizer wrappers; one lighthouse per run with the same settings for both):
   - steady state: the median step time of 2 replica groups training the 8.4M-parameter MLP (8 linear
-    layers 1024 wide), without failures;
+    layers 1024 wide), without failures, with each of --steady-wrappers (torchft's DDP, whose hook
+    waits for each bucket; torchft's DDP with ddpkit.torchft's hook, which does not; ddpkit's DDP
+    with that hook);
   - kill: 3 replica groups of a small MLP with a stand-in compute per step; one is SIGKILLed mid-run
     and restarted --restart-delay later. Figures: death to the survivors' next committed step (the
-    last survivor's), restart to the rejoined replica's first committed step, the steps lost (steps
+    last survivor's), and its timeline: the failed collective noticed (the end of the first iteration
+    discarded) and the next quorum in (the lighthouse's part), restart to the rejoined replica's first
+    committed step, the steps lost (steps
     some replica had committed and no longer holds: always 0 under torchft) and the iterations the
     survivors did not commit in between.
 The baseline is one torchrun job of 3 ranks (ddpkit backend and DDP, a checkpoint after every step,
@@ -47,11 +51,12 @@ def lighthouse(heartbeat_ms: int):
                             heartbeat_timeout_ms=heartbeat_ms)
 
 
-def steady_state(pg: str, steps: int, heartbeat_ms: int) -> dict:
+def steady_state(pg: str, wrapper: str, steps: int, heartbeat_ms: int) -> dict:
     server = lighthouse(heartbeat_ms)
     with tempfile.TemporaryDirectory() as folder:
         groups = ft_replica.ReplicaGroups(Path(folder), server.address(),
-                                          ["--pg", pg, "--model", "mlp8x1024", "--steps", str(steps)], 2)
+                                          ["--pg", pg, "--wrapper", wrapper, "--model", "mlp8x1024", "--steps",
+                                           str(steps)], 2)
         try:
             groups.start_all()
             groups.wait_all(600)
@@ -101,9 +106,18 @@ def kill_run(pg: str, wrapper: str, args) -> dict:
         lost = sum(len(committed_before[r] - final[r]) for r in survivors)
         uncommitted = sum(1 for s in survivors for x in groups.iterations(s) if x["start"] > killed - 1
                           and not x["committed"])
-        timeline = sorted((round(x["end"] - killed, 3), x["replica"], x["step"], x["committed"], x["participants"])
+        # The survivors' side of the timeline: the failed collective noticed (the first iteration that ended
+        # discarded), then the next quorum (the lighthouse's heartbeat and join timeouts), then the commit.
+        discarded = [[x["end"] for x in groups.iterations(s) if x["end"] > killed and not x["committed"]]
+                     for s in survivors]
+        noticed = max(min(ends) for ends in discarded) - killed if all(discarded) else None
+        next_quorum = max(min((x["end"], x["quorum"]) for x in groups.committed(s) if x["end"] > killed)[1]
+                          for s in survivors) - killed
+        timeline = sorted((round(x["end"] - killed, 3), x["replica"], x["step"], x["committed"], x["participants"],
+                           round(x["quorum"] - killed, 3), round(x["start"] - killed, 3))
                           for r in range(count) for x in groups.iterations(r) if -0.3 < x["end"] - killed < 3)
-    return {"death_to_next_commit_s": next_commit - killed, "restart_to_first_commit_s": rejoin - restarted,
+    return {"death_to_next_commit_s": next_commit - killed, "noticed_s": noticed, "next_quorum_s": next_quorum,
+            "restart_to_first_commit_s": rejoin - restarted,
             "ready_to_first_commit_s": rejoin - ready,
             "steps_lost": lost, "uncommitted_iterations": uncommitted, "timeline": timeline}
 
@@ -146,6 +160,10 @@ def main() -> None:
     parser.add_argument("--compute", type=float, default=0.02, help="stand-in compute per step, seconds")
     parser.add_argument("--restart-delay", type=float, default=1.0)
     parser.add_argument("--heartbeat-ms", type=int, default=500, help="the lighthouse's heartbeat timeout")
+    parser.add_argument("--steady-wrappers", nargs="+", default=["torchft-ddp", "torchft-ddp-async", "ddpkit-ddp"],
+                        help="the wrappers whose steady step is measured (ft_replica.py --wrapper)")
+    parser.add_argument("--kill-wrappers", nargs="+", default=["torchft-ddp", "ddpkit-ddp"])
+    parser.add_argument("--no-baseline", action="store_true", help="skip the torchrun --max-restarts baseline")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "fault_tolerance.json"))
     args = parser.parse_args()
 
@@ -154,17 +172,20 @@ def main() -> None:
     for repeat in range(args.repeats):
         # Candidates interleaved, their order rotating: the machine's drift hits both alike.
         order = ["gloo", "ddpkit"] if repeat % 2 == 0 else ["ddpkit", "gloo"]
-        for pg in order:
-            steady = steady_state(pg, args.steady_steps, args.heartbeat_ms)
-            rows.append(records.FaultToleranceRecord(candidate=names[pg], measure="steady", repeat=repeat,
-                                                     wrapper="torchft-ddp", **steady))
-            print(names[pg], "steady", steady, flush=True)
-        for wrapper in ("torchft-ddp", "ddpkit-ddp"):
+        for wrapper in args.steady_wrappers:
+            for pg in order:
+                steady = steady_state(pg, wrapper, args.steady_steps, args.heartbeat_ms)
+                rows.append(records.FaultToleranceRecord(candidate=names[pg], measure="steady", repeat=repeat,
+                                                         wrapper=wrapper, **steady))
+                print(names[pg], wrapper, "steady", steady, flush=True)
+        for wrapper in args.kill_wrappers:
             for pg in order:
                 kill = kill_run(pg, wrapper, args)
                 rows.append(records.FaultToleranceRecord(candidate=names[pg], measure="kill", repeat=repeat,
                                                          wrapper=wrapper, **kill))
                 print(names[pg], wrapper, "kill", {k: v for k, v in kill.items() if k != "timeline"}, flush=True)
+        if args.no_baseline:
+            continue
         kill = baseline_run(args)
         rows.append(records.FaultToleranceRecord(candidate="torchrun-restart", measure="kill", repeat=repeat,
                                                  wrapper="ddpkit-ddp", **kill))
@@ -178,7 +199,8 @@ def main() -> None:
     for key, group in summary.items():
         ok = [r for r in group if r.failed is None]
         entry = {"runs": len(group), "failed_runs": len(group) - len(ok)}
-        for field in ("step_s", "comm_s", "death_to_next_commit_s", "restart_to_first_commit_s",
+        for field in ("step_s", "comm_s", "death_to_next_commit_s", "noticed_s", "next_quorum_s",
+                      "restart_to_first_commit_s",
                       "ready_to_first_commit_s", "steps_lost", "uncommitted_iterations"):
             values = [getattr(r, field) for r in ok if getattr(r, field) is not None]
             if values:
@@ -190,8 +212,19 @@ def main() -> None:
         return ours / gloo if ours is not None and gloo else None
 
     medians["ratios_ddpkit_over_gloo"] = {
+        # the same wrapper on both groups
         "steady_step": ratio("torchft-ddpkit/torchft-ddp/steady", "torchft-gloo/torchft-ddp/steady", "step_s_median"),
         "steady_comm": ratio("torchft-ddpkit/torchft-ddp/steady", "torchft-gloo/torchft-ddp/steady", "comm_s_median"),
+        "steady_step_torchft_ddp_async": ratio("torchft-ddpkit/torchft-ddp-async/steady",
+                                               "torchft-gloo/torchft-ddp-async/steady", "step_s_median"),
+        "steady_step_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/steady", "torchft-gloo/ddpkit-ddp/steady",
+                                        "step_s_median"),
+        # what a torchft user on gloo gets by moving to ddpkit: torchft's DDP with ddpkit.torchft's hook on
+        # ddpkit, against torchft's DDP as shipped on gloo
+        "steady_step_async_on_ddpkit_vs_torchft_on_gloo": ratio("torchft-ddpkit/torchft-ddp-async/steady",
+                                                                "torchft-gloo/torchft-ddp/steady", "step_s_median"),
+        "noticed_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
+                                    "noticed_s_median"),
         "death_to_next_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
                                                  "death_to_next_commit_s_median"),
         "restart_to_first_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
@@ -201,7 +234,7 @@ def main() -> None:
     }
     summary = medians
     settings = {k: getattr(args, k) for k in ("repeats", "steady_steps", "kill_steps", "compute", "restart_delay",
-                                              "heartbeat_ms")}
+                                              "heartbeat_ms", "steady_wrappers", "kill_wrappers", "no_baseline")}
     settings["lighthouse"] = {"min_replicas": 1, "join_timeout_ms": 400, "quorum_tick_ms": 20,
                               "heartbeat_timeout_ms": args.heartbeat_ms}
     write_results("fault_tolerance", backend="ddpkit", device_type="cpu", settings=settings, records=rows,

@@ -10,8 +10,10 @@ benchmark times); at the end the model and optimizer state go to --out.
     TORCHFT_LIGHTHOUSE=http://host:29510 REPLICA_GROUP_ID=0 torchrun --nproc-per-node 1 \\
         benchmarks/ft_replica.py --pg ddpkit --steps 20 --records /tmp/r0.jsonl --out /tmp/r0.pt
 
---wrapper picks the data-parallel wrapper: torchft's DistributedDataParallel ("torchft-ddp"),
-ddpkit's with the manager's all-reduce as its communication hook ("ddpkit-ddp"), or ddpkit's with a
+--wrapper picks the data-parallel wrapper: torchft's DistributedDataParallel ("torchft-ddp", whose
+hook waits for each bucket), the same with ddpkit.torchft's hook, which does not wait
+("torchft-ddp-async"), ddpkit's with the manager's all-reduce as its communication hook
+(ddpkit.torchft.allreduce_hook, "ddpkit-ddp"), or ddpkit's with a
 SyncBatchNorm layer whose statistics the manager's quorum shares ("ddpkit-syncbn"). With --exact
 (the tests), parameters are float64 and every gradient is rounded to a multiple of 2**-30 before it
 is reduced, so that a sum over replicas is exact in any order and a single-process replay of the
@@ -140,7 +142,8 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--pg", choices=["gloo", "ddpkit"], default="ddpkit")
-    parser.add_argument("--wrapper", choices=["torchft-ddp", "ddpkit-ddp", "ddpkit-syncbn"], default="torchft-ddp")
+    parser.add_argument("--wrapper", choices=["torchft-ddp", "torchft-ddp-async", "ddpkit-ddp", "ddpkit-syncbn"],
+                        default="torchft-ddp")
     parser.add_argument("--model", choices=["tiny", "mlp8x1024"], default="tiny")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compute", type=float, default=0.0, help="seconds of stand-in compute per step")
@@ -201,7 +204,9 @@ def main() -> None:
         Path(f"{gate}.{replica}.{rank}").touch()
         while not Path(gate).exists():
             time.sleep(0.01)
-    comm_seconds = [0.0]  # this step's time in the gradient all-reduces (the process group's part)
+    # This step's time inside the gradient hooks: the whole all-reduce for a hook that waits, only
+    # its launch for one that does not (then the rest overlaps backward or is waited for at its end).
+    comm_seconds = [0.0]
 
     def timed(hook):
         def run(state, bucket):
@@ -212,10 +217,9 @@ def main() -> None:
                 comm_seconds[0] += time.perf_counter() - started
         return run
 
-    if args.wrapper == "torchft-ddp":
-        wrapped = TorchftDDP.__new__(TorchftDDP)
-        TorchftDDP._comm_hook = staticmethod(timed(TorchftDDP._comm_hook))
-        wrapped.__init__(manager, model)
+    if args.wrapper in ("torchft-ddp", "torchft-ddp-async"):
+        base = TorchftDDP if args.wrapper == "torchft-ddp" else ddpkit.torchft.DistributedDataParallel
+        wrapped = type("TimedDDP", (base,), {"_comm_hook": staticmethod(timed(base._comm_hook))})(manager, model)
     else:
         if syncbn:
             model = ddpkit.convert_sync_batchnorm(model, process_group=pg)
@@ -237,6 +241,7 @@ def main() -> None:
         # The step this iteration computes: a joining replica's manager moves to the quorum's step
         # once the quorum is in (wait_quorum), and the batch is that step's.
         manager.wait_quorum()
+        quorum = time.time()  # the quorum is in: the lighthouse's part of the iteration is over
         step = manager.current_step()
         x, y = batch(args.model, replica, step, args.exact)
         if args.compute:
@@ -258,7 +263,7 @@ def main() -> None:
                               "step": step,
                               "committed": committed, "participating": manager.is_participating(),
                               "participants": manager.num_participants(), "start": started,
-                              "end": time.time(), "comm_s": comm_seconds[0], "errored": repr(manager.errored()) if manager.errored() else None})
+                              "quorum": quorum, "end": time.time(), "comm_s": comm_seconds[0], "errored": repr(manager.errored()) if manager.errored() else None})
                   + "\n")
     if args.out:
         torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": manager.current_step()},

@@ -374,7 +374,8 @@ class FaultToleranceRecord(Record):
     candidate: str                           # "torchft-gloo", "torchft-ddpkit", "torchrun-restart"
     measure: str                             # "steady" or "kill"
     repeat: int
-    wrapper: Optional[str] = optional()      # the DDP wrapper: "torchft-ddp" or "ddpkit-ddp" (its comm hook)
+    # the DDP wrapper: "torchft-ddp", "torchft-ddp-async" (ddpkit.torchft's) or "ddpkit-ddp" (its comm hook)
+    wrapper: Optional[str] = optional()
     step_s: Optional[float] = optional()     # steady: median step time of the 8.4M-parameter MLP
     comm_s: Optional[float] = optional()     # steady: median time per step in the gradient all-reduces
     death_to_next_commit_s: Optional[float] = optional()     # kill: to the survivors' next committed step
@@ -383,7 +384,13 @@ class FaultToleranceRecord(Record):
     steps_lost: Optional[int] = optional()   # kill: steps a replica had committed and no longer holds
     uncommitted_iterations: Optional[int] = optional()  # kill: survivors' iterations not committed meanwhile
     failed: Optional[str] = optional()       # the candidate's failure, when it did not survive the kill
-    timeline: Optional[list] = optional()    # kill: [s after the kill, replica, step, committed, participants]
+    # kill, both the last survivor's (s after the kill): its first iteration ended and discarded after
+    # the kill (the failed collective noticed), and the quorum of its next committed step (the lighthouse's part)
+    noticed_s: Optional[float] = optional()
+    next_quorum_s: Optional[float] = optional()
+    # kill: [s after the kill at the iteration's end, replica, step, committed, participants, its quorum
+    # in (s after the kill), its start (s after the kill)]
+    timeline: Optional[list] = optional()
 
 
 # A record with a "kind" is of the class of its kind; a record without one, of the class of its file.

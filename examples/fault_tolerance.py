@@ -19,10 +19,10 @@ import os
 import torch
 from torch import nn
 from torchft import Manager
-from torchft.ddp import DistributedDataParallel
 from torchft.optim import OptimizerWrapper
 
-from ddpkit.torchft import ProcessGroupDdpkit, check_lighthouse
+# torchft's DDP wrapper, with a gradient hook that lets each bucket's all-reduce overlap backward
+from ddpkit.torchft import DistributedDataParallel, ProcessGroupDdpkit, check_lighthouse
 
 STEPS = int(os.environ.get("STEPS", "50"))
 

@@ -93,6 +93,37 @@ def test_dead_rank_fails_every_other_rank_quickly(algorithm):
                 outcome
 
 
+def case_die_while_the_peer_sleeps(async_op: bool):
+    rank = dist.get_rank()
+    ddpkit.all_reduce(torch.ones(1))  # the group's set-up, which waits for every rank, is behind us
+    if rank == 1:
+        time.sleep(0.3)  # rank 0 is asleep in the all-reduce's wait by now (not needed for the outcome)
+        os.kill(os.getpid(), signal.SIGKILL)
+    tensor = torch.ones(1000)
+    if async_op:  # on the "ddpkit" backend, whose engine's thread runs the wait
+        dist.all_reduce(tensor, async_op=True).wait()
+    else:
+        ddpkit.all_reduce(tensor)
+    return "survived"
+
+
+@pytest.mark.parametrize("async_op", [False, True], ids=["caller", "engine"])
+def test_dead_rank_is_named_without_the_liveness_poll(async_op):
+    """Note [Prompt death notice]: with rank 0's periodic liveness check off (the no_liveness_poll test
+    fault) and a group timeout far beyond the pool's, rank 0 still names rank 1, killed while rank 0
+    sleeps in a wait for it: the pidfd watch woke the wait. Without the watch rank 0 would sleep on
+    until the pool gave up on it."""
+    pool = WorkerPool(2, backend="ddpkit" if async_op else "gloo", timeout=60, group_timeout=600,
+                      env={"DDPKIT_TEST_FAULT": "no_liveness_poll:0"})
+    try:
+        outcomes = pool.run(case_die_while_the_peer_sleeps, async_op, return_exceptions=True)
+    finally:
+        pool.kill()
+    assert isinstance(outcomes[1], WorkerFailure) and "exit code -9" in str(outcomes[1]), outcomes[1]
+    assert isinstance(outcomes[0], RuntimeError), outcomes[0]
+    assert "rank 1 (pid" in str(outcomes[0]) and "died" in str(outcomes[0]), outcomes[0]
+
+
 def case_leaves_exit_after_their_part(numel: int):
     """A reduce to rank 0 over shared-memory messages (a binomial tree: 1 -> 0 and 3 -> 2, then
     2 -> 0) whose leaves exit as soon as their call returns, while rank 2, late, keeps rank 0

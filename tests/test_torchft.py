@@ -101,6 +101,87 @@ def test_kill_and_rejoin_torchft_ddp(tmp_path, lighthouse, pg):
     kill_and_rejoin(tmp_path, lighthouse, ["--pg", pg, "--wrapper", "torchft-ddp", "--compute", "0.05"])
 
 
+def test_kill_and_rejoin_torchft_ddp_with_ddpkit_hook(tmp_path, lighthouse):
+    """torchft's DDP wrapper with ddpkit.torchft's hook, which does not wait for the bucket's all-reduce
+    (ddpkit.torchft.DistributedDataParallel): the same replay, bit for bit."""
+    kill_and_rejoin(tmp_path, lighthouse, ["--pg", "ddpkit", "--wrapper", "torchft-ddp-async", "--compute", "0.05"])
+
+
+class _HeldWork(torch.distributed._Work):
+    """A process group's Work whose collective completes when the test says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.future = torch.futures.Future()
+
+    def wait(self, timeout=None) -> bool:
+        self.future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self.future
+
+
+class _ManagerOfHeldWork:
+    """What allreduce_hook uses of torchft's Manager, for a quorum of 2: allreduce returns torchft's own
+    managed work over a _HeldWork, and wrap_future is the manager's own (its error report)."""
+
+    def __init__(self) -> None:
+        import logging
+        from datetime import timedelta
+
+        from torchft.manager import Manager
+        self._timeout = timedelta(seconds=60)
+        self._logger = logging.getLogger("test_torchft")
+        self.wrap_future = Manager.wrap_future.__get__(self)
+        self.errors: list = []
+        self.works: list = []
+
+    def report_error(self, error: Exception) -> None:
+        self.errors.append(error)
+
+    def num_participants(self) -> int:
+        return 2
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
+                  reduce_op: torch.distributed.ReduceOp = torch.distributed.ReduceOp.AVG):
+        from torchft.manager import _ManagedWork
+        assert reduce_op == torch.distributed.ReduceOp.SUM, "the hook averages on the work's completion"
+        work = _HeldWork()
+        self.works.append(work)
+        return _ManagedWork(self, work, tensor)
+
+
+def test_allreduce_hook_returns_before_the_all_reduce_and_reports_its_failure():
+    """Note [An asynchronous manager hook]: the hook returns a pending future (the bucket's all-reduce then
+    overlaps backward); the collective's completion settles it with the manager's average; a failed
+    collective settles it with the bucket as it is and reports the error to the manager, never raising."""
+    from ddpkit.torchft import allreduce_hook
+
+    manager = _ManagerOfHeldWork()
+    bucket = torch.full((4,), 6.0)
+    future = allreduce_hook(manager, bucket)
+    assert not future.done(), "the hook waited for the all-reduce"
+    manager.works[0].future.set_result([bucket])
+    assert torch.equal(future.wait(), torch.full((4,), 3.0)) and manager.errors == []
+
+    failing = torch.full((4,), 6.0)
+    future = allreduce_hook(manager, failing)
+    assert not future.done()
+    manager.works[1].future.set_exception(RuntimeError("rank 1 (pid 42) failed: the process died"))
+    assert future.wait() is failing
+    assert len(manager.errors) == 1 and "died" in str(manager.errors[0])
+
+
+def test_ddpkit_torchft_ddp_registers_its_hook_with_torch_ddp():
+    """torch DDP's register_comm_hook checks the hook's signature: ddpkit.torchft.DistributedDataParallel
+    (torchft's wrapper, which registers allreduce_hook) constructs."""
+    import ddpkit.torchft
+
+    model = ddpkit.torchft.DistributedDataParallel(_ManagerOfHeldWork(), torch.nn.Linear(2, 2))
+    assert isinstance(model, torchft.ddp.DistributedDataParallel)
+
+
 def test_kill_and_rejoin_ddpkit_ddp(tmp_path, lighthouse):
     """ddpkit's DistributedDataParallel with the manager's all-reduce as its communication hook."""
     kill_and_rejoin(tmp_path, lighthouse, ["--pg", "ddpkit", "--wrapper", "ddpkit-ddp", "--compute", "0.05"],

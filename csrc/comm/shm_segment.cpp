@@ -249,6 +249,7 @@ std::shared_ptr<ShmSegment> ShmSegment::set_up(Communicator& setup, const Discov
   }
   TORCH_CHECK(verdict.status == kOk, words.relayed(verdict.failed_rank, verdict.failure, verdict.error_number),
               rank == 0 ? "" : " (rank 0 reported it)");
+  if (segment) segment->watch_peers();
   return segment;
 }
 
@@ -423,7 +424,32 @@ ShmSegment::SegmentHeader& ShmSegment::header() const {
 }
 
 ShmSegment::~ShmSegment() {
+  watch_.reset();  // its thread wakes words of the mapping
   if (base_ != nullptr) munmap(base_, bytes_);
+}
+
+// Note [Prompt death notice]
+void ShmSegment::watch_peers() {
+  poll_liveness_ = !DDPKIT_FAULT_ARMED("no_liveness_poll", group_rank_);
+  watch_ = std::make_unique<PeerWatch>(pids_, rank_, [this](int) {
+    exits_.fetch_add(1, std::memory_order_seq_cst);
+    wake_all_sleepers();
+  });
+}
+
+bool ShmSegment::alarmed(uint32_t& seen) const {
+  const uint32_t exits = exits_.load(std::memory_order_seq_cst);
+  const bool exited = exits != seen;
+  seen = exits;
+  return exited || broken_flag_.load(std::memory_order_acquire) ||
+         header().broken_by.load(std::memory_order_acquire) != 0;
+}
+
+void ShmSegment::wake_all_sleepers() const {
+  for (int r = 0; r < size_; ++r) {
+    RankControl& c = control(r);
+    for (Signal* signal : {&c.arrived, &c.reduced, &c.doorbell}) futex_wake_all(&signal->value);
+  }
 }
 
 bool ShmSegment::awaits_a_rank_on_this_cpu(const WaitContext& context) const {
@@ -467,8 +493,8 @@ void ShmSegment::mark_broken(const std::string& why) const {
     if (broken_.empty()) broken_ = why;
   }
   broken_flag_.store(true, std::memory_order_release);
-  // Every peer stops too, at its next collective or within a liveness period of its current wait,
-  // and says why (peer_failure).
+  // Every peer stops too, at its next collective or at once in its current wait (woken below), and
+  // says why (peer_failure).
   SegmentHeader& shared = header();
   int32_t none = 0;
   if (shared.broken_by.compare_exchange_strong(none, -(rank_ + 1))) {
@@ -477,6 +503,7 @@ void ShmSegment::mark_broken(const std::string& why) const {
     shared.broken_why[length] = '\0';
     shared.broken_by.store(rank_ + 1, std::memory_order_release);
   }
+  wake_all_sleepers();  // its waits and its peers' stop now, not at their next liveness check
 }
 
 int ShmSegment::failed_group_rank() const {

@@ -5,6 +5,7 @@
 
 #include "comm/call_timeout.h"
 #include "comm/header.h"
+#include "comm/peer_watch.h"
 #include "comm/topology.h"
 
 #include <ATen/ATen.h>
@@ -90,15 +91,16 @@ namespace ddpkit::comm {
 // keeps two ranks on one CPU for a while although another CPU is there (a fresh pair of processes
 // that started on one CPU, or ranks that gloo's socket wake-ups left on one), and each wait's
 // spin then only kept the peer it waited for off the CPU (n=2 pinned to one CPU: yielding at once
-// made a 1k-float all-reduce several times faster, measured by hand with taskset). Sleeps are
-// bounded (kLivenessMillis): each timeout
-// checks that the peers still live (their pid in /proc, zombies counting as dead) and the group's
-// timeout, so a peer killed in the middle of a collective is reported within a fraction of a
-// second, naming it.
+// made a 1k-float all-reduce several times faster, measured by hand with taskset). A peer's exit
+// wakes every sleeper of the segment at once (Note [Prompt death notice]), and so does a rank that
+// gives up (mark_broken): the woken wait checks its peers right away. Sleeps are still bounded
+// (kLivenessMillis), the backstop for a peer the pidfd watch does not cover: each timeout checks
+// that the peers still live (their pid in /proc, zombies counting as dead) and the group's timeout.
+// Either way a peer killed in the middle of a collective is reported, naming it.
 // The first rank any rank finds dead is recorded in the segment, and every later report names that
 // rank, so a survivor that reported it and exited is never blamed in its place. A rank whose
 // transport fails (a dead peer, a timeout, corrupt data) records that and why in the segment too
-// (mark_broken), so every peer stops within a liveness period, saying which rank gave up and why. A
+// (mark_broken) and wakes the segment's sleepers, so every peer stops, saying which rank gave up and why. A
 // timeout names the ranks still awaited, and says which of them are stopped (SIGSTOP) or gone.
 //
 // Note [Only an awaited peer is blamed]
@@ -172,6 +174,7 @@ class ShmSegment {
   // group's, bounded by the group's timeout).
   static std::shared_ptr<ShmSegment> set_up(Communicator& setup, const Discovery& group,
                                             std::chrono::milliseconds timeout);
+  // Stops the peer watch before the memory it wakes goes.
   ~ShmSegment();
 
   ShmSegment(const ShmSegment&) = delete;
@@ -263,6 +266,13 @@ class ShmSegment {
   bool awaits_a_rank_on_this_cpu(const WaitContext& context) const;
   // The ranks `context` still waits for, in the words of an error ("rank 1 (pid 42, stopped)").
   std::string describe_awaited(const WaitContext& context) const;
+  // Whether a wait must check its peers now, before its liveness period is up: a peer exited since
+  // `seen` (which this updates) or some rank gave up (Note [Prompt death notice]).
+  bool alarmed(uint32_t& seen) const;
+  // Wakes every sleeper on the segment's words, in every process, changing none of them.
+  void wake_all_sleepers() const;
+  // Starts the peer watch of this rank's host peers (set-up's last step).
+  void watch_peers();
 
   int rank_ = 0;
   int size_ = 1;
@@ -283,6 +293,9 @@ class ShmSegment {
   mutable std::mutex broken_mutex_;
   mutable std::string broken_;                    // why this rank's transport failed (guarded by broken_mutex_)
   mutable std::atomic<bool> broken_flag_{false};  // broken_ is set: the lock-free test of check_usable
+  std::atomic<uint32_t> exits_{0};                // peers the watch saw exit (Note [Prompt death notice])
+  std::unique_ptr<PeerWatch> watch_;
+  bool poll_liveness_ = true;  // the periodic check runs (off only under the no_liveness_poll test fault)
 };
 
 template <class Ready>
@@ -305,16 +318,24 @@ void ShmSegment::wait_for(Signal& signal, Ready ready, const WaitContext& contex
     }
   }
   auto next_check = std::chrono::steady_clock::now() + std::chrono::milliseconds(shm_detail::kLivenessMillis);
+  // Note [Prompt death notice]. Every exit counts, also one seen before this wait began: the peer
+  // may be one this wait needs.
+  uint32_t exits_seen = 0;
   for (;;) {
     const uint32_t observed = signal.value.load(std::memory_order_seq_cst);
     if (ready()) return;
-    signal.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (signal.value.load(std::memory_order_seq_cst) == observed)
-      shm_detail::futex_wait(&signal.value, observed, shm_detail::kLivenessMillis);
-    signal.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    if (ready()) return;
+    bool alarm = alarmed(exits_seen);
+    if (!alarm) {
+      signal.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (signal.value.load(std::memory_order_seq_cst) == observed &&
+          exits_.load(std::memory_order_seq_cst) == exits_seen)
+        shm_detail::futex_wait(&signal.value, observed, shm_detail::kLivenessMillis);
+      signal.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (ready()) return;
+      alarm = alarmed(exits_seen);
+    }
     const auto now = std::chrono::steady_clock::now();
-    if (now >= next_check) {
+    if (alarm || (poll_liveness_ && now >= next_check)) {
       check_peers(context, [&] { return static_cast<bool>(ready()); });
       next_check = now + std::chrono::milliseconds(shm_detail::kLivenessMillis);
     }

@@ -18,6 +18,9 @@
 //  links_cannot_listen: the rank fails to listen at the set-up of the socket links.
 //  stale_link_frame: the rank's first frame over the socket links carries the previous collective's
 //    sequence number, as a frame of an abandoned collective would.
+//  no_liveness_poll: the rank's shared-memory waits never run their periodic check (of the peers'
+//    liveness and of the timeout): only the peer watch (Note [Prompt death notice]) or a peer's
+//    progress ends them.
 // DDPKIT_TEST_HOSTS=<label of rank 0>,<label of rank 1>,... splits one machine into hosts for the
 // tests (Note [Topology]): processes whose RANK (torchrun's) has different labels count as different
 // hosts, in every group. The tests of real

@@ -12,7 +12,9 @@ raises into torchft's code: its Work completes with the tensors as they are, and
 returns the error until the next ``configure``. The ``Manager`` reads ``errored()`` in
 ``should_commit()``, so the step is discarded and the next quorum goes on without the lost peer.
 ``model.register_comm_hook(manager, allreduce_hook)`` plugs the manager's all-reduce into
-``ddpkit.DistributedDataParallel``.
+``ddpkit.DistributedDataParallel`` (or torch DDP); ``ddpkit.torchft.DistributedDataParallel`` is
+torchft's DDP wrapper with that hook. The hook does not wait: each bucket's all-reduce overlaps the
+rest of backward.
 
 Needs torchft (``pip install --no-deps torchft``; scripts/setup.sh installs it with the test extra).
 See docs/fault_tolerance.md.
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 try:
+    from torchft.ddp import DistributedDataParallel as _TorchftDDP
     from torchft.process_group import ProcessGroupWrapper
 except ImportError as error:  # pragma: no cover - exercised only without torchft
     raise ImportError(
@@ -43,7 +46,7 @@ from . import backend as _backend
 if TYPE_CHECKING:
     from torchft.manager import Manager
 
-__all__ = ["ProcessGroupDdpkit", "allreduce_hook", "check_lighthouse"]
+__all__ = ["DistributedDataParallel", "ProcessGroupDdpkit", "allreduce_hook", "check_lighthouse"]
 
 
 class ProcessGroupDdpkit(ProcessGroupWrapper):
@@ -190,16 +193,54 @@ class _ReportingWork(dist._Work):
         return self._settled().then(reported)
 
 
-def allreduce_hook(manager: "Manager", bucket: torch.Tensor) -> torch.futures.Future:
-    """The communication hook of ``ddpkit.DistributedDataParallel`` under torchft:
-    ``model.register_comm_hook(manager, allreduce_hook)`` averages each gradient bucket over the
-    replicas of the manager's quorum (``manager.allreduce``). A failed all-reduce is the manager's to
-    report: the step is then discarded, so the bucket's value does not matter."""
-    work = manager.allreduce(bucket)
-    work.wait()
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(bucket)
-    return future
+# torch DDP's register_comm_hook rejects any annotation of `bucket` but dist.GradBucket and any return
+# annotation but Future[Tensor] (this module's annotations are strings): they are left out.
+def allreduce_hook(manager: "Manager", bucket):
+    """The communication hook of a data-parallel wrapper under torchft: averages each gradient
+    bucket over the replicas of the manager's quorum (``manager.allreduce``) and returns at once a
+    future that the collective's completion settles, so the bucket's all-reduce overlaps the rest
+    of backward. ``ddpkit_model.register_comm_hook(manager, allreduce_hook)`` for ddpkit's DDP (a
+    bucket tensor), or torch DDP's ``register_comm_hook`` (a ``GradBucket``);
+    ``ddpkit.torchft.DistributedDataParallel`` is torchft's DDP wrapper with this hook.
+
+    A failed all-reduce never fails the future: the manager's continuation reports the error
+    (``should_commit()`` then discards the step) and settles it with the bucket as it is."""
+    tensor = bucket.buffer() if isinstance(bucket, dist.GradBucket) else bucket
+    # Note [An asynchronous manager hook]
+    # torchft's manager builds the continuations of its all-reduce (the division by the participants,
+    # the error report) only when the work is waited on, and its chain then reads a loop variable
+    # that is right only if each callback runs at once, while the chain is built: torchft's own DDP
+    # hook therefore waits, and each bucket's all-reduce blocks backward until it is done (a chain
+    # built on a pending work fails its `assert managed_fut._callback`, the first try's failure of
+    # issue 42). So the manager starts the collective as a sum (its checks, its quorum, a healing
+    # replica's zeroed bucket, a launch failure reported), and this hook chains the average on the
+    # process group's own work and hands it to `manager.wrap_future`, the manager's public
+    # error report and timeout: the returned future is settled by the collective's completion, never
+    # fails, and a failure reaches `should_commit()` through the manager. The pending work is torchft
+    # 0.2.0's `_ManagedWork._work`. tests/test_torchft.py's hook test checks the future is pending at
+    # return, the average and the report; bench_fault_tolerance.py's steady step measures the gain.
+    work = manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+    pending = getattr(work, "_work", None)
+    if pending is None:  # the manager had errored already (a settled _DummyWork): nothing to wait for
+        work.wait()
+        settled: torch.futures.Future = torch.futures.Future()
+        settled.set_result(tensor)
+        return settled
+    participants = manager.num_participants()
+
+    def average(future: torch.futures.Future) -> torch.Tensor:
+        future.value()  # a failure raises here, for wrap_future to report
+        return tensor.div_(participants)
+
+    return manager.wrap_future(pending.get_future().then(average), tensor)
+
+
+class DistributedDataParallel(_TorchftDDP):
+    """torchft's ``DistributedDataParallel(manager, module)`` with ``allreduce_hook`` as its
+    communication hook: the same wrapper, whose bucket all-reduces overlap backward instead of each
+    blocking it (Note [An asynchronous manager hook]). Works on any torchft process group."""
+
+    _comm_hook = staticmethod(allreduce_hook)
 
 
 def check_lighthouse(address: Optional[str] = None, timeout: float = 10.0) -> str:
