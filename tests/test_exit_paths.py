@@ -53,9 +53,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_job(tmp_path, how: str) -> list:
-    script = tmp_path / "job.py"
-    script.write_text(JOB)
+def start_job(script, how: str) -> list:
     port = free_port()
     ranks = []
     for rank in range(2):
@@ -67,7 +65,11 @@ def start_job(tmp_path, how: str) -> list:
 
 
 def test_every_ending_is_clean(tmp_path):
-    jobs = {how: start_job(tmp_path, how) for how in ENDINGS}
+    # Written once, before any rank starts: rewriting it per job let a starting rank read it empty and
+    # exit 0 without a word, its peer left waiting (seen in CI).
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    jobs = {how: start_job(script, how) for how in ENDINGS}
     failures = []
     try:
         for how, ranks in jobs.items():
