@@ -1,38 +1,50 @@
 #!/usr/bin/env bash
-# Is this tree's all-reduce as fast as an earlier commit's? Builds BASE into a venv of its own beside
-# this one, then runs bench_allreduce.py at n=2 (ddpkit, gloo, the memory floor) alternately with the
-# base build and with this tree's, ROUNDS times, and prints per size the median over rounds of this
-# tree's ddpkit time over the base's (each round's two runs back to back, so drift hits both).
-#   bash benchmarks/compare_builds.sh ac93524 11      # about 3 minutes on 2 cores
+# Is this tree's all-reduce as fast as an earlier commit's? Builds BASE and this tree (its committed
+# state plus any uncommitted changes, `git stash create`) alike: each a release build (`pip install`,
+# no testing hooks) in a venv of its own. Then runs this tree's bench_allreduce.py at n=2 (ddpkit, gloo,
+# the memory floor) alternately with the base build and with the tree's, ROUNDS times, and prints per
+# size the median over rounds of the tree's ddpkit time over the base's (each round's two runs back to
+# back, so drift hits both). Building both the same way keeps the testing build's fault points out of
+# the comparison.
+#   bash benchmarks/compare_builds.sh ac93524 11      # about 3 minutes on 2 cores, plus the builds
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base=$(git rev-parse --short "${1:?usage: compare_builds.sh BASE_COMMIT [ROUNDS]}")
 rounds=${2:-11}
-work=${TMPDIR:-/tmp}/ddpkit-compare-$base
-if [ ! -x "$work/venv/bin/python" ] || ! "$work/venv/bin/python" -c "import ddpkit" 2>/dev/null; then
-  rm -rf "$work" && mkdir -p "$work/src"
-  git archive "$base" | tar -x -C "$work/src"
-  python3 -m venv "$work/venv"
-  "$work/venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0 "scikit-build-core>=0.11" ninja numpy tqdm
-  "$work/venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps "$work/src"
-fi
+stash=$(git stash create)  # empty when the tree has no uncommitted changes
+tree=$(git rev-parse --short "${stash:-HEAD}")
+release_venv() {  # COMMIT -> the path of a venv with COMMIT's release build, made once
+  local work=${TMPDIR:-/tmp}/ddpkit-compare-$1
+  if [ ! -x "$work/venv/bin/python" ] || ! "$work/venv/bin/python" -c "import ddpkit" 2>/dev/null; then
+    rm -rf "$work" && mkdir -p "$work/src"
+    git archive "$1" | tar -x -C "$work/src"
+    python3 -m venv "$work/venv"
+    "$work/venv/bin/pip" install -q --disable-pip-version-check torch==2.13.0 "scikit-build-core>=0.11" ninja numpy tqdm
+    "$work/venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation --no-deps "$work/src"
+  fi >&2
+  echo "$work/venv/bin/python"
+}
+base_py=$(release_venv "$base")
+tree_py=$(release_venv "$tree")
+work=${TMPDIR:-/tmp}/ddpkit-compare-$base-vs-$tree
+rm -rf "$work" && mkdir -p "$work"
 for round in $(seq 1 "$rounds"); do
   for build in base tree; do
-    py=.venv/bin/python; [ $build = base ] && py="$work/venv/bin/python"
+    py=$tree_py; [ $build = base ] && py=$base_py
     DDPKIT_RESULTS_DIR="$work/$build-$round" $py benchmarks/bench_allreduce.py --world-sizes 2 \
       --candidates ddpkit gloo floor --sizes 1000 10000 100000 1000000 16000000 --reps 30 --pools 1 \
       --memory-sizes > "$work/$build-$round.log" 2>&1
   done
   echo "round $round of $rounds done"
 done
-.venv/bin/python - "$work" "$rounds" "$base" <<'PY'
+"$tree_py" - "$work" "$rounds" "$base" "$tree" <<'PY'
 import json, statistics, sys
-work, rounds, base = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+work, rounds, base, tree = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 def times(path):
     return {(r["candidate"], r["numel"]): r["median_s"] for r in json.load(open(path))["records"]
             if r.get("kind") == "time" and r["world_size"] == 2 and r["median_s"]}
 runs = [(times(f"{work}/base-{i}/allreduce.json"), times(f"{work}/tree-{i}/allreduce.json")) for i in range(1, rounds + 1)]
-print(f"\nddpkit all-reduce at n=2, this tree against {base}: medians over {rounds} rounds")
+print(f"\nddpkit all-reduce at n=2, this tree ({tree}) against {base}, both release builds: medians over {rounds} rounds")
 print(f"{'floats':>9}  {'tree/base':>9}  {'rounds min-max':>14}  {'base':>10}  {'tree':>10}  {'base/gloo':>9}  {'tree/gloo':>9}")
 for numel in sorted({numel for _, numel in runs[0][0]}):
     ratio = [t[("ddpkit", numel)] / b[("ddpkit", numel)] for b, t in runs]
