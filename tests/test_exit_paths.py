@@ -1,6 +1,7 @@
 """Every way a short job on the "ddpkit" backend ends leaves its processes without an abort: no C++ thread
 destroyed while joinable, no thread unwound through the interpreter's exit ("terminate called without
-an active exception", SIGABRT). Each job is 2 ranks of a fresh interpreter that ends one way."""
+an active exception", SIGABRT). Each job is 2 ranks of a fresh interpreter that ends one way. A child
+forked from a rank neither hangs nor crashes on its parent's group, and leaves it working."""
 
 import os
 import signal
@@ -88,6 +89,60 @@ def test_every_ending_is_clean(tmp_path):
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
     assert not failures, "\n".join(failures)
+
+
+FORKED = textwrap.dedent(r"""
+    import os, sys, datetime, torch
+    import torch.distributed as dist
+    import ddpkit
+
+    dist.init_process_group("ddpkit", timeout=datetime.timedelta(seconds=20))
+    works = [dist.all_reduce(torch.ones(100_000), async_op=True) for _ in range(3)]
+    child = os.fork()
+    if child == 0:  # the parent's group, its work outstanding: each use fails at once, naming the call
+        for name, use in [("all_reduce", lambda: dist.all_reduce(torch.ones(10))),
+                          ("wait", lambda: works[0].wait()),
+                          ("send", lambda: dist.send(torch.ones(1), 1 - dist.get_rank()))]:
+            try:
+                use()
+                print(f"{name}: no error", flush=True)
+            except RuntimeError as error:
+                print(f"{name}: {str(error).splitlines()[0]}", flush=True)
+        dist.destroy_process_group()  # leaves the parent's threads, segment and sockets alone
+        sys.exit(0)
+    _, status = os.waitpid(child, 0)
+    print("child exit status", os.waitstatus_to_exitcode(status), flush=True)
+    for work in works:
+        work.wait()
+    total = torch.ones(10)
+    dist.all_reduce(total)
+    print("parent's group after the child", total[0].item(), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_forked_child_cannot_use_its_parents_group_and_leaves_it_alone(tmp_path):
+    """Note [Forked children]: in a child forked with a group's work in flight, a collective, a wait and a
+    send each fail at once instead of hanging, destroying the group there neither crashes nor hangs, and
+    the parent's group goes on."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    ranks = start_job(script, "forked")
+    try:
+        outputs = [process.communicate(timeout=120) for process in ranks]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    for rank, (process, (out, err)) in enumerate(zip(ranks, outputs)):
+        assert process.returncode == 0, f"rank {rank}: exit status {process.returncode}\n{out}\n{err[-2000:]}"
+        lines = out.splitlines()
+        for name in ("all_reduce", "wait", "send"):
+            assert f"{name}: ddpkit.{name} (rank {rank}): this process is a fork of the one that made the group" \
+                in "\n".join(lines), out
+        assert "child exit status 0" in lines, out
+        assert "parent's group after the child 2.0" in lines, out
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 #include "comm/call_timeout.h"
 #include "comm/collectives.h"
+#include "comm/exit.h"
 
 #include <optional>
 
@@ -231,6 +232,7 @@ at::Tensor flat_cat(const std::vector<at::Tensor>& tensors) {
 Backend::Backend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
                  c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> gloo_p2p)
     : c10d::Backend(rank, size),
+      fork_generation_(comm::fork_generation()),
       store_(std::move(store)),
       gloo_(std::move(gloo)),
       gloo_p2p_(std::move(gloo_p2p)),
@@ -241,6 +243,17 @@ Backend::Backend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std:
     TORCH_CHECK(inner->getRank() == rank && inner->getSize() == size, "ddpkit backend: an inner gloo backend has rank ",
                 inner->getRank(), " of ", inner->getSize(), ", expected ", rank, " of ", size);
   }
+}
+
+Backend::~Backend() {
+  if (comm::fork_generation() == fork_generation_) return;
+  gloo_.release();  // leaked on purpose: Note [Forked children]
+  gloo_p2p_.release();
+}
+
+c10d::Backend& Backend::point_to_point(std::string_view op) {
+  comm::check_not_forked(fork_generation_, op, getRank());
+  return *gloo_p2p_;
 }
 
 std::shared_ptr<comm::Engine> Backend::engine() {
@@ -710,19 +723,19 @@ c10::intrusive_ptr<c10d::Work> Backend::barrier(const c10d::BarrierOptions& opts
 }
 
 void Backend::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
-  gloo_p2p_->monitoredBarrier(opts, wait_all_ranks);
+  point_to_point("monitored_barrier").monitoredBarrier(opts, wait_all_ranks);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
-  return gloo_p2p_->send(tensors, dst_rank, tag);
+  return point_to_point("send").send(tensors, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
-  return gloo_p2p_->recv(tensors, src_rank, tag);
+  return point_to_point("recv").recv(tensors, src_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> Backend::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return gloo_p2p_->recvAnysource(tensors, tag);
+  return point_to_point("recv").recvAnysource(tensors, tag);
 }
 
 }  // namespace ddpkit::backend

@@ -59,6 +59,9 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   // send/recv, whose tags would otherwise meet the engine's (Note [Tags]).
   Backend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
           c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> gloo_p2p);
+  // In a forked child, leaves the inner gloo backends undestroyed: their threads are the parent's
+  // (Note [Forked children] in comm/engine.cpp).
+  ~Backend() override;
 
   const std::string getBackendName() const override { return "ddpkit"; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
@@ -131,6 +134,10 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   c10::intrusive_ptr<c10d::Work> delegate(Call call, std::vector<at::Tensor> outputs, comm::CollectiveHeader header,
                                           std::function<c10::intrusive_ptr<c10d::Work>()> op);
 
+  // The send/recv backend, in the process that made it; raises, naming `op`, in a forked child.
+  c10d::Backend& point_to_point(std::string_view op);
+
+  const uint64_t fork_generation_;  // the process that made it (Note [Forked children])
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<c10d::Backend> gloo_p2p_;

@@ -7,6 +7,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <optional>
 
@@ -124,10 +125,42 @@ class CompletionPool {
   bool exiting_ = false;
 };
 
+std::atomic<uint64_t> forks_since_load{0};
+const bool counts_forks = [] {
+  pthread_atfork(nullptr, nullptr, [] { forks_since_load.fetch_add(1, std::memory_order_relaxed); });
+  return true;
+}();
+
 }  // namespace
 
+// Note [Forked children]
+// A forked child has its parent's memory but none of its threads, and shares its sockets and shared
+// memory. A group made before the fork stays the parent's. In the child, a collective or a wait on its
+// work fails at once: it would wait forever for the engine's thread, which is not there. Destroying
+// the group there (destroy_process_group, or the last reference dropped) destroys nothing: the engine
+// is leaked whole. Its members' destructors would join a thread that does not exist, destroy a
+// condition variable the parent's thread was waiting on (which waits for that waiter), and shut down
+// the cross-host sockets the parent still uses. The child's copy of that memory costs nothing more.
+// A forked child's own completions get a pool of their own (Note [Exit paths]). Test:
+// test_exit_paths.py's forked-child test.
+uint64_t fork_generation() {
+  (void)counts_forks;
+  return forks_since_load.load(std::memory_order_relaxed);
+}
+
+void check_not_forked(uint64_t made_in, std::string_view what, int rank) {
+  TORCH_CHECK(fork_generation() == made_in, "ddpkit.", what, " (rank ", rank,
+              "): this process is a fork of the one that made the group, and a forked child cannot use its "
+              "parent's process group (its threads are the parent's); make a new group in the child");
+}
+
 CollectiveWork::CollectiveWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
-    : c10d::Work(rank, type), outputs_(std::move(outputs)) {}
+    : c10d::Work(rank, type), outputs_(std::move(outputs)), fork_generation_(fork_generation()) {}
+
+bool CollectiveWork::wait(std::chrono::milliseconds timeout) {
+  check_not_forked(fork_generation_, "wait", rank_);
+  return c10d::Work::wait(timeout);
+}
 
 void CollectiveWork::complete(std::exception_ptr error) {
   c10::intrusive_ptr<c10::ivalue::Future> future;
@@ -233,10 +266,12 @@ std::shared_ptr<Engine> Engine::of(const std::string& group_name) {
 }
 
 std::shared_ptr<Engine> Engine::create(EngineGroup group) {
-  return std::shared_ptr<Engine>(new Engine(std::move(group)));
+  return std::shared_ptr<Engine>(new Engine(std::move(group)), [](Engine* engine) {
+    if (fork_generation() == engine->fork_generation_) delete engine;  // else leaked: Note [Forked children]
+  });
 }
 
-Engine::Engine(EngineGroup group) : group_(std::move(group)) {}
+Engine::Engine(EngineGroup group) : group_(std::move(group)), fork_generation_(fork_generation()) {}
 
 Engine::~Engine() {
   {
@@ -255,6 +290,7 @@ Engine::~Engine() {
 }
 
 void Engine::run(c10::DeviceType device, TransportKind requested, std::string_view what, const Body& body) {
+  check_not_forked(fork_generation_, what, group_.rank);
   std::unique_lock<std::mutex> lock(mutex_);
   const uint64_t sequence = next_sequence_++;
   if (busy_ || !queue_.empty()) {
@@ -279,6 +315,7 @@ void Engine::run(c10::DeviceType device, TransportKind requested, std::string_vi
 c10::intrusive_ptr<CollectiveWork> Engine::submit(c10::DeviceType device, TransportKind requested,
                                                   std::string_view what, Body body, c10d::OpType type,
                                                   std::vector<at::Tensor> outputs) {
+  check_not_forked(fork_generation_, what, group_.rank);
   std::lock_guard<std::mutex> lock(mutex_);
   return enqueue_locked(device, requested, what, next_sequence_++, std::move(body), type, std::move(outputs));
 }

@@ -113,11 +113,14 @@ class CollectiveWork final : public c10d::Work {
   void complete(std::exception_ptr error);
   std::vector<at::Tensor> result() override { return outputs_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  // Fails at once in a forked child (Note [Forked children]): the thread that completes it is the parent's.
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
 
  private:
   void settle(c10::ivalue::Future& future) const;  // with the outcome; call once complete
 
   std::vector<at::Tensor> outputs_;
+  const uint64_t fork_generation_;
   std::mutex future_mutex_;  // guards the three below
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   bool done_ = false;
@@ -133,7 +136,8 @@ class Engine {
   // EngineBackend, that backend's engine. Fails clearly when there is no such group.
   static std::shared_ptr<Engine> of(const std::string& group_name);
 
-  // A new engine for `group`, owned by the caller (the "ddpkit" backend).
+  // A new engine for `group`, owned by the caller (the "ddpkit" backend). In a forked child it is
+  // never destroyed, and its collectives fail at once (Note [Forked children]).
   static std::shared_ptr<Engine> create(EngineGroup group);
 
   // Runs `body` as the group's next collective with a Communicator for `device`'s backend (the CPU
@@ -198,6 +202,7 @@ class Engine {
   bool stages_through_host(c10::DeviceType device);
 
   const EngineGroup group_;
+  const uint64_t fork_generation_;  // the process that made it (Note [Forked children])
   std::unordered_map<int, c10::intrusive_ptr<c10d::Backend>> backends_;  // by device type; execution thread only
   std::unordered_map<int, std::shared_ptr<Transport>> pg_transports_;
   std::unordered_map<int, std::unique_ptr<RootVerdictCheck>> pg_checks_;  // by device type, with pg_transports_
