@@ -815,6 +815,55 @@ def test_mismatched_calls_raise_on_every_rank(dpool, kind):
         assert torch.equal(later, torch.full((7,), float(world_size - 1)))
 
 
+def _coalesced(call, *args):
+    """`call(*args)` inside torch's coalescing manager, which hands the backend its coalesced form."""
+    with dist._coalescing_manager():
+        quiet(call, *args)
+
+
+# Calls whose backend operation shares its collective check's kind with another call (the kind is
+# named after one of them): each mismatched by a size or dtype on rank 1. The torch.distributed name
+# of the call, then the kind the check compares.
+NAMED_MISMATCHES = {
+    "all_gather": ("all_gather_into_tensor", lambda rank: dist.all_gather(
+        [torch.empty(2 + rank) for _ in range(2)], torch.ones(2 + rank))),
+    "reduce_scatter": ("reduce_scatter_tensor", lambda rank: dist.reduce_scatter(
+        torch.empty(2 + rank), [torch.ones(2 + rank) for _ in range(2)])),
+    "all_gather_into_tensor_coalesced": ("all_gather_into_tensor", lambda rank: _coalesced(
+        dist.all_gather_into_tensor, torch.empty(2 * (2 + rank)), torch.ones(2 + rank))),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor", lambda rank: _coalesced(
+        dist.reduce_scatter_tensor, torch.empty(2 + rank), torch.ones(2 * (2 + rank)))),
+    "all_reduce_coalesced": ("all_reduce", lambda rank: _coalesced(dist.all_reduce, torch.ones(2 + rank))),
+    # delegated to gloo, after the same check
+    "all_gather_coalesced": ("all_gather_into_tensor", lambda rank: quiet(
+        dist.all_gather_coalesced, [[torch.empty(2 + rank)] for _ in range(2)], [torch.ones(2 + rank)])),
+    "all_to_all_single": ("all_to_all", lambda rank: dist.all_to_all_single(
+        torch.empty(2, dtype=torch.float64 if rank else torch.float32),
+        torch.ones(2, dtype=torch.float64 if rank else torch.float32))),
+}
+
+
+def case_named_mismatch(name):
+    rank = dist.get_rank()
+    error = caught(lambda: NAMED_MISMATCHES[name][1](rank))
+    after = torch.full((3,), float(rank))
+    dist.all_reduce(after)
+    return error, after
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_MISMATCHES))
+def test_mismatch_errors_name_the_call(dpool, name):
+    """On every rank the error starts with the name of the call made, not with that of the kind of
+    collective its check compares (which all_gather shares with all_gather_into_tensor, ...)."""
+    kind = NAMED_MISMATCHES[name][0]
+    outcomes = dpool(2).run(case_named_mismatch, name, timeout=30)
+    for rank, (error, after) in enumerate(outcomes):
+        assert error is not None, f"rank {rank} did not raise"
+        assert f"ddpkit.{name}: ranks called mismatched collectives: rank 1 passed " in error, error
+        assert f"ddpkit.{kind}:" not in error, error
+        assert torch.equal(after, torch.full((3,), 1.0)), f"rank {rank}: the group is not usable afterwards"
+
+
 def case_uneven_split_mismatch():
     """Rank 1 sends one row to itself but expects two from itself, and three rows to rank 0, which expects two."""
     rank = dist.get_rank()

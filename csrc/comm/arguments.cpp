@@ -60,8 +60,7 @@ at::Tensor working_copy(const at::Tensor& tensor) {
 }
 
 std::string gather_scatter_error(const at::Tensor& output, const at::Tensor& input, int n, int rank, bool gather,
-                                 std::optional<ReduceOp> op) {
-  const std::string_view what = gather ? "all_gather_into_tensor" : "reduce_scatter_tensor";
+                                 std::optional<ReduceOp> op, std::string_view what) {
   std::string error = tensor_error(output, what, op);
   if (error.empty()) error = tensor_error(input, what, op);
   if (!error.empty()) return error;

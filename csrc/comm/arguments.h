@@ -24,6 +24,9 @@ inline at::Tensor slice(const at::Tensor& flat, int64_t begin, int64_t end) {
 // forms of all_gather_into_tensor_ and reduce_scatter_tensor_ (collectives.h), as torch's backends.
 bool is_own_block(const at::Tensor& whole, const at::Tensor& part, int rank);
 
+// Every reason below starts "ddpkit.<what>: ", `what` being the call the collective serves
+// (Communicator::what()), not the collective's kind.
+
 // The reason `tensor` cannot take part in a ddpkit collective, or "" when it can. Collectives that
 // only move data (no `op`) take any dtype; reductions take the dtypes of collectives.h.
 std::string tensor_error(const at::Tensor& tensor, std::string_view what, std::optional<ReduceOp> op);
@@ -34,7 +37,7 @@ std::string root_error(int root, int size, std::string_view what, std::string_vi
 // The reason `output`/`input` cannot take part in an all-gather (`gather` true) or reduce-scatter of
 // `n` ranks as rank `rank`, or "" when they can.
 std::string gather_scatter_error(const at::Tensor& output, const at::Tensor& input, int n, int rank, bool gather,
-                                 std::optional<ReduceOp> op);
+                                 std::optional<ReduceOp> op, std::string_view what);
 
 // This rank's header of a collective on `tensor` (undefined: a rank that rejected it), before
 // Communicator::stamp.

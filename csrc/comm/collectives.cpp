@@ -82,7 +82,7 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   if (staged(tensor, comm)) {
     return on_host_copy(tensor, [&](at::Tensor& host) { all_reduce_(host, op, algorithm, comm); });
   }
-  std::string error = tensor_error(tensor, "all_reduce", op);
+  std::string error = tensor_error(tensor, comm.what(), op);
   const RouteChoice route = choose_route(
       {CollectiveKind::kAllReduce, algorithm, bytes_of(tensor, error), working_bytes_of(tensor, error), op}, comm,
       error);
@@ -92,7 +92,7 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
     at::Tensor work = error.empty() ? working_copy(tensor) : at::Tensor();
     at::Tensor flat = work.defined() ? work.view(-1) : work;
     comm.run_direct(header, error, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool checked) {
-      direct.all_reduce(flat, op, stamped, error, checked);
+      direct.all_reduce(flat, op, stamped, error, checked, comm.what());
     });
     write_back(tensor, work);
     return;
@@ -127,8 +127,8 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
 void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
   if (staged(tensor, comm)) return on_host_copy(tensor, [&](at::Tensor& host) { broadcast_(host, src, comm); });
   const int n = comm.size();
-  std::string error = tensor_error(tensor, "broadcast", std::nullopt);
-  if (error.empty()) error = root_error(src, n, "broadcast", "src");
+  std::string error = tensor_error(tensor, comm.what(), std::nullopt);
+  if (error.empty()) error = root_error(src, n, comm.what(), "src");
   const int64_t bytes = bytes_of(tensor, error);
   const RouteChoice route = choose_route({CollectiveKind::kBroadcast, Algorithm::kAuto, bytes, bytes}, comm, error);
   const CollectiveHeader header = make_header(CollectiveKind::kBroadcast, tensor, std::nullopt, std::nullopt, src);
@@ -153,8 +153,8 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
 void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm) {
   if (staged(tensor, comm)) return on_host_copy(tensor, [&](at::Tensor& host) { reduce_(host, dst, op, comm); });
   const int n = comm.size();
-  std::string error = tensor_error(tensor, "reduce", op);
-  if (error.empty()) error = root_error(dst, n, "reduce", "dst");
+  std::string error = tensor_error(tensor, comm.what(), op);
+  if (error.empty()) error = root_error(dst, n, comm.what(), "dst");
   const int64_t working_bytes = working_bytes_of(tensor, error);
   const RouteChoice route =
       choose_route({CollectiveKind::kReduce, Algorithm::kAuto, working_bytes, working_bytes, op}, comm, error);
@@ -200,8 +200,8 @@ at::Tensor gather(const at::Tensor& tensor, int dst, Communicator& comm) {
 
 void gather_into(std::vector<at::Tensor>& outputs, const at::Tensor& tensor, int dst, Communicator& comm) {
   const int n = comm.size();
-  std::string error = tensor_error(tensor, "gather", std::nullopt);
-  if (error.empty()) error = root_error(dst, n, "gather", "dst");
+  std::string error = tensor_error(tensor, comm.what(), std::nullopt);
+  if (error.empty()) error = root_error(dst, n, comm.what(), "dst");
   if (error.empty() && comm.rank() == dst) {
     bool matching = static_cast<int>(outputs.size()) == n;
     for (const auto& out : outputs) {
@@ -209,7 +209,7 @@ void gather_into(std::vector<at::Tensor>& outputs, const at::Tensor& tensor, int
                  out.scalar_type() == tensor.scalar_type() && out.device() == tensor.device();
     }
     if (!matching) {
-      error = c10::str("ddpkit.gather: on dst the outputs must be ", n, " tensors of ", tensor.numel(),
+      error = c10::str("ddpkit.", comm.what(), ": on dst the outputs must be ", n, " tensors of ", tensor.numel(),
                        " elements, dtype ", tensor.scalar_type(), " and device ", tensor.device());
     }
   }
@@ -248,8 +248,8 @@ void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicato
     expected.insert(expected.end(), output.sizes().begin(), output.sizes().end());
     if (!chunks.defined() || chunks.sizes() != c10::IntArrayRef(expected) ||
         chunks.scalar_type() != output.scalar_type() || chunks.device() != output.device()) {
-      error = c10::str("ddpkit.scatter: on src the chunks must have shape ", c10::IntArrayRef(expected), ", dtype ",
-                       output.scalar_type(), " and device ", output.device());
+      error = c10::str("ddpkit.", comm.what(), ": on src the chunks must have shape ", c10::IntArrayRef(expected),
+                       ", dtype ", output.scalar_type(), " and device ", output.device());
     } else {
       const at::Tensor contiguous = chunks.contiguous();
       for (int peer = 0; peer < n; ++peer) rows.push_back(contiguous[peer]);
@@ -261,8 +261,8 @@ void scatter_(at::Tensor& output, const at::Tensor& chunks, int src, Communicato
 void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int src, Communicator& comm,
                   std::string error) {
   const int n = comm.size();
-  if (error.empty()) error = tensor_error(output, "scatter", std::nullopt);
-  if (error.empty()) error = root_error(src, n, "scatter", "src");
+  if (error.empty()) error = tensor_error(output, comm.what(), std::nullopt);
+  if (error.empty()) error = root_error(src, n, comm.what(), "src");
   if (error.empty() && comm.rank() == src) {
     bool matching = static_cast<int>(inputs.size()) == n;
     for (const auto& in : inputs) {
@@ -270,7 +270,7 @@ void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int
                  in.device() == output.device();
     }
     if (!matching) {
-      error = c10::str("ddpkit.scatter: on src the inputs must be ", n, " tensors of ", output.numel(),
+      error = c10::str("ddpkit.", comm.what(), ": on src the inputs must be ", n, " tensors of ", output.numel(),
                        " elements, dtype ", output.scalar_type(), " and device ", output.device());
     }
   }
@@ -295,13 +295,13 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
   }
   const int n = comm.size();
   const int r = comm.rank();
-  std::string error = gather_scatter_error(output, input, n, r, /*gather=*/true, std::nullopt);
+  std::string error = gather_scatter_error(output, input, n, r, /*gather=*/true, std::nullopt, comm.what());
   const int64_t bytes = bytes_of(input, error);
   const RouteChoice route = choose_route({CollectiveKind::kAllGather, algorithm, bytes, bytes}, comm, error);
   const CollectiveHeader header = make_header(CollectiveKind::kAllGather, input, std::nullopt, algorithm, -1);
   if (route.route == Route::kDirect) {
     comm.run_direct(header, error, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool checked) {
-      direct.all_gather(output, input, stamped, error, checked);
+      direct.all_gather(output, input, stamped, error, checked, comm.what());
     });
     return;
   }
@@ -336,7 +336,7 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   }
   const int n = comm.size();
   const int r = comm.rank();
-  std::string error = gather_scatter_error(output, input, n, r, /*gather=*/false, op);
+  std::string error = gather_scatter_error(output, input, n, r, /*gather=*/false, op, comm.what());
   const RouteChoice route = choose_route(
       {CollectiveKind::kReduceScatter, algorithm, bytes_of(input, error), working_bytes_of(input, error), op}, comm,
       error);
@@ -348,7 +348,7 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
     const at::Tensor work_in = narrow_float ? input.to(at::kFloat) : input;
     at::Tensor work_out = narrow_float ? at::empty(output.sizes(), output.options().dtype(at::kFloat)) : output;
     comm.run_direct(header, error, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool checked) {
-      direct.reduce_scatter(work_out, work_in, op, stamped, error, checked);
+      direct.reduce_scatter(work_out, work_in, op, stamped, error, checked, comm.what());
     });
     write_back(output, work_out);
     return;
@@ -392,24 +392,24 @@ void all_to_all_(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>
   const int r = comm.rank();
   std::string error;
   if (static_cast<int>(outputs.size()) != n || static_cast<int>(inputs.size()) != n) {
-    error = c10::str("ddpkit.all_to_all: expected ", n, " input and output tensors (one per rank), got ", inputs.size(),
-                     " and ", outputs.size());
+    error = c10::str("ddpkit.", comm.what(), ": expected ", n, " input and output tensors (one per rank), got ",
+                     inputs.size(), " and ", outputs.size());
   }
   for (size_t j = 0; error.empty() && j < inputs.size(); ++j) {
-    error = tensor_error(inputs[j], "all_to_all", std::nullopt);
-    if (error.empty()) error = tensor_error(outputs[j], "all_to_all", std::nullopt);
+    error = tensor_error(inputs[j], comm.what(), std::nullopt);
+    if (error.empty()) error = tensor_error(outputs[j], comm.what(), std::nullopt);
     if (error.empty() &&
         (inputs[j].scalar_type() != inputs[0].scalar_type() || outputs[j].scalar_type() != inputs[0].scalar_type())) {
-      error = c10::str("ddpkit.all_to_all: every input and output must have one dtype, got ", inputs[j].scalar_type(),
-                       " and ", outputs[j].scalar_type(), " beside ", inputs[0].scalar_type());
+      error = c10::str("ddpkit.", comm.what(), ": every input and output must have one dtype, got ",
+                       inputs[j].scalar_type(), " and ", outputs[j].scalar_type(), " beside ", inputs[0].scalar_type());
     }
     if (error.empty() && j == static_cast<size_t>(r) && outputs[j].numel() != inputs[j].numel()) {
-      error = c10::str("ddpkit.all_to_all: this rank sends itself ", inputs[j].numel(), " elements but expects ",
+      error = c10::str("ddpkit.", comm.what(), ": this rank sends itself ", inputs[j].numel(), " elements but expects ",
                        outputs[j].numel(), " from itself (split sizes that disagree)");
     }
     if (error.empty() && inputs[j].device() != comm.device_type()) {
-      error = c10::str("ddpkit.all_to_all: expected ", c10::DeviceTypeName(comm.device_type(), true), " tensors, got ",
-                       inputs[j].device());
+      error = c10::str("ddpkit.", comm.what(), ": expected ", c10::DeviceTypeName(comm.device_type(), true),
+                       " tensors, got ", inputs[j].device());
     }
   }
   CollectiveHeader header;
@@ -441,7 +441,7 @@ void barrier(Communicator& comm) {
   }
   if (route.route == Route::kDirect) {
     comm.run_direct(header, {}, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool) {
-      direct.check(stamped, {}, "barrier");
+      direct.check(stamped, {}, comm.what());
     });
     return;
   }
@@ -480,7 +480,7 @@ void reject(CollectiveKind kind, const std::string& error, Communicator& comm) {
 
 void meta_collective(CollectiveKind kind, const at::Tensor& tensor, std::optional<ReduceOp> op,
                      std::optional<Algorithm> algorithm, int root, Communicator& comm, std::string error) {
-  const std::string_view what = collective_name(kind);
+  const std::string_view what = comm.what();
   if (error.empty() && root != -1)
     error = root_error(root, comm.size(), what,
                        kind == CollectiveKind::kGather || kind == CollectiveKind::kReduce ? "dst" : "src");

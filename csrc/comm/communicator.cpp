@@ -54,7 +54,7 @@ void note_buffered_bytes(int64_t bytes) {
 
 Communicator::Communicator(int rank, int size, c10::DeviceType device_type, c10::intrusive_ptr<c10d::Backend> backend,
                            std::shared_ptr<Transport> transport, uint64_t sequence, std::string_view group,
-                           CollectiveCheck* check)
+                           std::string_view what, CollectiveCheck* check)
     : rank_(rank),
       size_(size),
       device_type_(device_type),
@@ -62,16 +62,14 @@ Communicator::Communicator(int rank, int size, c10::DeviceType device_type, c10:
       transport_(std::move(transport)),
       check_(check),
       sequence_(sequence),
-      group_(group) {
+      group_(group),
+      what_(what) {
   independent_messages_ = transport_->posts_ahead();
 }
 
 std::string Communicator::where() const { return c10::str("rank ", rank_, " of ", size_, " in group '", group_, "'"); }
 
-void Communicator::note_collective(CollectiveKind kind) {
-  what_ = collective_name(kind);
-  collective_count.fetch_add(1, std::memory_order_relaxed);
-}
+void Communicator::note_collective() { collective_count.fetch_add(1, std::memory_order_relaxed); }
 
 int Communicator::tag(int round) const {
   // Gloo wants a non-negative int32: 23 bits of sequence, 8 of round. Rounds past 253 wrap (the
@@ -91,7 +89,7 @@ CollectiveHeader Communicator::stamp(const CollectiveHeader& header, const std::
 
 at::Tensor Communicator::begin(const CollectiveHeader& header, const std::string& local_error, bool exchange_header,
                                const RideAlong* ride) {
-  note_collective(static_cast<CollectiveKind>(header.kind));
+  note_collective();
   if (size_ == 1 || !exchange_header) {
     TORCH_CHECK(local_error.empty(), local_error);
     return {};

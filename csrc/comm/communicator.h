@@ -57,7 +57,11 @@ namespace ddpkit::comm {
 // With checks off, nothing is compared and a rank that rejects its arguments raises alone; its
 // peers wait for it, so over shared memory its transport stops there (reject_unchecked: its next
 // collective would otherwise take its peers' current step) and they learn it from the segment.
-// Headers are the plain struct CollectiveHeader (header.h), compared field by field by name.
+// Headers are the plain struct CollectiveHeader (header.h), compared field by field by name. Every
+// error of the check names the call each rank's communicator serves (Communicator::what(): "ddpkit.
+// all_gather: ranks called mismatched collectives: ..."), never the kind of collective its header
+// carries, which several calls share (all_gather, its coalesced forms and all_gather_into_tensor are
+// all kAllGather); the header's kind is named only where the ranks' kinds differ.
 // These are the implementations of one interface, CollectiveCheck, that the engine picks per group
 // and transport (Note [Check seam] in collective_check.h).
 
@@ -129,19 +133,23 @@ class Communicator {
   // Made by the group's Engine for one collective: `backend` is the group's backend for `device_type`
   // (the group's own collectives), `transport` carries the collective (its messages, and its direct
   // collectives where it has them), `sequence` is the collective's number (Note [Tags]), `group` the
-  // group's name for errors (it must outlive the communicator).
+  // group's name for errors, `what` the name of the call the collective serves, as its caller knows
+  // it ("all_gather" for torch's list form, which the check compares as an all_gather_into_tensor):
+  // every error of the collective starts with it, the collective check's included (Note [Collective
+  // checks]). Both must outlive the communicator.
   // `check` (owned by the engine, outliving the communicator) is the group's collective check for
   // this transport (Note [Check seam]); null on communicators that run no checked collective (a
   // transport's set-up, the steps across hosts of a hierarchical collective).
   Communicator(int rank, int size, c10::DeviceType device_type, c10::intrusive_ptr<c10d::Backend> backend,
-               std::shared_ptr<Transport> transport, uint64_t sequence, std::string_view group,
+               std::shared_ptr<Transport> transport, uint64_t sequence, std::string_view group, std::string_view what,
                CollectiveCheck* check = nullptr);
 
   int rank() const { return rank_; }
   // "rank 0 of 4 in group '1'": where an error happened.
   std::string where() const;
   std::string_view group() const { return group_; }
-  // What the current collective is called in errors ("all_reduce").
+  // The call this collective serves, as its errors name it ("all_gather"): never the kind of
+  // collective the check compares (CollectiveHeader::kind), which several calls share.
   std::string_view what() const { return what_; }
   int size() const { return size_; }
   uint64_t sequence() const { return sequence_; }
@@ -165,18 +173,16 @@ class Communicator {
 
   // Runs this collective on the transport's direct collectives (has_direct()): stamps `header`
   // (Note [Collective checks]: rejected when `local_error` is non-empty, and numbered), counts the
-  // collective, then calls `run(direct, stamped_header, checked)`.
+  // collective, then calls `run(direct, stamped_header, checked)`; `run` passes what() on, so that
+  // the transport's errors name the call.
   template <class Run>
   void run_direct(const CollectiveHeader& header, const std::string& local_error, Run&& run) {
-    note_collective(static_cast<CollectiveKind>(header.kind));
+    note_collective();
     DirectCollectives* direct = transport_->direct();
     TORCH_INTERNAL_ASSERT(direct != nullptr, "run_direct on a transport without direct collectives");
     run(*direct, stamp(header, local_error), is_checked());
   }
 
-  // Counts the collective and names it in errors; begin() does it, collectives that do their own
-  // checks (Note [Direct all-reduce]) call it instead.
-  void note_collective(CollectiveKind kind);
   // Makes this communicator carry the one-time set-up of a transport (Note [Shared-memory
   // segment]): `what` names it in errors, and its messages stay out of the counters, which count
   // what collectives send.
@@ -187,7 +193,7 @@ class Communicator {
   // The peer of the last message whose wait failed, or -1.
   int failed_peer() const { return failed_peer_; }
 
-  // Binds this communicator to the collective described by `header` (counts and names it); in checked
+  // Binds this communicator to the collective described by `header` (counts it); in checked
   // mode starts the collective check (Note [Collective checks], through the check of Note [Check
   // seam]), which settle_header() completes.
   // A non-empty `local_error` means this rank rejected its own arguments: it still takes part in
@@ -231,6 +237,8 @@ class Communicator {
 
  private:
   int tag(int round) const;
+  // Counts the collective (counters()); begin() and run_direct() do it, once per collective.
+  void note_collective();
   // Raises the error of a message to or from `failed.peer` that failed for `cause`, naming that peer
   // and the `silent` ones still awaited; records the peer for failed_peer().
   [[noreturn]] void fail(const Message& failed, const std::exception& cause, const std::vector<int>& silent);
@@ -246,7 +254,7 @@ class Communicator {
   bool counted_ = true;
   uint64_t sequence_ = 0;
   std::string_view group_;
-  std::string_view what_ = "collective";
+  std::string_view what_;
   int failed_peer_ = -1;  // the peer of the last message whose wait failed
 };
 

@@ -97,7 +97,7 @@ SubgroupChannel::SubgroupChannel(int rank, std::vector<int> group_ranks, std::sh
       messages_(std::make_shared<ProcessGroupTransport>(backend_, c10::kCPU)) {}
 
 Communicator SubgroupChannel::subgroup(const Communicator& comm) const {
-  return Communicator(rank(), size(), c10::kCPU, backend_, messages_, comm.sequence(), comm.group());
+  return Communicator(rank(), size(), c10::kCPU, backend_, messages_, comm.sequence(), comm.group(), comm.what());
 }
 
 // Sums through gloo's own all-reduce; max and min through ddpkit's ring, which keeps Note

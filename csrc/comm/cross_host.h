@@ -110,7 +110,7 @@ class SubgroupChannel final : public CrossHostChannel {
 
  private:
   // A communicator for ddpkit's schedules on the subgroup, as part of `comm`'s collective (its
-  // sequence number, so its tags).
+  // sequence number, so its tags, and its call's name for errors).
   Communicator subgroup(const Communicator& comm) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;

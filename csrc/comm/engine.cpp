@@ -411,7 +411,7 @@ void Engine::set_up(std::string_view what, uint64_t sequence) {
   } catch (const std::exception&) {
   }
   Communicator setup(group_.rank, group_.size, c10::kCPU, cpu, process_group_transport(c10::kCPU), sequence,
-                     group_.name);
+                     group_.name, what);
   const std::string setup_what = c10::str(what, "'s shared-memory set-up");
   setup.use_for_setup(setup_what);
   setup_ = set_up_group(setup, cpu, group_.store, timeout, what);
@@ -467,7 +467,7 @@ void Engine::execute(c10::DeviceType device, TransportKind requested, std::strin
   CollectiveCheck* check = hierarchical                  ? setup_.hierarchy_check.get()
                            : kind == TransportKind::kShm ? setup_.shm_check.get()
                                                          : process_group_check(device);
-  Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport), sequence, group_.name,
+  Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport), sequence, group_.name, what,
                     check);
   if (hierarchical) comm.use_hierarchy(setup_.hierarchy.get());
   body(comm);

@@ -143,8 +143,9 @@ class Engine {
   // Runs `body` as the group's next collective with a Communicator for `device`'s backend (the CPU
   // one for a device whose tensors travel through host copies, Note [Device tensors on a host
   // group]) and the transport `requested` resolves to; returns when it has run (rethrowing its error).
-  // `what` names the collective ("all_reduce") in errors raised before `body` runs (the shared-memory
-  // set-up its first use may make).
+  // `what` names the call `body` serves, as its caller knows it ("all_gather", "all_reduce"): every
+  // error of the collective starts with it (Communicator::what()), the shared-memory set-up's its
+  // first use may make and the collective check's included.
   void run(c10::DeviceType device, TransportKind requested, std::string_view what, const Body& body);
 
   // Queues `body` as the group's next collective; the returned Work completes (or fails) when it has

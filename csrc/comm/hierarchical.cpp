@@ -41,7 +41,7 @@ struct HostSlices {
 // The host's reduce-scatter of `flat` (unchecked: the check already ran): this rank's slice then
 // holds `op` over the host's slices.
 HostSlices reduce_scatter_in_host(const at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
-                                  const Hierarchy& h) {
+                                  const Hierarchy& h, std::string_view what) {
   const PaddedSplit split{flat.numel(), h.topology.local_size()};
   at::Tensor padded = flat;
   if (split.padded_numel() != flat.numel()) {
@@ -50,14 +50,16 @@ HostSlices reduce_scatter_in_host(const at::Tensor& flat, ReduceOp op, const Col
     padded.narrow(0, flat.numel(), split.padded_numel() - flat.numel()).zero_();
   }
   HostSlices slices{padded, padded.narrow(0, split.start(h.topology.local_rank()), split.length())};
-  if (h.local != nullptr) h.local->direct()->reduce_scatter(slices.mine, padded, op, header, {}, /*checked=*/false);
+  if (h.local != nullptr)
+    h.local->direct()->reduce_scatter(slices.mine, padded, op, header, {}, /*checked=*/false, what);
   return slices;
 }
 
 // The host's all-gather of its ranks' slices back into `flat` (unchecked).
 void all_gather_in_host(const HostSlices& slices, const at::Tensor& flat, const CollectiveHeader& header,
-                        const Hierarchy& h) {
-  if (h.local != nullptr) h.local->direct()->all_gather(slices.padded, slices.mine, header, {}, /*checked=*/false);
+                        const Hierarchy& h, std::string_view what) {
+  if (h.local != nullptr)
+    h.local->direct()->all_gather(slices.padded, slices.mine, header, {}, /*checked=*/false, what);
   if (!slices.padded.is_same(flat)) flat.copy_(slices.padded.narrow(0, 0, flat.numel()));
 }
 
@@ -89,7 +91,7 @@ void hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
     DDPKIT_DIE_IF_FAULT_ARMED("die_in_host_step", comm.rank());
     if (local != nullptr && flat.numel() > 0) {
       on_hosts(h, OnFailure::kKeepLinks,
-               [&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false); });
+               [&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false, comm.what()); });
     }
     return flat.view(at::kByte);
   };
@@ -119,19 +121,19 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
     if (h.uniform) {
       // Horovod's split: reduce-scatter in the host, the slices across hosts, all-gather in the host.
       DDPKIT_DIE_IF_FAULT_ARMED("die_in_host_data_step", comm.rank());
-      const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h);
+      const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h, comm.what());
       cross_host_all_reduce(slices.mine, op, h, comm);
       finish_reduction_(slices.mine, op, comm.size());
-      all_gather_in_host(slices, flat, header, h);
+      all_gather_in_host(slices, flat, header, h, comm.what());
     } else {
       // The leaders' form: all-reduce in the host, the leaders across hosts, broadcast in the host.
       at::Tensor whole = flat;
-      if (local != nullptr) local->all_reduce(whole, local_op, header, {}, /*checked=*/false);
+      if (local != nullptr) local->all_reduce(whole, local_op, header, {}, /*checked=*/false, comm.what());
       if (topology.local_rank() == 0) {
         cross_host_all_reduce(whole, op, h, comm);
         finish_reduction_(whole, op, comm.size());
       }
-      if (local != nullptr) local->broadcast(whole, 0, header, {}, /*checked=*/false);
+      if (local != nullptr) local->broadcast(whole, 0, header, {}, /*checked=*/false, comm.what());
     }
   });
 }
@@ -148,14 +150,14 @@ void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h
       // The ranks of the root's local rank carry the tensor across hosts (cross rank = host), then
       // every host broadcasts it from that local rank over shared memory.
       if (topology.local_rank() == root_local) cross_host_broadcast(flat, root_host, h, comm);
-      if (local != nullptr) local->broadcast(flat, root_local, header, {}, /*checked=*/false);
+      if (local != nullptr) local->broadcast(flat, root_local, header, {}, /*checked=*/false, comm.what());
     } else {
       // The leaders' form: the root's host first (its leader among the receivers), the leaders
       // across hosts, then every other host from its leader.
       const bool root_side = topology.host() == root_host;
-      if (root_side && local != nullptr) local->broadcast(flat, root_local, header, {}, /*checked=*/false);
+      if (root_side && local != nullptr) local->broadcast(flat, root_local, header, {}, /*checked=*/false, comm.what());
       if (topology.local_rank() == 0) cross_host_broadcast(flat, root_host, h, comm);
-      if (!root_side && local != nullptr) local->broadcast(flat, 0, header, {}, /*checked=*/false);
+      if (!root_side && local != nullptr) local->broadcast(flat, 0, header, {}, /*checked=*/false, comm.what());
     }
   });
 }
@@ -170,17 +172,18 @@ void hierarchical_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hi
       comm.stamp(make_header(CollectiveKind::kReduce, flat, local_op, Algorithm::kHierarchical, root), {});
   on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform) {
-      const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h);
+      const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h, comm.what());
       cross_host_reduce(slices.mine, root_host, local_op, h, comm);
       if (!root_side) return;
       finish_reduction_(slices.mine, op, comm.size());
-      all_gather_in_host(slices, flat, header, h);
+      all_gather_in_host(slices, flat, header, h, comm.what());
     } else {
-      if (local != nullptr) local->all_reduce(const_cast<at::Tensor&>(flat), local_op, header, {}, /*checked=*/false);
+      if (local != nullptr)
+        local->all_reduce(const_cast<at::Tensor&>(flat), local_op, header, {}, /*checked=*/false, comm.what());
       if (topology.local_rank() == 0) cross_host_reduce(flat, root_host, local_op, h, comm);
       if (!root_side) return;
       if (topology.local_rank() == 0) finish_reduction_(flat, op, comm.size());
-      if (local != nullptr) local->broadcast(flat, 0, header, {}, /*checked=*/false);
+      if (local != nullptr) local->broadcast(flat, 0, header, {}, /*checked=*/false, comm.what());
     }
   });
 }
@@ -206,7 +209,7 @@ void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, 
       run.narrow(0, h.cross->rank() * m, m).copy_(in);
       cross_host_all_gather(run, m, h, comm);
       at::Tensor gathered = h.scratch.get(1, comm.size() * m, at::kByte);
-      local->all_gather(gathered, run, header, {}, /*checked=*/false);
+      local->all_gather(gathered, run, header, {}, /*checked=*/false, comm.what());
       for (int p = 0; p < comm.size(); ++p) block(out, local_major_rank(topology, p)).copy_(block(gathered, p));
     } else {
       size_t widest = 0;
@@ -214,7 +217,7 @@ void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, 
       const int64_t run_bytes = static_cast<int64_t>(widest) * m;
       at::Tensor run = h.scratch.get(0, run_bytes, at::kByte);
       if (local != nullptr) {
-        local->all_gather(run.narrow(0, 0, topology.local_size() * m), in, header, {}, /*checked=*/false);
+        local->all_gather(run.narrow(0, 0, topology.local_size() * m), in, header, {}, /*checked=*/false, comm.what());
       } else {
         block(run, 0).copy_(in);
       }
@@ -228,7 +231,7 @@ void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, 
           }
         }
       }
-      if (local != nullptr) local->broadcast(out, 0, header, {}, /*checked=*/false);
+      if (local != nullptr) local->broadcast(out, 0, header, {}, /*checked=*/false, comm.what());
     }
   });
 }
@@ -251,7 +254,7 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
     for (int p = 0; p < n; ++p) slice(ordered, p * m, (p + 1) * m).copy_(blocks[local_major_rank(topology, p)]);
     at::Tensor run = local != nullptr ? h.scratch.get(1, hosts * m, options.dtype().toScalarType()) : ordered;
     on_hosts(h, OnFailure::kCutLinks, [&] {
-      if (local != nullptr) local->reduce_scatter(run, ordered, local_op, header, {}, /*checked=*/false);
+      if (local != nullptr) local->reduce_scatter(run, ordered, local_op, header, {}, /*checked=*/false, comm.what());
       if (m > 0) across_hosts(h, comm, [&] { h.cross->reduce_scatter(run, m, local_op, comm); });
     });
     result = slice(run, h.cross->rank() * m, (h.cross->rank() + 1) * m);
@@ -282,8 +285,9 @@ void hierarchical_broadcast_in_one_round(const at::Tensor& tensor, int root, con
   if (bytes.numel() == 0) return;
   if (carries && comm.rank() != root) bytes.copy_(reply.narrow(0, 0, bytes.numel()));
   if (h.local == nullptr) return;
-  on_hosts(h, OnFailure::kCutLinks,
-           [&] { h.local->direct()->broadcast(bytes, root_local, comm.stamp(header, {}), {}, /*checked=*/false); });
+  on_hosts(h, OnFailure::kCutLinks, [&] {
+    h.local->direct()->broadcast(bytes, root_local, comm.stamp(header, {}), {}, /*checked=*/false, comm.what());
+  });
 }
 
 void hierarchical_all_gather_in_one_round(const at::Tensor& output, const at::Tensor& input,
@@ -306,8 +310,9 @@ void hierarchical_all_gather_in_one_round(const at::Tensor& output, const at::Te
   at::Tensor gathered = run;
   if (h.local != nullptr) {
     gathered = h.scratch.get(0, comm.size() * m, at::kByte);
-    on_hosts(h, OnFailure::kCutLinks,
-             [&] { h.local->direct()->all_gather(gathered, run, comm.stamp(header, {}), {}, /*checked=*/false); });
+    on_hosts(h, OnFailure::kCutLinks, [&] {
+      h.local->direct()->all_gather(gathered, run, comm.stamp(header, {}), {}, /*checked=*/false, comm.what());
+    });
   }
   for (int p = 0; p < comm.size(); ++p) {
     out.narrow(0, local_major_rank(topology, p) * m, m).copy_(gathered.narrow(0, p * m, m));

@@ -19,8 +19,8 @@ bool fits_one_round(int64_t bytes, const std::string& error, const Communicator&
 // holds none yet), so that the rank rejects its arguments in the collective check like any other
 // bad argument and its peers learn it (Note [Collective checks]); the rank then takes kAuto's path,
 // which meets its peers' first step whatever they chose.
-Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm, std::string_view what,
-                                  std::string& error) {
+Algorithm resolve_block_algorithm(Algorithm algorithm, const Communicator& comm, std::string& error) {
+  const std::string_view what = comm.what();
   const Algorithm automatic = comm.has_direct()             ? Algorithm::kDirect
                               : comm.hierarchy() != nullptr ? Algorithm::kHierarchical
                                                             : Algorithm::kRing;
@@ -53,17 +53,16 @@ RouteChoice route_all_reduce(const RouteQuery& query, const Communicator& comm, 
   const int n = comm.size();
   if (algorithm == Algorithm::kDirect && !comm.has_direct() && n > 1) {
     if (error.empty()) {
-      error =
-          "ddpkit.all_reduce: algorithm 'direct' needs the shared-memory transport (every rank on this host, "
-          "CPU tensors)";
+      error = c10::str("ddpkit.", comm.what(),
+                       ": algorithm 'direct' needs the shared-memory transport (every rank on this host, CPU tensors)");
     }
     algorithm = Algorithm::kAuto;
   }
   if (algorithm == Algorithm::kHierarchical && comm.hierarchy() == nullptr) {
     if (error.empty()) {
       error =
-          "ddpkit.all_reduce: algorithm 'hierarchical' needs a group spanning hosts, "
-          "and CPU tensors over transport 'auto'";
+          c10::str("ddpkit.", comm.what(),
+                   ": algorithm 'hierarchical' needs a group spanning hosts, and CPU tensors over transport 'auto'");
     }
     algorithm = Algorithm::kAuto;
   }
@@ -101,8 +100,7 @@ RouteChoice choose_route(const RouteQuery& query, const Communicator& comm, std:
     case CollectiveKind::kAllGather:
     case CollectiveKind::kReduceScatter: {
       const bool gather = query.kind == CollectiveKind::kAllGather;
-      const Algorithm algorithm = resolve_block_algorithm(
-          query.algorithm, comm, gather ? "all_gather_into_tensor" : "reduce_scatter_tensor", error);
+      const Algorithm algorithm = resolve_block_algorithm(query.algorithm, comm, error);
       if (n > 1 && algorithm == Algorithm::kDirect) return {Route::kDirect, algorithm};
       if (n > 1 && algorithm == Algorithm::kHierarchical) {
         const int64_t bytes = gather ? query.bytes : query.working_bytes;

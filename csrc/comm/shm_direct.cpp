@@ -20,10 +20,9 @@ WaitContext ShmDirect::begin(std::string_view what, const std::string& local_err
 }
 
 void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
-                           const std::string& local_error, bool checked) {
-  constexpr std::string_view kWhat = "all_reduce";
+                           const std::string& local_error, bool checked, std::string_view what) {
   const bool rejected = !local_error.empty();
-  const WaitContext context = begin(kWhat, local_error, checked);
+  const WaitContext context = begin(what, local_error, checked);
   const at::ScalarType dtype = rejected ? at::kByte : flat.scalar_type();
   const int64_t element = rejected ? 1 : static_cast<int64_t>(flat.element_size());
   const int64_t numel = rejected ? 0 : flat.numel();
@@ -52,7 +51,7 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
                   (count - start - length) * element);
     }
     arrive_and_wait(target, context);
-    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
+    if (c == 0 && checked) compare_headers(set, local_error, what);
     if (count == 0) continue;
     for (int peer = 0; peer < seg_.size(); ++peer) sources[peer] = seg_.slot(peer, set);
     if (whole) {
@@ -83,10 +82,9 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
 }
 
 void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
-                           const std::string& local_error, bool checked) {
-  constexpr std::string_view kWhat = "all_gather_into_tensor";
+                           const std::string& local_error, bool checked, std::string_view what) {
   const bool rejected = !local_error.empty();
-  const WaitContext context = begin(kWhat, local_error, checked);
+  const WaitContext context = begin(what, local_error, checked);
   const int64_t bytes = rejected ? 0 : static_cast<int64_t>(input.numel() * input.element_size());
   const char* const in = bytes == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
   char* const out = bytes == 0 ? nullptr : static_cast<char*>(output.data_ptr());
@@ -99,7 +97,7 @@ void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, co
     if (c == 0) seg_.slot_header(seg_.rank(), set) = header;
     if (length > 0) std::memcpy(seg_.slot(seg_.rank(), set), in + begin, length);
     arrive_and_wait(target, context);
-    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
+    if (c == 0 && checked) compare_headers(set, local_error, what);
     if (length <= 0) continue;
     for (int peer = 0; peer < seg_.size(); ++peer) {
       char* to = out + peer * bytes + begin;
@@ -110,10 +108,10 @@ void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, co
 }
 
 void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
-                               const CollectiveHeader& header, const std::string& local_error, bool checked) {
-  constexpr std::string_view kWhat = "reduce_scatter_tensor";
+                               const CollectiveHeader& header, const std::string& local_error, bool checked,
+                               std::string_view what) {
   const bool rejected = !local_error.empty();
-  const WaitContext context = begin(kWhat, local_error, checked);
+  const WaitContext context = begin(what, local_error, checked);
   const at::ScalarType dtype = rejected ? at::kByte : output.scalar_type();
   const int64_t element = rejected ? 1 : static_cast<int64_t>(output.element_size());
   const int64_t block = rejected ? 0 : output.numel();  // elements per rank
@@ -136,7 +134,7 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
       std::memcpy(mine + peer * piece * element, in + (peer * block + begin) * element, count * element);
     }
     arrive_and_wait(target, context);
-    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
+    if (c == 0 && checked) compare_headers(set, local_error, what);
     if (count <= 0) continue;
     // This rank's own piece first: the output may be that very piece (in place), and reduce_sources
     // lets `out` alias only its first source.
@@ -149,10 +147,9 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
 }
 
 void ShmDirect::broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header,
-                          const std::string& local_error, bool checked) {
-  constexpr std::string_view kWhat = "broadcast";
+                          const std::string& local_error, bool checked, std::string_view what) {
   const bool rejected = !local_error.empty();
-  const WaitContext context = begin(kWhat, local_error, checked);
+  const WaitContext context = begin(what, local_error, checked);
   const int64_t bytes = rejected ? 0 : static_cast<int64_t>(tensor.numel() * tensor.element_size());
   char* const data = bytes == 0 ? nullptr : static_cast<char*>(tensor.data_ptr());
   const int64_t steps = std::max<int64_t>(1, (bytes + seg_.slot_bytes() - 1) / seg_.slot_bytes());
@@ -164,7 +161,7 @@ void ShmDirect::broadcast(const at::Tensor& tensor, int root, const CollectiveHe
     if (c == 0) seg_.slot_header(seg_.rank(), set) = header;
     if (seg_.rank() == root && length > 0) std::memcpy(seg_.slot(root, set), data + begin, length);
     arrive_and_wait(target, context);
-    if (c == 0 && checked) compare_headers(set, local_error, kWhat);
+    if (c == 0 && checked) compare_headers(set, local_error, what);
     if (seg_.rank() != root && length > 0) std::memcpy(data + begin, seg_.slot(root, set), length);
   }
 }

@@ -63,13 +63,13 @@ class ShmDirect final : public DirectCollectives {
   int group_rank(int rank) const override { return seg_.group_rank(rank); }
   int failed_rank() const override { return seg_.failed_group_rank(); }
   void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
-                  bool checked) override;
+                  bool checked, std::string_view what) override;
   void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
-                  const std::string& local_error, bool checked) override;
+                  const std::string& local_error, bool checked, std::string_view what) override;
   void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, const CollectiveHeader& header,
-                      const std::string& local_error, bool checked) override;
+                      const std::string& local_error, bool checked, std::string_view what) override;
   void broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header, const std::string& local_error,
-                 bool checked) override;
+                 bool checked, std::string_view what) override;
   void reject_unchecked(std::string_view what) override { seg_.reject_unchecked(what); }
   void abandon(const std::string& why) override { seg_.mark_broken(why); }
 

@@ -46,7 +46,9 @@ inline std::string_view transport_name(TransportKind kind) {
 // one at a time (the engine's order), taking the same number of steps on every rank. `header` is
 // this rank's, stamped (magic, sequence); with `checked`, every rank compares all headers in the
 // first step, and a mismatch or a rank that rejected its arguments (`local_error` non-empty: its
-// tensors may be undefined) raises the same error on every rank without touching any tensor.
+// tensors may be undefined) raises the same error on every rank without touching any tensor. `what`
+// is the call the collective serves (Communicator::what()): every error starts with it, for a
+// direct collective serves calls of other names too (an all_gather runs on all_gather below).
 class DirectCollectives {
  public:
   virtual ~DirectCollectives() = default;
@@ -62,16 +64,17 @@ class DirectCollectives {
   // Here and in reduce_scatter a kMean is whole: divided by this transport's size (a step of a
   // larger collective passes accumulating_op(op), Note [One reduction family]).
   virtual void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
-                          bool checked) = 0;
+                          bool checked, std::string_view what) = 0;
   // torch's all_gather_into_tensor: `input` is rank i's block i of `output` everywhere.
   virtual void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
-                          const std::string& local_error, bool checked) = 0;
+                          const std::string& local_error, bool checked, std::string_view what) = 0;
   // torch's reduce_scatter_tensor: `output` receives op over the ranks' block `rank` of `input`.
   virtual void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
-                              const CollectiveHeader& header, const std::string& local_error, bool checked) = 0;
+                              const CollectiveHeader& header, const std::string& local_error, bool checked,
+                              std::string_view what) = 0;
   // Copies `tensor` (contiguous, any dtype) of rank `root` into `tensor` of every rank.
   virtual void broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header,
-                         const std::string& local_error, bool checked) = 0;
+                         const std::string& local_error, bool checked, std::string_view what) = 0;
   // This rank rejected the arguments of a `what` with checks off, so its peers never learn it and
   // wait: stops the transport on this rank and, through it, on theirs (no call may pair wrongly).
   virtual void reject_unchecked(std::string_view what) = 0;
