@@ -8,7 +8,9 @@ DDP and optimizer wrappers; one lighthouse per run with the same settings for bo
   - steady state: the median step time of 2 replica groups training the 8.4M-parameter MLP (8 linear
     layers 1024 wide), without failures, with each of --steady-wrappers (torchft's DDP, whose hook
     waits for each bucket; torchft's DDP with ddpkit.torchft's hook, which does not; ddpkit's DDP
-    with that hook);
+    with that hook); beside them the floor (unless --no-floor): the same manager, lighthouse, model and
+    wrapper on torchft's ProcessGroupDummy, which communicates nothing, so that floor/gloo is the
+    least ratio any process group could reach here (summary's ratios_floor_over_gloo);
   - kill: 3 replica groups of a small MLP with a stand-in compute per step; one is SIGKILLed mid-run
     and restarted --restart-delay later. Figures: death to the survivors' next committed step (the
     last survivor's), and its timeline: the failed collective noticed (the end of the first iteration
@@ -20,6 +22,9 @@ The baseline is one torchrun job of 3 ranks (ddpkit backend and DDP, a checkpoin
 --max-restarts 1): a rank kills itself, torchrun restarts the whole job, which resumes from the
 checkpoint. Its kill and restart figures are measured from the same logs.
 Each kill is repeated --repeats times, candidates interleaved; the medians are reported.
+`--kill-wrappers` with no wrapper and `--no-baseline` leave the steady state alone:
+
+    .venv/bin/python benchmarks/bench_fault_tolerance.py --steady-wrappers torchft-ddp --kill-wrappers --no-baseline
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def steady_state(pg: str, wrapper: str, steps: int, heartbeat_ms: int) -> dict:
     server = lighthouse(heartbeat_ms)
     with tempfile.TemporaryDirectory() as folder:
         groups = ft_replica.ReplicaGroups(Path(folder), server.address(),
-                                          ["--pg", pg, "--wrapper", wrapper, "--model", "mlp8x1024", "--steps",
+                                          ["--pg", "dummy" if pg == "floor" else pg, "--wrapper", wrapper, "--model", "mlp8x1024", "--steps",
                                            str(steps)], 2)
         try:
             groups.start_all()
@@ -162,18 +167,25 @@ def main() -> None:
     parser.add_argument("--heartbeat-ms", type=int, default=500, help="the lighthouse's heartbeat timeout")
     parser.add_argument("--steady-wrappers", nargs="+", default=["torchft-ddp", "torchft-ddp-async", "ddpkit-ddp"],
                         help="the wrappers whose steady step is measured (ft_replica.py --wrapper)")
-    parser.add_argument("--kill-wrappers", nargs="+", default=["torchft-ddp", "ddpkit-ddp"])
+    parser.add_argument("--kill-wrappers", nargs="*", default=["torchft-ddp", "ddpkit-ddp"],
+                        help="the wrappers whose kill is measured (none: no kill)")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="skip the steady state on torchft's ProcessGroupDummy (no communication)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the torchrun --max-restarts baseline")
     parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "fault_tolerance.json"))
     args = parser.parse_args()
 
-    names = {"gloo": "torchft-gloo", "ddpkit": "torchft-ddpkit", "torchrun": "torchrun-restart"}
+    names = {"gloo": "torchft-gloo", "ddpkit": "torchft-ddpkit", "floor": "torchft-floor",
+             "torchrun": "torchrun-restart"}
     rows = []
     for repeat in range(args.repeats):
         # Candidates interleaved, their order rotating: the machine's drift hits both alike.
         order = ["gloo", "ddpkit"] if repeat % 2 == 0 else ["ddpkit", "gloo"]
+        # The floor in the steady state only (a kill has nothing to show on it), in the rotation too.
+        steady_order = ["gloo", "ddpkit"] + ([] if args.no_floor else ["floor"])
+        steady_order = steady_order[repeat % len(steady_order):] + steady_order[:repeat % len(steady_order)]
         for wrapper in args.steady_wrappers:
-            for pg in order:
+            for pg in steady_order:
                 steady = steady_state(pg, wrapper, args.steady_steps, args.heartbeat_ms)
                 rows.append(records.FaultToleranceRecord(candidate=names[pg], measure="steady", repeat=repeat,
                                                          wrapper=wrapper, **steady))
@@ -232,9 +244,21 @@ def main() -> None:
         "ready_to_first_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
                                                   "ready_to_first_commit_s_median"),
     }
+    # The floor: a process group that communicates nothing, against gloo (ddpkit's ratio to gloo can go
+    # no lower than the floor's), and ddpkit's step against it.
+    medians["ratios_floor_over_gloo"] = {
+        "steady_step": ratio("torchft-floor/torchft-ddp/steady", "torchft-gloo/torchft-ddp/steady", "step_s_median"),
+        "steady_step_torchft_ddp_async": ratio("torchft-floor/torchft-ddp-async/steady",
+                                               "torchft-gloo/torchft-ddp-async/steady", "step_s_median"),
+        "steady_step_ddpkit_ddp": ratio("torchft-floor/ddpkit-ddp/steady", "torchft-gloo/ddpkit-ddp/steady",
+                                        "step_s_median"),
+        "steady_step_ddpkit_over_floor": ratio("torchft-ddpkit/torchft-ddp/steady",
+                                               "torchft-floor/torchft-ddp/steady", "step_s_median"),
+    }
     summary = medians
     settings = {k: getattr(args, k) for k in ("repeats", "steady_steps", "kill_steps", "compute", "restart_delay",
-                                              "heartbeat_ms", "steady_wrappers", "kill_wrappers", "no_baseline")}
+                                              "heartbeat_ms", "steady_wrappers", "kill_wrappers", "no_baseline",
+                                              "no_floor")}
     settings["lighthouse"] = {"min_replicas": 1, "join_timeout_ms": 400, "quorum_tick_ms": 20,
                               "heartbeat_timeout_ms": args.heartbeat_ms}
     write_results("fault_tolerance", backend="ddpkit", device_type="cpu", settings=settings, records=rows,

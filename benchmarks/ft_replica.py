@@ -141,7 +141,9 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="torchrun --max-restarts with a checkpoint, no torchft")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
-    parser.add_argument("--pg", choices=["gloo", "ddpkit"], default="ddpkit")
+    # "dummy": torchft's ProcessGroupDummy, which communicates nothing (its all-reduce leaves each replica's
+    # gradient as it is): the benchmark's floor, everything of a step but the communication
+    parser.add_argument("--pg", choices=["gloo", "ddpkit", "dummy"], default="ddpkit")
     parser.add_argument("--wrapper", choices=["torchft-ddp", "torchft-ddp-async", "ddpkit-ddp", "ddpkit-syncbn"],
                         default="torchft-ddp")
     parser.add_argument("--model", choices=["tiny", "mlp8x1024"], default="tiny")
@@ -159,7 +161,7 @@ def main() -> None:
     from torchft import Manager
     from torchft.ddp import DistributedDataParallel as TorchftDDP
     from torchft.optim import OptimizerWrapper
-    from torchft.process_group import ProcessGroupGloo
+    from torchft.process_group import ProcessGroupDummy, ProcessGroupGloo
 
     from ddpkit.torchft import ProcessGroupDdpkit, allreduce_hook
 
@@ -176,7 +178,10 @@ def main() -> None:
     if args.exact:
         round_gradients(model)
     optimizer = make_optimizer(model)
-    pg = ProcessGroupDdpkit(timeout=timeout) if args.pg == "ddpkit" else ProcessGroupGloo(timeout=timeout)
+    if args.pg == "dummy":
+        pg = ProcessGroupDummy(0, 1)  # its configure() ignores the quorum's rank and size
+    else:
+        pg = ProcessGroupDdpkit(timeout=timeout) if args.pg == "ddpkit" else ProcessGroupGloo(timeout=timeout)
 
     def load_state_dict(state: dict) -> None:
         model.load_state_dict(state["model"])

@@ -371,7 +371,7 @@ class FaultToleranceRecord(Record):
     """One measurement of a fault-tolerance candidate: "steady" (no failure) or "kill" (one replica, or
     for the torchrun baseline one rank, SIGKILLed mid-run and restarted)."""
     kind: str = _kind("fault_tolerance")
-    candidate: str                           # "torchft-gloo", "torchft-ddpkit", "torchrun-restart"
+    candidate: str                           # "torchft-gloo", "torchft-ddpkit", "torchft-floor", "torchrun-restart"
     measure: str                             # "steady" or "kill"
     repeat: int
     # the DDP wrapper: "torchft-ddp", "torchft-ddp-async" (ddpkit.torchft's) or "ddpkit-ddp" (its comm hook)

@@ -195,6 +195,26 @@ def test_kill_and_rejoin_ddpkit_syncbn(tmp_path, lighthouse):
                     count=3, victim=2)
 
 
+def test_benchmark_floor_communicates_nothing(tmp_path, lighthouse):
+    """bench_fault_tolerance.py's floor (ft_replica.py --pg dummy: torchft's ProcessGroupDummy under the same
+    manager and wrapper): every step commits in a quorum of both replicas, and each replica's gradient is its
+    own divided by the participants, nothing of the other's (the replay of each replica alone says so)."""
+    steps = 4
+    groups = ft_replica.ReplicaGroups(tmp_path, lighthouse, ["--exact", "--steps", str(steps), "--pg", "dummy",
+                                                             "--wrapper", "torchft-ddp"], 2)
+    try:
+        groups.start_all()
+        groups.wait_all(120)
+    finally:
+        groups.close()
+    for replica in range(2):
+        committed = groups.committed(replica)
+        assert [r["step"] for r in committed] == list(range(steps)), committed
+        assert all(r["participants"] == 2 for r in committed), committed
+        alone = ft_replica.replay({step: ({replica}, 2) for step in range(steps)}, steps)
+        assert_bitwise_equal(torch.load(tmp_path / f"r{replica}.pt"), alone, f"replica {replica} against its own replay")
+
+
 def test_example_runs_as_documented():
     """examples/fault_tolerance.py: its replica groups' torchrun lines, against this test's lighthouse, which
     waits for both (the documented one, --min_replicas 1, lets a replica that starts first train alone
