@@ -25,6 +25,8 @@ Each kill is repeated --repeats times, candidates interleaved; the medians are r
 `--kill-wrappers` with no wrapper and `--no-baseline` leave the steady state alone:
 
     .venv/bin/python benchmarks/bench_fault_tolerance.py --steady-wrappers torchft-ddp --kill-wrappers --no-baseline
+
+`--quick` is a smoke run (one repeat of shorter runs, into benchmarks/results/quick/), as run_all.sh --quick makes.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ft_replica  # noqa: E402
 import records  # noqa: E402
-from common import write_results  # noqa: E402
+from common import results_dir, write_results  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -172,8 +174,13 @@ def main() -> None:
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the steady state on torchft's ProcessGroupDummy (no communication)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the torchrun --max-restarts baseline")
-    parser.add_argument("--output", default=str(REPO / "benchmarks" / "results" / "fault_tolerance.json"))
+    parser.add_argument("--quick", action="store_true", help="smoke run: one repeat of shorter runs")
+    parser.add_argument("--output", help="a path whose folder gets fault_tolerance.json (default: "
+                        "benchmarks/results/, its quick/ with --quick)")
     args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.steady_steps, args.kill_steps = 1, 8, 20
+    output = Path(args.output) if args.output else results_dir(args.quick) / "fault_tolerance.json"
 
     names = {"gloo": "torchft-gloo", "ddpkit": "torchft-ddpkit", "floor": "torchft-floor",
              "torchrun": "torchrun-restart"}
@@ -258,11 +265,11 @@ def main() -> None:
     summary = medians
     settings = {k: getattr(args, k) for k in ("repeats", "steady_steps", "kill_steps", "compute", "restart_delay",
                                               "heartbeat_ms", "steady_wrappers", "kill_wrappers", "no_baseline",
-                                              "no_floor")}
+                                              "no_floor", "quick")}
     settings["lighthouse"] = {"min_replicas": 1, "join_timeout_ms": 400, "quorum_tick_ms": 20,
                               "heartbeat_timeout_ms": args.heartbeat_ms}
     write_results("fault_tolerance", backend="ddpkit", device_type="cpu", settings=settings, records=rows,
-                  summary=summary, directory=Path(args.output).parent)
+                  summary=summary, directory=output.parent)
     print(json.dumps(summary, indent=1))
 
 

@@ -158,8 +158,19 @@ processes, the peak resident memory's increase over what the processes held befo
 over ranks. Command: `.venv/bin/python benchmarks/bench_torch_stack.py`.
 '''
 
+FAULT_TOLERANCE = r'''
+## 9. Training that survives a lost replica: torchft
+
+torchft (PyTorch's fault-tolerant training: replica groups, a lighthouse that forms a quorum every step, live
+recovery of a restarted replica from a healthy one) with its CPU process group, gloo, against
+`ddpkit.torchft.ProcessGroupDdpkit`, side by side in one run with the same lighthouse settings, and
+`torchrun --max-restarts` with a checkpoint every step as the baseline without torchft. The steady step runs 2
+replica groups of one rank; the kill runs 3, one of which is SIGKILLed mid-run and restarted
+([docs/fault_tolerance.md](../docs/fault_tolerance.md)). Command: `.venv/bin/python benchmarks/bench_fault_tolerance.py`.
+'''
+
 COMMANDS = r'''
-## 9. Reproduce
+## 10. Reproduce
 
 From the repository, after `make main` (which sets up `.venv`):
 
@@ -173,6 +184,7 @@ From the repository, after `make main` (which sets up `.venv`):
 | the ddpkit torch.distributed backend | `.venv/bin/python benchmarks/bench_backend.py` |
 | across simulated hosts (root: the hosts are namespaces) | `sudo .venv/bin/python benchmarks/bench_multihost.py` |
 | FSDP2, DDP communication hooks, tensor parallelism on the ddpkit backend | `.venv/bin/python benchmarks/bench_torch_stack.py` |
+| torchft on gloo and on ddpkit, the torchrun restart baseline | `.venv/bin/python benchmarks/bench_fault_tolerance.py` |
 | torch's distributed test suite on gloo and on ddpkit | `.venv/bin/python scripts/run_torch_suite.py` (writes `docs/torch_suite.json`, `docs/torch_suite.md`) |
 | training comparison | `.venv/bin/python benchmarks/bench_training.py --full` (`make main`: the short run) |
 | GPU: build, CUDA tests, GPU benchmarks | `bash scripts/gpu_checks.sh build test bench` |
@@ -214,6 +226,8 @@ def build() -> nbformat.NotebookNode:
         markdown(TORCH_STACK),
         call(analysis.torch_stack),
         call(analysis.torch_suite, ""),
+        markdown(FAULT_TOLERANCE),
+        call(analysis.fault_tolerance),
         markdown(COMMANDS),
     ]
     # Ids by position, not nbformat's random ones: a rebuild from the same results is the same file.

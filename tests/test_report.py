@@ -40,8 +40,10 @@ def test_results_exist_and_follow_the_schema(name):
     assert document["environment"]["command"] and document["environment"]["torch_version"]
     assert isinstance(document["settings"], dict) and document["settings"]
     assert isinstance(document["records"], list) and document["records"]
-    # A record says how many processes it ran: world_size, or (multihost.json) topology, "<hosts>x<ranks per host>".
-    assert all(isinstance(record, dict) and ("world_size" in record or re.fullmatch(r"\d+x\d+", record.get("topology", "")))
+    # A record says how many processes it ran: world_size, or (multihost.json) topology, "<hosts>x<ranks per host>",
+    # or (fault_tolerance.json) its measure, whose replica groups of one rank the benchmark fixes (2 steady, 3 kill).
+    assert all(isinstance(record, dict) and ("world_size" in record or re.fullmatch(r"\d+x\d+", record.get("topology", ""))
+                                             or record.get("measure") in ("steady", "kill"))
                for record in document["records"])
     assert isinstance(document["summary"], dict) and document["summary"]
 
@@ -84,8 +86,10 @@ def test_committed_notebook_executes_without_errors(tmp_path):
     assert not [o for o in outputs if o.get("output_type") == "error"], \
         [o.get("evalue") for o in outputs if o.get("output_type") == "error"]
     assert not [c.id for c in notebook.cells if "execution" in c.metadata], "executing recorded timestamps"
-    # every plot rendered: one per section, two in the all-reduce's, one more for multihost.json where it exists
-    assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 6 + (RESULTS / "multihost.json").exists()
+    # every plot rendered: one per section, two in the all-reduce's, one more each for multihost.json and
+    # fault_tolerance.json where they exist
+    assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == \
+        6 + (RESULTS / "multihost.json").exists() + (RESULTS / "fault_tolerance.json").exists()
 
 
 def results_copy(tmp_path, commits: dict, names=None):
@@ -124,6 +128,7 @@ def test_the_optional_results_missing_are_a_sentence_each_and_one_commit_is_stat
     assert "No `multihost.json` in this results folder" in text
     assert "No `torch_stack.json` in this results folder" in text
     assert "No `latency.json` in this results folder" in text
+    assert "No `fault_tolerance.json` in this results folder" in text
 
 
 def test_the_report_reads_only_what_run_all_produces():
@@ -134,7 +139,8 @@ def test_the_report_reads_only_what_run_all_produces():
                "ddp_cuda": "bench_ddp.py \"${QUICK[@]}\" --device cuda",
                "allreduce_16core": "--output allreduce_16core",
                "torch_stack": "bench_torch_stack.py \"${QUICK[@]}\"", "multihost": "bench_multihost.py \"${QUICK[@]}\"",
-               "latency": "bench_latency.py \"${QUICK[@]}\""}
+               "latency": "bench_latency.py \"${QUICK[@]}\"",
+               "fault_tolerance": "bench_fault_tolerance.py \"${QUICK[@]}\""}
     assert set(analysis.EXPECTED + analysis.OPTIONAL) == scripts.keys()
     assert all(command in run_all for command in scripts.values())
     # The one input from outside the results folder: torch's suite, which scripts/run_torch_suite.py writes.
