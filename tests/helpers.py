@@ -6,9 +6,11 @@ module-level code twice and couples their fixtures)."""
 
 import ast
 import io
+import os
 import pickle
 import re
 import shlex
+import signal
 import socket
 import tarfile
 from pathlib import Path
@@ -131,6 +133,18 @@ def call_each_then_all_reduce(calls, kinds):
 
 
 # --- processes: ports, train.py, the examples --------------------------------------------------------
+
+def communicate_all(processes: list, timeout: float) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr), waiting up to `timeout` seconds for each; however that ends, none is
+    left running (each started with start_new_session=True: its whole session is killed)."""
+    try:
+        return [process.communicate(timeout=timeout) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
 
 def free_port():
     with socket.socket() as s:

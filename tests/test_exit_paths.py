@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from helpers import communicate_all, free_port
+
 
 JOB = textwrap.dedent(r"""
     import os, signal, sys, datetime, torch
@@ -45,13 +47,6 @@ JOB = textwrap.dedent(r"""
 # What each way of ending returns: the exit status a job ended that way has anyway.
 ENDINGS = {"normal": {0}, "callback_exit": {0, 1, 3}, "exception": {1}, "os_exit": {0}, "sigterm": {-signal.SIGTERM},
            "destroy": {0}}
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_job(script, how: str) -> list:
@@ -128,13 +123,7 @@ def test_a_forked_child_cannot_use_its_parents_group_and_leaves_it_alone(tmp_pat
     script = tmp_path / "forked.py"
     script.write_text(FORKED)
     ranks = start_job(script, "forked")
-    try:
-        outputs = [process.communicate(timeout=120) for process in ranks]
-    finally:
-        for process in ranks:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    outputs = communicate_all(ranks, timeout=120)
     for rank, (process, (out, err)) in enumerate(zip(ranks, outputs)):
         assert process.returncode == 0, f"rank {rank}: exit status {process.returncode}\n{out}\n{err[-2000:]}"
         lines = out.splitlines()

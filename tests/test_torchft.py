@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import communicate_all
+
 torchft = pytest.importorskip("torchft", reason="scripts/setup.sh installs torchft with the test extra")
 from torchft._torchft import LighthouseServer  # noqa: E402
 
@@ -337,13 +339,7 @@ def test_quorum_changes_keep_resources_flat(tmp_path):
     port = ft_replica.free_port()
     ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), "50"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in range(2)]
-    try:
-        results = [rank.communicate(timeout=120) for rank in ranks]
-    finally:
-        for rank in ranks:
-            if rank.poll() is None:
-                os.killpg(rank.pid, signal.SIGKILL)
-                rank.wait()
+    results = communicate_all(ranks, timeout=120)
     for rank, (out, err) in zip(ranks, results):
         assert rank.returncode == 0, err[-3000:]
         seen = json.loads(out.strip().splitlines()[-1])
