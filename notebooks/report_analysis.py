@@ -1288,18 +1288,17 @@ def fault_tolerance(R: dict) -> None:
     groups: dict = collections.defaultdict(list)
     for r in records:
         groups[(r.measure, r.wrapper, r.candidate)].append(r)
+    gloo_name = FT_CANDIDATES["torchft-gloo"]
+    others = [FT_CANDIDATES["torchft-ddpkit"], FT_CANDIDATES["torchft-floor"]]
     steady_rows = []
     for wrapper in dict.fromkeys(r.wrapper for r in records if r.measure == "steady"):
-        gloo = _ft_median(groups[("steady", wrapper, "torchft-gloo")], "step_s")
         row = {"wrapper": FT_WRAPPERS.get(wrapper, wrapper)}
         for candidate in ("torchft-gloo", "torchft-ddpkit", "torchft-floor"):
-            step = _ft_median(groups[("steady", wrapper, candidate)], "step_s")
-            row[FT_CANDIDATES[candidate]] = step
-            row[f"{FT_CANDIDATES[candidate]} / gloo"] = step / gloo if step and gloo else None
+            row[FT_CANDIDATES[candidate]] = _ft_median(groups[("steady", wrapper, candidate)], "step_s")
+        for name in others:
+            row[f"{name} / gloo"] = row[name] / row[gloo_name] if row[name] and row[gloo_name] else None
         steady_rows.append(row)
-    columns = ["wrapper"] + [c for k in ("torchft-gloo", "torchft-ddpkit", "torchft-floor")
-                             for c in (FT_CANDIDATES[k], f"{FT_CANDIDATES[k]} / gloo") if k != "torchft-gloo"
-                             or c == FT_CANDIDATES[k]]
+    columns = ["wrapper", gloo_name] + [c for name in others for c in (name, f"{name} / gloo")]
     table(steady_rows, columns, {c: (ratio if c.endswith("/ gloo") else step_time) for c in columns[1:]})
     floor = next((r[f"{FT_CANDIDATES['torchft-floor']} / gloo"] for r in steady_rows
                   if r["wrapper"] == FT_WRAPPERS["torchft-ddp"]), None)

@@ -1,5 +1,7 @@
 #include "comm/peer_watch.h"
 
+#include "comm/exit.h"
+
 #include <c10/util/Exception.h>
 
 #include <errno.h>
@@ -28,7 +30,7 @@ int open_pidfd(int pid, int* error) {
 }  // namespace
 
 PeerWatch::PeerWatch(const std::vector<int>& pids, int self, std::function<void(int)> exited)
-    : fds_(pids.size(), -1), owner_pid_(getpid()), exited_(std::move(exited)) {
+    : fds_(pids.size(), -1), fork_generation_(fork_generation()), exited_(std::move(exited)) {
   std::vector<int> gone;
   for (size_t i = 0; i < pids.size(); ++i) {
     if (static_cast<int>(i) == self) continue;
@@ -56,8 +58,8 @@ PeerWatch::PeerWatch(const std::vector<int>& pids, int self, std::function<void(
 
 PeerWatch::~PeerWatch() {
   if (thread_.joinable()) {
-    if (getpid() != owner_pid_) {
-      thread_.detach();  // a forked child: the parent's thread does not exist here
+    if (fork_generation() != fork_generation_) {
+      thread_.detach();  // a forked child: the parent's thread does not exist here (Note [Forked children])
     } else {
       const uint64_t one = 1;
       const ssize_t written = write(stop_fd_, &one, sizeof(one));

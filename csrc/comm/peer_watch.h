@@ -1,6 +1,7 @@
 #pragma once
 // A thread that learns at once when a peer process on this host exits, by waiting on its pidfd.
 
+#include <cstdint>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -38,10 +39,10 @@ class PeerWatch {
  private:
   void loop();
 
-  std::vector<int> fds_;  // a pidfd per peer, -1 for this rank and for a peer not watched
-  int stop_fd_ = -1;      // an eventfd: the destructor's word to the thread
-  int watched_ = 0;       // peers watched by pidfd (the others only by the liveness check)
-  int owner_pid_ = 0;     // the process whose thread this is (a forked child has none)
+  std::vector<int> fds_;          // a pidfd per peer, -1 for this rank and for a peer not watched
+  int stop_fd_ = -1;              // an eventfd: the destructor's word to the thread
+  int watched_ = 0;               // peers watched by pidfd (the others only by the liveness check)
+  uint64_t fork_generation_ = 0;  // the process whose thread this is (a forked child has none)
   std::function<void(int)> exited_;
   std::thread thread_;
 };
