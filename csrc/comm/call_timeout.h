@@ -10,7 +10,7 @@ namespace ddpkit::comm {
 // torch's barrier takes a timeout of its own (dist.barrier(timeout=...), BarrierOptions::timeout),
 // which gloo honours. While a ScopedCallTimeout lives on a thread, every wait of the collective
 // running there gives up after that timeout instead of the group's: the steps over shared memory
-// (ShmSegment::timeout), the process group's messages (Communicator::wait) and the socket links
+// (SegmentLiveness::timeout), the process group's messages (Communicator::wait) and the socket links
 // across hosts. As with the group's timeout, the rank that gives up marks the transport broken, so
 // the group must be made anew afterwards, as with gloo's.
 inline thread_local std::optional<std::chrono::milliseconds> call_timeout;

@@ -2,7 +2,7 @@
 
 #include "comm/checks.h"
 #include "comm/cross_host_check.h"
-#include "comm/shm_segment.h"
+#include "comm/shm_setup.h"
 #include "comm/socket_links.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -62,7 +62,7 @@ GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Back
   // this host's segment (Note [Shared-memory segment]).
   const Discovery discovery = discover_topology(setup);
   group.topology = discovery.topology;
-  if (std::shared_ptr<ShmSegment> segment = ShmSegment::set_up(setup, discovery, timeout)) {
+  if (std::shared_ptr<ShmSegment> segment = set_up_segment(setup, discovery, timeout)) {
     group.shm = std::make_shared<ShmTransport>(std::move(segment));
     group.shm_check = std::make_unique<SlotCheck>(*group.shm->direct());
   }

@@ -1,6 +1,6 @@
 #pragma once
 // The messages of a group's set-up (Note [Group set-up]): its round tags, statuses, failures and how
-// they are worded, shared by topology discovery (topology.h) and the segment's set-up (shm_segment.h).
+// they are worded, shared by topology discovery (topology.h) and the segment's set-up (shm_setup.h).
 
 #include "comm/communicator.h"
 

@@ -10,18 +10,6 @@ namespace ddpkit::comm {
 
 using namespace shm_detail;
 
-namespace {
-
-struct ChunkHeader {
-  int64_t tag;
-  int64_t total;   // bytes of the whole message
-  int64_t offset;  // of this chunk in the message
-  int64_t length;  // of this chunk
-};
-static_assert(sizeof(ChunkHeader) <= kChunkHeaderBytes);
-
-}  // namespace
-
 class ShmTransport::Message final : public c10d::Work {
  public:
   Message(ShmTransport* transport, bool is_send, int peer, int tag, const at::Tensor& tensor)
@@ -72,7 +60,7 @@ ShmTransport::ShmTransport(std::shared_ptr<ShmSegment> segment)
 ShmTransport::~ShmTransport() = default;
 
 c10::intrusive_ptr<c10d::Work> ShmTransport::send(const at::Tensor& tensor, int dst, int tag) {
-  segment_->check_usable("collective");
+  segment_->liveness().check_usable("collective");
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous() && tensor.device().is_cpu());
   TORCH_INTERNAL_ASSERT(dst >= 0 && dst < segment_->size() && dst != segment_->rank());
   auto message = c10::make_intrusive<Message>(this, true, dst, tag, tensor);
@@ -83,7 +71,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::send(const at::Tensor& tensor, int 
 }
 
 c10::intrusive_ptr<c10d::Work> ShmTransport::recv(const at::Tensor& tensor, int src, int tag) {
-  segment_->check_usable("collective");
+  segment_->liveness().check_usable("collective");
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous() && tensor.device().is_cpu());
   TORCH_INTERNAL_ASSERT(src >= 0 && src < segment_->size() && src != segment_->rank());
   auto message = c10::make_intrusive<Message>(this, false, src, tag, tensor);
@@ -93,7 +81,7 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::recv(const at::Tensor& tensor, int 
   if (found != unexpected_[src].end()) {
     const Unexpected& early = found->second;
     if (early.total != message->total_) {
-      message->error_ = c10::str("rank ", segment_->group_rank(src), " sent ", early.total,
+      message->error_ = c10::str("rank ", segment_->group_ranks()[src], " sent ", early.total,
                                  " bytes, this rank expected ", message->total_);
       complete = true;
     } else {
@@ -115,22 +103,22 @@ c10::intrusive_ptr<c10d::Work> ShmTransport::recv(const at::Tensor& tensor, int 
 
 void ShmTransport::corrupt(int peer, const std::string& what) const {
   const std::string why =
-      c10::str("rank ", segment_->group_rank(peer), "'s channel holds inconsistent data (", what, ")");
-  segment_->mark_broken(why);
-  C10_THROW_ERROR(Error, c10::str("ddpkit (", segment_->where(), "): the shared-memory transport failed: ", why,
-                                  "; destroy the group and create a new one"));
+      c10::str("rank ", segment_->group_ranks()[peer], "'s channel holds inconsistent data (", what, ")");
+  segment_->liveness().mark_broken(why);
+  C10_THROW_ERROR(Error, c10::str("ddpkit (", segment_->liveness().where(), "): the shared-memory transport failed: ",
+                                  why, "; destroy the group and create a new one"));
 }
 
 bool ShmTransport::progress_locked() {
-  ShmSegment& segment = *segment_;
+  const ShmSegment& segment = *segment_;
+  const SegmentMemory& memory = segment.memory();
   const int me = segment.rank();
-  const int64_t chunk_bytes = segment.channel_chunk_bytes();
-  const size_t chunk_stride = kChunkHeaderBytes + chunk_bytes;
+  const int64_t chunk_bytes = memory.chunk_bytes();
   bool moved_any = false;
   for (int dst = 0; dst < segment.size(); ++dst) {
     auto& queue = sends_[dst];
     if (queue.empty()) continue;
-    ShmSegment::Channel& channel = segment.channel(me, dst);
+    Channel& channel = memory.channel(me, dst);
     uint64_t head = channel.head.load(std::memory_order_relaxed);
     bool pushed = false;
     while (!queue.empty()) {
@@ -140,7 +128,7 @@ bool ShmTransport::progress_locked() {
         corrupt(dst, c10::str("its receive counter ", tail, " is not within ", kChannelSlots, " chunks of ", head));
       }
       if (head - tail == static_cast<uint64_t>(kChannelSlots)) break;
-      char* chunk = channel.chunks + (head % kChannelSlots) * chunk_stride;
+      char* chunk = memory.chunk(channel, head);
       const int64_t length = std::min(chunk_bytes, message.total_ - message.moved_);
       *reinterpret_cast<ChunkHeader*>(chunk) = ChunkHeader{message.tag_, message.total_, message.moved_, length};
 #ifdef DDPKIT_TESTING
@@ -159,13 +147,13 @@ bool ShmTransport::progress_locked() {
       }
     }
     if (pushed) {
-      segment.control(dst).doorbell.bump();
+      memory.control(dst).doorbell.bump();
       moved_any = true;
     }
   }
   for (int src = 0; src < segment.size(); ++src) {
     if (src == me) continue;
-    ShmSegment::Channel& channel = segment.channel(src, me);
+    Channel& channel = memory.channel(src, me);
     uint64_t tail = channel.tail.load(std::memory_order_relaxed);
     bool took = false;
     for (;;) {
@@ -174,7 +162,7 @@ bool ShmTransport::progress_locked() {
         corrupt(src, c10::str("its send counter ", head, " is not within ", kChannelSlots, " chunks of ", tail));
       }
       if (head == tail) break;
-      const char* chunk = channel.chunks + (tail % kChannelSlots) * chunk_stride;
+      const char* chunk = memory.chunk(channel, tail);
       const ChunkHeader header = *reinterpret_cast<const ChunkHeader*>(chunk);
       // Note [Shared-memory segment]: nothing read from the segment is used unchecked.
       if (header.total < 0 || header.offset < 0 || header.length < 0 || header.length > chunk_bytes ||
@@ -188,7 +176,7 @@ bool ShmTransport::progress_locked() {
       if (match != posted.end()) {
         Message& message = **match;
         if (header.total != message.total_) {
-          message.error_ = c10::str("rank ", segment_->group_rank(src), " sent ", header.total,
+          message.error_ = c10::str("rank ", segment_->group_ranks()[src], " sent ", header.total,
                                     " bytes, this rank expected ", message.total_);
         } else if (header.offset != message.moved_) {
           corrupt(src, c10::str("a chunk at offset ", header.offset, " where offset ", message.moved_, " comes next"));
@@ -224,7 +212,7 @@ bool ShmTransport::progress_locked() {
       took = true;
     }
     if (took) {
-      segment.control(src).doorbell.bump();
+      memory.control(src).doorbell.bump();
       moved_any = true;
     }
   }
@@ -232,10 +220,10 @@ bool ShmTransport::progress_locked() {
 }
 
 void ShmTransport::wait_for_message(Message& message, std::string_view what) {
-  WaitContext context{segment_.get(), std::chrono::steady_clock::now() + segment_->timeout(), what};
+  WaitContext context = segment_->wait_context(what);
   context.peer = message.peer_;
-  segment_->wait_for(
-      segment_->control(segment_->rank()).doorbell,
+  segment_->waits().wait_for(
+      segment_->memory().control(segment_->rank()).doorbell,
       [&] {
         std::lock_guard<std::mutex> lock(mutex_);
         progress_locked();
@@ -261,7 +249,7 @@ void ShmTransport::abort_message(Message& message) {
     drop(sends_[message.peer_]);
   else
     drop(recvs_[message.peer_]);
-  if (message.moved_ > 0) segment_->mark_broken("a message was aborted half-way");
+  if (message.moved_ > 0) segment_->liveness().mark_broken("a message was aborted half-way");
   message.error_ = "aborted";
   message.done_ = true;
 }

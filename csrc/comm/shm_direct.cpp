@@ -12,11 +12,11 @@ namespace ddpkit::comm {
 using namespace shm_detail;
 
 WaitContext ShmDirect::begin(std::string_view what, const std::string& local_error, bool checked) {
-  seg_.check_usable(what);
+  seg_.liveness().check_usable(what);
   const bool rejected = !local_error.empty();
-  if (rejected && !checked) seg_.reject_unchecked(what);
+  if (rejected && !checked) seg_.liveness().reject_unchecked(what);
   TORCH_CHECK(checked || !rejected, local_error);
-  return WaitContext{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), what};
+  return seg_.wait_context(what);
 }
 
 void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
@@ -27,7 +27,7 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
   const int64_t element = rejected ? 1 : static_cast<int64_t>(flat.element_size());
   const int64_t numel = rejected ? 0 : flat.numel();
   char* const data = rejected || numel == 0 ? nullptr : static_cast<char*>(flat.data_ptr());
-  const int64_t chunk_elems = seg_.slot_bytes() / element;
+  const int64_t chunk_elems = memory_.slot_bytes() / element;
   const int64_t chunks = std::max<int64_t>(1, (numel + chunk_elems - 1) / chunk_elems);
   std::vector<const char*> sources(seg_.size());
   for (int64_t c = 0; c < chunks; ++c) {
@@ -35,13 +35,13 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
     const int set = static_cast<int>(target & 1);
     const int64_t begin = c * chunk_elems;
     const int64_t count = std::min(chunk_elems, numel - begin);
-    const bool whole = count * element * seg_.size() <= seg_.whole_bytes_;
+    const bool whole = count * element * seg_.size() <= memory_.whole_bytes();
     const BalancedSplit slices{count, seg_.size()};
     const int64_t start = slices.start(seg_.rank());
     const int64_t length = slices.length(seg_.rank());
     char* const chunk = data == nullptr ? nullptr : data + begin * element;
-    char* mine = seg_.slot(seg_.rank(), set);
-    if (c == 0) seg_.slot_header(seg_.rank(), set) = header;
+    char* mine = memory_.slot(seg_.rank(), set);
+    if (c == 0) memory_.slot_header(seg_.rank(), set) = header;
     if (count > 0 && whole) {
       std::memcpy(mine, chunk, count * element);
     } else if (count > 0) {
@@ -53,7 +53,7 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
     arrive_and_wait(target, context);
     if (c == 0 && checked) compare_headers(set, local_error, what);
     if (count == 0) continue;
-    for (int peer = 0; peer < seg_.size(); ++peer) sources[peer] = seg_.slot(peer, set);
+    for (int peer = 0; peer < seg_.size(); ++peer) sources[peer] = memory_.slot(peer, set);
     if (whole) {
       reduce_sources(dtype, op, chunk, sources, 0, count);
       continue;
@@ -65,14 +65,14 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
     std::rotate(sources.begin(), sources.begin() + seg_.rank(), sources.begin() + seg_.rank() + 1);
     reduce_sources(dtype, op, chunk + start * element, sources, start, length, mine + start * element);
     std::rotate(sources.begin(), sources.begin() + 1, sources.begin() + seg_.rank() + 1);
-    seg_.control(seg_.rank()).reduced.post(target);
+    memory_.control(seg_.rank()).reduced.post(target);
     WaitContext reductions = context;
     reductions.awaited = WaitContext::Awaited::kReduced;
     reductions.step = target;
     for (int peer = 0; peer < seg_.size(); ++peer) {
       if (peer == seg_.rank()) continue;
-      Signal& reduced = seg_.control(peer).reduced;
-      seg_.wait_for(
+      Signal& reduced = memory_.control(peer).reduced;
+      seg_.waits().wait_for(
           reduced, [&] { return reached(reduced.value.load(std::memory_order_acquire), target); }, reductions);
       const int64_t their_start = slices.start(peer);
       const int64_t their_length = slices.length(peer);
@@ -88,20 +88,20 @@ void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, co
   const int64_t bytes = rejected ? 0 : static_cast<int64_t>(input.numel() * input.element_size());
   const char* const in = bytes == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
   char* const out = bytes == 0 ? nullptr : static_cast<char*>(output.data_ptr());
-  const int64_t steps = std::max<int64_t>(1, (bytes + seg_.slot_bytes() - 1) / seg_.slot_bytes());
+  const int64_t steps = std::max<int64_t>(1, (bytes + memory_.slot_bytes() - 1) / memory_.slot_bytes());
   for (int64_t c = 0; c < steps; ++c) {
     const uint32_t target = ++step_;
     const int set = static_cast<int>(target & 1);
-    const int64_t begin = c * seg_.slot_bytes();
-    const int64_t length = std::min(seg_.slot_bytes(), bytes - begin);
-    if (c == 0) seg_.slot_header(seg_.rank(), set) = header;
-    if (length > 0) std::memcpy(seg_.slot(seg_.rank(), set), in + begin, length);
+    const int64_t begin = c * memory_.slot_bytes();
+    const int64_t length = std::min(memory_.slot_bytes(), bytes - begin);
+    if (c == 0) memory_.slot_header(seg_.rank(), set) = header;
+    if (length > 0) std::memcpy(memory_.slot(seg_.rank(), set), in + begin, length);
     arrive_and_wait(target, context);
     if (c == 0 && checked) compare_headers(set, local_error, what);
     if (length <= 0) continue;
     for (int peer = 0; peer < seg_.size(); ++peer) {
       char* to = out + peer * bytes + begin;
-      const char* from = peer == seg_.rank() ? in + begin : seg_.slot(peer, set);
+      const char* from = peer == seg_.rank() ? in + begin : memory_.slot(peer, set);
       if (to != from) std::memcpy(to, from, length);  // in place, this rank's block is already there
     }
   }
@@ -119,7 +119,7 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
   char* const out = block == 0 ? nullptr : static_cast<char*>(output.data_ptr());
   // Each step carries a piece of every block: n pieces of `piece` elements per slot, cache-line aligned.
   const int64_t piece = std::max<int64_t>(
-      1, (seg_.slot_bytes() / seg_.size()) / static_cast<int64_t>(kLine) * static_cast<int64_t>(kLine) / element);
+      1, (memory_.slot_bytes() / seg_.size()) / static_cast<int64_t>(kLine) * static_cast<int64_t>(kLine) / element);
   const int64_t steps = std::max<int64_t>(1, (block + piece - 1) / piece);
   std::vector<const char*> sources(seg_.size());
   for (int64_t c = 0; c < steps; ++c) {
@@ -127,8 +127,8 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
     const int set = static_cast<int>(target & 1);
     const int64_t begin = c * piece;
     const int64_t count = std::min(piece, block - begin);
-    char* const mine = seg_.slot(seg_.rank(), set);
-    if (c == 0) seg_.slot_header(seg_.rank(), set) = header;
+    char* const mine = memory_.slot(seg_.rank(), set);
+    if (c == 0) memory_.slot_header(seg_.rank(), set) = header;
     for (int peer = 0; count > 0 && peer < seg_.size(); ++peer) {
       if (peer == seg_.rank()) continue;  // this rank's own block is read from its input below
       std::memcpy(mine + peer * piece * element, in + (peer * block + begin) * element, count * element);
@@ -140,7 +140,7 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
     // lets `out` alias only its first source.
     sources[0] = in + (seg_.rank() * block + begin) * element;
     for (int peer = 0, next = 1; peer < seg_.size(); ++peer) {
-      if (peer != seg_.rank()) sources[next++] = seg_.slot(peer, set) + seg_.rank() * piece * element;
+      if (peer != seg_.rank()) sources[next++] = memory_.slot(peer, set) + seg_.rank() * piece * element;
     }
     reduce_sources(dtype, op, out + begin * element, sources, 0, count);
   }
@@ -152,17 +152,17 @@ void ShmDirect::broadcast(const at::Tensor& tensor, int root, const CollectiveHe
   const WaitContext context = begin(what, local_error, checked);
   const int64_t bytes = rejected ? 0 : static_cast<int64_t>(tensor.numel() * tensor.element_size());
   char* const data = bytes == 0 ? nullptr : static_cast<char*>(tensor.data_ptr());
-  const int64_t steps = std::max<int64_t>(1, (bytes + seg_.slot_bytes() - 1) / seg_.slot_bytes());
+  const int64_t steps = std::max<int64_t>(1, (bytes + memory_.slot_bytes() - 1) / memory_.slot_bytes());
   for (int64_t c = 0; c < steps; ++c) {
     const uint32_t target = ++step_;
     const int set = static_cast<int>(target & 1);
-    const int64_t begin = c * seg_.slot_bytes();
-    const int64_t length = std::min(seg_.slot_bytes(), bytes - begin);
-    if (c == 0) seg_.slot_header(seg_.rank(), set) = header;
-    if (seg_.rank() == root && length > 0) std::memcpy(seg_.slot(root, set), data + begin, length);
+    const int64_t begin = c * memory_.slot_bytes();
+    const int64_t length = std::min(memory_.slot_bytes(), bytes - begin);
+    if (c == 0) memory_.slot_header(seg_.rank(), set) = header;
+    if (seg_.rank() == root && length > 0) std::memcpy(memory_.slot(root, set), data + begin, length);
     arrive_and_wait(target, context);
     if (c == 0 && checked) compare_headers(set, local_error, what);
-    if (seg_.rank() != root && length > 0) std::memcpy(data + begin, seg_.slot(root, set), length);
+    if (seg_.rank() != root && length > 0) std::memcpy(data + begin, memory_.slot(root, set), length);
   }
 }
 
@@ -172,42 +172,43 @@ void ShmDirect::arrive_and_wait(uint32_t target, const WaitContext& context) {
   // read as ahead, and the next sliced step would copy slices its peers never reduced. Kept one step
   // behind here (never `target` itself: that is posted once this rank's slice is reduced), published
   // by the arrival's release.
-  seg_.control(seg_.rank()).reduced.value.store(target - 1, std::memory_order_relaxed);
-  seg_.control(seg_.rank()).arrived.post(target);
+  memory_.control(seg_.rank()).reduced.value.store(target - 1, std::memory_order_relaxed);
+  memory_.control(seg_.rank()).arrived.post(target);
   WaitContext arrivals = context;
   arrivals.awaited = WaitContext::Awaited::kArrived;
   arrivals.step = target;
   for (int peer = 0; peer < seg_.size(); ++peer) {
     if (peer == seg_.rank()) continue;
-    Signal& arrived = seg_.control(peer).arrived;
-    seg_.wait_for(arrived, [&] { return reached(arrived.value.load(std::memory_order_acquire), target); }, arrivals);
+    Signal& arrived = memory_.control(peer).arrived;
+    seg_.waits().wait_for(
+        arrived, [&] { return reached(arrived.value.load(std::memory_order_acquire), target); }, arrivals);
   }
 }
 
 void ShmDirect::compare_headers(int set, const std::string& local_error, std::string_view what) const {
   std::vector<CollectiveHeader> headers(seg_.size());
-  for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = seg_.slot_header(peer, set);
-  const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.ranks_.data());
+  for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = memory_.slot_header(peer, set);
+  const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.group_ranks().data());
   TORCH_CHECK(local_error.empty(), local_error);
   TORCH_CHECK(error.empty(), error);
 }
 
 void ShmDirect::check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) {
   const std::vector<CollectiveHeader> headers = exchange_headers(header, what);
-  const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.ranks_.data());
+  const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.group_ranks().data());
   TORCH_CHECK(local_error.empty(), local_error);
   TORCH_CHECK(error.empty(), error);
 }
 
 std::vector<CollectiveHeader> ShmDirect::exchange_headers(const CollectiveHeader& header, std::string_view what) {
-  seg_.check_usable(what);
-  const WaitContext context{&seg_, std::chrono::steady_clock::now() + seg_.timeout(), what};
+  seg_.liveness().check_usable(what);
+  const WaitContext context = seg_.wait_context(what);
   const uint32_t target = ++step_;
   const int set = static_cast<int>(target & 1);
-  seg_.slot_header(seg_.rank(), set) = header;
+  memory_.slot_header(seg_.rank(), set) = header;
   arrive_and_wait(target, context);
   std::vector<CollectiveHeader> headers(seg_.size());
-  for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = seg_.slot_header(peer, set);
+  for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = memory_.slot_header(peer, set);
   return headers;
 }
 

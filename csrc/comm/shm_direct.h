@@ -1,6 +1,6 @@
 #pragma once
 // The collectives shared memory runs without messages: every rank publishes its data in its slot of
-// the segment and its peers read it there (Note [Shared-memory vocabulary] in shm_segment.h).
+// the segment and its peers read it there (Note [Shared-memory vocabulary] in shm_layout.h).
 
 #include "comm/shm_segment.h"
 #include "comm/transport.h"
@@ -56,12 +56,13 @@ namespace ddpkit::comm {
 // a time, so the slots need no locking.
 class ShmDirect final : public DirectCollectives {
  public:
-  explicit ShmDirect(std::shared_ptr<ShmSegment> segment) : segment_(std::move(segment)), seg_(*segment_) {}
+  explicit ShmDirect(std::shared_ptr<ShmSegment> segment)
+      : segment_(std::move(segment)), seg_(*segment_), memory_(segment_->memory()) {}
 
   void check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) override;
   std::vector<CollectiveHeader> exchange_headers(const CollectiveHeader& header, std::string_view what) override;
-  int group_rank(int rank) const override { return seg_.group_rank(rank); }
-  int failed_rank() const override { return seg_.failed_group_rank(); }
+  int group_rank(int rank) const override { return seg_.group_ranks()[rank]; }
+  int failed_rank() const override { return seg_.liveness().failed_group_rank(); }
   void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
                   bool checked, std::string_view what) override;
   void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
@@ -70,8 +71,8 @@ class ShmDirect final : public DirectCollectives {
                       const std::string& local_error, bool checked, std::string_view what) override;
   void broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header, const std::string& local_error,
                  bool checked, std::string_view what) override;
-  void reject_unchecked(std::string_view what) override { seg_.reject_unchecked(what); }
-  void abandon(const std::string& why) override { seg_.mark_broken(why); }
+  void reject_unchecked(std::string_view what) override { seg_.liveness().reject_unchecked(what); }
+  void abandon(const std::string& why) override { seg_.liveness().mark_broken(why); }
 
  private:
   // What every collective does first: raises if the transport failed earlier, or (checks off) if this
@@ -83,7 +84,8 @@ class ShmDirect final : public DirectCollectives {
   void compare_headers(int set, const std::string& local_error, std::string_view what) const;
 
   std::shared_ptr<ShmSegment> segment_;
-  ShmSegment& seg_;
+  const ShmSegment& seg_;
+  const SegmentMemory& memory_;
   uint32_t step_ = 0;  // steps taken (Note [Direct all-reduce]); the same on every rank
 };
 
