@@ -1,8 +1,10 @@
 """The shape issue 41 asks of the code, checked on every run: csrc/comm's includes form no cycle
 (scripts/check_includes.py), no source file in csrc is over 800 lines, and no test module imports
-another (what several use lives in tests/helpers.py)."""
+another (what several use lives in tests/helpers.py); and issue 51's: no release source carries a test
+hook (Note [Test seam] in csrc/comm/part_factory.h)."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +46,22 @@ def test_no_test_module_imports_another():
             if found:
                 imports[path.name] = found
     assert not imports, imports
+
+
+def test_no_release_source_carries_a_test_hook():
+    """Outside csrc/testing/ (compiled into a testing build only), no source includes a testing header,
+    is compiled differently for a testing build, or names a fault or a test variable in its code:
+    the faults come in through the testing build's part factory alone."""
+    script = (ROOT / "scripts" / "check_release_strings.sh").read_text()
+    names = "|".join(re.findall(r'^names="(?:\$names\|)?([^"]*)"', script, re.MULTILINE))
+    assert "die_at_hello" in names and "no_liveness_poll" in names, names
+    hook = re.compile(rf'#\s*include\s+"testing/|DDPKIT_TESTING|{names}')
+    found = {}
+    for path in sorted((ROOT / "csrc").rglob("*")):
+        if path.suffix not in {".cpp", ".h", ".cu", ".cuh"} or "testing" in path.relative_to(ROOT / "csrc").parts:
+            continue
+        code = re.sub(r"//.*", "", path.read_text())  # what a comment says is documentation, not a hook
+        hits = sorted({match.group(0) for match in hook.finditer(code)})
+        if hits:
+            found[str(path.relative_to(ROOT))] = hits
+    assert not found, found

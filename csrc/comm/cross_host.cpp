@@ -16,7 +16,7 @@ constexpr int64_t kSwapStepBytes = 256 << 10;
 
 }  // namespace
 
-SocketPairChannel::SocketPairChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links,
+SocketPairChannel::SocketPairChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
                                      ScratchBuffers& scratch)
     : CrossHostChannel(rank, std::move(group_ranks), std::move(links)), scratch_(scratch) {
   TORCH_INTERNAL_ASSERT(size() == 2, "a socket pair spans two hosts");
@@ -25,7 +25,7 @@ SocketPairChannel::SocketPairChannel(int rank, std::vector<int> group_ranks, std
 // A part is reduced once it is in and, where `sends` reads `mine`, once this rank's copy of it has
 // left. A peer that passed another size breaks the links (with checks off), and both ranks raise,
 // naming the sizes.
-void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<SocketLinks::Send> sends,
+void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<Links::Send> sends,
                                             Communicator& comm) {
   TORCH_INTERNAL_ASSERT(mine.is_contiguous());
   const int64_t element = mine.element_size();
@@ -38,15 +38,15 @@ void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op,
     combine_(slice(mine, reduced, ready), slice(theirs, reduced, ready), sum_or_op, /*other_first=*/peer() == 0);
     reduced = ready;
   };
-  std::vector<SocketLinks::Recv> recvs{{peer(), theirs.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
+  std::vector<Links::Recv> recvs{{peer(), theirs.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
   links().exchange(comm.sequence(), std::move(sends), recvs);
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }
 
 void SocketPairChannel::move(const at::Tensor& outgoing, const at::Tensor& incoming, Communicator& comm) {
-  std::vector<SocketLinks::Send> sends;
+  std::vector<Links::Send> sends;
   if (outgoing.defined()) sends.push_back({peer(), outgoing.data_ptr(), static_cast<int64_t>(outgoing.nbytes())});
-  std::vector<SocketLinks::Recv> recvs;
+  std::vector<Links::Recv> recvs;
   if (incoming.defined()) {
     const auto bytes = static_cast<int64_t>(incoming.nbytes());
     recvs.push_back({peer(), incoming.data_ptr(), bytes, 0, nullptr, 0, bytes});
@@ -90,7 +90,7 @@ void SocketPairChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceO
   receive_and_combine(mine, op, {{peer(), theirs.data_ptr(), static_cast<int64_t>(theirs.nbytes())}}, comm);
 }
 
-SubgroupChannel::SubgroupChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links,
+SubgroupChannel::SubgroupChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
                                  c10::intrusive_ptr<c10d::Backend> backend)
     : CrossHostChannel(rank, std::move(group_ranks), std::move(links)),
       backend_(std::move(backend)),

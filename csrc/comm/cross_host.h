@@ -3,7 +3,7 @@
 
 #include "comm/reduce_op.h"
 #include "comm/scratch.h"
-#include "comm/socket_links.h"
+#include "comm/links.h"
 #include "comm/transport.h"
 
 #include <ATen/ATen.h>
@@ -38,14 +38,14 @@ class CrossHostChannel {
   // `rank`: this rank's index among `group_ranks` (the group's ranks the channel spans, in its order);
   // `links`: their socket links, which also carry the collective check's round (Note [One round
   // across hosts]).
-  CrossHostChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links)
+  CrossHostChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links)
       : rank_(rank), group_ranks_(std::move(group_ranks)), links_(std::move(links)) {}
   virtual ~CrossHostChannel() = default;
 
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(group_ranks_.size()); }
   const std::vector<int>& group_ranks() const { return group_ranks_; }
-  SocketLinks& links() const { return *links_; }
+  Links& links() const { return *links_; }
 
   // In place, op over every rank's `block`.
   virtual void all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) = 0;
@@ -61,21 +61,20 @@ class CrossHostChannel {
   virtual void reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) = 0;
 
   // A failure of this rank's own in a collective's data steps (`why`): breaks the links, so that a
-  // partner waiting for this rank's frames raises at once (SocketLinks::break_off).
+  // partner waiting for this rank's frames raises at once (Links::break_off).
   void break_off(const std::string& why) noexcept { links_->break_off(why); }
 
  private:
   int rank_;
   std::vector<int> group_ranks_;
-  std::shared_ptr<SocketLinks> links_;
+  std::shared_ptr<Links> links_;
 };
 
 // Between two hosts (Note [Steps across hosts]). `scratch`'s kFromPeer buffer receives the other
 // host's frames; it outlives the channel.
 class SocketPairChannel final : public CrossHostChannel {
  public:
-  SocketPairChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links,
-                    ScratchBuffers& scratch);
+  SocketPairChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links, ScratchBuffers& scratch);
   void all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) override;
   void broadcast(const at::Tensor& flat, int root, Communicator& comm) override;
   void reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) override;
@@ -85,8 +84,7 @@ class SocketPairChannel final : public CrossHostChannel {
  private:
   // `sends` go to the other host while its frame of exactly `mine`'s size arrives and is reduced
   // into `mine` part by part, in host order.
-  void receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<SocketLinks::Send> sends,
-                           Communicator& comm);
+  void receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<Links::Send> sends, Communicator& comm);
   // Sends `outgoing` (undefined: nothing) while the other host's frame of exactly `incoming`'s size
   // (undefined: none) arrives into it.
   void move(const at::Tensor& outgoing, const at::Tensor& incoming, Communicator& comm);
@@ -100,7 +98,7 @@ class SocketPairChannel final : public CrossHostChannel {
 // the channel spans, split from the group's.
 class SubgroupChannel final : public CrossHostChannel {
  public:
-  SubgroupChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links,
+  SubgroupChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
                   c10::intrusive_ptr<c10d::Backend> backend);
   void all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) override;
   void broadcast(const at::Tensor& flat, int root, Communicator& comm) override;

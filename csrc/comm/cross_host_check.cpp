@@ -133,12 +133,12 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
   auto words_of = [&](int j) { return static_cast<const int64_t*>(words.data_ptr<int64_t>()) + j * kCheckWords; };
   std::memcpy(words.data_ptr<int64_t>() + h.cross->rank() * kCheckWords, check.words.data_ptr(), kCheckBytes);
   at::Tensor reply;
-  SocketLinks& links = h.cross->links();
+  Links& links = h.cross->links();
   on_hosts(h, OnFailure::kKeepLinks, [&] {
     across_hosts(h, comm, [&] {
       if (h.cross->rank() != center) {
         at::Tensor answer = at::empty({kReplyPrefixBytes + partners * (kCheckBytes + kOneRoundMaxBytes)}, at::kByte);
-        std::vector<SocketLinks::Recv> recvs{{center, answer.data_ptr(), answer.numel()}};
+        std::vector<Links::Recv> recvs{{center, answer.data_ptr(), answer.numel()}};
         recvs[0].minimum = kReplyPrefixBytes;
         links.exchange(comm.sequence(),
                        {{center, check.words.data_ptr(), kCheckBytes, payload.data_ptr(), payload.numel()}}, recvs);
@@ -154,7 +154,7 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
         return;
       }
       std::vector<at::Tensor> payloads(partners);
-      std::vector<SocketLinks::Recv> recvs;
+      std::vector<Links::Recv> recvs;
       for (int j = 0; j < partners; ++j) {
         if (j == center) continue;
         payloads[j] = at::empty({kCheckBytes + kOneRoundMaxBytes}, at::kByte);
@@ -175,7 +175,7 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
         links.shut_down();
         throw;
       }
-      for (const SocketLinks::Recv& recv : recvs) {
+      for (const Links::Recv& recv : recvs) {
         std::memcpy(words.data_ptr<int64_t>() + recv.peer * kCheckWords, payloads[recv.peer].data_ptr(), kCheckBytes);
         payloads[recv.peer] = payloads[recv.peer].narrow(0, kCheckBytes, recv.received - kCheckBytes);
       }
@@ -191,14 +191,14 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
                             out.is_contiguous());
       const int64_t prefix[2] = {kReplyOk, -1};
       reply = out;
-      std::vector<SocketLinks::Send> sends;
+      std::vector<Links::Send> sends;
       at::Tensor head = at::empty({kReplyPrefixBytes + partners * kCheckBytes}, at::kByte);
       std::memcpy(head.data_ptr(), prefix, kReplyPrefixBytes);
       std::memcpy(static_cast<char*>(head.data_ptr()) + kReplyPrefixBytes, words.data_ptr(), partners * kCheckBytes);
       for (int j = 0; j < partners; ++j) {
         if (j != center) sends.push_back({j, head.data_ptr(), head.numel(), out.data_ptr(), out.numel()});
       }
-      std::vector<SocketLinks::Recv> none;
+      std::vector<Links::Recv> none;
       links.exchange(comm.sequence(), std::move(sends), none);
     });
   });

@@ -1,6 +1,8 @@
 #include "comm/engine.h"
 
 #include "comm/exit.h"
+#include "comm/part_factory.h"
+#include "comm/shm_wait.h"
 
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 
@@ -410,7 +412,8 @@ void Engine::set_up(std::string_view what, uint64_t sequence) {
     timeout = cpu->getBackendOptions()->timeout;
   } catch (const std::exception&) {
   }
-  Communicator setup(group_.rank, group_.size, c10::kCPU, cpu, process_group_transport(c10::kCPU), sequence,
+  Communicator setup(group_.rank, group_.size, c10::kCPU, cpu,
+                     part_factory().setup_transport(process_group_transport(c10::kCPU), group_.rank), sequence,
                      group_.name, what);
   const std::string setup_what = c10::str(what, "'s shared-memory set-up");
   setup.use_for_setup(setup_what);

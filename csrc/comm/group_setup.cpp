@@ -2,8 +2,8 @@
 
 #include "comm/checks.h"
 #include "comm/cross_host_check.h"
+#include "comm/part_factory.h"
 #include "comm/shm_setup.h"
-#include "comm/socket_links.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -45,7 +45,7 @@ std::unique_ptr<CrossHostChannel> connect_across_hosts(const std::vector<int>& c
   c10::intrusive_ptr<c10d::Backend> subgroup = split_backend(cpu, size, cross, store, nonce, index);
   TORCH_INTERNAL_ASSERT(subgroup, "splitting the group's backend gave no subgroup");
   const int cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), rank) - cross.begin());
-  std::shared_ptr<SocketLinks> links = SocketLinks::connect(*subgroup, cross_rank, cross, timeout);
+  std::shared_ptr<Links> links = part_factory().links(*subgroup, cross_rank, cross, timeout);
   // The capability table of Note [Steps across hosts]: two hosts swap over their link, more take
   // the subgroup.
   if (cross.size() == 2) return std::make_unique<SocketPairChannel>(cross_rank, cross, links, hierarchy.scratch);
@@ -60,10 +60,13 @@ GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Back
   GroupSetUp group;
   // Over the group's own messages, as part of this collective: discovery (Note [Topology]), then
   // this host's segment (Note [Shared-memory segment]).
-  const Discovery discovery = discover_topology(setup);
+  const PartFactory& parts = part_factory();
+  const Discovery discovery = discover_topology(setup, parts.host_identity());
   group.topology = discovery.topology;
-  if (std::shared_ptr<ShmSegment> segment = set_up_segment(setup, discovery, timeout)) {
-    group.shm = std::make_shared<ShmTransport>(std::move(segment));
+  const SegmentOptions options =
+      parts.segment_options(group.topology.local_size(), waits_spin(discovery, setup.rank()), setup.rank());
+  if (std::shared_ptr<ShmSegment> segment = set_up_segment(setup, discovery, timeout, options)) {
+    group.shm = parts.host_transport(std::move(segment));
     group.shm_check = std::make_unique<SlotCheck>(*group.shm->direct());
   }
   const Topology& topology = group.topology;

@@ -5,7 +5,7 @@
 #include "comm/collective_check.h"
 #include "comm/communicator.h"
 #include "comm/hierarchy.h"
-#include "comm/shm_channels.h"
+#include "comm/transport.h"
 #include "comm/topology.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -28,7 +28,7 @@ namespace ddpkit::comm {
 // every rank goes on, or every rank raises and the next collective sets up again.
 struct GroupSetUp {
   Topology topology;
-  std::shared_ptr<ShmTransport> shm;           // this host's shared memory, when it holds more ranks
+  std::shared_ptr<Transport> shm;              // this host's shared memory, when it holds more ranks
   std::unique_ptr<CollectiveCheck> shm_check;  // with `shm`: one step of it
   std::unique_ptr<Hierarchy> hierarchy;        // when the group spans hosts (Note [Hierarchical collectives])
   // With `hierarchy`: the check every collective taking it takes (the round across equal hosts, else

@@ -4,7 +4,6 @@
 #include "comm/algorithm.h"
 #include "comm/reduce_kernel.h"
 #include "comm/split.h"
-#include "testing/faults.h"
 
 #include <algorithm>
 #include <vector>
@@ -88,7 +87,6 @@ void hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
   // center reduces the hosts' results in host order and answers with the total: the same bits everywhere.
   const int64_t data_bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
   auto payload = [&] {
-    DDPKIT_DIE_IF_FAULT_ARMED("die_in_host_step", comm.rank());
     if (local != nullptr && flat.numel() > 0) {
       on_hosts(h, OnFailure::kKeepLinks,
                [&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false, comm.what()); });
@@ -120,7 +118,6 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform) {
       // Horovod's split: reduce-scatter in the host, the slices across hosts, all-gather in the host.
-      DDPKIT_DIE_IF_FAULT_ARMED("die_in_host_data_step", comm.rank());
       const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h, comm.what());
       cross_host_all_reduce(slices.mine, op, h, comm);
       finish_reduction_(slices.mine, op, comm.size());

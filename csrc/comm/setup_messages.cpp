@@ -15,8 +15,8 @@ std::string describe_failure(int64_t failure, int64_t error_number) {
     case kWrongHeader: return "the segment's header (magic, layout or nonce) is not the one rank 0 announced";
     case kPeerFailed: return "it died or stopped answering during the set-up";
     case kBadSettings:
-      return "its DDPKIT_SHM_SLOT_BYTES, DDPKIT_SHM_WHOLE_BYTES and DDPKIT_SHM_CHUNK_BYTES give no valid layout (each "
-             "at least 4096 bytes; slots and chunks at most 1 GiB)";
+      return "its segment settings give no valid layout (slots and chunks of 4096 bytes to 1 GiB, in whole "
+             "cache lines)";
   }
   return c10::str("unknown failure ", failure);
 }

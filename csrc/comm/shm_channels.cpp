@@ -1,7 +1,6 @@
 #include "comm/shm_channels.h"
 
 #include "comm/communicator.h"
-#include "testing/faults.h"
 
 #include <algorithm>
 #include <cstring>
@@ -51,11 +50,7 @@ ShmTransport::ShmTransport(std::shared_ptr<ShmSegment> segment)
       direct_(segment_),
       sends_(segment_->size()),
       recvs_(segment_->size()),
-      unexpected_(segment_->size()) {
-#ifdef DDPKIT_TESTING
-  corrupt_next_chunk_ = DDPKIT_FAULT_ARMED("corrupt_chunk", segment_->rank());
-#endif
-}
+      unexpected_(segment_->size()) {}
 
 ShmTransport::~ShmTransport() = default;
 
@@ -131,12 +126,6 @@ bool ShmTransport::progress_locked() {
       char* chunk = memory.chunk(channel, head);
       const int64_t length = std::min(chunk_bytes, message.total_ - message.moved_);
       *reinterpret_cast<ChunkHeader*>(chunk) = ChunkHeader{message.tag_, message.total_, message.moved_, length};
-#ifdef DDPKIT_TESTING
-      if (corrupt_next_chunk_) {  // testing/faults.h: corrupt_chunk
-        reinterpret_cast<ChunkHeader*>(chunk)->offset = int64_t{1} << 46;
-        corrupt_next_chunk_ = false;
-      }
-#endif
       if (length > 0) std::memcpy(chunk + kChunkHeaderBytes, message.data_ + message.moved_, length);
       channel.head.store(++head, std::memory_order_release);
       message.moved_ += length;

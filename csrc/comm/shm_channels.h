@@ -70,9 +70,6 @@ class ShmTransport final : public Transport {
   };
   std::vector<std::map<int, Unexpected>> unexpected_;  // per source, by tag
   int64_t buffered_bytes_ = 0;                         // bytes held in unexpected_
-#ifdef DDPKIT_TESTING
-  bool corrupt_next_chunk_ = false;  // testing/faults.h: corrupt_chunk
-#endif
 };
 
 }  // namespace ddpkit::comm

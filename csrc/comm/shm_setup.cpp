@@ -2,7 +2,6 @@
 
 #include "comm/communicator.h"
 #include "comm/setup_messages.h"
-#include "testing/faults.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -54,40 +53,23 @@ struct HostFailure {
 // One rank's part in making its host's segment (step 1 of Note [Shared-memory segment]).
 struct HostSetUp {
   Communicator& setup;
-  std::vector<int> ranks;  // the group's rank of each of the host's ranks
-  int local_rank;          // this rank's index among them
-  bool spin;               // the host's waits spin (Note [Waiting on shared memory])
-  HostFailure failed;      // the host's first failure, as far as this rank knows it
+  std::vector<int> ranks;    // the group's rank of each of the host's ranks
+  int local_rank;            // this rank's index among them
+  SegmentSettings settings;  // what this rank offers when it is the host's leader
+  HostFailure failed;        // the host's first failure, as far as this rank knows it
   std::unique_ptr<SegmentMemory> memory;
 
   int size() const { return static_cast<int>(ranks.size()); }
   int group_rank() const { return ranks[local_rank]; }
 };
 
-int64_t env_bytes(const char* name, int64_t fallback) {
-  const char* value = std::getenv(name);
-  if (value == nullptr || *value == '\0') return fallback;
-  const int64_t parsed = std::atoll(value);
-  TORCH_CHECK(parsed >= 4096, "ddpkit: ", name, "=", value, " must be at least 4096 bytes");
-  return static_cast<int64_t>(round_up(static_cast<size_t>(parsed), kLine));
-}
-
 // On the host's leader: creates the segment and offers it to the host's other ranks; records the
 // host's first failure.
 void offer_to_host(HostSetUp& host) {
   // Settings that give no layout fail the set-up as a segment that could not be made does: told to the
   // host's ranks and through rank 0 to the group, so that none waits for an offer that never comes.
-  bool settings_ok = true;
-  SegmentSettings settings = default_segment_settings(host.size(), host.spin);
-  try {
-    settings.slot_bytes = env_bytes("DDPKIT_SHM_SLOT_BYTES", settings.slot_bytes);
-    settings.whole_bytes = env_bytes("DDPKIT_SHM_WHOLE_BYTES", settings.whole_bytes);
-    settings.chunk_bytes = env_bytes("DDPKIT_SHM_CHUNK_BYTES", settings.chunk_bytes);
-  } catch (const c10::Error&) {
-    settings_ok = false;
-  }
-  const SegmentLayout layout{host.size(), settings};
-  settings_ok = settings_ok && layout.valid();
+  const SegmentLayout layout{host.size(), host.settings};
+  const bool settings_ok = layout.valid();
   const size_t bytes = settings_ok ? layout.bytes() : 0;
   std::random_device random;
   uint64_t nonce[2];
@@ -133,7 +115,6 @@ void offer_to_host(HostSetUp& host) {
   offer.nonce[0] = nonce[0];
   offer.nonce[1] = nonce[1];
   offer.settings = layout.settings;
-  DDPKIT_DIE_IF_FAULT_ARMED("die_at_offer", host.group_rank());
   const at::Tensor offer_message = message_of(offer);
   std::vector<at::Tensor> acks(host.size());
   MessageList messages;
@@ -210,7 +191,6 @@ void accept_from_leader(HostSetUp& host, int leader) {
     return;
   }
   const HostFailure mine = open_offer(host, offer);
-  DDPKIT_DIE_IF_FAULT_ARMED("die_at_map", host.group_rank());
   MessageList sent{host.setup.isend(message_of(Answer{mine.failure == kNoFailure ? kOk : kFailed, mine.failure,
                                                       host.group_rank(), mine.error_number}),
                                     leader, kAckRound)};
@@ -249,7 +229,6 @@ void agree_on_segments(Communicator& setup, const Topology& topology, const Host
       const Answer report = value_of<Answer>(reports[i]);
       if (report.status != kOk) verdict = report;
     }
-    DDPKIT_DIE_IF_FAULT_ARMED("die_at_verdict", rank);
     tell(setup, all_ranks(size), message_of(verdict), kVerdictRound, -1);
   } else {
     at::Tensor verdict_message = at::empty({static_cast<int64_t>(sizeof(Answer))}, at::kByte);
@@ -269,15 +248,22 @@ void agree_on_segments(Communicator& setup, const Topology& topology, const Host
 
 }  // namespace
 
+bool waits_spin(const Discovery& group, int rank) {
+  // Note [Waiting on shared memory]: the CPUs are the kernel's, shared by every rank on it, also
+  // by those of other hosts that a container or namespace of this machine simulates.
+  return group.on_kernel[rank] <= static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+SegmentOptions default_segment_options(int size, bool spinning) {
+  return SegmentOptions{default_segment_settings(size, spinning), std::chrono::milliseconds(kSleepMillis)};
+}
+
 std::shared_ptr<ShmSegment> set_up_segment(Communicator& setup, const Discovery& group,
-                                           std::chrono::milliseconds timeout) {
+                                           std::chrono::milliseconds timeout, const SegmentOptions& options) {
   const int rank = setup.rank();
   const Topology& topology = group.topology;
   const std::vector<int>& local = topology.local_ranks();
-  // Note [Waiting on shared memory]: the CPUs are the kernel's, shared by every rank on it, also
-  // by those of other hosts that a container or namespace of this machine simulates.
-  const bool spin = group.on_kernel[rank] <= static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-  HostSetUp host{setup, local, topology.local_rank(), spin, {}, nullptr};
+  HostSetUp host{setup, local, topology.local_rank(), options.settings, {}, nullptr};
   // 1 and 2. The host's segment, made by its leader and offered to the other ranks of its host.
   if (host.size() > 1) {
     if (rank == local.front()) {
@@ -296,9 +282,8 @@ std::shared_ptr<ShmSegment> set_up_segment(Communicator& setup, const Discovery&
   ranks.group_size = setup.size();
   ranks.group = std::string(setup.group());
   ranks.timeout = timeout;
-  const auto liveness_period =
-      DDPKIT_FAULT_ARMED("no_liveness_poll", rank) ? kNoLivenessPoll : std::chrono::milliseconds(kSleepMillis);
-  return std::make_shared<ShmSegment>(std::move(host.memory), std::move(ranks), spin, liveness_period);
+  return std::make_shared<ShmSegment>(std::move(host.memory), std::move(ranks), waits_spin(group, rank),
+                                      options.liveness_period);
 }
 
 }  // namespace ddpkit::comm

@@ -40,14 +40,29 @@ class Communicator;
 // checked against the layout before use, so even a corrupted segment raises, naming the peer whose
 // data is bad, instead of writing outside a buffer. Where everything lies in it: Note [Segment layout].
 
+// What a rank brings to its host's segment: the settings it offers when it is the host's leader
+// (the others take the leader's), and how often its sleeping waits check their peers
+// (SegmentWaits).
+struct SegmentOptions {
+  SegmentSettings settings;
+  std::chrono::milliseconds liveness_period;
+};
+
+// Whether rank `rank`'s waits spin: the group has no more ranks on its kernel than it has CPUs
+// (Note [Waiting on shared memory]).
+bool waits_spin(const Discovery& group, int rank);
+
+// default_segment_settings(size, spinning) and a liveness period of kSleepMillis.
+SegmentOptions default_segment_options(int size, bool spinning);
+
 // Collective over the ranks of `setup`'s group (Note [Shared-memory segment]): `setup` is a
 // Communicator of the process-group transport for the collective being run, whose messages carry
 // the set-up, and `group` what discovery learnt of its ranks. Returns this rank's host's segment,
 // or null when this rank is alone on its host. Throws on every rank, naming the rank and the
 // reason, when a rank could not create, open, verify or map its host's segment or died during
 // set-up. `timeout` bounds every later wait on the segment (the set-up's own waits are the process
-// group's, bounded by the group's timeout).
+// group's, bounded by the group's timeout). `options` are this rank's.
 std::shared_ptr<ShmSegment> set_up_segment(Communicator& setup, const Discovery& group,
-                                           std::chrono::milliseconds timeout);
+                                           std::chrono::milliseconds timeout, const SegmentOptions& options);
 
 }  // namespace ddpkit::comm

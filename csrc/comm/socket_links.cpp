@@ -3,7 +3,6 @@
 #include "comm/call_timeout.h"
 
 #include "comm/communicator.h"
-#include "testing/faults.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -31,7 +30,6 @@ namespace ddpkit::comm {
 namespace {
 
 constexpr uint64_t kRecordMagic = 0x64646b6c696e6b31ULL;  // "ddklink1"
-constexpr uint64_t kHelloMagic = 0x64646b68656c6c6fULL;   // "ddkhello"
 constexpr uint64_t kAckMagic = 0x64646b61636b6564ULL;     // "ddkacked"
 constexpr uint64_t kFrameMagic = 0x64646b6672616d65ULL;   // "ddkframe"
 
@@ -196,12 +194,6 @@ struct Record {
 };
 static_assert(sizeof(Record) == 40);
 
-struct Hello {
-  uint64_t magic;
-  uint64_t token;  // the acceptor's
-  uint64_t rank;   // the connector's
-};
-
 struct Ack {
   uint64_t magic;
   uint64_t rank;  // the acceptor's
@@ -215,34 +207,54 @@ struct FrameHeader {
 
 }  // namespace
 
+LinkListener LinkListener::open() {
+  LinkListener listener;
+  std::random_device random;
+  listener.token_ = (static_cast<uint64_t>(random()) << 32) ^ random();
+  try {
+    sockaddr_storage& mine = listener.address_;
+    mine = link_address();
+    listener.fd_ = ::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    TORCH_CHECK(listener.fd_ >= 0, "socket failed: ", errno_text());
+    TORCH_CHECK(::bind(listener.fd_, reinterpret_cast<sockaddr*>(&mine), address_length(mine)) == 0,
+                "cannot listen on ", address_text(mine), ": ", errno_text());
+    TORCH_CHECK(::listen(listener.fd_, SOMAXCONN) == 0, "listen failed: ", errno_text());
+    socklen_t length = sizeof(mine);
+    TORCH_CHECK(::getsockname(listener.fd_, reinterpret_cast<sockaddr*>(&mine), &length) == 0,
+                "getsockname failed: ", errno_text());
+  } catch (const c10::Error& e) {
+    listener.error_ = e.what_without_backtrace();
+  }
+  return listener;
+}
+
+LinkListener LinkListener::failed(std::string why) {
+  LinkListener listener;
+  listener.error_ = std::move(why);
+  return listener;
+}
+
+LinkListener::LinkListener(LinkListener&& other) noexcept
+    : fd_(std::exchange(other.fd_, -1)),
+      address_(other.address_),
+      token_(other.token_),
+      error_(std::move(other.error_)) {}
+
+LinkListener::~LinkListener() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
 std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
-                                                  std::chrono::milliseconds timeout) {
+                                                  std::chrono::milliseconds timeout, LinkListener listener) {
   const int size = static_cast<int>(group_ranks.size());
   TORCH_INTERNAL_ASSERT(rank >= 0 && rank < size);
   // A rank that cannot listen still joins the all-gather below, announcing no address, so that every
   // rank raises now, naming it, rather than at the group's timeout.
-  sockaddr_storage mine{};
-  Fd listener;
-  std::string local_error;
-  try {
-    TORCH_CHECK(!DDPKIT_FAULT_ARMED("links_cannot_listen", group_ranks[rank]), "the test fault links_cannot_listen");
-    mine = link_address();
-    listener = Fd(::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    TORCH_CHECK(listener.get() >= 0, "socket failed: ", errno_text());
-    TORCH_CHECK(::bind(listener.get(), reinterpret_cast<sockaddr*>(&mine), address_length(mine)) == 0,
-                "cannot listen on ", address_text(mine), ": ", errno_text());
-    TORCH_CHECK(::listen(listener.get(), SOMAXCONN) == 0, "listen failed: ", errno_text());
-    socklen_t length = sizeof(mine);
-    TORCH_CHECK(::getsockname(listener.get(), reinterpret_cast<sockaddr*>(&mine), &length) == 0,
-                "getsockname failed: ", errno_text());
-  } catch (const c10::Error& e) {
-    local_error = e.what_without_backtrace();
-  }
-
-  std::random_device random;
+  const std::string& local_error = listener.error();
+  sockaddr_storage mine = listener.address();
   Record record{};
   record.magic = kRecordMagic;
-  record.token = (static_cast<uint64_t>(random()) << 32) ^ random();
+  record.token = listener.token();
   if (local_error.empty()) {
     record.family = mine.ss_family;
     record.port = port_of(mine);
@@ -250,27 +262,6 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
       std::memcpy(record.address, &reinterpret_cast<sockaddr_in&>(mine).sin_addr, 4);
     } else {
       std::memcpy(record.address, &reinterpret_cast<sockaddr_in6&>(mine).sin6_addr, 16);
-    }
-  }
-  // Test fault stray_links: connections that are not a rank's, queued before any rank can connect
-  // (every rank connects after the all-gather): one names the rank this one expects first with a
-  // wrong token, one sends junk and hangs up. Set-up must close both and still link every rank.
-  std::vector<Fd> strays;
-  const bool strays_armed =
-      DDPKIT_FAULT_ARMED("stray_links", group_ranks[rank]) && rank + 1 < size && local_error.empty();
-  if (strays_armed) {
-    const Clock::time_point soon = Clock::now() + std::chrono::seconds(10);
-    for (int stray = 0; stray < 2; ++stray) {
-      Fd fd(::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-      TORCH_CHECK(::connect(fd.get(), reinterpret_cast<sockaddr*>(&mine), address_length(mine)) == 0,
-                  "the stray connection failed: ", errno_text());
-      const Hello forged{kHelloMagic, record.token + 1, static_cast<uint64_t>(rank + 1)};
-      if (stray == 0) {
-        write_all(fd.get(), &forged, sizeof(forged), soon, "this rank");
-        strays.push_back(std::move(fd));
-      } else {
-        write_all(fd.get(), "junk", 4, soon, "this rank");
-      }
     }
   }
   at::Tensor input = at::empty({static_cast<int64_t>(sizeof(Record))}, at::kByte);
@@ -318,7 +309,7 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
       TORCH_CHECK(error == 0, "cannot connect to ", whom, ": ", std::strerror(error));
     }
     set_no_delay(fd.get());
-    const Hello hello{kHelloMagic, records[peer].token, static_cast<uint64_t>(rank)};
+    const LinkHello hello{LinkHello::kMagic, records[peer].token, static_cast<uint64_t>(rank)};
     write_all(fd.get(), &hello, sizeof(hello), deadline, whom);
     Ack ack{};
     read_all(fd.get(), &ack, sizeof(ack), deadline, whom);
@@ -326,30 +317,30 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
     links[peer] = std::move(fd);
   }
   // Accept every higher rank; close whatever does not name this rank's token and a rank still expected.
-  int rejected = 0;
+  int refused = 0;
   for (int expected = size - 1 - rank; expected > 0;) {
-    TORCH_CHECK(wait_for(listener.get(), POLLIN, deadline), "timed out waiting for ", expected,
+    TORCH_CHECK(wait_for(listener.fd(), POLLIN, deadline), "timed out waiting for ", expected,
                 " higher rank(s) of the links across hosts to connect to ", address_text(mine));
-    Fd fd(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    Fd fd(::accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (fd.get() < 0) {
       TORCH_CHECK(errno == ECONNABORTED || errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK,
                   "accepting the links across hosts failed: ", errno_text());
       continue;
     }
-    Hello hello{};
+    LinkHello hello{};
     try {
       // A stray connection may send nothing: it gets a few seconds, never past the deadline.
       read_all(fd.get(), &hello, sizeof(hello), std::min(deadline, Clock::now() + std::chrono::seconds(10)),
                "a connecting rank");
     } catch (const c10::Error&) {
-      ++rejected;
+      ++refused;
       continue;
     }
-    const bool wanted = hello.magic == kHelloMagic && hello.token == records[rank].token &&
+    const bool wanted = hello.magic == LinkHello::kMagic && hello.token == records[rank].token &&
                         hello.rank > static_cast<uint64_t>(rank) && hello.rank < static_cast<uint64_t>(size) &&
                         links[hello.rank].get() < 0;
     if (!wanted) {
-      ++rejected;
+      ++refused;
       continue;
     }
     set_no_delay(fd.get());
@@ -359,7 +350,6 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
     links[hello.rank] = std::move(fd);
     --expected;
   }
-  TORCH_CHECK(!strays_armed || rejected == 2, "stray_links: set-up rejected ", rejected, " of its 2 strays");
   std::vector<int> fds(size, -1);
   for (int peer = 0; peer < size; ++peer) {
     if (peer == rank) continue;
@@ -370,7 +360,7 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
   for (int peer = 0; peer < size; ++peer) {
     if (peer != rank) fds[peer] = links[peer].release();
   }
-  return std::unique_ptr<SocketLinks>(new SocketLinks(rank, std::move(fds), std::move(group_ranks), timeout));
+  return std::unique_ptr<SocketLinks>(new SocketLinks(rank, std::move(fds), std::move(group_ranks), timeout, refused));
 }
 
 SocketLinks::~SocketLinks() {
@@ -423,13 +413,6 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     shut_down();  // so that no peer waits for this rank's frames
     TORCH_CHECK(false, "the links across hosts broke in an earlier collective: ", broken_);
   }
-  uint64_t sent_sequence = sequence;
-#ifdef DDPKIT_TESTING
-  if (!sends.empty() && stale_frame_pending_ && DDPKIT_FAULT_ARMED("stale_link_frame", group_ranks_[rank_])) {
-    stale_frame_pending_ = false;
-    --sent_sequence;  // as a frame of an abandoned collective would arrive
-  }
-#endif
   const Clock::time_point deadline = Clock::now() + call_timeout_or(timeout_);
   struct Outgoing {
     FrameHeader header;
@@ -447,8 +430,7 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
   std::vector<char> sending(fds_.size(), 0), receiving(fds_.size(), 0);
   for (size_t i = 0; i < sends.size(); ++i) {
     TORCH_INTERNAL_ASSERT(sends[i].peer != rank_ && fds_.at(sends[i].peer) >= 0 && !sending[sends[i].peer]++);
-    outgoing[i].header = {kFrameMagic, sent_sequence,
-                          static_cast<uint64_t>(sends[i].first_bytes + sends[i].second_bytes)};
+    outgoing[i].header = {kFrameMagic, sequence, static_cast<uint64_t>(sends[i].first_bytes + sends[i].second_bytes)};
     note_message_sent(sends[i].first_bytes + sends[i].second_bytes);
   }
   for (Recv& recv : recvs) {

@@ -1,10 +1,13 @@
 #pragma once
 // ddpkit's own TCP connections between the ranks that cross hosts together (Note [Socket links]).
 
+#include "comm/links.h"
+
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <sys/socket.h>
+
 #include <chrono>
-#include <functional>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -40,79 +43,85 @@ namespace ddpkit::comm {
 //    once (shutting the rest down), as gloo's pairs do. A rank whose own step fails elsewhere in a
 //    collective's data steps (a rank of its host lost) breaks its links too (break_off): it is alive,
 //    so its partners on other hosts would otherwise wait for its frames until the timeout.
-class SocketLinks {
+// Where a rank listens for its links (Note [Socket links]): a socket on the address gloo uses, and
+// the fresh token a connecting rank must name; or why it could not listen, which the set-up tells
+// every rank instead of an address.
+class LinkListener {
  public:
-  // One frame to send: `first` then `second` (either may be empty), as one message.
-  struct Send {
-    int peer;
-    const void* first;
-    int64_t first_bytes;
-    const void* second = nullptr;
-    int64_t second_bytes = 0;
-  };
-  // One frame to receive into `data`, at most `capacity` bytes; exchange() sets `received`. With
-  // `on_data`, exchange() calls it with a count of bytes each time another `step` of them (or the
-  // rest of the frame) is ready, so that the caller works on the first part while the rest is on
-  // its way: ready means received, and, where the exchange also sends this peer a frame, sent as
-  // far (frame data bytes), so that the caller may overwrite what it sent up to there.
-  struct Recv {
-    int peer;
-    void* data;
-    int64_t capacity;
-    int64_t received = 0;
-    std::function<void(int64_t)> on_data = nullptr;
-    int64_t step = 0;
-    int64_t minimum = 0;  // a shorter frame breaks the links, as a longer one than `capacity` does
-  };
+  // Listens on this rank's link address. A failure is kept (error()), not thrown: the rank still
+  // joins the set-up's exchange of addresses, so that every rank learns it.
+  static LinkListener open();
+  // A listener that could not listen, for `why`.
+  static LinkListener failed(std::string why);
 
+  LinkListener(LinkListener&& other) noexcept;
+  LinkListener& operator=(LinkListener&& other) = delete;
+  LinkListener(const LinkListener&) = delete;
+  ~LinkListener();
+
+  const sockaddr_storage& address() const { return address_; }
+  uint64_t token() const { return token_; }
+  // Why it could not listen; "" when it listens.
+  const std::string& error() const { return error_; }
+  int fd() const { return fd_; }
+
+ private:
+  LinkListener() = default;
+
+  int fd_ = -1;
+  sockaddr_storage address_{};
+  uint64_t token_ = 0;
+  std::string error_;
+};
+
+// The words a connecting rank opens its link with: the acceptor's token and its own index.
+struct LinkHello {
+  static constexpr uint64_t kMagic = 0x64646b68656c6c6fULL;  // "ddkhello"
+  uint64_t magic;
+  uint64_t token;
+  uint64_t rank;
+};
+
+// The Links of Note [Socket links].
+class SocketLinks final : public Links {
+ public:
   // Connects rank `rank` of `backend` (a gloo backend of the ranks `group_ranks` of the caller's
-  // group, in order) to every other of its ranks, as Note [Socket links] describes; raises, naming
-  // the rank and its address, when a link cannot be made within `timeout`, which also bounds every
-  // later exchange. Peers are indices of `group_ranks`; errors name the group's ranks.
+  // group, in order), listening on `listener`, to every other of its ranks, as Note [Socket links]
+  // describes; raises, naming the rank and its address, when a link cannot be made within
+  // `timeout`, which also bounds every later exchange, or when a rank could not listen. Peers are
+  // indices of `group_ranks`; errors name the group's ranks.
   static std::unique_ptr<SocketLinks> connect(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
-                                              std::chrono::milliseconds timeout);
-  ~SocketLinks();
+                                              std::chrono::milliseconds timeout,
+                                              LinkListener listener = LinkListener::open());
+  ~SocketLinks() override;
   SocketLinks(const SocketLinks&) = delete;
   SocketLinks& operator=(const SocketLinks&) = delete;
 
-  // Sends every frame of `sends` and receives every frame of `recvs`, all at once, as part of the
-  // collective numbered `sequence`; returns once all are done. Raises (and breaks the links) when a
-  // peer closed its connection, the timeout expired, or a frame was not the one expected; then
-  // failed_peer() names the peer.
-  void exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs);
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(fds_.size()); }
+  void exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs) override;
+  void shut_down() noexcept override;
+  void break_off(const std::string& why) noexcept override;
+  void send_last_words(uint64_t sequence, int peer, const void* data, int64_t bytes) noexcept override;
+  int failed_peer() const override { return failed_peer_; }
 
-  // Shuts every link down, so that no peer waits for this rank (after a failure).
-  void shut_down() noexcept;
-
-  // Breaks the links over a failure of this rank's own in a collective (`why`): shuts every one down,
-  // so that a partner waiting for this rank's frames raises at once, and every later exchange raises
-  // naming `why` (unless the links had already broken).
-  void break_off(const std::string& why) noexcept;
-
-  // After exchange() raised: best effort, sends `peer` one frame of `bytes` (a center's news of which
-  // rank failed, Note [One round across hosts]) over its own connection, which may still work;
-  // gives up after a second and never raises.
-  void send_last_words(uint64_t sequence, int peer, const void* data, int64_t bytes) noexcept;
-
-  // The peer (an index of group_ranks) of the exchange that broke the links, or -1.
-  int failed_peer() const { return failed_peer_; }
-  int rank() const { return rank_; }
-  int size() const { return static_cast<int>(fds_.size()); }
+  // How many connections the set-up closed unanswered: strays that named no token of this rank's,
+  // or no rank it still expected.
+  int refused() const { return refused_; }
 
  private:
-  SocketLinks(int rank, std::vector<int> fds, std::vector<int> group_ranks, std::chrono::milliseconds timeout)
-      : rank_(rank), fds_(std::move(fds)), group_ranks_(std::move(group_ranks)), timeout_(timeout) {}
+  SocketLinks(int rank, std::vector<int> fds, std::vector<int> group_ranks, std::chrono::milliseconds timeout,
+              int refused)
+      : rank_(rank), fds_(std::move(fds)), group_ranks_(std::move(group_ranks)), timeout_(timeout), refused_(refused) {}
   [[noreturn]] void fail(int peer, const std::string& why, const std::vector<int>& cut_off);
 
   int rank_;
   std::vector<int> fds_;          // by peer; -1 for this rank
   std::vector<int> group_ranks_;  // by peer
   std::chrono::milliseconds timeout_;
+  int refused_;
   int failed_peer_ = -1;
   std::string broken_;  // why the links broke; empty while they work
-#ifdef DDPKIT_TESTING
-  bool stale_frame_pending_ = true;  // testing/faults.h: stale_link_frame
-#endif
 };
 
 }  // namespace ddpkit::comm

@@ -2,7 +2,6 @@
 
 #include "comm/communicator.h"
 #include "comm/setup_messages.h"
-#include "testing/faults.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -58,8 +57,8 @@ std::string read_first_line(const char* path) {
   return line;
 }
 
-// Processes that can share a segment: same kernel boot, same /dev/shm, same pid namespace (so that
-// the pids published for the liveness check mean the same process to every rank).
+}  // namespace
+
 std::string host_identity() {
   char hostname[256] = {0};
   gethostname(hostname, sizeof(hostname) - 1);
@@ -70,6 +69,8 @@ std::string host_identity() {
   return c10::str(hostname, "|", read_first_line("/proc/sys/kernel/random/boot_id"), "|", shm.st_dev, ":", shm.st_ino,
                   "|", pid_ns.st_ino);
 }
+
+namespace {
 
 struct Hello {
   int64_t pid;
@@ -91,10 +92,9 @@ struct Plan {
 
 }  // namespace
 
-Discovery discover_topology(Communicator& setup) {
+Discovery discover_topology(Communicator& setup, const std::string& identity) {
   const int rank = setup.rank();
   const int size = setup.size();
-  const std::string identity = host_identity() + DDPKIT_TEST_HOST();
   Hello mine{};
   mine.pid = getpid();
   mine.euid = static_cast<int64_t>(geteuid());
@@ -146,7 +146,6 @@ Discovery discover_topology(Communicator& setup) {
     for (int peer = 1; peer < size; ++peer) messages.push_back(setup.isend(plan_message, peer, kPlanRound));
     setup.wait(messages);
   } else {
-    DDPKIT_DIE_IF_FAULT_ARMED("die_at_hello", rank);
     plan_message = at::empty({static_cast<int64_t>(sizeof(Plan) + plan_extra)}, at::kByte);
     MessageList answer{setup.irecv(plan_message, 0, kPlanRound)};
     MessageList sent{setup.isend(message_of(mine), 0, kHelloRound)};

@@ -2,6 +2,7 @@
 // Which ranks of a group share a host, and its discovery (Note [Topology]).
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace ddpkit::comm {
@@ -52,9 +53,15 @@ struct Discovery {
   uint64_t nonce = 0;              // fresh per set-up, alike on every rank: names what the group makes together
 };
 
+// This process's host identity (Note [Topology]): processes with the same one can share a segment
+// (same kernel boot, same /dev/shm, same pid namespace, so that the pids published for the liveness
+// check mean the same process to every rank).
+std::string host_identity();
+
 // Collective over the ranks of `setup`'s group (a communicator made for the group's set-up:
-// Communicator::use_for_setup). Throws on every rank, naming the rank, when a rank died or stopped
-// answering.
-Discovery discover_topology(Communicator& setup);
+// Communicator::use_for_setup), each rank naming its host by `identity` (host_identity(), or what
+// the part factory says: Note [Test seam]). Throws on every rank, naming the rank, when a rank died
+// or stopped answering.
+Discovery discover_topology(Communicator& setup, const std::string& identity);
 
 }  // namespace ddpkit::comm

@@ -36,8 +36,9 @@ bool fault_armed(std::string_view fault, int rank) {
   return set.rank == rank && set.fault == fault;
 }
 
-void die_if_fault_armed(std::string_view fault, int rank) {
-  if (fault_armed(fault, rank)) kill(getpid(), SIGKILL);
+void die() {
+  kill(getpid(), SIGKILL);
+  for (;;) pause();  // the signal is on its way
 }
 
 std::string test_host() {

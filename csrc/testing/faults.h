@@ -1,20 +1,24 @@
 #pragma once
-// Test-only fault injection: DDPKIT_TEST_FAULT=<fault>:<rank> makes that rank fail at a chosen point
-// that no test could otherwise hit at the right moment. Read once per process.
-//  die_at_hello, die_at_offer, die_at_map, die_at_verdict: the rank SIGKILLs itself at that step of
-//    the shared-memory set-up (Note [Shared-memory segment]): before sending its hello; rank 0 after
-//    creating the segment, before offering it; after mapping it, before answering; rank 0 after the
-//    answers, before the verdict.
-//  die_in_host_step: the rank SIGKILLs itself in a small all-reduce across equal hosts, after the
-//    check's step inside its host and before the host's all-reduce (Note [One round across hosts]).
-//  die_in_host_data_step: the rank SIGKILLs itself in a large all-reduce across equal hosts, after
-//    the collective check and before the reduce-scatter inside its host (Note [Hierarchical
-//    collectives]).
-//  corrupt_chunk: the rank's first shared-memory message chunk claims to lie at offset 2^46 of its
-//    message (Note [Shared-memory messages]), as a forged or corrupted segment would.
+// Test-only fault injection, compiled into a testing build only (the CMake option DDPKIT_TESTING):
+// DDPKIT_TEST_FAULT=<fault>:<rank> makes that rank of the group (its rank in the group being set up)
+// fail at a point that no test could otherwise hit at the right moment. Read once per process. The
+// faults live in the parts a testing build's PartFactory makes (fault_parts.cpp, Note [Test seam] in
+// comm/part_factory.h), decorators of the interfaces the release library's parts implement:
+//  die_at_hello, die_at_offer, die_at_map, die_at_verdict: the rank SIGKILLs itself as it sends, over
+//    the transport that carries the group's set-up (Note [Shared-memory segment]), its hello; its
+//    offer of the host's segment (a leader, after creating it); its answer to its leader (after
+//    mapping the segment); the verdict (rank 0, after its host leaders' answers).
+//  die_in_host_step: the rank SIGKILLs itself as its host's direct all-reduce starts: in a small
+//    all-reduce across equal hosts, after the check's step inside its host (Note [One round across
+//    hosts]).
+//  die_in_host_data_step: the rank SIGKILLs itself as its host's direct reduce-scatter starts: in a
+//    large all-reduce across equal hosts, after the collective check (Note [Hierarchical collectives]).
+//  corrupt_chunk: before the rank's first shared-memory message, a chunk claiming to lie at offset
+//    2^46 of that message is put in its channel (Note [Shared-memory messages]), as a forged or
+//    corrupted segment would hold.
 //  stray_links: at the set-up of the socket links (Note [Socket links]), before any rank can connect,
 //    the rank connects to its own listener twice: once naming the rank it expects with a wrong token,
-//    once sending junk; set-up then checks that it rejected both.
+//    once sending junk; set-up then checks that it refused both.
 //  links_cannot_listen: the rank fails to listen at the set-up of the socket links.
 //  stale_link_frame: the rank's first frame over the socket links carries the previous collective's
 //    sequence number, as a frame of an abandoned collective would.
@@ -23,19 +27,15 @@
 //    progress ends them.
 // DDPKIT_TEST_HOSTS=<label of rank 0>,<label of rank 1>,... splits one machine into hosts for the
 // tests (Note [Topology]): processes whose RANK (torchrun's) has different labels count as different
-// hosts, in every group. The tests of real
-// hosts use network and mount namespaces instead (tests/test_multihost.py).
-
-//
-// All of it exists only in a testing build (the CMake option DDPKIT_TESTING, which scripts/setup.sh
-// turns on for the test suite and the benchmarks). The call sites use the macros below, which a
-// release build (`pip install .`) reduces to constants, so that no fault point, fault name or test
-// variable reaches the shipped library (scripts/check_release_strings.sh builds one and checks).
+// hosts, in every group. The tests of real hosts use network and mount namespaces instead
+// (tests/test_multihost.py).
+// DDPKIT_SHM_SLOT_BYTES, DDPKIT_SHM_WHOLE_BYTES and DDPKIT_SHM_CHUNK_BYTES set a host leader's
+// segment settings (SegmentSettings), so that the tests run many steps on small tensors and the
+// benchmarks can move the thresholds; a value below 4096 gives no layout.
+// No release source includes this header: scripts/check_release_strings.sh builds the release
+// library and checks that none of these names is in it.
 
 #include <string>
-
-#ifdef DDPKIT_TESTING
-
 #include <string_view>
 
 namespace ddpkit::testing {
@@ -43,22 +43,10 @@ namespace ddpkit::testing {
 // True when DDPKIT_TEST_FAULT names `fault` for `rank`.
 bool fault_armed(std::string_view fault, int rank);
 
-// SIGKILLs this process when DDPKIT_TEST_FAULT names `fault` for `rank`.
-void die_if_fault_armed(std::string_view fault, int rank);
+// SIGKILLs this process.
+[[noreturn]] void die();
 
 // This process's label in DDPKIT_TEST_HOSTS (by its RANK), or "" when either is unset.
 std::string test_host();
 
 }  // namespace ddpkit::testing
-
-#define DDPKIT_FAULT_ARMED(fault, rank) (::ddpkit::testing::fault_armed((fault), (rank)))
-#define DDPKIT_DIE_IF_FAULT_ARMED(fault, rank) (::ddpkit::testing::die_if_fault_armed((fault), (rank)))
-#define DDPKIT_TEST_HOST() (::ddpkit::testing::test_host())
-
-#else
-
-#define DDPKIT_FAULT_ARMED(fault, rank) false
-#define DDPKIT_DIE_IF_FAULT_ARMED(fault, rank) ((void)0)
-#define DDPKIT_TEST_HOST() std::string()
-
-#endif

@@ -1,0 +1,70 @@
+#pragma once
+// Frames between the ranks that cross hosts together, behind one interface (Note [Socket links] in
+// socket_links.h: ddpkit's own TCP connections).
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace ddpkit::comm {
+
+// Connections from this rank to every other rank of a cross subgroup (peers are indices of the
+// subgroup, in its order), carrying frames: each a collective's sequence number and its bytes. The
+// steps across hosts (cross_host.h) and the check's round across hosts (cross_host_check.h) move
+// their data through it. SocketLinks (socket_links.h) is the implementation.
+class Links {
+ public:
+  // One frame to send: `first` then `second` (either may be empty), as one message.
+  struct Send {
+    int peer;
+    const void* first;
+    int64_t first_bytes;
+    const void* second = nullptr;
+    int64_t second_bytes = 0;
+  };
+  // One frame to receive into `data`, at most `capacity` bytes; exchange() sets `received`. With
+  // `on_data`, exchange() calls it with a count of bytes each time another `step` of them (or the
+  // rest of the frame) is ready, so that the caller works on the first part while the rest is on
+  // its way: ready means received, and, where the exchange also sends this peer a frame, sent as
+  // far (frame data bytes), so that the caller may overwrite what it sent up to there.
+  struct Recv {
+    int peer;
+    void* data;
+    int64_t capacity;
+    int64_t received = 0;
+    std::function<void(int64_t)> on_data = nullptr;
+    int64_t step = 0;
+    int64_t minimum = 0;  // a shorter frame breaks the links, as a longer one than `capacity` does
+  };
+
+  virtual ~Links() = default;
+
+  // This rank's index among the links' ranks, and their number.
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Sends every frame of `sends` and receives every frame of `recvs`, all at once, as part of the
+  // collective numbered `sequence`; returns once all are done. Raises (and breaks the links) when a
+  // peer closed its connection, the timeout expired, or a frame was not the one expected; then
+  // failed_peer() names the peer. At most one frame per peer and direction.
+  virtual void exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs) = 0;
+
+  // Shuts every link down, so that no peer waits for this rank (after a failure).
+  virtual void shut_down() noexcept = 0;
+
+  // Breaks the links over a failure of this rank's own in a collective (`why`): shuts every one down,
+  // so that a partner waiting for this rank's frames raises at once, and every later exchange raises
+  // naming `why` (unless the links had already broken).
+  virtual void break_off(const std::string& why) noexcept = 0;
+
+  // After exchange() raised: best effort, sends `peer` one frame of `bytes` (a center's news of which
+  // rank failed, Note [One round across hosts]) over its own connection, which may still work;
+  // gives up after a second and never raises.
+  virtual void send_last_words(uint64_t sequence, int peer, const void* data, int64_t bytes) noexcept = 0;
+
+  // The peer of the exchange that broke the links, or -1.
+  virtual int failed_peer() const = 0;
+};
+
+}  // namespace ddpkit::comm
