@@ -682,3 +682,37 @@ def test_barrier_waits_for_the_last_rank(pool, world_size, group_ranks, checked,
         assert left >= late_entered, f"rank {rank} left the barrier before rank {members[0]} entered it"
 
 
+
+
+def case_algorithm_on_every_collective(algorithm, transport, alone):
+    """Every collective that takes an algorithm, asked for ``algorithm`` over ``transport`` on the
+    whole group or (``alone``) on a group of this rank alone: each one's error, or None."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    group, n = (singles[rank], 1) if alone else (None, world_size)
+    errors = {
+        "all_reduce": expect_error(lambda: ddpkit.all_reduce(torch.ones(4), algorithm=algorithm, group=group,
+                                                             transport=transport)),
+        "all_gather_into_tensor": expect_error(lambda: ddpkit.all_gather_into_tensor(
+            torch.empty(n * 4), torch.ones(4), group=group, algorithm=algorithm, transport=transport)),
+        "reduce_scatter_tensor": expect_error(lambda: ddpkit.reduce_scatter_tensor(
+            torch.empty(4), torch.ones(n * 4), group=group, algorithm=algorithm, transport=transport)),
+    }
+    for single in singles:
+        dist.destroy_process_group(single)
+    return errors
+
+
+@pytest.mark.parametrize("algorithm", ["direct", "hierarchical"])
+def test_an_algorithm_is_validated_alike_by_every_collective(pool, algorithm):
+    """Note [Algorithms a rank can run]: 'direct' and 'hierarchical' run on a group of one rank, which
+    moves nothing, for every collective that takes an algorithm (the all-reduce once refused
+    'hierarchical' there while the all-gather took it); where the group cannot run them, every
+    collective refuses them with the same words."""
+    for errors in pool(2).run(case_algorithm_on_every_collective, algorithm, "process_group", True):
+        assert errors == {what: None for what in errors}, errors
+    needs = {"direct": "algorithm 'direct' needs the shared-memory transport",
+             "hierarchical": "algorithm 'hierarchical' needs a group spanning hosts"}[algorithm]
+    for errors in pool(2).run(case_algorithm_on_every_collective, algorithm, "process_group", False):
+        for what, error in errors.items():
+            assert error is not None and f"ddpkit.{what}: {needs}" in error, (what, error)

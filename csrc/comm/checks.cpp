@@ -169,8 +169,14 @@ std::string RootVerdictCheck::describe_verdict(const Communicator& comm, const a
 at::Tensor SlotCheck::start(Communicator& comm, const CollectiveHeader& header, const std::string& local_error,
                             const RideAlong* ride) {
   TORCH_INTERNAL_ASSERT(ride == nullptr, "the shared-memory check carries no data");
-  direct_.check(comm.stamp(header, local_error), local_error, comm.what());  // one step, no messages
+  start_in_direct_step(comm, header, local_error);
+  direct_.barrier(comm.what());  // one step, no messages
   return {};
+}
+
+void SlotCheck::start_in_direct_step(Communicator& comm, const CollectiveHeader& header,
+                                     const std::string& local_error) {
+  direct_.carry_check(comm.stamp(header, local_error), local_error);
 }
 
 }  // namespace ddpkit::comm

@@ -29,15 +29,18 @@ struct RideAlong {
 
 // Note [Check seam]
 // The collective check has one interface and three implementations, one per way a group's ranks
-// meet; the Engine makes those its group needs when it sets the group up, and hands each collective's
+// meet; the Engine makes those a transport of the group needs with it, once (the CPU's at the
+// group's set-up, another device's at its first collective), and hands each collective's
 // Communicator the one its transport and hierarchy call for:
 //  - RootVerdictCheck (checks.h): every rank's header to rank 0 over the transport's messages, its
 //    verdict back (the process group's send/recv);
-//  - SlotCheck (checks.h): one step of the shared-memory direct collectives carrying the header alone;
+//  - SlotCheck (checks.h): the header in the first step of the shared-memory direct collectives:
+//    the direct collective's own (start_in_direct_step), or one step of its own;
 //  - CrossHostCheck (cross_host_check.h): a step of each host's shared memory, then one round across
 //    hosts through a center, which alone can carry data (ride_along_bytes()).
-// Communicator::begin counts and names the collective, handles checks off and groups of one rank,
-// then calls start(); settle() completes what start() left in flight. A check never moves payload.
+// Communicator::begin (and run_direct) counts and names the collective, handles checks off and
+// groups of one rank, then calls start() (start_in_direct_step()); settle() completes what start()
+// left in flight. A check never moves payload.
 class CollectiveCheck {
  public:
   virtual ~CollectiveCheck() = default;
@@ -52,6 +55,16 @@ class CollectiveCheck {
   // otherwise an empty tensor.
   virtual at::Tensor start(Communicator& comm, const CollectiveHeader& header, const std::string& local_error,
                            const RideAlong* ride) = 0;
+
+  // Capability: the check rides in the first step of the transport's direct collectives.
+  virtual bool rides_in_direct_steps() const { return false; }
+  // Starts the check (as start(), no data riding) so that the first step of the direct collective
+  // that follows carries it: that collective raises alike on every rank unless all agree, before any
+  // payload moves. Only where rides_in_direct_steps().
+  virtual void start_in_direct_step(Communicator& /*comm*/, const CollectiveHeader& /*header*/,
+                                    const std::string& /*local_error*/) {
+    TORCH_INTERNAL_ASSERT(false, "this collective check cannot ride in a direct step");
+  }
 
   // Completes a check start() left in flight (a no-op where start() completed it). Raises as start().
   virtual void settle(Communicator& /*comm*/) {}

@@ -91,9 +91,7 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
     // Note [Direct all-reduce]: the header check rides in the transport's first step, no messages.
     at::Tensor work = error.empty() ? working_copy(tensor) : at::Tensor();
     at::Tensor flat = work.defined() ? work.view(-1) : work;
-    comm.run_direct(header, error, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool checked) {
-      direct.all_reduce(flat, op, stamped, error, checked, comm.what());
-    });
+    comm.run_direct(header, error, [&](DirectCollectives& direct) { direct.all_reduce(flat, op, comm.what()); });
     write_back(tensor, work);
     return;
   }
@@ -213,6 +211,8 @@ void gather_into(std::vector<at::Tensor>& outputs, const at::Tensor& tensor, int
                        " elements, dtype ", tensor.scalar_type(), " and device ", tensor.device());
     }
   }
+  const RouteChoice route = choose_route({CollectiveKind::kGather}, comm, error);
+  TORCH_INTERNAL_ASSERT(route.route == Route::kSchedule);
   comm.begin(make_header(CollectiveKind::kGather, tensor, std::nullopt, std::nullopt, dst), error);
   Round round;
   // Received into contiguous stand-ins where an output is not contiguous, copied over after.
@@ -274,6 +274,8 @@ void scatter_from(at::Tensor& output, const std::vector<at::Tensor>& inputs, int
                        " elements, dtype ", output.scalar_type(), " and device ", output.device());
     }
   }
+  const RouteChoice route = choose_route({CollectiveKind::kScatter}, comm, error);
+  TORCH_INTERNAL_ASSERT(route.route == Route::kSchedule);
   comm.begin(make_header(CollectiveKind::kScatter, output, std::nullopt, std::nullopt, src), error);
   Round round;
   if (comm.rank() == src) {
@@ -300,8 +302,9 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
   const RouteChoice route = choose_route({CollectiveKind::kAllGather, algorithm, bytes, bytes}, comm, error);
   const CollectiveHeader header = make_header(CollectiveKind::kAllGather, input, std::nullopt, algorithm, -1);
   if (route.route == Route::kDirect) {
-    comm.run_direct(header, error, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool checked) {
-      direct.all_gather(output, input, stamped, error, checked, comm.what());
+    const bool accepted = error.empty();  // a rank that rejected its arguments moves nothing
+    comm.run_direct(header, error, [&](DirectCollectives& direct) {
+      direct.all_gather(accepted ? output : at::Tensor(), accepted ? input : at::Tensor(), comm.what());
     });
     return;
   }
@@ -345,11 +348,13 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   const bool narrow_float =
       error.empty() && (output.scalar_type() == at::kHalf || output.scalar_type() == at::kBFloat16);
   if (route.route == Route::kDirect) {
-    const at::Tensor work_in = narrow_float ? input.to(at::kFloat) : input;
-    at::Tensor work_out = narrow_float ? at::empty(output.sizes(), output.options().dtype(at::kFloat)) : output;
-    comm.run_direct(header, error, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool checked) {
-      direct.reduce_scatter(work_out, work_in, op, stamped, error, checked, comm.what());
-    });
+    const bool accepted = error.empty();  // a rank that rejected its arguments moves nothing
+    const at::Tensor work_in = !accepted ? at::Tensor() : narrow_float ? input.to(at::kFloat) : input;
+    at::Tensor work_out = !accepted      ? at::Tensor()
+                          : narrow_float ? at::empty(output.sizes(), output.options().dtype(at::kFloat))
+                                         : output;
+    comm.run_direct(header, error,
+                    [&](DirectCollectives& direct) { direct.reduce_scatter(work_out, work_in, op, comm.what()); });
     write_back(output, work_out);
     return;
   }
@@ -416,6 +421,8 @@ void all_to_all_(std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>
   header.kind = static_cast<int64_t>(CollectiveKind::kAllToAll);
   header.numel = n;  // the sizes of the pairs differ legitimately; the count of tensors does not
   header.dtype = error.empty() && !inputs.empty() ? static_cast<int64_t>(inputs[0].scalar_type()) : -1;
+  const RouteChoice route = choose_route({CollectiveKind::kAllToAll}, comm, error);
+  TORCH_INTERNAL_ASSERT(route.route == Route::kSchedule);
   comm.begin(header, error);
   if (outputs[r].numel() > 0) outputs[r].copy_(inputs[r]);
   Round round;
@@ -440,9 +447,7 @@ void barrier(Communicator& comm) {
     return;
   }
   if (route.route == Route::kDirect) {
-    comm.run_direct(header, {}, [&](DirectCollectives& direct, const CollectiveHeader& stamped, bool) {
-      direct.check(stamped, {}, comm.what());
-    });
+    comm.run_direct(header, {}, [&](DirectCollectives& direct) { direct.barrier(comm.what()); });
     return;
   }
   comm.begin(header);

@@ -106,6 +106,19 @@ at::Tensor Communicator::begin(const CollectiveHeader& header, const std::string
   return check_->start(*this, header, local_error, ride);
 }
 
+void Communicator::begin_in_direct_step(const CollectiveHeader& header, const std::string& local_error) {
+  note_collective();
+  if (!is_checked()) {
+    // As in begin(): nobody learns of this rank's rejection, so the check stops the host's memory.
+    if (!local_error.empty() && check_ != nullptr) check_->reject_unchecked(what_);
+    TORCH_CHECK(local_error.empty(), local_error);
+    return;
+  }
+  TORCH_INTERNAL_ASSERT(check_ != nullptr && check_->rides_in_direct_steps(),
+                        "a direct collective on a communicator whose check cannot ride in it");
+  check_->start_in_direct_step(*this, header, local_error);
+}
+
 void Communicator::settle_header() {
   if (check_ != nullptr) check_->settle(*this);
 }

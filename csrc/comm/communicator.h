@@ -47,10 +47,11 @@ namespace ddpkit::comm {
 // they fail at once instead of at the timeout. Two one-way messages per rank, rather than an exchange
 // with every peer: on an oversubscribed CPU the number of messages and of busy threads is what
 // costs (Note [Choosing an algorithm]). See set_checked().
-// On shared memory no message is needed: the direct all-reduce carries each rank's header in the
-// slot of its first chunk and every rank compares all of them after the first barrier (Note [Direct
-// all-reduce]); every other collective over shared memory takes one step of the same protocol with
-// the header alone (DirectCollectives::check) before its first message. So the check costs a few
+// On shared memory no message is needed: every direct collective (the all-reduce, the all-gather, the
+// reduce-scatter, the barrier) carries each rank's header in the slot of its first step and every
+// rank compares all of them after the first barrier (Note [Direct all-reduce]); every other
+// collective over shared memory takes one step of the same protocol with the header alone
+// (DirectCollectives::barrier) before its first message. So the check costs a few
 // loads, and a direct all-reduce called against a broadcast is caught like any other mismatch.
 // Meta tensors (the collectives' Meta kernels) take part in the check alone, marked "meta": all
 // ranks meta agree and move nothing; meta against real data raises everywhere.
@@ -171,16 +172,16 @@ class Communicator {
   // collective's sequence number (its low 23 bits, as in the tags). The one place headers are stamped.
   CollectiveHeader stamp(const CollectiveHeader& header, const std::string& local_error) const;
 
-  // Runs this collective on the transport's direct collectives (has_direct()): stamps `header`
-  // (Note [Collective checks]: rejected when `local_error` is non-empty, and numbered), counts the
-  // collective, then calls `run(direct, stamped_header, checked)`; `run` passes what() on, so that
-  // the transport's errors name the call.
+  // Runs this collective on the transport's direct collectives (has_direct()), the collective check
+  // riding in their first step (begin_in_direct_step), then calls `run(direct)`; `run` passes what()
+  // on, so that the transport's errors name the call, and undefined tensors where `local_error` is
+  // non-empty (this rank rejected its arguments: the first step raises it on every rank).
   template <class Run>
   void run_direct(const CollectiveHeader& header, const std::string& local_error, Run&& run) {
-    note_collective();
     DirectCollectives* direct = transport_->direct();
     TORCH_INTERNAL_ASSERT(direct != nullptr, "run_direct on a transport without direct collectives");
-    run(*direct, stamp(header, local_error), is_checked());
+    begin_in_direct_step(header, local_error);
+    run(*direct);
   }
 
   // Makes this communicator carry the one-time set-up of a transport (Note [Shared-memory
@@ -212,6 +213,10 @@ class Communicator {
   // collective. The tensor must stay alive and untouched until the returned work is waited on.
   Message isend(const at::Tensor& tensor, int dst, int round);
   Message irecv(const at::Tensor& tensor, int src, int round);
+
+  // begin() for a collective that runs on the transport's direct collectives: in checked mode the
+  // check rides in the first step of the direct collective that follows (Note [Check seam]).
+  void begin_in_direct_step(const CollectiveHeader& header, const std::string& local_error);
 
   // Completes the check begin() started (Note [Collective checks]); a no-op when there is none in
   // flight. Call it before the first send of the collective. On failure the

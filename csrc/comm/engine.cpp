@@ -387,37 +387,23 @@ TransportKind forced_by_environment() {
   return parse_transport(value);
 }
 
-TransportKind Engine::resolve_transport(c10::DeviceType device, TransportKind requested, std::string_view what,
-                                        uint64_t sequence) {
-  if (requested == TransportKind::kAuto) requested = forced_by_environment();
-  if (requested == TransportKind::kProcessGroup || group_.size == 1) return TransportKind::kProcessGroup;
-  if (device != c10::kCPU) {
-    TORCH_CHECK(requested != TransportKind::kShm, "ddpkit: transport 'shm' carries CPU tensors only, got a ",
-                c10::DeviceTypeName(device, /*lower_case=*/true), " tensor");
-    return TransportKind::kProcessGroup;
-  }
-  set_up(what, sequence);
-  if (setup_.topology.single_host()) return TransportKind::kShm;
-  TORCH_CHECK(requested != TransportKind::kShm,
-              "ddpkit: transport 'shm' needs every rank of the group on this host; use transport='auto' or "
-              "'process_group'");
-  return TransportKind::kProcessGroup;
-}
-
 void Engine::set_up(std::string_view what, uint64_t sequence) {
   if (set_up_) return;
-  c10::intrusive_ptr<c10d::Backend> cpu = backend(c10::kCPU);
+  const Lane& cpu = device_lane(c10::kCPU).process_group;
   std::chrono::milliseconds timeout{300000};
   try {
-    timeout = cpu->getBackendOptions()->timeout;
+    timeout = cpu.backend->getBackendOptions()->timeout;
   } catch (const std::exception&) {
   }
-  Communicator setup(group_.rank, group_.size, c10::kCPU, cpu,
-                     part_factory().setup_transport(process_group_transport(c10::kCPU), group_.rank), sequence,
-                     group_.name, what);
+  Communicator setup(group_.rank, group_.size, c10::kCPU, cpu.backend,
+                     part_factory().setup_transport(cpu.transport, group_.rank), sequence, group_.name, what);
   const std::string setup_what = c10::str(what, "'s shared-memory set-up");
   setup.use_for_setup(setup_what);
-  setup_ = set_up_group(setup, cpu, group_.store, timeout, what);
+  setup_ = set_up_group(setup, cpu.backend, group_.store, timeout, what);
+  if (setup_.shm) shm_lane_ = Lane{c10::kCPU, cpu.backend, setup_.shm, setup_.shm_check.get(), nullptr};
+  if (setup_.hierarchy) {
+    hierarchy_lane_ = Lane{c10::kCPU, cpu.backend, cpu.transport, setup_.hierarchy_check.get(), setup_.hierarchy.get()};
+  }
   set_up_ = true;
 }
 
@@ -430,16 +416,40 @@ Topology Engine::topology() {
   return result;
 }
 
-CollectiveCheck* Engine::process_group_check(c10::DeviceType device) {
-  auto& cached = pg_checks_[static_cast<int>(device)];
-  if (!cached) cached = std::make_unique<RootVerdictCheck>();
-  return cached.get();
+const Engine::DeviceLane& Engine::device_lane(c10::DeviceType device) {
+  auto found = device_lanes_.find(static_cast<int>(device));
+  if (found != device_lanes_.end()) return found->second;
+  DeviceLane made;
+  made.carrier = stages_through_host(device) ? c10::kCPU : device;
+  if (made.carrier == device) {
+    made.check = std::make_unique<RootVerdictCheck>();
+    c10::intrusive_ptr<c10d::Backend> device_backend = backend(device);
+    made.process_group = Lane{device, device_backend, std::make_shared<ProcessGroupTransport>(device_backend, device),
+                              made.check.get(), nullptr};
+  }
+  return device_lanes_.emplace(static_cast<int>(device), std::move(made)).first->second;
 }
 
-std::shared_ptr<Transport> Engine::process_group_transport(c10::DeviceType device) {
-  auto& cached = pg_transports_[static_cast<int>(device)];
-  if (!cached) cached = std::make_shared<ProcessGroupTransport>(backend(device), device);
-  return cached;
+const Engine::Lane& Engine::lane(c10::DeviceType device, TransportKind requested, std::string_view what,
+                                 uint64_t sequence) {
+  if (requested == TransportKind::kAuto) requested = forced_by_environment();
+  const DeviceLane* own = &device_lane(device);
+  if (own->carrier != device) own = &device_lane(own->carrier);
+  if (requested == TransportKind::kProcessGroup || group_.size == 1) return own->process_group;
+  if (own->carrier != c10::kCPU) {
+    TORCH_CHECK(requested != TransportKind::kShm, "ddpkit: transport 'shm' carries CPU tensors only, got a ",
+                c10::DeviceTypeName(device, /*lower_case=*/true), " tensor");
+    return own->process_group;
+  }
+  set_up(what, sequence);
+  if (setup_.topology.single_host()) {
+    TORCH_INTERNAL_ASSERT(shm_lane_.transport, "a group on one host without its shared memory");
+    return shm_lane_;
+  }
+  TORCH_CHECK(requested != TransportKind::kShm,
+              "ddpkit: transport 'shm' needs every rank of the group on this host; use transport='auto' or "
+              "'process_group'");
+  return hierarchy_lane_.transport ? hierarchy_lane_ : own->process_group;
 }
 
 bool Engine::stages_through_host(c10::DeviceType device) {
@@ -457,22 +467,10 @@ bool Engine::stages_through_host(c10::DeviceType device) {
 
 void Engine::execute(c10::DeviceType device, TransportKind requested, std::string_view what, uint64_t sequence,
                      const Body& body) {
-  if (stages_through_host(device)) device = c10::kCPU;
-  const TransportKind kind = resolve_transport(device, requested, what, sequence);
-  c10::intrusive_ptr<c10d::Backend> device_backend = backend(device);
-  std::shared_ptr<Transport> transport =
-      kind == TransportKind::kShm ? std::shared_ptr<Transport>(setup_.shm) : process_group_transport(device);
-  // Across hosts, CPU collectives over the process group may take the hierarchical path, and every
-  // one of them then takes the hierarchy's check (Note [Check seam]).
-  const bool hierarchical = device == c10::kCPU && kind == TransportKind::kProcessGroup && setup_.hierarchy &&
-                            requested != TransportKind::kProcessGroup &&
-                            forced_by_environment() != TransportKind::kProcessGroup;
-  CollectiveCheck* check = hierarchical                  ? setup_.hierarchy_check.get()
-                           : kind == TransportKind::kShm ? setup_.shm_check.get()
-                                                         : process_group_check(device);
-  Communicator comm(group_.rank, group_.size, device, device_backend, std::move(transport), sequence, group_.name, what,
-                    check);
-  if (hierarchical) comm.use_hierarchy(setup_.hierarchy.get());
+  const Lane& lane = this->lane(device, requested, what, sequence);
+  Communicator comm(group_.rank, group_.size, lane.device, lane.backend, lane.transport, sequence, group_.name, what,
+                    lane.check);
+  if (lane.hierarchy != nullptr) comm.use_hierarchy(lane.hierarchy);
   body(comm);
 }
 

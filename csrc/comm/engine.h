@@ -53,6 +53,19 @@ namespace ddpkit::comm {
 // loop of async_op=True all-reduces, the two builds alternated); and Python's dispatch and function
 // modes belong to the issuing thread, whose own calls they see.
 
+// Note [Lanes]
+// What a collective runs on, its lane, is decided once per device and transport, and looked up per
+// call: the backend, the transport, the collective check (Note [Check seam]) and whether the
+// hierarchy is offered (Note [Hierarchical collectives]). A device's own lane, over its process group
+// with the root's verdict, is made at the device's first collective (a device whose tensors travel
+// through host copies takes the CPU's lanes); the CPU's shared-memory lane (the host's segment and
+// its slot check) and hierarchy lane (the process group, the hierarchy and its check: the round
+// across equal hosts, else the root's verdict) are made by the group's set-up. A call takes its
+// device's own lane when it asks for the process group (by name, or through DDPKIT_TRANSPORT), when
+// the group has one rank, or off the CPU; else the shared-memory lane when every rank is on this
+// host; else the hierarchy lane where the group's backend could be split for it, and the CPU's own
+// lane where it could not.
+
 // Note [Where a small all-reduce's time goes]
 // benchmarks/bench_latency.py loops each layer of ddpkit.all_reduce's call path back to back: the
 // engine's layers from C++ (ddpkit.testing.time_engine_loop, csrc/testing/engine_loop.cpp: no Python
@@ -187,29 +200,43 @@ class Engine {
                                                     std::string_view what, uint64_t sequence, Body body,
                                                     c10d::OpType type, std::vector<at::Tensor> outputs);
   void worker_loop();
-  // What `requested` resolves to for a `device` tensor in collective `sequence`; the first time it
-  // takes shared memory, it sets the segment up as part of that collective (Note [Shared-memory
-  // segment]), so every rank must resolve the same request there.
-  TransportKind resolve_transport(c10::DeviceType device, TransportKind requested, std::string_view what,
-                                  uint64_t sequence);
-  // Sets the group up (Note [Group set-up]) as part of collective `sequence`, once; every rank must
-  // reach it in the same collective.
+  // What a collective runs on (Note [Lanes]).
+  struct Lane {
+    c10::DeviceType device = c10::kCPU;         // whose tensors it carries
+    c10::intrusive_ptr<c10d::Backend> backend;  // the group's backend for that device
+    std::shared_ptr<Transport> transport;
+    CollectiveCheck* check = nullptr;
+    const Hierarchy* hierarchy = nullptr;  // the hierarchy offered to its collectives, or null
+  };
+  // A device's own lane over its process group, made at the device's first collective.
+  struct DeviceLane {
+    c10::DeviceType carrier;  // the device whose lanes carry its collectives (Note [Device tensors on a host group])
+    Lane process_group;
+    std::unique_ptr<RootVerdictCheck> check;
+  };
+  // The lane of a `device` collective numbered `sequence` asking for `requested`. The first one
+  // that takes shared memory, or a hierarchy, sets the group up as part of that collective (Note
+  // [Group set-up]), so every rank must ask alike there.
+  const Lane& lane(c10::DeviceType device, TransportKind requested, std::string_view what, uint64_t sequence);
+  // `device`'s own lane (and its carrier), made the first time.
+  const DeviceLane& device_lane(c10::DeviceType device);
+  // Sets the group up (Note [Group set-up]) as part of collective `sequence`, once, with the lanes
+  // of its set-up; every rank must reach it in the same collective.
   void set_up(std::string_view what, uint64_t sequence);
-  std::shared_ptr<Transport> process_group_transport(c10::DeviceType device);
-  // The collective check of `device`'s process-group transport (Note [Check seam]).
-  CollectiveCheck* process_group_check(c10::DeviceType device);
   c10::intrusive_ptr<c10d::Backend> backend(c10::DeviceType device);
   // True when `device` tensors travel through host copies (Note [Device tensors on a host group]).
   bool stages_through_host(c10::DeviceType device);
 
   const EngineGroup group_;
   const uint64_t fork_generation_;  // the process that made it (Note [Forked children])
-  std::unordered_map<int, c10::intrusive_ptr<c10d::Backend>> backends_;  // by device type; execution thread only
-  std::unordered_map<int, std::shared_ptr<Transport>> pg_transports_;
-  std::unordered_map<int, std::unique_ptr<RootVerdictCheck>> pg_checks_;  // by device type, with pg_transports_
+  // The group's state: touched only by the thread that runs its collectives, one at a time.
+  std::unordered_map<int, c10::intrusive_ptr<c10d::Backend>> backends_;  // by device type
+  std::unordered_map<int, DeviceLane> device_lanes_;                     // by device type
   bool set_up_ = false;
-  GroupSetUp setup_;  // once set_up_ (Note [Group set-up])
-  std::mutex mutex_;  // guards everything below
+  GroupSetUp setup_;     // once set_up_ (Note [Group set-up])
+  Lane shm_lane_;        // once set_up_, where this host holds more ranks: its shared memory
+  Lane hierarchy_lane_;  // once set_up_, where the group spans hosts: the process group and the hierarchy
+  std::mutex mutex_;     // guards everything below
   std::condition_variable cv_;
   uint64_t next_sequence_ = 0;
   bool busy_ = false;  // a collective of this group is running

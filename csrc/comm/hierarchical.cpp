@@ -39,8 +39,7 @@ struct HostSlices {
 
 // The host's reduce-scatter of `flat` (unchecked: the check already ran): this rank's slice then
 // holds `op` over the host's slices.
-HostSlices reduce_scatter_in_host(const at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
-                                  const Hierarchy& h, std::string_view what) {
+HostSlices reduce_scatter_in_host(const at::Tensor& flat, ReduceOp op, const Hierarchy& h, std::string_view what) {
   const PaddedSplit split{flat.numel(), h.topology.local_size()};
   at::Tensor padded = flat;
   if (split.padded_numel() != flat.numel()) {
@@ -49,16 +48,13 @@ HostSlices reduce_scatter_in_host(const at::Tensor& flat, ReduceOp op, const Col
     padded.narrow(0, flat.numel(), split.padded_numel() - flat.numel()).zero_();
   }
   HostSlices slices{padded, padded.narrow(0, split.start(h.topology.local_rank()), split.length())};
-  if (h.local != nullptr)
-    h.local->direct()->reduce_scatter(slices.mine, padded, op, header, {}, /*checked=*/false, what);
+  if (h.local != nullptr) h.local->direct()->reduce_scatter(slices.mine, padded, op, what);
   return slices;
 }
 
 // The host's all-gather of its ranks' slices back into `flat` (unchecked).
-void all_gather_in_host(const HostSlices& slices, const at::Tensor& flat, const CollectiveHeader& header,
-                        const Hierarchy& h, std::string_view what) {
-  if (h.local != nullptr)
-    h.local->direct()->all_gather(slices.padded, slices.mine, header, {}, /*checked=*/false, what);
+void all_gather_in_host(const HostSlices& slices, const at::Tensor& flat, const Hierarchy& h, std::string_view what) {
+  if (h.local != nullptr) h.local->direct()->all_gather(slices.padded, slices.mine, what);
   if (!slices.padded.is_same(flat)) flat.copy_(slices.padded.narrow(0, 0, flat.numel()));
 }
 
@@ -88,8 +84,7 @@ void hierarchical_all_reduce_in_one_round(const at::Tensor& tensor, ReduceOp op,
   const int64_t data_bytes = flat.numel() * static_cast<int64_t>(flat.element_size());
   auto payload = [&] {
     if (local != nullptr && flat.numel() > 0) {
-      on_hosts(h, OnFailure::kKeepLinks,
-               [&] { local->all_reduce(flat, sum_or_op, comm.stamp(header, {}), {}, /*checked=*/false, comm.what()); });
+      on_hosts(h, OnFailure::kKeepLinks, [&] { local->all_reduce(flat, sum_or_op, comm.what()); });
     }
     return flat.view(at::kByte);
   };
@@ -112,25 +107,22 @@ void hierarchical_all_reduce(const at::Tensor& flat, ReduceOp op, const Hierarch
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
   // Inside a host the mean is a sum: the division by the group's size comes once, at the end.
   const ReduceOp local_op = accumulating_op(op);
-  // Unchecked steps: the group's check already ran over the process group.
-  const CollectiveHeader header =
-      comm.stamp(make_header(CollectiveKind::kAllReduce, flat, local_op, Algorithm::kHierarchical, -1), {});
   on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform) {
       // Horovod's split: reduce-scatter in the host, the slices across hosts, all-gather in the host.
-      const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h, comm.what());
+      const HostSlices slices = reduce_scatter_in_host(flat, local_op, h, comm.what());
       cross_host_all_reduce(slices.mine, op, h, comm);
       finish_reduction_(slices.mine, op, comm.size());
-      all_gather_in_host(slices, flat, header, h, comm.what());
+      all_gather_in_host(slices, flat, h, comm.what());
     } else {
       // The leaders' form: all-reduce in the host, the leaders across hosts, broadcast in the host.
       at::Tensor whole = flat;
-      if (local != nullptr) local->all_reduce(whole, local_op, header, {}, /*checked=*/false, comm.what());
+      if (local != nullptr) local->all_reduce(whole, local_op, comm.what());
       if (topology.local_rank() == 0) {
         cross_host_all_reduce(whole, op, h, comm);
         finish_reduction_(whole, op, comm.size());
       }
-      if (local != nullptr) local->broadcast(whole, 0, header, {}, /*checked=*/false, comm.what());
+      if (local != nullptr) local->broadcast(whole, 0, comm.what());
     }
   });
 }
@@ -140,21 +132,19 @@ void hierarchical_broadcast(const at::Tensor& flat, int root, const Hierarchy& h
   DirectCollectives* local = h.local ? h.local->direct() : nullptr;
   const int root_host = topology.host_of[root];
   const int root_local = topology.local_rank_of(root);
-  const CollectiveHeader header =
-      comm.stamp(make_header(CollectiveKind::kBroadcast, flat, std::nullopt, Algorithm::kHierarchical, root), {});
   on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform) {
       // The ranks of the root's local rank carry the tensor across hosts (cross rank = host), then
       // every host broadcasts it from that local rank over shared memory.
       if (topology.local_rank() == root_local) cross_host_broadcast(flat, root_host, h, comm);
-      if (local != nullptr) local->broadcast(flat, root_local, header, {}, /*checked=*/false, comm.what());
+      if (local != nullptr) local->broadcast(flat, root_local, comm.what());
     } else {
       // The leaders' form: the root's host first (its leader among the receivers), the leaders
       // across hosts, then every other host from its leader.
       const bool root_side = topology.host() == root_host;
-      if (root_side && local != nullptr) local->broadcast(flat, root_local, header, {}, /*checked=*/false, comm.what());
+      if (root_side && local != nullptr) local->broadcast(flat, root_local, comm.what());
       if (topology.local_rank() == 0) cross_host_broadcast(flat, root_host, h, comm);
-      if (!root_side && local != nullptr) local->broadcast(flat, 0, header, {}, /*checked=*/false, comm.what());
+      if (!root_side && local != nullptr) local->broadcast(flat, 0, comm.what());
     }
   });
 }
@@ -165,22 +155,19 @@ void hierarchical_reduce(const at::Tensor& flat, int root, ReduceOp op, const Hi
   const ReduceOp local_op = accumulating_op(op);
   const int root_host = topology.host_of[root];
   const bool root_side = topology.host() == root_host;
-  const CollectiveHeader header =
-      comm.stamp(make_header(CollectiveKind::kReduce, flat, local_op, Algorithm::kHierarchical, root), {});
   on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform) {
-      const HostSlices slices = reduce_scatter_in_host(flat, local_op, header, h, comm.what());
+      const HostSlices slices = reduce_scatter_in_host(flat, local_op, h, comm.what());
       cross_host_reduce(slices.mine, root_host, local_op, h, comm);
       if (!root_side) return;
       finish_reduction_(slices.mine, op, comm.size());
-      all_gather_in_host(slices, flat, header, h, comm.what());
+      all_gather_in_host(slices, flat, h, comm.what());
     } else {
-      if (local != nullptr)
-        local->all_reduce(const_cast<at::Tensor&>(flat), local_op, header, {}, /*checked=*/false, comm.what());
+      if (local != nullptr) local->all_reduce(flat, local_op, comm.what());
       if (topology.local_rank() == 0) cross_host_reduce(flat, root_host, local_op, h, comm);
       if (!root_side) return;
       if (topology.local_rank() == 0) finish_reduction_(flat, op, comm.size());
-      if (local != nullptr) local->broadcast(flat, 0, header, {}, /*checked=*/false, comm.what());
+      if (local != nullptr) local->broadcast(flat, 0, comm.what());
     }
   });
 }
@@ -194,8 +181,6 @@ void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, 
   const at::Tensor out = output.view(-1).view(at::kByte);
   const int64_t m = in.numel();
   auto block = [m](const at::Tensor& bytes, int64_t i) { return bytes.narrow(0, i * m, m); };
-  const CollectiveHeader header =
-      comm.stamp(make_header(CollectiveKind::kAllGather, input, std::nullopt, Algorithm::kHierarchical, -1), {});
   on_hosts(h, OnFailure::kCutLinks, [&] {
     if (h.uniform && local == nullptr) {
       // One rank per host, numbered as the hosts: the ring runs in the output itself.
@@ -206,7 +191,7 @@ void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, 
       run.narrow(0, h.cross->rank() * m, m).copy_(in);
       cross_host_all_gather(run, m, h, comm);
       at::Tensor gathered = h.scratch.get(1, comm.size() * m, at::kByte);
-      local->all_gather(gathered, run, header, {}, /*checked=*/false, comm.what());
+      local->all_gather(gathered, run, comm.what());
       for (int p = 0; p < comm.size(); ++p) block(out, local_major_rank(topology, p)).copy_(block(gathered, p));
     } else {
       size_t widest = 0;
@@ -214,7 +199,7 @@ void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, 
       const int64_t run_bytes = static_cast<int64_t>(widest) * m;
       at::Tensor run = h.scratch.get(0, run_bytes, at::kByte);
       if (local != nullptr) {
-        local->all_gather(run.narrow(0, 0, topology.local_size() * m), in, header, {}, /*checked=*/false, comm.what());
+        local->all_gather(run.narrow(0, 0, topology.local_size() * m), in, comm.what());
       } else {
         block(run, 0).copy_(in);
       }
@@ -228,7 +213,7 @@ void hierarchical_all_gather(const at::Tensor& output, const at::Tensor& input, 
           }
         }
       }
-      if (local != nullptr) local->broadcast(out, 0, header, {}, /*checked=*/false, comm.what());
+      if (local != nullptr) local->broadcast(out, 0, comm.what());
     }
   });
 }
@@ -242,8 +227,6 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
   const int64_t m = output.numel();
   const ReduceOp local_op = accumulating_op(op);
   const auto options = output.options().dtype(working_dtype(output));
-  const CollectiveHeader header =
-      comm.stamp(make_header(CollectiveKind::kReduceScatter, output, local_op, Algorithm::kHierarchical, -1), {});
   at::Tensor result;
   if (h.uniform) {
     const at::Tensor blocks = input.reshape({n, m});
@@ -251,7 +234,7 @@ void hierarchical_reduce_scatter(const at::Tensor& output, const at::Tensor& inp
     for (int p = 0; p < n; ++p) slice(ordered, p * m, (p + 1) * m).copy_(blocks[local_major_rank(topology, p)]);
     at::Tensor run = local != nullptr ? h.scratch.get(1, hosts * m, options.dtype().toScalarType()) : ordered;
     on_hosts(h, OnFailure::kCutLinks, [&] {
-      if (local != nullptr) local->reduce_scatter(run, ordered, local_op, header, {}, /*checked=*/false, comm.what());
+      if (local != nullptr) local->reduce_scatter(run, ordered, local_op, comm.what());
       if (m > 0) across_hosts(h, comm, [&] { h.cross->reduce_scatter(run, m, local_op, comm); });
     });
     result = slice(run, h.cross->rank() * m, (h.cross->rank() + 1) * m);
@@ -282,9 +265,7 @@ void hierarchical_broadcast_in_one_round(const at::Tensor& tensor, int root, con
   if (bytes.numel() == 0) return;
   if (carries && comm.rank() != root) bytes.copy_(reply.narrow(0, 0, bytes.numel()));
   if (h.local == nullptr) return;
-  on_hosts(h, OnFailure::kCutLinks, [&] {
-    h.local->direct()->broadcast(bytes, root_local, comm.stamp(header, {}), {}, /*checked=*/false, comm.what());
-  });
+  on_hosts(h, OnFailure::kCutLinks, [&] { h.local->direct()->broadcast(bytes, root_local, comm.what()); });
 }
 
 void hierarchical_all_gather_in_one_round(const at::Tensor& output, const at::Tensor& input,
@@ -307,9 +288,7 @@ void hierarchical_all_gather_in_one_round(const at::Tensor& output, const at::Te
   at::Tensor gathered = run;
   if (h.local != nullptr) {
     gathered = h.scratch.get(0, comm.size() * m, at::kByte);
-    on_hosts(h, OnFailure::kCutLinks, [&] {
-      h.local->direct()->all_gather(gathered, run, comm.stamp(header, {}), {}, /*checked=*/false, comm.what());
-    });
+    on_hosts(h, OnFailure::kCutLinks, [&] { h.local->direct()->all_gather(gathered, run, comm.what()); });
   }
   for (int p = 0; p < comm.size(); ++p) {
     out.narrow(0, local_major_rank(topology, p) * m, m).copy_(gathered.narrow(0, p * m, m));

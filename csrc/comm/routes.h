@@ -16,11 +16,13 @@ namespace ddpkit::comm {
 // which route serves it on this communicator, then runs that route; no route decides again. What a
 // route may take is what the communicator can do: its transport's direct collectives (shared
 // memory), its group's hierarchy (a group spanning hosts, Note [Hierarchical collectives]), else
-// the transport's messages. A rank whose arguments, or asked-for algorithm, it cannot serve takes
-// the route kAuto would take, so that it meets its peers' first step, with `error` naming why, and
-// raises there with them (Note [Collective checks]).
+// the transport's messages. The collectives without an algorithm of their own and without a form
+// across hosts (gather, scatter, all_to_all) always get kSchedule. A rank whose arguments, or
+// asked-for algorithm (validated in one place: Note [Algorithms a rank can run] in routes.cpp), it
+// cannot serve takes the route kAuto would take, so that it meets its peers' first step, with
+// `error` naming why, and raises there with them (Note [Collective checks]).
 enum class Route {
-  kDirect,        // the transport's direct collectives; the check rides in their first step
+  kDirect,        // the transport's direct collectives; the check rides in their first step (run_direct)
   kOneRound,      // across equal hosts, the data riding in the check's round (Note [One round across hosts])
   kHierarchical,  // the check, then shared memory inside each host and the steps across hosts
   kProcessGroup,  // the check (skipped where asked for by name: the baseline), then the group's own all-reduce

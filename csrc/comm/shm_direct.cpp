@@ -5,24 +5,40 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace ddpkit::comm {
 
 using namespace shm_detail;
 
-WaitContext ShmDirect::begin(std::string_view what, const std::string& local_error, bool checked) {
+void ShmDirect::carry_check(const CollectiveHeader& header, std::string local_error) {
+  armed_ = CarriedCheck{header, std::move(local_error)};
+}
+
+WaitContext ShmDirect::begin(std::string_view what, std::optional<CarriedCheck>& check) {
+  check = std::exchange(armed_, std::nullopt);  // this collective's, whatever happens next
   seg_.liveness().check_usable(what);
-  const bool rejected = !local_error.empty();
-  if (rejected && !checked) seg_.liveness().reject_unchecked(what);
-  TORCH_CHECK(checked || !rejected, local_error);
   return seg_.wait_context(what);
 }
 
-void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header,
-                           const std::string& local_error, bool checked, std::string_view what) {
-  const bool rejected = !local_error.empty();
-  const WaitContext context = begin(what, local_error, checked);
+void ShmDirect::post_header(const std::optional<CarriedCheck>& check, int set) const {
+  if (check) memory_.slot_header(seg_.rank(), set) = check->header;
+}
+
+void ShmDirect::verify_headers(const std::optional<CarriedCheck>& check, int set, std::string_view what) const {
+  if (!check) return;
+  std::vector<CollectiveHeader> headers(seg_.size());
+  for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = memory_.slot_header(peer, set);
+  const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.group_ranks().data());
+  TORCH_CHECK(check->local_error.empty(), check->local_error);
+  TORCH_CHECK(error.empty(), error);
+}
+
+void ShmDirect::all_reduce(const at::Tensor& flat, ReduceOp op, std::string_view what) {
+  std::optional<CarriedCheck> check;
+  const WaitContext context = begin(what, check);
+  const bool rejected = !flat.defined();
   const at::ScalarType dtype = rejected ? at::kByte : flat.scalar_type();
   const int64_t element = rejected ? 1 : static_cast<int64_t>(flat.element_size());
   const int64_t numel = rejected ? 0 : flat.numel();
@@ -41,7 +57,7 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
     const int64_t length = slices.length(seg_.rank());
     char* const chunk = data == nullptr ? nullptr : data + begin * element;
     char* mine = memory_.slot(seg_.rank(), set);
-    if (c == 0) memory_.slot_header(seg_.rank(), set) = header;
+    if (c == 0) post_header(check, set);
     if (count > 0 && whole) {
       std::memcpy(mine, chunk, count * element);
     } else if (count > 0) {
@@ -51,7 +67,7 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
                   (count - start - length) * element);
     }
     arrive_and_wait(target, context);
-    if (c == 0 && checked) compare_headers(set, local_error, what);
+    if (c == 0) verify_headers(check, set, what);
     if (count == 0) continue;
     for (int peer = 0; peer < seg_.size(); ++peer) sources[peer] = memory_.slot(peer, set);
     if (whole) {
@@ -81,11 +97,10 @@ void ShmDirect::all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader
   }
 }
 
-void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
-                           const std::string& local_error, bool checked, std::string_view what) {
-  const bool rejected = !local_error.empty();
-  const WaitContext context = begin(what, local_error, checked);
-  const int64_t bytes = rejected ? 0 : static_cast<int64_t>(input.numel() * input.element_size());
+void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, std::string_view what) {
+  std::optional<CarriedCheck> check;
+  const WaitContext context = begin(what, check);
+  const int64_t bytes = input.defined() ? static_cast<int64_t>(input.numel() * input.element_size()) : 0;
   const char* const in = bytes == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
   char* const out = bytes == 0 ? nullptr : static_cast<char*>(output.data_ptr());
   const int64_t steps = std::max<int64_t>(1, (bytes + memory_.slot_bytes() - 1) / memory_.slot_bytes());
@@ -94,10 +109,10 @@ void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, co
     const int set = static_cast<int>(target & 1);
     const int64_t begin = c * memory_.slot_bytes();
     const int64_t length = std::min(memory_.slot_bytes(), bytes - begin);
-    if (c == 0) memory_.slot_header(seg_.rank(), set) = header;
+    if (c == 0) post_header(check, set);
     if (length > 0) std::memcpy(memory_.slot(seg_.rank(), set), in + begin, length);
     arrive_and_wait(target, context);
-    if (c == 0 && checked) compare_headers(set, local_error, what);
+    if (c == 0) verify_headers(check, set, what);
     if (length <= 0) continue;
     for (int peer = 0; peer < seg_.size(); ++peer) {
       char* to = out + peer * bytes + begin;
@@ -107,11 +122,10 @@ void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, co
   }
 }
 
-void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
-                               const CollectiveHeader& header, const std::string& local_error, bool checked,
-                               std::string_view what) {
-  const bool rejected = !local_error.empty();
-  const WaitContext context = begin(what, local_error, checked);
+void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, std::string_view what) {
+  std::optional<CarriedCheck> check;
+  const WaitContext context = begin(what, check);
+  const bool rejected = !output.defined();
   const at::ScalarType dtype = rejected ? at::kByte : output.scalar_type();
   const int64_t element = rejected ? 1 : static_cast<int64_t>(output.element_size());
   const int64_t block = rejected ? 0 : output.numel();  // elements per rank
@@ -128,13 +142,13 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
     const int64_t begin = c * piece;
     const int64_t count = std::min(piece, block - begin);
     char* const mine = memory_.slot(seg_.rank(), set);
-    if (c == 0) memory_.slot_header(seg_.rank(), set) = header;
+    if (c == 0) post_header(check, set);
     for (int peer = 0; count > 0 && peer < seg_.size(); ++peer) {
       if (peer == seg_.rank()) continue;  // this rank's own block is read from its input below
       std::memcpy(mine + peer * piece * element, in + (peer * block + begin) * element, count * element);
     }
     arrive_and_wait(target, context);
-    if (c == 0 && checked) compare_headers(set, local_error, what);
+    if (c == 0) verify_headers(check, set, what);
     if (count <= 0) continue;
     // This rank's own piece first: the output may be that very piece (in place), and reduce_sources
     // lets `out` alias only its first source.
@@ -146,11 +160,10 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
   }
 }
 
-void ShmDirect::broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header,
-                          const std::string& local_error, bool checked, std::string_view what) {
-  const bool rejected = !local_error.empty();
-  const WaitContext context = begin(what, local_error, checked);
-  const int64_t bytes = rejected ? 0 : static_cast<int64_t>(tensor.numel() * tensor.element_size());
+void ShmDirect::broadcast(const at::Tensor& tensor, int root, std::string_view what) {
+  std::optional<CarriedCheck> check;
+  const WaitContext context = begin(what, check);
+  const int64_t bytes = tensor.defined() ? static_cast<int64_t>(tensor.numel() * tensor.element_size()) : 0;
   char* const data = bytes == 0 ? nullptr : static_cast<char*>(tensor.data_ptr());
   const int64_t steps = std::max<int64_t>(1, (bytes + memory_.slot_bytes() - 1) / memory_.slot_bytes());
   for (int64_t c = 0; c < steps; ++c) {
@@ -158,10 +171,10 @@ void ShmDirect::broadcast(const at::Tensor& tensor, int root, const CollectiveHe
     const int set = static_cast<int>(target & 1);
     const int64_t begin = c * memory_.slot_bytes();
     const int64_t length = std::min(memory_.slot_bytes(), bytes - begin);
-    if (c == 0) memory_.slot_header(seg_.rank(), set) = header;
+    if (c == 0) post_header(check, set);
     if (seg_.rank() == root && length > 0) std::memcpy(memory_.slot(root, set), data + begin, length);
     arrive_and_wait(target, context);
-    if (c == 0 && checked) compare_headers(set, local_error, what);
+    if (c == 0) verify_headers(check, set, what);
     if (seg_.rank() != root && length > 0) std::memcpy(data + begin, memory_.slot(root, set), length);
   }
 }
@@ -185,19 +198,14 @@ void ShmDirect::arrive_and_wait(uint32_t target, const WaitContext& context) {
   }
 }
 
-void ShmDirect::compare_headers(int set, const std::string& local_error, std::string_view what) const {
-  std::vector<CollectiveHeader> headers(seg_.size());
-  for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = memory_.slot_header(peer, set);
-  const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.group_ranks().data());
-  TORCH_CHECK(local_error.empty(), local_error);
-  TORCH_CHECK(error.empty(), error);
-}
-
-void ShmDirect::check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) {
-  const std::vector<CollectiveHeader> headers = exchange_headers(header, what);
-  const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.group_ranks().data());
-  TORCH_CHECK(local_error.empty(), local_error);
-  TORCH_CHECK(error.empty(), error);
+void ShmDirect::barrier(std::string_view what) {
+  std::optional<CarriedCheck> check;
+  const WaitContext context = begin(what, check);
+  const uint32_t target = ++step_;
+  const int set = static_cast<int>(target & 1);
+  post_header(check, set);
+  arrive_and_wait(target, context);
+  verify_headers(check, set, what);
 }
 
 std::vector<CollectiveHeader> ShmDirect::exchange_headers(const CollectiveHeader& header, std::string_view what) {

@@ -6,6 +6,9 @@
 #include "comm/transport.h"
 
 #include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
 namespace ddpkit::comm {
 
@@ -48,9 +51,11 @@ namespace ddpkit::comm {
 //    every peer's block and reduces its own block's piece straight from the peers' slots and its
 //    own input.
 // The broadcast: per step the root publishes a slot of its tensor, every other rank copies it out.
-// The collective check of a collective that runs over messages is one step of the same protocol
-// carrying only the header (check()): a direct all-reduce and a message-based collective called
-// against each other therefore meet in the same step and both report it.
+// The collective check rides in the first step of every direct collective, armed by the group's
+// SlotCheck (Note [Check seam]: carry_check()); the check of a collective that runs over messages is
+// one step of the same protocol carrying only the header (barrier()): a direct all-reduce and a
+// message-based collective called against each other therefore meet in the same step and both
+// report it. A step of a hierarchical collective inside its host, after the check, carries none.
 
 // DirectCollectives (transport.h) over a segment: the collectives run in the engine's order, one at
 // a time, so the slots need no locking.
@@ -59,34 +64,41 @@ class ShmDirect final : public DirectCollectives {
   explicit ShmDirect(std::shared_ptr<ShmSegment> segment)
       : segment_(std::move(segment)), seg_(*segment_), memory_(segment_->memory()) {}
 
-  void check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) override;
   std::vector<CollectiveHeader> exchange_headers(const CollectiveHeader& header, std::string_view what) override;
+  void carry_check(const CollectiveHeader& header, std::string local_error) override;
   int group_rank(int rank) const override { return seg_.group_ranks()[rank]; }
   int failed_rank() const override { return seg_.liveness().failed_group_rank(); }
-  void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
-                  bool checked, std::string_view what) override;
-  void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
-                  const std::string& local_error, bool checked, std::string_view what) override;
-  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, const CollectiveHeader& header,
-                      const std::string& local_error, bool checked, std::string_view what) override;
-  void broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header, const std::string& local_error,
-                 bool checked, std::string_view what) override;
+  void all_reduce(const at::Tensor& flat, ReduceOp op, std::string_view what) override;
+  void all_gather(const at::Tensor& output, const at::Tensor& input, std::string_view what) override;
+  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, std::string_view what) override;
+  void broadcast(const at::Tensor& tensor, int root, std::string_view what) override;
+  void barrier(std::string_view what) override;
   void reject_unchecked(std::string_view what) override { seg_.liveness().reject_unchecked(what); }
   void abandon(const std::string& why) override { seg_.liveness().mark_broken(why); }
 
  private:
-  // What every collective does first: raises if the transport failed earlier, or (checks off) if this
-  // rank rejected its arguments (stopping the transport: reject_unchecked); the context of its waits.
-  WaitContext begin(std::string_view what, const std::string& local_error, bool checked);
+  // The check a collective's first step carries (carry_check).
+  struct CarriedCheck {
+    CollectiveHeader header;  // stamped
+    std::string local_error;
+  };
+  // What every collective does first: takes the check its first step carries (none when nothing
+  // armed one), raises if the transport failed earlier, and gives the context of its waits.
+  WaitContext begin(std::string_view what, std::optional<CarriedCheck>& check);
+  // The first step's part of the check: this rank's header into its slot of set `set`, before the
+  // step's arrival.
+  void post_header(const std::optional<CarriedCheck>& check, int set) const;
+  // After the first step's arrivals: compares every rank's header in slot set `set`; throws this
+  // rank's `local_error` first if there is one.
+  void verify_headers(const std::optional<CarriedCheck>& check, int set, std::string_view what) const;
   // Posts this rank's arrival at step `target` and waits for every peer's.
   void arrive_and_wait(uint32_t target, const WaitContext& context);
-  // Compares the headers of every rank in slot set `set`; throws `local_error` first if there is one.
-  void compare_headers(int set, const std::string& local_error, std::string_view what) const;
 
   std::shared_ptr<ShmSegment> segment_;
   const ShmSegment& seg_;
   const SegmentMemory& memory_;
-  uint32_t step_ = 0;  // steps taken (Note [Direct all-reduce]); the same on every rank
+  uint32_t step_ = 0;                  // steps taken (Note [Direct all-reduce]); the same on every rank
+  std::optional<CarriedCheck> armed_;  // the check the next collective's first step carries
 };
 
 }  // namespace ddpkit::comm

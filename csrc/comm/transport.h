@@ -43,19 +43,23 @@ inline std::string_view transport_name(TransportKind kind) {
 
 // The collectives a transport runs itself, with no messages: every rank publishes its data where its
 // peers read it in place (shared memory). Each call is one collective of the group, synchronous,
-// one at a time (the engine's order), taking the same number of steps on every rank. `header` is
-// this rank's, stamped (magic, sequence); with `checked`, every rank compares all headers in the
-// first step, and a mismatch or a rank that rejected its arguments (`local_error` non-empty: its
-// tensors may be undefined) raises the same error on every rank without touching any tensor. `what`
-// is the call the collective serves (Communicator::what()): every error starts with it, for a
-// direct collective serves calls of other names too (an all_gather runs on all_gather below).
+// one at a time (the engine's order), taking the same number of steps on every rank. The collective
+// check rides in a collective's first step when the group's check armed it (carry_check, Note [Check
+// seam]); a step of a larger collective after its check carries none. A rank that rejected its
+// arguments passes undefined tensors and still takes the first step, whose check then raises on every
+// rank. `what` is the call the collective serves (Communicator::what()): every error starts with it,
+// for a direct collective serves calls of other names too (an all_gather runs on all_gather below).
 class DirectCollectives {
  public:
   virtual ~DirectCollectives() = default;
-  // The collective check alone, one step (Note [Collective checks]); also a barrier.
-  virtual void check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) = 0;
-  // One step like check(), which returns every rank's header (in rank order) instead of comparing them.
+  // One step carrying `header` alone; returns every rank's header (in rank order), compared by the
+  // caller (the check across hosts); also a barrier.
   virtual std::vector<CollectiveHeader> exchange_headers(const CollectiveHeader& header, std::string_view what) = 0;
+  // Arms the collective check for the next collective's first step: `header` is this rank's,
+  // stamped (magic, sequence); that step compares every rank's header and raises the same error on
+  // every rank, this rank's `local_error` (non-empty: it rejected its arguments) first, before any
+  // tensor is touched.
+  virtual void carry_check(const CollectiveHeader& header, std::string local_error) = 0;
   // The group's rank of this transport's rank `rank` (they differ where it spans a host of a larger group).
   virtual int group_rank(int rank) const = 0;
   // After a failure: the group's rank that died or gave up first, as far as this transport knows; -1.
@@ -63,18 +67,16 @@ class DirectCollectives {
   // In place on `flat` (contiguous; float32/float64/int32/int64): every rank ends with the same bits.
   // Here and in reduce_scatter a kMean is whole: divided by this transport's size (a step of a
   // larger collective passes accumulating_op(op), Note [One reduction family]).
-  virtual void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
-                          bool checked, std::string_view what) = 0;
+  virtual void all_reduce(const at::Tensor& flat, ReduceOp op, std::string_view what) = 0;
   // torch's all_gather_into_tensor: `input` is rank i's block i of `output` everywhere.
-  virtual void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
-                          const std::string& local_error, bool checked, std::string_view what) = 0;
+  virtual void all_gather(const at::Tensor& output, const at::Tensor& input, std::string_view what) = 0;
   // torch's reduce_scatter_tensor: `output` receives op over the ranks' block `rank` of `input`.
   virtual void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
-                              const CollectiveHeader& header, const std::string& local_error, bool checked,
                               std::string_view what) = 0;
   // Copies `tensor` (contiguous, any dtype) of rank `root` into `tensor` of every rank.
-  virtual void broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header,
-                         const std::string& local_error, bool checked, std::string_view what) = 0;
+  virtual void broadcast(const at::Tensor& tensor, int root, std::string_view what) = 0;
+  // One step, no data: returns when every rank has taken it.
+  virtual void barrier(std::string_view what) = 0;
   // This rank rejected the arguments of a `what` with checks off, so its peers never learn it and
   // wait: stops the transport on this rank and, through it, on theirs (no call may pair wrongly).
   virtual void reject_unchecked(std::string_view what) = 0;

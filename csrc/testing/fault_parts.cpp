@@ -53,32 +53,29 @@ class DyingSetUpTransport final : public Transport {
 class DyingDirect final : public DirectCollectives {
  public:
   DyingDirect(DirectCollectives& inner, bool in_all_reduce) : inner_(inner), in_all_reduce_(in_all_reduce) {}
-  void check(const CollectiveHeader& header, const std::string& local_error, std::string_view what) override {
-    inner_.check(header, local_error, what);
-  }
   std::vector<CollectiveHeader> exchange_headers(const CollectiveHeader& header, std::string_view what) override {
     return inner_.exchange_headers(header, what);
   }
+  void carry_check(const CollectiveHeader& header, std::string local_error) override {
+    inner_.carry_check(header, std::move(local_error));
+  }
   int group_rank(int rank) const override { return inner_.group_rank(rank); }
   int failed_rank() const override { return inner_.failed_rank(); }
-  void all_reduce(at::Tensor& flat, ReduceOp op, const CollectiveHeader& header, const std::string& local_error,
-                  bool checked, std::string_view what) override {
+  void all_reduce(const at::Tensor& flat, ReduceOp op, std::string_view what) override {
     if (in_all_reduce_) die();
-    inner_.all_reduce(flat, op, header, local_error, checked, what);
+    inner_.all_reduce(flat, op, what);
   }
-  void all_gather(const at::Tensor& output, const at::Tensor& input, const CollectiveHeader& header,
-                  const std::string& local_error, bool checked, std::string_view what) override {
-    inner_.all_gather(output, input, header, local_error, checked, what);
+  void all_gather(const at::Tensor& output, const at::Tensor& input, std::string_view what) override {
+    inner_.all_gather(output, input, what);
   }
-  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, const CollectiveHeader& header,
-                      const std::string& local_error, bool checked, std::string_view what) override {
+  void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, std::string_view what) override {
     if (!in_all_reduce_) die();
-    inner_.reduce_scatter(output, input, op, header, local_error, checked, what);
+    inner_.reduce_scatter(output, input, op, what);
   }
-  void broadcast(const at::Tensor& tensor, int root, const CollectiveHeader& header, const std::string& local_error,
-                 bool checked, std::string_view what) override {
-    inner_.broadcast(tensor, root, header, local_error, checked, what);
+  void broadcast(const at::Tensor& tensor, int root, std::string_view what) override {
+    inner_.broadcast(tensor, root, what);
   }
+  void barrier(std::string_view what) override { inner_.barrier(what); }
   void reject_unchecked(std::string_view what) override { inner_.reject_unchecked(what); }
   void abandon(const std::string& why) override { inner_.abandon(why); }
 
