@@ -109,7 +109,7 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   at::Tensor flat = work.view(-1);
   if (route.route == Route::kHierarchical) {
     comm.settle_header();
-    hierarchical_all_reduce(flat, op, *comm.hierarchy(), comm);
+    comm.hierarchy()->form->all_reduce(flat, op, comm);
   } else if (route.route == Route::kProcessGroup) {
     comm.settle_header();
     comm.process_group_all_reduce(work, op)->wait();
@@ -142,7 +142,7 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
     comm.settle_header();
     // The tensor itself, whatever its dtype: a broadcast moves bytes, and a float32 working copy of a
     // float16/bfloat16 tensor would rewrite its NaNs' bits on every rank, the root's too.
-    return hierarchical_broadcast(tensor.view(-1), src, *comm.hierarchy(), comm);
+    return comm.hierarchy()->form->broadcast(tensor.view(-1), src, comm);
   }
   Schedule schedule = broadcast_schedule(tensor, n, comm.rank(), src);
   run_schedule(comm, schedule);
@@ -170,7 +170,7 @@ void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm) {
   at::Tensor flat = work.view(-1);
   if (route.route == Route::kHierarchical) {
     comm.settle_header();
-    hierarchical_reduce(flat, dst, op, *comm.hierarchy(), comm);
+    comm.hierarchy()->form->reduce(flat, dst, op, comm);
   } else {
     Schedule schedule = reduce_schedule(flat, op, n, comm.rank(), dst);
     run_schedule(comm, schedule);
@@ -314,7 +314,7 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
   comm.begin(header, error);
   if (route.route == Route::kHierarchical) {
     comm.settle_header();
-    if (input.numel() > 0) hierarchical_all_gather(output, input, *comm.hierarchy(), comm);
+    if (input.numel() > 0) comm.hierarchy()->form->all_gather(output, input, comm);
     return;
   }
   const int64_t m = input.numel();
@@ -368,7 +368,7 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   comm.begin(header, error);
   if (route.route == Route::kHierarchical) {
     comm.settle_header();
-    if (output.numel() > 0) hierarchical_reduce_scatter(output, input, op, *comm.hierarchy(), comm);
+    if (output.numel() > 0) comm.hierarchy()->form->reduce_scatter(output, input, op, comm);
     return;
   }
   const int64_t m = output.numel();

@@ -28,7 +28,7 @@ struct HostCheck {
 };
 
 HostCheck check_host(const CollectiveHeader& header, const std::string& error, const Hierarchy& h, Communicator& comm) {
-  DirectCollectives* local = h.local ? h.local->direct() : nullptr;
+  DirectCollectives* local = h.host();
   HostCheck check{comm.stamp(header, error), {}, at::zeros({kCheckWords}, at::kLong)};
   std::vector<CollectiveHeader> host{check.stamped};
   int64_t lost = -1;
@@ -107,7 +107,7 @@ constexpr int64_t kReplyPrefixBytes = 2 * static_cast<int64_t>(sizeof(int64_t));
 }  // namespace
 
 void CrossHostCheck::reject_unchecked(std::string_view what) {
-  if (h_.local != nullptr) h_.local->direct()->reject_unchecked(what);
+  if (DirectCollectives* host = h_.host()) host->reject_unchecked(what);
 }
 
 at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& header, const std::string& error,
@@ -124,7 +124,7 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
       // A rank of this host failed during its step: the partners still get this rank's words, which
       // name the lost rank, so that every rank of every host raises now rather than at the timeout.
       check.host_error = without_backtrace(e);
-      check.words.data_ptr<int64_t>()[kLostRankWord] = lost_rank(h.local ? h.local->direct() : nullptr, comm);
+      check.words.data_ptr<int64_t>()[kLostRankWord] = lost_rank(h.host(), comm);
     }
   }
   TORCH_INTERNAL_ASSERT(payload.scalar_type() == at::kByte && payload.numel() <= kOneRoundMaxBytes);

@@ -2,6 +2,8 @@
 
 #include "comm/checks.h"
 #include "comm/cross_host_check.h"
+#include "comm/hierarchical_equal.h"
+#include "comm/hierarchical_unequal.h"
 #include "comm/part_factory.h"
 #include "comm/shm_setup.h"
 
@@ -41,7 +43,7 @@ std::unique_ptr<CrossHostChannel> connect_across_hosts(const std::vector<int>& c
                                                        const c10::intrusive_ptr<c10d::Backend>& cpu, int size,
                                                        const c10::intrusive_ptr<c10d::Store>& store, uint64_t nonce,
                                                        std::chrono::milliseconds timeout, int rank) {
-  const int index = hierarchy.uniform ? hierarchy.topology.local_rank() : 0;
+  const int index = hierarchy.topology.uniform() ? hierarchy.topology.local_rank() : 0;
   c10::intrusive_ptr<c10d::Backend> subgroup = split_backend(cpu, size, cross, store, nonce, index);
   TORCH_INTERNAL_ASSERT(subgroup, "splitting the group's backend gave no subgroup");
   const int cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), rank) - cross.begin());
@@ -77,9 +79,15 @@ GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Back
   auto hierarchy = std::make_unique<Hierarchy>();
   hierarchy->topology = topology;
   hierarchy->local = group.shm;
-  hierarchy->uniform = topology.uniform();
+  // Note [Hierarchical collectives]: the form of the data steps, for the hosts' shape, once.
+  const bool equal_hosts = topology.uniform();
+  if (equal_hosts) {
+    hierarchy->form = std::make_unique<EqualHostsForm>(*hierarchy);
+  } else {
+    hierarchy->form = std::make_unique<UnequalHostsForm>(*hierarchy);
+  }
   std::vector<int> cross;
-  if (hierarchy->uniform) {
+  if (equal_hosts) {
     for (const auto& host : topology.hosts) cross.push_back(host[topology.local_rank()]);
   } else if (topology.local_rank() == 0) {
     for (const auto& host : topology.hosts) cross.push_back(host.front());
@@ -117,10 +125,10 @@ GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Back
   // Note [Check seam]: across equal hosts every collective of the group takes the round across
   // hosts, whatever path its data take; across unequal ones the root's verdict over the process
   // group, which stops the host's shared memory where a rank rejects its arguments unchecked.
-  if (hierarchy->uniform) {
+  if (equal_hosts) {
     group.hierarchy_check = std::make_unique<CrossHostCheck>(*hierarchy);
   } else {
-    group.hierarchy_check = std::make_unique<RootVerdictCheck>(hierarchy->local ? hierarchy->local->direct() : nullptr);
+    group.hierarchy_check = std::make_unique<RootVerdictCheck>(hierarchy->host());
   }
   group.hierarchy = std::move(hierarchy);
   return group;

@@ -35,7 +35,7 @@ void on_hosts(const Hierarchy& h, OnFailure on_failure, c10::function_ref<void()
   try {
     steps();
   } catch (const std::exception& e) {
-    if (DirectCollectives* local = h.local ? h.local->direct() : nullptr) local->abandon(without_backtrace(e));
+    if (DirectCollectives* host = h.host()) host->abandon(without_backtrace(e));
     if (on_failure == OnFailure::kCutLinks && h.cross) h.cross->break_off(without_backtrace(e));
     throw;
   }

@@ -1,12 +1,14 @@
 #pragma once
 // What a group that spans hosts needs for its hierarchical collectives (Note [Hierarchical collectives]
-// in hierarchical.h).
+// in hierarchical.h), and the form their data steps take, chosen for the shape of its hosts.
 
 #include "comm/cross_host.h"
+#include "comm/reduce_op.h"
 #include "comm/scratch.h"
 #include "comm/topology.h"
 #include "comm/transport.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/FunctionRef.h>
 
 #include <array>
@@ -17,19 +19,46 @@
 
 namespace ddpkit::comm {
 
+class Communicator;
+
+// The data steps of a group's hierarchical collectives, run after their check (Note [Hierarchical
+// collectives]): one form per shape of hosts, chosen once at the group's set-up: EqualHostsForm
+// (hierarchical_equal.h) where every host holds the same number of ranks, else UnequalHostsForm
+// (hierarchical_unequal.h). Each step runs in place on contiguous tensors, and every rank ends with
+// the same bits. Reductions take float32/64 and int32/64 (the caller's working copy).
+class HierarchicalForm {
+ public:
+  virtual ~HierarchicalForm() = default;
+  // The all-reduce of `flat`.
+  virtual void all_reduce(const at::Tensor& flat, ReduceOp op, Communicator& comm) const = 0;
+  // The broadcast of `flat` (any dtype: bytes move) from rank `root`.
+  virtual void broadcast(const at::Tensor& flat, int root, Communicator& comm) const = 0;
+  // The reduce of `flat` to rank `root`. Ranks off the root's host keep partial results, as torch's
+  // reduce allows.
+  virtual void reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) const = 0;
+  // torch's all_gather_into_tensor (any dtype; a non-empty input).
+  virtual void all_gather(const at::Tensor& output, const at::Tensor& input, Communicator& comm) const = 0;
+  // torch's reduce_scatter_tensor (a non-empty output); `input` (n blocks of output.numel()) stays
+  // unchanged.
+  virtual void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                              Communicator& comm) const = 0;
+};
+
 struct Hierarchy {
   Topology topology;
   // This host's shared memory (null when this rank is alone on its host).
   std::shared_ptr<Transport> local;
-  bool uniform = true;  // topology.uniform(): the split form, else the leaders' form
   mutable ScratchBuffers scratch;
   // The steps across hosts (Note [Steps across hosts]) among the ranks this rank crosses hosts with:
   // the ranks of its local rank on every host (every host holding the same number of ranks), or the
   // hosts' leaders; null on the other ranks.
   std::unique_ptr<CrossHostChannel> cross;
-};
+  // The data steps, in the form the set-up chose for the hosts' shape.
+  std::unique_ptr<HierarchicalForm> form;
 
-class Communicator;
+  // This host's direct collectives, or null when this rank is alone on its host.
+  DirectCollectives* host() const { return local ? local->direct() : nullptr; }
+};
 
 // An exception's message without the C++ backtrace a c10::Error carries.
 std::string without_backtrace(const std::exception& e);

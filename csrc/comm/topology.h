@@ -42,6 +42,14 @@ struct Topology {
   bool hierarchical() const;
   // Every host holds the same number of ranks.
   bool uniform() const;
+  // With equal hosts (uniform()), the rank at local-major position p = j·H + i of the H hosts: local
+  // rank j of host i. The hierarchical all-gather and reduce-scatter hold the ranks' blocks in this
+  // order, so that the step across hosts moves one contiguous run of H blocks per local rank and the
+  // step inside the host the L runs.
+  int local_major_rank(int position) const {
+    const int count = static_cast<int>(hosts.size());
+    return hosts[position % count][position / count];
+  }
 };
 
 // What a group's discovery learnt (Note [Topology]): the topology, and what the segments' set-up
