@@ -1,6 +1,6 @@
 #pragma once
-// Leaving the process cleanly while collectives are in flight (Note [Exit paths] in engine.cpp), and
-// a forked child's view of its parent's groups (Note [Forked children] in engine.cpp).
+// Leaving the process cleanly while collectives are in flight (Note [Exit paths] in completion_pool.h), and
+// a forked child's view of its parent's groups (Note [Forked children] in exit.cpp).
 
 #include <cstdint>
 #include <string_view>
