@@ -41,28 +41,28 @@ namespace ddpkit::comm {
 //
 // Note [Choosing an algorithm]
 // Over shared memory (every rank on this host, CPU tensors; Note [Collective engine]) kAuto always
-// takes kDirect: it has no per-message cost and touches each byte the fewest times, and it beat
-// every message schedule over the same memory at every size and world size measured
-// (benchmarks/results/allreduce.json).
-// Over the process group (gloo over TCP, across hosts), measured on a 2-vCPU VM with 2 to 32 ranks,
-// an all-reduce of up to a few hundred KB costs scheduling, not bytes: each rank has a main thread
-// and a gloo event-loop thread, and whenever more of them are runnable than there are cores, one
-// waits out a time slice of several ms. Schedules whose rounds keep both ends of every message busy
-// at once (ring, recursive doubling) hit that often; the star, where rank 0 receives while the
-// others wait and then sends while they receive, hits it least and beat gloo's own all-reduce almost
-// everywhere. Large messages are the opposite case: inside DDP's backward the CPUs are busy
-// anyway, and the star's rank 0, which alone receives, reduces and returns the whole vector,
-// finishes a 25 MB bucket far later than a ring that spreads that work evenly. So over the process
-// group kAuto takes the star up to kStarMaxBytes while rank 0's share, (n-1)·bytes, stays within
-// kStarBudgetBytes; beyond that, sums and means take the group's own all-reduce (gloo's pipelined
-// TCP ring: point-to-point schedules over its send/recv lost to it there, 1.2x at 1M floats across
-// two hosts), max and min halving-doubling for powers of two, else the ring (they keep Note
-// [Reductions]'s semantics, which gloo's do not). So these choices serve a group on one host whose
-// collectives go over the process group (by request, or where shared memory cannot be had); a group
-// spanning hosts takes kHierarchical at every size, also with one rank per host. On GPUs kAuto takes
-// the group's own all-reduce: NCCL's kernels beat any schedule of point-to-point calls. The
-// collective check runs whichever algorithm kAuto takes; only kProcessGroup asked for by name skips
-// it (the baseline).
+// takes kDirect: it has no per-message cost and touches each byte the fewest times, and it beats
+// every message schedule over the same memory (bench_allreduce.py's shared-memory candidates,
+// benchmarks/results/allreduce.json).
+// Over the process group (gloo over TCP, across hosts), on a small machine with more ranks than
+// cores, an all-reduce of up to a few hundred KB costs scheduling, not bytes: each rank has a main
+// thread and a gloo event-loop thread, and whenever more of them are runnable than there are cores,
+// one waits out a time slice. Schedules whose rounds keep both ends of every message busy at once
+// (ring, recursive doubling) hit that often; the star, where rank 0 receives while the others wait
+// and then sends while they receive, hits it least (bench_allreduce.py's process-group candidates
+// against gloo's own all-reduce decided it). Large messages are the opposite case: inside DDP's
+// backward the CPUs are busy anyway, and the star's rank 0, which alone receives, reduces and
+// returns the whole vector, finishes a large bucket far later than a ring that spreads that work
+// evenly. So over the process group kAuto takes the star up to kStarMaxBytes while rank 0's share,
+// (n-1)·bytes, stays within kStarBudgetBytes; beyond that, sums and means take the group's own
+// all-reduce (gloo's pipelined TCP ring, which point-to-point schedules over its send/recv do not
+// beat there: bench_multihost.py's ddpkit_flat candidate), max and min halving-doubling for powers
+// of two, else the ring (they keep Note [Reductions]'s semantics, which gloo's do not). So these
+// choices serve a group on one host whose collectives go over the process group (by request, or
+// where shared memory cannot be had); a group spanning hosts takes kHierarchical at every size, also
+// with one rank per host. On GPUs kAuto takes the group's own all-reduce: NCCL's kernels beat any
+// schedule of point-to-point calls. The collective check runs whichever algorithm kAuto takes; only
+// kProcessGroup asked for by name skips it (the baseline).
 
 // Note [All-gather and reduce-scatter]
 // The two halves of the ring all-reduce, as collectives of their own (torch's

@@ -31,10 +31,11 @@ class Communicator;
 // torch.inference_mode() into inference tensors, and both raise on a thread with the defaults) and
 // its checked mode (Note [Collective checks]): a rank that turns the checks off while its
 // asynchronous collectives are queued still runs those as its peers, which ran them at once, did.
-// Not the whole at::ThreadLocalState, as gloo's work takes: copying it cost a 1k-float asynchronous
-// all-reduce at 2 ranks a fifth of its time, these two fields nothing measurable (an interleaved
-// loop of async_op=True all-reduces, the two builds alternated); and Python's dispatch and function
-// modes belong to the issuing thread, whose own calls they see.
+// Not the whole at::ThreadLocalState, as gloo's work takes: copying it cost a small asynchronous
+// all-reduce a visible share of its time, and these two fields nothing visible (an interleaved loop
+// of async_op=True all-reduces, the two builds alternated, decided it; bench_ddp.py times the
+// asynchronous buckets it serves); and Python's dispatch and function modes belong to the issuing
+// thread, whose own calls they see.
 
 // The collectives of one group, in program order. `execute` runs one of them (the engine's: it
 // picks the collective's lane and calls its body), never two at once.

@@ -9,9 +9,8 @@ namespace ddpkit::comm {
 namespace {
 
 // The part of a frame across two hosts reduced at a time while the rest arrives: reducing parts as
-// they land beat reducing once everything is in, unshaped and at 1 Gbit/s, and 256 KiB parts beat
-// 1 MiB ones at 1M floats while tying at 16M (bench_multihost.py's 2x1 points, the part size
-// changed by hand).
+// they land against reducing once everything is in, unshaped and shaped, and this part size against
+// larger ones, were decided on bench_multihost.py's 2x1 points (the part size changed by hand).
 constexpr int64_t kSwapStepBytes = 256 << 10;
 
 }  // namespace

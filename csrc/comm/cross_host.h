@@ -27,8 +27,8 @@ class Communicator;
 //    links]), the receiver reducing parts as they arrive, in host order;
 //  - SubgroupChannel, among three hosts or more: the sums' all-reduce through the gloo subgroup's own
 //    (its pipelined TCP ring), every other step through ddpkit's schedules over that subgroup's
-//    messages (which beat gloo's collectives there: the ring all-gather took well under half the
-//    time of gloo's own at 16M floats, bench_multihost.py's all_gather_into_tensor).
+//    messages (which beat gloo's collectives there: bench_multihost.py's all_gather and
+//    reduce_scatter points).
 // Every step is part of the caller's collective (its sequence number names its frames and tags),
 // takes contiguous tensors, and moves nothing when they are empty. A kMean is summed; the caller
 // divides once. Every rank ends with the same bits: each element is reduced in one place, or in the

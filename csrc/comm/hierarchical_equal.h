@@ -30,9 +30,9 @@ namespace ddpkit::comm {
 // link carries (H-1)/H of its ranks' data once, the least an all-gather or reduce-scatter can. Among
 // three hosts or more, only the sum's and mean's all-reduce takes the process group's own collective
 // (gloo's pipelined ring); every other step takes ddpkit's schedules over its messages, which beat
-// gloo's collectives there (16M floats across two simulated hosts: the ring all-gather 0.4x gloo's;
-// gloo's reduce-scatter is an all-reduce). With one rank per host the all-gather's ring runs in the
-// output itself.
+// gloo's collectives there (bench_multihost.py's all_gather and reduce_scatter points; gloo's
+// reduce-scatter is an all-reduce). With one rank per host the all-gather's ring runs in the output
+// itself.
 class EqualHostsForm final : public HierarchicalForm {
  public:
   // `h` outlives the form (it holds it).

@@ -9,9 +9,9 @@
 namespace ddpkit::comm {
 
 // Buffers the hierarchical collectives of one group reuse from call to call, so that a large
-// collective does not fault in fresh pages each time (filling a fresh 64 MB buffer took several
-// times as long as filling a reused one). Only that group's collectives use them, one at a time (the engine's
-// order), and never past the collective's end. Slots 0 and 1 hold a collective's own steps; kFromPeer
+// collective does not fault in fresh pages each time (the large points of bench_multihost.py are what
+// it keeps down). Only that group's collectives use them, one at a time (the engine's order), and
+// never past the collective's end. Slots 0 and 1 hold a collective's own steps; kFromPeer
 // what the other host sends in a step across two hosts, which may reduce into either of them.
 class ScratchBuffers {
  public:

@@ -26,14 +26,14 @@ namespace ddpkit::comm {
 //     from n sources, (n-1)/n copied out. At n=2 that is 4 chunk-sized memory passes per rank
 //     against the whole-chunk path's 5; it costs a second barrier per chunk, which only matters
 //     for small chunks: the whole path is kept up to n·bytes = 128 KiB where ranks sleep in their
-//     waits (more ranks than CPUs: a barrier is a futex wake-up, and the second barrier doubled a
-//     1k-float call at n=3 and 4), while the sliced path is the faster one from 100k floats on at
-//     every n (bench_allreduce.py on 2 cores, DDPKIT_SHM_WHOLE_BYTES moving the threshold). Two
-//     ranks that spin pass a barrier in a fraction of a microsecond, and there the sliced path wins
-//     from n·bytes = 4 KiB on and ties at 1 KiB (n=2, 64 to 16k floats, the two paths as two groups
-//     of the same processes, interleaved: a probe, not a committed benchmark); such pairs keep the
-//     whole path up to 2 KiB. More ranks that spin were not measured when this was decided and keep 128 KiB; the
-//     16-core grid (allreduce_16core.json) is where to re-decide it.
+//     waits (more ranks than CPUs: each barrier is a futex wake-up, which small calls feel most),
+//     while the sliced path is the faster one for large vectors at every n (bench_allreduce.py at
+//     n = 2 to 4 on 2 cores, DDPKIT_SHM_WHOLE_BYTES in a testing build moving the threshold). Two
+//     ranks that spin pass a barrier far faster, and there the sliced path wins from a few KiB on
+//     (the two paths as two groups of the same processes, interleaved: a probe, not a committed
+//     benchmark); such pairs keep the whole path up to 2 KiB. More ranks that spin were not measured
+//     when this was decided and keep 128 KiB; the 16-core grid (allreduce_16core.json) is where to
+//     re-decide it.
 // Each step alternates between the rank's two slots; a rank writes slot s again only two steps
 // later, after passing the next step's barrier, i.e. after every peer has finished reading it.
 // Every rank takes the same number of steps per collective (the numel is checked on the first), so

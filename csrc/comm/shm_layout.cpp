@@ -14,10 +14,9 @@ using namespace shm_detail;
 
 namespace {
 
-// Small enough that a chunk is still in cache when peers reduce it and when it is copied out: 256
-// KiB slots ran 16M floats at n=2 in under half the time of 1 and 4 MiB ones (bench_allreduce.py with
-// DDPKIT_SHM_SLOT_BYTES); the extra steps cost a barrier each, about a microsecond when the ranks
-// have cores.
+// Small enough that a chunk is still in cache when peers reduce it and when it is copied out, while
+// the extra steps it takes cost a barrier each, cheap when the ranks have cores: bench_allreduce.py's
+// large sizes decided it against 1 and 4 MiB slots (DDPKIT_SHM_SLOT_BYTES in a testing build moves it).
 constexpr int64_t kSlotBytes = 256 << 10;
 // Note [Direct all-reduce]
 constexpr int64_t kDirectWholeBytes = 128 << 10;

@@ -19,7 +19,8 @@ namespace ddpkit::comm {
 // a wait spins depends on its thread: the thread that called a synchronous collective is blocked on
 // it anyway, so it spins up to kCallerSpinMicros (a peer a little behind, e.g. still computing the
 // batch-norm statistics it brings to the same all-reduce, then costs no futex wake-up, which takes
-// tens of microseconds); a thread that runs collectives in the background (the engine's, for DDP
+// far longer than the spin: bench_latency.py's small all-reduce is what it keeps fast); a thread that
+// runs collectives in the background (the engine's, for DDP
 // buckets) spins only kSpinMicros, since the core it holds is the one its process computes on
 // (spin_briefly_on_this_thread). Spinning is skipped when the group has more ranks on this kernel
 // than it has CPUs, where a spinning rank only takes the core from the peer it waits for (the
@@ -31,8 +32,8 @@ namespace ddpkit::comm {
 // rank records its CPU as it starts a wait) yields from the first check on: the scheduler sometimes
 // keeps two ranks on one CPU for a while although another CPU is there (a fresh pair of processes
 // that started on one CPU, or ranks that gloo's socket wake-ups left on one), and each wait's
-// spin then only kept the peer it waited for off the CPU (n=2 pinned to one CPU: yielding at once
-// made a 1k-float all-reduce several times faster, measured by hand with taskset). A peer's exit
+// spin then only kept the peer it waited for off the CPU (bench_latency.py's all-reduce with both
+// ranks pinned to one CPU by taskset is where yielding at once shows). A peer's exit
 // wakes every sleeper of the segment at once (Note [Prompt death notice]), and so does a rank that
 // gives up (mark_broken): the woken wait checks its peers right away. Sleeps are still bounded
 // (kSleepMillis), and every liveness period the wait checks its peers (SegmentLiveness::check_peers:

@@ -17,10 +17,10 @@ namespace ddpkit::comm {
 
 // Note [Socket links]
 // The check across hosts (Note [One round across hosts]) is a ping-pong of a few hundred bytes. Over
-// gloo's send/recv it took several times as long as over a plain TCP connection blocking on the
-// caller's thread, and it slowed gloo's own next all-reduce (gloo's pairs hand late sends to their
-// device thread), where the plain connection left it as fast as alone (a ping-pong probe between
-// two simulated hosts; bench_multihost.py's small all-reduces across hosts are what it serves). So the ranks of a
+// gloo's send/recv it took longer than over a plain TCP connection blocking on the caller's thread,
+// and it slowed gloo's own next all-reduce (gloo's pairs hand late sends to their device thread),
+// which the plain connection left alone (a ping-pong probe between two simulated hosts decided it;
+// bench_multihost.py's small all-reduces across hosts measure what it serves). So the ranks of a
 // cross subgroup (Hierarchy::cross) keep one TCP connection per pair for the check's round, and
 // between two hosts for every step across hosts too (Note [Hierarchical collectives]); among more
 // hosts the data steps stay on gloo.
