@@ -171,6 +171,7 @@ def train(args: argparse.Namespace, others: list) -> None:
                       connect_timeout=timeout, store_addr=addr, store_port=port, rank=rank, world_size=ranks,
                       init_sync=False, hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()))
     replicate = ManagedProcessGroup(manager)
+    replicate.register("dp_replicate")  # as torchtitan does: a registered group, for functional collectives
     dying = (replica, incarnation) == (args.die[0], 1) and rank == 0
     launched = [0]
 

@@ -1,19 +1,22 @@
-"""One replica group of torchft's LocalSGD or DiLoCo (``torchft.local_sgd``) on ddpkit's process group:
-the worker of tests/test_torchft_local_sgd.py, started by benchmarks/ft_replica.py's ReplicaGroups
-(its environment, start gate, stop file and incarnations).
+"""One replica group of torchft's LocalSGD or (Streaming) DiLoCo (``torchft.local_sgd``) on ddpkit's
+process group: the worker of tests/test_torchft_local_sgd.py, started by benchmarks/ft_replica.py's
+ReplicaGroups (its environment, start gate, stop file and incarnations).
 
 A replica trains a float64 model with plain SGD (no optimizer state, so that a round's local steps
 depend on its start only), every gradient rounded to a multiple of 2**-30 (ft_replica's --exact), and
-after every ``--sync-every`` local steps the algorithm synchronises: LocalSGD averages the parameters
-over the quorum, DiLoCo averages the pseudo-gradients (the global parameters minus the local ones) and
-applies them with its outer optimizer. Each synchronisation appends one JSON line to --records: the
-step the manager decided on and whether it committed, the quorum's participants, the parameters the
-replica brought to the average (its own after the local steps, or the peer's it healed from), and its
-parameters afterwards. The test replays each replica's local steps and each step's average from these
-lines. ``--die REPLICA STEP WHERE`` makes the first incarnation of replica REPLICA SIGKILL itself in
-the round of manager step STEP: halfway through its local steps ("local"), or between the
-synchronisation's first all-reduce and its second ("sync": the survivors' all-reduces then fail on a
-dead peer). A kill at a known point keeps every average the survivors commit in the records.
+synchronises every ``--sync-every`` local steps: LocalSGD averages the parameters over the quorum,
+DiLoCo averages the pseudo-gradients (the global parameters minus the local ones) and applies them with
+its outer optimizer. With ``--fragments 2`` (Streaming DiLoCo) each layer is a fragment, synchronised in
+turn every ``--sync-every``/2 local steps, its all-reduce started ``--delay`` local steps before it is
+awaited. Each synchronisation appends one JSON line to --records: the step the manager decided on and
+whether it committed, the fragment, the quorum's participants, the fragment's parameters the replica
+brought to the average (its own when the all-reduce started, or the peer's it healed from) and its
+parameters afterwards. The test replays the local steps and each step's average from these lines.
+
+``--die REPLICA STEP WHERE`` makes the first incarnation of replica REPLICA SIGKILL itself in the round
+of manager step STEP: halfway through its local steps ("local"), or as it launches the synchronisation's
+second all-reduce ("sync": the survivors' all-reduces then fail on a dead peer). A kill at a known point
+keeps every average the survivors commit in the records.
 """
 
 from __future__ import annotations
@@ -62,6 +65,16 @@ def batch(replica: int, step: int, inner: int) -> tuple:
     return x, y
 
 
+def fragments(model: nn.Module, count: int) -> list:
+    """The model's fragments for (Streaming) DiLoCo: the whole model, or each of its two linear layers."""
+    if count == 1:
+        return [model]
+    layers = [m for m in model if isinstance(m, nn.Linear)]
+    if count != len(layers):
+        raise ValueError(f"the model has {len(layers)} linear layers, not {count}")
+    return layers
+
+
 def flat(model: nn.Module) -> list:
     return [v for p in model.parameters() for v in p.detach().reshape(-1).tolist()]
 
@@ -87,6 +100,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithm", choices=["local-sgd", "diloco"], required=True)
     parser.add_argument("--sync-every", type=int, default=3)
+    parser.add_argument("--fragments", type=int, default=1, help="DiLoCo's model fragments (2: Streaming DiLoCo)")
+    parser.add_argument("--delay", type=int, default=0, help="DiLoCo's fragment_sync_delay (local steps)")
     parser.add_argument("--steps", type=int, default=20, help="the manager step (synchronisations) to stop at")
     parser.add_argument("--compute", type=float, default=0.0, help="seconds of stand-in compute per local step")
     parser.add_argument("--timeout", type=float, default=10.0, help="manager and process-group timeout, seconds")
@@ -109,13 +124,14 @@ def main() -> None:
     store = dist.TCPStore(addr, port, 1, is_master=True, wait_for_workers=False, timeout=timeout)
 
     model = build_model()
+    parts = fragments(model, args.fragments)
     optimizer = inner_optimizer(model)
-    healed_from: list = []  # the parameters a heal loaded, in the synchronisation that healed
+    healed_from: list = []  # each fragment's parameters a heal loaded, in the synchronisation that healed
 
     def load_state_dict(state: dict) -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
-        healed_from.append(flat(model))
+        healed_from.append([flat(part) for part in parts])
 
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
@@ -161,7 +177,8 @@ def main() -> None:
     if args.algorithm == "local-sgd":
         algorithm = LocalSGD(manager, model, optimizer, sync_every=args.sync_every)
     else:
-        algorithm = DiLoCo(manager, [model], optimizer, outer_optimizer(model), sync_every=args.sync_every)
+        algorithm = DiLoCo(manager, parts, optimizer, [outer_optimizer(part) for part in parts],
+                           sync_every=args.sync_every, fragment_sync_delay=args.delay)
 
     log = open(args.records, "a", buffering=1)
     log.write(json.dumps({"ready": time.time(), "replica": replica, "pid": os.getpid(), "incarnation": incarnation})
@@ -172,27 +189,33 @@ def main() -> None:
         while not Path(gate).exists():
             time.sleep(0.01)
 
+    # A round: the local steps between two synchronisations (of one fragment, with several). The
+    # algorithm's quorum and all-reduce start `--delay` local steps before the round's end, where it
+    # reads what each replica brings to the average.
+    period = args.sync_every // args.fragments
     round_: dict = {"inner": 0, "start": time.time()}
 
     def before_sync(_optimizer, _args, _kwargs) -> None:
         # Runs after each local step, before the algorithm's own hook (registered after this one).
         round_["inner"] += 1
         if (dying and die_where == "local" and manager.current_step() == die_step
-                and round_["inner"] == args.sync_every // 2):
+                and round_["inner"] == period // 2):
             die("local")
-        if round_["inner"] == args.sync_every:
-            round_["local"] = flat(model)
+        if round_["inner"] == period - args.delay:
+            round_["local"] = [flat(part) for part in parts]
             healed_from.clear()
 
     def after_sync(_optimizer, _args, _kwargs) -> None:
-        if round_["inner"] != args.sync_every:
+        if round_["inner"] != period:
             return
         step, committed = manager.decided
+        fragment = step % args.fragments  # the one DiLoCo synchronised (its _current_fragment)
+        brought = healed_from[-1] if healed_from else round_["local"]
         log.write(json.dumps({
             "replica": replica, "incarnation": incarnation, "pid": os.getpid(), "step": step, "committed": committed,
-            "batch_step": round_["batch_step"], "participating": manager.is_participating(),
-            "participants": manager.num_participants(), "healed": bool(healed_from), "local": round_["local"],
-            "contribution": healed_from[-1] if healed_from else round_["local"], "after": flat(model),
+            "fragment": fragment, "batch_step": round_["batch_step"], "participating": manager.is_participating(),
+            "participants": manager.num_participants(), "healed": bool(healed_from),
+            "local": round_["local"][fragment], "contribution": brought[fragment], "after": flat(parts[fragment]),
             "start": round_["start"], "end": time.time(),
             "errored": repr(manager.errored()) if manager.errored() else None}) + "\n")
         round_.update(inner=0, start=time.time())

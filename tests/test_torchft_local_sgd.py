@@ -54,14 +54,14 @@ def assert_average(after: list, contributions: list, divisor: int, what: str) ->
 
 
 def kill_and_rejoin(tmp_path: Path, lighthouse: str, algorithm: str, where: str, count: int = 3,
-                    victim: int = 1, die_step: int = 3) -> tuple:
+                    victim: int = 1, die_step: int = 3, extra: tuple = ()) -> tuple:
     """Trains `count` replicas with `algorithm`; replica `victim` SIGKILLs itself in the round of step
     `die_step` (`where`: its local steps or its synchronisation); once the others have committed steps
     without it, a replacement starts; once it has committed a step with all of them, all stop a few
     steps on. Returns the harness and the last step."""
     groups = ft_replica.ReplicaGroups(
         tmp_path, lighthouse, ["--algorithm", algorithm, "--steps", str(STEPS), "--sync-every", str(SYNC_EVERY),
-                               "--compute", "0.02", "--die", str(victim), str(die_step), where],
+                               "--compute", "0.02", "--die", str(victim), str(die_step), where, *extra],
         count, script=Path(worker.__file__))
     survivors = [r for r in range(count) if r != victim]
     try:
@@ -87,8 +87,9 @@ def synchronisations(groups) -> list:
     return [r for replica in range(groups.count) for r in groups.records(replica) if "committed" in r]
 
 
-def check_run(groups, last: int, die_step: int) -> dict:
-    """What any run of either algorithm must show; returns each committed step's records."""
+def check_run(groups, last: int, die_step: int, fragments: int = 1) -> dict:
+    """What any run of either algorithm must show; returns each committed step's records. A record's
+    parameters are those of the fragment that its step synchronised (with one, the whole model)."""
     records = synchronisations(groups)
     committed: dict = {}
     for record in records:
@@ -108,16 +109,21 @@ def check_run(groups, last: int, die_step: int) -> dict:
     assert any(len(m) == count - 1 for s, m in members.items() if s >= die_step), members
     assert members[last - 1] == list(range(count)), members
     healed = [r for r in records if r["healed"]]
-    assert healed and all(r["incarnation"] == 2 for r in healed), "the replacement healed from a peer"
+    # The replacement healed from a peer (and so may a replica that missed the first quorum).
+    assert any(r["replica"] == victim and r["incarnation"] == 2 for r in healed), healed
     # A replica that heals brings the parameters it loaded: a peer's, after that peer's local steps.
     for record in healed:
         peers = [r for r in records if r["step"] == record["step"] and not r["healed"]]
         assert any(same_bits(record["contribution"], p["local"]) for p in peers), record["step"]
-    finals = {r: torch.load(groups.folder / f"r{r}.pt") for r in range(count)}
-    assert all(f["step"] == last for f in finals.values())
-    for replica, final in finals.items():
-        for name, value in final["model"].items():
-            assert torch.equal(value, finals[0]["model"][name]), f"replica {replica}: {name} differs at the end"
+    # Every replica ends right after the last step's commit, holding what it committed: the whole model
+    # alike on every replica, or with several fragments, the fragment that step synchronised.
+    for replica in range(count):
+        final = torch.load(groups.folder / f"r{replica}.pt")
+        assert final["step"] == last
+        model = worker.build_model()
+        model.load_state_dict(final["model"])
+        part = worker.fragments(model, fragments)[(last - 1) % fragments]
+        assert same_bits(worker.flat(part), committed[last - 1][0]["after"]), f"replica {replica} at the end"
     return committed
 
 
@@ -145,13 +151,12 @@ def initial() -> list:
     return INITIAL
 
 
-@pytest.mark.parametrize("where", ["sync", "local"])
-def test_local_sgd_kill_and_rejoin(tmp_path, lighthouse, where):
+def test_local_sgd_kill_and_rejoin(tmp_path, lighthouse):
     """LocalSGD: every `SYNC_EVERY` local steps the quorum averages the parameters. A replica killed in
-    its synchronisation fails the others' all-reduce (they discard that step and keep their own
-    parameters, as LocalSGD does), or killed in its local steps simply leaves the next quorum."""
+    its synchronisation fails the others' all-reduce: they discard that step and keep their own
+    parameters, as LocalSGD does, and average them at the next."""
     die_step = 3
-    groups, last = kill_and_rejoin(tmp_path, lighthouse, "local-sgd", where, die_step=die_step)
+    groups, last = kill_and_rejoin(tmp_path, lighthouse, "local-sgd", "sync", die_step=die_step)
     committed = check_run(groups, last, die_step)
     for step, done in committed.items():
         members = [r for r in done if r["participating"]]
@@ -160,41 +165,64 @@ def test_local_sgd_kill_and_rejoin(tmp_path, lighthouse, where):
     discarded = [r for r in synchronisations(groups) if not r["committed"]]
     for record in discarded:  # LocalSGD leaves a discarded synchronisation's parameters as they were
         assert same_bits(record["after"], record["contribution"]), record["step"]
-    if where == "sync":
-        assert {r["replica"] for r in discarded if r["step"] == die_step} == {0, 2}, \
-            "the survivors' all-reduce failed on the dead peer and they discarded that step"
+    assert {r["replica"] for r in discarded if r["step"] == die_step} == {0, 2}, \
+        "the survivors' all-reduce failed on the dead peer and they discarded that step"
     # A round starts where the last synchronisation left the replica (a fresh incarnation: the seed's model).
     replay_local_steps(groups, lambda previous, record: initial() if previous is None else previous["after"])
 
 
-def test_diloco_kill_and_rejoin(tmp_path, lighthouse):
-    """DiLoCo: the quorum averages the pseudo-gradients (global parameters minus local ones) and its outer
-    optimizer (Nesterov momentum) steps the global parameters; a discarded step restores them. The
-    replay runs the outer optimizer over the committed steps, from the same start."""
-    die_step = 3
-    groups, last = kill_and_rejoin(tmp_path, lighthouse, "diloco", "sync", die_step=die_step)
-    committed = check_run(groups, last, die_step)
+def check_outer_steps(groups, committed: dict, last: int, fragments: int) -> dict:
+    """DiLoCo's replay over the committed steps: step s synchronises fragment s % `fragments`, whose outer
+    optimizer (Nesterov momentum) steps its global parameters with the pseudo-gradient averaged over the
+    step's participants (the global parameters minus what each brought). A discarded step puts the
+    fragment's global parameters back. Returns each step's global parameters of the fragment it synchronised."""
     model = worker.build_model()
-    outer = worker.outer_optimizer(model)
-    global_at = {0: initial()}
+    parts = worker.fragments(model, fragments)
+    outers = [worker.outer_optimizer(part) for part in parts]
+    current = [worker.flat(part) for part in parts]
+    global_at = {}
     for step in range(last):
-        done = committed[step]
+        fragment, done = step % fragments, committed[step]
+        assert all(r["fragment"] == fragment for r in done), done
         members = [r for r in done if r["participating"]]
-        start = tensor(global_at[step])
-        worker.load_flat(model, global_at[step])
+        global_at[step] = current[fragment]
+        start = tensor(current[fragment])
+        worker.load_flat(parts[fragment], current[fragment])
         pseudo = torch.stack([start - tensor(r["contribution"]) for r in members]).sum(0) / done[0]["participants"]
         offset = 0
-        for p in model.parameters():
+        for p in parts[fragment].parameters():
             p.grad = pseudo[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
-        outer.step()
-        torch.testing.assert_close(tensor(done[0]["after"]), tensor(worker.flat(model)), rtol=1e-13, atol=1e-13,
-                                   msg=f"step {step}: the outer step over {[r['replica'] for r in members]}")
-        global_at[step + 1] = done[0]["after"]
-    discarded = [r for r in synchronisations(groups) if not r["committed"]]
-    for record in discarded:  # a discarded step puts the global parameters back
-        assert same_bits(record["after"], global_at[record["step"]]), record["step"]
-    assert {r["replica"] for r in discarded if r["step"] == die_step} == {0, 2}
-    # Every round starts from the global parameters of the step it synchronises, except a replacement's
-    # first, which starts from the seed's model and is then healed.
+        outers[fragment].step()
+        torch.testing.assert_close(tensor(done[0]["after"]), tensor(worker.flat(parts[fragment])), rtol=1e-13,
+                                   atol=1e-13, msg=f"step {step}: the outer step over {[r['replica'] for r in members]}")
+        current[fragment] = done[0]["after"]
+    for record in synchronisations(groups):
+        if not record["committed"]:
+            assert same_bits(record["after"], global_at[record["step"]]), f"discarded step {record['step']}"
+    return global_at
+
+
+def test_diloco_kill_and_rejoin(tmp_path, lighthouse):
+    """DiLoCo: every `SYNC_EVERY` local steps the quorum averages the pseudo-gradients and the outer
+    optimizer steps the global parameters, which every round starts from. A replica killed in its local
+    steps leaves the next quorum; its replacement's first round starts from the seed's model and heals."""
+    die_step = 3
+    groups, last = kill_and_rejoin(tmp_path, lighthouse, "diloco", "local", die_step=die_step)
+    committed = check_run(groups, last, die_step)
+    global_at = check_outer_steps(groups, committed, last, fragments=1)
     replay_local_steps(groups, lambda previous, record: initial() if record["healed"] else global_at[record["step"]])
+
+
+def test_streaming_diloco_kill_and_rejoin(tmp_path, lighthouse):
+    """Streaming DiLoCo: two fragments (the two layers), each synchronised in turn every `SYNC_EVERY` / 2
+    local steps, its all-reduce started a local step before it is awaited (fragment_sync_delay=1, so the
+    all-reduce runs on ddpkit's engine thread while the next local step computes). A replica killed in
+    a synchronisation fails the others' all-reduce: they discard that step and restore the fragment."""
+    die_step = 3
+    groups, last = kill_and_rejoin(tmp_path, lighthouse, "diloco", "sync", die_step=die_step,
+                                   extra=("--fragments", "2", "--delay", "1"))
+    committed = check_run(groups, last, die_step, fragments=2)
+    check_outer_steps(groups, committed, last, fragments=2)
+    discarded = [r for r in synchronisations(groups) if not r["committed"]]
+    assert {r["replica"] for r in discarded if r["step"] == die_step} == {0, 2}
