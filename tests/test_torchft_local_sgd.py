@@ -9,9 +9,11 @@ replica stood, each committed step's average over the replicas that took part, a
 that the replicas which commit a step hold the same parameters, bit for bit.
 """
 
+import functools
 import signal
 import sys
 from pathlib import Path
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -127,7 +129,7 @@ def check_run(groups, last: int, die_step: int, fragments: int = 1) -> dict:
     return committed
 
 
-def replay_local_steps(groups, start_of: callable) -> None:
+def replay_local_steps(groups, start_of: Callable[[Optional[dict], dict], list]) -> None:
     """Each synchronisation's local parameters are `SYNC_EVERY` SGD steps on the replica's batches from
     `start_of(previous record of this incarnation or None, record)`, bit for bit."""
     for replica in range(groups.count):
@@ -141,14 +143,10 @@ def replay_local_steps(groups, start_of: callable) -> None:
             previous = record
 
 
-INITIAL = None
-
-
+@functools.cache
 def initial() -> list:
-    global INITIAL
-    if INITIAL is None:
-        INITIAL = worker.flat(worker.build_model())
-    return INITIAL
+    """The parameters every replica starts from (one seed)."""
+    return worker.flat(worker.build_model())
 
 
 def test_local_sgd_kill_and_rejoin(tmp_path, lighthouse):
