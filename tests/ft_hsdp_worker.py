@@ -36,9 +36,37 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch import nn
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2, help="ranks per replica group")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--compute", type=float, default=0.0, help="seconds of stand-in compute per step")
+    parser.add_argument("--timeout", type=float, default=10.0, help="manager and process-group timeout, seconds")
+    parser.add_argument("--die", type=int, nargs=2, default=(-1, -1), metavar=("REPLICA", "STEP"))
+    parser.add_argument("--records", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rank", type=int, default=0, help="(rank 0 sets it for the others)")
+    return parser.parse_args()
+
+
+def start_ranks(args: argparse.Namespace, argv: list) -> list:
+    """Rank 0, the process the harness starts, starts the others in its own process group."""
+    return [subprocess.Popen([sys.executable, __file__, *argv, "--rank", str(rank)],
+                             env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.ranks),
+                                  "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(args.ranks)})
+            for rank in range(1, args.ranks)]
+
+
+if __name__ == "__main__":
+    # Before torch is imported here: the other ranks import it meanwhile (a replica group's start-up,
+    # and a replacement's, is mostly imports).
+    ARGS = parse_args()
+    OTHERS = start_ranks(ARGS, sys.argv[1:]) if ARGS.rank == 0 else []
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import ft_replica  # noqa: E402
@@ -97,15 +125,6 @@ def replay(members: dict, steps: int, ranks: int) -> dict:
         optimizer.step()
     return {"params": [p.detach().clone() for p in model.parameters()],
             "momentum": [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]}
-
-
-def start_ranks(args: argparse.Namespace, argv: list) -> list:
-    """Rank 0, the process the harness starts, starts the others (before it imports torch, which they
-    import meanwhile), in its own process group."""
-    return [subprocess.Popen([sys.executable, __file__, *argv, "--rank", str(rank)],
-                             env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.ranks),
-                                  "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(args.ranks)})
-            for rank in range(1, args.ranks)]
 
 
 def join_ranks(ranks: list, timeout: float) -> None:
@@ -227,20 +246,5 @@ def train(args: argparse.Namespace, others: list) -> None:
     del store
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2, help="ranks per replica group")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--compute", type=float, default=0.0, help="seconds of stand-in compute per step")
-    parser.add_argument("--timeout", type=float, default=10.0, help="manager and process-group timeout, seconds")
-    parser.add_argument("--die", type=int, nargs=2, default=(-1, -1), metavar=("REPLICA", "STEP"))
-    parser.add_argument("--records", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--rank", type=int, default=0, help="(rank 0 sets it for the others)")
-    args = parser.parse_args()
-    others = start_ranks(args, sys.argv[1:]) if args.rank == 0 else []
-    train(args, others)
-
-
 if __name__ == "__main__":
-    main()
+    train(ARGS, OTHERS)

@@ -43,7 +43,7 @@ def test_hsdp_kill_and_rejoin_across_simulated_hosts(tmp_path):
     count, victim, die_step = 3, 1, 4
     with torchft_hosts(tmp_path, count, lambda replica: replica) as on_host:
         groups = ft_replica.ReplicaGroups(
-            tmp_path, "unused", ["--ranks", str(RANKS), "--steps", str(STEPS), "--compute", "0.05",
+            tmp_path, "unused", ["--ranks", str(RANKS), "--steps", str(STEPS), "--compute", "0.2",
                                  "--die", str(victim), str(die_step)],
             count, launch=on_host, script=Path(worker.__file__))
         survivors = [r for r in range(count) if r != victim]
