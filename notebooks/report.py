@@ -1,15 +1,17 @@
 """Builds notebooks/report.ipynb from the benchmark results and executes it headless.
 
-    python notebooks/report.py                                   # benchmarks/results -> notebooks/report.ipynb
-    python notebooks/report.py --results DIR --output PATH       # e.g. the --quick results of run_all.sh
+    python -m notebooks.report                                   # benchmarks/results -> notebooks/report.ipynb
+    python -m notebooks.report --results DIR --output PATH       # e.g. the --quick results of run_all.sh
+
+Run it from the repository's root, as a module: the analysis imports ``benchmarks.records`` as a package,
+and the notebook's kernel runs there too.
 
 The notebook reads ``<results>/*.json`` (schema: benchmarks/README.md), their records as the
 typed records of benchmarks/records.py (``r.median_s``), and torch's distributed test suite on
 both backends (docs/torch_suite.json, written by scripts/run_torch_suite.py). Every number in its
 text is computed from those files when it runs; nothing is typed in. This file holds the report's
-prose and its order; the analysis (every table, plot and computed sentence) is
-notebooks/report_analysis.py, and each code cell is one call into it. Edit those two files, not
-the .ipynb.
+prose and its order; the analysis (every table, plot and computed sentence) is the package
+notebooks/report_analysis, and each code cell is one call into it. Edit those, not the .ipynb.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-import report_analysis as analysis
+from notebooks import report_analysis as analysis
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
-# The kernel runs in notebooks/ (see execute), so it imports the module next to this file.
+# The kernel runs in the repository's root (see execute), where both packages are.
 SETUP = """%matplotlib inline
-import report_analysis as analysis
+from notebooks import report_analysis as analysis
 R = analysis.load_results(analysis.results_folder())"""
 
 
@@ -188,7 +191,7 @@ From the repository, after `make main` (which sets up `.venv`):
 | torch's distributed test suite on gloo and on ddpkit | `.venv/bin/python scripts/run_torch_suite.py` (writes `docs/torch_suite.json`, `docs/torch_suite.md`) |
 | training comparison | `.venv/bin/python benchmarks/bench_training.py --full` (`make main`: the short run) |
 | GPU: build, CUDA tests, GPU benchmarks | `bash scripts/gpu_checks.sh build test bench` |
-| this notebook only | `.venv/bin/python notebooks/report.py` |
+| this notebook only | `.venv/bin/python -m notebooks.report` |
 | one training run | `.venv/bin/torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --accumulation-steps 2` |
 '''
 
@@ -239,11 +242,11 @@ def build() -> nbformat.NotebookNode:
 
 
 def execute(notebook: nbformat.NotebookNode, results: Path, timeout: int = 300) -> nbformat.NotebookNode:
-    """Runs every cell in notebooks/ (relative paths resolve there); raises on the first failing cell."""
+    """Runs every cell in the repository's root (relative paths resolve there); raises on the first failing cell."""
     os.environ["DDPKIT_REPORT_RESULTS"] = str(results.resolve())
     # No timestamps in the cells' metadata: they would change the file at every run.
     NotebookClient(notebook, timeout=timeout, kernel_name="python3", record_timing=False,
-                   resources={"metadata": {"path": str(HERE)}}).execute()
+                   resources={"metadata": {"path": str(REPO)}}).execute()
     return notebook
 
 
@@ -262,7 +265,7 @@ def write_if_changed(notebook: nbformat.NotebookNode, path: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=HERE.parent / "benchmarks" / "results")
+    parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--output", type=Path, default=HERE / "report.ipynb")
     parser.add_argument("--execute-only", action="store_true",
                         help="run the existing notebook at --output instead of rebuilding it (CI)")

@@ -1,14 +1,15 @@
 """The committed benchmark results follow the schema, and the committed report notebook executes."""
 
-import importlib.util
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
+
+from notebooks import report
+from notebooks import report_analysis as analysis
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -16,19 +17,6 @@ NOTEBOOK = REPO / "notebooks" / "report.ipynb"
 ENVIRONMENT_FIELDS = {"command", "git_commit", "date", "hostname", "torch_version", "python_version", "backend",
                       "device_type", "cpu_model", "cpu_count", "gpu"}
 
-
-sys.path.insert(0, str(REPO / "notebooks"))
-import report_analysis as analysis  # noqa: E402
-
-
-def load_report_module():
-    spec = importlib.util.spec_from_file_location("report", REPO / "notebooks" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-report = load_report_module()
 
 
 @pytest.mark.parametrize("name", analysis.EXPECTED + [n for n in analysis.OPTIONAL if (RESULTS / f"{n}.json").exists()])
@@ -151,8 +139,9 @@ def test_the_report_reads_only_what_run_all_produces():
 
 
 def test_the_notebook_speaks_plainly():
-    # The prose is report.py's cells; the sentences computed when it runs are report_analysis.py's.
-    sources = "\n".join(cell.source for cell in report.build().cells) + Path(analysis.__file__).read_text()
+    # The prose is report.py's cells; the sentences computed when it runs are report_analysis's.
+    sources = "\n".join([cell.source for cell in report.build().cells]
+                        + [path.read_text() for path in sorted(Path(analysis.__file__).parent.glob("*.py"))])
     assert "Note [" not in sources
     assert not re.search(r"\bbars?\b[^(]", sources.replace("ax.bar(", "").replace("time_ax.bar(", "")), \
         "say target, not bar"
@@ -176,7 +165,7 @@ def test_committed_notebook_is_the_built_one():
     built = report.build()
     committed = nbformat.read(NOTEBOOK, as_version=4)
     assert [(c.id, c.source) for c in committed.cells] == [(c.id, c.source) for c in built.cells], \
-        "notebooks/report.ipynb is stale: run python notebooks/report.py"
+        "notebooks/report.ipynb is stale: run python -m notebooks.report"
     assert not [c.id for c in committed.cells if "execution" in c.metadata], "timestamps in the committed report"
 
 
