@@ -63,7 +63,7 @@ def _groups():
 def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torch.Tensor) -> Callable[[], object]:
     """The call a user makes for ``candidate``'s ``collective``, bound once, for the timed loop: the loop
     then calls the library's own function with nothing of the benchmark's between (as
-    bench_allreduce.py's ``user_call``). ``block`` is this rank's 1/n of ``tensor`` (the all-gather's
+    allreduce_candidates.py's ``user_call``). ``block`` is this rank's 1/n of ``tensor`` (the all-gather's
     input, the reduce-scatter's output)."""
     groups = _groups()
     last = dist.get_world_size() - 1
