@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit.comm import ONE_HOST_ALGORITHMS as ALGORITHMS
+from ddpkit.testing import time_engine_loop
 
 from helpers import all_inputs, rank_input, reference
 
@@ -318,10 +319,10 @@ def test_unchecked_mode_is_correct_and_counts(pool):
 
 
 def case_engine_loop():
-    per_call = {stage: ddpkit.testing.time_engine_loop(1000, 20, stage)
+    per_call = {stage: time_engine_loop(1000, 20, stage)
                 for stage in ("lookup", "engine", "all_reduce_unchecked", "all_reduce")}
     try:
-        ddpkit.testing.time_engine_loop(1000, 20, "everything")
+        time_engine_loop(1000, 20, "everything")
         error = None
     except RuntimeError as exc:
         error = str(exc)

@@ -102,6 +102,15 @@ def test_the_library_imports_without_the_training_application():
     assert out.stdout.strip() == ""
 
 
+def test_spawn_is_the_public_workers_and_import_ddpkit_leaves_the_test_harness_unloaded():
+    import ddpkit.workers
+
+    assert ddpkit.spawn is ddpkit.workers.spawn and "spawn" in ddpkit.__all__
+    code = "import sys, ddpkit\nprint(','.join(sorted(m for m in sys.modules if m.startswith('ddpkit.testing'))))\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == ""
+
+
 def test_one_training_entry_point():
     import ddpkit.training
     import ddpkit.training.train

@@ -2,8 +2,8 @@
 
 ``init_distributed()`` reads torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``), or takes ``master_addr/master_port/world_size/rank`` explicitly
-for a launch without torchrun (one command per node, ``tcp://`` rendezvous). The pool of worker
-processes that tests and benchmarks use is ``ddpkit.testing``.
+for a launch without torchrun (one command per node, ``tcp://`` rendezvous). Worker processes started
+from Python, each with its process group, are ``ddpkit.workers``' (``ddpkit.spawn``).
 """
 
 from __future__ import annotations
