@@ -66,8 +66,8 @@ def build(config: TrainConfig, label: str = "") -> dict:
     trainer.progress_label = label
     trainer.verbose = False  # the parent prints one line per epoch
     _state["trainer"] = trainer
-    return {"notes": trainer.notes, "total_steps": trainer.total_steps, "global_batch": trainer.global_batch,
-            "batch_norm": trainer.batch_norm, "steps_per_epoch": trainer.steps_per_epoch}
+    return {"notes": trainer.notes, "total_steps": trainer.total_steps, "global_batch": trainer.data.global_batch,
+            "batch_norm": trainer.batch_norm, "steps_per_epoch": trainer.data.steps_per_epoch}
 
 
 def block(until_step: int) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddpkit.training.data import FASHION_MNIST_ROOT
-from ddpkit.training.train import parse_args
+from ddpkit.training.cli import parse_args
 
 needs_fashion_mnist = pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(),
                                          reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.training.train import parse_args
+from ddpkit.training.cli import parse_args
 
 from helpers import EXAMPLES, documented_commands, free_port
 
