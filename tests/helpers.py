@@ -1,5 +1,6 @@
-"""What more than one test module uses: inputs and their references, the calls one rank rejects,
-ports, the training script's small runs, CIFAR archives, the examples' commands, and the leak check.
+"""What more than one test module uses: inputs and their references, errors and bits as tests compare
+them, the "ddpkit" backend's comparison with gloo, the calls one rank rejects, ports, the training
+script's small runs, CIFAR archives, the examples' commands, and the leak check.
 
 Test modules import from here, never from each other (a test module imported by another runs its
 module-level code twice and couples their fixtures)."""
@@ -13,6 +14,7 @@ import shlex
 import signal
 import socket
 import tarfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit.comm import ONE_HOST_ALGORITHMS
-from ddpkit.testing import HostPool
+from ddpkit.testing import HostPool, WorkerPool
 from ddpkit.training.data import FASHION_MNIST_ROOT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -75,6 +77,123 @@ def reference(world_size, numel, op, **kwargs):
 def algorithms_for(transport: str) -> list[str]:
     # "direct" reads peers' slots: shared memory only.
     return [a for a in ONE_HOST_ALGORITHMS if transport == "shm" or a != "direct"]
+
+
+# --- errors and bits, as tests compare them --------------------------------------------------------
+
+def attempt(fn, *args, **kwargs) -> tuple:
+    """(None, ``fn(*args, **kwargs)``'s result), or (the exception it raised as "Type: message", None)."""
+    try:
+        return None, fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}", None
+
+
+def caught(fn, *args, **kwargs):
+    """The exception ``fn(*args, **kwargs)`` raised, as "Type: message", or None where it returned."""
+    return attempt(fn, *args, **kwargs)[0]
+
+
+_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(tensor):
+    """The tensor's elements as the integers of their bits, for comparisons where NaN must equal NaN
+    (of the same payload) and -0.0 differ from 0.0."""
+    return tensor.view(_INTEGER_OF_WIDTH[tensor.element_size()])
+
+
+def ieee_extremum(inputs, op):
+    """Note [Reductions]'s max or min ("max", "min") over the ranks' ``inputs``, as IEEE 754-2019's
+    maximum and minimum: the quiet NaN where any input is NaN, and +0 above -0."""
+    stacked = torch.stack(inputs)
+    result = stacked.amax(0) if op == "max" else stacked.amin(0)
+    if not stacked.dtype.is_floating_point:
+        return result
+    zeros = stacked == 0
+    signed = torch.signbit(stacked)
+    if op == "max":  # +0 where any zero operand is +0
+        zero = torch.where((zeros & ~signed).any(0), 0.0, -0.0).to(stacked.dtype)
+    else:  # -0 where any zero operand is -0
+        zero = torch.where((zeros & signed).any(0), -0.0, 0.0).to(stacked.dtype)
+    result = torch.where(result == 0, zero, result)
+    return torch.where(torch.isnan(stacked).any(0), torch.tensor(float("nan"), dtype=stacked.dtype), result)
+
+
+# --- the "ddpkit" backend against gloo (tests/test_backend_*.py) ------------------------------------
+
+RED = dist.ReduceOp
+_GLOO = None
+
+
+def gloo_group():
+    """A gloo group of every rank, made once per worker (collectively, on the first call)."""
+    global _GLOO
+    if _GLOO is None:
+        _GLOO = dist.new_group(backend="gloo")
+    return _GLOO
+
+
+def values(rank, shape, dtype=torch.float32, salt=0, low=-50, high=51):
+    """Integer-valued inputs: sums over 5 ranks (|x| <= 250) are exact in every dtype, bfloat16 included."""
+    generator = torch.Generator().manual_seed(salt * 1000 + rank)
+    return torch.randint(low, high, shape, generator=generator).to(dtype)
+
+
+def both(fn):
+    """(fn on the "ddpkit" world group, fn on the gloo group)."""
+    return fn(None), fn(gloo_group())
+
+
+def quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def all_reduced(tensor, op, group):
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def batch(rank, step, size=16):
+    """Rank ``rank``'s batch at ``step``: ``size`` samples of 8 features, and labels in 0..3."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(size, 8, generator=generator), torch.randint(0, 4, (size,), generator=generator)
+
+
+
+def assert_same(ours, theirs, key, exact=True):
+    if isinstance(ours, torch.Tensor):
+        assert isinstance(theirs, torch.Tensor), key
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (key, ours.dtype, ours.shape, theirs.shape)
+        if exact:
+            assert torch.equal(ours, theirs), f"{key}: ddpkit {ours} != gloo {theirs}"
+        else:
+            torch.testing.assert_close(ours, theirs, msg=str(key))
+    elif isinstance(ours, (list, tuple)):
+        assert isinstance(theirs, (list, tuple)) and len(ours) == len(theirs), (key, ours, theirs)
+        for a, b in zip(ours, theirs):
+            assert_same(a, b, key, exact)
+    else:
+        assert ours == theirs, (key, ours, theirs)
+
+
+def check_against_gloo(per_rank):
+    for rank, results in enumerate(per_rank):
+        for key, (ours, theirs) in results.items():
+            # a mean is one division away from gloo's sum / n: within one rounding of it
+            exact = not (key == "reduce_scatter_tensor_avg" or (isinstance(key, tuple) and key[0] == "all_reduce_avg"))
+            assert_same(ours, theirs, (rank, key), exact=exact)
+
+
+def run_on_a_fresh_pool(fn, *args):
+    """fn on 3 fresh "ddpkit" ranks with a short group timeout, for calls that may hang or break the group."""
+    worker_pool = WorkerPool(3, backend="ddpkit", timeout=60.0, group_timeout=5.0)
+    try:
+        return worker_pool.run(fn, *args, timeout=40, return_exceptions=True)
+    finally:
+        worker_pool.close()
 
 
 # --- one rank rejects its arguments: every rank raises, the next call pairs ------------------------
