@@ -20,7 +20,7 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit.testing import WorkerPool
 
-from helpers import rank_input
+from helpers import bits, caught, rank_input
 
 TRANSPORTS = ["shm", "process_group"]
 BLOCK_ALGORITHMS = ("auto", "ring", "halving_doubling", "direct")
@@ -42,11 +42,6 @@ def block_numels(world_size: int) -> list[int]:
     return sorted({0, 1, world_size - 1, 1001, LARGE})
 
 
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, for comparisons where NaN must equal NaN and -0.0 differ from 0.0."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
 @functools.lru_cache(maxsize=None)
 def inputs_of(world_size: int, numel: int) -> torch.Tensor:
     """[world_size, numel]: every rank's integer-valued rank_input, as float64."""
@@ -63,15 +58,6 @@ def scattered_reference(world_size: int, numel: int, rank: int, op: str) -> torc
     if op == "mean":
         return blocks.sum(0).float() / world_size  # exact float32 sum, divided once
     return {"sum": blocks.sum(0), "max": blocks.amax(0), "min": blocks.amin(0)}[op].float()
-
-
-def expect_error(call) -> str | None:
-    """Runs `call`; returns the exception as text (None if nothing was raised)."""
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects the message
-        return f"{type(exc).__name__}: {exc}"
-    return None
 
 
 # --- cases that run on every rank ----------------------------------------------------------------
@@ -295,7 +281,7 @@ def block_mismatch_call(kind, rank, transport):
 def case_mismatch(kind, transport):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     assert ddpkit.collective_checks_enabled()
-    error = expect_error(block_mismatch_call(kind, rank, transport))
+    error = caught(block_mismatch_call(kind, rank, transport))
     # The group is still usable: all three collectives, through the same transport.
     gathered = torch.empty(world_size * 300_000)
     ddpkit.all_gather_into_tensor(gathered, torch.full((300_000,), float(rank)), transport=transport)
@@ -370,7 +356,7 @@ def case_bad_arguments(kinds, transport):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
     for kind in kinds:
-        error = expect_error(lambda: BAD_CALLS[kind](world_size, transport))
+        error = caught(lambda: BAD_CALLS[kind](world_size, transport))
         output = torch.empty(world_size * 10)
         ddpkit.all_gather_into_tensor(output, torch.full((10,), float(rank)), transport=transport)
         out[kind] = (error, output)
@@ -380,9 +366,9 @@ def case_bad_arguments(kinds, transport):
 def case_direct_over_process_group():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     errors = [
-        expect_error(lambda: ddpkit.all_gather_into_tensor(torch.empty(world_size * 4), torch.ones(4),
+        caught(lambda: ddpkit.all_gather_into_tensor(torch.empty(world_size * 4), torch.ones(4),
                                                            algorithm="direct", transport="process_group")),
-        expect_error(lambda: ddpkit.reduce_scatter_tensor(torch.empty(4), torch.ones(world_size * 4),
+        caught(lambda: ddpkit.reduce_scatter_tensor(torch.empty(4), torch.ones(world_size * 4),
                                                           algorithm="direct", transport="process_group")),
     ]
     output = torch.empty(world_size * 4)
@@ -395,13 +381,13 @@ def case_algorithm_unusable_on_one_rank(collective, algorithm, transport):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     chosen = algorithm if rank == 1 else "auto"
     if collective == "all_gather":
-        error = expect_error(lambda: ddpkit.all_gather_into_tensor(
+        error = caught(lambda: ddpkit.all_gather_into_tensor(
             torch.empty(world_size * 8), torch.ones(8), algorithm=chosen, transport=transport))
     else:
-        error = expect_error(lambda: ddpkit.reduce_scatter_tensor(
+        error = caught(lambda: ddpkit.reduce_scatter_tensor(
             torch.empty(8), torch.ones(world_size * 8), algorithm=chosen, transport=transport))
     output = torch.empty(world_size * 8)
-    after = expect_error(lambda: ddpkit.all_gather_into_tensor(output, torch.full((8,), float(rank)),
+    after = caught(lambda: ddpkit.all_gather_into_tensor(output, torch.full((8,), float(rank)),
                                                                 transport=transport))
     return error, after, output
 

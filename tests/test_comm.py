@@ -16,7 +16,7 @@ import ddpkit
 from ddpkit.comm import ONE_HOST_ALGORITHMS as ALGORITHMS
 from ddpkit.testing import time_engine_loop
 
-from helpers import all_inputs, rank_input, reference
+from helpers import all_inputs, caught, rank_input, reference
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 
@@ -74,12 +74,7 @@ def case_rooted():
 
 def case_raises(fn_name):
     """Runs one bad call; returns the exception text (or None if nothing was raised)."""
-    rank = dist.get_rank()
-    try:
-        BAD_CALLS[fn_name](rank)
-    except Exception as exc:  # noqa: BLE001 - the test inspects the message
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    return caught(BAD_CALLS[fn_name], dist.get_rank())
 
 
 BAD_CALLS = {

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit.testing import HostPool, WorkerFailure, WorkerPool
 
-from helpers import (BACKEND_ONE_RANK_REJECTS, ONE_RANK_REJECTS, TOPOLOGIES, call_each_then_all_reduce, needs_hosts,
-                     rank_input)
+from helpers import (BACKEND_ONE_RANK_REJECTS, ONE_RANK_REJECTS, TOPOLOGIES, call_each_then_all_reduce,
+                     ieee_extremum, needs_hosts, rank_input)
 from helpers import HOSTS_GROUP_TIMEOUT_S as GROUP_TIMEOUT_S
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
@@ -221,9 +221,11 @@ def swap_input(rank, numel, dtype):
 
 def swapped_reference(op, inputs):
     """Note [Reductions]'s result of `op` over `inputs`, in float64 for the sum and the mean."""
-    expected = inputs[0].double() if op in ("sum", "mean") else inputs[0].clone()
+    if op in ("max", "min"):
+        return ieee_extremum(inputs, op)
+    expected = inputs[0].double()
     for other in inputs[1:]:
-        expected = expected + other.double() if op in ("sum", "mean") else ieee_extremum(expected, other, op)
+        expected = expected + other.double()
     return expected / len(inputs) if op == "mean" else expected
 
 
@@ -263,17 +265,6 @@ def test_two_hosts_swap_large_blocks_with_every_op_and_identical_bits(hosts, nam
         else:
             expected = swapped_reference(op, [swap_input(r, numel, dtype) for r in range(world_size)])
             assert_reduced_as_the_note_says(per_rank[-1][(collective, dtype_name, op)], expected, op, what)
-
-
-def ieee_extremum(a, b, op):
-    """Note [Reductions]'s max and min: torch's for NaNs, and +0 above -0 whatever the operands' order
-    (torch.maximum and torch.minimum return the first of two zeros)."""
-    result = torch.maximum(a, b) if op == "max" else torch.minimum(a, b)
-    if a.is_floating_point():
-        zeros = (a == 0) & (b == 0)
-        negative = (torch.signbit(a) & torch.signbit(b)) if op == "max" else (torch.signbit(a) | torch.signbit(b))
-        result = torch.where(zeros, torch.where(negative, -0.0, 0.0).to(a.dtype), result)
-    return result
 
 
 def case_all_reduce_sum(numel):

@@ -48,27 +48,10 @@ from torch import nn
 
 from ddpkit.testing import WorkerPool
 
+from helpers import attempt, caught
+
 BACKENDS = ("gloo", "ddpkit")
 RTOL, ATOL = 1e-5, 1e-6
-
-
-# --- pools ---------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def pools():
-    """``pools(backend, n, **env)``: a live WorkerPool (one per backend, world size and environment).
-    A case that fails or times out kills its pool; the next call starts a fresh one."""
-    made = {}
-
-    def get(backend, world_size, **env):
-        key = (backend, world_size, tuple(sorted(env.items())))
-        if key not in made:
-            made[key] = WorkerPool(world_size, backend=backend, timeout=60.0, group_timeout=30.0, env=env)
-        return made[key]
-
-    yield get
-    for pool in made.values():
-        pool.close()
 
 
 def on_both(pools, fn, *args, world_size=2, timeout=60.0, env=None, **kwargs):
@@ -285,18 +268,11 @@ def case_ddp_hook(name, steps=5):
             "backends": [backend_of(model.process_group)]}
 
 
-def caught(fn, *args):
-    try:
-        return None, fn(*args)
-    except Exception as exc:  # noqa: BLE001 - the caller reads it
-        return f"{type(exc).__name__}: {exc}", None
-
-
 @pytest.mark.parametrize("hook", HOOKS)
 def test_ddp_comm_hook_matches_gloo(pools, hook):
     if hook == "batched_powerSGD":
         # torch 2.13's batched_powerSGD_hook fails on every backend (AssertionError in _orthogonalize)
-        error, _ = pools("gloo", 2).run(caught, case_ddp_hook, hook, timeout=60)[0]
+        error, _ = pools("gloo", 2).run(attempt, case_ddp_hook, hook, timeout=60)[0]
         if error is not None:
             pytest.skip(f"gloo does not run {hook} in torch {torch.__version__}: {error.splitlines()[0][:200]}")
     results = on_both(pools, case_ddp_hook, hook, timeout=45.0)
@@ -460,7 +436,7 @@ def case_debug_mode(mismatch, ddp):
     dist.broadcast(y, src=n - 1)
     dist.barrier()
     trained = case_ddp_hook(None)["params"] if ddp else None
-    error = caught(dist.all_reduce, torch.ones(4 + rank))[0] if mismatch else None
+    error = caught(dist.all_reduce, torch.ones(4 + rank)) if mismatch else None
     after = torch.full((5,), float(rank))
     dist.all_reduce(after)
     return {"params": {"x": x, "gathered": gathered, "scattered": scattered, "y": y, "after": after},
