@@ -87,8 +87,9 @@ def run_candidate(candidate: Candidate, tensor: torch.Tensor, op: str = "sum") -
 def user_call(candidate: Candidate, op: str = "sum") -> Callable[[torch.Tensor], object]:
     """The call a user makes for ``candidate``, bound once, for the timed loop: the loop then calls
     the library's own function with nothing of the benchmark's between, as the peers' scripts call
-    theirs (``comm.Allreduce`` inline in MPICH's loop). A wrapper in between took 0.4 us more per
-    call (1.46 against 1.05 us per ``ddpkit.all_reduce`` of 1k floats at world size 1)."""
+    theirs (``comm.Allreduce`` inline in MPICH's loop). A wrapper in between would add a Python call to
+    every call timed, a sizeable part of a small all-reduce (bench_latency.py measures what each layer of
+    the call path adds)."""
     if candidate.implementation == "gloo" and op == "sum":
         return dist.all_reduce
     if candidate.implementation != "ddpkit":
@@ -124,8 +125,9 @@ def process_sets(names: list[str]) -> list[list[str]]:
     """The in-process candidates in the sets of processes that measure them, interleaved within each
     set: those that spin on shared memory in one, the others in another. A candidate that sleeps on
     sockets leaves the ranks where its wake-ups put them, often both on one CPU: measured in the same
-    processes right after gloo's repetitions, ddpkit's 1k-float all-reduce took 4.4-9.0 us against
-    1.8 us alone (n=2, 2-vCPU VM), while MPICH and DeepSpeed run in processes of their own."""
+    processes right after gloo's repetitions, ddpkit's small all-reduces ran several times slower than
+    alone (the records' ``reps_sharing_a_cpu`` counts the repetitions begun so), while MPICH and DeepSpeed
+    run in processes of their own."""
     spinning = [n for n in names if spins_on_shared_memory(parse_candidate(n))]
     return [group for group in (spinning, [n for n in names if n not in spinning]) if group]
 

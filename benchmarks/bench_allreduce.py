@@ -28,7 +28,7 @@ jobs like the in-process candidates' over fresh sets of processes, and each of t
 after one set has exited, so the candidates alternate over the run (ddpkit's processes, MPICH's,
 DeepSpeed's, then again) and a slow spell of the VM falls on all of them alike. They run up to
 ``--peer-max-world-size`` processes (8): both busy-poll, and with more processes than cores they
-collapse (seconds per call at 16M floats from 4 processes on 2 cores), so each of their points gets
+collapse (allreduce.json's points from 4 processes on 2 cores show it), so each of their points gets
 ``--point-budget`` seconds of repetitions in all and says ``cut_off`` when fewer than planned fit; a
 job that outlives its time limit is killed and its missing points say so.
 
@@ -40,8 +40,8 @@ job), then the repetitions. A repetition synchronises the ranks *through the
 candidate under test* (a one-float all-reduce of the same ddpkit configuration, of gloo, of DeepSpeed's
 shm op; ``MPI_Barrier`` for MPICH; a gloo barrier around rank 0's floor) and then times
 ``peers.timing.batch_size(numel)`` back-to-back calls on every rank (16 up to 10k floats, 4 at 100k,
-else 1; a gloo barrier before a shared-memory call would add tens of µs of skew, the batch spreads
-what skew remains), each the library's own function called from the timing loop with nothing of the
+else 1; a gloo barrier before a shared-memory call would add the skew of its wake-ups, longer than
+a small call, and the batch spreads what skew remains), each the library's own function called from the timing loop with nothing of the
 benchmark's between (``user_call``), as the peers' scripts call theirs. The repetition's time per
 call is the slowest rank's batch time / batch; the figure is the median (p25, p75 beside it) over
 repetitions in which the candidates are interleaved, their order rotating each repetition
@@ -93,8 +93,8 @@ current_cpu = ctypes.CDLL(None).sched_getcpu  # glibc's: the CPU this thread run
 
 def reps_sharing_a_cpu(cpus_per_rank: list[list[int]], cpus: int) -> int:
     """How many repetitions began with fewer CPUs in use than there were ranks and CPUs, from each
-    rank's CPU at each repetition's start: two ranks that spin on one CPU take turns (12-20 us per
-    1k-float all-reduce at n=2 against 2 us), which the figure then says."""
+    rank's CPU at each repetition's start: two ranks that spin on one CPU take turns, many times slower
+    than on two, which the figure then says."""
     return sum(len(set(at_rep)) < min(len(at_rep), cpus) for at_rep in zip(*cpus_per_rank))
 
 

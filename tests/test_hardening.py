@@ -601,7 +601,7 @@ def case_first_collective_alone(backend):
 @pytest.mark.parametrize("backend", ["gloo", "ddpkit"])
 def test_the_first_collective_of_a_group_waits_the_group_timeout_and_names_what_it_waited_for(backend):
     """The shared-memory set-up of a group's first collective runs over the group's own messages, so
-    the group's 2-second timeout bounds it (it used to wait with the store's, 16-61 s), and its error
+    the group's 2-second timeout bounds it (not the store's, longer one), and its error
     names the collective, the group and the rank that never came."""
     outcomes = run_and_kill(fresh_pool(2), case_first_collective_alone, backend)
     error = outcomes[0]

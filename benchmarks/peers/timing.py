@@ -21,18 +21,17 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 # numel -> back-to-back calls per timed repetition. Small messages take microseconds with a shared-memory
-# transport: a batch makes the skew of the synchronisation before it (a few µs) small against the batch.
+# transport: a batch makes the skew of the synchronisation before it small against the batch.
 BATCH = ((10_000, 16), (100_000, 4))
 
 
 # Seconds of back-to-back calls before a point's repetitions. A fresh set of processes keeps the CPUs
-# the kernel gave it at start-up for a while: two ranks that start on one CPU stay there for
-# milliseconds (the load balancer leaves tasks that just ran where they are), longer than the
-# repetitions of a 1k-float point take (16 pools of 4 repetitions at n=2: about 0.3 ms of calls each).
-# Measured with each rank's CPU logged per repetition (2-vCPU VM, ddpkit and MPICH, 8 pools): with no
-# settling, 1 or 2 of every 8 ddpkit pools ran with both ranks on one CPU (12-20 us per call against
-# 2.0-2.3 us); after 0.1 s of calls, none of 16. A training job runs for minutes, so the placement
-# it sees is the settled one.
+# the kernel gave it at start-up for a while: two ranks that start on one CPU stay there longer than
+# the repetitions of a small point take (the load balancer leaves tasks that just ran where they are),
+# and two ranks that spin on one CPU take turns, many times slower than on two. bench_allreduce.py logs
+# each rank's CPU at every repetition and counts those begun with spinning ranks doubled up
+# (``reps_sharing_a_cpu`` in its records, printed after its tables): that count says whether this
+# settling was long enough. A training job runs for minutes, so the placement it sees is the settled one.
 SETTLE_S = 0.1
 
 
