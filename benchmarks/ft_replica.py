@@ -385,7 +385,7 @@ class ReplicaGroups:
             try:
                 process.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise TimeoutError(f"replica {replica} still runs after {timeout} s:\n{self.output(replica)}")
+                raise TimeoutError(f"replica {replica} still runs after {timeout} s:\n{self.output(replica)}") from None
             if process.returncode != 0:
                 raise RuntimeError(f"replica {replica} exited with {process.returncode}:\n{self.output(replica)}")
 

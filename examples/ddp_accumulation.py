@@ -29,8 +29,8 @@ loss_fn = nn.CrossEntropyLoss()
 
 generator = torch.Generator().manual_seed(1 + rank)  # each rank its own data
 losses = []
-for step in range(30):
-    for micro_batch in range(4):
+for _step in range(30):
+    for _micro_batch in range(4):
         x = torch.randn(16, 20, generator=generator)
         y = (x @ teacher).argmax(1)
         loss = loss_fn(model(x), y)

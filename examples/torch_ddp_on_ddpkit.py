@@ -21,7 +21,7 @@ torch.manual_seed(rank)  # different weights on every rank: DDP starts them all 
 model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 generator = torch.Generator().manual_seed(100 + rank)
-for step in range(10):
+for _step in range(10):
     x = torch.randn(16, 20, generator=generator)
     loss = model(x).square().mean()
     loss.backward()  # the gradient all-reduces run on ddpkit's engine

@@ -455,7 +455,7 @@ def case_callback_waits_for_the_next_collective():
     threads than completions: both completions once went to the one idle thread, which the first
     callback then held (Note [Future callbacks])."""
     results = []
-    for attempt in range(20):
+    for _ in range(20):
         dist.all_reduce(torch.ones(1), async_op=True).get_future().wait()  # one completion thread, warm
         busy = dist.all_reduce(torch.ones(200_000), async_op=True)  # the next two queue behind it
         a, b = torch.ones(3), torch.full((3,), 2.0)

@@ -1,6 +1,7 @@
 """The pure parts of benchmarks/bench_allreduce.py (with its allreduce_candidates.py, allreduce_peers.py and
 allreduce_summary.py) and benchmarks/peers/timing.py (no timing is asserted)."""
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -92,10 +93,10 @@ def test_candidate_names():
     assert (unchecked.algorithm, unchecked.transport, unchecked.checked) == ("auto", "process_group", False)
     assert candidates.parse_candidate("ddpkit:ring:default").transport is None
     assert candidates.parse_candidate("mpich").implementation == "mpich"
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError):
         candidates.parse_candidate("nccl")
     if not candidates.HAS_TRANSPORT:  # no candidate may claim a transport this ddpkit does not have
-        with pytest.raises(Exception):
+        with pytest.raises(argparse.ArgumentTypeError):
             candidates.parse_candidate("ddpkit:ring:shm")
 
 

@@ -286,7 +286,7 @@ def test_meta_tensors_on_every_rank_take_the_fake_kernels(pool):
 
 def test_a_meta_tensor_on_one_rank_raises_on_every_rank(pool):
     outcomes = pool(2).run(case_meta_tensors, (1,))
-    for rank, out in enumerate(outcomes):
+    for out in outcomes:
         assert "rank 1 passed tensor on the meta device (no data), rank 0 passed tensor with data" in out["error"], out
         assert out["after"] == 3.0  # and the next all-reduce paired correctly
 

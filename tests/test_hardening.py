@@ -226,7 +226,7 @@ def case_two_fresh_groups_two_threads(repetitions):
     group and rank 1 on the second (DDP's bucket thread and SyncBatchNorm can do this)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     results = []
-    for repetition in range(repetitions):
+    for _ in range(repetitions):
         groups = [dist.new_group(list(range(world_size))) for _ in range(2)]
         out, errors = [None, None], []
 

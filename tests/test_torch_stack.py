@@ -458,7 +458,7 @@ def debug_runs(level, tmp_path, **runs):
         processes[backend] = (subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                text=True), output)
     try:
-        for backend, (process, output) in processes.items():
+        for backend, (process, _output) in processes.items():
             log, _ = process.communicate(timeout=150)
             assert process.returncode == 0, f"{backend} at {level}:\n{log[-4000:]}"
     finally:
