@@ -1,7 +1,7 @@
 """The records of benchmarks/results/*.json, typed: one frozen dataclass per kind of record.
 
 The benchmark scripts build their records as these classes, ``common.write_results`` writes each
-one's ``to_dict()``, and the report (notebooks/report_analysis.py) reads them back with ``load_records``. A
+one's ``to_dict()``, and the report (notebooks/report_analysis) reads them back with ``load_records``. A
 record's JSON keys are its field names. A field without a default is always written (``null`` where
 it has no value); a field made by ``optional()`` is one that only some records have (a peer's
 ``library``, a SyncBatchNorm candidate that does not run at that world size): it is None when
