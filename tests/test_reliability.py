@@ -171,7 +171,7 @@ def case_die_during_training(victim: int):
 
     first_layer = model.module[0].weight  # its gradient is among the last of the backward
     first_layer.register_hook(die_in_backward)
-    for _ in range(10_000):
+    for step in range(10_000):  # noqa: B007 - die_in_backward reads it
         optimizer.zero_grad()
         model(torch.randn(32, 64)).square().mean().backward()
         optimizer.step()
