@@ -7,20 +7,21 @@ import argparse
 import contextlib
 import functools
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+import ddpkit
 from peers import timing
 from records import AllreduceTimeRecord
 
-import ddpkit
-
 # Until ddpkit has a transport argument, its only transport is the process group's send/recv.
 HAS_TRANSPORT = "transport" in inspect.signature(ddpkit.all_reduce).parameters
-DEFAULT_TRANSPORT = (inspect.signature(ddpkit.all_reduce).parameters["transport"].default
-                     if HAS_TRANSPORT else "process_group")
+DEFAULT_TRANSPORT = (
+    inspect.signature(ddpkit.all_reduce).parameters["transport"].default if HAS_TRANSPORT else "process_group"
+)
 PROCESS_GROUP = "process_group"
 
 IN_PROCESS = ["ddpkit", "ddpkit_ring_pg", "gloo", "floor"]
@@ -34,13 +35,13 @@ UNCHECKED = "unchecked"
 @dataclass(frozen=True)
 class Candidate:
     name: str
-    implementation: str                 # ddpkit, gloo, floor, mpich, deepspeed
-    algorithm: Optional[str] = None     # ddpkit's algorithm argument
-    transport: Optional[str] = None     # ddpkit's transport argument; None: not passed (ddpkit's default)
-    checked: bool = True                # ddpkit's Note [Collective checks]
+    implementation: str  # ddpkit, gloo, floor, mpich, deepspeed
+    algorithm: str | None = None  # ddpkit's algorithm argument
+    transport: str | None = None  # ddpkit's transport argument; None: not passed (ddpkit's default)
+    checked: bool = True  # ddpkit's Note [Collective checks]
 
     @property
-    def effective_transport(self) -> Optional[str]:
+    def effective_transport(self) -> str | None:
         if self.implementation != "ddpkit":
             return None
         return self.transport if self.transport is not None else DEFAULT_TRANSPORT
@@ -57,7 +58,8 @@ def parse_candidate(name: str) -> Candidate:
     parts = name.split(":")
     if parts[0] != "ddpkit" or len(parts) < 2:
         raise argparse.ArgumentTypeError(
-            f"unknown candidate {name!r}: one of {CANDIDATES} or ddpkit:ALGORITHM[:TRANSPORT][:{UNCHECKED}]")
+            f"unknown candidate {name!r}: one of {CANDIDATES} or ddpkit:ALGORITHM[:TRANSPORT][:{UNCHECKED}]"
+        )
     checked = parts[-1] != UNCHECKED
     parts = parts if checked else parts[:-1]
     if len(parts) not in (2, 3):
@@ -66,7 +68,8 @@ def parse_candidate(name: str) -> Candidate:
     transport = parts[2] if len(parts) == 3 and parts[2] != "default" else None
     if transport not in (None, PROCESS_GROUP) and not HAS_TRANSPORT:
         raise argparse.ArgumentTypeError(
-            f"candidate {name!r}: this ddpkit's all_reduce has no transport argument (process group only)")
+            f"candidate {name!r}: this ddpkit's all_reduce has no transport argument (process group only)"
+        )
     return Candidate(name, "ddpkit", algorithm, transport, checked)
 
 
@@ -132,25 +135,39 @@ def process_sets(names: list[str]) -> list[list[str]]:
     return [group for group in (spinning, [n for n in names if n not in spinning]) if group]
 
 
-def time_record(candidate: Candidate, world_size: int, numel: int, slowest: list[float],
-                 status: str = "measured", **extra) -> AllreduceTimeRecord:
+def time_record(
+    candidate: Candidate, world_size: int, numel: int, slowest: list[float], status: str = "measured", **extra
+) -> AllreduceTimeRecord:
     """``slowest`` empty: a point not measured, and ``status`` says why."""
     nbytes = numel * 4
     resolved_algorithm = None
-    if candidate.implementation == "ddpkit" and candidate.algorithm == "auto" \
-            and candidate.effective_transport == PROCESS_GROUP:
+    if (
+        candidate.implementation == "ddpkit"
+        and candidate.algorithm == "auto"
+        and candidate.effective_transport == PROCESS_GROUP
+    ):
         resolved_algorithm = ddpkit.comm.choose_algorithm(nbytes, world_size)
     if slowest:
         stats = timing.time_stats(slowest)
         collective = candidate.implementation != "floor"  # the floor is one process's add, not a collective
-        stats.update(algorithm_bandwidth_GBps=nbytes / stats["median_s"] / 1e9,
-                     bus_bandwidth_GBps=timing.bus_bandwidth_GBps(nbytes, stats["median_s"], world_size)
-                     if collective else None)
+        stats.update(
+            algorithm_bandwidth_GBps=nbytes / stats["median_s"] / 1e9,
+            bus_bandwidth_GBps=timing.bus_bandwidth_GBps(nbytes, stats["median_s"], world_size) if collective else None,
+        )
     else:
-        stats = dict(median_s=None, p25_s=None, p75_s=None, reps=0, algorithm_bandwidth_GBps=None,
-                     bus_bandwidth_GBps=None)
+        stats = dict(
+            median_s=None, p25_s=None, p75_s=None, reps=0, algorithm_bandwidth_GBps=None, bus_bandwidth_GBps=None
+        )
     return AllreduceTimeRecord(
-        world_size=world_size, numel=numel, candidate=candidate.name, implementation=candidate.implementation,
-        algorithm=candidate.algorithm, transport=candidate.effective_transport,
+        world_size=world_size,
+        numel=numel,
+        candidate=candidate.name,
+        implementation=candidate.implementation,
+        algorithm=candidate.algorithm,
+        transport=candidate.effective_transport,
         checked=candidate.checked if candidate.implementation == "ddpkit" else None,
-        resolved_algorithm=resolved_algorithm, status=status, **stats, **extra)
+        resolved_algorithm=resolved_algorithm,
+        status=status,
+        **stats,
+        **extra,
+    )

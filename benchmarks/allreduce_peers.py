@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 from allreduce_candidates import parse_candidate, time_record
 from peers import timing
@@ -21,19 +20,26 @@ from records import AllreduceTimeRecord
 
 HERE = Path(__file__).resolve().parent
 
+
 def peer_status(name: str) -> dict:
     """Whether a peer can run here, and how it is launched."""
     if name == "mpich":
         mpiexec = Path(sys.executable).parent / "mpiexec"
-        if importlib.util.find_spec("mpi4py") is None or importlib.util.find_spec("numpy") is None \
-                or not mpiexec.exists():
+        if (
+            importlib.util.find_spec("mpi4py") is None
+            or importlib.util.find_spec("numpy") is None
+            or not mpiexec.exists()
+        ):
             return {"status": "not installed", "install": "bash benchmarks/peers/install.sh mpich"}
         return {"status": "installed", "launcher": f"{mpiexec} -n N", "script": "benchmarks/peers/mpich_allreduce.py"}
     if name == "deepspeed":
         if importlib.util.find_spec("deepspeed") is None:
             return {"status": "not installed", "install": "bash benchmarks/peers/install.sh deepspeed"}
-        return {"status": "installed", "launcher": "DS_ACCELERATOR=cpu LOCAL_SIZE=N torchrun --standalone "
-                "--nproc_per_node N", "script": "benchmarks/peers/deepspeed_allreduce.py"}
+        return {
+            "status": "installed",
+            "launcher": "DS_ACCELERATOR=cpu LOCAL_SIZE=N torchrun --standalone --nproc_per_node N",
+            "script": "benchmarks/peers/deepspeed_allreduce.py",
+        }
     raise ValueError(name)
 
 
@@ -74,21 +80,52 @@ def _kill_tree(pid: int) -> None:
             os.kill(victim, signal.SIGKILL)
 
 
-def run_peer(name: str, world_size: int, sizes: list[int], reps: int, point_budget: float,
-             accuracy_max_numel: int, limit_s: Optional[float] = None) -> tuple[list[dict], Optional[str]]:
+def run_peer(
+    name: str,
+    world_size: int,
+    sizes: list[int],
+    reps: int,
+    point_budget: float,
+    accuracy_max_numel: int,
+    limit_s: float | None = None,
+) -> tuple[list[dict], str | None]:
     """Runs one peer job for ``world_size`` processes; (its points as JSON objects, a problem or None)."""
     with tempfile.TemporaryDirectory(prefix=f"ddpkit-{name}-") as tmp:
         out = Path(tmp) / "points.jsonl"
-        args = ["--sizes", *map(str, sizes), "--reps", str(reps), "--point-budget", str(point_budget),
-                "--accuracy-max-numel", str(accuracy_max_numel), "--out", str(out)]
+        args = [
+            "--sizes",
+            *map(str, sizes),
+            "--reps",
+            str(reps),
+            "--point-budget",
+            str(point_budget),
+            "--accuracy-max-numel",
+            str(accuracy_max_numel),
+            "--out",
+            str(out),
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if name == "mpich":
-            command = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(world_size), sys.executable,
-                       str(HERE / "peers" / "mpich_allreduce.py"), *args]
+            command = [
+                str(Path(sys.executable).parent / "mpiexec"),
+                "-n",
+                str(world_size),
+                sys.executable,
+                str(HERE / "peers" / "mpich_allreduce.py"),
+                *args,
+            ]
         else:
             env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=str(world_size))
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                       str(world_size), str(HERE / "peers" / "deepspeed_allreduce.py"), *args]
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(world_size),
+                str(HERE / "peers" / "deepspeed_allreduce.py"),
+                *args,
+            ]
         # Per point: the budget for repetitions plus correctness, accuracy and warm-up calls; plus start-up.
         limit = limit_s if limit_s is not None else 90 + len(sizes) * (2 * point_budget + 20)
         leftovers_before = _leftovers()
@@ -100,7 +137,8 @@ def run_peer(name: str, world_size: int, sizes: list[int], reps: int, point_budg
                 process.wait(timeout=limit)
                 if process.returncode != 0:
                     problem = f"exit code {process.returncode}: " + " | ".join(
-                        log.read_text(errors="replace").strip().splitlines()[-5:])
+                        log.read_text(errors="replace").strip().splitlines()[-5:]
+                    )
             except subprocess.TimeoutExpired:
                 problem = f"job time limit ({limit:.0f} s)"
             finally:
@@ -130,19 +168,40 @@ def merge_points(first: list[dict], second: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-def peer_records(name: str, world_size: int, sizes: list[int], points: list[dict],
-                 problem: Optional[str]) -> list[AllreduceTimeRecord]:
+def peer_records(
+    name: str, world_size: int, sizes: list[int], points: list[dict], problem: str | None
+) -> list[AllreduceTimeRecord]:
     candidate = parse_candidate(name)
     by_numel = {p["numel"]: p for p in points}
     records = []
     for numel in sizes:
         point = by_numel.get(numel)
         if point is None:
-            records.append(time_record(candidate, world_size, numel, [], status=f"not measured: {problem}",
-                                        batch=timing.batch_size(numel), cut_off=True, max_abs_error_of_mean=None))
+            records.append(
+                time_record(
+                    candidate,
+                    world_size,
+                    numel,
+                    [],
+                    status=f"not measured: {problem}",
+                    batch=timing.batch_size(numel),
+                    cut_off=True,
+                    max_abs_error_of_mean=None,
+                )
+            )
             continue
-        records.append(time_record(candidate, world_size, numel, point["times_s"], batch=point["batch"],
-                                    reps_planned=point["reps_planned"], cut_off=point["cut_off"],
-                                    warmup_s=point["warmup_s"], library=point["library"],
-                                    max_abs_error_of_mean=point["max_abs_error_of_mean"]))
+        records.append(
+            time_record(
+                candidate,
+                world_size,
+                numel,
+                point["times_s"],
+                batch=point["batch"],
+                reps_planned=point["reps_planned"],
+                cut_off=point["cut_off"],
+                warmup_s=point["warmup_s"],
+                library=point["library"],
+                max_abs_error_of_mean=point["max_abs_error_of_mean"],
+            )
+        )
     return records

@@ -68,7 +68,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -76,17 +75,28 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402
-from allreduce_candidates import (CANDIDATES, DEFAULT_TRANSPORT, GRID_SIZES, GRID_WORLD_SIZES,  # noqa: E402
-                                  HAS_TRANSPORT, PEERS, UNCHECKED, Candidate, collective_checks,
-                                  parse_candidate, process_sets, run_candidate, time_record, user_call)
+import ddpkit  # noqa: E402
+from allreduce_candidates import (  # noqa: E402
+    CANDIDATES,
+    DEFAULT_TRANSPORT,
+    GRID_SIZES,
+    GRID_WORLD_SIZES,
+    HAS_TRANSPORT,
+    PEERS,
+    UNCHECKED,
+    Candidate,
+    collective_checks,
+    parse_candidate,
+    process_sets,
+    run_candidate,
+    time_record,
+    user_call,
+)
 from allreduce_peers import merge_points, peer_records, peer_status, run_peer  # noqa: E402
 from allreduce_summary import print_summary, summarize  # noqa: E402
+from ddpkit.testing import WorkerPool  # noqa: E402
 from peers import timing  # noqa: E402
 from records import AllreduceMemoryRecord, Record  # noqa: E402
-
-import ddpkit  # noqa: E402
-from ddpkit.testing import WorkerPool  # noqa: E402
-
 
 current_cpu = ctypes.CDLL(None).sched_getcpu  # glibc's: the CPU this thread runs on now
 
@@ -165,7 +175,7 @@ def measure(names: list[str], sizes: list[int], reps_per_size: dict, accuracy_ma
         work = torch.empty(numel)
         batch = timing.batch_size(numel)
 
-        def measure_one(candidate: Candidate) -> Optional[float]:
+        def measure_one(candidate: Candidate) -> float | None:
             """This rank's time per call in one repetition (the floor: rank 0's alone, None elsewhere)."""
             work.copy_(base)
             if candidate.implementation == "floor":
@@ -217,18 +227,32 @@ def measure_memory(names: list[str], memory_sizes: list[int]) -> dict:
 def merge(first: list[dict], second: list[dict]) -> list[dict]:
     """Per rank: the repetitions of both runs; the worse accuracy of the two (a point only one run
     measured is kept as it is)."""
+
     def times(a, b):  # also each rank's CPUs per repetition
         return {k: a.get(k, []) + b.get(k, []) for k in {**a, **b}}
 
     def accuracy(a, b):
         return {k: max(v for v in (a.get(k), b.get(k)) if v is not None) for k in {**a, **b}}
 
-    return [{"times": times(a["times"], b["times"]), "accuracy": accuracy(a["accuracy"], b["accuracy"]),
-             "cpus": times(a["cpus"], b["cpus"])} for a, b in zip(first, second)]
+    return [
+        {
+            "times": times(a["times"], b["times"]),
+            "accuracy": accuracy(a["accuracy"], b["accuracy"]),
+            "cpus": times(a["cpus"], b["cpus"]),
+        }
+        for a, b in zip(first, second)
+    ]
 
 
-def aggregate(per_rank: list[dict], memory_per_rank: Optional[list[dict]], world_size: int, names: list[str],
-              sizes: list[int], memory_sizes: list[int], reps_per_size: dict) -> list[Record]:
+def aggregate(
+    per_rank: list[dict],
+    memory_per_rank: list[dict] | None,
+    world_size: int,
+    names: list[str],
+    sizes: list[int],
+    memory_sizes: list[int],
+    reps_per_size: dict,
+) -> list[Record]:
     records = []
     for numel in sizes:
         for name in names:
@@ -242,16 +266,31 @@ def aggregate(per_rank: list[dict], memory_per_rank: Optional[list[dict]], world
             sharing = None
             if key in per_rank[0]["cpus"]:
                 sharing = reps_sharing_a_cpu([rank["cpus"][key] for rank in per_rank], len(os.sched_getaffinity(0)))
-            records.append(time_record(candidate, world_size, numel, slowest, batch=timing.batch_size(numel),
-                                        reps_planned=reps_per_size[numel], cut_off=False,
-                                        reps_sharing_a_cpu=sharing,
-                                        max_abs_error_of_mean=max(accuracy) if accuracy else None))
+            records.append(
+                time_record(
+                    candidate,
+                    world_size,
+                    numel,
+                    slowest,
+                    batch=timing.batch_size(numel),
+                    reps_planned=reps_per_size[numel],
+                    cut_off=False,
+                    reps_sharing_a_cpu=sharing,
+                    max_abs_error_of_mean=max(accuracy) if accuracy else None,
+                )
+            )
     for numel in memory_sizes:
         for name in names:
             if memory_per_rank and (name, numel) in memory_per_rank[0]:
-                records.append(AllreduceMemoryRecord(
-                    world_size=world_size, numel=numel, candidate=name,
-                    peak_memory_increase_bytes=max(r[(name, numel)] for r in memory_per_rank), input_bytes=numel * 4))
+                records.append(
+                    AllreduceMemoryRecord(
+                        world_size=world_size,
+                        numel=numel,
+                        candidate=name,
+                        peak_memory_increase_bytes=max(r[(name, numel)] for r in memory_per_rank),
+                        input_bytes=numel * 4,
+                    )
+                )
     return records
 
 
@@ -261,31 +300,70 @@ def aggregate(per_rank: list[dict], memory_per_rank: Optional[list[dict]], world
 def parse_arguments() -> argparse.Namespace:
     """The command line, its defaults resolved: ``candidates`` parsed, ``sizes`` set; --check-overhead and --quick
     applied."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=GRID_WORLD_SIZES)
-    parser.add_argument("--sizes", type=int, nargs="+", default=None,
-                        help=f"floats per vector (default {GRID_SIZES}; with --check-overhead 1k 10k 100k)")
-    parser.add_argument("--max-numel-above-8", type=int, default=100_000,
-                        help="sizes above this are skipped for more than 8 processes")
-    parser.add_argument("--reps", type=int, default=30,
-                        help="repetitions up to 100k floats at <= 8 processes; fewer above (peers/timing.py reps_for)")
+    parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"floats per vector (default {GRID_SIZES}; with --check-overhead 1k 10k 100k)",
+    )
+    parser.add_argument(
+        "--max-numel-above-8", type=int, default=100_000, help="sizes above this are skipped for more than 8 processes"
+    )
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=30,
+        help="repetitions up to 100k floats at <= 8 processes; fewer above (peers/timing.py reps_for)",
+    )
     parser.add_argument("--pools", type=int, default=2, help="fresh sets of processes per world size")
-    parser.add_argument("--memory-sizes", type=int, nargs="*", default=[1_000_000, 16_000_000],
-                        help="sizes of the memory pass (up to 8 processes; none: skip it)")
-    parser.add_argument("--accuracy-max-numel", type=int, default=1_000_000,
-                        help="largest size of the error-of-the-mean check (it holds n vectors per rank)")
-    parser.add_argument("--candidates", nargs="+", type=parse_candidate, default=None,
-                        help=f"{CANDIDATES} or ddpkit:ALGORITHM[:TRANSPORT][:unchecked] (default: all six)")
+    parser.add_argument(
+        "--memory-sizes",
+        type=int,
+        nargs="*",
+        default=[1_000_000, 16_000_000],
+        help="sizes of the memory pass (up to 8 processes; none: skip it)",
+    )
+    parser.add_argument(
+        "--accuracy-max-numel",
+        type=int,
+        default=1_000_000,
+        help="largest size of the error-of-the-mean check (it holds n vectors per rank)",
+    )
+    parser.add_argument(
+        "--candidates",
+        nargs="+",
+        type=parse_candidate,
+        default=None,
+        help=f"{CANDIDATES} or ddpkit:ALGORITHM[:TRANSPORT][:unchecked] (default: all six)",
+    )
     parser.add_argument("--peer-max-world-size", type=int, default=8, help="mpich and deepspeed up to this many")
-    parser.add_argument("--point-budget", type=float, default=5.0,
-                        help="seconds of timed repetitions per point for mpich and deepspeed (cut_off beyond)")
-    parser.add_argument("--check-overhead", action="store_true",
-                        help="measure Note [Collective checks]: ddpkit ring and auto with and without checks, and gloo")
-    parser.add_argument("--transport", default="default",
-                        help="with --check-overhead: ddpkit's transport (default: ddpkit's own default)")
-    parser.add_argument("--check-algorithms", nargs="+", default=["ring", "auto"],
-                        help="with --check-overhead: the ddpkit algorithms to measure")
+    parser.add_argument(
+        "--point-budget",
+        type=float,
+        default=5.0,
+        help="seconds of timed repetitions per point for mpich and deepspeed (cut_off beyond)",
+    )
+    parser.add_argument(
+        "--check-overhead",
+        action="store_true",
+        help="measure Note [Collective checks]: ddpkit ring and auto with and without checks, and gloo",
+    )
+    parser.add_argument(
+        "--transport",
+        default="default",
+        help="with --check-overhead: ddpkit's transport (default: ddpkit's own default)",
+    )
+    parser.add_argument(
+        "--check-algorithms",
+        nargs="+",
+        default=["ring", "auto"],
+        help="with --check-overhead: the ddpkit algorithms to measure",
+    )
     parser.add_argument("--quick", action="store_true", help="2 and 4 processes, 1k/100k/1M floats, 5 repetitions")
     parser.add_argument("--output", default="allreduce", help="results/<output>.json")
     args = parser.parse_args()
@@ -326,35 +404,52 @@ def candidate_statuses(names: list[str]) -> dict:
 
 def settings(args: argparse.Namespace, statuses: dict) -> dict:
     """The result's ``settings``: the grid, the candidates and how they were timed."""
-    return {"format": "candidates-v2",
-            "world_sizes": args.world_sizes, "sizes": args.sizes,
-            "max_numel_above_8_processes": args.max_numel_above_8,
-            "candidates": statuses,
-            "candidate_definitions": {c.name: {"implementation": c.implementation, "algorithm": c.algorithm,
-                                               "transport": c.effective_transport,
-                                               "checked": c.checked if c.implementation == "ddpkit" else None}
-                                      for c in args.candidates},
-            "ddpkit_transport_argument": HAS_TRANSPORT, "ddpkit_default_transport": DEFAULT_TRANSPORT,
-            "reps": args.reps,
-            "reps_per_point": {f"n={n}": {str(s): timing.reps_for(s, n, args.reps) for s in args.sizes
-                                          if n <= 8 or s <= args.max_numel_above_8}
-                               for n in args.world_sizes},
-            "calls_per_repetition": {str(s): timing.batch_size(s) for s in args.sizes},
-            "pools_per_world_size": args.pools, "dtype": "float32",
-            "memory_sizes": args.memory_sizes, "memory_up_to_processes": 8,
-            "accuracy_max_numel": args.accuracy_max_numel,
-            "peer_max_world_size": args.peer_max_world_size, "peer_point_budget_s": args.point_budget,
-            "threads_per_process": 1, "collective_checks": ddpkit.collective_checks_enabled(),
-            "settle_s": timing.SETTLE_S,
-            "timing": "per point and job: settle_s of back-to-back calls first; per repetition: synchronise through the candidate itself, time a batch of back-to-back "
-                      "calls on every rank; slowest rank per repetition, median over interleaved repetitions; "
-                      "the in-process candidates that spin on shared memory and the others in separate sets of processes; "
-                      "mpich and deepspeed in separate jobs, each split like the in-process repetitions over "
-                      "--pools jobs that run between the in-process pools"}
+    return {
+        "format": "candidates-v2",
+        "world_sizes": args.world_sizes,
+        "sizes": args.sizes,
+        "max_numel_above_8_processes": args.max_numel_above_8,
+        "candidates": statuses,
+        "candidate_definitions": {
+            c.name: {
+                "implementation": c.implementation,
+                "algorithm": c.algorithm,
+                "transport": c.effective_transport,
+                "checked": c.checked if c.implementation == "ddpkit" else None,
+            }
+            for c in args.candidates
+        },
+        "ddpkit_transport_argument": HAS_TRANSPORT,
+        "ddpkit_default_transport": DEFAULT_TRANSPORT,
+        "reps": args.reps,
+        "reps_per_point": {
+            f"n={n}": {
+                str(s): timing.reps_for(s, n, args.reps) for s in args.sizes if n <= 8 or s <= args.max_numel_above_8
+            }
+            for n in args.world_sizes
+        },
+        "calls_per_repetition": {str(s): timing.batch_size(s) for s in args.sizes},
+        "pools_per_world_size": args.pools,
+        "dtype": "float32",
+        "memory_sizes": args.memory_sizes,
+        "memory_up_to_processes": 8,
+        "accuracy_max_numel": args.accuracy_max_numel,
+        "peer_max_world_size": args.peer_max_world_size,
+        "peer_point_budget_s": args.point_budget,
+        "threads_per_process": 1,
+        "collective_checks": ddpkit.collective_checks_enabled(),
+        "settle_s": timing.SETTLE_S,
+        "timing": "per point and job: settle_s of back-to-back calls first; per repetition: synchronise through the candidate itself, time a batch of back-to-back "
+        "calls on every rank; slowest rank per repetition, median over interleaved repetitions; "
+        "the in-process candidates that spin on shared memory and the others in separate sets of processes; "
+        "mpich and deepspeed in separate jobs, each split like the in-process repetitions over "
+        "--pools jobs that run between the in-process pools",
+    }
 
 
-def measure_world_size(world_size: int, args: argparse.Namespace, in_process: list[str],
-                       runnable_peers: list[str]) -> list[Record]:
+def measure_world_size(
+    world_size: int, args: argparse.Namespace, in_process: list[str], runnable_peers: list[str]
+) -> list[Record]:
     """Every candidate's records at ``world_size``: the in-process ones' times in fresh sets of processes with the
     peers' jobs between them, then their memory in a set of its own."""
     sizes = [s for s in args.sizes if world_size <= 8 or s <= args.max_numel_above_8]
@@ -380,8 +475,14 @@ def measure_world_size(world_size: int, args: argparse.Namespace, in_process: li
                 pool.close()
             per_rank = part if per_rank is None else merge(per_rank, part)
         for name in peers_here:
-            points, problem = run_peer(name, world_size, sizes, timing.split_reps(args.reps, pools)[index],
-                                       args.point_budget / pools, args.accuracy_max_numel)
+            points, problem = run_peer(
+                name,
+                world_size,
+                sizes,
+                timing.split_reps(args.reps, pools)[index],
+                args.point_budget / pools,
+                args.accuracy_max_numel,
+            )
             if problem:
                 print(f"{name} at {world_size} processes: {problem}", flush=True)
             peer_points[name] = merge_points(peer_points[name], points)
@@ -411,8 +512,15 @@ def main() -> None:
 
     def write(records: list) -> Path:
         """Writes the results so far: after every world size, so that a run cut short keeps them."""
-        return common.write_results(args.output, backend="gloo", device_type="cpu", settings=settings(args, statuses),
-                                    records=records, summary=summarize(records), quick=args.quick)
+        return common.write_results(
+            args.output,
+            backend="gloo",
+            device_type="cpu",
+            settings=settings(args, statuses),
+            records=records,
+            summary=summarize(records),
+            quick=args.quick,
+        )
 
     records = []
     started = time.monotonic()

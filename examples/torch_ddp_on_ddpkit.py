@@ -33,6 +33,8 @@ spread = weights.clone()
 dist.all_reduce(spread, op=dist.ReduceOp.MAX)  # torch.distributed's own call, on the same backend
 assert torch.equal(spread, weights), "the replicas diverged"
 if rank == 0:
-    print(f"torch_ddp_on_ddpkit: torch DDP trained 10 steps on the {dist.get_backend()} backend; the weights are "
-          f"identical on all {world_size} ranks")
+    print(
+        f"torch_ddp_on_ddpkit: torch DDP trained 10 steps on the {dist.get_backend()} backend; the weights are "
+        f"identical on all {world_size} ranks"
+    )
 dist.destroy_process_group()

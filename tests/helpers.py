@@ -39,6 +39,7 @@ TOPOLOGIES = {"2x2": [2, 2], "2x1": [1, 1], "3x1": [1, 1, 1], "1+3": [1, 3]}
 
 # --- the leak check ------------------------------------------------------------------------------
 
+
 def shm_names(pids=None) -> set:
     """Names in /dev/shm that ddpkit made ("ddpkit-<pid>-..."), of the processes ``pids`` if given.
 
@@ -57,6 +58,7 @@ def shm_names(pids=None) -> set:
 
 
 # --- collective inputs and their float64 references ----------------------------------------------
+
 
 def rank_input(rank, numel, dtype=torch.float32, integer=False, seed=0):
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -80,6 +82,7 @@ def algorithms_for(transport: str) -> list[str]:
 
 
 # --- errors and bits, as tests compare them --------------------------------------------------------
+
 
 def attempt(fn, *args, **kwargs) -> tuple:
     """(None, ``fn(*args, **kwargs)``'s result), or (the exception it raised as "Type: message", None)."""
@@ -162,7 +165,6 @@ def batch(rank, step, size=16):
     return torch.randn(size, 8, generator=generator), torch.randint(0, 4, (size,), generator=generator)
 
 
-
 def assert_same(ours, theirs, key, exact=True):
     if isinstance(ours, torch.Tensor):
         assert isinstance(theirs, torch.Tensor), key
@@ -198,6 +200,7 @@ def run_on_a_fresh_pool(fn, *args):
 
 # --- one rank rejects its arguments: every rank raises, the next call pairs ------------------------
 
+
 def _syncbn_bad_weight(rank):
     name = dist.group.WORLD.group_name
     weight = torch.ones(4 if rank != 1 else 5)
@@ -221,8 +224,9 @@ ONE_RANK_REJECTS = {
     "op": lambda rank: ddpkit.all_reduce(torch.ones(8), op="prod" if rank == 1 else "sum"),
     "algorithm": lambda rank: ddpkit.all_reduce(torch.ones(8), algorithm="telepathy" if rank == 1 else "auto"),
     "transport": lambda rank: ddpkit.all_reduce(torch.ones(8), transport="pigeon" if rank == 1 else "auto"),
-    "torch_op": lambda rank: ddpkit.reduce_scatter_tensor(torch.empty(2), torch.ones(4),
-                                                          op=dist.ReduceOp.PRODUCT if rank == 1 else "sum"),
+    "torch_op": lambda rank: ddpkit.reduce_scatter_tensor(
+        torch.empty(2), torch.ones(4), op=dist.ReduceOp.PRODUCT if rank == 1 else "sum"
+    ),
     "meta": lambda rank: ddpkit.broadcast(torch.ones(8, device="meta" if rank == 1 else "cpu"), src=0),
     "syncbn_weight": _syncbn_bad_weight,
 }
@@ -245,13 +249,14 @@ def call_each_then_all_reduce(calls, kinds):
             error = None
         except (RuntimeError, ValueError) as exc:
             error = str(exc)
-        after = torch.full((1000,), 10.0 ** rank)
+        after = torch.full((1000,), 10.0**rank)
         ddpkit.all_reduce(after)
         out[kind] = (error, after[0].item())
     return out
 
 
 # --- processes: ports, train.py, the examples --------------------------------------------------------
+
 
 def communicate_all(processes: list, timeout: float) -> list[tuple[str, str]]:
     """Each process's (stdout, stderr), waiting up to `timeout` seconds for each; however that ends, none is
@@ -271,29 +276,54 @@ def free_port():
         return s.getsockname()[1]
 
 
-needs_fashion_mnist = pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(),
-                                         reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)")
+needs_fashion_mnist = pytest.mark.skipif(
+    not Path(FASHION_MNIST_ROOT).is_dir(), reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)"
+)
 
 
 def small_cli(out_dir):
-    return ["--dataset", "fashion_mnist", "--limit-train", "1024", "--limit-test", "500", "--batch-size", "32",
-            "--max-steps", "4", "--epochs", "1", "--no-progress", "--out", str(out_dir)]
+    return [
+        "--dataset",
+        "fashion_mnist",
+        "--limit-train",
+        "1024",
+        "--limit-test",
+        "500",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "4",
+        "--epochs",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out_dir),
+    ]
 
 
 def documented_commands(path: Path) -> list[list[str]]:
     """The torchrun lines of the example's docstring, as argv (environment assignments first, if any):
     one for most examples, one per launch for those of several (fault_tolerance)."""
     docstring = ast.get_docstring(ast.parse(path.read_text()))
-    return [shlex.split(line.strip()) for line in docstring.splitlines()
-            if re.fullmatch(r"([A-Z_]+=\S+ )*torchrun .* examples/\w+\.py", line.strip())]
+    return [
+        shlex.split(line.strip())
+        for line in docstring.splitlines()
+        if re.fullmatch(r"([A-Z_]+=\S+ )*torchrun .* examples/\w+\.py", line.strip())
+    ]
 
 
 # --- CIFAR archives in the official format ----------------------------------------------------------
 
 CIFAR_LAYOUT = {
     # name: (top directory, archive, train members, test members, label key, classes)
-    "cifar10": ("cifar-10-batches-py", "cifar-10-python.tar.gz",
-                [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], b"labels", 10),
+    "cifar10": (
+        "cifar-10-batches-py",
+        "cifar-10-python.tar.gz",
+        [f"data_batch_{i}" for i in range(1, 6)],
+        ["test_batch"],
+        b"labels",
+        10,
+    ),
     "cifar100": ("cifar-100-python", "cifar-100-python.tar.gz", ["train"], ["test"], b"fine_labels", 100),
 }
 
@@ -304,8 +334,12 @@ def cifar_batch(n: int, label_key: bytes, classes: int, rng) -> tuple[bytes, np.
     labels = rng.integers(0, classes, n)
     # Each row is the red plane, then the green, then the blue, each row-major.
     rows = np.stack([np.concatenate([image[0].ravel(), image[1].ravel(), image[2].ravel()]) for image in images])
-    batch = {b"batch_label": b"training batch", b"data": rows, label_key: labels.tolist(),
-             b"filenames": [b"img_%d.png" % i for i in range(n)]}
+    batch = {
+        b"batch_label": b"training batch",
+        b"data": rows,
+        label_key: labels.tolist(),
+        b"filenames": [b"img_%d.png" % i for i in range(n)],
+    }
     if label_key == b"fine_labels":
         batch[b"coarse_labels"] = (labels // 5).tolist()
     return pickle.dumps(batch, protocol=2), images, labels

@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 from helpers import RED, caught, quiet, run_on_a_fresh_pool
 
-
 # --- mismatched calls -------------------------------------------------------------------------
+
 
 def _mismatched_async(rank):
     dist.all_reduce(torch.ones(5 + (rank == 1)), async_op=True).wait()
@@ -20,10 +20,12 @@ MISMATCHED_CALLS = {
     "dtype": lambda rank: dist.all_reduce(torch.ones(5, dtype=torch.float64 if rank == 1 else torch.float32)),
     "op": lambda rank: dist.all_reduce(torch.ones(5), op=RED.MAX if rank == 1 else RED.SUM),
     "root": lambda rank: dist.broadcast(torch.ones(5), src=1 if rank == 1 else 0),
-    "all_gather_into_tensor": lambda rank: dist.all_gather_into_tensor(torch.empty(3 * (4 + (rank == 1))),
-                                                                       torch.ones(4 + (rank == 1))),
-    "all_gather_list": lambda rank: dist.all_gather([torch.empty(2 + (rank == 1)) for _ in range(3)],
-                                                    torch.ones(2 + (rank == 1))),
+    "all_gather_into_tensor": lambda rank: dist.all_gather_into_tensor(
+        torch.empty(3 * (4 + (rank == 1))), torch.ones(4 + (rank == 1))
+    ),
+    "all_gather_list": lambda rank: dist.all_gather(
+        [torch.empty(2 + (rank == 1)) for _ in range(3)], torch.ones(2 + (rank == 1))
+    ),
     "async": _mismatched_async,
 }
 
@@ -71,21 +73,37 @@ def _coalesced(call, *args):
 # named after one of them): each mismatched by a size or dtype on rank 1. The torch.distributed name
 # of the call, then the kind the check compares.
 NAMED_MISMATCHES = {
-    "all_gather": ("all_gather_into_tensor", lambda rank: dist.all_gather(
-        [torch.empty(2 + rank) for _ in range(2)], torch.ones(2 + rank))),
-    "reduce_scatter": ("reduce_scatter_tensor", lambda rank: dist.reduce_scatter(
-        torch.empty(2 + rank), [torch.ones(2 + rank) for _ in range(2)])),
-    "all_gather_into_tensor_coalesced": ("all_gather_into_tensor", lambda rank: _coalesced(
-        dist.all_gather_into_tensor, torch.empty(2 * (2 + rank)), torch.ones(2 + rank))),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter_tensor", lambda rank: _coalesced(
-        dist.reduce_scatter_tensor, torch.empty(2 + rank), torch.ones(2 * (2 + rank)))),
+    "all_gather": (
+        "all_gather_into_tensor",
+        lambda rank: dist.all_gather([torch.empty(2 + rank) for _ in range(2)], torch.ones(2 + rank)),
+    ),
+    "reduce_scatter": (
+        "reduce_scatter_tensor",
+        lambda rank: dist.reduce_scatter(torch.empty(2 + rank), [torch.ones(2 + rank) for _ in range(2)]),
+    ),
+    "all_gather_into_tensor_coalesced": (
+        "all_gather_into_tensor",
+        lambda rank: _coalesced(dist.all_gather_into_tensor, torch.empty(2 * (2 + rank)), torch.ones(2 + rank)),
+    ),
+    "reduce_scatter_tensor_coalesced": (
+        "reduce_scatter_tensor",
+        lambda rank: _coalesced(dist.reduce_scatter_tensor, torch.empty(2 + rank), torch.ones(2 * (2 + rank))),
+    ),
     "all_reduce_coalesced": ("all_reduce", lambda rank: _coalesced(dist.all_reduce, torch.ones(2 + rank))),
     # delegated to gloo, after the same check
-    "all_gather_coalesced": ("all_gather_into_tensor", lambda rank: quiet(
-        dist.all_gather_coalesced, [[torch.empty(2 + rank)] for _ in range(2)], [torch.ones(2 + rank)])),
-    "all_to_all_single": ("all_to_all", lambda rank: dist.all_to_all_single(
-        torch.empty(2, dtype=torch.float64 if rank else torch.float32),
-        torch.ones(2, dtype=torch.float64 if rank else torch.float32))),
+    "all_gather_coalesced": (
+        "all_gather_into_tensor",
+        lambda rank: quiet(
+            dist.all_gather_coalesced, [[torch.empty(2 + rank)] for _ in range(2)], [torch.ones(2 + rank)]
+        ),
+    ),
+    "all_to_all_single": (
+        "all_to_all",
+        lambda rank: dist.all_to_all_single(
+            torch.empty(2, dtype=torch.float64 if rank else torch.float32),
+            torch.ones(2, dtype=torch.float64 if rank else torch.float32),
+        ),
+    ),
 }
 
 
@@ -183,16 +201,20 @@ def test_bad_arguments_on_the_root_raise_on_every_rank(kind):
 LIST_ARGUMENT_ERRORS = {
     # a wrong list with an empty input once passed the collective's size check and read past the list
     "all_gather_empty_list_everywhere": lambda rank: dist.all_gather([], torch.empty(0)),
-    "all_gather_short_list_on_rank_1": lambda rank: dist.all_gather([torch.empty(0)] * (2 if rank == 1 else 3),
-                                                                    torch.empty(0)),
+    "all_gather_short_list_on_rank_1": lambda rank: dist.all_gather(
+        [torch.empty(0)] * (2 if rank == 1 else 3), torch.empty(0)
+    ),
     # delegated to gloo, which checks the input on rank 1 alone: the others waited for it
     "reduce_scatter_tensor_short_input_on_rank_1": lambda rank: quiet(
-        dist.reduce_scatter_tensor, torch.empty(2), torch.ones(4 if rank == 1 else 6), op=RED.PRODUCT),
+        dist.reduce_scatter_tensor, torch.empty(2), torch.ones(4 if rank == 1 else 6), op=RED.PRODUCT
+    ),
     # PRODUCT is delegated to gloo, which checks the list on rank 1 alone: the others waited for it
     "reduce_scatter_short_list_on_rank_1": lambda rank: dist.reduce_scatter(
-        torch.empty(2), [torch.ones(2)] * (2 if rank == 1 else 3), op=RED.PRODUCT),
+        torch.empty(2), [torch.ones(2)] * (2 if rank == 1 else 3), op=RED.PRODUCT
+    ),
     "all_gather_coalesced_short_list_on_rank_1": lambda rank: quiet(
-        dist.all_gather_coalesced, [[torch.empty(2)] for _ in range(2 if rank == 1 else 3)], [torch.ones(2)]),
+        dist.all_gather_coalesced, [[torch.empty(2)] for _ in range(2 if rank == 1 else 3)], [torch.ones(2)]
+    ),
 }
 
 
@@ -200,11 +222,19 @@ LIST_ARGUMENT_ERRORS = {
 def test_bad_lists_raise_on_every_rank(kind):
     outcomes = run_on_a_fresh_pool(case_then_all_reduce, "LIST_ARGUMENT_ERRORS", kind)
     if kind.endswith("everywhere"):
-        problems = mismatch_problems(outcomes, expected_everywhere="takes a list of one tensor per rank of the group (3)")
+        problems = mismatch_problems(
+            outcomes, expected_everywhere="takes a list of one tensor per rank of the group (3)"
+        )
     else:
-        problems = mismatch_problems(outcomes, expected_everywhere="rank 1 rejected its arguments",
-                                     expected_on={1: "expected world size times the output's 2" if "tensor" in kind
-                                                  else "per rank of the group (3), got 2"})
+        problems = mismatch_problems(
+            outcomes,
+            expected_everywhere="rank 1 rejected its arguments",
+            expected_on={
+                1: "expected world size times the output's 2"
+                if "tensor" in kind
+                else "per rank of the group (3), got 2"
+            },
+        )
     assert not problems, "\n".join(problems)
 
 
@@ -224,9 +254,11 @@ def test_mismatch_with_a_delegated_op_raises_on_every_rank():
 
 UNSUPPORTED_CALLS = {
     "avg_of_integers_on_one_rank": lambda rank: dist.all_reduce(
-        torch.ones(4, dtype=torch.int64) if rank == 1 else torch.ones(4), op=RED.AVG),
-    "non_contiguous_all_to_all_single": lambda rank: dist.all_to_all_single(torch.empty(6, 2).t(),
-                                                                            torch.ones(6, 2).t()),
+        torch.ones(4, dtype=torch.int64) if rank == 1 else torch.ones(4), op=RED.AVG
+    ),
+    "non_contiguous_all_to_all_single": lambda rank: dist.all_to_all_single(
+        torch.empty(6, 2).t(), torch.ones(6, 2).t()
+    ),
     "avg_of_integers": lambda rank: dist.all_reduce(torch.ones(4, dtype=torch.int64), op=RED.AVG),
     "premul_sum": lambda rank: dist.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(2.0)),
     "int16": lambda rank: dist.all_reduce(torch.ones(4, dtype=torch.int16)),

@@ -12,8 +12,8 @@ from ddpkit.testing import WorkerPool
 
 from helpers import assert_same, batch, both, caught, check_against_gloo, gloo_group, quiet, values
 
-
 # --- subgroups -----------------------------------------------------------------------------------
+
 
 def case_subgroups():
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -23,6 +23,7 @@ def case_subgroups():
     every = dist.new_group(list(range(n)), backend="ddpkit")
     out = {}
     if rank in members:
+
         def ops(g):
             a = values(rank, (1001,), salt=50)
             dist.all_reduce(a, group=g)
@@ -37,6 +38,7 @@ def case_subgroups():
             objects = [None, None]
             dist.all_gather_object(objects, ("from", rank), group=g)
             return [a, b, c, d, e, objects, dist.get_rank(g)]
+
         out["ops"] = (ops(ours), ops(theirs))
         # ddpkit's own API on the subgroup runs on the subgroup's engine
         x = values(rank, (10,), salt=55)
@@ -78,6 +80,7 @@ def test_ddpkit_subgroup_of_a_gloo_world(pool):
 
 # --- ddpkit's own API on a "ddpkit" group: one engine ------------------------------------------
 
+
 def case_ddpkit_api():
     rank, n = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -97,15 +100,22 @@ def case_ddpkit_api():
     c = values(rank, (5,), salt=62)
     ddpkit.broadcast(c, src=n - 1)
     work.wait()
-    out["interleaved"] = ([a, b, c], [sum(values(r, (300_001,), salt=60) for r in range(n)),
-                                      sum(values(r, (1001,), salt=61) for r in range(n)), values(n - 1, (5,), salt=62)])
+    out["interleaved"] = (
+        [a, b, c],
+        [
+            sum(values(r, (300_001,), salt=60) for r in range(n)),
+            sum(values(r, (1001,), salt=61) for r in range(n)),
+            values(n - 1, (5,), salt=62),
+        ],
+    )
 
     # ddpkit.DistributedDataParallel and ddpkit.SyncBatchNorm on the "ddpkit" world and on the gloo group
     def train(g):
         torch.manual_seed(rank)
         model = ddpkit.DistributedDataParallel(
             nn.Sequential(nn.Linear(8, 16), ddpkit.SyncBatchNorm(16, process_group=g), nn.ReLU(), nn.Linear(16, 4)),
-            process_group=g)
+            process_group=g,
+        )
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(3):
             x, y = batch(rank, step)
@@ -113,6 +123,7 @@ def case_ddpkit_api():
             optimizer.step()
             optimizer.zero_grad()
         return {k: v.clone() for k, v in model.module.state_dict().items()}
+
     out["ddp_syncbn"] = both(train)
 
     def syncbn(g):
@@ -121,6 +132,7 @@ def case_ddpkit_api():
         y = bn(x)
         (y * torch.arange(3.0).view(1, 3, 1)).sum().backward()
         return [y.detach(), x.grad, bn.weight.grad, bn.running_mean, bn.running_var]
+
     out["syncbn"] = both(syncbn)
     return out
 
@@ -131,12 +143,17 @@ def test_ddpkit_api_shares_the_backend_engine(pools, world_size):
     for rank, results in enumerate(per_rank):
         for key, (ours, theirs) in results.items():
             if key in ("ddp_syncbn", "syncbn") and world_size > 2:
-                for a, b in zip(ours.values() if isinstance(ours, dict) else ours,
-                                theirs.values() if isinstance(theirs, dict) else theirs):
+                for a, b in zip(
+                    ours.values() if isinstance(ours, dict) else ours,
+                    theirs.values() if isinstance(theirs, dict) else theirs,
+                ):
                     torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
             else:
-                assert_same(list(ours.values()) if isinstance(ours, dict) else ours,
-                            list(theirs.values()) if isinstance(theirs, dict) else theirs, (rank, key))
+                assert_same(
+                    list(ours.values()) if isinstance(ours, dict) else ours,
+                    list(theirs.values()) if isinstance(theirs, dict) else theirs,
+                    (rank, key),
+                )
     # the synchronized batch norm saw every rank's batch: its output differs from a local batch norm's
     x = values(0, (4, 3, 5), salt=63)
     local = nn.functional.batch_norm(x, None, None, training=True)
@@ -148,6 +165,7 @@ def test_ddpkit_api_shares_the_backend_engine(pools, world_size):
 
 # --- a backend per device, and torch's debug wrapper ---------------------------------------------
 
+
 def case_per_device_backend():
     rank = dist.get_rank()
     ddpkit.reset_comm_counters()
@@ -158,7 +176,7 @@ def case_per_device_backend():
 
 
 def test_a_backend_string_per_device():
-    """"cpu:ddpkit,cuda:<backend>" sends CPU tensors to ddpkit (NCCL needs a GPU; gloo stands in for it)."""
+    """ "cpu:ddpkit,cuda:<backend>" sends CPU tensors to ddpkit (NCCL needs a GPU; gloo stands in for it)."""
     with WorkerPool(2, backend="cpu:ddpkit,cuda:gloo", timeout=60.0, group_timeout=30.0) as worker_pool:
         outcomes = worker_pool.run(case_per_device_backend, timeout=60)
     expected = 2 * (values(0, (1001,), salt=71) + values(1, (1001,), salt=71))
@@ -181,8 +199,9 @@ def case_debug_detail():
 
 
 def test_torch_distributed_debug_detail_keeps_working():
-    with WorkerPool(2, backend="ddpkit", timeout=60.0, group_timeout=30.0,
-                    env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}) as worker_pool:
+    with WorkerPool(
+        2, backend="ddpkit", timeout=60.0, group_timeout=30.0, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+    ) as worker_pool:
         outcomes = worker_pool.run(case_debug_detail, timeout=60)
     for x, mismatch, y in outcomes:
         assert torch.equal(x, values(0, (1001,), salt=73) + values(1, (1001,), salt=73))

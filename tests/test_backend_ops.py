@@ -52,12 +52,14 @@ def case_every_op():
         t = image.clone(memory_format=torch.channels_last)
         dist.broadcast(t, src=n - 1, group=g)
         return t
+
     out[("broadcast", "channels_last")] = both(broadcast_channels_last)
 
     def reduce_transposed(g):
         t = x.clone().t()
         dist.reduce(t, dst=0, op=RED.MAX, group=g)
         return t if rank == 0 else None  # elsewhere what is left is the algorithm's
+
     out[("reduce", "transposed")] = both(reduce_transposed)
     # delegated to gloo: PRODUCT, bitwise ops, dtypes ddpkit does not reduce
     for dtype in (torch.float32, torch.int32, torch.int64, torch.float64):
@@ -74,11 +76,13 @@ def case_every_op():
     x = values(rank, (17,), torch.bool, salt=13, low=0, high=2)
     for op in (RED.MAX, RED.BAND, RED.BOR):
         out[("all_reduce", torch.bool, str(op))] = both(lambda g: all_reduced(x.clone(), op, g))
+
     # sparse tensors: delegated (gloo's sparse all-reduce)
     def sparse(g):
         t = torch.sparse_coo_tensor(torch.tensor([[rank, rank + 1]]), torch.tensor([1.0, float(rank)]), (n + 1,))
         dist.all_reduce(t, group=g)
         return t.to_dense()
+
     out[("all_reduce", "sparse")] = both(sparse)
 
     # all_reduce_coalesced: ddpkit's own, and delegated (an op or a dtype it does not reduce)
@@ -87,12 +91,15 @@ def case_every_op():
             copies = [t.clone() for t in tensors]
             quiet(dist.all_reduce_coalesced, copies, op=op, group=g)
             return copies
+
         return fn
+
     same = [values(rank, shape, salt=14 + i) for i, shape in enumerate([(3,), (2, 5), (0,), (7,)])]
     out[("all_reduce_coalesced", "sum")] = both(coalesced(same, RED.SUM))
     out[("all_reduce_coalesced", "min")] = both(coalesced(same, RED.MIN))
-    out[("all_reduce_coalesced", "product")] = both(coalesced([values(rank, (4,), salt=20, low=-3, high=4)],
-                                                              RED.PRODUCT))
+    out[("all_reduce_coalesced", "product")] = both(
+        coalesced([values(rank, (4,), salt=20, low=-3, high=4)], RED.PRODUCT)
+    )
     bytes_ = [values(rank, (5,), torch.uint8, salt=21, low=0, high=40), values(rank, (2,), torch.uint8, salt=22, low=0)]
     out[("all_reduce_coalesced", "uint8")] = both(coalesced(bytes_, RED.SUM))
 
@@ -104,6 +111,7 @@ def case_every_op():
                 t = x.clone()
                 dist.broadcast(t, src=root, group=g)
                 return t
+
             out[("broadcast", root, dtype)] = both(bcast)
         for op in (RED.SUM, RED.MAX, RED.PRODUCT):
             x = values(rank, (1001,), salt=23, low=-3, high=4)
@@ -112,6 +120,7 @@ def case_every_op():
                 t = x.clone()
                 dist.reduce(t, dst=root, op=op, group=g)
                 return t if rank == root else None  # elsewhere the contents are unspecified
+
             out[("reduce", root, str(op))] = both(red)
         x = values(rank, (2, 3), torch.int32, salt=24)
 
@@ -119,6 +128,7 @@ def case_every_op():
             targets = [torch.empty(2, 3, dtype=torch.int32) for _ in range(n)] if rank == root else None
             dist.gather(x, targets, dst=root, group=g)
             return targets
+
         out[("gather", root)] = both(gather)
 
         def scatter(g):
@@ -126,18 +136,21 @@ def case_every_op():
             t = torch.empty(4, 2)
             dist.scatter(t, sources, src=root, group=g)
             return t
+
         out[("scatter", root)] = both(scatter)
 
         def bcast_objects(g):
             objects = [{"rank": rank, "root": root}, "x" * (rank + 1), list(range(rank))]
             dist.broadcast_object_list(objects, src=root, group=g)
             return objects
+
         out[("broadcast_object_list", root)] = both(bcast_objects)
 
         def gather_object(g):
             gathered = [None] * n if rank == root else None
             dist.gather_object(("obj", rank, [rank] * rank), gathered, dst=root, group=g)
             return gathered
+
         out[("gather_object", root)] = both(gather_object)
 
         def scatter_object(g):
@@ -145,6 +158,7 @@ def case_every_op():
             sources = [{"to": r, "from": root} for r in range(n)] if rank == root else None
             dist.scatter_object_list(output, sources, src=root, group=g)
             return output
+
         out[("scatter_object_list", root)] = both(scatter_object)
 
     for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
@@ -154,18 +168,21 @@ def case_every_op():
             targets = [torch.empty(2, 3, dtype=dtype) for _ in range(n)]
             dist.all_gather(targets, x, group=g)
             return targets
+
         out[("all_gather", dtype)] = both(gather_list)
 
         def gather_flat(g):
             flat = torch.empty(n * 2, 3, dtype=dtype)
             dist.all_gather_into_tensor(flat, x, group=g)
             return flat
+
         out[("all_gather_into_tensor", dtype)] = ours, theirs = both(gather_flat)
         stacked = torch.empty(n, 2, 3, dtype=dtype)  # torch's other output shape (gloo takes only the flat one)
         dist.all_gather_into_tensor(stacked, x)
         out[("all_gather_into_tensor", "stacked", dtype)] = (stacked.view(n * 2, 3), theirs)
-    out["all_gather_object"] = both(lambda g: (lambda objs: (dist.all_gather_object(objs, {rank: "y" * rank}, group=g),
-                                                             objs)[1])([None] * n))
+    out["all_gather_object"] = both(
+        lambda g: (lambda objs: (dist.all_gather_object(objs, {rank: "y" * rank}, group=g), objs)[1])([None] * n)
+    )
 
     for op in (RED.SUM, RED.MIN, RED.PRODUCT):
         for dtype in (torch.float32, torch.int64):
@@ -175,6 +192,7 @@ def case_every_op():
                 t = torch.empty(3, 2, dtype=dtype)
                 dist.reduce_scatter(t, [i.clone() for i in inputs], op=op, group=g)
                 return t
+
             out[("reduce_scatter", str(op), dtype)] = both(rs_list)
             x = values(rank, (n * 3, 2), dtype, salt=28, low=-3, high=4)
 
@@ -182,12 +200,14 @@ def case_every_op():
                 t = torch.empty(3, 2, dtype=dtype)
                 quiet(dist.reduce_scatter_tensor, t, x.clone(), op=op, group=g)
                 return t
+
             out[("reduce_scatter_tensor", str(op), dtype)] = both(rs_tensor)
 
             def rs_tensor_stacked(g):  # the input as [n, *output.shape], which the docs allow
                 t = torch.empty(3, 2, dtype=dtype)
                 quiet(dist.reduce_scatter_tensor, t, x.clone().view(n, 3, 2), op=op, group=g)
                 return t
+
             out[("reduce_scatter_tensor_stacked", str(op), dtype)] = (rs_tensor_stacked(None), both(rs_tensor)[1])
     x = values(rank, (n * 501,), salt=29)
     rs_mean = torch.empty(501)
@@ -203,6 +223,7 @@ def case_every_op():
         t = torch.empty(n * 2, 3)
         dist.all_to_all_single(t, x, group=g)
         return t
+
     out["all_to_all_single"] = both(a2a_equal)
     send_rows = [(rank + peer) % 3 for peer in range(n)]  # rows this rank sends to each peer
     recv_rows = [(peer + rank) % 3 for peer in range(n)]  # rows each peer sends to this rank
@@ -212,6 +233,7 @@ def case_every_op():
         t = torch.empty(sum(recv_rows), 2, dtype=torch.int64)
         dist.all_to_all_single(t, x, recv_rows, send_rows, group=g)
         return t
+
     out["all_to_all_single_uneven"] = both(a2a_uneven)
     sources = [values(rank, (2, 3), salt=32 + peer) for peer in range(n)]
 
@@ -219,6 +241,7 @@ def case_every_op():
         targets = [torch.empty(2, 3) for _ in range(n)]
         dist.all_to_all(targets, [s.clone() for s in sources], group=g)
         return targets
+
     out["all_to_all"] = both(a2a_list)
     # uneven sizes, which gloo's all_to_all rejects: against what each peer sent
     sources = [values(rank, (rank + peer + 1, 2), salt=33 + peer) for peer in range(n)]
@@ -232,9 +255,11 @@ def case_every_op():
         outputs = [torch.empty(3 * n), torch.empty(2 * n, 2)]
         with dist._coalescing_manager(group=g):
             for output, salt in zip(outputs, (34, 35)):
-                dist.all_gather_into_tensor(output, values(rank, (output.shape[0] // n, *output.shape[1:]), salt=salt),
-                                            group=g)
+                dist.all_gather_into_tensor(
+                    output, values(rank, (output.shape[0] // n, *output.shape[1:]), salt=salt), group=g
+                )
         return outputs
+
     out["all_gather_into_tensor_coalesced"] = both(coalesced_gather)
 
     def coalesced_gather_strided(g):
@@ -242,37 +267,62 @@ def case_every_op():
         with dist._coalescing_manager(group=g):
             dist.all_gather_into_tensor(output, values(rank, (2, 2), salt=42), group=g)
         return output
-    out["all_gather_into_tensor_coalesced_strided"] = (coalesced_gather_strided(None),
-                                                       torch.cat([values(peer, (2, 2), salt=42) for peer in range(n)]))
+
+    out["all_gather_into_tensor_coalesced_strided"] = (
+        coalesced_gather_strided(None),
+        torch.cat([values(peer, (2, 2), salt=42) for peer in range(n)]),
+    )
     for op in (RED.SUM, RED.MAX):
+
         def coalesced_reduce_scatter(g):
             outputs = [torch.empty(3), torch.empty(2, 2)]
             with dist._coalescing_manager(group=g):
                 for output, salt in zip(outputs, (36, 37)):
-                    quiet(dist.reduce_scatter_tensor, output, values(rank, (n * output.shape[0], *output.shape[1:]),
-                                                                     salt=salt), op=op, group=g)
+                    quiet(
+                        dist.reduce_scatter_tensor,
+                        output,
+                        values(rank, (n * output.shape[0], *output.shape[1:]), salt=salt),
+                        op=op,
+                        group=g,
+                    )
             return outputs
+
         out[("reduce_scatter_tensor_coalesced", str(op))] = both(coalesced_reduce_scatter)
     # delegated to gloo: an op or a dtype ddpkit does not reduce, or several dtypes at once
-    for op, dtypes in ((RED.PRODUCT, (torch.float32, torch.float32)), (RED.SUM, (torch.int8, torch.int8)),
-                       (RED.BAND, (torch.int32, torch.int32)), (RED.SUM, (torch.float32, torch.float64))):
+    for op, dtypes in (
+        (RED.PRODUCT, (torch.float32, torch.float32)),
+        (RED.SUM, (torch.int8, torch.int8)),
+        (RED.BAND, (torch.int32, torch.int32)),
+        (RED.SUM, (torch.float32, torch.float64)),
+    ):
+
         def delegated_reduce_scatter(g):
             outputs = [torch.empty(3, dtype=dtypes[0]), torch.empty(2, 2, dtype=dtypes[1])]
             with dist._coalescing_manager(group=g):
                 for output, salt in zip(outputs, (43, 44)):
-                    quiet(dist.reduce_scatter_tensor, output,
-                          values(rank, (n * output.shape[0], *output.shape[1:]), output.dtype, salt=salt, low=-3, high=4),
-                          op=op, group=g)
+                    quiet(
+                        dist.reduce_scatter_tensor,
+                        output,
+                        values(rank, (n * output.shape[0], *output.shape[1:]), output.dtype, salt=salt, low=-3, high=4),
+                        op=op,
+                        group=g,
+                    )
             return outputs
+
         out[("reduce_scatter_tensor_coalesced", str(op), dtypes)] = both(delegated_reduce_scatter)
 
     def coalesced_gather_mixed(g):
         outputs = [torch.empty(3 * n), torch.empty(2 * n, dtype=torch.int64)]
         with dist._coalescing_manager(group=g):
             for output, salt in zip(outputs, (45, 46)):
-                quiet(dist.all_gather_into_tensor, output, values(rank, (output.shape[0] // n,), output.dtype, salt=salt),
-                      group=g)
+                quiet(
+                    dist.all_gather_into_tensor,
+                    output,
+                    values(rank, (output.shape[0] // n,), output.dtype, salt=salt),
+                    group=g,
+                )
         return outputs
+
     out["all_gather_into_tensor_coalesced_mixed_dtypes"] = both(coalesced_gather_mixed)
 
     def coalesced_reduce(g):
@@ -282,6 +332,7 @@ def case_every_op():
                 dist.all_reduce(t, group=g)
         manager.wait()
         return tensors
+
     out["all_reduce_coalescing_manager"] = both(coalesced_reduce)
 
     def gather_coalesced(g):
@@ -289,6 +340,7 @@ def case_every_op():
         inputs = [values(rank, (3,), salt=40), values(rank, (2, 2), salt=41)]
         quiet(dist.all_gather_coalesced, outputs, inputs, group=g)
         return outputs
+
     out["all_gather_coalesced"] = both(gather_coalesced)
 
     out["barrier"] = both(lambda g: dist.barrier(group=g))
@@ -307,20 +359,22 @@ def case_every_op():
                 dist.recv(received, left, group=g, tag=3)
                 dist.send(mine, right, group=g, tag=3)
             return received
+
         out["send_recv"] = both(ring_blocking)
 
         def ring_nonblocking(g):
             received = torch.empty(4)
-            works = [dist.isend(torch.full((4,), float(rank)), right, group=g),
-                     dist.irecv(received, left, group=g)]
+            works = [dist.isend(torch.full((4,), float(rank)), right, group=g), dist.irecv(received, left, group=g)]
             for work in works:
                 work.wait()
             return received
+
         out["isend_irecv"] = both(ring_nonblocking)
     return out
 
 
 # --- every operation against gloo -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
 def test_every_op_matches_gloo(pools, world_size):
@@ -333,6 +387,7 @@ def test_every_op_matches_gloo(pools, world_size):
 
 
 # --- asynchronous work ------------------------------------------------------------------------------
+
 
 def case_async():
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -363,19 +418,22 @@ def case_async():
         d_in, d_out = values(rank, (n * 4,), salt=45), torch.empty(4)
         e_in, e_out = values(rank, (n * 3,), torch.int32, salt=46), torch.empty(n * 3, dtype=torch.int32)
         f = values(rank, (10,), salt=47, low=-3, high=4)
-        works = [dist.all_reduce(a, async_op=True, group=g),
-                 dist.broadcast(b, src=n - 1, async_op=True, group=g),
-                 dist.all_gather_into_tensor(c_out, c_in, async_op=True, group=g),
-                 quiet(dist.reduce_scatter_tensor, d_out, d_in, op=RED.MAX, async_op=True, group=g),
-                 dist.all_to_all_single(e_out, e_in, async_op=True, group=g),
-                 dist.all_reduce(f, op=RED.PRODUCT, async_op=True, group=g),
-                 dist.barrier(async_op=True, group=g)]
+        works = [
+            dist.all_reduce(a, async_op=True, group=g),
+            dist.broadcast(b, src=n - 1, async_op=True, group=g),
+            dist.all_gather_into_tensor(c_out, c_in, async_op=True, group=g),
+            quiet(dist.reduce_scatter_tensor, d_out, d_in, op=RED.MAX, async_op=True, group=g),
+            dist.all_to_all_single(e_out, e_in, async_op=True, group=g),
+            dist.all_reduce(f, op=RED.PRODUCT, async_op=True, group=g),
+            dist.barrier(async_op=True, group=g),
+        ]
         # a synchronous one behind them runs after them
         h = values(rank, (6,), salt=48)
         dist.all_reduce(h, group=g)
         for work in reversed(works):
             work.wait()
         return [a, b, c_out, d_out, e_out, f, h]
+
     out["in_flight"] = both(launch)
 
     # many small ones in flight at once, then waited for in order
@@ -385,6 +443,7 @@ def case_async():
         for work in works:
             work.wait()
         return tensors
+
     out["many"] = both(many)
     return out
 
@@ -405,23 +464,29 @@ def case_async_under_the_callers_state():
     parameter = torch.nn.Parameter(torch.full((5,), float(rank + 1), dtype=torch.bfloat16))
     with torch.no_grad():
         dist.all_reduce(parameter, async_op=True).wait()
-    out["no_grad_parameter"] = (parameter.detach().clone(), torch.full((5,), float(n * (n + 1) // 2),
-                                                                       dtype=torch.bfloat16))
+    out["no_grad_parameter"] = (
+        parameter.detach().clone(),
+        torch.full((5,), float(n * (n + 1) // 2), dtype=torch.bfloat16),
+    )
     # a synchronous call queued behind an asynchronous one also runs on the engine's thread
     big = torch.ones(300_001)
     with torch.no_grad():
         work = dist.all_reduce(big, async_op=True)
         dist.all_reduce(parameter)
         work.wait()
-    out["no_grad_queued_sync"] = (parameter.detach().clone(), torch.full((5,), float(n * n * (n + 1) // 2),
-                                                                         dtype=torch.bfloat16))
+    out["no_grad_queued_sync"] = (
+        parameter.detach().clone(),
+        torch.full((5,), float(n * n * (n + 1) // 2), dtype=torch.bfloat16),
+    )
     # under inference_mode, into inference tensors
     with torch.inference_mode():
         source = torch.arange(2 * n, dtype=torch.float32) + 100 * rank
         target = torch.empty(2 * n)
         dist.all_to_all_single(target, source, async_op=True).wait()
-    out["inference_mode_all_to_all"] = (target.clone(), torch.cat([torch.arange(2) + 2 * rank + 100 * peer
-                                                                   for peer in range(n)]).float())
+    out["inference_mode_all_to_all"] = (
+        target.clone(),
+        torch.cat([torch.arange(2) + 2 * rank + 100 * peer for peer in range(n)]).float(),
+    )
     # a rank that turns the checks off while its collective is still queued runs it checked, as its
     # peers, which issued it checked too, do
     first, second = torch.ones(300_001), torch.full((7,), float(rank))
@@ -477,6 +542,7 @@ def test_a_callback_may_wait_for_the_next_collective():
 def case_barrier_with_its_own_timeout():
     """Rank 0 calls a barrier with a timeout of 2 s; rank 1 never joins it (it returns after 8 s)."""
     import datetime
+
     if dist.get_rank() == 1:
         time.sleep(8)
         return "late"
@@ -487,8 +553,11 @@ def case_barrier_with_its_own_timeout():
     return "passed"
 
 
-@pytest.mark.parametrize("env", [{}, {"DDPKIT_TRANSPORT": "process_group"}, {"DDPKIT_TEST_HOSTS": "a,b"}],
-                         ids=["shm", "process_group", "across_hosts"])
+@pytest.mark.parametrize(
+    "env",
+    [{}, {"DDPKIT_TRANSPORT": "process_group"}, {"DDPKIT_TEST_HOSTS": "a,b"}],
+    ids=["shm", "process_group", "across_hosts"],
+)
 def test_a_barrier_gives_up_after_its_own_timeout(env):
     # The group's timeout (60 s) is beyond the run's 30: a barrier that waits it out fails the test.
     worker_pool = WorkerPool(2, backend="ddpkit", timeout=60.0, group_timeout=60.0, env=env)
@@ -502,6 +571,7 @@ def test_a_barrier_gives_up_after_its_own_timeout(env):
 
 
 # --- the process-group transport --------------------------------------------------------------
+
 
 def case_transport_and_counters():
     n = dist.get_world_size()

@@ -14,16 +14,17 @@ from torch import nn
 
 from helpers import TRAIN, batch, both, free_port, needs_fashion_mnist, needs_hosts, small_cli
 
-
 # --- torch's DistributedDataParallel and ZeroRedundancyOptimizer, unchanged ------------------
+
 
 class Branchy(nn.Module):
     """A batch-normalized trunk and one or two heads; a step uses one of them (the other's parameters are unused)."""
 
     def __init__(self, heads=1):
         super().__init__()
-        self.trunk = nn.Sequential(nn.Linear(8, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(),
-                                   nn.Linear(32, 16), nn.ReLU())
+        self.trunk = nn.Sequential(
+            nn.Linear(8, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU()
+        )
         self.heads = nn.ModuleList([nn.Linear(16, 4) for _ in range(heads)])
 
     def forward(self, x, head=0):
@@ -47,8 +48,14 @@ def train_torch_ddp(group, steps, accumulate=1, alternate_heads=False, hook=Fals
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     else:
         # (SGD: Adam would turn the last-bit differences of a three-rank sum into lr-sized ones)
-        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9,
-                                            process_group=group, parameters_as_bucket_view=zero)
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(),
+            optimizer_class=torch.optim.SGD,
+            lr=0.1,
+            momentum=0.9,
+            process_group=group,
+            parameters_as_bucket_view=zero,
+        )
     for step in range(steps):
         for micro in range(accumulate):
             x, y = batch(rank, step * accumulate + micro)
@@ -115,19 +122,37 @@ def test_torch_ddp_across_hosts_matches_gloo(hosts):
 
 # --- train.py --backend ddpkit under torchrun -------------------------------------------------
 
+
 def assert_succeeded(processes, outputs):
     codes = [process.returncode for process in processes]
-    assert codes == [0] * len(processes), "\n".join(f"--- process {i} (exit {code}):\n{output[-6000:]}"
-                                                    for i, (code, output) in enumerate(zip(codes, outputs)))
+    assert codes == [0] * len(processes), "\n".join(
+        f"--- process {i} (exit {code}):\n{output[-6000:]}" for i, (code, output) in enumerate(zip(codes, outputs))
+    )
 
 
 @needs_fashion_mnist
 def test_torchrun_with_the_ddpkit_backend(tmp_path):
     """torch's DDP (--impl torch) through train.py, all its collectives on the "ddpkit" backend."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         str(TRAIN), "--backend", "ddpkit", "--impl", "torch", *small_cli(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(TRAIN),
+            "--backend",
+            "ddpkit",
+            "--impl",
+            "torch",
+            *small_cli(tmp_path / "run"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output = process.communicate(timeout=240)[0]
     assert_succeeded([process], [output])
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
@@ -138,11 +163,35 @@ def test_torchrun_with_the_ddpkit_backend(tmp_path):
 @needs_fashion_mnist
 def test_two_torchrun_launchers_as_two_nodes_with_the_ddpkit_backend(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
-    launchers = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node",
-         "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "two-nodes-ddpkit", str(TRAIN),
-         "--backend", "ddpkit", *small_cli(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True) for node in (0, 1)]
+    launchers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                endpoint,
+                "--rdzv_id",
+                "two-nodes-ddpkit",
+                str(TRAIN),
+                "--backend",
+                "ddpkit",
+                *small_cli(tmp_path / "run"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     outputs = [launcher.communicate(timeout=240)[0] for launcher in launchers]
     assert_succeeded(launchers, outputs)
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["world_size"] == 2

@@ -31,7 +31,9 @@ def training(records, summary):
 
 
 PRINTERS = {
-    "allreduce": lambda records, summary: allreduce_summary.print_summary(records, allreduce_summary.summarize(records)),
+    "allreduce": lambda records, summary: allreduce_summary.print_summary(
+        records, allreduce_summary.summarize(records)
+    ),
     "syncbn": lambda records, summary: bench_syncbn.print_summary(records, summary, cuda=False),
     "syncbn_cuda": lambda records, summary: bench_syncbn.print_summary(records, summary, cuda=True),
     "ddp": lambda records, summary: bench_ddp.print_summary(records, reference="torch"),

@@ -12,8 +12,9 @@ SOURCE_LINES_LIMIT = 800
 
 
 def test_comm_has_no_include_cycle():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_includes.py")], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_includes.py")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no include cycle" in result.stdout
 
@@ -22,8 +23,9 @@ def test_a_cycle_is_found(tmp_path):
     (tmp_path / "a.h").write_text('#include "comm/b.h"\n')
     (tmp_path / "b.h").write_text("#pragma once\n")
     (tmp_path / "b.cpp").write_text('#include "comm/b.h"\n#include "comm/a.h"\n')
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_includes.py"), str(tmp_path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_includes.py"), str(tmp_path)], capture_output=True, text=True
+    )
     assert result.returncode == 1
     assert "a -> b -> a" in result.stdout
 
@@ -39,8 +41,11 @@ def lines_over_the_limit(paths) -> dict:
 
 
 def test_no_python_file_is_over_the_limit():
-    sources = [p for folder in ("python", "benchmarks", "notebooks", "scripts", "examples")
-               for p in (ROOT / folder).rglob("*.py")] + list(ROOT.glob("*.py"))
+    sources = [
+        p
+        for folder in ("python", "benchmarks", "notebooks", "scripts", "examples")
+        for p in (ROOT / folder).rglob("*.py")
+    ] + list(ROOT.glob("*.py"))
     assert sources and not lines_over_the_limit(sources), lines_over_the_limit(sources)
 
 
@@ -58,8 +63,13 @@ def test_no_test_module_imports_another():
     imports = {}
     for path in sorted((ROOT / "tests").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             found = [name for name in names if name.split(".")[0].startswith("test_")]
             if found:
                 imports[path.name] = found

@@ -95,9 +95,11 @@ def test_local_rank_picks_a_gpu_per_process_without_a_launcher(monkeypatch):
 
 def test_the_library_imports_without_the_training_application():
     # A fresh interpreter: this test process has imported the application already.
-    code = ("import sys, ddpkit, ddpkit.launch, ddpkit.testing\n"
-            "loaded = sorted(m for m in sys.modules if m.startswith('ddpkit.training'))\n"
-            "print(','.join(loaded))\n")
+    code = (
+        "import sys, ddpkit, ddpkit.launch, ddpkit.testing\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('ddpkit.training'))\n"
+        "print(','.join(loaded))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == ""
 

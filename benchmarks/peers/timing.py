@@ -17,8 +17,8 @@ import argparse
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 # numel -> back-to-back calls per timed repetition. Small messages take microseconds with a shared-memory
 # transport: a batch makes the skew of the synchronisation before it small against the batch.
@@ -35,8 +35,9 @@ BATCH = ((10_000, 16), (100_000, 4))
 SETTLE_S = 0.1
 
 
-def settle(call: Callable[[], object], agree: Callable[[bool], bool], calls_per_check: int,
-           seconds: float = SETTLE_S) -> None:
+def settle(
+    call: Callable[[], object], agree: Callable[[bool], bool], calls_per_check: int, seconds: float = SETTLE_S
+) -> None:
     """Runs ``call()`` back to back for about ``seconds`` on every rank of a job: ``calls_per_check``
     calls, then ``agree(this rank's time is up)``, which must return the same on every rank (an
     all-reduce of the flag through the candidate itself), until it returns True."""
@@ -70,7 +71,7 @@ def reps_for(numel: int, world_size: int, reps: int) -> int:
     return min(reps, max(3, scaled))
 
 
-def plan_reps(first_call_s: float, reps: int, budget_s: Optional[float]) -> tuple[int, bool]:
+def plan_reps(first_call_s: float, reps: int, budget_s: float | None) -> tuple[int, bool]:
     """(repetitions to run, cut_off): as many of ``reps`` as fit in ``budget_s`` at ``first_call_s`` each.
 
     At least one repetition always runs; ``cut_off`` is True when fewer than ``reps`` will.
@@ -108,11 +109,15 @@ def slowest_per_rep(per_rank: Sequence[Sequence[float]]) -> list[float]:
 def time_stats(slowest: Sequence[float]) -> dict:
     """median, p25, p75 (seconds per call) of the slowest rank's times."""
     ordered = sorted(slowest)
-    return {"median_s": statistics.median(ordered), "p25_s": quantile(ordered, 0.25),
-            "p75_s": quantile(ordered, 0.75), "reps": len(ordered)}
+    return {
+        "median_s": statistics.median(ordered),
+        "p25_s": quantile(ordered, 0.25),
+        "p75_s": quantile(ordered, 0.75),
+        "reps": len(ordered),
+    }
 
 
-def bus_bandwidth_GBps(nbytes: int, seconds: Optional[float], world_size: int) -> Optional[float]:
+def bus_bandwidth_GBps(nbytes: int, seconds: float | None, world_size: int) -> float | None:
     """nccl-tests' bus bandwidth of an all-reduce: bytes/time * 2(n-1)/n, in GB/s (None for n=1)."""
     if world_size <= 1 or not seconds or seconds <= 0:
         return None

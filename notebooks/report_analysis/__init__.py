@@ -14,8 +14,15 @@ The modules, by concern: ``results`` (reading the results, their commits), ``for
 torch's test suite), ``hosts`` (7), ``recovery`` (9).
 """
 
-from .allreduce import (allreduce_accuracy, allreduce_memory, allreduce_spread, allreduce_targets, allreduce_time,
-                        collective_checks, latency)
+from .allreduce import (
+    allreduce_accuracy,
+    allreduce_memory,
+    allreduce_spread,
+    allreduce_targets,
+    allreduce_time,
+    collective_checks,
+    latency,
+)
 from .cuda import gpu
 from .data_parallel import ddp, training
 from .hosts import multihost, multihost_targets
@@ -26,12 +33,31 @@ from .syncbn import syncbn_local, syncbn_plot, syncbn_table
 from .torch_backend import backend, torch_stack, torch_suite
 
 __all__ = [
-    "EXPECTED", "OPTIONAL", "SUITE", "load_results", "results_folder",
+    "EXPECTED",
+    "OPTIONAL",
+    "SUITE",
+    "load_results",
+    "results_folder",
     # the sections, in the report's order
-    "provenance", "infrastructure",
-    "allreduce_time", "allreduce_targets", "allreduce_spread", "allreduce_accuracy", "allreduce_memory",
-    "collective_checks", "latency",
-    "syncbn_table", "syncbn_plot", "syncbn_local",
-    "ddp", "training", "gpu", "backend", "multihost", "multihost_targets", "torch_stack", "torch_suite",
+    "provenance",
+    "infrastructure",
+    "allreduce_time",
+    "allreduce_targets",
+    "allreduce_spread",
+    "allreduce_accuracy",
+    "allreduce_memory",
+    "collective_checks",
+    "latency",
+    "syncbn_table",
+    "syncbn_plot",
+    "syncbn_local",
+    "ddp",
+    "training",
+    "gpu",
+    "backend",
+    "multihost",
+    "multihost_targets",
+    "torch_stack",
+    "torch_suite",
     "fault_tolerance",
 ]

@@ -18,8 +18,12 @@ def display(item) -> None:
 
 def warn(text: str) -> None:
     """Shows ``text`` (markdown-free HTML) as a warning box, marked ⚠."""
-    display(HTML(f'<div style="border-left: 6px solid #d9822b; background: #fff4e5; padding: 6px 12px; '
-                 f'margin: 6px 0">⚠ {text}</div>'))
+    display(
+        HTML(
+            f'<div style="border-left: 6px solid #d9822b; background: #fff4e5; padding: 6px 12px; '
+            f'margin: 6px 0">⚠ {text}</div>'
+        )
+    )
 
 
 def command(R: dict, name: str) -> None:
@@ -29,8 +33,10 @@ def command(R: dict, name: str) -> None:
     display(Markdown(f"Produced by `{env['command']}` on {minute(env['date'])} UTC."))
     problem = provenance_problem(R, name)
     if problem:
-        warn(f"`{name}.json`: {problem}. Run `bash benchmarks/run_all.sh` on a clean checkout to measure every "
-             "result from one commit.")
+        warn(
+            f"`{name}.json`: {problem}. Run `bash benchmarks/run_all.sh` on a clean checkout to measure every "
+            "result from one commit."
+        )
 
 
 def table(rows: list[dict], columns: list[str], formats: dict | None = None) -> None:

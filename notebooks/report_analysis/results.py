@@ -9,7 +9,6 @@ from pathlib import Path
 
 from benchmarks.records import load_records
 
-
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -70,6 +69,7 @@ def provenance_problem(R: dict, name: str) -> str | None:
     if commit != expected:
         problems.append(f"it was measured at commit `{commit[:10]}`, not at `{expected[:10]}` like this report")
     if dirty:
-        problems.append("the tree it was measured from had uncommitted changes, so no commit holds the code that "
-                        "produced it")
+        problems.append(
+            "the tree it was measured from had uncommitted changes, so no commit holds the code that produced it"
+        )
     return " and ".join(problems) or None

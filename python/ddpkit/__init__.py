@@ -10,7 +10,8 @@ tests and benchmarks (simulated hosts, engine timing), and ``ddpkit.training`` t
 """
 
 import atexit as _atexit
-from importlib.metadata import PackageNotFoundError, version as _distribution_version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _distribution_version
 
 import torch
 import torch.distributed  # noqa: F401  (before _C: its backend class derives from torch's)

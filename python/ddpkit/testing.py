@@ -28,7 +28,6 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -41,21 +40,26 @@ __all__ = ["HostPool", "RemoteTraceback", "WorkerFailure", "WorkerPool", "is_tes
 def is_testing_build() -> bool:
     """Whether the installed extension carries the test hooks (the CMake option DDPKIT_TESTING)."""
     from . import _C  # noqa: F401  (registers the op libraries)
+
     return hasattr(torch.ops.ddpkit_testing, "time_engine_loop")
 
 
-def time_engine_loop(numel: int, iterations: int, stage: str, group: Optional[dist.ProcessGroup] = None) -> float:
+def time_engine_loop(numel: int, iterations: int, stage: str, group: dist.ProcessGroup | None = None) -> float:
     """Seconds per call of ``stage`` ("lookup", "engine", "all_reduce", "all_reduce_unchecked") looped in C++
     with no Python or dispatcher between calls: a benchmark of the engine's layers
     (csrc/testing/engine_loop.cpp); a collective, so every rank calls it with the same arguments."""
     if not is_testing_build():
-        raise RuntimeError("ddpkit.testing.time_engine_loop needs a testing build of ddpkit (scripts/setup.sh, "
-                           "or pip install -C cmake.define.DDPKIT_TESTING=ON --no-build-isolation .)")
+        raise RuntimeError(
+            "ddpkit.testing.time_engine_loop needs a testing build of ddpkit (scripts/setup.sh, "
+            "or pip install -C cmake.define.DDPKIT_TESTING=ON --no-build-isolation .)"
+        )
     from .comm import group_name
+
     return torch.ops.ddpkit_testing.time_engine_loop(numel, iterations, stage, group_name(group))
 
 
 # --- simulated hosts -----------------------------------------------------------------------------
+
 
 class HostPool(WorkerPool):
     """A WorkerPool whose ranks run on simulated hosts: ``ranks_per_host[h]`` ranks on host h, numbered
@@ -71,11 +75,19 @@ class HostPool(WorkerPool):
     SUBNET = "10.213.0"
     STORE_PORT = 29533
 
-    def __init__(self, ranks_per_host: list, backend: str = "gloo", timeout: float = 180.0,
-                 group_timeout: float = 60.0, threads: int = 1, env: Optional[dict] = None,
-                 rate: Optional[str] = None):
-        super().__init__(sum(ranks_per_host), backend=backend, timeout=timeout, group_timeout=group_timeout,
-                         threads=threads, env=env)
+    def __init__(
+        self,
+        ranks_per_host: list,
+        backend: str = "gloo",
+        timeout: float = 180.0,
+        group_timeout: float = 60.0,
+        threads: int = 1,
+        env: dict | None = None,
+        rate: str | None = None,
+    ):
+        super().__init__(
+            sum(ranks_per_host), backend=backend, timeout=timeout, group_timeout=group_timeout, threads=threads, env=env
+        )
         self.ranks_per_host = list(ranks_per_host)
         self.rate = rate
         self.leftovers: dict = {}
@@ -85,7 +97,7 @@ class HostPool(WorkerPool):
         self._tmp = None
 
     @staticmethod
-    def unavailable() -> Optional[str]:
+    def unavailable() -> str | None:
         if os.geteuid() != 0:
             return "simulated hosts need root (network and mount namespaces)"
         for tool in ("ip", "unshare"):
@@ -96,7 +108,7 @@ class HostPool(WorkerPool):
     def _host_namespace(self, host: int) -> str:
         return f"{self._prefix}h{host}"
 
-    def _ip(self, *args: str, namespace: Optional[str] = None) -> None:
+    def _ip(self, *args: str, namespace: str | None = None) -> None:
         command = ["ip"] + (["-n", namespace] if namespace else []) + list(args)
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
@@ -123,8 +135,29 @@ class HostPool(WorkerPool):
             self._ip("link", "set", outer, "master", "dkbr", namespace=switch)
             self._ip("link", "set", outer, "up", namespace=switch)
             if self.rate:
-                subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", "dkh", "root", "tbf",
-                                "rate", self.rate, "burst", "1mbit", "latency", "50ms"], check=True, capture_output=True)
+                subprocess.run(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        namespace,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        "dkh",
+                        "root",
+                        "tbf",
+                        "rate",
+                        self.rate,
+                        "burst",
+                        "1mbit",
+                        "latency",
+                        "50ms",
+                    ],
+                    check=True,
+                    capture_output=True,
+                )
 
     def start(self) -> None:
         if self._conns:
@@ -140,25 +173,56 @@ class HostPool(WorkerPool):
             self._make_network()
             first = 0
             for host, count in enumerate(self.ranks_per_host):
-                spec = {"address": address, "authkey": authkey.hex(), "ranks": list(range(first, first + count)),
-                        "world_size": self.world_size, "master_addr": f"{self.SUBNET}.1", "port": self.STORE_PORT,
-                        "store_host": host == 0, "backend": self.backend, "group_timeout": self.group_timeout,
-                        "threads": self.threads, "env": {**self.env, "GLOO_SOCKET_IFNAME": "dkh"},
-                        "sys_path": sys.path}
+                spec = {
+                    "address": address,
+                    "authkey": authkey.hex(),
+                    "ranks": list(range(first, first + count)),
+                    "world_size": self.world_size,
+                    "master_addr": f"{self.SUBNET}.1",
+                    "port": self.STORE_PORT,
+                    "store_host": host == 0,
+                    "backend": self.backend,
+                    "group_timeout": self.group_timeout,
+                    "threads": self.threads,
+                    "env": {**self.env, "GLOO_SOCKET_IFNAME": "dkh"},
+                    "sys_path": sys.path,
+                }
                 first += count
-                script = (f"mount -t tmpfs tmpfs /dev/shm && hostname ddpkit-host{host} && exec "
-                          f"{shlex.quote(sys.executable)} -m ddpkit.testing host {shlex.quote(json.dumps(spec))}")
-                self._launchers.append(subprocess.Popen(
-                    ["ip", "netns", "exec", self._host_namespace(host), "unshare", "-m", "-u", "--fork",
-                     "--kill-child", "sh", "-c", script],
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
+                script = (
+                    f"mount -t tmpfs tmpfs /dev/shm && hostname ddpkit-host{host} && exec "
+                    f"{shlex.quote(sys.executable)} -m ddpkit.testing host {shlex.quote(json.dumps(spec))}"
+                )
+                self._launchers.append(
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            self._host_namespace(host),
+                            "unshare",
+                            "-m",
+                            "-u",
+                            "--fork",
+                            "--kill-child",
+                            "sh",
+                            "-c",
+                            script,
+                        ],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        start_new_session=True,
+                    )
+                )
             conns: dict = {}
             accepting = threading.Thread(target=lambda: conns.update(self._accept(listener)), daemon=True)
             accepting.start()
             accepting.join(max(self.timeout, 60.0))
             if len(conns) != self.world_size:
-                raise TimeoutError(f"ddpkit.testing.HostPool: only ranks {sorted(conns)} of {self.world_size} "
-                                   f"connected; launchers said: {self._launcher_output()}")
+                raise TimeoutError(
+                    f"ddpkit.testing.HostPool: only ranks {sorted(conns)} of {self.world_size} "
+                    f"connected; launchers said: {self._launcher_output()}"
+                )
             listener.close()
             self._conns = [conns[rank] for rank in range(self.world_size)]
             self._collect(time.monotonic() + max(self.timeout, 60.0))
@@ -252,8 +316,14 @@ def _host_main(spec: dict) -> None:
     sys.path[:] = spec["sys_path"]
     store = None
     if spec["store_host"]:
-        store = dist.TCPStore(spec["master_addr"], spec["port"], spec["world_size"], is_master=True,
-                              timeout=datetime.timedelta(seconds=spec["group_timeout"]), wait_for_workers=False)
+        store = dist.TCPStore(
+            spec["master_addr"],
+            spec["port"],
+            spec["world_size"],
+            is_master=True,
+            timeout=datetime.timedelta(seconds=spec["group_timeout"]),
+            wait_for_workers=False,
+        )
     ctx = mp.get_context("spawn")
     ranks = []
     for local_rank, rank in enumerate(spec["ranks"]):
@@ -267,11 +337,22 @@ def _host_main(spec: dict) -> None:
 
 
 def _host_rank_main(spec: dict, rank: int, local_rank: int) -> None:
-    conn = _PlainConnection(multiprocessing.connection.Client(spec["address"], family="AF_UNIX",
-                                                              authkey=bytes.fromhex(spec["authkey"])))
+    conn = _PlainConnection(
+        multiprocessing.connection.Client(spec["address"], family="AF_UNIX", authkey=bytes.fromhex(spec["authkey"]))
+    )
     conn.send(("hello", rank))
-    _worker_main(rank, spec["world_size"], spec["port"], spec["backend"], spec["group_timeout"], spec["threads"],
-                 spec["env"], conn, master_addr=spec["master_addr"], local=(local_rank, len(spec["ranks"])))
+    _worker_main(
+        rank,
+        spec["world_size"],
+        spec["port"],
+        spec["backend"],
+        spec["group_timeout"],
+        spec["threads"],
+        spec["env"],
+        conn,
+        master_addr=spec["master_addr"],
+        local=(local_rank, len(spec["ranks"])),
+    )
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import pickle
 import signal
 import time
 import traceback
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,15 +65,31 @@ def _return_freed_memory() -> None:
 SETUP_TIMEOUT_S = 180.0
 
 
-def _worker_main(rank: int, world_size: int, store_port: int, backend: str, group_timeout: float,
-                 threads: int, env: dict, conn: multiprocessing.connection.Connection,
-                 master_addr: str = "127.0.0.1", local: tuple = (None, None)) -> None:
+def _worker_main(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    backend: str,
+    group_timeout: float,
+    threads: int,
+    env: dict,
+    conn: multiprocessing.connection.Connection,
+    master_addr: str = "127.0.0.1",
+    local: tuple = (None, None),
+) -> None:
     _die_with_parent()
     os.environ.update(env)
     local_rank, local_size = (rank, world_size) if local[0] is None else local
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": master_addr,
-                       "MASTER_PORT": str(store_port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(local_size),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(store_port),
+        }
+    )
     torch.set_num_threads(threads)
     # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it, before `env` was applied
     dist.set_debug_level_from_env()
@@ -83,14 +100,20 @@ def _worker_main(rank: int, world_size: int, store_port: int, backend: str, grou
         # start seconds apart, and the group's rendezvous waits only `group_timeout` for the last one
         # (a short one, where a test waits for a failure). A rank that never starts still ends the
         # wait, at SETUP_TIMEOUT_S.
-        store = dist.TCPStore(master_addr, store_port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=max(group_timeout, SETUP_TIMEOUT_S)))
+        store = dist.TCPStore(
+            master_addr,
+            store_port,
+            world_size,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=max(group_timeout, SETUP_TIMEOUT_S)),
+        )
         if store.add("ddpkit.workers/started", 1) == world_size:
             store.set("ddpkit.workers/all_started", "")
         store.wait(["ddpkit.workers/all_started"])
         store.set_timeout(datetime.timedelta(seconds=group_timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=group_timeout))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=group_timeout)
+        )
     except BaseException as exc:  # report, then exit: the parent kills the pool
         conn.send(_error_message(exc))
         return
@@ -130,7 +153,7 @@ def _error_message(exc: BaseException) -> tuple:
     return ("error", (payload, f"{type(exc).__name__}: {exc}", text))
 
 
-def _rebuild_exception(rank: int, payload: Optional[bytes], summary: str, text: str) -> BaseException:
+def _rebuild_exception(rank: int, payload: bytes | None, summary: str, text: str) -> BaseException:
     exc = pickle.loads(payload) if payload is not None else WorkerFailure(f"rank {rank}: {summary}")
     exc.__cause__ = RemoteTraceback(f'Traceback of rank {rank}:\n"""\n{text}"""')
     return exc
@@ -147,8 +170,15 @@ class WorkerPool:
     ``run`` starts fresh workers.
     """
 
-    def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 120.0,
-                 group_timeout: float = 60.0, threads: Optional[int] = None, env: Optional[dict] = None):
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        timeout: float = 120.0,
+        group_timeout: float = 60.0,
+        threads: int | None = None,
+        env: dict | None = None,
+    ):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -168,14 +198,31 @@ class WorkerPool:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "ddpkit"])
         # The parent owns the rendezvous store for the pool's lifetime: no free-port race.
-        self._store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True,
-                                    timeout=datetime.timedelta(seconds=self.group_timeout),
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.world_size + 1,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=self.group_timeout),
+            wait_for_workers=False,
+        )
         for rank in range(self.world_size):
             parent_conn, child_conn = ctx.Pipe()
-            process = ctx.Process(target=_worker_main, daemon=True, name=f"ddpkit-rank{rank}",
-                                  args=(rank, self.world_size, self._store.port, self.backend,
-                                        self.group_timeout, self.threads, self.env, child_conn))
+            process = ctx.Process(
+                target=_worker_main,
+                daemon=True,
+                name=f"ddpkit-rank{rank}",
+                args=(
+                    rank,
+                    self.world_size,
+                    self._store.port,
+                    self.backend,
+                    self.group_timeout,
+                    self.threads,
+                    self.env,
+                    child_conn,
+                ),
+            )
             process.start()
             child_conn.close()
             self._processes.append(process)
@@ -207,7 +254,7 @@ class WorkerPool:
             conn.close()
         self._processes, self._conns, self._store = [], [], None
 
-    def __enter__(self) -> "WorkerPool":
+    def __enter__(self) -> WorkerPool:
         self.start()
         return self
 
@@ -215,8 +262,9 @@ class WorkerPool:
         self.close()
 
     # -- work -----------------------------------------------------------------------------------
-    def run(self, fn: Callable, *args: Any, timeout: Optional[float] = None, return_exceptions: bool = False,
-            **kwargs: Any) -> list:
+    def run(
+        self, fn: Callable, *args: Any, timeout: float | None = None, return_exceptions: bool = False, **kwargs: Any
+    ) -> list:
         self.start()
         task = (fn, args, kwargs)
         for conn in self._conns:
@@ -243,8 +291,10 @@ class WorkerPool:
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"ddpkit.workers.WorkerPool: ranks {sorted(pending)} did not finish within the timeout; "
-                                   "the pool was killed")
+                raise TimeoutError(
+                    f"ddpkit.workers.WorkerPool: ranks {sorted(pending)} did not finish within the timeout; "
+                    "the pool was killed"
+                )
             waitables = {conn: rank for rank, conn in pending.items()}
             waitables.update({self._sentinel(rank): rank for rank in pending if self._sentinel(rank) is not None})
             for item in multiprocessing.connection.wait(list(waitables), remaining):
@@ -255,7 +305,9 @@ class WorkerPool:
                 message = receive(rank) if item is conn or conn.poll() else None
                 del pending[rank]
                 if message is None:
-                    error: BaseException = WorkerFailure(f"rank {rank} died ({self._fate(rank)}) before reporting a result")
+                    error: BaseException = WorkerFailure(
+                        f"rank {rank} died ({self._fate(rank)}) before reporting a result"
+                    )
                 else:
                     status, value = message
                     if status != "error":
@@ -286,8 +338,16 @@ class WorkerPool:
         return f"exit code {process.exitcode}"
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, backend: str = "gloo", timeout: float = 120.0,
-          group_timeout: float = 60.0, return_exceptions: bool = False, **kwargs: Any) -> list:
+def spawn(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    group_timeout: float = 60.0,
+    return_exceptions: bool = False,
+    **kwargs: Any,
+) -> list:
     """Runs ``fn(*args, **kwargs)`` once on ``world_size`` fresh processes; returns per-rank results."""
     pool = WorkerPool(world_size, backend=backend, timeout=timeout, group_timeout=group_timeout)
     try:

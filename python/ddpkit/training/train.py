@@ -19,8 +19,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, augment=resolved_augment(config.augment, config.dataset))
 
 
-def _raise_if_any_rank_failed(error: Optional[str]) -> None:
+def _raise_if_any_rank_failed(error: str | None) -> None:
     """Raises ``UsageError`` on every rank if any rank passes an error (the lowest such rank's)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         errors = [None] * dist.get_world_size()
@@ -97,30 +97,42 @@ def load_training_data(config: TrainConfig, rank: int, world_size: int) -> Train
     if config.global_batch_size is not None:
         per_step = world_size * config.accumulation_steps
         if config.global_batch_size % per_step:
-            raise UsageError(f"ddpkit: --global-batch-size {config.global_batch_size} is not divisible by "
-                             f"world size x --accumulation-steps = {world_size} x "
-                             f"{config.accumulation_steps} = {per_step}")
+            raise UsageError(
+                f"ddpkit: --global-batch-size {config.global_batch_size} is not divisible by "
+                f"world size x --accumulation-steps = {world_size} x "
+                f"{config.accumulation_steps} = {per_step}"
+            )
         micro_batch = config.global_batch_size // per_step
 
     train_x, train_y = load_dataset(config.dataset, config.data_root, train=True, download=config.download)
     test_x, test_y = load_dataset(config.dataset, config.data_root, train=False, download=config.download)
     if config.limit_train:
-        train_x, train_y = train_x[:config.limit_train], train_y[:config.limit_train]
+        train_x, train_y = train_x[: config.limit_train], train_y[: config.limit_train]
     if config.limit_test:
-        test_x, test_y = test_x[:config.limit_test], test_y[:config.limit_test]
+        test_x, test_y = test_x[: config.limit_test], test_y[: config.limit_test]
 
     try:
-        sampler = ShardedBatches(len(train_x), micro_batch, rank, world_size, seed=config.seed, shuffle=True,
-                                 drop_last=True)
+        sampler = ShardedBatches(
+            len(train_x), micro_batch, rank, world_size, seed=config.seed, shuffle=True, drop_last=True
+        )
     except ValueError as exc:
         raise UsageError(f"{exc} (see --limit-train, --batch-size)") from None
     steps_per_epoch = len(sampler) // config.accumulation_steps
     if steps_per_epoch == 0:
-        raise UsageError(f"ddpkit: an epoch has {len(sampler)} micro-batches per rank, fewer than "
-                         f"--accumulation-steps {config.accumulation_steps}")
-    return TrainingData(train_x, train_y, test_x, test_y, sampler, micro_batch,
-                        global_batch=micro_batch * world_size * config.accumulation_steps,
-                        steps_per_epoch=steps_per_epoch)
+        raise UsageError(
+            f"ddpkit: an epoch has {len(sampler)} micro-batches per rank, fewer than "
+            f"--accumulation-steps {config.accumulation_steps}"
+        )
+    return TrainingData(
+        train_x,
+        train_y,
+        test_x,
+        test_y,
+        sampler,
+        micro_batch,
+        global_batch=micro_batch * world_size * config.accumulation_steps,
+        steps_per_epoch=steps_per_epoch,
+    )
 
 
 def load_data_on_every_rank(config: TrainConfig, info: DistInfo) -> TrainingData:
@@ -161,8 +173,9 @@ def batch_norm_of(config: TrainConfig, device: torch.device) -> tuple[str, list[
     return "BatchNorm", []
 
 
-def check_batch_norm_has_samples(model: nn.Module, config: TrainConfig, batch_norm: str, micro_batch: int,
-                                 world_size: int) -> None:
+def check_batch_norm_has_samples(
+    model: nn.Module, config: TrainConfig, batch_norm: str, micro_batch: int, world_size: int
+) -> None:
     """Raises ``UsageError`` where ``model`` has BatchNorm1d and training would normalise over one sample.
 
     The models' BatchNorm1d normalise [N, C] features over the samples alone (the 2d ones also over
@@ -173,15 +186,18 @@ def check_batch_norm_has_samples(model: nn.Module, config: TrainConfig, batch_no
     samples = micro_batch * (world_size if batch_norm != "BatchNorm" else 1)
     if samples == 1:
         where = "each rank's micro-batch" if batch_norm == "BatchNorm" else "all ranks' micro-batches"
-        raise UsageError(f"ddpkit: --model {config.model} has BatchNorm1d, which in training normalises over "
-                         f"the samples of {where} ({batch_norm}), and 1 sample leaves nothing to "
-                         "normalise over; use --batch-size 2 or more (or a --global-batch-size that gives it)")
+        raise UsageError(
+            f"ddpkit: --model {config.model} has BatchNorm1d, which in training normalises over "
+            f"the samples of {where} ({batch_norm}), and 1 sample leaves nothing to "
+            "normalise over; use --batch-size 2 or more (or a --global-batch-size that gives it)"
+        )
 
 
 def convert_batch_norm(model: nn.Module, batch_norm: str) -> nn.Module:
     """``model`` with its BatchNorm layers made ``batch_norm`` (``batch_norm_of``'s)."""
     if batch_norm == "ddpkit.SyncBatchNorm":
         from ..syncbn import convert_sync_batchnorm
+
         return convert_sync_batchnorm(model)
     if batch_norm == "torch.nn.SyncBatchNorm":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -231,7 +247,7 @@ def _write_json_atomically(obj, path: Path) -> None:
     write_atomically(path, lambda handle: handle.write((json.dumps(obj, indent=1) + "\n").encode()))
 
 
-def read_checkpoint(path: Optional[Path], rank: int, world_size: int) -> Optional[dict]:
+def read_checkpoint(path: Path | None, rank: int, world_size: int) -> dict | None:
     """The checkpoint at ``path`` on every rank (rank 0 reads it and broadcasts it: nodes need not share a
     file system), or None where there is none; raises ``UsageError`` on every rank for a file that is no
     checkpoint of this many ranks. Collective."""
@@ -242,8 +258,10 @@ def read_checkpoint(path: Optional[Path], rank: int, world_size: int) -> Optiona
             if not isinstance(holder[0], dict) or not {"config", "world_size", "model"} <= holder[0].keys():
                 raise ValueError("not a ddpkit training checkpoint")
         except Exception as exc:  # whatever torch.load raises for a file that is no checkpoint
-            holder[0] = {"error": f"ddpkit: checkpoint {path} cannot be resumed ({type(exc).__name__}: "
-                                  f"{exc}); use another --out or --no-resume"}
+            holder[0] = {
+                "error": f"ddpkit: checkpoint {path} cannot be resumed ({type(exc).__name__}: "
+                f"{exc}); use another --out or --no-resume"
+            }
     dist.broadcast_object_list(holder, src=0)
     state = holder[0]
     if state is None:
@@ -251,8 +269,10 @@ def read_checkpoint(path: Optional[Path], rank: int, world_size: int) -> Optiona
     if "error" in state:
         raise UsageError(state["error"])
     if state["world_size"] != world_size:
-        raise UsageError(f"ddpkit: checkpoint {path} was written by {state['world_size']} ranks, this run has "
-                         f"{world_size}; use another --out or --no-resume")
+        raise UsageError(
+            f"ddpkit: checkpoint {path} was written by {state['world_size']} ranks, this run has "
+            f"{world_size}; use another --out or --no-resume"
+        )
     return state
 
 
@@ -264,13 +284,17 @@ def check_same_run(state: dict, config: TrainConfig, path: Path) -> bool:
     would change the learning-rate schedule under the run."""
     saved = dict(state["config"])
     saved["augment"] = resolved_augment(saved.get("augment"), saved["dataset"])  # older checkpoints kept None
-    extending = (config.epochs > saved["epochs"] and state["epoch"] >= saved["epochs"]
-                 and not saved.get("max_steps"))
-    changed = [f"{name} {saved.get(name)!r} -> {getattr(config, name)!r}" for name in RUN_DEFINING
-               if saved.get(name) != getattr(config, name) and not (name == "epochs" and extending)]
+    extending = config.epochs > saved["epochs"] and state["epoch"] >= saved["epochs"] and not saved.get("max_steps")
+    changed = [
+        f"{name} {saved.get(name)!r} -> {getattr(config, name)!r}"
+        for name in RUN_DEFINING
+        if saved.get(name) != getattr(config, name) and not (name == "epochs" and extending)
+    ]
     if changed:
-        raise UsageError(f"ddpkit: checkpoint {path} belongs to a different run ({', '.join(changed)}); "
-                         "resuming it would mix two runs: use another --out or --no-resume")
+        raise UsageError(
+            f"ddpkit: checkpoint {path} belongs to a different run ({', '.join(changed)}); "
+            "resuming it would mix two runs: use another --out or --no-resume"
+        )
     return extending
 
 
@@ -279,8 +303,9 @@ def check_same_run(state: dict, config: TrainConfig, path: Path) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, transform, batch_size: int,
-             device: torch.device) -> dict:
+def evaluate(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, transform, batch_size: int, device: torch.device
+) -> dict:
     """Exact test loss and accuracy over all of ``images``, computed by all ranks together.
 
     Rank 0 splits the indices 0..N-1 into world_size contiguous shards (sizes differing by at most
@@ -296,7 +321,7 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
     if rank == 0:
         chunks = torch.full((world_size, shard_length), -1, dtype=torch.int64)
         for r, part in enumerate(torch.arange(count).tensor_split(world_size)):
-            chunks[r, :len(part)] = part
+            chunks[r, : len(part)] = part
     comm.scatter(shard, chunks, src=0)
     mine = shard[shard >= 0]
 
@@ -324,6 +349,7 @@ def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, trans
 
 def _peak_rss_bytes() -> int:
     import resource
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -357,8 +383,8 @@ class Trainer:
         self.epoch = 0
         self.step = 0
         self.history: dict = {"epochs": [], "steps": []}
-        self.resumed_from: Optional[Path] = None  # the checkpoint this run continues, if any
-        self._epoch_batches: Optional[Iterator[torch.Tensor]] = None  # the epoch a train_epoch paused in
+        self.resumed_from: Path | None = None  # the checkpoint this run continues, if any
+        self._epoch_batches: Iterator[torch.Tensor] | None = None  # the epoch a train_epoch paused in
         self._epoch_time_s = 0.0  # training time of the current epoch so far, over the calls that ran it
         if config.resume:
             self._resume()
@@ -368,7 +394,7 @@ class Trainer:
             log(*parts)
 
     # -- data ----------------------------------------------------------------------------------
-    def _transform(self, images: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def _transform(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         if generator is not None and self.config.augment:
             images = random_crop_flip(images, padding=4, generator=generator)
         return normalize(images, self.info.mean, self.info.std)
@@ -421,9 +447,15 @@ class Trainer:
         self.resumed_from = path
         if extending:
             self._stretch_schedule()
-            self._log(f"continuing {path}, finished at epoch {self.epoch}, to epoch {self.config.epochs}"
-                      + (f": the cosine schedule now spans {self.config.epochs} epochs, learning rate "
-                         f"{self.optimizer.param_groups[0]['lr']:.4g} from here" if self.scheduler else ""))
+            self._log(
+                f"continuing {path}, finished at epoch {self.epoch}, to epoch {self.config.epochs}"
+                + (
+                    f": the cosine schedule now spans {self.config.epochs} epochs, learning rate "
+                    f"{self.optimizer.param_groups[0]['lr']:.4g} from here"
+                    if self.scheduler
+                    else ""
+                )
+            )
         elif not self.done():
             self._log(f"resumed from {path}: epoch {self.epoch + 1}, optimizer step {self.step}")
 
@@ -434,8 +466,9 @@ class Trainer:
             return
         # Built with last_epoch = step - 1, the scheduler's initial step puts it at `step`; it keeps the
         # current learning rate there, so that is set to the curve's value, from which its later steps go on.
-        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=self.total_steps,
-                                                                    last_epoch=self.step - 1)
+        self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+            self.optimizer, T_max=self.total_steps, last_epoch=self.step - 1
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = group["initial_lr"] * (1 + math.cos(math.pi * self.step / self.total_steps)) / 2
 
@@ -443,7 +476,7 @@ class Trainer:
     def done(self) -> bool:
         return self.step >= self.total_steps or self.epoch >= self.config.epochs
 
-    def train_epoch(self, until_step: Optional[int] = None) -> Optional[dict]:
+    def train_epoch(self, until_step: int | None = None) -> dict | None:
         """Trains to the end of the current epoch (or to optimizer step ``until_step``, or the last
         step), then checkpoints. A call after one that stopped at ``until_step`` within an epoch goes
         on with that epoch's next batch. The epoch's evaluation, and its record (returned, and added to
@@ -462,7 +495,8 @@ class Trainer:
             if position > micro_batches:
                 break  # the epoch's tail that does not fill a whole optimizer step
             loss_value, stepped, forward_s, backward_s = self._forward_backward(
-                indices, self.epoch * micro_batches + position)
+                indices, self.epoch * micro_batches + position
+            )
             loss_sum += torch.tensor([loss_value, 1.0], dtype=torch.float64)
             if not stepped:
                 continue
@@ -504,29 +538,51 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad()
         self.step += 1
-        record = {"step": self.step, "epoch": self.epoch, "local_loss": loss_value,
-                  "lr": self.optimizer.param_groups[0]["lr"], "forward_s": forward_s, "backward_s": backward_s}
+        record = {
+            "step": self.step,
+            "epoch": self.epoch,
+            "local_loss": loss_value,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "forward_s": forward_s,
+            "backward_s": backward_s,
+        }
         if isinstance(self.model, DistributedDataParallel):
             stats = self.model.reducer_stats()
             record["comm_wait_s"] = stats["last_wait_us"] / 1e6
         if self.step % self.config.log_every == 0 or self.step == self.total_steps:
             comm.all_reduce(loss_sum)
             record["loss"] = float(loss_sum[0] / loss_sum[1])
-            self._log(f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} loss {record['loss']:.4f} "
-                      f"lr {record['lr']:.4g}")
+            self._log(
+                f"epoch {self.epoch + 1} step {self.step}/{self.total_steps} loss {record['loss']:.4f} "
+                f"lr {record['lr']:.4g}"
+            )
             loss_sum.zero_()
         self.history["steps"].append(record)
 
     def _end_epoch(self, finished_epoch: bool) -> dict:
         """The evaluation at an epoch's end (or at the run's last step), its record, and the checkpoint."""
         self._take_rank_0_buffers()
-        result = evaluate(self._module(), self.data.test_x, self.data.test_y, self._eval_transform,
-                          self.config.eval_batch_size, self.device)
+        result = evaluate(
+            self._module(),
+            self.data.test_x,
+            self.data.test_y,
+            self._eval_transform,
+            self.config.eval_batch_size,
+            self.device,
+        )
         epoch_time, self._epoch_time_s = self._epoch_time_s, 0.0
-        record = {"epoch": self.epoch, "step": self.step, "epoch_time_s": epoch_time, "test_loss": result["loss"],
-                  "test_accuracy": result["accuracy"], "test_samples": result["samples"]}
-        self._log(f"epoch {self.epoch + 1}: test loss {result['loss']:.4f} accuracy {100 * result['accuracy']:.2f}% "
-                  f"({result['samples']} samples), {epoch_time:.1f}s")
+        record = {
+            "epoch": self.epoch,
+            "step": self.step,
+            "epoch_time_s": epoch_time,
+            "test_loss": result["loss"],
+            "test_accuracy": result["accuracy"],
+            "test_samples": result["samples"],
+        }
+        self._log(
+            f"epoch {self.epoch + 1}: test loss {result['loss']:.4f} accuracy {100 * result['accuracy']:.2f}% "
+            f"({result['samples']} samples), {epoch_time:.1f}s"
+        )
         self.history["epochs"].append(record)
         if finished_epoch:
             self.epoch += 1
@@ -545,23 +601,37 @@ class Trainer:
         if self.rank != 0 or self.config.progress is False:
             return None
         from tqdm import tqdm
+
         done_in_epoch = self.step - self.epoch * self.data.steps_per_epoch
         desc = f"{self.progress_label} epoch {self.epoch + 1}/{self.config.epochs}".lstrip()
-        return tqdm(total=self.data.steps_per_epoch, initial=max(0, done_in_epoch), desc=desc,
-                    unit="step", leave=False, file=sys.stderr,
-                    # A bar redrawn into a pipe or a log file turns into thousands of fragments.
-                    disable=None if self.config.progress is None else False)
+        return tqdm(
+            total=self.data.steps_per_epoch,
+            initial=max(0, done_in_epoch),
+            desc=desc,
+            unit="step",
+            leave=False,
+            file=sys.stderr,
+            # A bar redrawn into a pipe or a log file turns into thousands of fragments.
+            disable=None if self.config.progress is None else False,
+        )
 
     # -- the whole run -------------------------------------------------------------------------
     def summary(self) -> dict:
         peak = torch.tensor([float(_peak_rss_bytes())], dtype=torch.float64)
         comm.all_reduce(peak, op="max")
         last = self.history["epochs"][-1] if self.history["epochs"] else {}
-        return {"config": dataclasses.asdict(self.config), "world_size": self.world_size,
-                "global_batch_size": self.data.global_batch, "micro_batch_per_rank": self.data.micro_batch,
-                "batch_norm": self.batch_norm, "notes": self.notes, "final_test_accuracy": last.get("test_accuracy"),
-                "final_test_loss": last.get("test_loss"), "peak_rss_bytes_max_over_ranks": int(peak),
-                "history": self.history}
+        return {
+            "config": dataclasses.asdict(self.config),
+            "world_size": self.world_size,
+            "global_batch_size": self.data.global_batch,
+            "micro_batch_per_rank": self.data.micro_batch,
+            "batch_norm": self.batch_norm,
+            "notes": self.notes,
+            "final_test_accuracy": last.get("test_accuracy"),
+            "final_test_loss": last.get("test_loss"),
+            "peak_rss_bytes_max_over_ranks": int(peak),
+            "history": self.history,
+        }
 
     def header(self) -> str:
         """What runs, in two lines: the pipeline, then the process group and how its collectives travel.
@@ -577,20 +647,26 @@ class Trainer:
             # torch's DDP goes through the process group, whatever its backend; ddpkit's own collectives
             # serve the evaluation and the loss log.
             ddp = "torch.nn.parallel.DistributedDataParallel"
-            collectives = (f"torch's DDP all-reduces gradients through the process group ({backend}); "
-                           f"evaluation and loss logs use ddpkit's collectives over {transport}")
+            collectives = (
+                f"torch's DDP all-reduces gradients through the process group ({backend}); "
+                f"evaluation and loss logs use ddpkit's collectives over {transport}"
+            )
         # A run that --max-steps cuts short runs fewer epochs than --epochs asks for: say what will run.
         steps_per_epoch = self.data.steps_per_epoch
         epochs = math.ceil(self.total_steps / steps_per_epoch)
         length = f"{self.total_steps} optimizer steps in {epochs} epoch{'' if epochs == 1 else 's'}"
         if self.total_steps < steps_per_epoch * self.config.epochs:
-            length += (f" (--max-steps {self.config.max_steps} of --epochs {self.config.epochs}; "
-                       f"{steps_per_epoch} steps an epoch)")
-        return (f"training {self.config.model} on {self.config.dataset} with {ddp} and {self.batch_norm}: "
-                f"micro-batch {self.data.micro_batch}/rank, accumulation {self.config.accumulation_steps}, global "
-                f"batch {self.data.global_batch}, {length}\n"
-                f"process group: backend {backend}, world size {self.world_size}, device "
-                f"{self.device.type}; {collectives}")
+            length += (
+                f" (--max-steps {self.config.max_steps} of --epochs {self.config.epochs}; "
+                f"{steps_per_epoch} steps an epoch)"
+            )
+        return (
+            f"training {self.config.model} on {self.config.dataset} with {ddp} and {self.batch_norm}: "
+            f"micro-batch {self.data.micro_batch}/rank, accumulation {self.config.accumulation_steps}, global "
+            f"batch {self.data.global_batch}, {length}\n"
+            f"process group: backend {backend}, world size {self.world_size}, device "
+            f"{self.device.type}; {collectives}"
+        )
 
     def run(self) -> dict:
         """Trains to the end, writes the model and the metrics, and returns the metrics. A run whose
@@ -609,8 +685,10 @@ class Trainer:
         if self.rank == 0 and self.out_dir:
             _save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
             _write_json_atomically(summary, self.out_dir / "metrics.json")
-            self._log(f"wrote {self.out_dir / 'metrics.json'}, {self.out_dir / 'model.pt'} and "
-                      f"{self.out_dir / 'checkpoint.pt'}")
+            self._log(
+                f"wrote {self.out_dir / 'metrics.json'}, {self.out_dir / 'model.pt'} and "
+                f"{self.out_dir / 'checkpoint.pt'}"
+            )
         return summary
 
     def _finished_already(self) -> dict:
@@ -618,18 +696,26 @@ class Trainer:
         written from it where missing."""
         summary = self.summary()
         finished = f"epoch {self.epoch}" if self.epoch >= self.config.epochs else f"optimizer step {self.step}"
-        missing = [name for name in ("model.pt", "metrics.json")
-                   if self.rank == 0 and self.out_dir and not (self.out_dir / name).exists()]
+        missing = [
+            name
+            for name in ("model.pt", "metrics.json")
+            if self.rank == 0 and self.out_dir and not (self.out_dir / name).exists()
+        ]
         if "model.pt" in missing:
             _save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
         if "metrics.json" in missing:
             _write_json_atomically(summary, self.out_dir / "metrics.json")
         if missing:
-            self._log(f"{self.resumed_from}: the run already finished at {finished}; wrote the missing "
-                      f"{' and '.join(str(self.out_dir / name) for name in missing)} from it")
+            self._log(
+                f"{self.resumed_from}: the run already finished at {finished}; wrote the missing "
+                f"{' and '.join(str(self.out_dir / name) for name in missing)} from it"
+            )
             return summary
-        how = (f"pass --epochs {self.config.epochs + 1} (or more) to continue" if not self.config.max_steps
-               else "use another --out or --no-resume to train again")
+        how = (
+            f"pass --epochs {self.config.epochs + 1} (or more) to continue"
+            if not self.config.max_steps
+            else "use another --out or --no-resume to train again"
+        )
         self._log(f"{self.resumed_from}: the run already finished at {finished}; nothing to do ({how})")
         return summary
 
@@ -649,7 +735,7 @@ def _fail(message: str, status: int, speaker: bool) -> None:
     sys.exit(status)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """The program (``cli.py``'s docstring): trains one rank's share, as torchrun or the command line says."""
     config, args = parse_args(argv)
     # Before the group exists the rank is what torchrun or --rank says.
@@ -659,8 +745,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ValueError as error:
         _fail(str(error), 2, first)
     except dist.DistError as error:  # e.g. --master-addr/--master-port that cannot be reached or bound
-        _fail(f"ddpkit: cannot set up the process group: {str(error).splitlines()[0] if str(error) else error!r}",
-              1, first)
+        _fail(
+            f"ddpkit: cannot set up the process group: {str(error).splitlines()[0] if str(error) else error!r}",
+            1,
+            first,
+        )
     try:
         Trainer(config, info).run()
     except UsageError as error:
