@@ -50,7 +50,7 @@ def even_sizes(batch, world_size):
 
 def shard(x, sizes, rank):
     start = sum(sizes[:rank])
-    return x[start:start + sizes[rank]], start
+    return x[start : start + sizes[rank]], start
 
 
 def forward_backward(layer, x, start, half, memory_format=torch.contiguous_format):
@@ -62,7 +62,7 @@ def forward_backward(layer, x, start, half, memory_format=torch.contiguous_forma
     y = layer(x)
     forward = ddpkit.comm_counters()
     ddpkit.reset_comm_counters()
-    y[:max(0, min(start + len(x), half) - start)].sum().backward()
+    y[: max(0, min(start + len(x), half) - start)].sum().backward()
     backward = ddpkit.comm_counters()
     return y.detach(), x.grad, forward, backward
 
@@ -104,8 +104,16 @@ def run_step(x, sizes, features, half, algorithm, options):
         singles.append(ddpkit.comm_counters())
     grads = (layer.weight.grad, layer.bias.grad) if layer.affine else None
     channels_last = y.is_contiguous(memory_format=memory_format) if memory_format != torch.contiguous_format else None
-    return dict(y=y, grad=grad, forward=forward, backward=backward, singles=singles, affine_grads=grads,
-                state=layer.state_dict(), channels_last=channels_last)
+    return dict(
+        y=y,
+        grad=grad,
+        forward=forward,
+        backward=backward,
+        singles=singles,
+        affine_grads=grads,
+        state=layer.state_dict(),
+        channels_last=channels_last,
+    )
 
 
 def run_training_steps(batches, sizes_per_step, features, momentum, track_running_stats):
@@ -119,8 +127,15 @@ def run_training_steps(batches, sizes_per_step, features, momentum, track_runnin
     layer.eval()
     local, start = shard(batches[-1], sizes_per_step[-1], rank)
     y, grad, forward, backward = forward_backward(layer, local, start, len(batches[-1]) // 2)
-    return dict(outputs=outputs, state=layer.state_dict(), eval_y=y, eval_grad=grad, eval_forward=forward,
-                eval_backward=backward, affine_grads=(layer.weight.grad, layer.bias.grad))
+    return dict(
+        outputs=outputs,
+        state=layer.state_dict(),
+        eval_y=y,
+        eval_grad=grad,
+        eval_forward=forward,
+        eval_backward=backward,
+        affine_grads=(layer.weight.grad, layer.bias.grad),
+    )
 
 
 def run_profiled(x, sizes, features, algorithm):
@@ -172,7 +187,7 @@ def run_frozen_input(x, sizes, features):
     layer = ddpkit.SyncBatchNorm(features, affine=True)
     y = layer(local)
     ddpkit.reset_comm_counters()
-    y[:max(0, min(start + len(local), len(x) // 2) - start)].sum().backward()
+    y[: max(0, min(start + len(local), len(x) // 2) - start)].sum().backward()
     return layer.weight.grad, layer.bias.grad, ddpkit.comm_counters()
 
 
@@ -190,7 +205,14 @@ def run_generic_kernels(x, sizes, features, dtype):
     ddpkit.syncbn.set_native_cpu_kernels(False)
     try:
         assert ddpkit.syncbn.cpu_kernels() == "aten"
-        return run_step(x.to(dtype), sizes, features, len(x) // 2, "auto", {"layer": {"dtype": torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype}})
+        return run_step(
+            x.to(dtype),
+            sizes,
+            features,
+            len(x) // 2,
+            "auto",
+            {"layer": {"dtype": torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype}},
+        )
     finally:
         ddpkit.syncbn.set_native_cpu_kernels(True)
 
@@ -225,9 +247,14 @@ def run_subgroups(x, sizes, features):
 def small_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-        torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 16), torch.nn.BatchNorm1d(16),
-        torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4, affine=False, momentum=None)))
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 6 * 6, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4, affine=False, momentum=None)),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,7 +347,9 @@ def test_matches_batchnorm1d_over_the_process_group_transport():
             torch.testing.assert_close(torch.cat([r["y"] for r in results]), y_ref, atol=TIGHT, rtol=0)
             torch.testing.assert_close(torch.cat([r["grad"] for r in results]), grad_ref, atol=TIGHT, rtol=0)
             # ddpkit's own messages carried the passes: nothing skipped to another path.
-            assert all(r["forward"]["messages_sent"] > 0 and r["backward"]["messages_sent"] > 0 for r in results), [(r["forward"], r["backward"]) for r in results]
+            assert all(r["forward"]["messages_sent"] > 0 and r["backward"]["messages_sent"] > 0 for r in results), [
+                (r["forward"], r["backward"]) for r in results
+            ]
         assert pool.run(ddpkit.comm.resolved_transport) == ["process_group"] * 4
     finally:
         pool.close()
@@ -358,7 +387,7 @@ def test_weight_only_backward_communicates_nothing(pools):
     x = torch.randn(batch, features)
     results = pools(4).run(run_frozen_input, x, even_sizes(batch, 4), features)
     ref = torch.nn.BatchNorm1d(features)
-    ref(x)[:batch // 2].sum().backward()
+    ref(x)[: batch // 2].sum().backward()
     torch.testing.assert_close(sum(r[0] for r in results), ref.weight.grad, atol=1e-4, rtol=0)
     torch.testing.assert_close(sum(r[1] for r in results), ref.bias.grad, atol=1e-4, rtol=0)
     assert all(r[2]["collectives"] == 0 for r in results)
@@ -426,7 +455,9 @@ def test_eval_without_running_stats_uses_local_batch(pools):
         assert counters["collectives"] == 0
 
 
-@pytest.mark.parametrize("shapes", [[(1, 8), (0, 8), (0, 8), (0, 8)], [(0, 8, 1, 1), (0, 8, 1, 1), (1, 8, 1, 1), (0, 8, 1, 1)]])
+@pytest.mark.parametrize(
+    "shapes", [[(1, 8), (0, 8), (0, 8), (0, 8)], [(0, 8, 1, 1), (0, 8, 1, 1), (1, 8, 1, 1), (0, 8, 1, 1)]]
+)
 def test_single_value_per_channel_raises_on_every_rank(pools, shapes):
     results = pools(4).run(run_single_value, shapes)
     for raised, ok in results:
@@ -439,15 +470,18 @@ def test_single_value_per_channel_raises_on_every_rank(pools, shapes):
 # Shapes, layouts, dtypes, precision
 
 
-@pytest.mark.parametrize("shape,memory_format", [
-    ((12, 24), torch.contiguous_format),
-    ((12, 24, 7), torch.contiguous_format),
-    ((8, 24, 5, 6), torch.contiguous_format),
-    ((8, 24, 5, 6), torch.channels_last),
-    ((6, 20, 3, 4, 5), torch.contiguous_format),
-    ((6, 20, 3, 4, 5), torch.channels_last_3d),
-    ((4, 33, 70, 70), torch.contiguous_format),  # planes longer than a kernel block, odd channel count
-])
+@pytest.mark.parametrize(
+    "shape,memory_format",
+    [
+        ((12, 24), torch.contiguous_format),
+        ((12, 24, 7), torch.contiguous_format),
+        ((8, 24, 5, 6), torch.contiguous_format),
+        ((8, 24, 5, 6), torch.channels_last),
+        ((6, 20, 3, 4, 5), torch.contiguous_format),
+        ((6, 20, 3, 4, 5), torch.channels_last_3d),
+        ((4, 33, 70, 70), torch.contiguous_format),  # planes longer than a kernel block, odd channel count
+    ],
+)
 def test_input_shapes_and_layouts(pools, shape, memory_format):
     torch.manual_seed(8)
     features = shape[1]
@@ -456,7 +490,9 @@ def test_input_shapes_and_layouts(pools, shape, memory_format):
     options = {"layer": {"affine": True}, "weight": weight, "bias": bias, "memory_format": memory_format}
     sizes = even_sizes(shape[0], 4)
     results = pools(4).run(run_step, x, sizes, features, shape[0] // 2, "auto", options)
-    ref = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}[len(shape)](features)
+    ref = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}[
+        len(shape)
+    ](features)
     with torch.no_grad():
         ref.weight.copy_(weight)
         ref.bias.copy_(bias)
@@ -489,7 +525,9 @@ def test_dtypes(pools, dtype, atol):
     parameter_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     options = {"layer": {"dtype": parameter_dtype}}
     results = pools(4).run(run_step, x, even_sizes(batch, 4), features, batch // 2, "auto", options)
-    y_ref, grad_ref = reference(x.to(parameter_dtype), torch.nn.BatchNorm1d(features, dtype=parameter_dtype), batch // 2)
+    y_ref, grad_ref = reference(
+        x.to(parameter_dtype), torch.nn.BatchNorm1d(features, dtype=parameter_dtype), batch // 2
+    )
     y = torch.cat([r["y"] for r in results])
     grad = torch.cat([r["grad"] for r in results])
     assert y.dtype == dtype and grad.dtype == dtype
@@ -505,8 +543,9 @@ def test_device_generic_kernels(pools, dtype):
     features, batch = 40, 24
     x = torch.randn(batch, features, 5, 3)
     generic = pools(4).run(run_generic_kernels, x, even_sizes(batch, 4), features, dtype)
-    native = pools(4).run(run_step, x.to(dtype), even_sizes(batch, 4), features, batch // 2, "auto",
-                          {"layer": {"dtype": torch.float32}})
+    native = pools(4).run(
+        run_step, x.to(dtype), even_sizes(batch, 4), features, batch // 2, "auto", {"layer": {"dtype": torch.float32}}
+    )
     atol = TIGHT if dtype == torch.float32 else 2e-2
     for g, n in zip(generic, native):
         torch.testing.assert_close(g["y"], n["y"], atol=atol, rtol=0)
@@ -515,11 +554,19 @@ def test_device_generic_kernels(pools, dtype):
         assert g["forward"]["collectives"] == 1 and g["backward"]["collectives"] == 1
 
 
-@pytest.mark.parametrize("capability", [
-    "default",
-    pytest.param("avx2", marks=pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
-                                                  reason="this CPU runs no AVX2 kernels")),
-])
+@pytest.mark.parametrize(
+    "capability",
+    [
+        "default",
+        pytest.param(
+            "avx2",
+            marks=pytest.mark.skipif(
+                torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                reason="this CPU runs no AVX2 kernels",
+            ),
+        ),
+    ],
+)
 def test_other_cpu_capabilities(capability):
     """The DEFAULT and AVX2 copies of the CPU kernels (this machine may run AVX512), in a fresh process."""
     script = textwrap.dedent("""
@@ -558,7 +605,9 @@ def test_without_distributed_matches_batchnorm(shape):
     torch.manual_seed(12)
     features = shape[1]
     layer = ddpkit.SyncBatchNorm(features, affine=True, momentum=None)
-    ref = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}[len(shape)](features, momentum=None)
+    ref = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}[
+        len(shape)
+    ](features, momentum=None)
     ref.load_state_dict(layer.state_dict())
     for step in range(3):
         x = torch.randn(shape) * (step + 1)
@@ -596,8 +645,12 @@ def test_autograd_node_gives_the_gradients_asked_for():
     one raises."""
     torch.manual_seed(3)
     x0, grad = torch.randn(12, 5, dtype=torch.float64) * 2 + 1, torch.randn(12, 5, dtype=torch.float64)
-    for x_grad, weight_grad, bias_grad in [(True, True, True), (True, False, True), (False, True, False),
-                                           (True, False, False)]:
+    for x_grad, weight_grad, bias_grad in [
+        (True, True, True),
+        (True, False, True),
+        (False, True, False),
+        (True, False, False),
+    ]:
         layer = ddpkit.SyncBatchNorm(5, dtype=torch.float64)
         ref = torch.nn.BatchNorm1d(5, dtype=torch.float64)
         outputs = []
@@ -635,6 +688,7 @@ def test_eager_call_keeps_what_the_op_does():
     dispatcher (the profiler records the op); a tensor subclass or a torch function mode gets None
     from it, and the module then calls the op, which hands it to __torch_function__."""
     from ddpkit import _C
+
     layer = ddpkit.SyncBatchNorm(4)
     x = torch.randn(8, 4)
     args = (layer.weight, layer.bias, layer.running_mean, layer.running_var, True, 0.1, 1e-5, "auto", None)
@@ -671,7 +725,8 @@ def test_gradcheck():
     weight = torch.rand(3, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        lambda x, w, b: ddpkit.sync_batch_norm(x, w, b, None, None, True, 0.1, 1e-5), (x, weight, bias))
+        lambda x, w, b: ddpkit.sync_batch_norm(x, w, b, None, None, True, 0.1, 1e-5), (x, weight, bias)
+    )
 
 
 def test_double_backward_raises_instead_of_dropping_terms():
@@ -693,11 +748,14 @@ def test_double_backward_raises_instead_of_dropping_terms():
     torch.testing.assert_close(grad, expected)
 
 
-@pytest.mark.parametrize("shape,memory_format", [
-    ((256, 512), torch.contiguous_format),
-    ((16, 8, 32, 32), torch.contiguous_format),
-    ((16, 8, 32, 32), torch.channels_last),
-])
+@pytest.mark.parametrize(
+    "shape,memory_format",
+    [
+        ((256, 512), torch.contiguous_format),
+        ((16, 8, 32, 32), torch.contiguous_format),
+        ((16, 8, 32, 32), torch.channels_last),
+    ],
+)
 def test_kernels_split_across_threads(shape, memory_format):
     """Inputs large enough for the CPU kernels to split rows or channels across two threads, against
     BatchNorm in float64 (float32 BatchNorm's weight gradient is off by ~4e-3 on the channels_last case)."""
@@ -735,9 +793,16 @@ def test_constructor_is_torchs():
     theirs = inspect.signature(torch.nn.SyncBatchNorm.__init__).parameters
     positional = [(p.name, p.default) for p in theirs.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
     assert [(p.name, p.default) for p in ours.values() if p.kind is p.POSITIONAL_OR_KEYWORD] == positional
-    assert positional[1:] == [("num_features", inspect.Parameter.empty), ("eps", 1e-5), ("momentum", 0.1),
-                              ("affine", True), ("track_running_stats", True), ("process_group", None),
-                              ("device", None), ("dtype", None)]
+    assert positional[1:] == [
+        ("num_features", inspect.Parameter.empty),
+        ("eps", 1e-5),
+        ("momentum", 0.1),
+        ("affine", True),
+        ("track_running_stats", True),
+        ("process_group", None),
+        ("device", None),
+        ("dtype", None),
+    ]
     keyword_only = {p.name: p.default for p in ours.values() if p.kind is p.KEYWORD_ONLY}
     # torch >= 2.13 has a keyword `bias` flag; ddpkit takes it on every torch (bias=False needs 2.13).
     assert keyword_only == {"algorithm": "auto", "bias": theirs["bias"].default if "bias" in theirs else True}
@@ -802,7 +867,11 @@ def test_convert_keeps_each_layers_own_settings(affine, track):
     converted = ddpkit.convert_sync_batchnorm(model, algorithm="ring")[1]
     assert type(converted) is ddpkit.SyncBatchNorm and converted.algorithm == "ring"
     assert (converted.eps, converted.momentum, converted.affine, converted.track_running_stats) == (
-        1e-3, 0.2, affine, track)
+        1e-3,
+        0.2,
+        affine,
+        track,
+    )
     assert (converted.weight is None) == (not affine) and (converted.running_mean is None) == (not track)
     assert list(converted.state_dict()) == list(state)
     for key, value in state.items():
@@ -815,8 +884,9 @@ def test_convert_keeps_each_layers_own_settings(affine, track):
 
 
 def test_convert_torchs_syncbatchnorm_and_leaves_ddpkits_alone():
-    model = torch.nn.Sequential(torch.nn.SyncBatchNorm(3, affine=False),
-                                ddpkit.SyncBatchNorm(3, affine=False, algorithm="star"))
+    model = torch.nn.Sequential(
+        torch.nn.SyncBatchNorm(3, affine=False), ddpkit.SyncBatchNorm(3, affine=False, algorithm="star")
+    )
     kept = model[1]
     ddpkit.convert_sync_batchnorm(model)
     assert type(model[0]) is ddpkit.SyncBatchNorm and not model[0].affine
@@ -839,8 +909,11 @@ def test_convert_sync_batchnorm_keeps_everything():
     model = small_model()
     model[5].eval()
     model[1].weight.requires_grad_(False)
-    originals = {name: (m, dict(m.named_parameters(recurse=False)), dict(m.named_buffers(recurse=False)))
-                 for name, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    originals = {
+        name: (m, dict(m.named_parameters(recurse=False)), dict(m.named_buffers(recurse=False)))
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+    }
     x = torch.randn(10, 3, 6, 6)
     expected = model(x)
     converted = ddpkit.convert_sync_batchnorm(model)
@@ -849,9 +922,16 @@ def test_convert_sync_batchnorm_keeps_everything():
         m = converted.get_submodule(name)
         assert type(m) is ddpkit.SyncBatchNorm and m is not original
         assert (m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, m.training) == (
-            original.num_features, original.eps, original.momentum, original.affine, original.track_running_stats,
-            original.training)
-        assert all(getattr(m, k) is v for k, v in params.items()) and all(getattr(m, k) is v for k, v in buffers.items())
+            original.num_features,
+            original.eps,
+            original.momentum,
+            original.affine,
+            original.track_running_stats,
+            original.training,
+        )
+        assert all(getattr(m, k) is v for k, v in params.items()) and all(
+            getattr(m, k) is v for k, v in buffers.items()
+        )
     assert not converted[1].weight.requires_grad and converted[1].bias.requires_grad
     torch.testing.assert_close(converted(x), expected, atol=TIGHT, rtol=0)
 
@@ -886,7 +966,9 @@ def test_bad_inputs_raise_clear_errors():
         layer(torch.randn(4, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"unknown algorithm 'fastest'"):
         ddpkit.SyncBatchNorm(8, algorithm="fastest")
-    with pytest.raises(ValueError, match=r"Expected more than 1 value per channel when training, got input size \[1, 8\]"):
+    with pytest.raises(
+        ValueError, match=r"Expected more than 1 value per channel when training, got input size \[1, 8\]"
+    ):
         layer(torch.randn(1, 8))
     with pytest.raises(RuntimeError, match=r"running_mean and running_var are required when training=False"):
         torch.ops.ddpkit.sync_batch_norm(torch.randn(4, 8), None, None, None, None, False, 0.1, 1e-5, "auto", None)
