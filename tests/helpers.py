@@ -449,3 +449,51 @@ def write_cifar(root: Path, name: str, as_archive: bool, seed: int = 0, skip: tu
             (root / member).parent.mkdir(parents=True, exist_ok=True)
             (root / member).write_bytes(payload)
     return expected
+
+
+# --- SyncBatchNorm against BatchNorm (test_syncbn*.py, test_cuda.py) --------------------------------
+
+
+def even_sizes(batch, world_size):
+    return [len(chunk) for chunk in torch.arange(batch).tensor_split(world_size)]
+
+
+def shard(x, sizes, rank):
+    start = sum(sizes[:rank])
+    return x[start : start + sizes[rank]], start
+
+
+def forward_backward(layer, x, start, half, memory_format=torch.contiguous_format):
+    """One step on a shard starting at global index `start`: loss = sum of all outputs of the first
+    `half` samples of the global batch. Returns output, input gradient and the comm counters of the
+    forward and of the backward."""
+    x = x.detach().clone(memory_format=memory_format).requires_grad_()
+    ddpkit.reset_comm_counters()
+    y = layer(x)
+    forward = ddpkit.comm_counters()
+    ddpkit.reset_comm_counters()
+    y[: max(0, min(start + len(x), half) - start)].sum().backward()
+    backward = ddpkit.comm_counters()
+    return y.detach(), x.grad, forward, backward
+
+
+def batch_norm_reference(x, layer, half):
+    """`layer` (torch's BatchNorm, usually float64) on the whole batch `x` with loss = sum of the first
+    `half` samples' outputs: output and input gradient."""
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y[:half].sum().backward()
+    return y.detach(), x.grad
+
+
+def small_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 6 * 6, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4, affine=False, momentum=None)),
+    )

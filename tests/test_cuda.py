@@ -26,6 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 import ddpkit
 from ddpkit.testing import WorkerPool
 
+from helpers import even_sizes, shard
+
 DRY_RUN = os.environ.get("DDPKIT_TEST_CUDA_ON_CPU") == "1"
 CUDA = torch.cuda.is_available()
 DEVICE = "cpu" if DRY_RUN else "cuda"
@@ -68,15 +70,6 @@ def batch_norm_class(ndim):
 
 def parameter_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def even_sizes(batch, world_size):
-    return [len(chunk) for chunk in torch.arange(batch).tensor_split(world_size)]
-
-
-def shard(x, sizes, rank):
-    start = sum(sizes[:rank])
-    return x[start : start + sizes[rank]], start
 
 
 def step(layer, x, grad_out, memory_format=torch.contiguous_format):
