@@ -166,7 +166,10 @@ PYBIND11_MODULE(_C, m) {
       "register_comm_hook",
       [](const torch::jit::Object& reducer, py::object state, py::object hook) {
         auto native = c10::IValue(reducer._ivalue()).toCustomClass<ddpkit::ddp::Reducer>();
-        native->register_comm_hook(std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook)));
+        auto python_hook = std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook));
+        // The reducer's lock: a backward on another thread holds it while its hook waits for the GIL.
+        py::gil_scoped_release release;
+        native->register_comm_hook(std::move(python_hook));
       },
       py::arg("reducer"), py::arg("state"), py::arg("hook"),
       "register_comm_hook(reducer, state, hook): hook(state, bucket: torch.distributed.GradBucket) -> "

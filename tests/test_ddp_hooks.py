@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
 import ddpkit
 
@@ -92,6 +92,10 @@ TORCH_HOOKS = {
     "batched_powerSGD_hook": lambda: (power_sgd_state(), powerSGD_hook.batched_powerSGD_hook),
     "fp16_compress_wrapper(powerSGD_hook)": lambda: (
         power_sgd_state(), default_hooks.fp16_compress_wrapper(powerSGD_hook.powerSGD_hook)),
+    # Global averaging for two steps, then each rank on its own (subgroups of one rank).
+    "post_localSGD_hook": lambda: (
+        post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=dist.new_subgroups(group_size=1)[0],
+                                             start_localSGD_iter=2), post_localSGD_hook.post_localSGD_hook),
 }
 # PowerSGD issues its second and third collectives from its futures' callbacks, on the process group's
 # thread when the previous one completes: with several buckets, one bucket's next collective and the
@@ -342,6 +346,39 @@ def test_a_backward_that_raised_leaves_the_next_step_synchronised_under_a_hook(p
             assert torch.equal(grad, other), "the ranks' gradients differ"
             torch.testing.assert_close(grad, expected.grad / 2)
         assert any("previous backward raised" in w for w in caught), caught
+
+
+def case_hook_raised_at_the_end_of_backward():
+    """The hook raises for the last bucket, which only the end of backward launches (it holds ``never``,
+    a parameter no rank uses): backward raises, after every bucket launched before has settled."""
+    rank = dist.get_rank()
+    model = UnusedBranchNet()
+    ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)
+    failing = [True]
+
+    def hook(state, bucket):
+        if failing[0] and bucket.is_last():
+            raise RuntimeError("injected failure in the last bucket's hook")
+        return averaging_hook(None, bucket)
+
+    ddp.register_comm_hook(None, hook)
+    x = torch.full((2, FEATURES), float(rank + 1))
+    try:
+        ddp(x).sum().backward()
+        raised = None
+    except RuntimeError as exc:
+        raised = str(exc)
+    failing[0] = False
+    ddp.zero_grad(set_to_none=True)
+    ddp(x).sum().backward()
+    return raised, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_a_hook_that_raised_at_the_end_of_backward_fails_it_and_the_next_step_synchronises(pool):
+    for raised, grads in pool(2).run(case_hook_raised_at_the_end_of_backward, timeout=60):
+        assert raised is not None and "injected failure in the last bucket's hook" in raised, raised
+        assert torch.equal(grads["body.weight"], torch.full((4, FEATURES), 3.0))  # (2 + 4) / 2
+        assert torch.equal(grads["never.weight"], torch.zeros(4, FEATURES))
 
 
 def case_frozen_after_wrapping(as_view):

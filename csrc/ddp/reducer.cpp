@@ -278,11 +278,15 @@ void Reducer::finish_bucketed() {
     slot.ready = true;
     --buckets_[slot.bucket].pending;
   }
-  launch_ready_buckets();
-  TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size(), "every bucket must be launched by now");
-  // Every bucket is waited for even after one failed (Note [Communication hooks]), then the first
-  // failure raises.
+  // Every bucket launched is waited for even after a launch or a wait failed (Note [Communication
+  // hooks]), then the first failure raises.
   std::exception_ptr failure;
+  try {
+    launch_ready_buckets();
+    TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size(), "every bucket must be launched by now");
+  } catch (...) {
+    failure = std::current_exception();
+  }
   for (size_t b = 0; b < buckets_.size(); ++b) {
     try {
       wait_for_bucket(b);
