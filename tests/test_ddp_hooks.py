@@ -508,6 +508,62 @@ def test_state_dict_under_a_hook(pool):
     assert keys == torch_keys and same
 
 
+# --- torchft's manager ------------------------------------------------------------------------------
+
+class _GroupManager:
+    """What ddpkit.torchft.allreduce_hook uses of torchft's Manager, over the pool's world group: allreduce
+    returns torchft's own managed work over the group's all-reduce; wrap_future is the manager's own."""
+
+    def __init__(self) -> None:
+        import logging
+        from datetime import timedelta
+
+        from torchft.manager import Manager
+        self._timeout = timedelta(seconds=60)
+        self._logger = logging.getLogger("test_ddp_hooks")
+        self.wrap_future = Manager.wrap_future.__get__(self)
+        self.errors: list = []
+
+    def report_error(self, error: Exception) -> None:
+        self.errors.append(error)
+
+    def num_participants(self) -> int:
+        return dist.get_world_size()
+
+    def allreduce(self, tensor, should_quantize=False, reduce_op=dist.ReduceOp.AVG):
+        from torchft.manager import _ManagedWork
+        assert reduce_op == dist.ReduceOp.SUM
+        return _ManagedWork(self, dist.all_reduce(tensor, async_op=True), tensor)
+
+
+def case_torchft_hook():
+    from ddpkit.torchft import allreduce_hook
+
+    rank = dist.get_rank()
+    results = []
+    for hooked in (True, False):
+        model = ddpkit_model()
+        manager = _GroupManager()
+        if hooked:
+            model.register_comm_hook(manager, allreduce_hook)
+        for step in range(3):
+            loss_of(model, *batch(step, rank)).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+        results.append((grads, model.reducer_stats(), manager.errors))
+    return results
+
+
+def test_torchft_allreduce_hook_overlaps_and_averages_as_the_native_reducer(pool):
+    pytest.importorskip("torchft", reason="scripts/setup.sh installs torchft with the test extra")
+    for (hooked, stats, errors), (native, _, _) in pool(2).run(case_torchft_hook):
+        assert errors == []
+        # Every bucket's hook ran as the bucket filled (its future pending: tests/test_torchft.py).
+        assert stats["collectives"] == stats["launched_during_backward"] == 3 * stats["buckets"] == 9
+        for a, b in zip(hooked, native):  # a sum halved is the halves summed: the same bits
+            assert torch.equal(a, b)
+
+
 # --- registration and a hook's errors ---------------------------------------------------------------
 
 def case_hook_errors():
