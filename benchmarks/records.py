@@ -149,6 +149,7 @@ class DdpRecord(Record):
     algorithm: Optional[str] = optional()
     backend: Optional[str] = optional()
     env: Optional[dict] = optional()
+    hook: Optional[str] = optional()  # a communication hook of torch's ddp_comm_hooks.default_hooks, by name
     median_step_s: float
     p25_step_s: float
     p75_step_s: float
