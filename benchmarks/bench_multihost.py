@@ -161,13 +161,50 @@ def cpu_figures(per_rank: list, candidate: str) -> dict:
     return {"all_ranks_cpu_s": common.median(totals), "cpu_busy": common.median(busy)}
 
 
+def parse_topology(topology: str) -> tuple[int, int]:
+    """"NxM": N simulated hosts of M ranks each."""
+    try:
+        hosts, ranks = (int(part) for part in topology.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"bench_multihost: a topology is HOSTSxRANKS, such as 4x2, got {topology!r}") from None
+    if hosts < 2 or ranks < 1:
+        raise SystemExit(f"bench_multihost: {topology}: at least 2 hosts of at least 1 rank each")
+    return hosts, ranks
+
+
+def ranks_per_host(topology: str) -> list:
+    hosts, ranks = parse_topology(topology)
+    return [ranks] * hosts
+
+
+# Bits per second of a tc tbf rate as bench_multihost takes it ("1gbit", "10gbit", "500mbit").
+RATE_UNITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+
+
+def link_bits_per_s(link: str):
+    for unit, scale in RATE_UNITS.items():
+        if link.endswith(unit):
+            return float(link[: -len(unit)]) * scale
+    return None  # unshaped
+
+
+def link_figures(hosts: int, numel: int, seconds: float, link: str) -> dict:
+    """An all-reduce's bus bandwidth across hosts, 2(N-1)/N of its bytes per host link over its time
+    (N hosts: what a bandwidth-optimal all-reduce moves over each host's link, whatever the ranks per
+    host), and its fraction of the link's rate where the link is shaped."""
+    bus = 4 * numel * 2 * (hosts - 1) / hosts / seconds  # bytes per second, float32
+    rate = link_bits_per_s(link)
+    return {"bus_bandwidth_GBps": bus / 1e9, "link_fraction": None if rate is None else bus * 8 / rate}
+
+
 def calls_for(numel: int) -> int:
     return 16 if numel <= 10_000 else 4 if numel <= 100_000 else 1
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--topologies", nargs="+", default=["2x2", "2x1"])
+    parser.add_argument("--topologies", nargs="+", default=["2x2", "2x1"],
+                        help="HOSTSxRANKS each, such as 3x1, 4x2, 8x1")
     parser.add_argument("--links", nargs="+", default=["unshaped", "10gbit", "1gbit"])
     parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
@@ -194,11 +231,11 @@ def main() -> None:
     if reason:
         sys.exit(f"bench_multihost: {reason}")
     cases = importlib.import_module("bench_multihost")  # what the ranks can unpickle by name
-    shapes = {"2x2": [2, 2], "2x1": [1, 1]}
     records = []
     for topology in args.topologies:
+        hosts, _ = parse_topology(topology)
         for link in args.links:
-            pool = HostPool(shapes[topology], group_timeout=600, timeout=3600,
+            pool = HostPool(ranks_per_host(topology), group_timeout=600, timeout=3600,
                             rate=None if link == "unshaped" else link)
             try:
                 for collective in args.collectives:
@@ -216,8 +253,11 @@ def main() -> None:
                                           median_s=stats["median_s"], p25_s=stats["p25_s"], p75_s=stats["p75_s"],
                                           reps=reps, batch=calls_for(numel), ratio_to_gloo=stats["median_s"] / gloo,
                                           **cpu_figures(per_rank, candidate))
-                            row.append(MultihostRecord(**fields) if collective == "all_reduce"
-                                       else MultihostCollectiveRecord(collective=collective, **fields))
+                            if collective == "all_reduce":
+                                row.append(MultihostRecord(**fields, **link_figures(hosts, numel, stats["median_s"],
+                                                                                    link)))
+                            else:
+                                row.append(MultihostCollectiveRecord(collective=collective, **fields))
                         records += row
                         print(f"{topology} {link} {collective} {numel}: " + ", ".join(
                             f"{r.candidate} {common.seconds(r.median_s)} ({r.ratio_to_gloo:.2f}x, CPUs {r.cpu_busy:.0%} busy)"
@@ -259,12 +299,14 @@ def main() -> None:
                          "rank's time x this machine's CPUs), median over repetitions",
                   "cpus": os.cpu_count()})
     print()
-    table = {"headers": {"median_s": "median", "ratio_to_gloo": "/ gloo", "cpu_busy": "CPUs busy"},
+    table = {"headers": {"median_s": "median", "ratio_to_gloo": "/ gloo", "cpu_busy": "CPUs busy",
+                         "link_fraction": "of link"},
              "formats": {"median_s": common.seconds, "ratio_to_gloo": common.times,
-                         "cpu_busy": lambda share: f"{share:.0%}"}}
+                         "cpu_busy": lambda share: f"{share:.0%}",
+                         "link_fraction": lambda share: "-" if share is None else f"{share:.2f}"}}
     common.print_table([r for r in records if isinstance(r, MultihostRecord)],
-                       ["topology", "link", "numel", "candidate", "median_s", "ratio_to_gloo", "cpu_busy"],
-                       align_left=["topology", "link", "candidate"], keys=4, **table)
+                       ["topology", "link", "numel", "candidate", "median_s", "ratio_to_gloo", "link_fraction",
+                        "cpu_busy"], align_left=["topology", "link", "candidate"], keys=4, **table)
     others = [r for r in records if isinstance(r, MultihostCollectiveRecord)]
     if others:
         print()

@@ -285,6 +285,10 @@ class MultihostRecord(Record):
     # Files before these fields lack them.
     all_ranks_cpu_s: Optional[float] = optional()
     cpu_busy: Optional[float] = optional()
+    # 2(N-1)/N of the bytes per host link (N hosts) over the time, and its fraction of the link's
+    # rate where tbf shapes it (None unshaped). Files before these fields lack them.
+    bus_bandwidth_GBps: Optional[float] = optional()
+    link_fraction: Optional[float] = optional()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,3 +52,17 @@ def test_the_timed_call_is_the_librarys_own_function(monkeypatch):
     assert call.keywords == {"group": groups["gloo"], "algorithm": "star"}
     call = bench.user_call("ddpkit", "reduce", tensor, block)
     assert (call.func, call.keywords) == (bench.ddpkit.reduce, {"group": groups["gloo"], "dst": 3})
+
+
+def test_any_topology_and_its_link_figures():
+    assert bench.ranks_per_host("4x2") == [2, 2, 2, 2]
+    assert bench.ranks_per_host("8x1") == [1] * 8
+    for bad in ("4", "1x2", "4x0", "axb"):
+        with pytest.raises(SystemExit):
+            bench.parse_topology(bad)
+    # 4 hosts, 16M floats in 0.8 s: 2·3/4 of 64 MB per host link, 0.96 of a 1 Gbit/s link.
+    figures = bench.link_figures(4, 16_000_000, 0.8, "1gbit")
+    assert figures["bus_bandwidth_GBps"] == pytest.approx(0.12)
+    assert figures["link_fraction"] == pytest.approx(0.96)
+    assert bench.link_figures(2, 1000, 1e-3, "unshaped")["link_fraction"] is None
+    assert bench.link_bits_per_s("10gbit") == 1e10

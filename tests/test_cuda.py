@@ -186,6 +186,48 @@ def test_both_reduction_routes_match_float64_batch_norm(shape, memory_format, sp
     assert_matches(on_cuda, expected, 1e-4, affine_atol=1e-2, rtol=1e-5)
 
 
+def fused_shapes():
+    """Planar shapes with at least a channel per multiprocessor (Note [One block per channel]): planes
+    of 36 values (vector loads) and of 15 (none)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 132
+    return [(4, sms, 6, 6), (3, 2 * sms + 1, 5, 3)]
+
+
+@only_cuda
+@needs_kernels
+def test_one_block_per_channel_runs_fused_kernels():
+    """Without a group such an input runs one kernel per pass, not the reduction and element-wise
+    kernels, and holds no sums or partials between them."""
+    for shape in fused_shapes():
+        layer = ddpkit.SyncBatchNorm(shape[1], affine=True).to(DEVICE)
+        x = torch.randn(shape, device=DEVICE).requires_grad_()
+        names = [n for n in cuda_kernel_names(lambda: layer(x).sum().backward()) if "ddpkit::syncbn::cuda::" in n]
+        assert sum("fused_forward_planar_kernel" in n for n in names) == 1, names
+        assert sum("fused_backward_planar_kernel" in n for n in names) == 1, names
+        assert not [n for n in names if "moments_" in n or "grad_sums_" in n or "affine_" in n], names
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape_index", [0, 1])
+def test_one_block_per_channel_matches_float64_batch_norm(dtype, shape_index):
+    """The fused passes against float64 BatchNorm, float32 on inputs whose mean is large against their
+    spread (1e4 + N(0, 1)), and with only the weight and bias gradients wanted."""
+    shape = fused_shapes()[shape_index]
+    torch.manual_seed(19)
+    x = (1e4 + torch.randn(shape)) if dtype == torch.float32 else torch.randn(shape) * 2 + 0.5
+    x, grad_out = x.to(dtype), torch.randn(shape).to(dtype)
+    pdt = parameter_dtype(dtype)
+    on_cuda = step(make_layers(shape[1], True, pdt, DEVICE), x, grad_out)
+    expected = reference(x, grad_out, shape[1], True)
+    atol, rtol = DTYPE_ATOL[dtype], DTYPE_RTOL[dtype]
+    assert_matches(on_cuda, expected, atol, affine_atol=max(atol, 1e-3) * 10, rtol=rtol)
+    layer = make_layers(shape[1], True, pdt, DEVICE)
+    layer(x.to(DEVICE)).backward(grad_out.to(DEVICE))  # the input needs no gradient: weight and bias only
+    for ours, theirs in zip((layer.weight.grad, layer.bias.grad), expected["affine_grads"]):
+        torch.testing.assert_close(ours.cpu().double(), theirs, atol=max(atol, 1e-3) * 10, rtol=1e-5)
+
+
 @needs_kernels
 def test_non_contiguous_running_statistics():
     """Running estimates that are strided views are updated afterwards from the batch variance, which
@@ -510,3 +552,49 @@ def test_ddp_matches_torch_ddp(gpu_pool):
     for a, b in zip(ours, theirs):
         for key in a:
             torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-5, msg=key)
+
+
+# ----------------------------------------------------------------------------------------------
+# An NCCL group of world size 1: the one GPU of the lent machines. It checks ddpkit's code path on
+# an NCCL group (ddpkit's engine over a group of that backend, CUDA tensors end to end); two or more
+# ranks on NCCL need a GPU each, which no machine this project is lent has.
+
+
+def run_nccl_world_size_one(state, batches):
+    """ddpkit's SyncBatchNorm and DDP on the NCCL group, three SGD steps; parameters and a
+    SyncBatchNorm step's output and input gradient after."""
+    assert dist.get_backend() == "nccl" and dist.get_world_size() == 1
+    set_device()
+    torch.manual_seed(16)
+    x, grad_out = torch.randn(24, 32, 5, 5), torch.randn(24, 32, 5, 5)
+    layer = ddpkit.SyncBatchNorm(32, affine=True).to(DEVICE)
+    sync = step(layer, x, grad_out)
+    model = ddpkit.convert_sync_batchnorm(ConvNet(True))
+    model.load_state_dict(state)
+    wrapped = ddpkit.DistributedDataParallel(model.to(DEVICE))
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for x_batch, target in batches:
+        loss = nn.functional.cross_entropy(wrapped(x_batch.to(DEVICE)), target.to(DEVICE))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {"sync": sync, "x": x, "grad_out": grad_out, "state": {k: v.cpu() for k, v in model.state_dict().items()}}
+
+
+@only_cuda
+@needs_kernels
+def test_nccl_group_of_world_size_one():
+    """ddpkit's SyncBatchNorm and DDP on an NCCL group of the one GPU give the single-process answer."""
+    torch.manual_seed(14)
+    state = ConvNet(True).state_dict()
+    batches = ddp_inputs()
+    pool = WorkerPool(1, backend="nccl", timeout=300, group_timeout=60)
+    pool.start()
+    try:
+        (result,) = pool.run(run_nccl_world_size_one, state, batches)
+    finally:
+        pool.close()
+    expected = reference(result["x"], result["grad_out"], 32, True)
+    assert_matches(result["sync"], expected, TIGHT)
+    for key, value in single_process(state, batches, True).items():
+        torch.testing.assert_close(result["state"][key].double(), value.double(), atol=1e-4, rtol=1e-4, msg=key)

@@ -106,7 +106,8 @@ def test_fake_kernel_under_fake_tensor_mode():
         x = mode.from_tensor(torch.randn(6, 4, 3))
         output, mean, invstd, count = FORWARD(x, None, None, None, None, True, 0.1, 1e-5, "auto", None)
     assert count == 18  # values per channel on this rank
-    assert output.shape == (6, 4, 3) and mean.shape == invstd.shape == (4,) and mean.dtype == torch.float64
+    assert output.shape == (6, 4, 3) and mean.shape == invstd.shape == (4,)
+    assert mean.dtype == invstd.dtype == torch.float32  # the saved statistics of a float32 input
 
 
 @pytest.mark.xfail(strict=True, raises=Exception,
@@ -250,3 +251,18 @@ def test_torch_compile_of_collectives_matches_eager():
     with WorkerPool(2, timeout=120.0) as pool:
         results = pool.run(case_compiled_collectives, timeout=120)
     assert [len(r) for r in results] == [2, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_saved_statistics(dtype):
+    """The statistics the forward saves (Note [Saved statistics]): mean - K and invstd in the
+    arithmetic dtype, K each channel's first value, on inputs whose mean is large against their spread."""
+    torch.manual_seed(3)
+    x = (100 + torch.randn(6, 4, 3)).to(dtype)
+    _, mean, invstd, count = FORWARD(x, None, None, None, None, True, 0.1, 1e-5, "auto", None)
+    assert mean.dtype == invstd.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert count == 18
+    xd = x.double()
+    shifts = xd[0, :, 0]
+    torch.testing.assert_close(mean.double(), xd.mean((0, 2)) - shifts, atol=1e-6, rtol=0)
+    torch.testing.assert_close(invstd.double(), (xd.var((0, 2), correction=0) + 1e-5).rsqrt(), atol=0, rtol=1e-6)

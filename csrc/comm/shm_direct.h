@@ -28,9 +28,10 @@ namespace ddpkit::comm {
 //     every n (bench_allreduce.py on 2 cores, DDPKIT_SHM_WHOLE_BYTES moving the threshold). Two
 //     ranks that spin pass a barrier in a fraction of a microsecond, and there the sliced path wins
 //     from n·bytes = 4 KiB on and ties at 1 KiB (n=2, 64 to 16k floats, the two paths as two groups
-//     of the same processes, interleaved: a probe, not a committed benchmark); such pairs keep the
-//     whole path up to 2 KiB. More ranks that spin were not measured when this was decided and keep 128 KiB; the
-//     16-core grid (allreduce_16core.json) is where to re-decide it.
+//     of the same processes, interleaved: a probe, not a committed benchmark). Ranks that spin keep
+//     the whole path only up to 2 KiB, at any n: on 16 cores the whole path took a 1k-float call at
+//     n=4 past MPICH's time, and scripts/gpu_checks.sh's grid times both thresholds side by side at
+//     n = 4, 8 and 16 (allreduce_whole_16core.json).
 // Each step alternates between the rank's two slots; a rank writes slot s again only two steps
 // later, after passing the next step's barrier, i.e. after every peer has finished reading it.
 // Every rank takes the same number of steps per collective (the numel is checked on the first), so

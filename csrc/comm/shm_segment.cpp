@@ -54,7 +54,7 @@ namespace {
 constexpr int64_t kSlotBytes = 256 << 10;
 // Note [Direct all-reduce]; DDPKIT_SHM_WHOLE_BYTES overrides both.
 constexpr int64_t kDirectWholeBytes = 128 << 10;
-constexpr int64_t kDirectWholeBytesSpinningPair = 2 << 10;
+constexpr int64_t kDirectWholeBytesSpinning = 2 << 10;
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
@@ -262,8 +262,7 @@ void ShmSegment::offer_to_host(Communicator& setup, HostFailure& failed) {
   int64_t slot_bytes = 0, whole_bytes = 0, chunk_bytes = 0;
   try {
     slot_bytes = env_bytes("DDPKIT_SHM_SLOT_BYTES", kSlotBytes);
-    whole_bytes =
-        env_bytes("DDPKIT_SHM_WHOLE_BYTES", spin_ && size_ == 2 ? kDirectWholeBytesSpinningPair : kDirectWholeBytes);
+    whole_bytes = env_bytes("DDPKIT_SHM_WHOLE_BYTES", spin_ ? kDirectWholeBytesSpinning : kDirectWholeBytes);
     chunk_bytes =
         env_bytes("DDPKIT_SHM_CHUNK_BYTES",
                   std::clamp<int64_t>(round_up((1 << 20) / std::max(1, size_ - 1), kLine), 64 << 10, 512 << 10));

@@ -229,8 +229,10 @@ def _sync_batch_norm_fake(input, weight, bias, running_mean, running_var, traini
             torch._check(tensor.dim() == 1 and tensor.shape[0] == channels,
                          lambda: f"ddpkit::sync_batch_norm: per-channel tensors should have shape [{channels}]")
     output = torch.empty_like(_prepared_input(input))
-    mean = input.new_empty((channels,), dtype=torch.float64)
-    invstd = input.new_empty((channels,), dtype=torch.float64)
+    # The saved statistics, in the arithmetic dtype (Note [Saved statistics] in csrc/syncbn/kernels.h).
+    arithmetic = torch.float64 if input.dtype == torch.float64 else torch.float32
+    mean = input.new_empty((channels,), dtype=arithmetic)
+    invstd = input.new_empty((channels,), dtype=arithmetic)
     if training and group_name is not None:
         # The group's total, known only after the all-reduce.
         count = torch.library.get_ctx().new_dynamic_size()
