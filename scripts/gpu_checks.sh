@@ -7,6 +7,10 @@
 #                                          # 1k-16M floats, ddpkit, gloo, the floor and MPICH (from the
 #                                          # wheels in .whl/: mpich, mpi4py) -> allreduce_16core.json
 #   bash scripts/gpu_checks.sh profile     # scripts/gpu_profile.py: where SyncBatchNorm's and DDP's time goes
+#   bash scripts/gpu_checks.sh multihost   # bench_multihost.py on simulated hosts (network and mount namespaces,
+#                                          # root): 4x1, 4x2, 8x1, unshaped and 10 Gbit/s, ddpkit against gloo
+#                                          # -> multihost_16core.json; iproute2 from .tools/ where the machine
+#                                          # has no `ip` (see below)
 #   bash scripts/gpu_checks.sh cpu-suites  # the CPU suites that exercise torch's APIs, on the CUDA torch
 # Several phases in one call: bash scripts/gpu_checks.sh build test bench grid profile.
 # The machine reaches no network: fetch MPICH's wheels here first, into .whl/ (ignore it in
@@ -14,6 +18,10 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_5_x86_64 \
 #     -d .whl mpich==5.0.2 mpi4py==4.1.2
+#
+# Where the machine has no iproute2, carry Debian's (ignore .tools/ in .git/info/exclude): `apt-get download
+# iproute2` and its libraries, `dpkg -x` each into .tools/root/, with the wrappers .tools/bin/ip and
+# .tools/bin/tc that give ip and tc their libraries and the programs `ip netns exec` starts none.
 #
 # Each phase runs under a time limit of its own, capped by what is left of BUDGET seconds (default
 # 560, for a 600-second device call), so a slow phase still leaves the later ones some time and the
@@ -66,6 +74,7 @@ for phase in "$@"; do
     bench)
       installed || { echo "bench: build first"; continue; }
       timeout "$(limit 200)" $PY benchmarks/bench_syncbn.py --device cuda --cuda-algorithms ${SYNCBN_ALGORITHMS:-auto} \
+        ${SYNCBN_REPS:+--reps $SYNCBN_REPS} \
         >"$WORK/bench_syncbn.log" 2>&1
       echo "bench_syncbn: rc=$?"; tail -32 "$WORK/bench_syncbn.log"
       cp benchmarks/results/syncbn_cuda.json "$WORK/results/" 2>/dev/null
@@ -86,6 +95,28 @@ for phase in "$@"; do
         --output allreduce_16core >"$WORK/grid.log" 2>&1
       echo "grid: rc=$?"; tail -30 "$WORK/grid.log"
       cp benchmarks/results/allreduce_16core.json "$WORK/results/" 2>/dev/null
+      # Note [Direct all-reduce]'s threshold for ranks that spin, against the one it replaced (128 KiB): the
+      # 1k-float call is the grid's only size it moves.
+      timeout "$(limit 60)" env DDPKIT_SHM_WHOLE_BYTES=131072 $PY benchmarks/bench_allreduce.py --world-sizes 4 8 16 \
+        --sizes 1000 --candidates ddpkit mpich --peer-max-world-size 16 --reps ${GRID_REPS:-12} --pools 1 \
+        --point-budget 2 --memory-sizes --output allreduce_whole_16core >"$WORK/grid_whole.log" 2>&1
+      echo "grid, whole path up to 128 KiB: rc=$?"; tail -12 "$WORK/grid_whole.log"
+      cp benchmarks/results/allreduce_whole_16core.json "$WORK/results/" 2>/dev/null
+      ;;
+    multihost)
+      installed || { echo "multihost: build first"; continue; }
+      command -v ip >/dev/null || export PATH="$PWD/.tools/bin:$PATH"
+      command -v ip && ip -V && command -v tc unshare
+      if ! ip netns add ddpkit-probe 2>"$WORK/netns.log"; then
+        echo "multihost: no network namespaces here: $(cat "$WORK/netns.log")"; continue
+      fi
+      ip netns del ddpkit-probe
+      timeout "$(limit 200)" $PY benchmarks/bench_multihost.py --topologies ${MULTIHOST_TOPOLOGIES:-4x1 4x2 8x1} \
+        --links unshaped 10gbit --collectives all_reduce --candidates ddpkit ddpkit_backend gloo \
+        --sizes 1000 100000 1000000 16000000 --reps ${MULTIHOST_REPS:-7} --no-ddp --output multihost_16core \
+        >"$WORK/multihost.log" 2>&1
+      echo "multihost: rc=$?"; tail -30 "$WORK/multihost.log"
+      cp benchmarks/results/multihost_16core.json "$WORK/results/" 2>/dev/null
       ;;
     profile)
       installed || { echo "profile: build first"; continue; }

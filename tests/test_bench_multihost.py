@@ -25,8 +25,8 @@ def test_slowest_rank_per_repetition_and_cpu_summed_over_ranks(monkeypatch):
     ranks = per_rank([(1.0, 0.5), (2.0, 1.0), (3.0, 0.5)], [(1.5, 1.5), (1.0, 3.0), (2.0, 0.5)])
     assert bench.slowest(ranks, "c") == [1.5, 2.0, 3.0]
     figures = bench.cpu_figures(ranks, "c")
-    assert figures["all_ranks_cpu_s"] == 2.0                       # median of 2.0, 4.0, 1.0
-    assert figures["cpu_busy"] == pytest.approx(2.0 / (1.5 * 2))   # median of 2/3, 1, 1/6
+    assert figures["all_ranks_cpu_s"] == 2.0  # median of 2.0, 4.0, 1.0
+    assert figures["cpu_busy"] == pytest.approx(2.0 / (1.5 * 2))  # median of 2/3, 1, 1/6
     with pytest.raises(ValueError, match="different numbers of repetitions"):
         bench.slowest(per_rank([(1.0, 0.0)], [(1.0, 0.0), (1.0, 0.0)]), "c")
 
@@ -37,18 +37,42 @@ def test_the_timed_call_is_the_librarys_own_function(monkeypatch):
     monkeypatch.setattr(bench.dist, "get_world_size", lambda: 4)
     tensor, block = object(), object()
     call = bench.user_call("gloo", "broadcast", tensor, block)
-    assert (call.func, call.args, call.keywords) == (bench.dist.broadcast, (tensor,), {"group": groups["gloo"], "src": 3})
+    assert (call.func, call.args, call.keywords) == (
+        bench.dist.broadcast,
+        (tensor,),
+        {"group": groups["gloo"], "src": 3},
+    )
     call = bench.user_call("ddpkit_backend", "reduce_scatter", tensor, block)
-    assert (call.func, call.args, call.keywords) == (bench.dist.reduce_scatter_tensor, (block, tensor),
-                                                     {"group": groups["ddpkit"]})
+    assert (call.func, call.args, call.keywords) == (
+        bench.dist.reduce_scatter_tensor,
+        (block, tensor),
+        {"group": groups["ddpkit"]},
+    )
     call = bench.user_call("ddpkit", "all_reduce", tensor, block)
     assert (call.func, call.args, call.keywords) == (bench.ddpkit.all_reduce, (tensor,), {"group": groups["gloo"]})
     call = bench.user_call("ddpkit_flat", "all_gather", tensor, block)
-    assert (call.func, call.args, call.keywords) == (bench.ddpkit.all_gather_into_tensor, (tensor, block),
-                                                     {"group": groups["gloo"], "transport": "process_group"})
+    assert (call.func, call.args, call.keywords) == (
+        bench.ddpkit.all_gather_into_tensor,
+        (tensor, block),
+        {"group": groups["gloo"], "transport": "process_group"},
+    )
     call = bench.user_call("ddpkit_flat", "all_reduce", tensor, block)
     assert call.keywords == {"group": groups["gloo"], "algorithm": "halving_doubling"}
     call = bench.user_call("ddpkit_star", "all_reduce", tensor, block)
     assert call.keywords == {"group": groups["gloo"], "algorithm": "star"}
     call = bench.user_call("ddpkit", "reduce", tensor, block)
     assert (call.func, call.keywords) == (bench.ddpkit.reduce, {"group": groups["gloo"], "dst": 3})
+
+
+def test_any_topology_and_its_link_figures():
+    assert bench.ranks_per_host("4x2") == [2, 2, 2, 2]
+    assert bench.ranks_per_host("8x1") == [1] * 8
+    for bad in ("4", "1x2", "4x0", "axb"):
+        with pytest.raises(SystemExit):
+            bench.parse_topology(bad)
+    # 4 hosts, 16M floats in 0.8 s: 2·3/4 of 64 MB per host link, 0.96 of a 1 Gbit/s link.
+    figures = bench.link_figures(4, 16_000_000, 0.8, "1gbit")
+    assert figures["bus_bandwidth_GBps"] == pytest.approx(0.12)
+    assert figures["link_fraction"] == pytest.approx(0.96)
+    assert bench.link_figures(2, 1000, 1e-3, "unshaped")["link_fraction"] is None
+    assert bench.link_bits_per_s("10gbit") == 1e10

@@ -26,18 +26,24 @@ from torch.profiler import ProfilerActivity, profile
 import ddpkit
 from ddpkit.testing import WorkerPool
 
+from helpers import even_sizes, shard
+
 DRY_RUN = os.environ.get("DDPKIT_TEST_CUDA_ON_CPU") == "1"
 CUDA = torch.cuda.is_available()
 DEVICE = "cpu" if DRY_RUN else "cuda"
 pytestmark = pytest.mark.skipif(
-    not CUDA and not DRY_RUN, reason=f"no CUDA device: torch {torch.__version__} (torch.version.cuda={torch.version.cuda}) "
-                     "sees none; the GPU part of issue 13 runs these")
+    not CUDA and not DRY_RUN,
+    reason=f"no CUDA device: torch {torch.__version__} (torch.version.cuda={torch.version.cuda}) "
+    "sees none; the GPU part of issue 13 runs these",
+)
 
 OP = "ddpkit::sync_batch_norm"
 CUDA_KERNELS = torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CUDA")
 needs_kernels = pytest.mark.skipif(
-    not CUDA_KERNELS and not DRY_RUN, reason="ddpkit was built without its CUDA kernels (no CUDA compiler at build time?); "
-                             "CUDA tensors run the ATen-generic code")
+    not CUDA_KERNELS and not DRY_RUN,
+    reason="ddpkit was built without its CUDA kernels (no CUDA compiler at build time?); "
+    "CUDA tensors run the ATen-generic code",
+)
 
 TIGHT = 1e-5  # float32, against float64 BatchNorm (as tests/test_syncbn.py)
 DTYPE_ATOL = {torch.float64: 1e-12, torch.float32: TIGHT, torch.bfloat16: 3e-2, torch.float16: 4e-3}
@@ -66,15 +72,6 @@ def parameter_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def even_sizes(batch, world_size):
-    return [len(chunk) for chunk in torch.arange(batch).tensor_split(world_size)]
-
-
-def shard(x, sizes, rank):
-    start = sum(sizes[:rank])
-    return x[start:start + sizes[rank]], start
-
-
 def step(layer, x, grad_out, memory_format=torch.contiguous_format):
     """One forward + backward of `layer` on `x` (on the layer's device) with output gradient
     `grad_out`: output, input gradient, weight and bias gradients, state, all on the CPU."""
@@ -83,9 +80,13 @@ def step(layer, x, grad_out, memory_format=torch.contiguous_format):
     y = layer(x)
     y.backward(grad_out.to(device).contiguous(memory_format=memory_format))
     grads = (layer.weight.grad.cpu(), layer.bias.grad.cpu()) if layer.affine else None
-    return dict(y=y.detach().cpu(), grad=x.grad.cpu(), affine_grads=grads,
-                state={k: v.cpu() for k, v in layer.state_dict().items()},
-                layout_kept=y.is_contiguous(memory_format=memory_format) and x.grad.is_contiguous(memory_format=memory_format))
+    return dict(
+        y=y.detach().cpu(),
+        grad=x.grad.cpu(),
+        affine_grads=grads,
+        state={k: v.cpu() for k, v in layer.state_dict().items()},
+        layout_kept=y.is_contiguous(memory_format=memory_format) and x.grad.is_contiguous(memory_format=memory_format),
+    )
 
 
 def make_layers(features, affine, dtype, device, seed=0):
@@ -140,20 +141,24 @@ def cuda_kernel_names(fn):
 
 @only_cuda
 def test_cuda_kernels_are_built():
-    assert CUDA_KERNELS, ("ddpkit.sync_batch_norm has no CUDA kernel: the extension was built without "
-                          "csrc/syncbn/cuda (look for 'ddpkit: CUDA kernels skipped' in the build log; "
-                          "pip install --no-build-isolation -v . shows it)")
+    assert CUDA_KERNELS, (
+        "ddpkit.sync_batch_norm has no CUDA kernel: the extension was built without "
+        "csrc/syncbn/cuda (look for 'ddpkit: CUDA kernels skipped' in the build log; "
+        "pip install --no-build-isolation -v . shows it)"
+    )
     assert torch._C._dispatch_has_kernel_for_dispatch_key("ddpkit::sync_batch_norm_backward", "CUDA")
 
 
 # (shape, memory format, whether a channel's values are reduced in several splits: Note [Reduction
 # sinks] in csrc/syncbn/cuda/kernels.cuh). A single split ends in the reduction kernel itself; several
 # end in a finishing kernel over the partials.
-KERNEL_ROUTES = [((64, 256), torch.contiguous_format, False),
-                 ((8, 32, 9, 9), torch.contiguous_format, False),
-                 ((8, 32, 9, 9), torch.channels_last, True),  # 648 rows of 32 channels: 10 splits
-                 ((16, 8, 64, 64), torch.contiguous_format, True),
-                 ((16384, 64), torch.contiguous_format, True)]
+KERNEL_ROUTES = [
+    ((64, 256), torch.contiguous_format, False),
+    ((8, 32, 9, 9), torch.contiguous_format, False),
+    ((8, 32, 9, 9), torch.channels_last, True),  # 648 rows of 32 channels: 10 splits
+    ((16, 8, 64, 64), torch.contiguous_format, True),
+    ((16384, 64), torch.contiguous_format, True),
+]
 
 
 @only_cuda
@@ -184,6 +189,48 @@ def test_both_reduction_routes_match_float64_batch_norm(shape, memory_format, sp
     on_cuda = step(make_layers(shape[1], True, torch.float32, DEVICE), x, grad_out, memory_format)
     expected = reference(x, grad_out, shape[1], True)
     assert_matches(on_cuda, expected, 1e-4, affine_atol=1e-2, rtol=1e-5)
+
+
+def fused_shapes():
+    """Planar shapes with at least a channel per multiprocessor (Note [One block per channel]): planes
+    of 36 values (vector loads) and of 15 (none)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if CUDA else 132
+    return [(4, sms, 6, 6), (3, 2 * sms + 1, 5, 3)]
+
+
+@only_cuda
+@needs_kernels
+def test_one_block_per_channel_runs_fused_kernels():
+    """Without a group such an input runs one kernel per pass, not the reduction and element-wise
+    kernels, and holds no sums or partials between them."""
+    for shape in fused_shapes():
+        layer = ddpkit.SyncBatchNorm(shape[1], affine=True).to(DEVICE)
+        x = torch.randn(shape, device=DEVICE).requires_grad_()
+        names = [n for n in cuda_kernel_names(lambda: layer(x).sum().backward()) if "ddpkit::syncbn::cuda::" in n]
+        assert sum("fused_forward_planar_kernel" in n for n in names) == 1, names
+        assert sum("fused_backward_planar_kernel" in n for n in names) == 1, names
+        assert not [n for n in names if "moments_" in n or "grad_sums_" in n or "affine_" in n], names
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape_index", [0, 1])
+def test_one_block_per_channel_matches_float64_batch_norm(dtype, shape_index):
+    """The fused passes against float64 BatchNorm, float32 on inputs whose mean is large against their
+    spread (1e4 + N(0, 1)), and with only the weight and bias gradients wanted."""
+    shape = fused_shapes()[shape_index]
+    torch.manual_seed(19)
+    x = (1e4 + torch.randn(shape)) if dtype == torch.float32 else torch.randn(shape) * 2 + 0.5
+    x, grad_out = x.to(dtype), torch.randn(shape).to(dtype)
+    pdt = parameter_dtype(dtype)
+    on_cuda = step(make_layers(shape[1], True, pdt, DEVICE), x, grad_out)
+    expected = reference(x, grad_out, shape[1], True)
+    atol, rtol = DTYPE_ATOL[dtype], DTYPE_RTOL[dtype]
+    assert_matches(on_cuda, expected, atol, affine_atol=max(atol, 1e-3) * 10, rtol=rtol)
+    layer = make_layers(shape[1], True, pdt, DEVICE)
+    layer(x.to(DEVICE)).backward(grad_out.to(DEVICE))  # the input needs no gradient: weight and bias only
+    for ours, theirs in zip((layer.weight.grad, layer.bias.grad), expected["affine_grads"]):
+        torch.testing.assert_close(ours.cpu().double(), theirs, atol=max(atol, 1e-3) * 10, rtol=1e-5)
 
 
 @needs_kernels
@@ -227,20 +274,23 @@ def test_assignment_matrix(features, batch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("shape,memory_format", [
-    ((12, 24), torch.contiguous_format),
-    ((12, 24, 7), torch.contiguous_format),
-    ((40, 96, 3), torch.contiguous_format),            # planes shorter than a warp
-    ((8, 24, 5, 6), torch.contiguous_format),
-    ((8, 24, 5, 6), torch.channels_last),
-    ((16, 8, 1, 1), torch.contiguous_format),          # one value per plane: the channels-inner layout
-    ((6, 20, 3, 4, 5), torch.contiguous_format),
-    ((6, 20, 3, 4, 5), torch.channels_last_3d),
-    ((4, 33, 70, 70), torch.contiguous_format),        # odd channel count, long planes
-    ((5, 1000, 3, 3), torch.channels_last),            # channel count not a multiple of 32
-    ((32, 256, 32, 32), torch.contiguous_format),      # the benchmark's conv shape
-    ((32, 256, 32, 32), torch.channels_last),
-])
+@pytest.mark.parametrize(
+    "shape,memory_format",
+    [
+        ((12, 24), torch.contiguous_format),
+        ((12, 24, 7), torch.contiguous_format),
+        ((40, 96, 3), torch.contiguous_format),  # planes shorter than a warp
+        ((8, 24, 5, 6), torch.contiguous_format),
+        ((8, 24, 5, 6), torch.channels_last),
+        ((16, 8, 1, 1), torch.contiguous_format),  # one value per plane: the channels-inner layout
+        ((6, 20, 3, 4, 5), torch.contiguous_format),
+        ((6, 20, 3, 4, 5), torch.channels_last_3d),
+        ((4, 33, 70, 70), torch.contiguous_format),  # odd channel count, long planes
+        ((5, 1000, 3, 3), torch.channels_last),  # channel count not a multiple of 32
+        ((32, 256, 32, 32), torch.contiguous_format),  # the benchmark's conv shape
+        ((32, 256, 32, 32), torch.channels_last),
+    ],
+)
 def test_shapes_and_layouts(shape, memory_format):
     torch.manual_seed(8)
     x, grad_out = torch.randn(shape) * 2 + 0.5, torch.randn(shape)
@@ -255,9 +305,10 @@ def test_shapes_and_layouts(shape, memory_format):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("shape,memory_format", [((40, 96), torch.contiguous_format),
-                                                 ((40, 96, 3), torch.contiguous_format),
-                                                 ((8, 64, 6, 6), torch.channels_last)])
+@pytest.mark.parametrize(
+    "shape,memory_format",
+    [((40, 96), torch.contiguous_format), ((40, 96, 3), torch.contiguous_format), ((8, 64, 6, 6), torch.channels_last)],
+)
 def test_dtypes(dtype, shape, memory_format):
     torch.manual_seed(10)
     x = torch.randn(shape).to(dtype)
@@ -356,8 +407,10 @@ def run_collectives(transport, algorithm, dtype):
     return out
 
 
-@pytest.mark.parametrize("transport,algorithm", [("auto", "auto"), ("process_group", "auto"),
-                                                 ("process_group", "ring"), ("auto", "process_group")])
+@pytest.mark.parametrize(
+    "transport,algorithm",
+    [("auto", "auto"), ("process_group", "auto"), ("process_group", "ring"), ("auto", "process_group")],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_collectives_on_device_tensors(gpu_pool, transport, algorithm, dtype):
     """gloo cannot send CUDA pointers: ddpkit stages through the host, and the results land on CUDA."""
@@ -380,8 +433,9 @@ def run_sync_step(x, grad_out, sizes, algorithm, options):
     local_grad, _ = shard(grad_out, sizes, rank)
     torch.manual_seed(0)
     weight, bias = torch.randn(x.shape[1]), torch.randn(x.shape[1])
-    layer = ddpkit.SyncBatchNorm(x.shape[1], affine=True, algorithm=algorithm,
-                                 dtype=options.get("parameter_dtype")).to(DEVICE)
+    layer = ddpkit.SyncBatchNorm(x.shape[1], affine=True, algorithm=algorithm, dtype=options.get("parameter_dtype")).to(
+        DEVICE
+    )
     with torch.no_grad():
         layer.weight.copy_(weight)
         layer.bias.copy_(bias)
@@ -397,11 +451,13 @@ def check_group_result(results, x, grad_out, atol=TIGHT, rtol=0.0):
     torch.testing.assert_close(torch.cat([r["grad"] for r in results]).double(), expected["grad"], atol=atol, rtol=rtol)
     # Each rank's affine gradients are its own sums; DDP's average makes them the global batch's.
     for i in range(2):
-        torch.testing.assert_close(sum(r["affine_grads"][i] for r in results).double(), expected["affine_grads"][i],
-                                   atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(
+            sum(r["affine_grads"][i] for r in results).double(), expected["affine_grads"][i], atol=1e-3, rtol=1e-5
+        )
     for r in results:
-        torch.testing.assert_close(r["state"]["running_var"].double(), expected["state"]["running_var"],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            r["state"]["running_var"].double(), expected["state"]["running_var"], atol=1e-5, rtol=1e-5
+        )
         assert r["counters"]["collectives"] == 2, r["counters"]  # one per pass
 
 
@@ -414,9 +470,14 @@ def test_sync_batch_norm_two_ranks_one_gpu(gpu_pool, algorithm, sizes, features)
     check_group_result(gpu_pool().run(run_sync_step, x, grad_out, sizes, algorithm, {}), x, grad_out)
 
 
-@pytest.mark.parametrize("dtype,memory_format", [(torch.float32, torch.channels_last),
-                                                 (torch.float16, torch.contiguous_format),
-                                                 (torch.bfloat16, torch.channels_last)])
+@pytest.mark.parametrize(
+    "dtype,memory_format",
+    [
+        (torch.float32, torch.channels_last),
+        (torch.float16, torch.contiguous_format),
+        (torch.bfloat16, torch.channels_last),
+    ],
+)
 def test_sync_batch_norm_two_ranks_conv(gpu_pool, dtype, memory_format):
     torch.manual_seed(12)
     shape = (12, 64, 8, 8)
@@ -510,3 +571,49 @@ def test_ddp_matches_torch_ddp(gpu_pool):
     for a, b in zip(ours, theirs):
         for key in a:
             torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-5, msg=key)
+
+
+# ----------------------------------------------------------------------------------------------
+# An NCCL group of world size 1: the one GPU of the lent machines. It checks ddpkit's code path on
+# an NCCL group (ddpkit's engine over a group of that backend, CUDA tensors end to end); two or more
+# ranks on NCCL need a GPU each, which no machine this project is lent has.
+
+
+def run_nccl_world_size_one(state, batches):
+    """ddpkit's SyncBatchNorm and DDP on the NCCL group, three SGD steps; parameters and a
+    SyncBatchNorm step's output and input gradient after."""
+    assert dist.get_backend() == "nccl" and dist.get_world_size() == 1
+    set_device()
+    torch.manual_seed(16)
+    x, grad_out = torch.randn(24, 32, 5, 5), torch.randn(24, 32, 5, 5)
+    layer = ddpkit.SyncBatchNorm(32, affine=True).to(DEVICE)
+    sync = step(layer, x, grad_out)
+    model = ddpkit.convert_sync_batchnorm(ConvNet(True))
+    model.load_state_dict(state)
+    wrapped = ddpkit.DistributedDataParallel(model.to(DEVICE))
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    for x_batch, target in batches:
+        loss = nn.functional.cross_entropy(wrapped(x_batch.to(DEVICE)), target.to(DEVICE))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {"sync": sync, "x": x, "grad_out": grad_out, "state": {k: v.cpu() for k, v in model.state_dict().items()}}
+
+
+@only_cuda
+@needs_kernels
+def test_nccl_group_of_world_size_one():
+    """ddpkit's SyncBatchNorm and DDP on an NCCL group of the one GPU give the single-process answer."""
+    torch.manual_seed(14)
+    state = ConvNet(True).state_dict()
+    batches = ddp_inputs()
+    pool = WorkerPool(1, backend="nccl", timeout=300, group_timeout=60)
+    pool.start()
+    try:
+        (result,) = pool.run(run_nccl_world_size_one, state, batches)
+    finally:
+        pool.close()
+    expected = reference(result["x"], result["grad_out"], 32, True)
+    assert_matches(result["sync"], expected, TIGHT)
+    for key, value in single_process(state, batches, True).items():
+        torch.testing.assert_close(result["state"][key].double(), value.double(), atol=1e-4, rtol=1e-4, msg=key)

@@ -31,9 +31,9 @@ namespace ddpkit::comm {
 //     n = 2 to 4 on 2 cores, DDPKIT_SHM_WHOLE_BYTES in a testing build moving the threshold). Two
 //     ranks that spin pass a barrier far faster, and there the sliced path wins from a few KiB on
 //     (the two paths as two groups of the same processes, interleaved: a probe, not a committed
-//     benchmark); such pairs keep the whole path up to 2 KiB. More ranks that spin were not measured
-//     when this was decided and keep 128 KiB; the 16-core grid (allreduce_16core.json) is where to
-//     re-decide it.
+//     benchmark). Ranks that spin keep the whole path only up to 2 KiB, at any n: the 16-core grid
+//     decided it against MPICH at n=4 (scripts/gpu_checks.sh's grid times both thresholds side by
+//     side at n = 4, 8 and 16: allreduce_whole_16core.json).
 // Each step alternates between the rank's two slots; a rank writes slot s again only two steps
 // later, after passing the next step's barrier, i.e. after every peer has finished reading it.
 // Every rank takes the same number of steps per collective (the numel is checked on the first), so

@@ -20,7 +20,7 @@ namespace {
 constexpr int64_t kSlotBytes = 256 << 10;
 // Note [Direct all-reduce]
 constexpr int64_t kDirectWholeBytes = 128 << 10;
-constexpr int64_t kDirectWholeBytesSpinningPair = 2 << 10;
+constexpr int64_t kDirectWholeBytesSpinning = 2 << 10;
 
 }  // namespace
 
@@ -29,7 +29,7 @@ SegmentSettings default_segment_settings(int size, bool spinning) {
   // chunks per ordered pair, shrinking with the host's ranks, so the whole segment stays bounded.
   SegmentSettings settings;
   settings.slot_bytes = kSlotBytes;
-  settings.whole_bytes = spinning && size == 2 ? kDirectWholeBytesSpinningPair : kDirectWholeBytes;
+  settings.whole_bytes = spinning ? kDirectWholeBytesSpinning : kDirectWholeBytes;
   settings.chunk_bytes = std::clamp<int64_t>(static_cast<int64_t>(round_up((1 << 20) / std::max(1, size - 1), kLine)),
                                              64 << 10, 512 << 10);
   return settings;

@@ -8,15 +8,18 @@
 // reductions and element-wise ops only (no batch-norm internals), so the same ops serve any device;
 // a backend with kernels of its own (CUDA) replaces the passes (Note [Backend element kernels]).
 //
-// Dtypes: the input is float32, float64, float16 or bfloat16; statistics (mean, invstd, the sums
-// of a pass) are float64 tensors of C values; weight, bias and running statistics have the
-// "parameter dtype", the input's, or float32 for a float16/bfloat16 input. Element arithmetic
-// runs in float64 for float64 inputs and in float32 otherwise.
+// Dtypes: the input is float32, float64, float16 or bfloat16; weight, bias and running statistics
+// have the "parameter dtype", the input's, or float32 for a float16/bfloat16 input. Element
+// arithmetic runs in the "arithmetic dtype", float64 for float64 inputs and float32 otherwise, and
+// the statistics a forward saves for its backward (mean, invstd) and the backward's sums are [C] /
+// [2C] tensors of that dtype (Note [Saved statistics]). The all-reduce buffer of the forward is
+// float64 (Note [One all-reduce per pass]).
 
 #include "syncbn/cpu/kernels.h"
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <string>
 
 namespace ddpkit::syncbn {
@@ -27,7 +30,21 @@ namespace ddpkit::syncbn {
 // passes use center = (float) mean and write y = (x - center) * scale + offset with
 // offset = b - (mean - center) * scale computed in float64: x - center is exact for x near the mean
 // (Sterbenz), and the rounding of the mean is carried by the small per-channel term. The input
-// gradient and Σ dy·(x - mean) use the same centre.
+// gradient and Σ dy·(x - mean) use the same centre. The mean comes from the saved statistics as
+// K + (mean - K) in float64 (Note [Saved statistics]). A centre near the mean, rather than K itself,
+// keeps the float32 accumulators of Σ dy·(x - center) small (tests/test_syncbn.py:
+// test_kernels_split_across_threads' weight gradient).
+
+// Note [Saved statistics]
+// A forward saves, per channel, the mean as mean - K and invstd, both in the arithmetic dtype
+// (float32 for float32/float16/bfloat16 inputs, as torch's batch norm saves them), so that a
+// layer holds no more per channel between its passes than torch's. K, the channel's shift, is
+// the input's first value of the channel on this rank, x[0, c, 0, ...] (0 when this rank's input
+// is empty): every pass that reads x can read it again, so K itself is never stored, and the
+// mean of an input such as 1e4 + N(0, 1) keeps float32's precision relative to its spread, where
+// a float32 mean would be off by half an ulp of 1e4 (tests/test_syncbn.py and tests/test_cuda.py:
+// test_large_mean_inputs against float64 BatchNorm). The backward's sums ([Σ dy | Σ dy·(x - mean)],
+// [2C]) are in the arithmetic dtype too, the kernels' accumulator type.
 
 // An input seen in one of the two layouts of Note [CPU layouts] (syncbn/cpu/kernels.h).
 struct LocalInput {
@@ -56,17 +73,19 @@ at::Tensor match_layout(const LocalInput& in, const at::Tensor& t);
 // (= Σ(x - mean_r)², the centred sum of squares) are accurate (Note [Stable moments]); in float64
 // the final difference keeps about 16 - 2·log10(|mean|/std) digits, 8 for inputs of mean 1e4 and
 // unit spread. A rank alone (no group) keeps M2 itself: var = M2/n. Backward: [Σ dy | Σ dy·(x -
-// mean)] (float64, 2C) are sums already, reduced once. Both buffers are bitwise identical on all
+// mean)] (2C, in the arithmetic dtype) are sums already, reduced once. Both buffers are bitwise identical on all
 // ranks afterwards, so every rank computes the same statistics and takes the same decisions (e.g.
 // raising when the group has a single value per channel).
 
-// Batch statistics, float64 [C] on the input's device; `count` the number of values per channel
-// they are over (read on the host).
+// Channel shifts K (Note [Saved statistics]): float64 [C] on the input's device, zeros for an
+// empty input.
+at::Tensor channel_shifts(const LocalInput& in);
+
+// The statistics a forward saves (Note [Saved statistics]): mean - K and invstd, [C] tensors of the
+// arithmetic dtype on the input's device; `count` the number of values per channel they are over
+// (read on the host).
 struct BatchStats {
-  at::Tensor mean;
-  // Biased; undefined for statistics taken from running estimates, and from the CUDA passes unless
-  // update_running_stats needs it (non-contiguous running estimates): no other caller reads it.
-  at::Tensor var;
+  at::Tensor mean;  // shifted: mean - K
   at::Tensor invstd;
   double count = 0;
 };
@@ -81,9 +100,10 @@ struct RunningStats {
   bool applies(double count) const { return mean.defined() && var.defined() && count > 1; }
 };
 
-// RunningStats' update with `stats` where it applies, by plain loops on CPU and ATen ops elsewhere:
-// the passes below call it, and a backend's kernel leaves it the estimates it cannot write in place.
-void update_running_stats(const RunningStats& running, const BatchStats& stats);
+// RunningStats' update with the batch's mean and biased variance (float64 [C], unshifted) over
+// `count` values where it applies, by plain loops on CPU and ATen ops elsewhere: the passes below
+// call it, and a backend's kernel leaves it the estimates it cannot write in place.
+void update_running_stats(const RunningStats& running, const at::Tensor& mean, const at::Tensor& var, double count);
 
 // Forward, no group: the statistics of this rank's values alone, mean, biased var = M2/n and
 // invstd = 1/sqrt(var + eps); an empty input gives mean 0 and var 0. Updates `running`.
@@ -93,19 +113,31 @@ BatchStats local_batch_stats(const LocalInput& in, double eps, const RunningStat
 at::Tensor packed_moments(const LocalInput& in);
 
 // Forward, with a group: the statistics from the summed buffer of packed_moments (all ranks'
-// values); a group with no values at all gives mean 0 and var 0. Updates `running`.
-BatchStats stats_from_packed(const at::Tensor& packed, double eps, const RunningStats& running);
+// values), shifted by this rank's `in`; a group with no values at all gives mean 0 and var 0.
+// Updates `running`.
+BatchStats stats_from_packed(const LocalInput& in, const at::Tensor& packed, double eps, const RunningStats& running);
 
-// Eval mode: mean = running_mean, invstd = 1/sqrt(running_var + eps), in float64 copies.
-BatchStats stats_from_running(const at::Tensor& running_mean, const at::Tensor& running_var, double eps);
+// Eval mode: mean = running_mean, invstd = 1/sqrt(running_var + eps), saved as a forward saves them.
+BatchStats stats_from_running(const LocalInput& in, const at::Tensor& running_mean, const at::Tensor& running_var,
+                              double eps);
 
 // y = (x - mean) * invstd * weight + bias in x's dtype and memory format (Note [Centred
-// arithmetic]). mean, invstd: float64 [C]; weight, bias: parameter dtype [C] or undefined (1, 0).
+// arithmetic]). mean, invstd: saved statistics of `in` (Note [Saved statistics]); weight, bias:
+// parameter dtype [C] or undefined (1, 0).
 at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
                      const at::Tensor& bias);
 
-// Backward: this rank's [Σ dy | Σ dy·(x - mean)] per channel, float64 [2C] (the all-reduce
-// buffer), and from these local sums its weight and bias gradients, grad_weight = invstd·Σ dy·(x -
+// Forward, no group: local_batch_stats, then normalize, as one pass (a backend may fuse them: Note
+// [One block per channel] in syncbn/cuda/kernels.cuh).
+struct Normalized {
+  at::Tensor output;
+  BatchStats stats;
+};
+Normalized normalize_local(const LocalInput& in, double eps, const RunningStats& running, const at::Tensor& weight,
+                           const at::Tensor& bias);
+
+// Backward: this rank's [Σ dy | Σ dy·(x - mean)] per channel, [2C] in the arithmetic dtype (the
+// all-reduce buffer), and from these local sums its weight and bias gradients, grad_weight = invstd·Σ dy·(x -
 // mean) and grad_bias = Σ dy in `dtype`, tensors of their own (undefined where not wanted). dy:
 // shaped like the input, in its memory format (match_layout).
 struct LocalGradSums {
@@ -126,6 +158,13 @@ at::Tensor grad_input_training(const LocalInput& in, const at::Tensor& dy, const
 at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at::Tensor& invstd,
                            const at::Tensor& weight);
 
+// Training-mode backward, no group: local_grad_sums, then (where want_input) grad_input_training
+// with the local sums and count = in.count(), as one pass (a backend may fuse them). Returns
+// [grad_input, grad_weight, grad_bias], undefined where not wanted.
+std::array<at::Tensor, 3> backward_local(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
+                                         const at::Tensor& invstd, const at::Tensor& weight, at::ScalarType dtype,
+                                         std::array<bool, 3> output_mask);
+
 // --- backend kernels --------------------------------------------------------------------------
 
 // Note [Backend element kernels]
@@ -135,7 +174,7 @@ at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at:
 // in syncbn/cuda/register.cpp, which the dispatcher prefers to the CompositeExplicitAutograd ones
 // for tensors of that backend) install an ElementKernelsGuard on the calling thread and run the
 // ops of syncbn/syncbn.h, so validation and the one all-reduce per pass stay in one place; while
-// the guard lives, the passes above (all but stats_from_running) run the table's functions for
+// the guard lives, the passes above (all but channel_shifts and stats_from_running) run the table's functions for
 // tensors on `device`. Other devices, and every call outside a guard, run the code above. Each
 // function has the contract of the pass it replaces. A pass is the unit because a kernel launch
 // costs more than a small layer's arithmetic: on a GPU each pass is one or two launches, with its
@@ -144,7 +183,8 @@ struct ElementKernels {
   c10::DeviceType device;
   BatchStats (*local_batch_stats)(const LocalInput& in, double eps, const RunningStats& running);
   at::Tensor (*packed_moments)(const LocalInput& in);
-  BatchStats (*stats_from_packed)(const at::Tensor& packed, double eps, const RunningStats& running);
+  BatchStats (*stats_from_packed)(const LocalInput& in, const at::Tensor& packed, double eps,
+                                  const RunningStats& running);
   at::Tensor (*normalize)(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd,
                           const at::Tensor& weight, const at::Tensor& bias);
   LocalGradSums (*local_grad_sums)(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
@@ -154,6 +194,11 @@ struct ElementKernels {
                                     double count);
   at::Tensor (*grad_input_eval)(const LocalInput& in, const at::Tensor& dy, const at::Tensor& invstd,
                                 const at::Tensor& weight);
+  Normalized (*normalize_local)(const LocalInput& in, double eps, const RunningStats& running, const at::Tensor& weight,
+                                const at::Tensor& bias);
+  std::array<at::Tensor, 3> (*backward_local)(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
+                                              const at::Tensor& invstd, const at::Tensor& weight, at::ScalarType dtype,
+                                              std::array<bool, 3> output_mask);
 };
 
 // Makes `kernels` serve this thread's element passes until destroyed (nests; restores the previous).

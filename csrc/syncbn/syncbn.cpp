@@ -59,11 +59,14 @@ void check_input(const at::Tensor& input) {
               "; supported: float32, float64, float16, bfloat16");
 }
 
+// A statistic the forward saved (Note [Saved statistics] in syncbn/kernels.h): [C] in the input's
+// arithmetic dtype, float64 for a float64 input and float32 otherwise.
 void check_statistic(const at::Tensor& t, const char* name, const at::Tensor& input) {
-  TORCH_CHECK(t.scalar_type() == at::kDouble && t.dim() == 1 && t.size(0) == input.size(1) && t.is_contiguous() &&
+  const at::ScalarType arithmetic = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(t.scalar_type() == arithmetic && t.dim() == 1 && t.size(0) == input.size(1) && t.is_contiguous() &&
                   t.device() == input.device(),
-              kName, "_backward: ", name, " must be the forward's float64 [C] statistic on the input's device, got ",
-              t.scalar_type(), " ", t.sizes(), " on ", t.device());
+              kName, "_backward: ", name, " must be the forward's ", arithmetic,
+              " [C] statistic on the input's device, got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
 }
 
 // Runs the pass's one all-reduce (Note [One all-reduce per pass]); returns the group's size.
@@ -203,24 +206,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
   const LocalInput in = prepare_input(input);
   const at::Tensor w = weight.value_or(at::Tensor()), b = bias.value_or(at::Tensor());
   if (!training) {
-    const BatchStats stats = stats_from_running(*running_mean, *running_var, eps);
+    const BatchStats stats = stats_from_running(in, *running_mean, *running_var, eps);
     return {normalize(in, stats.mean, stats.invstd, w, b), stats.mean, stats.invstd, in.count()};
   }
 
   const RunningStats running = has_running ? RunningStats{*running_mean, *running_var, momentum} : RunningStats{};
-  BatchStats stats;
-  int ranks = 1;
-  if (group_name) {
-    at::Tensor packed = packed_moments(in);
-    ranks = all_reduce(packed, parsed, *group_name);
-    stats = stats_from_packed(packed, eps, running);
-  } else {
-    stats = local_batch_stats(in, eps, running);
-  }
   // The running estimates were left alone for a single value per channel (RunningStats).
-  TORCH_CHECK_VALUE(
-      stats.count != 1, "Expected more than 1 value per channel when training, got input size ", input.sizes(),
-      group_name ? c10::str(" on this rank; the batch of all ", ranks, " ranks of the group has 1") : std::string());
+  auto check_count = [&](double count, int ranks) {
+    TORCH_CHECK_VALUE(
+        count != 1, "Expected more than 1 value per channel when training, got input size ", input.sizes(),
+        group_name ? c10::str(" on this rank; the batch of all ", ranks, " ranks of the group has 1") : std::string());
+  };
+  if (!group_name) {
+    // A single value per channel is known before the pass; the fused pass must not write its output.
+    check_count(static_cast<double>(in.count()), 1);
+    auto [output, stats] = normalize_local(in, eps, running, w, b);
+    return {output, stats.mean, stats.invstd, static_cast<int64_t>(stats.count)};
+  }
+  at::Tensor packed = packed_moments(in);
+  const int ranks = all_reduce(packed, parsed, *group_name);
+  const BatchStats stats = stats_from_packed(in, packed, eps, running);
+  check_count(stats.count, ranks);
   return {normalize(in, stats.mean, stats.invstd, w, b), stats.mean, stats.invstd, static_cast<int64_t>(stats.count)};
 }
 
@@ -251,6 +257,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> sync_batch_norm_backward(
   const at::Tensor w = weight.value_or(at::Tensor());
   const at::ScalarType grad_dtype =
       parameter_dtype.value_or(reduced_precision(input.scalar_type()) ? at::kFloat : input.scalar_type());
+  if (training && !group_name) {
+    if (!want_input && !want_weight && !want_bias) return {};
+    auto [grad_input, grad_weight, grad_bias] = backward_local(in, dy, mean, invstd, w, grad_dtype, output_mask);
+    return {grad_input, grad_weight, grad_bias};
+  }
   at::Tensor grad_input;
   LocalGradSums local;
   if (want_weight || want_bias || (want_input && training)) {

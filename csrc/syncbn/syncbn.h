@@ -34,8 +34,9 @@ namespace ddpkit::syncbn {
 // running_mean, running_var: [C] in the parameter dtype (the input's, or float32 for a
 // float16/bfloat16 input), or None. `algorithm`: a ddpkit all-reduce algorithm
 // (comm/collectives.h), parsed even where nothing is communicated.
-// Returns (output in input's dtype, shape and memory format; mean and invstd used, float64 [C];
-// the number of values per channel the statistics are over).
+// Returns (output in input's dtype, shape and memory format; the statistics saved for the
+// backward, mean - K and invstd, [C] in the arithmetic dtype: Note [Saved statistics] in
+// syncbn/kernels.h; the number of values per channel the statistics are over).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t> sync_batch_norm(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var, bool training,

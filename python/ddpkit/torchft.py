@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import socket
 import threading
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +41,8 @@ except ImportError as error:  # pragma: no cover - exercised only without torchf
     raise ImportError(
         "ddpkit.torchft needs torchft, which is not installed: `pip install --no-deps torchft "
         "opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp` (its declared dependencies would "
-        "replace the CPU torch; scripts/setup.sh does this for the test extra)") from error
+        "replace the CPU torch; scripts/setup.sh does this for the test extra)"
+    ) from error
 
 from . import backend as _backend
 
@@ -50,7 +53,10 @@ __all__ = ["DistributedDataParallel", "ProcessGroupDdpkit", "allreduce_hook", "c
 
 
 class ProcessGroupDdpkit(ProcessGroupWrapper):
-    """A reconfigurable ddpkit process group for ``torchft.Manager(pg=...)``.
+    """A reconfigurable ddpkit process group for ``torchft.Manager(pg=...)``: under torchft's DDP, its
+    LocalSGD and DiLoCo (``torchft.local_sgd``), and HSDP (FSDP2 inside a replica group, whose
+    all-reduce hook averages the gradient shards over the quorum through torchft's
+    ``ManagedProcessGroup``; docs/fault_tolerance.md).
 
     Args:
         timeout: bounds every collective (a peer that stops answering fails it after this long) and
@@ -61,14 +67,15 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
             and ``recv`` raise.
     """
 
-    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=60),
-                 point_to_point: bool = False) -> None:
+    def __init__(
+        self, timeout: datetime.timedelta = datetime.timedelta(seconds=60), point_to_point: bool = False
+    ) -> None:
         super().__init__(timeout=timeout)
         self._point_to_point = point_to_point
         self._error_lock = threading.Lock()
-        self._error: Optional[Exception] = None
+        self._error: Exception | None = None
         self._generation = 0
-        self._registered: Optional[str] = None
+        self._registered: str | None = None
 
     @property
     def group_name(self) -> str:
@@ -83,16 +90,25 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
     def getBackendName(self) -> str:
         return "torchft-ddpkit"
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  quorum_id: Optional[int] = None, group_rank: Optional[int] = None,
-                  group_world_size: Optional[int] = None, global_ranks: Optional[list[int]] = None) -> None:
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: list[int] | None = None,
+    ) -> None:
         # An error belongs to the group it happened in: the new quorum starts clean, and a late report
         # from the old group's work (its generation) is dropped.
         with self._error_lock:
             self._error = None
             self._generation += 1
-        super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
-                          global_ranks)
+        super().configure(
+            store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+        )
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
         pg = dist.ProcessGroup(store, rank, world_size)
@@ -122,8 +138,10 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
 
     def _check_point_to_point(self, what: str) -> None:
         if not self._point_to_point:
-            raise RuntimeError(f"ProcessGroupDdpkit.{what}: this group carries collectives only; make it with "
-                               f"ProcessGroupDdpkit(point_to_point=True) for send/recv (torchft's PGTransport)")
+            raise RuntimeError(
+                f"ProcessGroupDdpkit.{what}: this group carries collectives only; make it with "
+                f"ProcessGroupDdpkit(point_to_point=True) for send/recv (torchft's PGTransport)"
+            )
 
     def abort(self, errored: bool = True) -> None:
         if self._registered is not None:
@@ -138,7 +156,7 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
                 pass
         super().abort(errored=errored)
 
-    def errored(self) -> Optional[Exception]:
+    def errored(self) -> Exception | None:
         with self._error_lock:
             return self._error
 
@@ -165,7 +183,7 @@ class _ReportingWork(dist._Work):
     def _settled(self) -> torch.futures.Future:
         return self._work.get_future()
 
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         try:
             self._work.wait()
             self._settled().wait()
@@ -193,46 +211,79 @@ class _ReportingWork(dist._Work):
         return self._settled().then(reported)
 
 
+# Note [An asynchronous manager hook]
+# torchft 0.2.0's manager.allreduce() starts the collective and returns a Work whose public wait()
+# builds the continuations (the division by the participants, the error report through the
+# manager's wrap_future) only once the collective is done: its chain reads a loop variable that is
+# right only if each callback runs at once, so a chain built on a pending collective fails its
+# `assert managed_fut._callback` (the first try's failure of issue 42), and its get_future() is a
+# placeholder until wait() has run. torchft's own DDP hook therefore waits inside the hook, and each
+# bucket's all-reduce blocks backward until it is done. allreduce_hook instead hands the Work to one
+# waiter thread per process, which calls the public wait() for each Work in launch order and settles
+# the future the hook returned at once: the all-reduces overlap the rest of backward, the reducer
+# waits for the futures where it waits for its own all-reduces, and nothing but torchft's public API
+# is used (so no torchft internals to check). The manager starts the collective as a sum (its quorum
+# checks, a healing replica's zeroed bucket, a launch failure reported), and the waiter divides by the
+# participants counted at launch, as the manager's own average does. tests/test_torchft.py's hook
+# test checks the future is pending at return, the average and the report; bench_fault_tolerance.py's
+# steady step measures the gain.
+
+
+class _WorkWaiter:
+    """Waits for the manager's Works in the order they were submitted, on one daemon thread per process
+    (started at first use, and again in a forked child, which inherits no threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue | None = None
+        self._pid: int | None = None
+
+    def submit(self, work: dist.Work, finish: Callable[[bool], torch.Tensor]) -> torch.futures.Future:
+        """A future settled with ``finish(work.wait())`` once the waiter thread got to ``work``."""
+        future: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self._pid != os.getpid():
+                self._queue = queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(self._queue,), name="ddpkit-torchft-hook", daemon=True).start()
+                self._pid = os.getpid()
+            self._queue.put((work, finish, future))
+        return future
+
+    @staticmethod
+    def _run(works: queue.SimpleQueue) -> None:
+        while True:
+            work, finish, future = works.get()
+            try:
+                result = finish(work.wait())
+            except BaseException as error:  # noqa: BLE001  (the reducer waits for this future: settle it)
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+
+_waiter = _WorkWaiter()
+
+
 # torch DDP's register_comm_hook rejects any annotation of `bucket` but dist.GradBucket and any return
 # annotation but Future[Tensor] (this module's annotations are strings): they are left out.
-def allreduce_hook(manager: "Manager", bucket):
+def allreduce_hook(manager: Manager, bucket):
     """The communication hook of a data-parallel wrapper under torchft: averages each gradient
     bucket over the replicas of the manager's quorum (``manager.allreduce``) and returns at once a
     future that the collective's completion settles, so the bucket's all-reduce overlaps the rest
-    of backward. ``ddpkit_model.register_comm_hook(manager, allreduce_hook)`` for ddpkit's DDP (a
-    bucket tensor), or torch DDP's ``register_comm_hook`` (a ``GradBucket``);
+    of backward (Note [An asynchronous manager hook]). ``model.register_comm_hook(manager,
+    allreduce_hook)`` for ddpkit's DDP or torch DDP (a ``GradBucket``; a bare tensor works too);
     ``ddpkit.torchft.DistributedDataParallel`` is torchft's DDP wrapper with this hook.
 
-    A failed all-reduce never fails the future: the manager's continuation reports the error
-    (``should_commit()`` then discards the step) and settles it with the bucket as it is."""
+    A failed all-reduce never fails the future: the manager's wait reports the error
+    (``should_commit()`` then discards the step) and the future is settled with the bucket as it is."""
     tensor = bucket.buffer() if isinstance(bucket, dist.GradBucket) else bucket
-    # Note [An asynchronous manager hook]
-    # torchft's manager builds the continuations of its all-reduce (the division by the participants,
-    # the error report) only when the work is waited on, and its chain then reads a loop variable
-    # that is right only if each callback runs at once, while the chain is built: torchft's own DDP
-    # hook therefore waits, and each bucket's all-reduce blocks backward until it is done (a chain
-    # built on a pending work fails its `assert managed_fut._callback`, the first try's failure of
-    # issue 42). So the manager starts the collective as a sum (its checks, its quorum, a healing
-    # replica's zeroed bucket, a launch failure reported), and this hook chains the average on the
-    # process group's own work and hands it to `manager.wrap_future`, the manager's public
-    # error report and timeout: the returned future is settled by the collective's completion, never
-    # fails, and a failure reaches `should_commit()` through the manager. The pending work is torchft
-    # 0.2.0's `_ManagedWork._work`. tests/test_torchft.py's hook test checks the future is pending at
-    # return, the average and the report; bench_fault_tolerance.py's steady step measures the gain.
     work = manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
-    pending = getattr(work, "_work", None)
-    if pending is None:  # the manager had errored already (a settled _DummyWork): nothing to wait for
-        work.wait()
-        settled: torch.futures.Future = torch.futures.Future()
-        settled.set_result(tensor)
-        return settled
     participants = manager.num_participants()
 
-    def average(future: torch.futures.Future) -> torch.Tensor:
-        future.value()  # a failure raises here, for wrap_future to report
-        return tensor.div_(participants)
+    def average(succeeded: bool) -> torch.Tensor:
+        return tensor.div_(participants) if succeeded else tensor
 
-    return manager.wrap_future(pending.get_future().then(average), tensor)
+    return _waiter.submit(work, average)
 
 
 class DistributedDataParallel(_TorchftDDP):
@@ -243,14 +294,16 @@ class DistributedDataParallel(_TorchftDDP):
     _comm_hook = staticmethod(allreduce_hook)
 
 
-def check_lighthouse(address: Optional[str] = None, timeout: float = 10.0) -> str:
+def check_lighthouse(address: str | None = None, timeout: float = 10.0) -> str:
     """Returns the lighthouse's address (default: TORCHFT_LIGHTHOUSE) once it accepts a connection, or
     raises RuntimeError saying which address was tried and how to start one: torchft's manager would
     otherwise retry its connection until its own timeout and fail with a transport error."""
     address = address or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not address:
-        raise RuntimeError("ddpkit.torchft: no lighthouse address: set TORCHFT_LIGHTHOUSE=http://HOST:PORT (start "
-                           "one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`)")
+        raise RuntimeError(
+            "ddpkit.torchft: no lighthouse address: set TORCHFT_LIGHTHOUSE=http://HOST:PORT (start "
+            "one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`)"
+        )
     parsed = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
     host, port = parsed.hostname, parsed.port
     if host is None or port is None:
@@ -259,7 +312,8 @@ def check_lighthouse(address: Optional[str] = None, timeout: float = 10.0) -> st
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except OSError as error:
-        raise RuntimeError(f"ddpkit.torchft: the lighthouse at {address} is unreachable ({error}); start it first "
-                           f"(`torchft_lighthouse --min_replicas 1 --bind [::]:{port}`) or fix TORCHFT_LIGHTHOUSE"
-                           ) from None
+        raise RuntimeError(
+            f"ddpkit.torchft: the lighthouse at {address} is unreachable ({error}); start it first "
+            f"(`torchft_lighthouse --min_replicas 1 --bind [::]:{port}`) or fix TORCHFT_LIGHTHOUSE"
+        ) from None
     return address

@@ -16,6 +16,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <initializer_list>
 
 namespace ddpkit::syncbn::cuda {
 namespace {
@@ -34,21 +35,48 @@ int ceil_log2(int64_t v) {
   return l;
 }
 
-// Blocks of kThreads that fill every multiprocessor of the current device once (queried once per
-// device; plain runtime calls, so that this file needs no ATen/cuda header, hence no cuBLAS or
-// cuSPARSE header).
-int64_t resident_blocks() {
-  static std::array<std::atomic<int64_t>, C10_COMPILE_TIME_MAX_GPUS> cache{};
+// The current device's multiprocessors, and how many blocks of kThreads fill every one of them once
+// (queried once per device; plain runtime calls, so that this file needs no ATen/cuda header, hence
+// no cuBLAS or cuSPARSE header).
+struct DeviceShape {
+  int64_t multiprocessors;
+  int64_t resident_blocks;
+};
+
+DeviceShape device_shape() {
+  static std::array<std::atomic<int64_t>, C10_COMPILE_TIME_MAX_GPUS> cache{};  // multiprocessors, 0: not yet
+  static std::array<std::atomic<int64_t>, C10_COMPILE_TIME_MAX_GPUS> blocks_cache{};
   const c10::DeviceIndex device = c10::cuda::current_device();
-  int64_t blocks = cache[device].load(std::memory_order_relaxed);
+  int64_t blocks = blocks_cache[device].load(std::memory_order_acquire);
   if (blocks == 0) {
     int multiprocessors = 0, threads = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&threads, cudaDevAttrMaxThreadsPerMultiProcessor, device));
+    cache[device].store(multiprocessors, std::memory_order_relaxed);
     blocks = static_cast<int64_t>(multiprocessors) * std::max(1, threads / kThreads);
-    cache[device].store(blocks, std::memory_order_relaxed);
+    blocks_cache[device].store(blocks, std::memory_order_release);
   }
-  return blocks;
+  return DeviceShape{cache[device].load(std::memory_order_relaxed), blocks};
+}
+
+int64_t resident_blocks() { return device_shape().resident_blocks; }
+
+// Whether a pass without a group runs one block per channel (Note [One block per channel]): a
+// non-empty planar input with at least as many channels as the device has multiprocessors.
+bool one_block_per_channel(const LocalInput& in) {
+  return !in.shape.channels_inner && in.count() > 0 && in.channels() >= device_shape().multiprocessors;
+}
+
+// The vector width of the one-block-per-channel kernels for these pointers: 16 bytes of elements
+// where the planes' length and every pointer allow, else 1.
+template <typename scalar_t>
+int vector_width(int64_t inner, std::initializer_list<const void*> pointers) {
+  constexpr int wide = static_cast<int>(16 / sizeof(scalar_t));
+  if (inner % wide != 0) return 1;
+  for (const void* p : pointers) {
+    if (p != nullptr && reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return 1;
+  }
+  return wide;
 }
 
 // Thread block for the channels-inner layout: up to 32 consecutive channels across x (one warp
@@ -101,9 +129,23 @@ at::Tensor workspace(const at::Tensor& like, int64_t bytes) {
   return at::empty({bytes}, like.options().dtype(at::kByte));
 }
 
-// Runs the element-wise pass `pass` over in's layout: out = k·dy + q·(x - center) + r.
+// The arguments of an element-wise pass: the saved statistics, weight and bias, and for
+// kGradTraining the global sums and count.
+struct PassTensors {
+  at::Tensor mean, invstd;
+  at::Tensor weight, bias;
+  at::Tensor sums;
+  double inv_count = 0.0;
+  template <typename acc_t>
+  PassArgs<acc_t> args() const {
+    auto data = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<acc_t>() : nullptr; };
+    return PassArgs<acc_t>{data(mean), data(invstd), param(weight), param(bias), data(sums), inv_count};
+  }
+};
+
+// Runs the element-wise pass `pass` over in's layout: out = k·dy + q·(x - K) + r.
 template <Pass pass>
-at::Tensor affine_pass(const LocalInput& in, const at::Tensor& dy, const PassArgs& args) {
+at::Tensor affine_pass(const LocalInput& in, const at::Tensor& dy, const PassTensors& tensors) {
   const at::Tensor& x = in.x;
   at::Tensor out = at::empty_like(x);
   if (out.numel() == 0) return out;
@@ -111,6 +153,7 @@ at::Tensor affine_pass(const LocalInput& in, const at::Tensor& dy, const PassArg
   const cpu::Shape& shape = in.shape;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ddpkit_syncbn_cuda_affine", [&] {
     using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
+    const PassArgs<acc_t> args = tensors.args<acc_t>();
     const scalar_t* xp = pass == Pass::kGradEval ? nullptr : x.const_data_ptr<scalar_t>();
     const scalar_t* dyp = pass == Pass::kNormalize ? nullptr : dy.const_data_ptr<scalar_t>();
     scalar_t* op = out.mutable_data_ptr<scalar_t>();
@@ -175,32 +218,47 @@ void run_moments(const LocalInput& in, const Finish& finish) {
   });
 }
 
-// Where stats of `count` values per channel go, with the running update of RunningStats' rule. The
-// kernels write contiguous running estimates in place; others are left to update_running_stats.
+// Where the statistics of `count` values per channel go: the saved statistics, and the running
+// update of RunningStats' rule. The kernels write contiguous running estimates in place; others are
+// left to update_running_stats, with the unshifted mean and var the kernels then also write.
 struct StatsTarget {
   BatchStats stats;
-  StatsOut out;
-  bool update_afterwards = false;
+  RunningStats running;
+  at::Tensor unshifted_mean, var;  // defined only when update_afterwards
+  bool in_place = false;
+  bool update_afterwards() const { return unshifted_mean.defined(); }
+
+  template <typename acc_t>
+  StatsOut<acc_t> out() const {
+    const double count = stats.count;
+    auto doubles = [](const at::Tensor& t) { return t.defined() ? t.mutable_data_ptr<double>() : nullptr; };
+    return StatsOut<acc_t>{stats.mean.mutable_data_ptr<acc_t>(),
+                           stats.invstd.mutable_data_ptr<acc_t>(),
+                           doubles(unshifted_mean),
+                           doubles(var),
+                           in_place ? mutable_param(running.mean) : MutableParam{nullptr, ParamType::kNone},
+                           in_place ? mutable_param(running.var) : MutableParam{nullptr, ParamType::kNone},
+                           running.momentum,
+                           count > 1 ? count / (count - 1) : 0.0};
+  }
+  void finish() const {
+    if (update_afterwards()) update_running_stats(running, unshifted_mean, var, stats.count);
+  }
 };
 
-StatsTarget stats_target(const at::Tensor& like, int64_t channels, double count, const RunningStats& running) {
-  const auto doubles = like.options().dtype(at::kDouble);
+StatsTarget stats_target(const LocalInput& in, double count, const RunningStats& running) {
+  const int64_t channels = in.channels();
+  const auto arithmetic = in.x.options().dtype(in.x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
   StatsTarget t;
-  t.stats = BatchStats{at::empty({channels}, doubles), at::Tensor(), at::empty({channels}, doubles), count};
-  t.out = StatsOut{t.stats.mean.mutable_data_ptr<double>(),   nullptr,
-                   t.stats.invstd.mutable_data_ptr<double>(), MutableParam{nullptr, ParamType::kNone},
-                   MutableParam{nullptr, ParamType::kNone},   running.momentum,
-                   count > 1 ? count / (count - 1) : 0.0};
+  t.stats = BatchStats{at::empty({channels}, arithmetic), at::empty({channels}, arithmetic), count};
+  t.running = running;
   if (running.applies(count)) {
     if (running.mean.is_contiguous() && running.var.is_contiguous()) {
-      t.out.running_mean = mutable_param(running.mean);
-      t.out.running_var = mutable_param(running.var);
+      t.in_place = true;
     } else {
-      // update_running_stats needs the batch variance; no caller reads it otherwise, so the
-      // kernels skip it and save a [C] float64 allocation per forward.
-      t.update_afterwards = true;
-      t.stats.var = at::empty({channels}, doubles);
-      t.out.var = t.stats.var.mutable_data_ptr<double>();
+      const auto doubles = in.x.options().dtype(at::kDouble);
+      t.unshifted_mean = at::empty({channels}, doubles);
+      t.var = at::empty({channels}, doubles);
     }
   }
   return t;
@@ -210,11 +268,13 @@ StatsTarget stats_target(const at::Tensor& like, int64_t channels, double count,
 
 BatchStats local_batch_stats(const LocalInput& in, double eps, const RunningStats& running) {
   const c10::cuda::CUDAGuard device_guard(in.x.device());
-  const int64_t channels = in.channels();
   const double count = static_cast<double>(in.count());
-  StatsTarget t = stats_target(in.x, channels, count, running);
-  run_moments(in, LocalStats{count > 0 ? 1.0 / count : 0.0, eps, t.out});
-  if (t.update_afterwards) update_running_stats(running, t.stats);
+  const StatsTarget t = stats_target(in, count, running);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.x.scalar_type(), "ddpkit_syncbn_cuda_local_stats", [&] {
+    using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
+    run_moments(in, LocalStats<acc_t>{count > 0 ? 1.0 / count : 0.0, eps, t.out<acc_t>()});
+  });
+  t.finish();
   return t.stats;
 }
 
@@ -226,28 +286,69 @@ at::Tensor packed_moments(const LocalInput& in) {
   return packed;
 }
 
-BatchStats stats_from_packed(const at::Tensor& packed, double eps, const RunningStats& running) {
+BatchStats stats_from_packed(const LocalInput& in, const at::Tensor& packed, double eps, const RunningStats& running) {
   const c10::cuda::CUDAGuard device_guard(packed.device());
-  const int64_t channels = (packed.numel() - 1) / 2;
+  const int64_t channels = in.channels();
   const at::Tensor p = packed.contiguous();
   // The host needs the group's count (the op returns it and raises on a single value); reading it
   // waits for the all-reduce that produced `packed`.
   const double count = p[2 * channels].item<double>();
-  StatsTarget t = stats_target(p, channels, count, running);
-  packed_stats_kernel<<<ceil_div(channels, kThreads), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      p.const_data_ptr<double>(), channels, count, eps, t.out);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (t.update_afterwards) update_running_stats(running, t.stats);
+  const StatsTarget t = stats_target(in, count, running);
+  const cpu::Shape& shape = in.shape;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.x.scalar_type(), "ddpkit_syncbn_cuda_packed_stats", [&] {
+    using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
+    const scalar_t* xp = in.count() == 0 ? nullptr : in.x.const_data_ptr<scalar_t>();
+    packed_stats_kernel<scalar_t, acc_t>
+        <<<ceil_div(channels, kThreads), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+            p.const_data_ptr<double>(), channels, count, eps, xp, shape.channels_inner ? int64_t{1} : shape.inner,
+            t.out<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  t.finish();
   return t.stats;
 }
 
 at::Tensor normalize(const LocalInput& in, const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
                      const at::Tensor& bias) {
   const c10::cuda::CUDAGuard device_guard(in.x.device());
-  const at::Tensor m = mean.contiguous(), s = invstd.contiguous();
+  PassTensors tensors{mean.contiguous(), invstd.contiguous(), contiguous_or_undefined(weight),
+                      contiguous_or_undefined(bias)};
+  return affine_pass<Pass::kNormalize>(in, at::Tensor(), tensors);
+}
+
+Normalized normalize_local(const LocalInput& in, double eps, const RunningStats& running, const at::Tensor& weight,
+                           const at::Tensor& bias) {
+  const c10::cuda::CUDAGuard device_guard(in.x.device());
+  const double count = static_cast<double>(in.count());
+  const bool running_in_place =
+      !running.applies(count) || (running.mean.is_contiguous() && running.var.is_contiguous());
+  if (!one_block_per_channel(in) || !running_in_place) {
+    BatchStats stats = cuda::local_batch_stats(in, eps, running);
+    at::Tensor output = cuda::normalize(in, stats.mean, stats.invstd, weight, bias);
+    return Normalized{std::move(output), std::move(stats)};
+  }
+  // Note [One block per channel]
+  const StatsTarget t = stats_target(in, count, running);
   const at::Tensor w = contiguous_or_undefined(weight), b = contiguous_or_undefined(bias);
-  const PassArgs args{m.const_data_ptr<double>(), s.const_data_ptr<double>(), param(w), param(b), nullptr, 0.0};
-  return affine_pass<Pass::kNormalize>(in, at::Tensor(), args);
+  at::Tensor y = at::empty_like(in.x);
+  const cpu::Shape& shape = in.shape;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.x.scalar_type(), "ddpkit_syncbn_cuda_fused_fw", [&] {
+    using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
+    const scalar_t* xp = in.x.const_data_ptr<scalar_t>();
+    scalar_t* yp = y.mutable_data_ptr<scalar_t>();
+    auto launch = [&]<int V>() {
+      fused_forward_planar_kernel<scalar_t, acc_t, V>
+          <<<in.channels(), kFusedThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+              xp, yp, shape.outer, shape.channels, shape.inner, eps, t.out<acc_t>(), param(w), param(b));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (vector_width<scalar_t>(shape.inner, {xp, yp}) > 1) {
+      launch.template operator()<static_cast<int>(16 / sizeof(scalar_t))>();
+    } else {
+      launch.template operator()<1>();
+    }
+  });
+  return Normalized{std::move(y), t.stats};
 }
 
 LocalGradSums local_grad_sums(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
@@ -255,7 +356,8 @@ LocalGradSums local_grad_sums(const LocalInput& in, const at::Tensor& dy, const 
   const at::Tensor& x = in.x;
   const c10::cuda::CUDAGuard device_guard(x.device());
   const int64_t channels = in.channels();
-  LocalGradSums result{at::empty({2 * channels}, x.options().dtype(at::kDouble)), at::Tensor(), at::Tensor()};
+  const auto arithmetic = x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  LocalGradSums result{at::empty({2 * channels}, arithmetic), at::Tensor(), at::Tensor()};
   if (want_weight) result.grad_weight = at::empty({channels}, x.options().dtype(dtype));
   if (want_bias) result.grad_bias = at::empty({channels}, x.options().dtype(dtype));
   const at::Tensor m = mean.contiguous(), s = invstd.contiguous();
@@ -263,13 +365,15 @@ LocalGradSums local_grad_sums(const LocalInput& in, const at::Tensor& dy, const 
   const cpu::Shape& shape = in.shape;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "ddpkit_syncbn_cuda_grad_sums", [&] {
     using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-    const double* mp = m.const_data_ptr<double>();
-    const FinishSums<acc_t> finish{channels,
-                                   mp,
-                                   s.const_data_ptr<double>(),
-                                   result.sums.mutable_data_ptr<double>(),
-                                   mutable_param(result.grad_weight),
-                                   mutable_param(result.grad_bias)};
+    const acc_t* mp = m.const_data_ptr<acc_t>();
+    const FinishSums<scalar_t, acc_t> finish{channels,
+                                             mp,
+                                             s.const_data_ptr<acc_t>(),
+                                             in.count() == 0 ? nullptr : x.const_data_ptr<scalar_t>(),
+                                             shape.channels_inner ? int64_t{1} : shape.inner,
+                                             result.sums.mutable_data_ptr<acc_t>(),
+                                             mutable_param(result.grad_weight),
+                                             mutable_param(result.grad_bias)};
     // Launches the reduction with `sink` on a grid of `splits` splits per channel (Note [Reduction sinks]).
     auto reduce = [&](int64_t splits, auto sink) {
       const scalar_t* xp = x.const_data_ptr<scalar_t>();
@@ -295,7 +399,7 @@ LocalGradSums local_grad_sums(const LocalInput& in, const at::Tensor& dy, const 
     const at::Tensor partial = workspace(x, splits * channels * static_cast<int64_t>(sizeof(GradSums<acc_t>)));
     auto* p = reinterpret_cast<GradSums<acc_t>*>(partial.mutable_data_ptr());
     if (splits > 0) reduce(splits, StoreSums<acc_t>{p, channels});
-    grad_sums_finish_kernel<acc_t><<<ceil_div(channels, kThreads), kThreads, 0, stream>>>(p, splits, finish);
+    grad_sums_finish_kernel<scalar_t, acc_t><<<ceil_div(channels, kThreads), kThreads, 0, stream>>>(p, splits, finish);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return result;
@@ -305,27 +409,66 @@ at::Tensor grad_input_training(const LocalInput& in, const at::Tensor& dy, const
                                const at::Tensor& invstd, const at::Tensor& weight, const at::Tensor& sums,
                                double count) {
   const c10::cuda::CUDAGuard device_guard(in.x.device());
-  const at::Tensor m = mean.contiguous(), s = invstd.contiguous(), g = sums.contiguous();
-  const at::Tensor w = contiguous_or_undefined(weight);
-  const PassArgs args{m.const_data_ptr<double>(),       s.const_data_ptr<double>(), param(w),
-                      Param{nullptr, ParamType::kNone}, g.const_data_ptr<double>(), count > 0 ? 1.0 / count : 0.0};
-  return affine_pass<Pass::kGradTraining>(in, dy, args);
+  PassTensors tensors{mean.contiguous(), invstd.contiguous(), contiguous_or_undefined(weight),
+                      at::Tensor(),      sums.contiguous(),   count > 0 ? 1.0 / count : 0.0};
+  return affine_pass<Pass::kGradTraining>(in, dy, tensors);
 }
 
 at::Tensor grad_input_eval(const LocalInput& in, const at::Tensor& dy, const at::Tensor& invstd,
                            const at::Tensor& weight) {
   const c10::cuda::CUDAGuard device_guard(in.x.device());
-  const at::Tensor s = invstd.contiguous();
-  const at::Tensor w = contiguous_or_undefined(weight);
-  const PassArgs args{nullptr, s.const_data_ptr<double>(), param(w), Param{nullptr, ParamType::kNone}, nullptr, 0.0};
-  return affine_pass<Pass::kGradEval>(in, dy, args);
+  PassTensors tensors{at::Tensor(), invstd.contiguous(), contiguous_or_undefined(weight)};
+  return affine_pass<Pass::kGradEval>(in, dy, tensors);
+}
+
+std::array<at::Tensor, 3> backward_local(const LocalInput& in, const at::Tensor& dy, const at::Tensor& mean,
+                                         const at::Tensor& invstd, const at::Tensor& weight, at::ScalarType dtype,
+                                         std::array<bool, 3> output_mask) {
+  const c10::cuda::CUDAGuard device_guard(in.x.device());
+  const auto [want_input, want_weight, want_bias] = output_mask;
+  if (!one_block_per_channel(in)) {
+    LocalGradSums local = cuda::local_grad_sums(in, dy, mean, invstd, dtype, want_weight, want_bias);
+    at::Tensor grad_input;
+    if (want_input) {
+      grad_input = cuda::grad_input_training(in, dy, mean, invstd, weight, local.sums, static_cast<double>(in.count()));
+    }
+    return {grad_input, local.grad_weight, local.grad_bias};
+  }
+  // Note [One block per channel]
+  const int64_t channels = in.channels();
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (want_input) grad_input = at::empty_like(in.x);
+  if (want_weight) grad_weight = at::empty({channels}, in.x.options().dtype(dtype));
+  if (want_bias) grad_bias = at::empty({channels}, in.x.options().dtype(dtype));
+  const at::Tensor m = mean.contiguous(), s = invstd.contiguous(), w = contiguous_or_undefined(weight);
+  const cpu::Shape& shape = in.shape;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, in.x.scalar_type(), "ddpkit_syncbn_cuda_fused_bw", [&] {
+    using acc_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
+    const scalar_t* xp = in.x.const_data_ptr<scalar_t>();
+    const scalar_t* dyp = dy.const_data_ptr<scalar_t>();
+    scalar_t* dxp = want_input ? grad_input.mutable_data_ptr<scalar_t>() : nullptr;
+    auto launch = [&]<int V>() {
+      fused_backward_planar_kernel<scalar_t, acc_t, V>
+          <<<channels, kFusedThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+              xp, dyp, dxp, shape.outer, shape.channels, shape.inner, m.const_data_ptr<acc_t>(),
+              s.const_data_ptr<acc_t>(), param(w), mutable_param(grad_weight), mutable_param(grad_bias));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (vector_width<scalar_t>(shape.inner, {xp, dyp, dxp}) > 1) {
+      launch.template operator()<static_cast<int>(16 / sizeof(scalar_t))>();
+    } else {
+      launch.template operator()<1>();
+    }
+  });
+  return {grad_input, grad_weight, grad_bias};
 }
 
 }  // namespace
 
 const ElementKernels& element_kernels() {
-  static const ElementKernels table{c10::kCUDA, &local_batch_stats, &packed_moments,      &stats_from_packed,
-                                    &normalize, &local_grad_sums,   &grad_input_training, &grad_input_eval};
+  static const ElementKernels table{c10::kCUDA,       &local_batch_stats, &packed_moments,      &stats_from_packed,
+                                    &normalize,       &local_grad_sums,   &grad_input_training, &grad_input_eval,
+                                    &normalize_local, &backward_local};
   return table;
 }
 

@@ -6,8 +6,9 @@
 //
 // Element dtypes: float, double, c10::Half, c10::BFloat16 (any type with static_cast to and from
 // acc_t on the device). acc_t, the arithmetic type, is double for double elements and float
-// otherwise; per-channel results are merged in double at the end, so a pass returns the float64
-// values of the contracts in syncbn/kernels.h.
+// otherwise; per-channel results are merged in double at the end and stored as the contracts in
+// syncbn/kernels.h ask: the saved statistics and the backward's sums in acc_t (Note [Saved
+// statistics]), the forward's all-reduce buffer in double.
 //
 // Layouts: the two of Note [CPU layouts] (syncbn/cpu/kernels.h), nothing else:
 //  - planar: `outer` = N groups of `channels` planes of `inner` contiguous elements;
@@ -67,6 +68,24 @@ __device__ __forceinline__ Welford<acc_t> welford_shfl_down(const Welford<acc_t>
                         __shfl_down_sync(0xffffffffu, w.m2, offset)};
 }
 
+// Adds V values d to w: their own mean and centred sum of squares, then Chan's merge, so that a
+// vector of values costs one division instead of V (V a power of two: the mean's 1/V is exact).
+template <int V, typename acc_t>
+__device__ __forceinline__ void welford_add_values(Welford<acc_t>& w, const acc_t (&d)[V]) {
+  if constexpr (V == 1) {
+    welford_add(w, d[0]);
+  } else {
+    acc_t sum = acc_t(0);
+#pragma unroll
+    for (int j = 0; j < V; ++j) sum += d[j];
+    const acc_t mean = sum * (acc_t(1) / acc_t(V));
+    acc_t m2 = acc_t(0);
+#pragma unroll
+    for (int j = 0; j < V; ++j) m2 += (d[j] - mean) * (d[j] - mean);
+    w = welford_merge(w, Welford<acc_t>{acc_t(V), mean, m2});
+  }
+}
+
 // Sums of the backward reduction: Σ dy and Σ dy·(x - center) of one thread, block or split.
 template <typename acc_t>
 struct GradSums {
@@ -106,18 +125,20 @@ struct SumsOps {
   }
 };
 
-// Merges the values of all kThreads threads of a 1-D block; the result is valid in thread 0.
-template <typename Ops, typename V>
+// Merges the values of all kBlock threads of a 1-D block (kBlock a multiple of kWarp, at most
+// kWarp²); the result is valid in thread 0.
+template <typename Ops, typename V, int kBlock = kThreads>
 __device__ __forceinline__ V block_merge_1d(V v) {
-  __shared__ V warps[kThreads / kWarp];
+  static_assert(kBlock % kWarp == 0 && kBlock <= kWarp * kWarp);
+  __shared__ V warps[kBlock / kWarp];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
 #pragma unroll
   for (int offset = kWarp / 2; offset > 0; offset /= 2) v = Ops::merge(v, Ops::shfl_down(v, offset));
   if (lane == 0) warps[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = warps[lane < kThreads / kWarp ? lane : 0];
-    if (lane >= kThreads / kWarp) v = V{};
+    v = warps[lane < kBlock / kWarp ? lane : 0];
+    if (lane >= kBlock / kWarp) v = V{};
 #pragma unroll
     for (int offset = kWarp / 2; offset > 0; offset /= 2) v = Ops::merge(v, Ops::shfl_down(v, offset));
   }
@@ -206,14 +227,14 @@ struct StoreMoments {
   }
 };
 
-// Finishes channel c from its only partial: K added back in double, then `finish(c, moments)`.
+// Finishes channel c from its only partial: `finish(c, moments, K)`, the moments still shifted by K.
 template <typename Finish>
 struct FinishMoments {
   Finish finish;
   template <typename acc_t>
   __device__ __forceinline__ void operator()(int64_t c, int64_t, const Welford<acc_t>& w, acc_t shift) const {
-    finish(c, Welford<double>{static_cast<double>(w.n), static_cast<double>(shift) + static_cast<double>(w.mean),
-                              static_cast<double>(w.m2)});
+    finish(c, Welford<double>{static_cast<double>(w.n), static_cast<double>(w.mean), static_cast<double>(w.m2)},
+           static_cast<double>(shift));
   }
 };
 
@@ -258,40 +279,32 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.y == 0 && valid) sink(c, blockIdx.y, w, shift);
 }
 
-// Merges the `splits` partials of channel c in double: K + merged mean and the merged M2, K =
-// x[c · shift_stride] (the shift the partial kernels used: inner for planar, 1 for rows; 0 when x
-// is null, for an empty input, which has no partials).
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ Welford<double> merged_moments(const Welford<acc_t>* __restrict__ partial, int64_t splits,
-                                                          int64_t channels, const scalar_t* __restrict__ x,
-                                                          int64_t shift_stride, int64_t c) {
-  Welford<double> total{0.0, 0.0, 0.0};
-  for (int64_t k = 0; k < splits; ++k) {
-    const Welford<acc_t>& p = partial[k * channels + c];
-    total = welford_merge(
-        total, Welford<double>{static_cast<double>(p.n), static_cast<double>(p.mean), static_cast<double>(p.m2)});
-  }
-  const double shift = x == nullptr ? 0.0 : static_cast<double>(static_cast<acc_t>(x[c * shift_stride]));
-  return Welford<double>{total.n, shift + total.mean, total.m2};
-}
-
-// Where a forward's statistics go: mean, biased var (null: not wanted) and invstd (float64 [C]) and
-// the running estimates to update (kNone: none), with the factors of the update.
+// Where a forward's statistics go: the saved statistics mean - K and invstd (acc_t [C]), the
+// unshifted mean and biased var in double (null: not wanted; update_running_stats reads them for
+// running estimates the kernels cannot update in place), and the running estimates to update
+// (kNone: none), with the factors of the update.
+template <typename acc_t>
 struct StatsOut {
-  double* mean;
+  acc_t* mean;
+  acc_t* invstd;
+  double* unshifted_mean;
   double* var;
-  double* invstd;
   MutableParam running_mean;
   MutableParam running_var;
   double momentum;
   double unbias;  // N/(N - 1)
 };
 
-// The per-channel end of a forward's statistics, as the CPU code computes it.
-__device__ __forceinline__ void store_stats(const StatsOut& out, int64_t c, double mean, double var, double eps) {
-  out.mean[c] = mean;
+// The per-channel end of a forward's statistics, as the CPU code computes it, from the channel's
+// shift K and its mean - K and biased var in double.
+template <typename acc_t>
+__device__ __forceinline__ void store_stats(const StatsOut<acc_t>& out, int64_t c, double shift, double shifted_mean,
+                                            double var, double eps) {
+  const double mean = shift + shifted_mean;
+  out.mean[c] = static_cast<acc_t>(shifted_mean);
+  out.invstd[c] = static_cast<acc_t>(1.0 / sqrt(var + eps));
+  if (out.unshifted_mean != nullptr) out.unshifted_mean[c] = mean;
   if (out.var != nullptr) out.var[c] = var;
-  out.invstd[c] = 1.0 / sqrt(var + eps);
   if (out.running_mean.type != ParamType::kNone) {
     const double m = out.momentum;
     store_param(out.running_mean, c,
@@ -302,12 +315,13 @@ __device__ __forceinline__ void store_stats(const StatsOut& out, int64_t c, doub
 }
 
 // Statistics of this rank's values alone: var = M2·inv_count.
+template <typename acc_t>
 struct LocalStats {
   double inv_count;
   double eps;
-  StatsOut out;
-  __device__ __forceinline__ void operator()(int64_t c, const Welford<double>& w) const {
-    store_stats(out, c, w.mean, w.m2 * inv_count, eps);
+  StatsOut<acc_t> out;
+  __device__ __forceinline__ void operator()(int64_t c, const Welford<double>& shifted, double shift) const {
+    store_stats(out, c, shift, shifted.mean, shifted.m2 * inv_count, eps);
   }
 };
 
@@ -317,30 +331,42 @@ struct PackedMoments {
   int64_t channels;
   double count;
   double* packed;
-  __device__ __forceinline__ void operator()(int64_t c, const Welford<double>& w) const {
+  __device__ __forceinline__ void operator()(int64_t c, const Welford<double>& shifted, double shift) const {
+    const double mean = shift + shifted.mean;
     if (c == 0) packed[2 * channels] = count;
-    packed[c] = count * w.mean;
-    packed[channels + c] = w.m2 + count * w.mean * w.mean;
+    packed[c] = count * mean;
+    packed[channels + c] = shifted.m2 + count * mean * mean;
   }
 };
 
-// Merges each channel's `splits` partials (none for an empty input) and finishes them.
+// Merges each channel's `splits` partials in double (none for an empty input) and finishes them
+// with the shift the partial kernels used, K = x[c · shift_stride] (inner for planar, 1 for rows;
+// 0 when x is null, for an empty input).
 template <typename scalar_t, typename acc_t, typename Finish>
 __global__ void moments_finish_kernel(const Welford<acc_t>* __restrict__ partial, int64_t splits, int64_t channels,
                                       const scalar_t* __restrict__ x, int64_t shift_stride, Finish finish) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= channels) return;
-  finish(c, merged_moments(partial, splits, channels, x, shift_stride, c));
+  Welford<double> total{0.0, 0.0, 0.0};
+  for (int64_t k = 0; k < splits; ++k) {
+    const Welford<acc_t>& p = partial[k * channels + c];
+    total = welford_merge(
+        total, Welford<double>{static_cast<double>(p.n), static_cast<double>(p.mean), static_cast<double>(p.m2)});
+  }
+  finish(c, total, x == nullptr ? 0.0 : static_cast<double>(static_cast<acc_t>(x[c * shift_stride])));
 }
 
-// Statistics from the summed buffer of a group of `count` values per channel.
+// Statistics from the summed buffer of a group of `count` values per channel, saved against this
+// rank's shifts K = x[c · shift_stride] (0 when x is null: this rank's input is empty).
+template <typename scalar_t, typename acc_t>
 __global__ void packed_stats_kernel(const double* __restrict__ packed, int64_t channels, double count, double eps,
-                                    StatsOut out) {
+                                    const scalar_t* __restrict__ x, int64_t shift_stride, StatsOut<acc_t> out) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= channels) return;
   const double mean = count > 0 ? packed[c] / count : 0.0;
   const double var = count > 0 ? fmax(0.0, packed[channels + c] / count - mean * mean) : 0.0;
-  store_stats(out, c, mean, var, eps);
+  const double shift = x == nullptr ? 0.0 : static_cast<double>(static_cast<acc_t>(x[c * shift_stride]));
+  store_stats(out, c, shift, mean - shift, var, eps);
 }
 
 // --- backward reduction -----------------------------------------------------------------------
@@ -355,23 +381,41 @@ struct StoreSums {
   }
 };
 
-// out[c] = Σ dy, out[C + c] = Σ dy·(x - center) - (mean - center)·Σ dy of channel c, in double
-// (Note [Centred arithmetic] in syncbn/kernels.h): the [2C] layout of the backward's sums. From
-// them, grad_weight[c] = invstd[c]·out[C + c] and grad_bias[c] = out[c] where wanted.
+// The centre of Note [Centred arithmetic] for channel c: center = (acc_t) mean and the rounding left
+// over, offset = mean - center in double, from the channel's shift K and its saved mean - K.
 template <typename acc_t>
+struct Centre {
+  acc_t center;
+  double offset;
+};
+
+template <typename acc_t>
+__device__ __forceinline__ Centre<acc_t> centre(acc_t shift, acc_t saved_mean) {
+  const double mean = static_cast<double>(shift) + static_cast<double>(saved_mean);
+  const acc_t center = static_cast<acc_t>(mean);
+  return Centre<acc_t>{center, mean - static_cast<double>(center)};
+}
+
+// out[c] = Σ dy, out[C + c] = Σ dy·(x - center) - (mean - center)·Σ dy of channel c, computed in
+// double and stored in acc_t (Note [Centred arithmetic] in syncbn/kernels.h): the [2C] layout of
+// the backward's sums. From them, grad_weight[c] = invstd[c]·out[C + c] and grad_bias[c] = out[c]
+// where wanted. The channel's shift K is x[c · shift_stride] (0 when x is null: an empty input).
+template <typename scalar_t, typename acc_t>
 struct FinishSums {
   int64_t channels;
-  const double* mean;
-  const double* invstd;
-  double* out;
+  const acc_t* mean;  // saved: mean - K
+  const acc_t* invstd;
+  const scalar_t* x;
+  int64_t shift_stride;
+  acc_t* out;
   MutableParam grad_weight;
   MutableParam grad_bias;
   __device__ __forceinline__ void finish(int64_t c, double dy, double dy_xc) const {
-    const double center = static_cast<double>(static_cast<acc_t>(mean[c]));
-    const double centred = dy_xc - (mean[c] - center) * dy;
-    out[c] = dy;
-    out[channels + c] = centred;
-    store_param(grad_weight, c, invstd[c] * centred);
+    const acc_t shift = x == nullptr ? acc_t(0) : static_cast<acc_t>(x[c * shift_stride]);
+    const double centred = dy_xc - centre(shift, mean[c]).offset * dy;
+    out[c] = static_cast<acc_t>(dy);
+    out[channels + c] = static_cast<acc_t>(centred);
+    store_param(grad_weight, c, static_cast<double>(invstd[c]) * centred);
     store_param(grad_bias, c, dy);
   }
   // As a sink (Note [Reduction sinks]): the channel's only partial is its whole.
@@ -380,16 +424,16 @@ struct FinishSums {
   }
 };
 
-// Σ dy and Σ dy·(x - center[c]), center[c] = (acc_t) mean[c], in the layouts and splits of the
-// moments kernels.
+// Σ dy and Σ dy·(x - center), center = (acc_t) mean (Note [Centred arithmetic]), in the layouts and
+// splits of the moments kernels. mean: the saved mean - K.
 template <typename scalar_t, typename acc_t, typename index_t, typename Sink>
 __global__ void __launch_bounds__(kThreads)
     grad_sums_planar_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
-                            const double* __restrict__ mean, index_t n_outer, index_t channels, index_t inner,
+                            const acc_t* __restrict__ mean, index_t n_outer, index_t channels, index_t inner,
                             Sink sink) {
   const index_t c = blockIdx.x;
   const index_t count = n_outer * inner;
-  const acc_t center = static_cast<acc_t>(mean[c]);
+  const acc_t center = centre(static_cast<acc_t>(x[static_cast<int64_t>(c) * inner]), mean[c]).center;
   GradSums<acc_t> sums{acc_t(0), acc_t(0)};
   const index_t stride = static_cast<index_t>(gridDim.y) * kThreads;
   for (index_t t = static_cast<index_t>(blockIdx.y) * kThreads + threadIdx.x; t < count; t += stride) {
@@ -407,10 +451,10 @@ __global__ void __launch_bounds__(kThreads)
 template <typename scalar_t, typename acc_t, typename Sink>
 __global__ void __launch_bounds__(kThreads)
     grad_sums_rows_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
-                          const double* __restrict__ mean, int64_t rows, int64_t channels, Sink sink) {
+                          const acc_t* __restrict__ mean, int64_t rows, int64_t channels, Sink sink) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool valid = c < channels;
-  const acc_t center = valid ? static_cast<acc_t>(mean[c]) : acc_t(0);
+  const acc_t center = valid ? centre(static_cast<acc_t>(x[c]), mean[c]).center : acc_t(0);
   GradSums<acc_t> sums{acc_t(0), acc_t(0)};
   if (valid) {
     const int64_t stride = static_cast<int64_t>(gridDim.y) * blockDim.y;
@@ -426,9 +470,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Merges each channel's `splits` partials in double (none for an empty input) and finishes them.
-template <typename acc_t>
+template <typename scalar_t, typename acc_t>
 __global__ void grad_sums_finish_kernel(const GradSums<acc_t>* __restrict__ partial, int64_t splits,
-                                        FinishSums<acc_t> finish) {
+                                        FinishSums<scalar_t, acc_t> finish) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= finish.channels) return;
   double dy = 0.0, dy_xc = 0.0;
@@ -442,20 +486,21 @@ __global__ void grad_sums_finish_kernel(const GradSums<acc_t>* __restrict__ part
 // --- element-wise passes ----------------------------------------------------------------------
 
 // out = k·dy + q·(x - center) + r per channel (the grad_input form of syncbn/cpu/kernels.h), with
-// the channel's constants computed in double from the pass's float64 statistics:
-//  - kNormalize:     k = 0, q = w·invstd, r = b - (mean - center)·q; dy is not read.
-//  - kGradTraining:  k = w·invstd, q = -k·invstd²·Σdy(x-mean)/N, r = -k·Σdy/N - q·(mean - center).
-//  - kGradEval:      k = w·invstd, q = r = 0; x is not read.
-// center = (acc_t) mean (Note [Centred arithmetic]).
+// the channel's constants computed in double from the saved statistics (s = invstd) and the centre
+// of Note [Centred arithmetic] (center, and offset = mean - center):
+//  - kNormalize:     k = 0, q = w·s, r = b - offset·q; dy is not read.
+//  - kGradTraining:  k = w·s, q = -k·s²·Σdy(x-mean)/N, r = -k·Σdy/N - q·offset.
+//  - kGradEval:      k = w·s, q = r = 0; x is not read.
 enum class Pass : int { kNormalize = 0, kGradTraining = 1, kGradEval = 2 };
 
+template <typename acc_t>
 struct PassArgs {
-  const double* mean;    // [C]; unused by kGradEval
-  const double* invstd;  // [C]
+  const acc_t* mean;  // [C], saved: mean - K; unused by kGradEval
+  const acc_t* invstd;
   Param weight;
-  Param bias;          // kNormalize only
-  const double* sums;  // [2C] global [Σ dy | Σ dy·(x - mean)]; kGradTraining only
-  double inv_count;    // 1/N (0 for an empty group); kGradTraining only
+  Param bias;         // kNormalize only
+  const acc_t* sums;  // [2C] global [Σ dy | Σ dy·(x - mean)]; kGradTraining only
+  double inv_count;   // 1/N (0 for an empty group); kGradTraining only
 };
 
 template <typename acc_t>
@@ -463,25 +508,25 @@ struct Affine {
   acc_t center, k, q, r;
 };
 
+// The constants of channel c, whose shift K is `shift` (ignored by kGradEval).
 template <Pass pass, typename acc_t>
-__device__ __forceinline__ Affine<acc_t> channel_affine(const PassArgs& a, int64_t c, int64_t channels) {
-  const double s = a.invstd[c];
+__device__ __forceinline__ Affine<acc_t> channel_affine(const PassArgs<acc_t>& a, int64_t c, int64_t channels,
+                                                        acc_t shift) {
+  const double s = static_cast<double>(a.invstd[c]);
   const double w = load_param(a.weight, c, 1.0);
   if constexpr (pass == Pass::kGradEval) {
     return Affine<acc_t>{acc_t(0), static_cast<acc_t>(w * s), acc_t(0), acc_t(0)};
   } else {
-    const double m = a.mean[c];
-    const acc_t center = static_cast<acc_t>(m);
-    const double shift = m - static_cast<double>(center);
+    const Centre<acc_t> m = centre(shift, a.mean[c]);
     if constexpr (pass == Pass::kNormalize) {
       const double scale = w * s;
-      return Affine<acc_t>{center, acc_t(0), static_cast<acc_t>(scale),
-                           static_cast<acc_t>(load_param(a.bias, c, 0.0) - shift * scale)};
+      return Affine<acc_t>{m.center, acc_t(0), static_cast<acc_t>(scale),
+                           static_cast<acc_t>(load_param(a.bias, c, 0.0) - m.offset * scale)};
     } else {
       const double k = w * s;
-      const double q = -k * s * s * a.sums[channels + c] * a.inv_count;
-      return Affine<acc_t>{center, static_cast<acc_t>(k), static_cast<acc_t>(q),
-                           static_cast<acc_t>(-k * a.sums[c] * a.inv_count - q * shift)};
+      const double q = -k * s * s * static_cast<double>(a.sums[channels + c]) * a.inv_count;
+      return Affine<acc_t>{m.center, static_cast<acc_t>(k), static_cast<acc_t>(q),
+                           static_cast<acc_t>(-k * static_cast<double>(a.sums[c]) * a.inv_count - q * m.offset)};
     }
   }
 }
@@ -503,12 +548,13 @@ __device__ __forceinline__ scalar_t apply_affine(const Affine<acc_t>& f, const s
 template <Pass pass, typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads)
     affine_planar_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, scalar_t* __restrict__ out,
-                         int64_t planes, int64_t channels, int64_t inner, int lanes_log2, PassArgs args) {
+                         int64_t planes, int64_t channels, int64_t inner, int lanes_log2, PassArgs<acc_t> args) {
   const int lanes = 1 << lanes_log2;
   const int64_t p = static_cast<int64_t>(blockIdx.x) * (kThreads >> lanes_log2) + (threadIdx.x >> lanes_log2);
   if (p >= planes) return;
   const int64_t c = p % channels;
-  const Affine<acc_t> f = channel_affine<pass, acc_t>(args, c, channels);
+  const acc_t shift = pass == Pass::kGradEval ? acc_t(0) : static_cast<acc_t>(x[c * inner]);
+  const Affine<acc_t> f = channel_affine<pass, acc_t>(args, c, channels, shift);
   const int64_t base = p * inner;
   for (int64_t s = threadIdx.x & (lanes - 1); s < inner; s += lanes) {
     out[base + s] = apply_affine<pass>(f, x, dy, base + s);
@@ -520,14 +566,152 @@ __global__ void __launch_bounds__(kThreads)
 template <Pass pass, typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads)
     affine_rows_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy, scalar_t* __restrict__ out,
-                       int64_t rows, int64_t channels, PassArgs args) {
+                       int64_t rows, int64_t channels, PassArgs<acc_t> args) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= channels) return;
-  const Affine<acc_t> f = channel_affine<pass, acc_t>(args, c, channels);
+  const acc_t shift = pass == Pass::kGradEval ? acc_t(0) : static_cast<acc_t>(x[c]);
+  const Affine<acc_t> f = channel_affine<pass, acc_t>(args, c, channels, shift);
   const int64_t stride = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = static_cast<int64_t>(blockIdx.y) * blockDim.y + threadIdx.y; r < rows; r += stride) {
     out[r * channels + c] = apply_affine<pass>(f, x, dy, r * channels + c);
   }
+}
+
+// --- one block per channel (no group) --------------------------------------------------------
+
+// Note [One block per channel]
+// Without a group nothing is communicated between a pass's reduction and its element-wise half, so
+// where the device has at least one channel per multiprocessor to run (one_block_per_channel in
+// kernels.cu: planar inputs of that many channels) one block of kFusedThreads owns a whole channel:
+// it reduces the channel's values, finishes its statistics (forward) or sums (backward) itself, and
+// then makes the element-wise pass over the same values, which it has just read and finds in the
+// cache. One launch per pass instead of two or three, x read from memory once where the channel's
+// values stay in L2 between the halves, and the backward's sums kept in the block: no [2C] tensor
+// and no partials, so a layer holds only its saved statistics between the passes (bench_syncbn.py's
+// memory columns, and scripts/gpu_profile.py's conv shape, where the two-kernel forward read x
+// twice). Each thread accumulates in acc_t over the values it reads, V consecutive values of a
+// plane at a time (one 16-byte load where the plane's length and the pointers allow); the block
+// merges the threads' results in double. The forward runs Welford's update on vectors of values
+// shifted by K (Note [CUDA moments]), one division per vector.
+constexpr int kFusedThreads = 512;
+
+// V consecutive elements, aligned for one load or store of sizeof(T)·V bytes.
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+// Calls f(i) for the elements [i, i + V) of channel c of a planar input (n_outer planes of `inner`,
+// inner % V == 0) that belong to this thread of a kFusedThreads block. The thread's position
+// advances by kFusedThreads vectors with a carry instead of a division per step.
+template <int V, typename F>
+__device__ __forceinline__ void for_channel_values(int64_t n_outer, int64_t channels, int64_t inner, int64_t c, F&& f) {
+  const int64_t vectors = inner / V;  // per plane
+  const int64_t total = n_outer * vectors;
+  const int64_t dn = kFusedThreads / vectors, dv = kFusedThreads % vectors;
+  int64_t n = threadIdx.x / vectors, v = threadIdx.x % vectors;
+  for (int64_t t = threadIdx.x; t < total; t += kFusedThreads) {
+    f((n * channels + c) * inner + v * V);
+    v += dv;
+    n += dn;
+    if (v >= vectors) {
+      v -= vectors;
+      ++n;
+    }
+  }
+}
+
+// Forward: statistics of channel c = blockIdx.x over this rank's values into `out`, then y = (x -
+// K)·q + r with kNormalize's constants from the saved values. The input is not empty.
+template <typename scalar_t, typename acc_t, int V>
+__global__ void __launch_bounds__(kFusedThreads)
+    fused_forward_planar_kernel(const scalar_t* __restrict__ x, scalar_t* __restrict__ y, int64_t n_outer,
+                                int64_t channels, int64_t inner, double eps, StatsOut<acc_t> out, Param weight,
+                                Param bias) {
+  using Values = Vec<scalar_t, V>;
+  const int64_t c = blockIdx.x;
+  const acc_t shift = static_cast<acc_t>(x[c * inner]);
+  Welford<acc_t> w{acc_t(0), acc_t(0), acc_t(0)};
+  for_channel_values<V>(n_outer, channels, inner, c, [&](int64_t i) {
+    const Values a = *reinterpret_cast<const Values*>(x + i);
+    acc_t d[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) d[j] = static_cast<acc_t>(a.v[j]) - shift;
+    welford_add_values<V>(w, d);
+  });
+  const Welford<double> merged = block_merge_1d<WelfordOps, Welford<double>, kFusedThreads>(
+      Welford<double>{static_cast<double>(w.n), static_cast<double>(w.mean), static_cast<double>(w.m2)});
+  __shared__ Affine<acc_t> constants;
+  if (threadIdx.x == 0) {
+    store_stats(out, c, static_cast<double>(shift), merged.mean, merged.m2 / static_cast<double>(n_outer * inner), eps);
+    const Centre<acc_t> m = centre(shift, out.mean[c]);
+    const double scale = load_param(weight, c, 1.0) * static_cast<double>(out.invstd[c]);
+    constants = Affine<acc_t>{m.center, acc_t(0), static_cast<acc_t>(scale),
+                              static_cast<acc_t>(load_param(bias, c, 0.0) - m.offset * scale)};
+  }
+  __syncthreads();
+  const Affine<acc_t> f = constants;
+  for_channel_values<V>(n_outer, channels, inner, c, [&](int64_t i) {
+    const Values a = *reinterpret_cast<const Values*>(x + i);
+    Values b;
+#pragma unroll
+    for (int j = 0; j < V; ++j) b.v[j] = static_cast<scalar_t>((static_cast<acc_t>(a.v[j]) - f.center) * f.q + f.r);
+    *reinterpret_cast<Values*>(y + i) = b;
+  });
+}
+
+// Training backward of channel c = blockIdx.x: Σ dy and Σ dy·(x - mean) over this rank's values,
+// the weight and bias gradients from them (kNone: not wanted), then, unless dx is null, dx =
+// k·dy + q·(x - K) + r with kGradTraining's constants and N = this rank's count. mean, invstd: the
+// saved statistics. The input is not empty.
+template <typename scalar_t, typename acc_t, int V>
+__global__ void __launch_bounds__(kFusedThreads)
+    fused_backward_planar_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ dy,
+                                 scalar_t* __restrict__ dx, int64_t n_outer, int64_t channels, int64_t inner,
+                                 const acc_t* __restrict__ mean, const acc_t* __restrict__ invstd, Param weight,
+                                 MutableParam grad_weight, MutableParam grad_bias) {
+  using Values = Vec<scalar_t, V>;
+  const int64_t c = blockIdx.x;
+  const Centre<acc_t> m = centre(static_cast<acc_t>(x[c * inner]), mean[c]);
+  acc_t g1 = acc_t(0), g2 = acc_t(0);
+  for_channel_values<V>(n_outer, channels, inner, c, [&](int64_t i) {
+    const Values a = *reinterpret_cast<const Values*>(x + i);
+    const Values g = *reinterpret_cast<const Values*>(dy + i);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const acc_t gj = static_cast<acc_t>(g.v[j]);
+      g1 += gj;
+      g2 += gj * (static_cast<acc_t>(a.v[j]) - m.center);
+    }
+  });
+  const GradSums<double> sums = block_merge_1d<SumsOps, GradSums<double>, kFusedThreads>(
+      GradSums<double>{static_cast<double>(g1), static_cast<double>(g2)});
+  __shared__ Affine<acc_t> constants;
+  if (threadIdx.x == 0) {
+    const double s = static_cast<double>(invstd[c]);
+    const double centred = sums.dy_xc - m.offset * sums.dy;  // Σ dy·(x - mean)
+    store_param(grad_weight, c, s * centred);
+    store_param(grad_bias, c, sums.dy);
+    const double inv_count = 1.0 / static_cast<double>(n_outer * inner);
+    const double k = load_param(weight, c, 1.0) * s;
+    const double q = -k * s * s * centred * inv_count;
+    constants = Affine<acc_t>{m.center, static_cast<acc_t>(k), static_cast<acc_t>(q),
+                              static_cast<acc_t>(-k * sums.dy * inv_count - q * m.offset)};
+  }
+  if (dx == nullptr) return;  // the same for every thread of the grid
+  __syncthreads();
+  const Affine<acc_t> f = constants;
+  for_channel_values<V>(n_outer, channels, inner, c, [&](int64_t i) {
+    const Values a = *reinterpret_cast<const Values*>(x + i);
+    const Values g = *reinterpret_cast<const Values*>(dy + i);
+    Values b;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      b.v[j] =
+          static_cast<scalar_t>(static_cast<acc_t>(g.v[j]) * f.k + (static_cast<acc_t>(a.v[j]) - f.center) * f.q + f.r);
+    }
+    *reinterpret_cast<Values*>(dx + i) = b;
+  });
 }
 
 }  // namespace ddpkit::syncbn::cuda
