@@ -12,31 +12,32 @@ namespace ddpkit::comm {
 
 using namespace shm_detail;
 
-void ShmDirect::carry_check(const CollectiveHeader& header, std::string local_error) {
-  armed_ = CarriedCheck{header, std::move(local_error)};
+void ShmDirect::carry_check(const CollectiveHeader& header, std::string_view local_error) {
+  carried_ = CarriedCheck{header, local_error};
+  armed_ = true;
 }
 
-WaitContext ShmDirect::begin(std::string_view what, std::optional<CarriedCheck>& check) {
-  check = std::exchange(armed_, std::nullopt);  // this collective's, whatever happens next
+WaitContext ShmDirect::begin(std::string_view what, const CarriedCheck*& check) {
+  check = std::exchange(armed_, false) ? &carried_ : nullptr;  // this collective's, whatever happens next
   seg_.liveness().check_usable(what);
   return seg_.wait_context(what);
 }
 
-void ShmDirect::post_header(const std::optional<CarriedCheck>& check, int set) const {
+void ShmDirect::post_header(const CarriedCheck* check, int set) const {
   if (check) memory_.slot_header(seg_.rank(), set) = check->header;
 }
 
-void ShmDirect::verify_headers(const std::optional<CarriedCheck>& check, int set, std::string_view what) const {
+void ShmDirect::verify_headers(const CarriedCheck* check, int set, std::string_view what) const {
   if (!check) return;
   std::vector<CollectiveHeader> headers(seg_.size());
   for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = memory_.slot_header(peer, set);
   const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.group_ranks().data());
-  TORCH_CHECK(check->local_error.empty(), check->local_error);
+  TORCH_CHECK(check->local_error.empty(), std::string(check->local_error));
   TORCH_CHECK(error.empty(), error);
 }
 
 void ShmDirect::all_reduce(const at::Tensor& flat, ReduceOp op, std::string_view what) {
-  std::optional<CarriedCheck> check;
+  const CarriedCheck* check = nullptr;
   const WaitContext context = begin(what, check);
   const bool rejected = !flat.defined();
   const at::ScalarType dtype = rejected ? at::kByte : flat.scalar_type();
@@ -98,7 +99,7 @@ void ShmDirect::all_reduce(const at::Tensor& flat, ReduceOp op, std::string_view
 }
 
 void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, std::string_view what) {
-  std::optional<CarriedCheck> check;
+  const CarriedCheck* check = nullptr;
   const WaitContext context = begin(what, check);
   const int64_t bytes = input.defined() ? static_cast<int64_t>(input.numel() * input.element_size()) : 0;
   const char* const in = bytes == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
@@ -123,7 +124,7 @@ void ShmDirect::all_gather(const at::Tensor& output, const at::Tensor& input, st
 }
 
 void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, std::string_view what) {
-  std::optional<CarriedCheck> check;
+  const CarriedCheck* check = nullptr;
   const WaitContext context = begin(what, check);
   const bool rejected = !output.defined();
   const at::ScalarType dtype = rejected ? at::kByte : output.scalar_type();
@@ -161,7 +162,7 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
 }
 
 void ShmDirect::broadcast(const at::Tensor& tensor, int root, std::string_view what) {
-  std::optional<CarriedCheck> check;
+  const CarriedCheck* check = nullptr;
   const WaitContext context = begin(what, check);
   const int64_t bytes = tensor.defined() ? static_cast<int64_t>(tensor.numel() * tensor.element_size()) : 0;
   char* const data = bytes == 0 ? nullptr : static_cast<char*>(tensor.data_ptr());
@@ -199,7 +200,7 @@ void ShmDirect::arrive_and_wait(uint32_t target, const WaitContext& context) {
 }
 
 void ShmDirect::barrier(std::string_view what) {
-  std::optional<CarriedCheck> check;
+  const CarriedCheck* check = nullptr;
   const WaitContext context = begin(what, check);
   const uint32_t target = ++step_;
   const int set = static_cast<int>(target & 1);

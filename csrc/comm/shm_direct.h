@@ -6,7 +6,6 @@
 #include "comm/transport.h"
 
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -65,7 +64,7 @@ class ShmDirect final : public DirectCollectives {
       : segment_(std::move(segment)), seg_(*segment_), memory_(segment_->memory()) {}
 
   std::vector<CollectiveHeader> exchange_headers(const CollectiveHeader& header, std::string_view what) override;
-  void carry_check(const CollectiveHeader& header, std::string local_error) override;
+  void carry_check(const CollectiveHeader& header, std::string_view local_error) override;
   int group_rank(int rank) const override { return seg_.group_ranks()[rank]; }
   int failed_rank() const override { return seg_.liveness().failed_group_rank(); }
   void all_reduce(const at::Tensor& flat, ReduceOp op, std::string_view what) override;
@@ -79,26 +78,27 @@ class ShmDirect final : public DirectCollectives {
  private:
   // The check a collective's first step carries (carry_check).
   struct CarriedCheck {
-    CollectiveHeader header;  // stamped
-    std::string local_error;
+    CollectiveHeader header;       // stamped
+    std::string_view local_error;  // the caller's, alive until its collective returns
   };
-  // What every collective does first: takes the check its first step carries (none when nothing
-  // armed one), raises if the transport failed earlier, and gives the context of its waits.
-  WaitContext begin(std::string_view what, std::optional<CarriedCheck>& check);
+  // What every collective does first: takes the check its first step carries (`check`: null when
+  // nothing armed one), raises if the transport failed earlier, and gives the context of its waits.
+  WaitContext begin(std::string_view what, const CarriedCheck*& check);
   // The first step's part of the check: this rank's header into its slot of set `set`, before the
   // step's arrival.
-  void post_header(const std::optional<CarriedCheck>& check, int set) const;
+  void post_header(const CarriedCheck* check, int set) const;
   // After the first step's arrivals: compares every rank's header in slot set `set`; throws this
   // rank's `local_error` first if there is one.
-  void verify_headers(const std::optional<CarriedCheck>& check, int set, std::string_view what) const;
+  void verify_headers(const CarriedCheck* check, int set, std::string_view what) const;
   // Posts this rank's arrival at step `target` and waits for every peer's.
   void arrive_and_wait(uint32_t target, const WaitContext& context);
 
   std::shared_ptr<ShmSegment> segment_;
   const ShmSegment& seg_;
   const SegmentMemory& memory_;
-  uint32_t step_ = 0;                  // steps taken (Note [Direct all-reduce]); the same on every rank
-  std::optional<CarriedCheck> armed_;  // the check the next collective's first step carries
+  uint32_t step_ = 0;     // steps taken (Note [Direct all-reduce]); the same on every rank
+  CarriedCheck carried_;  // the check the next collective's first step carries, while armed_
+  bool armed_ = false;
 };
 
 }  // namespace ddpkit::comm

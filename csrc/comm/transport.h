@@ -58,8 +58,9 @@ class DirectCollectives {
   // Arms the collective check for the next collective's first step: `header` is this rank's,
   // stamped (magic, sequence); that step compares every rank's header and raises the same error on
   // every rank, this rank's `local_error` (non-empty: it rejected its arguments) first, before any
-  // tensor is touched.
-  virtual void carry_check(const CollectiveHeader& header, std::string local_error) = 0;
+  // tensor is touched. `local_error` is read there: it must live until that collective returns (the
+  // caller of Communicator::run_direct holds it).
+  virtual void carry_check(const CollectiveHeader& header, std::string_view local_error) = 0;
   // The group's rank of this transport's rank `rank` (they differ where it spans a host of a larger group).
   virtual int group_rank(int rank) const = 0;
   // After a failure: the group's rank that died or gave up first, as far as this transport knows; -1.

@@ -56,8 +56,8 @@ class DyingDirect final : public DirectCollectives {
   std::vector<CollectiveHeader> exchange_headers(const CollectiveHeader& header, std::string_view what) override {
     return inner_.exchange_headers(header, what);
   }
-  void carry_check(const CollectiveHeader& header, std::string local_error) override {
-    inner_.carry_check(header, std::move(local_error));
+  void carry_check(const CollectiveHeader& header, std::string_view local_error) override {
+    inner_.carry_check(header, local_error);
   }
   int group_rank(int rank) const override { return inner_.group_rank(rank); }
   int failed_rank() const override { return inner_.failed_rank(); }
