@@ -4,6 +4,7 @@
 #include "comm/communicator.h"
 #include "comm/reduce_kernel.h"
 #include "comm/schedules.h"
+#include "comm/socket_ring.h"
 
 namespace ddpkit::comm {
 namespace {
@@ -90,58 +91,41 @@ void SocketPairChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceO
   receive_and_combine(mine, op, {{peer(), theirs.data_ptr(), static_cast<int64_t>(theirs.nbytes())}}, comm);
 }
 
-SubgroupChannel::SubgroupChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links,
-                                 c10::intrusive_ptr<c10d::Backend> backend)
+RingChannel::RingChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links,
+                         c10::intrusive_ptr<c10d::Backend> backend, ScratchBuffers& scratch)
     : CrossHostChannel(rank, std::move(group_ranks), std::move(links)),
       backend_(std::move(backend)),
-      messages_(std::make_shared<ProcessGroupTransport>(backend_, c10::kCPU)) {}
+      messages_(std::make_shared<ProcessGroupTransport>(backend_, c10::kCPU)),
+      scratch_(scratch) {}
 
-Communicator SubgroupChannel::subgroup(const Communicator& comm) const {
+Communicator RingChannel::subgroup(const Communicator& comm) const {
   return Communicator(rank(), size(), c10::kCPU, backend_, messages_, comm.sequence(), comm.group(), comm.what());
 }
 
-// Sums through gloo's own all-reduce; max and min through ddpkit's ring, which keeps Note
-// [Reductions]'s semantics (gloo's max drops a NaN held by a later rank).
-void SubgroupChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
-  if (block.numel() == 0) return;
-  if (accumulating_op(op) == ReduceOp::kSum) {
-    c10d::AllreduceOptions options;
-    options.reduceOp = c10d::ReduceOp::SUM;
-    std::vector<at::Tensor> tensors{block};
-    backend_->allreduce(tensors, options)->wait();
-    return;
-  }
-  Communicator cross = subgroup(comm);
-  Schedule schedule = ring_schedule(block, op, size(), rank());
-  run_schedule(cross, schedule, schedule.size());
+void RingChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
+  ring_all_reduce(links(), comm.sequence(), block, op, WireFormat::kExact, scratch_);
 }
 
-void SubgroupChannel::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
+void RingChannel::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
   if (flat.numel() == 0) return;
   Communicator cross = subgroup(comm);
   Schedule schedule = broadcast_schedule(flat, size(), rank(), root);
   run_schedule(cross, schedule);
 }
 
-void SubgroupChannel::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) {
+void RingChannel::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) {
   if (flat.numel() == 0) return;
   Communicator cross = subgroup(comm);
   Schedule schedule = reduce_schedule(flat, op, size(), rank(), root);
   run_schedule(cross, schedule);
 }
 
-void SubgroupChannel::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
-  if (m == 0) return;
-  Communicator cross = subgroup(comm);
-  Schedule schedule = ring_all_gather_schedule(flat, m, size(), rank());
-  run_schedule(cross, schedule, schedule.size());
+void RingChannel::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
+  ring_all_gather(links(), comm.sequence(), flat, m);
 }
 
-void SubgroupChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
-  if (m == 0) return;
-  Communicator cross = subgroup(comm);
-  Schedule schedule = ring_reduce_scatter_schedule(run, m, op, size(), rank());
-  run_schedule(cross, schedule);
+void RingChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
+  ring_reduce_scatter(links(), comm.sequence(), run, m, op, WireFormat::kExact, scratch_);
 }
 
 }  // namespace ddpkit::comm

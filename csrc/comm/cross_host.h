@@ -25,10 +25,9 @@ class Communicator;
 // there are:
 //  - SocketPairChannel, between two hosts: every step over the two ranks' socket link (Note [Socket
 //    links]), the receiver reducing parts as they arrive, in host order;
-//  - SubgroupChannel, among three hosts or more: the sums' all-reduce through the gloo subgroup's own
-//    (its pipelined TCP ring), every other step through ddpkit's schedules over that subgroup's
-//    messages (which beat gloo's collectives there: the ring all-gather took well under half the
-//    time of gloo's own at 16M floats, bench_multihost.py's all_gather_into_tensor).
+//  - RingChannel, among three hosts or more: the all-reduce, all-gather and reduce-scatter on a ring
+//    over the socket links (Note [A ring across hosts] in socket_ring.h), the broadcast and the reduce
+//    through ddpkit's schedules over the gloo subgroup's messages.
 // Every step is part of the caller's collective (its sequence number names its frames and tags),
 // takes contiguous tensors, and moves nothing when they are empty. A kMean is summed; the caller
 // divides once. Every rank ends with the same bits: each element is reduced in one place, or in the
@@ -97,11 +96,12 @@ class SocketPairChannel final : public CrossHostChannel {
 };
 
 // Among three hosts or more (Note [Steps across hosts]): `backend` is the gloo subgroup of the ranks
-// the channel spans, split from the group's.
-class SubgroupChannel final : public CrossHostChannel {
+// the channel spans, split from the group's; `scratch` receives the ring's frames and outlives the
+// channel.
+class RingChannel final : public CrossHostChannel {
  public:
-  SubgroupChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links,
-                  c10::intrusive_ptr<c10d::Backend> backend);
+  RingChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<SocketLinks> links,
+              c10::intrusive_ptr<c10d::Backend> backend, ScratchBuffers& scratch);
   void all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) override;
   void broadcast(const at::Tensor& flat, int root, Communicator& comm) override;
   void reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) override;
@@ -115,6 +115,7 @@ class SubgroupChannel final : public CrossHostChannel {
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::shared_ptr<Transport> messages_;  // point-to-point messages on `backend_`
+  ScratchBuffers& scratch_;
 };
 
 }  // namespace ddpkit::comm
