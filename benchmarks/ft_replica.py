@@ -292,11 +292,13 @@ class ReplicaGroups:
     """``count`` replica groups of one rank each, each its own process (and session, so that a kill
     takes its whole process group), started as ``python ft_replica.py ARGS`` against ``lighthouse``.
     Each incarnation of replica r logs to ``folder/r{r}.jsonl`` (appended) and writes its output to
-    ``folder/r{r}.{incarnation}.out``."""
+    ``folder/r{r}.{incarnation}.out``. ``script`` is another worker that keeps this one's protocol
+    (its environment, the start gate, the stop file, one JSON line per iteration)."""
 
     def __init__(self, folder: Path, lighthouse: str, args: list, count: int, env: Optional[dict] = None,
-                 launch: Optional[Callable[[int, list, dict], tuple]] = None):
+                 launch: Optional[Callable[[int, list, dict], tuple]] = None, script: Optional[Path] = None):
         self.folder, self.lighthouse, self.args, self.count = Path(folder), lighthouse, list(args), count
+        self.script = str(script or __file__)
         self.env = env or {}
         # (replica, argv, env) -> (argv, env) as started: a simulated host's namespaces, say.
         self.launch = launch or (lambda replica, argv, env: (argv, env))
@@ -318,7 +320,7 @@ class ReplicaGroups:
                "OMP_NUM_THREADS": "1", **self.env}
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         out = open(self.folder / f"r{replica}.{self.incarnations[replica]}.out", "w")
-        argv, env = self.launch(replica, [sys.executable, __file__, *self.args, "--records",
+        argv, env = self.launch(replica, [sys.executable, self.script, *self.args, "--records",
                                           str(self.log_path(replica)), "--out", str(self.folder / f"r{replica}.pt")],
                                 env)
         process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

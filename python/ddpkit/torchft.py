@@ -50,7 +50,10 @@ __all__ = ["DistributedDataParallel", "ProcessGroupDdpkit", "allreduce_hook", "c
 
 
 class ProcessGroupDdpkit(ProcessGroupWrapper):
-    """A reconfigurable ddpkit process group for ``torchft.Manager(pg=...)``.
+    """A reconfigurable ddpkit process group for ``torchft.Manager(pg=...)``: under torchft's DDP, its
+    LocalSGD and DiLoCo (``torchft.local_sgd``), and HSDP (FSDP2 inside a replica group, whose
+    all-reduce hook averages the gradient shards over the quorum through torchft's
+    ``ManagedProcessGroup``; docs/fault_tolerance.md).
 
     Args:
         timeout: bounds every collective (a peer that stops answering fails it after this long) and
