@@ -23,7 +23,8 @@ main:
 # timeouts under test), which the other worker fills. Each worker keeps its own session pools, whose
 # ranks return a task's memory after it (ddpkit.testing), so two sets fit a small machine.
 test: setup
-	@echo "== test: ruff (pyproject.toml's [tool.ruff]), clang-format (.clang-format), then the whole suite in 2 workers (what CI runs)"
+	@echo "== test: ruff's rules and format (pyproject.toml's [tool.ruff]), clang-format (.clang-format), then the whole suite in 2 workers (what CI runs)"
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' | xargs .venv/bin/clang-format --dry-run --Werror
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30

@@ -1,7 +1,7 @@
-"""Training entry point: ``torchrun --nproc_per_node N train.py [options]`` (see python/ddpkit/training/train.py).
+"""Training entry point: ``torchrun --nproc_per_node N train.py [options]`` (see python/ddpkit/training/cli.py).
 
-    torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --epochs 10 --accumulation-steps 2
-    torchrun --nproc_per_node 2 train.py --impl torch --dataset fashion_mnist --epochs 10 --accumulation-steps 2
+torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --epochs 10 --accumulation-steps 2
+torchrun --nproc_per_node 2 train.py --impl torch --dataset fashion_mnist --epochs 10 --accumulation-steps 2
 """
 
 from ddpkit.training import main

@@ -44,18 +44,19 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_ddp  # noqa: E402
 import common  # noqa: E402
-from peers import timing  # noqa: E402
-from records import CollectiveRecord, DdpRecord, LayerRecord, Record  # noqa: E402
-
 import ddpkit  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
+from peers import timing  # noqa: E402
+from records import CollectiveRecord, DdpRecord, LayerRecord, Record  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 CANDIDATES = ("gloo", "backend", "ddpkit")
 # "floor": the same steps without any gradient communication, the bound on what a backend can save.
-DDP_CANDIDATES = {"torch_gloo": {"impl": "torch", "backend": "gloo"},
-                  "torch_ddpkit": {"impl": "torch", "backend": "ddpkit"},
-                  "floor": {"impl": "floor", "backend": "gloo"}}
+DDP_CANDIDATES = {
+    "torch_gloo": {"impl": "torch", "backend": "gloo"},
+    "torch_ddpkit": {"impl": "torch", "backend": "ddpkit"},
+    "floor": {"impl": "floor", "backend": "gloo"},
+}
 
 _groups: dict = {}
 
@@ -93,8 +94,11 @@ def call(collective: str, candidate: str, output: torch.Tensor, input: torch.Ten
 def buffers(collective: str, size: int, world_size: int, generator: torch.Generator, integer: bool = False):
     """(output, input) of a collective of ``size`` floats in all."""
     block = size // world_size
-    make = (lambda n: torch.randint(-8, 8, (n,), generator=generator).float()) if integer else \
-        (lambda n: torch.randn(n, generator=generator))
+    make = (
+        (lambda n: torch.randint(-8, 8, (n,), generator=generator).float())
+        if integer
+        else (lambda n: torch.randn(n, generator=generator))
+    )
     if collective == "all_reduce":
         return make(size), None
     if collective == "all_gather_into_tensor":
@@ -132,8 +136,13 @@ def measure(sizes: list[int], reps: int) -> dict:
     return times
 
 
-LAYERS = ("dist.all_reduce", "ProcessGroup.allreduce", "Backend.allreduce", "ddpkit.all_reduce",
-          "torch.ops.ddpkit.all_reduce_")
+LAYERS = (
+    "dist.all_reduce",
+    "ProcessGroup.allreduce",
+    "Backend.allreduce",
+    "ddpkit.all_reduce",
+    "torch.ops.ddpkit.all_reduce_",
+)
 
 
 def measure_layers(sizes: list[int], reps: int) -> dict:
@@ -152,8 +161,9 @@ def measure_layers(sizes: list[int], reps: int) -> dict:
             "ProcessGroup.allreduce": lambda: group.allreduce([tensor], options).wait(),
             "Backend.allreduce": lambda: backend.allreduce([tensor], options).wait(),
             "ddpkit.all_reduce": lambda: ddpkit.all_reduce(tensor),
-            "torch.ops.ddpkit.all_reduce_": lambda: torch.ops.ddpkit.all_reduce_(tensor, "sum", "auto",
-                                                                                  group.group_name),
+            "torch.ops.ddpkit.all_reduce_": lambda: torch.ops.ddpkit.all_reduce_(
+                tensor, "sum", "auto", group.group_name
+            ),
         }
         batch = 200 if size <= 10_000 else 50
 
@@ -173,8 +183,9 @@ def layer_records(sizes: list[int], reps: int) -> list[LayerRecord]:
     records = []
     for size, name in per_rank[0]:
         slowest = timing.slowest_per_rep([rank[(size, name)] for rank in per_rank])
-        records.append(LayerRecord(layer=name, world_size=2, numel=size, median_s=common.median(slowest),
-                                   reps=len(slowest)))
+        records.append(
+            LayerRecord(layer=name, world_size=2, numel=size, median_s=common.median(slowest), reps=len(slowest))
+        )
     return records
 
 
@@ -182,25 +193,41 @@ def collective_records(world_size: int, sizes: list[int], reps: int) -> list[Col
     with WorkerPool(world_size, backend="ddpkit", timeout=3600, group_timeout=600) as pool:
         per_rank = pool.run(measure, sizes, reps)
     records = []
-    for (collective, size, candidate) in per_rank[0]:
+    for collective, size, candidate in per_rank[0]:
         slowest = timing.slowest_per_rep([rank[(collective, size, candidate)] for rank in per_rank])
         ordered = sorted(slowest)
         median = common.median(slowest)
         nbytes = 4 * size
-        records.append(CollectiveRecord(
-            collective=collective, candidate=candidate, world_size=world_size, numel=size, bytes=nbytes,
-            median_s=median, p25_s=ordered[len(ordered) // 4], p75_s=ordered[(3 * len(ordered)) // 4],
-            reps=len(slowest),
-            # nccl-tests' bus bandwidth: all-reduce moves 2(n-1)/n of the vector, the other two (n-1)/n.
-            busbw_GBps=nbytes / median * (2 if collective == "all_reduce" else 1) * (world_size - 1) / world_size / 1e9,
-        ))
+        records.append(
+            CollectiveRecord(
+                collective=collective,
+                candidate=candidate,
+                world_size=world_size,
+                numel=size,
+                bytes=nbytes,
+                median_s=median,
+                p25_s=ordered[len(ordered) // 4],
+                p75_s=ordered[(3 * len(ordered)) // 4],
+                reps=len(slowest),
+                # nccl-tests' bus bandwidth: all-reduce moves 2(n-1)/n of the vector, the other two (n-1)/n.
+                busbw_GBps=nbytes
+                / median
+                * (2 if collective == "all_reduce" else 1)
+                * (world_size - 1)
+                / world_size
+                / 1e9,
+            )
+        )
     return records
 
 
 def summarize(records: list[Record]) -> dict:
     summary: dict = {}
-    times = {(r.collective, r.world_size, r.numel, r.candidate): r.median_s
-             for r in records if isinstance(r, CollectiveRecord)}
+    times = {
+        (r.collective, r.world_size, r.numel, r.candidate): r.median_s
+        for r in records
+        if isinstance(r, CollectiveRecord)
+    }
     for (collective, n, size, candidate), t in sorted(times.items()):
         if candidate != "backend":
             continue
@@ -216,8 +243,9 @@ def summarize(records: list[Record]) -> dict:
             continue
         base = ddp[(model, accumulation, "torch_gloo")]
         summary[f"torch DDP {model} acc={accumulation}: ddpkit/gloo time"] = r.median_step_s / base.median_step_s
-        summary[f"torch DDP {model} acc={accumulation}: ddpkit/gloo memory"] = \
+        summary[f"torch DDP {model} acc={accumulation}: ddpkit/gloo memory"] = (
             r.peak_memory_bytes / base.peak_memory_bytes
+        )
         floor = ddp.get((model, accumulation, "floor"))
         if floor is not None:
             summary[f"torch DDP {model} acc={accumulation}: floor/gloo time"] = floor.median_step_s / base.median_step_s
@@ -229,8 +257,13 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000, 1_000_000, 16_000_000])
     parser.add_argument("--reps", type=int, default=30, help="repetitions up to 100k floats (fewer above)")
-    parser.add_argument("--layer-sizes", type=int, nargs="+", default=[1_000, 100_000],
-                        help="sizes of the per-layer all-reduce timing (2 processes)")
+    parser.add_argument(
+        "--layer-sizes",
+        type=int,
+        nargs="+",
+        default=[1_000, 100_000],
+        help="sizes of the per-layer all-reduce timing (2 processes)",
+    )
     parser.add_argument("--models", nargs="+", default=["net", "resnet18"])
     parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--blocks", type=int, default=12, help="alternating DDP blocks per candidate")
@@ -253,21 +286,46 @@ def main() -> None:
         for model_name in args.models:
             for accumulation in args.accumulation:
                 started = time.monotonic()
-                ddp = bench_ddp.run_config(model_name, batch_for[model_name], accumulation, 2, args.blocks,
-                                           steps_for[model_name], "gloo", candidates=DDP_CANDIDATES,
-                                           reference="torch_gloo")
+                ddp = bench_ddp.run_config(
+                    model_name,
+                    batch_for[model_name],
+                    accumulation,
+                    2,
+                    args.blocks,
+                    steps_for[model_name],
+                    "gloo",
+                    candidates=DDP_CANDIDATES,
+                    reference="torch_gloo",
+                )
                 records += [dataclasses.replace(r, kind="ddp") for r in ddp]
-                print(f"torch DDP {model_name} accumulation {accumulation}: measured in "
-                      f"{time.monotonic() - started:.0f} s", flush=True)
+                print(
+                    f"torch DDP {model_name} accumulation {accumulation}: measured in "
+                    f"{time.monotonic() - started:.0f} s",
+                    flush=True,
+                )
     summary = summarize(records)
-    path = common.write_results(args.output, backend="ddpkit vs gloo", device_type="cpu",
-                                settings={"world_sizes": args.world_sizes, "sizes": args.sizes, "reps": args.reps,
-                                          "dtype": "float32", "collectives": list(COLLECTIVES),
-                                          "candidates": list(CANDIDATES), "ddp_models": args.models,
-                                          "ddp_accumulation": args.accumulation, "ddp_blocks": args.blocks,
-                                          "ddp_skipped": args.skip_ddp,
-                                          "ddp_batch_per_rank": batch_for, "ddp_steps_per_block": steps_for},
-                                records=records, summary=summary, quick=args.quick)
+    path = common.write_results(
+        args.output,
+        backend="ddpkit vs gloo",
+        device_type="cpu",
+        settings={
+            "world_sizes": args.world_sizes,
+            "sizes": args.sizes,
+            "reps": args.reps,
+            "dtype": "float32",
+            "collectives": list(COLLECTIVES),
+            "candidates": list(CANDIDATES),
+            "ddp_models": args.models,
+            "ddp_accumulation": args.accumulation,
+            "ddp_blocks": args.blocks,
+            "ddp_skipped": args.skip_ddp,
+            "ddp_batch_per_rank": batch_for,
+            "ddp_steps_per_block": steps_for,
+        },
+        records=records,
+        summary=summary,
+        quick=args.quick,
+    )
     print_summary(records)
     print(f"wrote {path}")
 
@@ -276,26 +334,49 @@ def print_summary(records: list[Record]) -> None:
     """The collectives per candidate with the backend's ratios, the layers, and torch DDP on both backends."""
     collectives = [r for r in records if isinstance(r, CollectiveRecord)]
     times = {(r.collective, r.world_size, r.numel, r.candidate): r.median_s for r in collectives}
-    rows = [{"collective": collective, "world_size": n, "numel": numel,
-             **{candidate: times[(collective, n, numel, candidate)] for candidate in CANDIDATES},
-             "backend_over_gloo": times[(collective, n, numel, "backend")] / times[(collective, n, numel, "gloo")],
-             "backend_over_ddpkit": times[(collective, n, numel, "backend")] / times[(collective, n, numel, "ddpkit")]}
-            for (collective, n, numel, candidate) in times if candidate == "backend"]
-    print("\ntorch.distributed's collectives on the ddpkit backend (backend) against gloo and against ddpkit's own "
-          "function on the same group (ddpkit); median time per call of the slowest rank, float32")
-    common.print_table(rows, ["collective", "world_size", "numel", *CANDIDATES, "backend_over_gloo",
-                              "backend_over_ddpkit"], align_left={"collective"}, keys=3,
-                       headers={"world_size": "ranks", "numel": "floats", "backend_over_gloo": "backend/gloo",
-                                "backend_over_ddpkit": "backend/ddpkit"},
-                       formats={**{candidate: common.seconds for candidate in CANDIDATES},
-                                "backend_over_gloo": common.times, "backend_over_ddpkit": common.times})
+    rows = [
+        {
+            "collective": collective,
+            "world_size": n,
+            "numel": numel,
+            **{candidate: times[(collective, n, numel, candidate)] for candidate in CANDIDATES},
+            "backend_over_gloo": times[(collective, n, numel, "backend")] / times[(collective, n, numel, "gloo")],
+            "backend_over_ddpkit": times[(collective, n, numel, "backend")] / times[(collective, n, numel, "ddpkit")],
+        }
+        for (collective, n, numel, candidate) in times
+        if candidate == "backend"
+    ]
+    print(
+        "\ntorch.distributed's collectives on the ddpkit backend (backend) against gloo and against ddpkit's own "
+        "function on the same group (ddpkit); median time per call of the slowest rank, float32"
+    )
+    common.print_table(
+        rows,
+        ["collective", "world_size", "numel", *CANDIDATES, "backend_over_gloo", "backend_over_ddpkit"],
+        align_left={"collective"},
+        keys=3,
+        headers={
+            "world_size": "ranks",
+            "numel": "floats",
+            "backend_over_gloo": "backend/gloo",
+            "backend_over_ddpkit": "backend/ddpkit",
+        },
+        formats={
+            **{candidate: common.seconds for candidate in CANDIDATES},
+            "backend_over_gloo": common.times,
+            "backend_over_ddpkit": common.times,
+        },
+    )
     layers = [r for r in records if isinstance(r, LayerRecord)]
     own = {r.numel: r.median_s for r in layers if r.layer == "ddpkit.all_reduce"}
     print("\none all-reduce through each layer of torch.distributed (2 processes), against ddpkit.all_reduce")
-    common.print_table([{**r.to_dict(), "ratio": r.median_s / own[r.numel]} for r in layers],
-                       ["layer", "numel", "median_s", "ratio"], align_left={"layer"},
-                       headers={"numel": "floats", "median_s": "time per call", "ratio": "/ddpkit.all_reduce"},
-                       formats={"median_s": common.seconds, "ratio": common.times})
+    common.print_table(
+        [{**r.to_dict(), "ratio": r.median_s / own[r.numel]} for r in layers],
+        ["layer", "numel", "median_s", "ratio"],
+        align_left={"layer"},
+        headers={"numel": "floats", "median_s": "time per call", "ratio": "/ddpkit.all_reduce"},
+        formats={"median_s": common.seconds, "ratio": common.times},
+    )
     ddp = [r for r in records if isinstance(r, DdpRecord)]
     if ddp:
         bench_ddp.print_summary(ddp, reference="torch_gloo")

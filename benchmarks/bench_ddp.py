@@ -28,12 +28,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from peers import timing  # noqa: E402
-from records import DdpRecord  # noqa: E402
-
 import ddpkit  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
 from ddpkit.training.models import build_model  # noqa: E402
+from peers import timing  # noqa: E402
+from records import DdpRecord  # noqa: E402
 
 CANDIDATES = {
     "ddpkit": {"impl": "ddpkit", "algorithm": ddpkit.ddp.DEFAULT_ALGORITHM},
@@ -68,8 +67,9 @@ def _device(device_type: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build(candidate: dict, model_name: str, batch: int, accumulation: int, num_classes: int,
-          device_type: str = "cpu") -> None:
+def build(
+    candidate: dict, model_name: str, batch: int, accumulation: int, num_classes: int, device_type: str = "cpu"
+) -> None:
     device = _device(device_type)
     torch.manual_seed(0)
     model = build_model(model_name, in_channels=3, num_classes=num_classes, image_size=32).to(device)
@@ -78,16 +78,33 @@ def build(candidate: dict, model_name: str, batch: int, accumulation: int, num_c
     elif candidate["impl"] == "floor":
         wrapped = WithoutCommunication(model)
     else:
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device] if device.type == "cuda" else None
+        )
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
-    batches = [(torch.randn(batch, 3, 32, 32, generator=generator).to(device),
-                torch.randint(0, num_classes, (batch,), generator=generator).to(device)) for _ in range(accumulation)]
-    _state.update(model=wrapped, optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9),
-                  accumulate=ddpkit.GradientAccumulation(wrapped, accumulation), batches=batches, device=device)
+    batches = [
+        (
+            torch.randn(batch, 3, 32, 32, generator=generator).to(device),
+            torch.randint(0, num_classes, (batch,), generator=generator).to(device),
+        )
+        for _ in range(accumulation)
+    ]
+    _state.update(
+        model=wrapped,
+        optimizer=torch.optim.SGD(wrapped.parameters(), lr=0.01, momentum=0.9),
+        accumulate=ddpkit.GradientAccumulation(wrapped, accumulation),
+        batches=batches,
+        device=device,
+    )
 
 
 def steps(count: int) -> list[float]:
-    model, optimizer, accumulate, batches = _state["model"], _state["optimizer"], _state["accumulate"], _state["batches"]
+    model, optimizer, accumulate, batches = (
+        _state["model"],
+        _state["optimizer"],
+        _state["accumulate"],
+        _state["batches"],
+    )
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []
     for _ in range(count):
@@ -118,14 +135,30 @@ def finish() -> dict:
     return {"peak_memory_bytes": peak, "reducer_stats": stats}
 
 
-def run_config(model_name: str, batch: int, accumulation: int, world_size: int, blocks: int, steps_per_block: int,
-               backend: str, device_type: str = "cpu", candidates: dict = CANDIDATES,
-               reference: str = "torch") -> list[DdpRecord]:
+def run_config(
+    model_name: str,
+    batch: int,
+    accumulation: int,
+    world_size: int,
+    blocks: int,
+    steps_per_block: int,
+    backend: str,
+    device_type: str = "cpu",
+    candidates: dict = CANDIDATES,
+    reference: str = "torch",
+) -> list[DdpRecord]:
     """Times ``candidates`` (name -> settings: ``impl``, and ``algorithm``, ``backend`` (overrides ``backend``),
     ``env`` (set in the candidate's processes) where given; the records repeat them) against ``reference``."""
-    pools = {name: WorkerPool(world_size, backend=candidate.get("backend", backend), timeout=3600, group_timeout=600,
-                              env=candidate.get("env"))
-             for name, candidate in candidates.items()}
+    pools = {
+        name: WorkerPool(
+            world_size,
+            backend=candidate.get("backend", backend),
+            timeout=3600,
+            group_timeout=600,
+            env=candidate.get("env"),
+        )
+        for name, candidate in candidates.items()
+    }
     try:
         for name, pool in pools.items():
             pool.run(build, candidates[name], model_name, batch, accumulation, 100, device_type)
@@ -155,15 +188,27 @@ def run_config(model_name: str, batch: int, accumulation: int, world_size: int, 
     records = []
     for name in names:
         ordered = sorted(times[name])
-        records.append(DdpRecord(
-            world_size=world_size, model=model_name, batch_per_rank=batch, accumulation=accumulation,
-            candidate=name, **candidates[name],
-            median_step_s=common.median(times[name]), p25_step_s=ordered[len(ordered) // 4],
-            p75_step_s=ordered[(3 * len(ordered)) // 4], steps_timed=len(times[name]),
-            peak_memory_bytes=max(r["peak_memory_bytes"] for r in finals[name]),
-            reducer_stats=finals[name][0]["reducer_stats"],
-            **{f"max_param_diff_vs_{reference}_after_2_steps": float((checks[name] - checks[reference]).abs().max())},
-        ))
+        records.append(
+            DdpRecord(
+                world_size=world_size,
+                model=model_name,
+                batch_per_rank=batch,
+                accumulation=accumulation,
+                candidate=name,
+                **candidates[name],
+                median_step_s=common.median(times[name]),
+                p25_step_s=ordered[len(ordered) // 4],
+                p75_step_s=ordered[(3 * len(ordered)) // 4],
+                steps_timed=len(times[name]),
+                peak_memory_bytes=max(r["peak_memory_bytes"] for r in finals[name]),
+                reducer_stats=finals[name][0]["reducer_stats"],
+                **{
+                    f"max_param_diff_vs_{reference}_after_2_steps": float(
+                        (checks[name] - checks[reference]).abs().max()
+                    )
+                },
+            )
+        )
     return records
 
 
@@ -174,15 +219,24 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--blocks", type=int, default=18, help="alternating blocks per candidate")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: rank r on GPU r %% device_count; results go to ddp_cuda.json")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                        help="default: gloo on CPU or when the ranks share a GPU, else nccl")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: rank r on GPU r %% device_count; results go to ddp_cuda.json",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: gloo on CPU or when the ranks share a GPU, else nccl",
+    )
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_ddp: --device cuda, but torch sees no CUDA device")
-    backend = args.backend or ("nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.world_size
-                               else "gloo")
+    backend = args.backend or (
+        "nccl" if args.device == "cuda" and torch.cuda.device_count() >= args.world_size else "gloo"
+    )
     batch_for = {"net": 64, "resnet18": 16, "resnet34": 16, "vgg11": 32}
     steps_for = {"net": 10, "resnet18": 2, "resnet34": 2, "vgg11": 3}
     if args.quick:
@@ -191,28 +245,52 @@ def main() -> None:
     for model_name in args.models:
         for accumulation in args.accumulation:
             started = time.monotonic()
-            records += run_config(model_name, batch_for[model_name], accumulation, args.world_size, args.blocks,
-                                  steps_for[model_name], backend, args.device)
-            print(f"{model_name} accumulation {accumulation}: measured in {time.monotonic() - started:.0f} s",
-                  flush=True)
+            records += run_config(
+                model_name,
+                batch_for[model_name],
+                accumulation,
+                args.world_size,
+                args.blocks,
+                steps_for[model_name],
+                backend,
+                args.device,
+            )
+            print(
+                f"{model_name} accumulation {accumulation}: measured in {time.monotonic() - started:.0f} s", flush=True
+            )
     summary = {}
     for record in records:
         if record.candidate == "torch":
             continue
-        torch_record = next(r for r in records if r.candidate == "torch" and r.model == record.model
-                            and r.accumulation == record.accumulation)
+        torch_record = next(
+            r
+            for r in records
+            if r.candidate == "torch" and r.model == record.model and r.accumulation == record.accumulation
+        )
         key = f"{record.candidate} {record.model} acc={record.accumulation}"
-        summary[key] = {"time_ratio": record.median_step_s / torch_record.median_step_s,
-                        "memory_ratio": record.peak_memory_bytes / torch_record.peak_memory_bytes}
-    path = common.write_results("ddp_cuda" if args.device == "cuda" else "ddp", backend=backend, device_type=args.device,
-                                settings={"world_size": args.world_size, "models": args.models,
-                                          "accumulation": args.accumulation, "blocks": args.blocks,
-                                          "batch_per_rank": {m: batch_for[m] for m in args.models},
-                                          "steps_per_block": {m: steps_for[m] for m in args.models},
-                                          "threads_per_process": max(1, (torch.get_num_threads()) // args.world_size),
-                                          "data": "synthetic CIFAR-shaped batches (3x32x32, 100 classes)",
-                                          "memory": "peak RSS per process (max over ranks); GPU: max_memory_allocated"},
-                                records=records, summary=summary, quick=args.quick)
+        summary[key] = {
+            "time_ratio": record.median_step_s / torch_record.median_step_s,
+            "memory_ratio": record.peak_memory_bytes / torch_record.peak_memory_bytes,
+        }
+    path = common.write_results(
+        "ddp_cuda" if args.device == "cuda" else "ddp",
+        backend=backend,
+        device_type=args.device,
+        settings={
+            "world_size": args.world_size,
+            "models": args.models,
+            "accumulation": args.accumulation,
+            "blocks": args.blocks,
+            "batch_per_rank": {m: batch_for[m] for m in args.models},
+            "steps_per_block": {m: steps_for[m] for m in args.models},
+            "threads_per_process": max(1, (torch.get_num_threads()) // args.world_size),
+            "data": "synthetic CIFAR-shaped batches (3x32x32, 100 classes)",
+            "memory": "peak RSS per process (max over ranks); GPU: max_memory_allocated",
+        },
+        records=records,
+        summary=summary,
+        quick=args.quick,
+    )
     print_summary(records, reference="torch")
     print(f"wrote {path}")
 
@@ -220,19 +298,50 @@ def main() -> None:
 def print_summary(records: list[DdpRecord], reference: str) -> None:
     """Every candidate's step time (median, interquartile range) and peak memory, with its ratios to ``reference``'s."""
     base = {(r.model, r.accumulation): r for r in records if r.candidate == reference}
-    rows = [{**r.to_dict(), "time_ratio": r.median_step_s / base[(r.model, r.accumulation)].median_step_s,
-             "memory_ratio": r.peak_memory_bytes / base[(r.model, r.accumulation)].peak_memory_bytes}
-            for r in records]
-    print(f"\nDDP step (forward + backward of every micro-batch + optimizer step; median of the slowest rank) against "
-          f"{reference}; floor: the same steps without any gradient communication")
-    common.print_table(rows, ["model", "accumulation", "candidate", "median_step_s", "p25_step_s", "p75_step_s",
-                              "time_ratio", "peak_memory_bytes", "memory_ratio"], align_left={"candidate"}, keys=3,
-                       headers={"median_step_s": "median step", "p25_step_s": "p25", "p75_step_s": "p75",
-                                "time_ratio": f"time/{reference}", "peak_memory_bytes": "peak memory",
-                                "memory_ratio": f"memory/{reference}"},
-                       formats={"median_step_s": common.seconds, "p25_step_s": common.seconds,
-                                "p75_step_s": common.seconds, "time_ratio": common.times,
-                                "peak_memory_bytes": common.mebibytes, "memory_ratio": common.times})
+    rows = [
+        {
+            **r.to_dict(),
+            "time_ratio": r.median_step_s / base[(r.model, r.accumulation)].median_step_s,
+            "memory_ratio": r.peak_memory_bytes / base[(r.model, r.accumulation)].peak_memory_bytes,
+        }
+        for r in records
+    ]
+    print(
+        f"\nDDP step (forward + backward of every micro-batch + optimizer step; median of the slowest rank) against "
+        f"{reference}; floor: the same steps without any gradient communication"
+    )
+    common.print_table(
+        rows,
+        [
+            "model",
+            "accumulation",
+            "candidate",
+            "median_step_s",
+            "p25_step_s",
+            "p75_step_s",
+            "time_ratio",
+            "peak_memory_bytes",
+            "memory_ratio",
+        ],
+        align_left={"candidate"},
+        keys=3,
+        headers={
+            "median_step_s": "median step",
+            "p25_step_s": "p25",
+            "p75_step_s": "p75",
+            "time_ratio": f"time/{reference}",
+            "peak_memory_bytes": "peak memory",
+            "memory_ratio": f"memory/{reference}",
+        },
+        formats={
+            "median_step_s": common.seconds,
+            "p25_step_s": common.seconds,
+            "p75_step_s": common.seconds,
+            "time_ratio": common.times,
+            "peak_memory_bytes": common.mebibytes,
+            "memory_ratio": common.times,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ft_replica  # noqa: E402
@@ -54,16 +53,29 @@ REPO = Path(__file__).resolve().parent.parent
 def lighthouse(heartbeat_ms: int):
     from torchft._torchft import LighthouseServer
 
-    return LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20,
-                            heartbeat_timeout_ms=heartbeat_ms)
+    return LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20, heartbeat_timeout_ms=heartbeat_ms
+    )
 
 
 def steady_state(pg: str, wrapper: str, steps: int, heartbeat_ms: int) -> dict:
     server = lighthouse(heartbeat_ms)
     with tempfile.TemporaryDirectory() as folder:
-        groups = ft_replica.ReplicaGroups(Path(folder), server.address(),
-                                          ["--pg", "dummy" if pg == "floor" else pg, "--wrapper", wrapper, "--model", "mlp8x1024", "--steps",
-                                           str(steps)], 2)
+        groups = ft_replica.ReplicaGroups(
+            Path(folder),
+            server.address(),
+            [
+                "--pg",
+                "dummy" if pg == "floor" else pg,
+                "--wrapper",
+                wrapper,
+                "--model",
+                "mlp8x1024",
+                "--steps",
+                str(steps),
+            ],
+            2,
+        )
         try:
             groups.start_all()
             groups.wait_all(600)
@@ -71,32 +83,46 @@ def steady_state(pg: str, wrapper: str, steps: int, heartbeat_ms: int) -> dict:
             groups.close()
             server.shutdown()
         steps = [r for replica in range(2) for r in groups.committed(replica) if r["step"] >= 3]
-    return {"step_s": statistics.median(r["end"] - r["start"] for r in steps),
-            "comm_s": statistics.median(r["comm_s"] for r in steps)}
+    return {
+        "step_s": statistics.median(r["end"] - r["start"] for r in steps),
+        "comm_s": statistics.median(r["comm_s"] for r in steps),
+    }
 
 
 def kill_run(pg: str, wrapper: str, args) -> dict:
     server = lighthouse(args.heartbeat_ms)
     victim, count = 1, 3
     with tempfile.TemporaryDirectory() as folder:
-        groups = ft_replica.ReplicaGroups(Path(folder), server.address(),
-                                          ["--pg", pg, "--wrapper", wrapper, "--steps", str(args.kill_steps),
-                                           "--compute", str(args.compute)], count)
+        groups = ft_replica.ReplicaGroups(
+            Path(folder),
+            server.address(),
+            ["--pg", pg, "--wrapper", wrapper, "--steps", str(args.kill_steps), "--compute", str(args.compute)],
+            count,
+        )
         try:
             groups.start_all()
-            groups.wait_until(lambda: any(r["participants"] == count and r["step"] >= 5
-                                          for r in groups.committed(victim)), 120, "a full quorum")
+            groups.wait_until(
+                lambda: any(r["participants"] == count and r["step"] >= 5 for r in groups.committed(victim)),
+                120,
+                "a full quorum",
+            )
             committed_before = {r: {x["step"] for x in groups.committed(r)} for r in range(count)}
             killed = time.time()
             groups.signal(victim, signal.SIGKILL)
             survivors = [r for r in range(count) if r != victim]
-            groups.wait_until(lambda: all(any(x["end"] > killed for x in groups.committed(s)) for s in survivors),
-                              120, "the survivors' next commit")
+            groups.wait_until(
+                lambda: all(any(x["end"] > killed for x in groups.committed(s)) for s in survivors),
+                120,
+                "the survivors' next commit",
+            )
             time.sleep(args.restart_delay)
             restarted = time.time()
             groups.start(victim)
-            groups.wait_until(lambda: any(x["incarnation"] == 2 for x in groups.committed(victim)), 300,
-                              "the rejoined replica's first commit")
+            groups.wait_until(
+                lambda: any(x["incarnation"] == 2 for x in groups.committed(victim)),
+                300,
+                "the rejoined replica's first commit",
+            )
             groups.wait_all(300)
             survivor_error = None
         except RuntimeError as error:  # a candidate that died: recorded, not fatal to the benchmark
@@ -111,33 +137,77 @@ def kill_run(pg: str, wrapper: str, args) -> dict:
         ready = min(x["ready"] for x in groups.records(victim) if "ready" in x and x["incarnation"] == 2)
         final = {r: {x["step"] for x in groups.committed(r)} for r in survivors}
         lost = sum(len(committed_before[r] - final[r]) for r in survivors)
-        uncommitted = sum(1 for s in survivors for x in groups.iterations(s) if x["start"] > killed - 1
-                          and not x["committed"])
+        uncommitted = sum(
+            1 for s in survivors for x in groups.iterations(s) if x["start"] > killed - 1 and not x["committed"]
+        )
         # The survivors' side of the timeline: the failed collective noticed (the first iteration that ended
         # discarded), then the next quorum (the lighthouse's heartbeat and join timeouts), then the commit.
-        discarded = [[x["end"] for x in groups.iterations(s) if x["end"] > killed and not x["committed"]]
-                     for s in survivors]
+        discarded = [
+            [x["end"] for x in groups.iterations(s) if x["end"] > killed and not x["committed"]] for s in survivors
+        ]
         noticed = max(min(ends) for ends in discarded) - killed if all(discarded) else None
-        next_quorum = max(min((x["end"], x["quorum"]) for x in groups.committed(s) if x["end"] > killed)[1]
-                          for s in survivors) - killed
-        timeline = sorted((round(x["end"] - killed, 3), x["replica"], x["step"], x["committed"], x["participants"],
-                           round(x["quorum"] - killed, 3), round(x["start"] - killed, 3))
-                          for r in range(count) for x in groups.iterations(r) if -0.3 < x["end"] - killed < 3)
-    return {"death_to_next_commit_s": next_commit - killed, "noticed_s": noticed, "next_quorum_s": next_quorum,
-            "restart_to_first_commit_s": rejoin - restarted,
-            "ready_to_first_commit_s": rejoin - ready,
-            "steps_lost": lost, "uncommitted_iterations": uncommitted, "timeline": timeline}
+        next_quorum = (
+            max(min((x["end"], x["quorum"]) for x in groups.committed(s) if x["end"] > killed)[1] for s in survivors)
+            - killed
+        )
+        timeline = sorted(
+            (
+                round(x["end"] - killed, 3),
+                x["replica"],
+                x["step"],
+                x["committed"],
+                x["participants"],
+                round(x["quorum"] - killed, 3),
+                round(x["start"] - killed, 3),
+            )
+            for r in range(count)
+            for x in groups.iterations(r)
+            if -0.3 < x["end"] - killed < 3
+        )
+    return {
+        "death_to_next_commit_s": next_commit - killed,
+        "noticed_s": noticed,
+        "next_quorum_s": next_quorum,
+        "restart_to_first_commit_s": rejoin - restarted,
+        "ready_to_first_commit_s": rejoin - ready,
+        "steps_lost": lost,
+        "uncommitted_iterations": uncommitted,
+        "timeline": timeline,
+    }
 
 
 def baseline_run(args) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "log.jsonl"
-        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1",
-               "PET_MASTER_PORT": str(ft_replica.free_port())}
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--max-restarts", "1",
-                   str(Path(ft_replica.__file__)), "--baseline", "--steps", str(args.kill_steps), "--compute",
-                   str(args.compute), "--kill-rank", "1", "--kill-step", "8", "--records", str(log),
-                   "--out", str(Path(folder) / "state.pt")]
+        env = {
+            **os.environ,
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PET_MASTER_PORT": str(ft_replica.free_port()),
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "3",
+            "--max-restarts",
+            "1",
+            str(Path(ft_replica.__file__)),
+            "--baseline",
+            "--steps",
+            str(args.kill_steps),
+            "--compute",
+            str(args.compute),
+            "--kill-rank",
+            "1",
+            "--kill-step",
+            "8",
+            "--records",
+            str(log),
+            "--out",
+            str(Path(folder) / "state.pt"),
+        ]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             return {"failed": (done.stdout + done.stderr)[-1500:]}
@@ -152,11 +222,14 @@ def baseline_run(args) -> dict:
     restarted_from = min(r["step"] for r in after)
     # The restarted job's first step, counted from its first worker's start: the restart itself
     # (torchrun noticing the death, stopping the others, starting new workers) lies before it.
-    return {"death_to_next_commit_s": first_after - killed, "restart_to_first_commit_s": first_after - restart,
-            "ready_to_first_commit_s": first_after - min(r["ready"] for r in records if r.get("pid") in second
-                                                         and "ready" in r),
-            "steps_lost": max(0, max(before) + 1 - restarted_from), "uncommitted_iterations": 0,
-            }
+    return {
+        "death_to_next_commit_s": first_after - killed,
+        "restart_to_first_commit_s": first_after - restart,
+        "ready_to_first_commit_s": first_after
+        - min(r["ready"] for r in records if r.get("pid") in second and "ready" in r),
+        "steps_lost": max(0, max(before) + 1 - restarted_from),
+        "uncommitted_iterations": 0,
+    }
 
 
 def main() -> None:
@@ -167,47 +240,73 @@ def main() -> None:
     parser.add_argument("--compute", type=float, default=0.02, help="stand-in compute per step, seconds")
     parser.add_argument("--restart-delay", type=float, default=1.0)
     parser.add_argument("--heartbeat-ms", type=int, default=500, help="the lighthouse's heartbeat timeout")
-    parser.add_argument("--steady-wrappers", nargs="+", default=["torchft-ddp", "torchft-ddp-async", "ddpkit-ddp"],
-                        help="the wrappers whose steady step is measured (ft_replica.py --wrapper)")
-    parser.add_argument("--kill-wrappers", nargs="*", default=["torchft-ddp", "ddpkit-ddp"],
-                        help="the wrappers whose kill is measured (none: no kill)")
-    parser.add_argument("--no-floor", action="store_true",
-                        help="skip the steady state on torchft's ProcessGroupDummy (no communication)")
+    parser.add_argument(
+        "--steady-wrappers",
+        nargs="+",
+        default=["torchft-ddp", "torchft-ddp-async", "ddpkit-ddp"],
+        help="the wrappers whose steady step is measured (ft_replica.py --wrapper)",
+    )
+    parser.add_argument(
+        "--kill-wrappers",
+        nargs="*",
+        default=["torchft-ddp", "ddpkit-ddp"],
+        help="the wrappers whose kill is measured (none: no kill)",
+    )
+    parser.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the steady state on torchft's ProcessGroupDummy (no communication)",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the torchrun --max-restarts baseline")
     parser.add_argument("--quick", action="store_true", help="smoke run: one repeat of shorter runs")
-    parser.add_argument("--output", help="a path whose folder gets fault_tolerance.json (default: "
-                        "benchmarks/results/, its quick/ with --quick)")
+    parser.add_argument(
+        "--output",
+        help="a path whose folder gets fault_tolerance.json (default: benchmarks/results/, its quick/ with --quick)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.steady_steps, args.kill_steps = 1, 8, 20
     output = Path(args.output) if args.output else results_dir(args.quick) / "fault_tolerance.json"
 
-    names = {"gloo": "torchft-gloo", "ddpkit": "torchft-ddpkit", "floor": "torchft-floor",
-             "torchrun": "torchrun-restart"}
+    names = {
+        "gloo": "torchft-gloo",
+        "ddpkit": "torchft-ddpkit",
+        "floor": "torchft-floor",
+        "torchrun": "torchrun-restart",
+    }
     rows = []
     for repeat in range(args.repeats):
         # Candidates interleaved, their order rotating: the machine's drift hits both alike.
         order = ["gloo", "ddpkit"] if repeat % 2 == 0 else ["ddpkit", "gloo"]
         # The floor in the steady state only (a kill has nothing to show on it), in the rotation too.
         steady_order = ["gloo", "ddpkit"] + ([] if args.no_floor else ["floor"])
-        steady_order = steady_order[repeat % len(steady_order):] + steady_order[:repeat % len(steady_order)]
+        steady_order = steady_order[repeat % len(steady_order) :] + steady_order[: repeat % len(steady_order)]
         for wrapper in args.steady_wrappers:
             for pg in steady_order:
                 steady = steady_state(pg, wrapper, args.steady_steps, args.heartbeat_ms)
-                rows.append(records.FaultToleranceRecord(candidate=names[pg], measure="steady", repeat=repeat,
-                                                         wrapper=wrapper, **steady))
+                rows.append(
+                    records.FaultToleranceRecord(
+                        candidate=names[pg], measure="steady", repeat=repeat, wrapper=wrapper, **steady
+                    )
+                )
                 print(names[pg], wrapper, "steady", steady, flush=True)
         for wrapper in args.kill_wrappers:
             for pg in order:
                 kill = kill_run(pg, wrapper, args)
-                rows.append(records.FaultToleranceRecord(candidate=names[pg], measure="kill", repeat=repeat,
-                                                         wrapper=wrapper, **kill))
+                rows.append(
+                    records.FaultToleranceRecord(
+                        candidate=names[pg], measure="kill", repeat=repeat, wrapper=wrapper, **kill
+                    )
+                )
                 print(names[pg], wrapper, "kill", {k: v for k, v in kill.items() if k != "timeline"}, flush=True)
         if args.no_baseline:
             continue
         kill = baseline_run(args)
-        rows.append(records.FaultToleranceRecord(candidate="torchrun-restart", measure="kill", repeat=repeat,
-                                                 wrapper="ddpkit-ddp", **kill))
+        rows.append(
+            records.FaultToleranceRecord(
+                candidate="torchrun-restart", measure="kill", repeat=repeat, wrapper="ddpkit-ddp", **kill
+            )
+        )
         print("torchrun-restart kill", kill, flush=True)
 
     summary: dict = {}
@@ -218,15 +317,23 @@ def main() -> None:
     for key, group in summary.items():
         ok = [r for r in group if r.failed is None]
         entry = {"runs": len(group), "failed_runs": len(group) - len(ok)}
-        for field in ("step_s", "comm_s", "death_to_next_commit_s", "noticed_s", "next_quorum_s",
-                      "restart_to_first_commit_s",
-                      "ready_to_first_commit_s", "steps_lost", "uncommitted_iterations"):
+        for field in (
+            "step_s",
+            "comm_s",
+            "death_to_next_commit_s",
+            "noticed_s",
+            "next_quorum_s",
+            "restart_to_first_commit_s",
+            "ready_to_first_commit_s",
+            "steps_lost",
+            "uncommitted_iterations",
+        ):
             values = [getattr(r, field) for r in ok if getattr(r, field) is not None]
             if values:
                 entry[field + "_median"] = statistics.median(values)
         medians[key] = entry
 
-    def ratio(key_ours: str, key_gloo: str, field: str) -> Optional[float]:
+    def ratio(key_ours: str, key_gloo: str, field: str) -> float | None:
         ours, gloo = medians.get(key_ours, {}).get(field), medians.get(key_gloo, {}).get(field)
         return ours / gloo if ours is not None and gloo else None
 
@@ -234,42 +341,76 @@ def main() -> None:
         # the same wrapper on both groups
         "steady_step": ratio("torchft-ddpkit/torchft-ddp/steady", "torchft-gloo/torchft-ddp/steady", "step_s_median"),
         "steady_comm": ratio("torchft-ddpkit/torchft-ddp/steady", "torchft-gloo/torchft-ddp/steady", "comm_s_median"),
-        "steady_step_torchft_ddp_async": ratio("torchft-ddpkit/torchft-ddp-async/steady",
-                                               "torchft-gloo/torchft-ddp-async/steady", "step_s_median"),
-        "steady_step_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/steady", "torchft-gloo/ddpkit-ddp/steady",
-                                        "step_s_median"),
+        "steady_step_torchft_ddp_async": ratio(
+            "torchft-ddpkit/torchft-ddp-async/steady", "torchft-gloo/torchft-ddp-async/steady", "step_s_median"
+        ),
+        "steady_step_ddpkit_ddp": ratio(
+            "torchft-ddpkit/ddpkit-ddp/steady", "torchft-gloo/ddpkit-ddp/steady", "step_s_median"
+        ),
         # what a torchft user on gloo gets by moving to ddpkit: torchft's DDP with ddpkit.torchft's hook on
         # ddpkit, against torchft's DDP as shipped on gloo
-        "steady_step_async_on_ddpkit_vs_torchft_on_gloo": ratio("torchft-ddpkit/torchft-ddp-async/steady",
-                                                                "torchft-gloo/torchft-ddp/steady", "step_s_median"),
-        "noticed_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
-                                    "noticed_s_median"),
-        "death_to_next_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
-                                                 "death_to_next_commit_s_median"),
-        "restart_to_first_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
-                                                    "restart_to_first_commit_s_median"),
-        "ready_to_first_commit_ddpkit_ddp": ratio("torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill",
-                                                  "ready_to_first_commit_s_median"),
+        "steady_step_async_on_ddpkit_vs_torchft_on_gloo": ratio(
+            "torchft-ddpkit/torchft-ddp-async/steady", "torchft-gloo/torchft-ddp/steady", "step_s_median"
+        ),
+        "noticed_ddpkit_ddp": ratio(
+            "torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill", "noticed_s_median"
+        ),
+        "death_to_next_commit_ddpkit_ddp": ratio(
+            "torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill", "death_to_next_commit_s_median"
+        ),
+        "restart_to_first_commit_ddpkit_ddp": ratio(
+            "torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill", "restart_to_first_commit_s_median"
+        ),
+        "ready_to_first_commit_ddpkit_ddp": ratio(
+            "torchft-ddpkit/ddpkit-ddp/kill", "torchft-gloo/ddpkit-ddp/kill", "ready_to_first_commit_s_median"
+        ),
     }
     # The floor: a process group that communicates nothing, against gloo (ddpkit's ratio to gloo can go
     # no lower than the floor's), and ddpkit's step against it.
     medians["ratios_floor_over_gloo"] = {
         "steady_step": ratio("torchft-floor/torchft-ddp/steady", "torchft-gloo/torchft-ddp/steady", "step_s_median"),
-        "steady_step_torchft_ddp_async": ratio("torchft-floor/torchft-ddp-async/steady",
-                                               "torchft-gloo/torchft-ddp-async/steady", "step_s_median"),
-        "steady_step_ddpkit_ddp": ratio("torchft-floor/ddpkit-ddp/steady", "torchft-gloo/ddpkit-ddp/steady",
-                                        "step_s_median"),
-        "steady_step_ddpkit_over_floor": ratio("torchft-ddpkit/torchft-ddp/steady",
-                                               "torchft-floor/torchft-ddp/steady", "step_s_median"),
+        "steady_step_torchft_ddp_async": ratio(
+            "torchft-floor/torchft-ddp-async/steady", "torchft-gloo/torchft-ddp-async/steady", "step_s_median"
+        ),
+        "steady_step_ddpkit_ddp": ratio(
+            "torchft-floor/ddpkit-ddp/steady", "torchft-gloo/ddpkit-ddp/steady", "step_s_median"
+        ),
+        "steady_step_ddpkit_over_floor": ratio(
+            "torchft-ddpkit/torchft-ddp/steady", "torchft-floor/torchft-ddp/steady", "step_s_median"
+        ),
     }
     summary = medians
-    settings = {k: getattr(args, k) for k in ("repeats", "steady_steps", "kill_steps", "compute", "restart_delay",
-                                              "heartbeat_ms", "steady_wrappers", "kill_wrappers", "no_baseline",
-                                              "no_floor", "quick")}
-    settings["lighthouse"] = {"min_replicas": 1, "join_timeout_ms": 400, "quorum_tick_ms": 20,
-                              "heartbeat_timeout_ms": args.heartbeat_ms}
-    write_results("fault_tolerance", backend="ddpkit", device_type="cpu", settings=settings, records=rows,
-                  summary=summary, directory=output.parent)
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "repeats",
+            "steady_steps",
+            "kill_steps",
+            "compute",
+            "restart_delay",
+            "heartbeat_ms",
+            "steady_wrappers",
+            "kill_wrappers",
+            "no_baseline",
+            "no_floor",
+            "quick",
+        )
+    }
+    settings["lighthouse"] = {
+        "min_replicas": 1,
+        "join_timeout_ms": 400,
+        "quorum_tick_ms": 20,
+        "heartbeat_timeout_ms": args.heartbeat_ms,
+    }
+    write_results(
+        "fault_tolerance",
+        backend="ddpkit",
+        device_type="cpu",
+        settings=settings,
+        records=rows,
+        summary=summary,
+        directory=output.parent,
+    )
     print(json.dumps(summary, indent=1))
 
 

@@ -37,15 +37,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import ddpkit  # noqa: E402
 from common import interleave, print_table, write_results  # noqa: E402
+from ddpkit.testing import WorkerPool  # noqa: E402
 from peers import timing  # noqa: E402
 from records import LatencyRecord  # noqa: E402
 
-import ddpkit  # noqa: E402
-from ddpkit.testing import WorkerPool  # noqa: E402
-
-CPP_STAGES = {"c++ lookup": "lookup", "c++ engine": "engine", "c++ all_reduce unchecked": "all_reduce_unchecked",
-              "c++ all_reduce": "all_reduce"}
+CPP_STAGES = {
+    "c++ lookup": "lookup",
+    "c++ engine": "engine",
+    "c++ all_reduce unchecked": "all_reduce_unchecked",
+    "c++ all_reduce": "all_reduce",
+}
 PYTHON_STAGES = ("python op call", "python torch.ops", "python ddpkit.all_reduce")
 STAGES = (*CPP_STAGES, *PYTHON_STAGES)
 MOVES_DATA = {"c++ all_reduce unchecked", "c++ all_reduce", "python torch.ops", "python ddpkit.all_reduce"}
@@ -99,28 +102,58 @@ def main() -> None:
             per_rank = pool.run(measure, numel, args.stages, reps, warmup, calls)
             for stage in args.stages:
                 stats = timing.time_stats(timing.slowest_per_rep([rank[stage] for rank in per_rank]))
-                records.append(LatencyRecord(stage=stage, loop=stage.split()[0], world_size=world_size,
-                                             numel=numel if stage in MOVES_DATA else 0, calls_per_rep=calls,
-                                             **stats))
+                records.append(
+                    LatencyRecord(
+                        stage=stage,
+                        loop=stage.split()[0],
+                        world_size=world_size,
+                        numel=numel if stage in MOVES_DATA else 0,
+                        calls_per_rep=calls,
+                        **stats,
+                    )
+                )
     finally:
         pool.close()
 
     summary = {}
     for numel in args.sizes:
         at = {r.stage: r.median_s for r in records if r.numel in (0, numel)}
-        summary[f"numel={numel}"] = {label: at[stage] - (at[base] if base else 0.0)
-                                     for label, stage, base in BUDGET if stage in at and (base is None or base in at)}
-    settings = {"world_size": world_size, "sizes": args.sizes, "stages": args.stages, "reps": reps, "warmup": warmup,
-                "calls_per_rep": calls, "dtype": "float32", "op": "sum", "algorithm": "auto", "transport": "auto",
-                "timing": "per repetition: calls back to back after a one-float all-reduce, divided by the calls; "
-                          "stages interleaved in a rotating order; the slowest rank per repetition; median",
-                "budget": "summary[numel][layer] = median of a stage - median of the stage it adds to (BUDGET)"}
-    path = write_results("latency", backend="gloo", device_type="cpu", settings=settings, records=records,
-                         summary=summary, quick=args.quick)
+        summary[f"numel={numel}"] = {
+            label: at[stage] - (at[base] if base else 0.0)
+            for label, stage, base in BUDGET
+            if stage in at and (base is None or base in at)
+        }
+    settings = {
+        "world_size": world_size,
+        "sizes": args.sizes,
+        "stages": args.stages,
+        "reps": reps,
+        "warmup": warmup,
+        "calls_per_rep": calls,
+        "dtype": "float32",
+        "op": "sum",
+        "algorithm": "auto",
+        "transport": "auto",
+        "timing": "per repetition: calls back to back after a one-float all-reduce, divided by the calls; "
+        "stages interleaved in a rotating order; the slowest rank per repetition; median",
+        "budget": "summary[numel][layer] = median of a stage - median of the stage it adds to (BUDGET)",
+    }
+    path = write_results(
+        "latency",
+        backend="gloo",
+        device_type="cpu",
+        settings=settings,
+        records=records,
+        summary=summary,
+        quick=args.quick,
+    )
     print(f"\nper call, 2 ranks on one host (median of the slowest rank over {reps} repetitions of {calls} calls)")
-    print_table(records, ["stage", "numel", "median_s", "p25_s", "p75_s"],
-                formats={"median_s": common.seconds, "p25_s": common.seconds, "p75_s": common.seconds},
-                align_left=["stage"])
+    print_table(
+        records,
+        ["stage", "numel", "median_s", "p25_s", "p75_s"],
+        formats={"median_s": common.seconds, "p25_s": common.seconds, "p75_s": common.seconds},
+        align_left=["stage"],
+    )
     for key, layers in summary.items():
         print(f"\nbudget of ddpkit.all_reduce at {key}:")
         for label, seconds in layers.items():

@@ -23,6 +23,7 @@ Then a DDP step across 2 hosts x 2 ranks on a communication-heavy model (8 linea
 8.4M parameters, batch 8 per rank, SGD): ddpkit's DDP, torch DDP on gloo, torch DDP on "ddpkit".
 Results: benchmarks/results/multihost.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,19 +32,18 @@ import importlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from peers import timing  # noqa: E402
-from records import MultihostCollectiveRecord, MultihostDdpRecord, MultihostRecord  # noqa: E402
-
 import ddpkit  # noqa: E402
 from ddpkit.testing import HostPool  # noqa: E402
+from peers import timing  # noqa: E402
+from records import MultihostCollectiveRecord, MultihostDdpRecord, MultihostRecord  # noqa: E402
 
 CANDIDATES = ("ddpkit", "ddpkit_flat", "ddpkit_backend", "gloo")
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter")
@@ -51,6 +51,7 @@ DDP_CANDIDATES = ("ddpkit_ddp", "torch_ddp_gloo", "torch_ddp_ddpkit")
 
 
 # --- run on every rank ------------------------------------------------------------------------------
+
 
 def _groups():
     """The candidates' groups, made once per process: gloo and "ddpkit" groups over every rank."""
@@ -63,7 +64,7 @@ def _groups():
 def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torch.Tensor) -> Callable[[], object]:
     """The call a user makes for ``candidate``'s ``collective``, bound once, for the timed loop: the loop
     then calls the library's own function with nothing of the benchmark's between (as
-    bench_allreduce.py's ``user_call``). ``block`` is this rank's 1/n of ``tensor`` (the all-gather's
+    allreduce_candidates.py's ``user_call``). ``block`` is this rank's 1/n of ``tensor`` (the all-gather's
     input, the reduce-scatter's output)."""
     groups = _groups()
     last = dist.get_world_size() - 1
@@ -72,16 +73,24 @@ def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torc
     else:
         library, options = ddpkit, {"group": groups["gloo"]}
         if candidate == "ddpkit_flat":
-            options.update(algorithm="halving_doubling") if collective == "all_reduce" else \
-                options.update(transport="process_group")
+            options.update(algorithm="halving_doubling") if collective == "all_reduce" else options.update(
+                transport="process_group"
+            )
         elif candidate != "ddpkit":
             assert collective == "all_reduce", f"{candidate} names an all-reduce algorithm"
-            options.update(algorithm=candidate[len("ddpkit_"):])
-    arguments = {"all_reduce": (tensor,), "broadcast": (tensor,), "reduce": (tensor,),
-                 "all_gather": (tensor, block), "reduce_scatter": (block, tensor)}[collective]
+            options.update(algorithm=candidate[len("ddpkit_") :])
+    arguments = {
+        "all_reduce": (tensor,),
+        "broadcast": (tensor,),
+        "reduce": (tensor,),
+        "all_gather": (tensor, block),
+        "reduce_scatter": (block, tensor),
+    }[collective]
     options.update({"broadcast": {"src": last}, "reduce": {"dst": last}}.get(collective, {}))
-    function = getattr(library, {"all_gather": "all_gather_into_tensor",
-                                 "reduce_scatter": "reduce_scatter_tensor"}.get(collective, collective))
+    function = getattr(
+        library,
+        {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}.get(collective, collective),
+    )
     return functools.partial(function, *arguments, **options)
 
 
@@ -146,6 +155,7 @@ def case_ddp(reps: int, steps: int, candidates: list) -> dict:
 
 # --- parent ---------------------------------------------------------------------------------------
 
+
 def slowest(per_rank: list, candidate: str) -> list:
     """Per repetition, the slowest rank's seconds per call."""
     return timing.slowest_per_rep([[rep["seconds"] for rep in rank[candidate]] for rank in per_rank])
@@ -162,7 +172,7 @@ def cpu_figures(per_rank: list, candidate: str) -> dict:
 
 
 def parse_topology(topology: str) -> tuple[int, int]:
-    """"NxM": N simulated hosts of M ranks each."""
+    """ "NxM": N simulated hosts of M ranks each."""
     try:
         hosts, ranks = (int(part) for part in topology.lower().split("x"))
     except ValueError:
@@ -203,21 +213,33 @@ def calls_for(numel: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--topologies", nargs="+", default=["2x2", "2x1"],
-                        help="HOSTSxRANKS each, such as 3x1, 4x2, 8x1")
+    parser.add_argument(
+        "--topologies", nargs="+", default=["2x2", "2x1"], help="HOSTSxRANKS each, such as 3x1, 4x2, 8x1"
+    )
     parser.add_argument("--links", nargs="+", default=["unshaped", "10gbit", "1gbit"])
     parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
-    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES),
-                        help="the all-reduce's; the other collectives take those of ddpkit, ddpkit_flat, "
-                             "ddpkit_backend and gloo among them (gloo is always measured)")
-    parser.add_argument("--sizes", nargs="+", type=int, default=[1000, 100_000, 1_000_000, 16_000_000],
-                        help="the all-reduce's")
-    parser.add_argument("--other-sizes", nargs="+", type=int, default=[1000, 1_000_000, 16_000_000],
-                        help="the other collectives'")
-    parser.add_argument("--reps", type=int, default=25,
-                        help="the all-reduce's repetitions up to 1M floats (half above): its figures carry the bars")
-    parser.add_argument("--other-reps", type=int, default=11,
-                        help="the other collectives' repetitions up to 1M floats (half above)")
+    parser.add_argument(
+        "--candidates",
+        nargs="+",
+        default=list(CANDIDATES),
+        help="the all-reduce's; the other collectives take those of ddpkit, ddpkit_flat, "
+        "ddpkit_backend and gloo among them (gloo is always measured)",
+    )
+    parser.add_argument(
+        "--sizes", nargs="+", type=int, default=[1000, 100_000, 1_000_000, 16_000_000], help="the all-reduce's"
+    )
+    parser.add_argument(
+        "--other-sizes", nargs="+", type=int, default=[1000, 1_000_000, 16_000_000], help="the other collectives'"
+    )
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=25,
+        help="the all-reduce's repetitions up to 1M floats (half above): its figures carry the bars",
+    )
+    parser.add_argument(
+        "--other-reps", type=int, default=11, help="the other collectives' repetitions up to 1M floats (half above)"
+    )
     parser.add_argument("--ddp-reps", type=int, default=10)
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP step")
     parser.add_argument("--output", default="multihost", help="results file name, without .json")
@@ -235,91 +257,162 @@ def main() -> None:
     for topology in args.topologies:
         hosts, _ = parse_topology(topology)
         for link in args.links:
-            pool = HostPool(ranks_per_host(topology), group_timeout=600, timeout=3600,
-                            rate=None if link == "unshaped" else link)
+            pool = HostPool(
+                ranks_per_host(topology), group_timeout=600, timeout=3600, rate=None if link == "unshaped" else link
+            )
             try:
                 for collective in args.collectives:
                     names = candidates if collective == "all_reduce" else [c for c in candidates if c in CANDIDATES]
                     for numel in args.sizes if collective == "all_reduce" else args.other_sizes:
                         wanted = args.reps if collective == "all_reduce" else args.other_reps
                         reps = wanted if numel <= 1_000_000 else max(3, wanted // 2)
-                        per_rank = pool.run(cases.case_collective, collective, numel, reps, calls_for(numel), names,
-                                            timeout=3600)
+                        per_rank = pool.run(
+                            cases.case_collective, collective, numel, reps, calls_for(numel), names, timeout=3600
+                        )
                         gloo = common.median(slowest(per_rank, "gloo"))
                         row = []
                         for candidate in names:
                             stats = timing.time_stats(slowest(per_rank, candidate))
-                            fields = dict(topology=topology, link=link, numel=numel, candidate=candidate,
-                                          median_s=stats["median_s"], p25_s=stats["p25_s"], p75_s=stats["p75_s"],
-                                          reps=reps, batch=calls_for(numel), ratio_to_gloo=stats["median_s"] / gloo,
-                                          **cpu_figures(per_rank, candidate))
+                            fields = dict(
+                                topology=topology,
+                                link=link,
+                                numel=numel,
+                                candidate=candidate,
+                                median_s=stats["median_s"],
+                                p25_s=stats["p25_s"],
+                                p75_s=stats["p75_s"],
+                                reps=reps,
+                                batch=calls_for(numel),
+                                ratio_to_gloo=stats["median_s"] / gloo,
+                                **cpu_figures(per_rank, candidate),
+                            )
                             if collective == "all_reduce":
-                                row.append(MultihostRecord(**fields, **link_figures(hosts, numel, stats["median_s"],
-                                                                                    link)))
+                                row.append(
+                                    MultihostRecord(**fields, **link_figures(hosts, numel, stats["median_s"], link))
+                                )
                             else:
                                 row.append(MultihostCollectiveRecord(collective=collective, **fields))
                         records += row
-                        print(f"{topology} {link} {collective} {numel}: " + ", ".join(
-                            f"{r.candidate} {common.seconds(r.median_s)} ({r.ratio_to_gloo:.2f}x, CPUs {r.cpu_busy:.0%} busy)"
-                            for r in row),
-                            flush=True)
+                        print(
+                            f"{topology} {link} {collective} {numel}: "
+                            + ", ".join(
+                                f"{r.candidate} {common.seconds(r.median_s)} ({r.ratio_to_gloo:.2f}x, CPUs {r.cpu_busy:.0%} busy)"
+                                for r in row
+                            ),
+                            flush=True,
+                        )
                 if topology == "2x2" and link == "unshaped" and not args.no_ddp:
                     per_rank = pool.run(cases.case_ddp, args.ddp_reps, 3, list(DDP_CANDIDATES), timeout=3600)
                     baseline = common.median(slowest(per_rank, "torch_ddp_gloo"))
                     for candidate in DDP_CANDIDATES:
                         times = slowest(per_rank, candidate)
                         stats = timing.time_stats(times)
-                        records.append(MultihostDdpRecord(topology=topology, link=link, candidate=candidate,
-                                                          median_s=stats["median_s"], p25_s=stats["p25_s"],
-                                                          p75_s=stats["p75_s"], reps=len(times),
-                                                          ratio_to_torch_ddp_gloo=stats["median_s"] / baseline,
-                                                          **cpu_figures(per_rank, candidate)))
+                        records.append(
+                            MultihostDdpRecord(
+                                topology=topology,
+                                link=link,
+                                candidate=candidate,
+                                median_s=stats["median_s"],
+                                p25_s=stats["p25_s"],
+                                p75_s=stats["p75_s"],
+                                reps=len(times),
+                                ratio_to_torch_ddp_gloo=stats["median_s"] / baseline,
+                                **cpu_figures(per_rank, candidate),
+                            )
+                        )
             finally:
                 pool.close()
-    summary = {f"{r.topology} {r.link} numel={r.numel} {r.candidate}": r.ratio_to_gloo
-               for r in records if isinstance(r, MultihostRecord) and r.candidate != "gloo"}
-    summary.update({f"{r.collective} {r.topology} {r.link} numel={r.numel} {r.candidate}": r.ratio_to_gloo
-                    for r in records if isinstance(r, MultihostCollectiveRecord) and r.candidate != "gloo"})
-    summary.update({f"ddp {r.topology} {r.link} {r.candidate}": r.ratio_to_torch_ddp_gloo
-                    for r in records if isinstance(r, MultihostDdpRecord)})
+    summary = {
+        f"{r.topology} {r.link} numel={r.numel} {r.candidate}": r.ratio_to_gloo
+        for r in records
+        if isinstance(r, MultihostRecord) and r.candidate != "gloo"
+    }
+    summary.update(
+        {
+            f"{r.collective} {r.topology} {r.link} numel={r.numel} {r.candidate}": r.ratio_to_gloo
+            for r in records
+            if isinstance(r, MultihostCollectiveRecord) and r.candidate != "gloo"
+        }
+    )
+    summary.update(
+        {
+            f"ddp {r.topology} {r.link} {r.candidate}": r.ratio_to_torch_ddp_gloo
+            for r in records
+            if isinstance(r, MultihostDdpRecord)
+        }
+    )
     path = common.write_results(
-        args.output, backend="gloo", device_type="cpu", quick=args.quick, records=records, summary=summary,
-        settings={"topologies": args.topologies, "links": args.links, "collectives": args.collectives,
-                  "sizes": args.sizes, "other_sizes": args.other_sizes, "reps": args.reps,
-                  "other_reps": args.other_reps,
-                  "ddp_reps": 0 if args.no_ddp else args.ddp_reps, "candidates": candidates,
-                  "ddp_candidates": [] if args.no_ddp else list(DDP_CANDIDATES),
-                  "dtype": "float32", "threads_per_process": 1,
-                  "hosts": "network + mount namespaces, veth to a bridge, tc tbf shaping (ddpkit.testing.HostPool)",
-                  "timing": "per repetition: one call of the candidate to synchronise, then a batch of back-to-back "
-                            "calls of the library's own function timed on every rank; slowest rank per repetition, "
-                            "median over interleaved repetitions",
-                  "cpu": "all_ranks_cpu_s: every rank's process CPU time per call (time.process_time, all threads), "
-                         "summed over ranks, median over repetitions; cpu_busy: that sum over (the slowest "
-                         "rank's time x this machine's CPUs), median over repetitions",
-                  "cpus": os.cpu_count()})
+        args.output,
+        backend="gloo",
+        device_type="cpu",
+        quick=args.quick,
+        records=records,
+        summary=summary,
+        settings={
+            "topologies": args.topologies,
+            "links": args.links,
+            "collectives": args.collectives,
+            "sizes": args.sizes,
+            "other_sizes": args.other_sizes,
+            "reps": args.reps,
+            "other_reps": args.other_reps,
+            "ddp_reps": 0 if args.no_ddp else args.ddp_reps,
+            "candidates": candidates,
+            "ddp_candidates": [] if args.no_ddp else list(DDP_CANDIDATES),
+            "dtype": "float32",
+            "threads_per_process": 1,
+            "hosts": "network + mount namespaces, veth to a bridge, tc tbf shaping (ddpkit.testing.HostPool)",
+            "timing": "per repetition: one call of the candidate to synchronise, then a batch of back-to-back "
+            "calls of the library's own function timed on every rank; slowest rank per repetition, "
+            "median over interleaved repetitions",
+            "cpu": "all_ranks_cpu_s: every rank's process CPU time per call (time.process_time, all threads), "
+            "summed over ranks, median over repetitions; cpu_busy: that sum over (the slowest "
+            "rank's time x this machine's CPUs), median over repetitions",
+            "cpus": os.cpu_count(),
+        },
+    )
     print()
-    table = {"headers": {"median_s": "median", "ratio_to_gloo": "/ gloo", "cpu_busy": "CPUs busy",
-                         "link_fraction": "of link"},
-             "formats": {"median_s": common.seconds, "ratio_to_gloo": common.times,
-                         "cpu_busy": lambda share: f"{share:.0%}",
-                         "link_fraction": lambda share: "-" if share is None else f"{share:.2f}"}}
-    common.print_table([r for r in records if isinstance(r, MultihostRecord)],
-                       ["topology", "link", "numel", "candidate", "median_s", "ratio_to_gloo", "link_fraction",
-                        "cpu_busy"], align_left=["topology", "link", "candidate"], keys=4, **table)
+    table = {
+        "headers": {
+            "median_s": "median",
+            "ratio_to_gloo": "/ gloo",
+            "cpu_busy": "CPUs busy",
+            "link_fraction": "of link",
+        },
+        "formats": {
+            "median_s": common.seconds,
+            "ratio_to_gloo": common.times,
+            "cpu_busy": lambda share: f"{share:.0%}",
+            "link_fraction": lambda share: "-" if share is None else f"{share:.2f}",
+        },
+    }
+    common.print_table(
+        [r for r in records if isinstance(r, MultihostRecord)],
+        ["topology", "link", "numel", "candidate", "median_s", "ratio_to_gloo", "link_fraction", "cpu_busy"],
+        align_left=["topology", "link", "candidate"],
+        keys=4,
+        **table,
+    )
     others = [r for r in records if isinstance(r, MultihostCollectiveRecord)]
     if others:
         print()
-        common.print_table(others, ["collective", "topology", "link", "numel", "candidate", "median_s",
-                                    "ratio_to_gloo", "cpu_busy"], align_left=["collective", "topology", "link", "candidate"],
-                           keys=5, **table)
+        common.print_table(
+            others,
+            ["collective", "topology", "link", "numel", "candidate", "median_s", "ratio_to_gloo", "cpu_busy"],
+            align_left=["collective", "topology", "link", "candidate"],
+            keys=5,
+            **table,
+        )
     ddp = [r for r in records if isinstance(r, MultihostDdpRecord)]
     if ddp:
         print()
-        common.print_table(ddp, ["topology", "candidate", "median_s", "ratio_to_torch_ddp_gloo"],
-                           headers={"median_s": "step", "ratio_to_torch_ddp_gloo": "/ torch DDP on gloo"},
-                           formats={"median_s": common.seconds, "ratio_to_torch_ddp_gloo": common.times},
-                           align_left=["topology", "candidate"])
+        common.print_table(
+            ddp,
+            ["topology", "candidate", "median_s", "ratio_to_torch_ddp_gloo"],
+            headers={"median_s": "step", "ratio_to_torch_ddp_gloo": "/ torch DDP on gloo"},
+            formats={"median_s": common.seconds, "ratio_to_torch_ddp_gloo": common.times},
+            align_left=["topology", "candidate"],
+        )
     print(f"\nwrote {path}")
 
 

@@ -43,8 +43,8 @@ import ctypes
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,12 +52,11 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
+import ddpkit  # noqa: E402
 from common import interleave, median, print_table, write_results  # noqa: E402
+from ddpkit.testing import WorkerPool  # noqa: E402
 from peers import timing  # noqa: E402
 from records import SyncBatchNormRecord  # noqa: E402
-
-import ddpkit  # noqa: E402
-from ddpkit.testing import WorkerPool  # noqa: E402
 
 FEATURES = (128, 256, 512, 1024)
 BATCHES = (32, 64)
@@ -109,6 +108,7 @@ def _batch_norm(shape, **kwargs) -> torch.nn.Module:
 def _step(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
     def run() -> None:
         layer(x).backward(grad)
+
     return run
 
 
@@ -147,7 +147,9 @@ def _memory(run: Callable[[], None], device: torch.device, reset: Callable[[], N
     reset()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    records = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )
     live = peak = 0
     for _, nbytes in records:
         live += nbytes
@@ -164,6 +166,7 @@ def _cuda_kernels() -> str:
 def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     """Seconds one call takes: CUDA events on the current stream, else the host clock."""
     if device.type == "cuda":
+
         def timed(fn: Callable[[], None]) -> float:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
@@ -172,12 +175,14 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3
+
         return timed
 
     def timed_host(fn: Callable[[], None]) -> float:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
     return timed_host
 
 
@@ -189,9 +194,17 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
 SLEEPING = ("ddpkit_pg", "gloo_two_all_reduces", "torch_emulated")
 
 
-def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup: int, check_only: bool = False,
-            device_type: str = "cpu", cuda_algorithms: tuple = ("process_group",), steps: int = 1,
-            names=None) -> dict:
+def measure(
+    x_global: torch.Tensor,
+    grad_global: torch.Tensor,
+    reps: int,
+    warmup: int,
+    check_only: bool = False,
+    device_type: str = "cpu",
+    cuda_algorithms: tuple = ("process_group",),
+    steps: int = 1,
+    names=None,
+) -> dict:
     """Times the candidates on this rank's shard, ``steps`` back-to-back steps per repetition; returns
     per-repetition seconds per step, memory and the outputs and input gradients of the first ddpkit
     step (for the correctness check). ``names``: only these candidates (None: every one but, on CPU
@@ -223,6 +236,7 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
         def two_all_reduces() -> None:
             dist.all_reduce(forward_buffer)
             dist.all_reduce(backward_buffer)
+
         comm["gloo_two_all_reduces"] = two_all_reduces
 
         # The same work as one SyncBatchNorm step built from torch's parts (its result is not a
@@ -232,6 +246,7 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
             dist.all_reduce(forward_buffer)
             y.backward(grad)
             dist.all_reduce(backward_buffer)
+
         comm["torch_emulated"] = emulated
 
     candidates = {name: _step(layer, x, grad) for name, layer in layers.items()}
@@ -239,8 +254,8 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
         # ddpkit's local kernels alone on this rank's batch (the op without a group): its compute.
         local = layers.get("ddpkit", layers["ddpkit_pg"])
         candidates["ddpkit_local"] = lambda: torch.ops.ddpkit.sync_batch_norm(
-            x, local.weight, local.bias, local.running_mean, local.running_var, True, 0.1, local.eps, "auto",
-            None)[0].backward(grad)
+            x, local.weight, local.bias, local.running_mean, local.running_var, True, 0.1, local.eps, "auto", None
+        )[0].backward(grad)
     candidates.update(comm)
 
     _clear_grads(x, layers.values())
@@ -275,6 +290,7 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
         def back_to_back() -> None:  # gradients accumulate across the steps, alike for every candidate
             for _ in range(steps):
                 step()
+
         # "ddpkit_unchecked" runs its whole batch with Note [Collective checks] off, switched outside the
         # timed region: switching around every step timed the switch (two calls), not the checks. Every
         # rank runs the same candidate at the same time, so they agree.
@@ -293,10 +309,17 @@ def measure(x_global: torch.Tensor, grad_global: torch.Tensor, reps: int, warmup
         _pin_mmap_threshold()
     memory = {}
     if names is None:  # the memory of every layer is measured once, with the first set
-        memory = {name: _memory(_step(layer, x, grad), device, lambda: _clear_grads(x, layers.values()))
-                  for name, layer in layers.items()}
-    return {"times": times, "memory": memory, "check": check, "threads": torch.get_num_threads(),
-            "kernels": ddpkit.syncbn.cpu_kernels() if device.type == "cpu" else _cuda_kernels()}
+        memory = {
+            name: _memory(_step(layer, x, grad), device, lambda: _clear_grads(x, layers.values()))
+            for name, layer in layers.items()
+        }
+    return {
+        "times": times,
+        "memory": memory,
+        "check": check,
+        "threads": torch.get_num_threads(),
+        "kernels": ddpkit.syncbn.cpu_kernels() if device.type == "cpu" else _cuda_kernels(),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,14 +344,29 @@ def summarize(per_rank: list, world_size: int, shape, steps: int) -> SyncBatchNo
     names = per_rank[0]["times"].keys()
     per_rep = {name: timing.slowest_per_rep([rank["times"][name] for rank in per_rank]) for name in names}
     step = {name: median(times) for name, times in per_rep.items()}
-    memory = {name: {key: (max(rank["memory"][name][key] for rank in per_rank)
-                           if per_rank[0]["memory"][name][key] is not None else None)
-                     for key in ("alloc", "rss")} for name in per_rank[0]["memory"]}
+    memory = {
+        name: {
+            key: (
+                max(rank["memory"][name][key] for rank in per_rank)
+                if per_rank[0]["memory"][name][key] is not None
+                else None
+            )
+            for key in ("alloc", "rss")
+        }
+        for name in per_rank[0]["memory"]
+    }
     # The record's fields by name: the per-candidate ones are named after the candidates.
-    record = {"world_size": world_size, "shape": list(shape), "features": shape[1], "global_batch": shape[0],
-              "local_batch": -(-shape[0] // world_size), "threads_per_rank": per_rank[0]["threads"],
-              "kernels": per_rank[0]["kernels"], "repetitions": len(next(iter(per_rank[0]["times"].values()))),
-              "steps_per_repetition": steps}
+    record = {
+        "world_size": world_size,
+        "shape": list(shape),
+        "features": shape[1],
+        "global_batch": shape[0],
+        "local_batch": -(-shape[0] // world_size),
+        "threads_per_rank": per_rank[0]["threads"],
+        "kernels": per_rank[0]["kernels"],
+        "repetitions": len(next(iter(per_rank[0]["times"].values()))),
+        "steps_per_repetition": steps,
+    }
     for name, seconds in step.items():
         record[f"t_{name}"] = seconds
     for name, values in memory.items():
@@ -383,18 +421,37 @@ def check_outputs(per_rank: list, x: torch.Tensor, grad: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: two configurations, few repetitions")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: cuda when torch sees a GPU, else cpu")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
-                        help="CUDA only: gloo (default; ranks may share one GPU) or nccl (one GPU per rank)")
-    parser.add_argument("--cuda-algorithms", nargs="+", choices=("process_group", "auto"),
-                        default=["process_group", "auto"], help="CUDA in a group: ddpkit's all-reduce algorithms to time")
+    parser.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when torch sees a GPU, else cpu"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="CUDA only: gloo (default; ranks may share one GPU) or nccl (one GPU per rank)",
+    )
+    parser.add_argument(
+        "--cuda-algorithms",
+        nargs="+",
+        choices=("process_group", "auto"),
+        default=["process_group", "auto"],
+        help="CUDA in a group: ddpkit's all-reduce algorithms to time",
+    )
     parser.add_argument("--world-sizes", type=int, nargs="+", default=None, help="default: 2 4 on CPU, 2 on CUDA")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per candidate (default 100; conv 40)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="forward+backward steps back to back per repetition (default 20; conv 3)")
-    parser.add_argument("--local-threads", type=int, nargs="+", default=[1, 2],
-                        help="torch.set_num_threads values for the world-size-1 comparison (CPU)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="forward+backward steps back to back per repetition (default 20; conv 3)",
+    )
+    parser.add_argument(
+        "--local-threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="torch.set_num_threads values for the world-size-1 comparison (CPU)",
+    )
     args = parser.parse_args()
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -425,7 +482,9 @@ def main() -> None:
                 x, grad = inputs(shape, seed)
                 reps, steps = (reps_conv, steps_conv) if len(shape) == 4 else (reps_2d, steps_2d)
                 print(f"world_size={world_size} shape={shape} reps={reps} steps={steps}", flush=True)
-                worst_error = max(worst_error, check_outputs(pool.run(measure, x, grad, 0, 0, True, **options), x, grad))
+                worst_error = max(
+                    worst_error, check_outputs(pool.run(measure, x, grad, 0, 0, True, **options), x, grad)
+                )
                 measured[shape] = pool.run(measure, x, grad, reps, warmup, steps=steps, **options)
         finally:
             pool.close()
@@ -435,8 +494,10 @@ def main() -> None:
                 for seed, shape in enumerate(shapes):
                     x, grad = inputs(shape, seed)
                     reps, steps = (reps_conv, steps_conv) if len(shape) == 4 else (reps_2d, steps_2d)
-                    print(f"world_size={world_size} shape={shape} reps={reps} steps={steps} ({', '.join(SLEEPING)})",
-                          flush=True)
+                    print(
+                        f"world_size={world_size} shape={shape} reps={reps} steps={steps} ({', '.join(SLEEPING)})",
+                        flush=True,
+                    )
                     sleeping = pool.run(measure, x, grad, reps, warmup, steps=steps, names=SLEEPING, **options)
                     for mine, theirs in zip(measured[shape], sleeping):
                         mine["times"].update(theirs["times"])
@@ -493,40 +554,58 @@ def main() -> None:
         "max_alloc_extra_per_channel_bytes": max(r.alloc_extra_per_channel for r in records),
     }
     settings = {
-        "configs_global_batch_x_features": configs, "conv_shape": list(shapes[-1]), "world_sizes": world_sizes,
-        "repetitions_2d": reps_2d, "repetitions_conv": reps_conv, "warmup": warmup, "quick": args.quick,
-        "steps_per_repetition_2d": steps_2d, "steps_per_repetition_conv": steps_conv,
-        "local_threads": local_threads, "threads_per_rank": "cpu_count // world_size (recorded per record)",
-        "affine": True, "dtype": "float32", "input_split": "global batch split evenly across ranks (tensor_split)",
+        "configs_global_batch_x_features": configs,
+        "conv_shape": list(shapes[-1]),
+        "world_sizes": world_sizes,
+        "repetitions_2d": reps_2d,
+        "repetitions_conv": reps_conv,
+        "warmup": warmup,
+        "quick": args.quick,
+        "steps_per_repetition_2d": steps_2d,
+        "steps_per_repetition_conv": steps_conv,
+        "local_threads": local_threads,
+        "threads_per_rank": "cpu_count // world_size (recorded per record)",
+        "affine": True,
+        "dtype": "float32",
+        "input_split": "global batch split evenly across ranks (tensor_split)",
         "gradient": "fixed standard-normal output gradient; step = layer(x).backward(grad)",
         "timing": "a repetition = steps_per_repetition forward+backward steps back to back, divided by the steps; "
-                  "candidates interleaved in a rotating order after a barrier; per repetition the slowest rank; "
-                  "median over repetitions; on CPU in a group the candidates that wait on gloo in processes of "
-                  "their own (a gloo barrier), the others meeting in ddpkit's all-reduce",
-        "device": device_type, "backend": backend,
+        "candidates interleaved in a rotating order after a barrier; per repetition the slowest rank; "
+        "median over repetitions; on CPU in a group the candidates that wait on gloo in processes of "
+        "their own (a gloo barrier), the others meeting in ddpkit's all-reduce",
+        "device": device_type,
+        "backend": backend,
         "cuda_algorithms": list(cuda_algorithms) if cuda else None,
         "gpus": "every rank on GPU rank % device_count (one GPU: all ranks share it)" if cuda else None,
         "timing_clock": "CUDA events on the current stream around each step" if cuda else "time.perf_counter",
-        "baseline": f"torch.nn.SyncBatchNorm over {backend}; world size 1: torch's CUDA BatchNorm" if cuda else
-                    "torch BatchNorm fwd+bwd on the local batch alone (ratio, ratio_pg, ratio_unchecked); "
-                    "ratio_floor: against floor = that BatchNorm + gloo all_reduce of 2C+1 and 2C float64",
+        "baseline": f"torch.nn.SyncBatchNorm over {backend}; world size 1: torch's CUDA BatchNorm"
+        if cuda
+        else "torch BatchNorm fwd+bwd on the local batch alone (ratio, ratio_pg, ratio_unchecked); "
+        "ratio_floor: against floor = that BatchNorm + gloo all_reduce of 2C+1 and 2C float64",
         "candidates": {
             "ddpkit": "ddpkit.SyncBatchNorm(algorithm='auto')",
             "ddpkit_pg": "ddpkit.SyncBatchNorm(algorithm='process_group'): the group's own all-reduce",
             "ddpkit_unchecked": "ddpkit.SyncBatchNorm(algorithm='auto') with Note [Collective checks] off: "
-                                "what the header round trip costs",
+            "what the header round trip costs",
             "torch_bn_local": "torch.nn.BatchNorm1d/2d on the local batch (no communication)",
             "ddpkit_local": "ddpkit::sync_batch_norm on the local batch without a group (no communication)",
             "gloo_two_all_reduces": "torch.distributed.all_reduce of 2C+1 then 2C float64",
             "torch_emulated": "torch BatchNorm forward, all_reduce(2C+1), backward, all_reduce(2C) in one step: "
-                              "the floor's parts interleaved as in a real step (not a synchronized result)",
+            "the floor's parts interleaved as in a real step (not a synchronized result)",
             "torch_syncbn": "torch.nn.SyncBatchNorm (CUDA only)",
             "torch_bn_local (CUDA, world size 1)": "torch.nn.BatchNorm1d/2d on the GPU (cuDNN or ATen's kernels)",
         },
         "memory_method": MEMORY_METHOD,
     }
-    path = write_results("syncbn_cuda" if cuda else "syncbn", backend=backend, device_type=device_type,
-                         settings=settings, records=records, summary=summary, quick=args.quick)
+    path = write_results(
+        "syncbn_cuda" if cuda else "syncbn",
+        backend=backend,
+        device_type=device_type,
+        settings=settings,
+        records=records,
+        summary=summary,
+        quick=args.quick,
+    )
     print_summary(records, summary, cuda)
     print(f"wrote {path}")
 
@@ -543,24 +622,63 @@ def print_summary(records: list[SyncBatchNormRecord], summary: dict, cuda: bool)
             row["baseline"] = r.t_torch_syncbn if cuda else r.t_torch_bn_local
         row["alloc_baseline"] = r.alloc_torch_syncbn if r.alloc_torch_syncbn is not None else r.alloc_torch_bn_local
         rows.append(row)
-    columns = ["world_size", "shape", "threads_per_rank", "t_ddpkit", "t_ddpkit_pg", "t_ddpkit_unchecked", "baseline",
-               "ratio", "ratio_pg", "ratio_unchecked", "ratio_floor", "ratio_local_compute", "alloc_ddpkit",
-               "alloc_baseline", "alloc_extra_per_channel"]
-    print(f"\nSyncBatchNorm forward + backward per step (steps back to back, median of the slowest rank); baseline: "
-          f"{baseline} at world size > 1, torch's BatchNorm at world size 1"
-          + ("" if cuda else "; auto/(BN+2 gloo): against the older floor, BatchNorm plus two gloo all-reduces"))
-    print_table(rows, [c for c in columns if any(row.get(c) is not None for row in rows)], keys=3,
-                headers={"world_size": "ranks", "threads_per_rank": "threads", "t_ddpkit": "ddpkit auto",
-                         "t_ddpkit_pg": "ddpkit process_group", "t_ddpkit_unchecked": "auto unchecked",
-                         "ratio": "auto/baseline", "ratio_pg": "pg/baseline", "ratio_unchecked": "unchecked/baseline",
-                         "ratio_floor": "auto/(BN+2 gloo)",
-                         "ratio_local_compute": "local kernels/BN", "alloc_ddpkit": "ddpkit memory",
-                         "alloc_baseline": "baseline memory", "alloc_extra_per_channel": "extra per channel"},
-                formats={"t_ddpkit": common.seconds, "t_ddpkit_pg": common.seconds,
-                         "t_ddpkit_unchecked": common.seconds, "baseline": common.seconds, "ratio": common.times,
-                         "ratio_pg": common.times, "ratio_unchecked": common.times, "ratio_floor": common.times,
-                         "ratio_local_compute": common.times, "alloc_ddpkit": _kibibytes, "alloc_baseline": _kibibytes,
-                         "alloc_extra_per_channel": lambda v: f"{v:.1f} B"})
+    columns = [
+        "world_size",
+        "shape",
+        "threads_per_rank",
+        "t_ddpkit",
+        "t_ddpkit_pg",
+        "t_ddpkit_unchecked",
+        "baseline",
+        "ratio",
+        "ratio_pg",
+        "ratio_unchecked",
+        "ratio_floor",
+        "ratio_local_compute",
+        "alloc_ddpkit",
+        "alloc_baseline",
+        "alloc_extra_per_channel",
+    ]
+    print(
+        f"\nSyncBatchNorm forward + backward per step (steps back to back, median of the slowest rank); baseline: "
+        f"{baseline} at world size > 1, torch's BatchNorm at world size 1"
+        + ("" if cuda else "; auto/(BN+2 gloo): against the older floor, BatchNorm plus two gloo all-reduces")
+    )
+    print_table(
+        rows,
+        [c for c in columns if any(row.get(c) is not None for row in rows)],
+        keys=3,
+        headers={
+            "world_size": "ranks",
+            "threads_per_rank": "threads",
+            "t_ddpkit": "ddpkit auto",
+            "t_ddpkit_pg": "ddpkit process_group",
+            "t_ddpkit_unchecked": "auto unchecked",
+            "ratio": "auto/baseline",
+            "ratio_pg": "pg/baseline",
+            "ratio_unchecked": "unchecked/baseline",
+            "ratio_floor": "auto/(BN+2 gloo)",
+            "ratio_local_compute": "local kernels/BN",
+            "alloc_ddpkit": "ddpkit memory",
+            "alloc_baseline": "baseline memory",
+            "alloc_extra_per_channel": "extra per channel",
+        },
+        formats={
+            "t_ddpkit": common.seconds,
+            "t_ddpkit_pg": common.seconds,
+            "t_ddpkit_unchecked": common.seconds,
+            "baseline": common.seconds,
+            "ratio": common.times,
+            "ratio_pg": common.times,
+            "ratio_unchecked": common.times,
+            "ratio_floor": common.times,
+            "ratio_local_compute": common.times,
+            "alloc_ddpkit": _kibibytes,
+            "alloc_baseline": _kibibytes,
+            "alloc_extra_per_channel": lambda v: f"{v:.1f} B",
+        },
+    )
+
     def worst_with_interval(world_size: int) -> str:
         """The worst ratio among the records of `world_size`, with its 95% interval where recorded."""
         worst = max((r for r in records if r.world_size == world_size), key=lambda r: r.ratio)
@@ -570,19 +688,29 @@ def print_summary(records: list[SyncBatchNormRecord], summary: dict, cuda: bool)
 
     configs = summary["configs_2_workers"]
     if configs:
-        print(f"at 2 workers, ddpkit auto within {TARGET_RATIO_DISTRIBUTED}x the baseline in "
-              f"{summary['configs_within_target_2_workers']} of {configs} configurations (worst "
-              f"{worst_with_interval(2)}, with its 95% interval over the repetitions); process_group in "
-              f"{summary['configs_within_target_pg_2_workers']} "
-              f"(worst {summary['max_ratio_pg_2_workers']:.3f}x)"
-              + ("" if cuda else f"; against BatchNorm plus two gloo all-reduces, auto within it in "
-                 f"{summary['configs_within_target_floor_2_workers']} (worst {summary['max_ratio_floor_2_workers']:.3f}x)"))
+        print(
+            f"at 2 workers, ddpkit auto within {TARGET_RATIO_DISTRIBUTED}x the baseline in "
+            f"{summary['configs_within_target_2_workers']} of {configs} configurations (worst "
+            f"{worst_with_interval(2)}, with its 95% interval over the repetitions); process_group in "
+            f"{summary['configs_within_target_pg_2_workers']} "
+            f"(worst {summary['max_ratio_pg_2_workers']:.3f}x)"
+            + (
+                ""
+                if cuda
+                else f"; against BatchNorm plus two gloo all-reduces, auto within it in "
+                f"{summary['configs_within_target_floor_2_workers']} (worst {summary['max_ratio_floor_2_workers']:.3f}x)"
+            )
+        )
     if summary["local_ratios"]:
         local = summary["local_ratios"].values()
-        print(f"world size 1: ddpkit's kernels take {min(local):.3f}x-{max(local):.3f}x the time of torch's BatchNorm "
-              f"(target {TARGET_RATIO_LOCAL}x; worst {worst_with_interval(1)})")
-    print(f"memory: at most {summary['max_alloc_extra_per_channel_bytes']:.1f} bytes per channel above the baseline's; "
-          f"largest difference from BatchNorm on the whole batch: {summary['max_check_error']:.2e}")
+        print(
+            f"world size 1: ddpkit's kernels take {min(local):.3f}x-{max(local):.3f}x the time of torch's BatchNorm "
+            f"(target {TARGET_RATIO_LOCAL}x; worst {worst_with_interval(1)})"
+        )
+    print(
+        f"memory: at most {summary['max_alloc_extra_per_channel_bytes']:.1f} bytes per channel above the baseline's; "
+        f"largest difference from BatchNorm on the whole batch: {summary['max_check_error']:.2e}"
+    )
 
 
 def _kibibytes(value: float) -> str:

@@ -49,10 +49,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from records import TorchStackRecord  # noqa: E402
-
 import ddpkit  # noqa: E402,F401
 from ddpkit.testing import WorkerPool  # noqa: E402
+from records import TorchStackRecord  # noqa: E402
 
 CANDIDATES = ("gloo", "ddpkit")
 # tp_mlp also runs "floor": the same model on a mesh of this rank alone, no partner to wait for (what the step
@@ -130,8 +129,9 @@ class Candidate:
             if workload == "ddp_powerSGD":
                 one_bucket_mb = 2 * sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
                 self.model = DDP(module, process_group=group, bucket_cap_mb=one_bucket_mb)
-                state = powerSGD_hook.PowerSGDState(process_group=group, start_powerSGD_iter=2,
-                                                    matrix_approximation_rank=settings["powersgd_rank"])
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=group, start_powerSGD_iter=2, matrix_approximation_rank=settings["powersgd_rank"]
+                )
                 self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             else:
                 self.model = DDP(module, process_group=group)
@@ -141,9 +141,12 @@ class Candidate:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
             self.width, self.batch = settings["tp_width"], settings["tp_batch"]
-            model = nn.Sequential(nn.Linear(self.width, 4 * self.width), nn.ReLU(), nn.Linear(4 * self.width, self.width))
-            self.model = parallelize_module(model, DeviceMesh.from_group(group, "cpu"),
-                                            {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            model = nn.Sequential(
+                nn.Linear(self.width, 4 * self.width), nn.ReLU(), nn.Linear(4 * self.width, self.width)
+            )
+            self.model = parallelize_module(
+                model, DeviceMesh.from_group(group, "cpu"), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+            )
             self.optimizer = None
         else:
             raise ValueError(workload)
@@ -223,6 +226,7 @@ def memory_alone(settings: dict, warmup: int, steps: int) -> dict:
 
 # --- the parent --------------------------------------------------------------------------------------------
 
+
 def model_name(workload: str, settings: dict) -> tuple[str, int]:
     if workload == "fsdp2":
         return f"mlp {settings['fsdp_layers']}x{settings['fsdp_width']}", settings["fsdp_batch"]
@@ -231,15 +235,18 @@ def model_name(workload: str, settings: dict) -> tuple[str, int]:
     return f"mlp {settings['tp_width']}-{4 * settings['tp_width']}-{settings['tp_width']}", settings["tp_batch"]
 
 
-def run_workload(workload: str, world_size: int, settings: dict, reps: int, steps: int,
-                 warmup: int) -> list[TorchStackRecord]:
+def run_workload(
+    workload: str, world_size: int, settings: dict, reps: int, steps: int, warmup: int
+) -> list[TorchStackRecord]:
     names = candidates_of(workload)
     with WorkerPool(world_size, backend="ddpkit", timeout=1800, group_timeout=300) as pool:
         per_rank_diffs = pool.run(build, workload, settings, warmup)
         diffs = {name: max(rank[name] for rank in per_rank_diffs) for name in names}
         if diffs["ddpkit"] > 1e-3:
-            raise AssertionError(f"{workload} at n={world_size}: ddpkit differs from gloo by {diffs['ddpkit']} "
-                                 f"after {warmup} identical steps")
+            raise AssertionError(
+                f"{workload} at n={world_size}: ddpkit differs from gloo by {diffs['ddpkit']} "
+                f"after {warmup} identical steps"
+            )
         per_rank = pool.run(measure, reps, steps)
         pool.run(release)
     memory = {}
@@ -253,10 +260,22 @@ def run_workload(workload: str, world_size: int, settings: dict, reps: int, step
     for name in names:
         slowest = [max(rank[name][rep] for rank in per_rank) for rep in range(reps)]
         quartiles = statistics.quantiles(slowest, n=4) if len(slowest) > 1 else [slowest[0]] * 3
-        records.append(TorchStackRecord(
-            workload=workload, candidate=name, world_size=world_size, model=model, batch_per_rank=batch,
-            median_step_s=common.median(slowest), p25_step_s=quartiles[0], p75_step_s=quartiles[2], reps=reps,
-            steps_per_rep=steps, max_param_diff_vs_gloo=diffs[name], **memory.get(name, {})))
+        records.append(
+            TorchStackRecord(
+                workload=workload,
+                candidate=name,
+                world_size=world_size,
+                model=model,
+                batch_per_rank=batch,
+                median_step_s=common.median(slowest),
+                p25_step_s=quartiles[0],
+                p75_step_s=quartiles[2],
+                reps=reps,
+                steps_per_rep=steps,
+                max_param_diff_vs_gloo=diffs[name],
+                **memory.get(name, {}),
+            )
+        )
     return records
 
 
@@ -274,8 +293,9 @@ def summarize(records: list[TorchStackRecord]) -> dict:
         if workload in BARS:
             summary[f"{workload} n={n}: meets the bar (<= {BARS[workload]}x)"] = ratio <= BARS[workload]
         if r.peak_rss_increase_bytes is not None and base.peak_rss_increase_bytes:
-            summary[f"{workload} n={n}: ddpkit/gloo peak RSS increase"] = \
+            summary[f"{workload} n={n}: ddpkit/gloo peak RSS increase"] = (
                 r.peak_rss_increase_bytes / base.peak_rss_increase_bytes
+            )
         summary[f"{workload} n={n}: max |param diff| vs gloo"] = r.max_param_diff_vs_gloo
     return summary
 
@@ -289,28 +309,76 @@ def print_summary(records: list[TorchStackRecord]) -> None:
             continue
         g = base[(r.workload, r.world_size)]
         lowest = floor.get((r.workload, r.world_size))
-        rows.append({"workload": r.workload, "ranks": r.world_size, "model": r.model, "batch": r.batch_per_rank,
-                     "gloo": g.median_step_s, "ddpkit": r.median_step_s, "ratio": r.median_step_s / g.median_step_s,
-                     "bar": f"<= {BARS[r.workload]}x" if r.workload in BARS else "",
-                     "gloo_mem": g.peak_rss_increase_bytes, "ddpkit_mem": r.peak_rss_increase_bytes,
-                     "mem_ratio": (r.peak_rss_increase_bytes / g.peak_rss_increase_bytes
-                                   if r.peak_rss_increase_bytes is not None and g.peak_rss_increase_bytes else None),
-                     "floor": lowest, "floor_ratio": lowest / g.median_step_s if lowest is not None else None,
-                     "diff": r.max_param_diff_vs_gloo})
-    print("\ntorch's stack on the ddpkit backend against gloo: median step time of the slowest rank (interleaved "
-          "repetitions); floor: the step on a mesh of one rank (no communication); FSDP2 memory: peak RSS increase, "
-          "each candidate alone")
-    common.print_table(rows, ["workload", "ranks", "model", "batch", "gloo", "ddpkit", "ratio", "bar", "floor",
-                              "floor_ratio", "gloo_mem", "ddpkit_mem", "mem_ratio", "diff"],
-                       align_left={"workload", "model", "bar"}, keys=2,
-                       headers={"gloo": "gloo step", "ddpkit": "ddpkit step", "ratio": "ddpkit/gloo",
-                                "floor": "floor step", "floor_ratio": "floor/gloo",
-                                "gloo_mem": "gloo mem", "ddpkit_mem": "ddpkit mem", "mem_ratio": "mem ddpkit/gloo",
-                                "diff": "max |param diff|"},
-                       formats={"gloo": common.seconds, "ddpkit": common.seconds, "ratio": common.times,
-                                "floor": common.seconds, "floor_ratio": common.times,
-                                "gloo_mem": common.mebibytes, "ddpkit_mem": common.mebibytes,
-                                "mem_ratio": common.times, "diff": lambda v: f"{v:.1e}"})
+        rows.append(
+            {
+                "workload": r.workload,
+                "ranks": r.world_size,
+                "model": r.model,
+                "batch": r.batch_per_rank,
+                "gloo": g.median_step_s,
+                "ddpkit": r.median_step_s,
+                "ratio": r.median_step_s / g.median_step_s,
+                "bar": f"<= {BARS[r.workload]}x" if r.workload in BARS else "",
+                "gloo_mem": g.peak_rss_increase_bytes,
+                "ddpkit_mem": r.peak_rss_increase_bytes,
+                "mem_ratio": (
+                    r.peak_rss_increase_bytes / g.peak_rss_increase_bytes
+                    if r.peak_rss_increase_bytes is not None and g.peak_rss_increase_bytes
+                    else None
+                ),
+                "floor": lowest,
+                "floor_ratio": lowest / g.median_step_s if lowest is not None else None,
+                "diff": r.max_param_diff_vs_gloo,
+            }
+        )
+    print(
+        "\ntorch's stack on the ddpkit backend against gloo: median step time of the slowest rank (interleaved "
+        "repetitions); floor: the step on a mesh of one rank (no communication); FSDP2 memory: peak RSS increase, "
+        "each candidate alone"
+    )
+    common.print_table(
+        rows,
+        [
+            "workload",
+            "ranks",
+            "model",
+            "batch",
+            "gloo",
+            "ddpkit",
+            "ratio",
+            "bar",
+            "floor",
+            "floor_ratio",
+            "gloo_mem",
+            "ddpkit_mem",
+            "mem_ratio",
+            "diff",
+        ],
+        align_left={"workload", "model", "bar"},
+        keys=2,
+        headers={
+            "gloo": "gloo step",
+            "ddpkit": "ddpkit step",
+            "ratio": "ddpkit/gloo",
+            "floor": "floor step",
+            "floor_ratio": "floor/gloo",
+            "gloo_mem": "gloo mem",
+            "ddpkit_mem": "ddpkit mem",
+            "mem_ratio": "mem ddpkit/gloo",
+            "diff": "max |param diff|",
+        },
+        formats={
+            "gloo": common.seconds,
+            "ddpkit": common.seconds,
+            "ratio": common.times,
+            "floor": common.seconds,
+            "floor_ratio": common.times,
+            "gloo_mem": common.mebibytes,
+            "ddpkit_mem": common.mebibytes,
+            "mem_ratio": common.times,
+            "diff": lambda v: f"{v:.1e}",
+        },
+    )
 
 
 def main() -> None:
@@ -336,27 +404,52 @@ def main() -> None:
     if args.quick:
         args.world_sizes, args.other_world_sizes, args.reps, args.warmup = [2], [2], 3, 3
         args.fsdp_width, args.fsdp_layers, args.ddp_width, args.ddp_layers = 512, 3, 256, 3
-    settings = {key: getattr(args, key) for key in ("fsdp_width", "fsdp_layers", "fsdp_batch", "ddp_width", "ddp_layers",
-                                                   "ddp_batch", "powersgd_rank", "tp_width", "tp_batch")}
+    settings = {
+        key: getattr(args, key)
+        for key in (
+            "fsdp_width",
+            "fsdp_layers",
+            "fsdp_batch",
+            "ddp_width",
+            "ddp_layers",
+            "ddp_batch",
+            "powersgd_rank",
+            "tp_width",
+            "tp_batch",
+        )
+    }
     records: list[TorchStackRecord] = []
     for workload in args.workloads:
-        for world_size in (args.world_sizes if workload == "fsdp2" else args.other_world_sizes):
+        for world_size in args.world_sizes if workload == "fsdp2" else args.other_world_sizes:
             started = time.monotonic()
             steps = args.steps * (20 if workload == "tp_mlp" else 1)
             records += run_workload(workload, world_size, settings, args.reps, steps, args.warmup)
             print(f"{workload} at {world_size} processes: measured in {time.monotonic() - started:.0f} s", flush=True)
     summary = summarize(records)
-    path = common.write_results(args.output, backend="ddpkit vs gloo", device_type="cpu",
-                                settings={**settings, "workloads": args.workloads, "world_sizes": args.world_sizes,
-                                          "other_world_sizes": args.other_world_sizes, "reps": args.reps,
-                                          "steps_per_rep": args.steps, "tp_steps_per_rep": 20 * args.steps,
-                                          "warmup": args.warmup, "candidates": list(CANDIDATES),
-                                          "extra_candidates": {k: list(v) for k, v in EXTRA.items()},
-                                          "timing": "slowest rank per repetition, median over repetitions; "
-                                                    "candidates interleaved in the same processes",
-                                          "memory": "FSDP2 only: each candidate alone in fresh processes, peak RSS "
-                                                    "and its increase over the RSS before the model, max over ranks"},
-                                records=records, summary=summary, quick=args.quick)
+    path = common.write_results(
+        args.output,
+        backend="ddpkit vs gloo",
+        device_type="cpu",
+        settings={
+            **settings,
+            "workloads": args.workloads,
+            "world_sizes": args.world_sizes,
+            "other_world_sizes": args.other_world_sizes,
+            "reps": args.reps,
+            "steps_per_rep": args.steps,
+            "tp_steps_per_rep": 20 * args.steps,
+            "warmup": args.warmup,
+            "candidates": list(CANDIDATES),
+            "extra_candidates": {k: list(v) for k, v in EXTRA.items()},
+            "timing": "slowest rank per repetition, median over repetitions; "
+            "candidates interleaved in the same processes",
+            "memory": "FSDP2 only: each candidate alone in fresh processes, peak RSS "
+            "and its increase over the RSS before the model, max over ranks",
+        },
+        records=records,
+        summary=summary,
+        quick=args.quick,
+    )
     print_summary(records)
     print(f"wrote {path}")
 

@@ -48,26 +48,31 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from records import TrainingRecord, load_records  # noqa: E402
-
-from ddpkit.training.data import dataset_name  # noqa: E402
 from ddpkit.launch import DistInfo  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
+from ddpkit.training.data import dataset_name  # noqa: E402
 from ddpkit.training.train import TrainConfig, Trainer  # noqa: E402
+from records import TrainingRecord, load_records  # noqa: E402
 
 _state: dict = {}
 
 
 def build(config: TrainConfig, label: str = "") -> dict:
     backend = dist.get_backend()
-    info = DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank() % max(1, torch.cuda.device_count()),
-                    backend)
+    info = DistInfo(
+        dist.get_rank(), dist.get_world_size(), dist.get_rank() % max(1, torch.cuda.device_count()), backend
+    )
     trainer = Trainer(config, info)
     trainer.progress_label = label
     trainer.verbose = False  # the parent prints one line per epoch
     _state["trainer"] = trainer
-    return {"notes": trainer.notes, "total_steps": trainer.total_steps, "global_batch": trainer.global_batch,
-            "batch_norm": trainer.batch_norm, "steps_per_epoch": trainer.steps_per_epoch}
+    return {
+        "notes": trainer.notes,
+        "total_steps": trainer.total_steps,
+        "global_batch": trainer.data.global_batch,
+        "batch_norm": trainer.batch_norm,
+        "steps_per_epoch": trainer.data.steps_per_epoch,
+    }
 
 
 def block(until_step: int) -> dict:
@@ -98,14 +103,19 @@ def block_ends(steps_per_epoch: int, total_steps: int, block_steps: int) -> list
 def paired_ratios(mine: list[dict], theirs: list[dict]) -> list[float]:
     """The time ratio of every block both pipelines ran (the same steps, one right after the other),
     the first left out: it pays for the warm-up."""
-    return [a["seconds"] / b["seconds"] for a, b in zip(mine[1:], theirs[1:])
-            if a["steps"] == b["steps"] and b["seconds"] > 0]
+    return [
+        a["seconds"] / b["seconds"]
+        for a, b in zip(mine[1:], theirs[1:])
+        if a["steps"] == b["steps"] and b["seconds"] > 0
+    ]
 
 
 def finish() -> dict:
     summary = _state["trainer"].summary()
-    return {"peak_rss_bytes": summary["peak_rss_bytes_max_over_ranks"],
-            "losses": [s["local_loss"] for s in summary["history"]["steps"]]}
+    return {
+        "peak_rss_bytes": summary["peak_rss_bytes_max_over_ranks"],
+        "losses": [s["local_loss"] for s in summary["history"]["steps"]],
+    }
 
 
 def pipelines(backend: str) -> dict[str, tuple[str, bool]]:
@@ -127,17 +137,27 @@ BLOCK_STEPS = 10  # long enough that a turn's switch costs little, short enough 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     length = parser.add_mutually_exclusive_group()
-    length.add_argument("--full", action="store_true",
-                        help=f"the full-length comparison ({FULL['epochs']} epochs on the whole training set, about "
-                             "35 minutes on 2 cores), written where the report reads it")
-    length.add_argument("--quick", action="store_true",
-                        help=f"a smoke run ({QUICK['epochs']} epochs on {QUICK['limit_train']} samples)")
+    length.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the full-length comparison ({FULL['epochs']} epochs on the whole training set, about "
+        "35 minutes on 2 cores), written where the report reads it",
+    )
+    length.add_argument(
+        "--quick", action="store_true", help=f"a smoke run ({QUICK['epochs']} epochs on {QUICK['limit_train']} samples)"
+    )
     parser.add_argument("--dataset", default="fashion_mnist")
     parser.add_argument("--model", default="net")
-    parser.add_argument("--epochs", type=int,
-                        help=f"default: {SHORT['epochs']} ({FULL['epochs']} with --full, {QUICK['epochs']} with --quick)")
-    parser.add_argument("--limit-train", type=int,
-                        help=f"use the first N training samples (default: {SHORT['limit_train']}; all with --full)")
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        help=f"default: {SHORT['epochs']} ({FULL['epochs']} with --full, {QUICK['epochs']} with --quick)",
+    )
+    parser.add_argument(
+        "--limit-train",
+        type=int,
+        help=f"use the first N training samples (default: {SHORT['limit_train']}; all with --full)",
+    )
     parser.add_argument("--limit-test", type=int, help="evaluate each epoch on the first N test samples (default: all)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--accumulation-steps", type=int, default=2)
@@ -147,13 +167,24 @@ def main() -> None:
     parser.add_argument("--data-root")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="training", help="results name: <results-dir>/<output>.json and .png")
-    parser.add_argument("--results-dir",
-                        help=f"default: {common.RESULTS_DIR} with --full, {common.QUICK_RESULTS_DIR} with --quick, "
-                             f"else {common.REPO_ROOT / 'runs/main'} ($DDPKIT_RESULTS_DIR overrides the first two)")
-    parser.add_argument("--block-steps", type=int, default=BLOCK_STEPS,
-                        help="optimizer steps per timed block: the pipelines take turns block by block")
-    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
-                        help="no progress bars (default: bars only where stderr is a terminal)")
+    parser.add_argument(
+        "--results-dir",
+        help=f"default: {common.RESULTS_DIR} with --full, {common.QUICK_RESULTS_DIR} with --quick, "
+        f"else {common.REPO_ROOT / 'runs/main'} ($DDPKIT_RESULTS_DIR overrides the first two)",
+    )
+    parser.add_argument(
+        "--block-steps",
+        type=int,
+        default=BLOCK_STEPS,
+        help="optimizer steps per timed block: the pipelines take turns block by block",
+    )
+    parser.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        default=None,
+        help="no progress bars (default: bars only where stderr is a terminal)",
+    )
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="no PNG")
     parser.add_argument("--plot-from", metavar="JSON", help="only draw the plot of saved results (next to them)")
     args = parser.parse_args()
@@ -171,23 +202,46 @@ def main() -> None:
     length = FULL if args.full else QUICK if args.quick else SHORT
     epochs = args.epochs if args.epochs is not None else length["epochs"]
     limit_train = args.limit_train if args.limit_train is not None else length["limit_train"]
-    results_dir = Path(args.results_dir) if args.results_dir else (
-        common.results_dir(args.quick) if args.full or args.quick else common.REPO_ROOT / "runs" / "main")
+    results_dir = (
+        Path(args.results_dir)
+        if args.results_dir
+        else (common.results_dir(args.quick) if args.full or args.quick else common.REPO_ROOT / "runs" / "main")
+    )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
 
     candidates = pipelines(backend)
-    configs = {name: TrainConfig(dataset=args.dataset, data_root=args.data_root, model=args.model, impl=impl,
-                                 sync_bn=sync_bn, epochs=epochs, batch_size=args.batch_size,
-                                 accumulation_steps=args.accumulation_steps, lr=args.lr, optimizer=args.optimizer,
-                                 seed=args.seed, limit_train=limit_train, limit_test=args.limit_test, out_dir=None, resume=False,
-                                 progress=args.progress, log_every=10**9)
-               for name, (impl, sync_bn) in candidates.items()}
+    configs = {
+        name: TrainConfig(
+            dataset=args.dataset,
+            data_root=args.data_root,
+            model=args.model,
+            impl=impl,
+            sync_bn=sync_bn,
+            epochs=epochs,
+            batch_size=args.batch_size,
+            accumulation_steps=args.accumulation_steps,
+            lr=args.lr,
+            optimizer=args.optimizer,
+            seed=args.seed,
+            limit_train=limit_train,
+            limit_test=args.limit_test,
+            out_dir=None,
+            resume=False,
+            progress=args.progress,
+            log_every=10**9,
+        )
+        for name, (impl, sync_bn) in candidates.items()
+    }
     width = max(map(len, configs))
-    print(f"Training {args.model} on {args.dataset} ({limit_train or 'all'} training samples, {epochs} epochs) with "
-          f"{', '.join(configs)}: {args.world_size} processes each, taking turns every {args.block_steps} steps"
-          + ("" if args.full else "; --full for the full-length comparison"), flush=True)
-    pools = {name: WorkerPool(args.world_size, backend=backend, timeout=24 * 3600, group_timeout=1800)
-             for name in configs}
+    print(
+        f"Training {args.model} on {args.dataset} ({limit_train or 'all'} training samples, {epochs} epochs) with "
+        f"{', '.join(configs)}: {args.world_size} processes each, taking turns every {args.block_steps} steps"
+        + ("" if args.full else "; --full for the full-length comparison"),
+        flush=True,
+    )
+    pools = {
+        name: WorkerPool(args.world_size, backend=backend, timeout=24 * 3600, group_timeout=1800) for name in configs
+    }
     started = time.monotonic()
     try:
         built = {name: pools[name].run(build, config, name.ljust(width))[0] for name, config in configs.items()}
@@ -202,9 +256,11 @@ def main() -> None:
             load.sample()
             record = result["epoch"]
             if record:
-                print(f"[{time.monotonic() - started:7.0f}s] {name:{width}s} epoch {record['epoch'] + 1}/{epochs}: "
-                      f"test accuracy {100 * record['test_accuracy']:.2f}%, {record['epoch_time_s']:.1f}s",
-                      flush=True)
+                print(
+                    f"[{time.monotonic() - started:7.0f}s] {name:{width}s} epoch {record['epoch'] + 1}/{epochs}: "
+                    f"test accuracy {100 * record['test_accuracy']:.2f}%, {record['epoch_time_s']:.1f}s",
+                    flush=True,
+                )
             return result
 
         # Short blocks in turn, not whole epochs: a slow spell of the machine then falls on both
@@ -224,42 +280,66 @@ def main() -> None:
     for name, config in configs.items():
         history = epochs_by_name[name]
         batch_norm = built[name]["batch_norm"]  # what ran, which need not be what was asked for
-        records.append(TrainingRecord(
-            candidate=name, impl=config.impl, sync_bn=batch_norm != "BatchNorm", batch_norm=batch_norm,
-            world_size=args.world_size, notes=built[name]["notes"], global_batch=built[name]["global_batch"],
-            optimizer_steps=built[name]["total_steps"], epochs=history,
-            final_test_accuracy=history[-1]["test_accuracy"], final_test_loss=history[-1]["test_loss"],
-            median_epoch_time_s=common.median(r["epoch_time_s"] for r in history),
-            peak_rss_bytes=finals[name]["peak_rss_bytes"],
-            loss_curve=finals[name]["losses"],
-            block_times_s=[b["seconds"] for b in blocks[name]], block_steps=[b["steps"] for b in blocks[name]],
-        ))
+        records.append(
+            TrainingRecord(
+                candidate=name,
+                impl=config.impl,
+                sync_bn=batch_norm != "BatchNorm",
+                batch_norm=batch_norm,
+                world_size=args.world_size,
+                notes=built[name]["notes"],
+                global_batch=built[name]["global_batch"],
+                optimizer_steps=built[name]["total_steps"],
+                epochs=history,
+                final_test_accuracy=history[-1]["test_accuracy"],
+                final_test_loss=history[-1]["test_loss"],
+                median_epoch_time_s=common.median(r["epoch_time_s"] for r in history),
+                peak_rss_bytes=finals[name]["peak_rss_bytes"],
+                loss_curve=finals[name]["losses"],
+                block_times_s=[b["seconds"] for b in blocks[name]],
+                block_steps=[b["steps"] for b in blocks[name]],
+            )
+        )
     by_name = {record.candidate: record for record in records}
 
     def compare(name: str) -> dict:
         mine, theirs = by_name[name], by_name["torch"]
-        return {"accuracy_difference_pp": 100 * (mine.final_test_accuracy - theirs.final_test_accuracy),
-                "epoch_time_ratio": mine.median_epoch_time_s / theirs.median_epoch_time_s,
-                "time_ratio": common.ratio_spread(paired_ratios(blocks[name], blocks["torch"])),
-                "memory_ratio": mine.peak_rss_bytes / theirs.peak_rss_bytes}
+        return {
+            "accuracy_difference_pp": 100 * (mine.final_test_accuracy - theirs.final_test_accuracy),
+            "epoch_time_ratio": mine.median_epoch_time_s / theirs.median_epoch_time_s,
+            "time_ratio": common.ratio_spread(paired_ratios(blocks[name], blocks["torch"])),
+            "memory_ratio": mine.peak_rss_bytes / theirs.peak_rss_bytes,
+        }
 
     # The headline: ddpkit against torch on the same BatchNorm; ddpkit's SyncBatchNorm (CPU) beside it.
     summary = {"batch_norm": by_name["ddpkit"].batch_norm, **compare("ddpkit"), "machine_load": machine_load}
     if "ddpkit_sync_bn" in by_name:
         summary["ddpkit_sync_bn_vs_torch"] = compare("ddpkit_sync_bn")
     path = common.write_results(
-        args.output, backend=backend, device_type="cuda" if torch.cuda.is_available() else "cpu",
-        settings={**{k: v for k, v in dataclasses.asdict(configs["ddpkit"]).items()
-                     if k not in ("impl", "sync_bn", "out_dir", "progress")},
-                  "world_size": args.world_size, "threads_per_process": pools["ddpkit"].threads,
-                  "candidates": {r.candidate: {"impl": r.impl, "sync_bn": r.sync_bn, "batch_norm": r.batch_norm}
-                                 for r in records},
-                  "headline": "ddpkit against torch, both with the same BatchNorm",
-                  "block_steps": args.block_steps,
-                  "interleaving": "the pipelines take turns every block_steps optimizer steps (none across an "
-                                  "epoch's end), order rotating; time_ratio: the median of the blocks' time "
-                                  "ratios, the first block left out, with its confidence interval"},
-        records=records, summary=summary, directory=results_dir)
+        args.output,
+        backend=backend,
+        device_type="cuda" if torch.cuda.is_available() else "cpu",
+        settings={
+            **{
+                k: v
+                for k, v in dataclasses.asdict(configs["ddpkit"]).items()
+                if k not in ("impl", "sync_bn", "out_dir", "progress")
+            },
+            "world_size": args.world_size,
+            "threads_per_process": pools["ddpkit"].threads,
+            "candidates": {
+                r.candidate: {"impl": r.impl, "sync_bn": r.sync_bn, "batch_norm": r.batch_norm} for r in records
+            },
+            "headline": "ddpkit against torch, both with the same BatchNorm",
+            "block_steps": args.block_steps,
+            "interleaving": "the pipelines take turns every block_steps optimizer steps (none across an "
+            "epoch's end), order rotating; time_ratio: the median of the blocks' time "
+            "ratios, the first block left out, with its confidence interval",
+        },
+        records=records,
+        summary=summary,
+        directory=results_dir,
+    )
     print()
     print_comparison(records, by_name, summary)
     for note in sorted({note for record in records for note in record.notes}):
@@ -278,32 +358,51 @@ def print_comparison(records: list[TrainingRecord], by_name: dict, summary: dict
     ratios = {"ddpkit": summary["time_ratio"]}
     if "ddpkit_sync_bn_vs_torch" in summary:
         ratios["ddpkit_sync_bn"] = summary["ddpkit_sync_bn_vs_torch"]["time_ratio"]
-    rows = [{
-        "pipeline": r.candidate,
-        "accuracy": f"{100 * r.final_test_accuracy:.2f} %",
-        "accuracy_vs_torch": f"{100 * (r.final_test_accuracy - base.final_test_accuracy):+.2f} pp",
-        "epoch_time": r.median_epoch_time_s,
-        "time_vs_torch": (f"{ratios[r.candidate]['median']:.3f}x [{ratios[r.candidate]['low']:.3f}, "
-                          f"{ratios[r.candidate]['high']:.3f}]") if r.candidate in ratios else "",
-        "memory": r.peak_rss_bytes,
-        "memory_vs_torch": r.peak_rss_bytes / base.peak_rss_bytes,
-    } for r in records]
-    common.print_table(rows, list(rows[0]), align_left={"pipeline"},
-                       headers={"accuracy": "accuracy", "accuracy_vs_torch": "vs torch", "epoch_time": "epoch time",
-                                "time_vs_torch": "time vs torch [95% CI]", "memory": "peak memory",
-                                "memory_vs_torch": "vs torch"},
-                       formats={"epoch_time": lambda v: f"{v:.1f} s", "memory": common.mebibytes,
-                                "memory_vs_torch": common.times})
+    rows = [
+        {
+            "pipeline": r.candidate,
+            "accuracy": f"{100 * r.final_test_accuracy:.2f} %",
+            "accuracy_vs_torch": f"{100 * (r.final_test_accuracy - base.final_test_accuracy):+.2f} pp",
+            "epoch_time": r.median_epoch_time_s,
+            "time_vs_torch": (
+                f"{ratios[r.candidate]['median']:.3f}x [{ratios[r.candidate]['low']:.3f}, "
+                f"{ratios[r.candidate]['high']:.3f}]"
+            )
+            if r.candidate in ratios
+            else "",
+            "memory": r.peak_rss_bytes,
+            "memory_vs_torch": r.peak_rss_bytes / base.peak_rss_bytes,
+        }
+        for r in records
+    ]
+    common.print_table(
+        rows,
+        list(rows[0]),
+        align_left={"pipeline"},
+        headers={
+            "accuracy": "accuracy",
+            "accuracy_vs_torch": "vs torch",
+            "epoch_time": "epoch time",
+            "time_vs_torch": "time vs torch [95% CI]",
+            "memory": "peak memory",
+            "memory_vs_torch": "vs torch",
+        },
+        formats={"epoch_time": lambda v: f"{v:.1f} s", "memory": common.mebibytes, "memory_vs_torch": common.times},
+    )
     for r in records:
         print(f"  {r.candidate}: {r.label}")
-    print("accuracy: on the test set after the last epoch; epoch time: training only, median over the epochs\n"
-          "time vs torch: the median ratio of the blocks of steps both ran one after the other, and its 95% CI")
+    print(
+        "accuracy: on the test set after the last epoch; epoch time: training only, median over the epochs\n"
+        "time vs torch: the median ratio of the blocks of steps both ran one after the other, and its 95% CI"
+    )
     like, spread = by_name["ddpkit"], summary["time_ratio"]
-    print(f"headline, like for like: {like.label} against {base.label}:\n"
-          f"  training time {common.spread_text(spread)}: {common.verdict(spread, 'ddpkit', 'torch')}\n"
-          f"  final accuracy "
-          f"{100 * (like.final_test_accuracy - base.final_test_accuracy):+.2f} pp, peak memory "
-          f"{like.peak_rss_bytes / base.peak_rss_bytes:.3f}x (below 1x: ddpkit takes less)")
+    print(
+        f"headline, like for like: {like.label} against {base.label}:\n"
+        f"  training time {common.spread_text(spread)}: {common.verdict(spread, 'ddpkit', 'torch')}\n"
+        f"  final accuracy "
+        f"{100 * (like.final_test_accuracy - base.final_test_accuracy):+.2f} pp, peak memory "
+        f"{like.peak_rss_bytes / base.peak_rss_bytes:.3f}x (below 1x: ddpkit takes less)"
+    )
     print(common.load_text(summary["machine_load"]))
 
 
@@ -311,6 +410,7 @@ def plot(document: dict, path: Path) -> Path:
     """Loss curves, test accuracy per epoch, epoch time (median, min-max whiskers) and peak memory of
     every pipeline, as a PNG; each pipeline is labelled with the DDP and the BatchNorm it ran."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
@@ -323,10 +423,15 @@ def plot(document: dict, path: Path) -> Path:
     for record, label, color in zip(records, labels, colors):
         losses = record.loss_curve
         window = max(1, len(losses) // 100)
-        smooth = [statistics.fmean(losses[i:i + window]) for i in range(0, len(losses) - window + 1, window)]
+        smooth = [statistics.fmean(losses[i : i + window]) for i in range(0, len(losses) - window + 1, window)]
         loss_axis.plot([i * window for i in range(len(smooth))], smooth, color=color, label=label)
-        accuracy_axis.plot([e["epoch"] + 1 for e in record.epochs], [100 * e["test_accuracy"] for e in record.epochs],
-                           marker="o", color=color, label=label)
+        accuracy_axis.plot(
+            [e["epoch"] + 1 for e in record.epochs],
+            [100 * e["test_accuracy"] for e in record.epochs],
+            marker="o",
+            color=color,
+            label=label,
+        )
     loss_axis.set(xlabel="optimizer step", ylabel="training loss (rank 0, smoothed)")
     # The accuracies differ by tenths of a point: the axis is zoomed to where they are, and says so.
     lowest = min(100 * e["test_accuracy"] for r in records for e in r.epochs)
@@ -336,9 +441,16 @@ def plot(document: dict, path: Path) -> Path:
     accuracy_axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     short = [label.replace(", ", "\n") for label in labels]
     medians = [r.median_epoch_time_s for r in records]
-    time_axis.bar(short, medians, color=colors,
-                  yerr=[[m - min(r.epoch_times_s) for m, r in zip(medians, records)],
-                        [max(r.epoch_times_s) - m for m, r in zip(medians, records)]], capsize=6)
+    time_axis.bar(
+        short,
+        medians,
+        color=colors,
+        yerr=[
+            [m - min(r.epoch_times_s) for m, r in zip(medians, records)],
+            [max(r.epoch_times_s) - m for m, r in zip(medians, records)],
+        ],
+        capsize=6,
+    )
     time_axis.set(ylabel=f"epoch time (s): median, min-max of {len(records[0].epochs)}")
     memory_axis.bar(short, [r.peak_rss_bytes / 2**20 for r in records], color=colors)
     memory_axis.set(ylabel="peak memory, max over ranks (MiB)")
@@ -351,11 +463,13 @@ def plot(document: dict, path: Path) -> Path:
     environment = document["environment"]
     commit = str(environment["git_commit"])
     commit = commit[:10] + (" (uncommitted changes)" if commit.endswith("-dirty") else "")
-    fig.suptitle(f"{settings['dataset']}, {settings['model']}: {settings['world_size']} processes, "
-                 f"{settings['epochs']} epochs on {settings.get('limit_train') or 'all'} training samples, "
-                 f"accumulation {settings['accumulation_steps']}; ddpkit against torch with the same BatchNorm "
-                 f"({environment['device_type']}, commit {commit}, "
-                 f"{environment['date'][:10]})")
+    fig.suptitle(
+        f"{settings['dataset']}, {settings['model']}: {settings['world_size']} processes, "
+        f"{settings['epochs']} epochs on {settings.get('limit_train') or 'all'} training samples, "
+        f"accumulation {settings['accumulation_steps']}; ddpkit against torch with the same BatchNorm "
+        f"({environment['device_type']}, commit {commit}, "
+        f"{environment['date'][:10]})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

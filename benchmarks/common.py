@@ -23,8 +23,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Hashable, Iterable, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Any, TypeVar
 
 import torch
 
@@ -60,16 +61,30 @@ def _cpu_model() -> str:
 MEASUREMENT_OUTPUTS = ("benchmarks/results", "notebooks/report.ipynb")
 
 
-def _git_commit() -> Optional[str]:
+def _git_commit() -> str | None:
     """HEAD, with "-dirty" when tracked files other than MEASUREMENT_OUTPUTS have uncommitted changes."""
     if os.environ.get("DDPKIT_GIT_COMMIT"):  # a copy of the tree without .git (the GPU machine)
         return os.environ["DDPKIT_GIT_COMMIT"]
     try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no", "--",
-                                ".", *(f":(exclude){path}" for path in MEASUREMENT_OUTPUTS)],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(REPO_ROOT),
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                *(f":(exclude){path}" for path in MEASUREMENT_OUTPUTS),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -80,8 +95,12 @@ def environment(backend: str, device_type: str) -> dict:
     gpu = {}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        gpu = {"gpu_name": props.name, "gpu_count": torch.cuda.device_count(),
-               "cuda_version": torch.version.cuda, "gpu_driver": _nvidia_driver()}
+        gpu = {
+            "gpu_name": props.name,
+            "gpu_count": torch.cuda.device_count(),
+            "cuda_version": torch.version.cuda,
+            "gpu_driver": _nvidia_driver(),
+        }
     return {
         "command": " ".join(shlex.quote(arg) for arg in [Path(sys.executable).name, *sys.argv]),
         "git_commit": _git_commit(),
@@ -97,16 +116,33 @@ def environment(backend: str, device_type: str) -> dict:
     }
 
 
-def _nvidia_driver() -> Optional[str]:
+def _nvidia_driver() -> str | None:
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=10).stdout.strip().splitlines()[0]
+        return (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+            .stdout.strip()
+            .splitlines()[0]
+        )
     except (OSError, subprocess.SubprocessError, IndexError):
         return None
 
 
-def write_results(name: str, *, backend: str, device_type: str, settings: dict, records: Sequence[Record],
-                  summary: Optional[dict] = None, quick: bool = False, directory: Optional[Path] = None) -> Path:
+def write_results(
+    name: str,
+    *,
+    backend: str,
+    device_type: str,
+    settings: dict,
+    records: Sequence[Record],
+    summary: dict | None = None,
+    quick: bool = False,
+    directory: Path | None = None,
+) -> Path:
     """Writes ``<directory>/<name>.json`` atomically and returns its path; the directory is
     ``results_dir(quick)`` unless given."""
     directory = Path(directory) if directory is not None else results_dir(quick)
@@ -127,8 +163,9 @@ Name = TypeVar("Name", bound=Hashable)
 Result = TypeVar("Result")
 
 
-def interleave(names: Sequence[Name], reps: int, measure_one: Callable[[Name], Result], *,
-               warmup: int = 0) -> dict[Name, list[Result]]:
+def interleave(
+    names: Sequence[Name], reps: int, measure_one: Callable[[Name], Result], *, warmup: int = 0
+) -> dict[Name, list[Result]]:
     """``measure_one(name)`` for every name in each of ``warmup + reps`` repetitions; name -> its results.
 
     Repetition ``rep`` runs the names rotated by ``rep`` (``names[rep % n:] + names[:rep % n]``), so
@@ -185,8 +222,15 @@ def ratio_spread(ratios: Iterable[float], confidence: float = 0.95) -> dict:
     ratios = list(ratios)
     low, high = median_interval(ratios, confidence)
     p25, _, p75 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-    return {"median": statistics.median(ratios), "low": low, "high": high, "confidence": confidence,
-            "p25": p25, "p75": p75, "pairs": len(ratios)}
+    return {
+        "median": statistics.median(ratios),
+        "low": low,
+        "high": high,
+        "confidence": confidence,
+        "p25": p25,
+        "p75": p75,
+        "pairs": len(ratios),
+    }
 
 
 def spread_text(spread: dict) -> str:
@@ -194,8 +238,10 @@ def spread_text(spread: dict) -> str:
     pairs = f"{spread['pairs']} pair{'' if spread['pairs'] == 1 else 's'}"
     if spread["pairs"] < MIN_PAIRS:
         return f"{spread['median']:.3f}x ({pairs}, no interval)"
-    return (f"{spread['median']:.3f}x ({100 * spread['confidence']:.0f}% CI {spread['low']:.3f}-{spread['high']:.3f}, "
-            f"{pairs})")
+    return (
+        f"{spread['median']:.3f}x ({100 * spread['confidence']:.0f}% CI {spread['low']:.3f}-{spread['high']:.3f}, "
+        f"{pairs})"
+    )
 
 
 MIN_PAIRS = 6  # fewer values than this have no 95% interval of their median, only their range
@@ -210,7 +256,7 @@ def verdict(spread: dict, faster: str, slower: str) -> str:
     return f"{faster} faster" if spread["high"] < 1.0 else f"{faster} slower"
 
 
-def _cpu_jiffies() -> Optional[tuple[int, int, int]]:
+def _cpu_jiffies() -> tuple[int, int, int] | None:
     """The machine's (total, busy, steal) CPU time since boot, in clock ticks (/proc/stat)."""
     try:
         fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
@@ -228,7 +274,7 @@ def _own_jiffies() -> int:
             text = stat.read_text()
         except OSError:
             continue
-        fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces
+        fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
         pid = int(stat.parent.name)
         parents[pid], times[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
     mine, frontier = {os.getpid()}, [os.getpid()]
@@ -252,7 +298,7 @@ class MachineLoad:
     STEAL_LIMIT = 0.05
 
     def __init__(self) -> None:
-        self._start: Optional[tuple] = None
+        self._start: tuple | None = None
         self.load_averages: list[float] = []
 
     def start(self) -> None:
@@ -268,16 +314,22 @@ class MachineLoad:
     def stop(self) -> dict:
         self.sample()
         machine, own = _cpu_jiffies(), _own_jiffies()
-        result: dict = {"cpus": os.cpu_count(), "load_average_1m_max": max(self.load_averages, default=None),
-                        "others_cpu_fraction": None, "steal_fraction": None}
+        result: dict = {
+            "cpus": os.cpu_count(),
+            "load_average_1m_max": max(self.load_averages, default=None),
+            "others_cpu_fraction": None,
+            "steal_fraction": None,
+        }
         if self._start and self._start[0] and machine:
             total = machine[0] - self._start[0][0]
             if total > 0:
                 others = (machine[1] - self._start[0][1]) - (own - self._start[1])
                 result["others_cpu_fraction"] = max(0.0, others / total)
                 result["steal_fraction"] = (machine[2] - self._start[0][2]) / total
-        result["loaded"] = bool((result["others_cpu_fraction"] or 0) > self.OTHERS_LIMIT
-                                or (result["steal_fraction"] or 0) > self.STEAL_LIMIT)
+        result["loaded"] = bool(
+            (result["others_cpu_fraction"] or 0) > self.OTHERS_LIMIT
+            or (result["steal_fraction"] or 0) > self.STEAL_LIMIT
+        )
         return result
 
 
@@ -286,8 +338,10 @@ def load_text(load: dict) -> str:
     others, steal = load.get("others_cpu_fraction"), load.get("steal_fraction")
     if others is None:
         return "machine load: not measured (no /proc/stat)"
-    text = (f"other processes used {100 * others:.0f}% of the {load['cpus']} CPUs, steal {100 * steal:.0f}%, "
-            f"load average up to {load['load_average_1m_max']:.1f}")
+    text = (
+        f"other processes used {100 * others:.0f}% of the {load['cpus']} CPUs, steal {100 * steal:.0f}%, "
+        f"load average up to {load['load_average_1m_max']:.1f}"
+    )
     if load["loaded"]:
         return f"the machine was loaded: {text}; a quiet machine may give another ratio"
     return f"the machine was quiet: {text}"
@@ -301,9 +355,16 @@ def peak_rss_bytes() -> int:
 TABLE_WIDTH = 100  # a terminal's or a log's width: wider tables are printed in parts
 
 
-def print_table(rows: Sequence[Union[Mapping, Record]], columns: list[str], *,
-                headers: Optional[Mapping[str, str]] = None, formats: Optional[Mapping[str, Callable[[Any], str]]] = None,
-                align_left: Iterable[str] = (), keys: int = 1, width: int = TABLE_WIDTH) -> None:
+def print_table(
+    rows: Sequence[Mapping | Record],
+    columns: list[str],
+    *,
+    headers: Mapping[str, str] | None = None,
+    formats: Mapping[str, Callable[[Any], str]] | None = None,
+    align_left: Iterable[str] = (),
+    keys: int = 1,
+    width: int = TABLE_WIDTH,
+) -> None:
     """A plain fixed-width table on stdout, of dicts or records (a field a row lacks: blank).
 
     ``headers`` renames columns (default: the key), ``formats`` turns a column's values into text
@@ -321,8 +382,9 @@ def print_table(rows: Sequence[Union[Mapping, Record]], columns: list[str], *,
     widths = [max(len(title), *(len(c[i]) for c in cells)) if cells else len(title) for i, title in enumerate(titles)]
 
     def line(indices: Sequence[int], texts: Sequence[str]) -> str:
-        return "  ".join(texts[i].ljust(widths[i]) if columns[i] in align_left else texts[i].rjust(widths[i])
-                         for i in indices).rstrip()
+        return "  ".join(
+            texts[i].ljust(widths[i]) if columns[i] in align_left else texts[i].rjust(widths[i]) for i in indices
+        ).rstrip()
 
     def span(indices: Sequence[int]) -> int:
         return sum(widths[i] for i in indices) + 2 * (len(indices) - 1)
@@ -343,7 +405,7 @@ def print_table(rows: Sequence[Union[Mapping, Record]], columns: list[str], *,
             print(line(part, row))
 
 
-def _format(value: Any, format: Optional[Callable[[Any], str]] = None) -> str:
+def _format(value: Any, format: Callable[[Any], str] | None = None) -> str:
     if value is None:
         return ""
     if format is not None:

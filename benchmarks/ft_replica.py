@@ -31,15 +31,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 LAUNCHED = time.time()  # a (re)started worker's start, torch imported
-GRID = 2.0 ** 30
+GRID = 2.0**30
 FEATURES, HIDDEN, CLASSES, BATCH = 8, 16, 4, 16
 
 
@@ -79,7 +79,7 @@ def round_gradients(model: nn.Module) -> None:
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=2.0 ** -4, momentum=0.5)
+    return torch.optim.SGD(model.parameters(), lr=2.0**-4, momentum=0.5)
 
 
 def baseline(args) -> None:
@@ -96,10 +96,12 @@ def baseline(args) -> None:
     world_size = int(os.environ["WORLD_SIZE"])
     # torchrun's agent keeps its store across restarts: an attempt of its own keys, so that the restarted
     # job never reads the first attempt's addresses (pytorch/pytorch#135712).
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
-    dist.init_process_group("ddpkit", store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank,
-                            world_size=world_size, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    dist.init_process_group(
+        "ddpkit", store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank, world_size=world_size, timeout=timeout
+    )
     model = build_model(args.model, args.exact)
     optimizer = make_optimizer(model)
     checkpoint = Path(args.out).with_suffix(".ckpt")
@@ -130,9 +132,23 @@ def baseline(args) -> None:
             torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}, partial)
             os.replace(partial, checkpoint)
         dist.barrier()
-        log.write(json.dumps({"replica": rank, "rank": rank, "pid": os.getpid(), "step": step - 1, "committed": True,
-                              "participating": True, "participants": dist.get_world_size(), "start": started,
-                              "end": time.time(), "errored": None}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "replica": rank,
+                    "rank": rank,
+                    "pid": os.getpid(),
+                    "step": step - 1,
+                    "committed": True,
+                    "participating": True,
+                    "participants": dist.get_world_size(),
+                    "start": started,
+                    "end": time.time(),
+                    "errored": None,
+                }
+            )
+            + "\n"
+        )
     dist.destroy_process_group()
 
 
@@ -144,8 +160,9 @@ def main() -> None:
     # "dummy": torchft's ProcessGroupDummy, which communicates nothing (its all-reduce leaves each replica's
     # gradient as it is): the benchmark's floor, everything of a step but the communication
     parser.add_argument("--pg", choices=["gloo", "ddpkit", "dummy"], default="ddpkit")
-    parser.add_argument("--wrapper", choices=["torchft-ddp", "torchft-ddp-async", "ddpkit-ddp", "ddpkit-syncbn"],
-                        default="torchft-ddp")
+    parser.add_argument(
+        "--wrapper", choices=["torchft-ddp", "torchft-ddp-async", "ddpkit-ddp", "ddpkit-syncbn"], default="torchft-ddp"
+    )
     parser.add_argument("--model", choices=["tiny", "mlp8x1024"], default="tiny")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--compute", type=float, default=0.0, help="seconds of stand-in compute per step")
@@ -157,12 +174,12 @@ def main() -> None:
     if args.baseline:
         return baseline(args)
 
-    import ddpkit
     from torchft import Manager
     from torchft.ddp import DistributedDataParallel as TorchftDDP
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupDummy, ProcessGroupGloo
 
+    import ddpkit
     from ddpkit.torchft import ProcessGroupDdpkit, allreduce_hook
 
     replica = int(os.environ.get("REPLICA_GROUP_ID", "0"))
@@ -190,20 +207,32 @@ def main() -> None:
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
-    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
-                      replica_id=f"replica_{replica}", timeout=timeout, quorum_timeout=timeout * 3,
-                      connect_timeout=timeout, store_addr=addr, store_port=port, rank=rank, world_size=world_size,
-                      init_sync=False,  # every replica builds the same model from one seed
-                      # A healing replica's forward moves the shared statistics: it must run on the state it
-                      # heals to, which the manager then loads at the quorum instead of at the commit.
-                      use_async_quorum=not syncbn,
-                      # the address its peers reach its manager at (a simulated host's name resolves nowhere)
-                      hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()))
+    manager = Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"replica_{replica}",
+        timeout=timeout,
+        quorum_timeout=timeout * 3,
+        connect_timeout=timeout,
+        store_addr=addr,
+        store_port=port,
+        rank=rank,
+        world_size=world_size,
+        init_sync=False,  # every replica builds the same model from one seed
+        # A healing replica's forward moves the shared statistics: it must run on the state it
+        # heals to, which the manager then loads at the quorum instead of at the commit.
+        use_async_quorum=not syncbn,
+        # the address its peers reach its manager at (a simulated host's name resolves nowhere)
+        hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()),
+    )
     log = open(args.records, "a", buffering=1)
     # Interpreter and imports done, manager up: a restart's own start-up ends here.
     incarnation = int(os.environ.get("FT_INCARNATION", "1"))  # which start of this replica (the harness counts)
-    log.write(json.dumps({"ready": time.time(), "replica": replica, "pid": os.getpid(), "incarnation": incarnation})
-              + "\n")
+    log.write(
+        json.dumps({"ready": time.time(), "replica": replica, "pid": os.getpid(), "incarnation": incarnation}) + "\n"
+    )
     gate = os.environ.get("FT_START_GATE")
     if gate:  # every replica heartbeating before the first quorum, so that it holds them all
         Path(f"{gate}.{replica}.{rank}").touch()
@@ -220,6 +249,7 @@ def main() -> None:
                 return hook(state, bucket)
             finally:
                 comm_seconds[0] += time.perf_counter() - started
+
         return run
 
     if args.wrapper in ("torchft-ddp", "torchft-ddp-async"):
@@ -228,8 +258,7 @@ def main() -> None:
     else:
         if syncbn:
             model = ddpkit.convert_sync_batchnorm(model, process_group=pg)
-        wrapped = ddpkit.DistributedDataParallel(model, process_group=pg, broadcast_buffers=False,
-                                                 init_sync=False)
+        wrapped = ddpkit.DistributedDataParallel(model, process_group=pg, broadcast_buffers=False, init_sync=False)
         wrapped.register_comm_hook(manager, timed(allreduce_hook))
     optim = OptimizerWrapper(manager, optimizer)
 
@@ -264,15 +293,30 @@ def main() -> None:
             with torch.no_grad():
                 for buffer, saved in zip(model.buffers(), buffers):
                     buffer.copy_(saved)
-        log.write(json.dumps({"replica": replica, "rank": rank, "pid": os.getpid(), "incarnation": incarnation,
-                              "step": step,
-                              "committed": committed, "participating": manager.is_participating(),
-                              "participants": manager.num_participants(), "start": started,
-                              "quorum": quorum, "end": time.time(), "comm_s": comm_seconds[0], "errored": repr(manager.errored()) if manager.errored() else None})
-                  + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "replica": replica,
+                    "rank": rank,
+                    "pid": os.getpid(),
+                    "incarnation": incarnation,
+                    "step": step,
+                    "committed": committed,
+                    "participating": manager.is_participating(),
+                    "participants": manager.num_participants(),
+                    "start": started,
+                    "quorum": quorum,
+                    "end": time.time(),
+                    "comm_s": comm_seconds[0],
+                    "errored": repr(manager.errored()) if manager.errored() else None,
+                }
+            )
+            + "\n"
+        )
     if args.out:
-        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": manager.current_step()},
-                   args.out)
+        torch.save(
+            {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": manager.current_step()}, args.out
+        )
     manager.shutdown(wait=False)
     pg.shutdown()
     del store
@@ -281,6 +325,7 @@ def main() -> None:
 
 
 # --- the harness: replica groups as their own processes, and the replay -----------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -295,8 +340,16 @@ class ReplicaGroups:
     ``folder/r{r}.{incarnation}.out``. ``script`` is another worker that keeps this one's protocol
     (its environment, the start gate, the stop file, one JSON line per iteration)."""
 
-    def __init__(self, folder: Path, lighthouse: str, args: list, count: int, env: Optional[dict] = None,
-                 launch: Optional[Callable[[int, list, dict], tuple]] = None, script: Optional[Path] = None):
+    def __init__(
+        self,
+        folder: Path,
+        lighthouse: str,
+        args: list,
+        count: int,
+        env: dict | None = None,
+        launch: Callable[[int, list, dict], tuple] | None = None,
+        script: Path | None = None,
+    ):
         self.folder, self.lighthouse, self.args, self.count = Path(folder), lighthouse, list(args), count
         self.script = str(script or __file__)
         self.env = env or {}
@@ -314,15 +367,33 @@ class ReplicaGroups:
 
     def start(self, replica: int) -> subprocess.Popen:
         self.incarnations[replica] += 1
-        env = {**os.environ, "REPLICA_GROUP_ID": str(replica), "FT_INCARNATION": str(self.incarnations[replica]),
-               "RANK": "0", "WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHFT_LIGHTHOUSE": self.lighthouse,
-               "OMP_NUM_THREADS": "1", **self.env}
+        env = {
+            **os.environ,
+            "REPLICA_GROUP_ID": str(replica),
+            "FT_INCARNATION": str(self.incarnations[replica]),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "TORCHFT_LIGHTHOUSE": self.lighthouse,
+            "OMP_NUM_THREADS": "1",
+            **self.env,
+        }
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         out = open(self.folder / f"r{replica}.{self.incarnations[replica]}.out", "w")
-        argv, env = self.launch(replica, [sys.executable, self.script, *self.args, "--records",
-                                          str(self.log_path(replica)), "--out", str(self.folder / f"r{replica}.pt")],
-                                env)
+        argv, env = self.launch(
+            replica,
+            [
+                sys.executable,
+                self.script,
+                *self.args,
+                "--records",
+                str(self.log_path(replica)),
+                "--out",
+                str(self.folder / f"r{replica}.pt"),
+            ],
+            env,
+        )
         process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
         self.processes[replica] = process
@@ -335,8 +406,11 @@ class ReplicaGroups:
         self.env["FT_STOP_FILE"] = str(self.stop_file)
         for replica in range(self.count):
             self.start(replica)
-        self.wait_until(lambda: all((self.folder / f"gate.{r}.0").exists() for r in range(self.count)), timeout,
-                        "every replica's manager")
+        self.wait_until(
+            lambda: all((self.folder / f"gate.{r}.0").exists() for r in range(self.count)),
+            timeout,
+            "every replica's manager",
+        )
         gate.touch()
 
     def log_path(self, replica: int) -> Path:
@@ -350,9 +424,10 @@ class ReplicaGroups:
         return [json.loads(line) for line in lines if line.endswith("}")]
 
     def output(self, replica: int) -> str:
-        return "\n".join(f"--- replica {replica}, incarnation {i}:\n" +
-                         (self.folder / f"r{replica}.{i}.out").read_text()[-3000:]
-                         for i in range(1, self.incarnations[replica] + 1))
+        return "\n".join(
+            f"--- replica {replica}, incarnation {i}:\n" + (self.folder / f"r{replica}.{i}.out").read_text()[-3000:]
+            for i in range(1, self.incarnations[replica] + 1)
+        )
 
     def signal(self, replica: int, sig: int = signal.SIGKILL) -> None:
         try:
@@ -367,11 +442,14 @@ class ReplicaGroups:
         while not condition():
             for replica, process in self.processes.items():
                 if process.poll() not in (None, 0, -signal.SIGKILL):
-                    raise RuntimeError(f"replica {replica} failed (exit status {process.returncode}) while "
-                                       f"waiting for {what}:\n{self.output(replica)}")
+                    raise RuntimeError(
+                        f"replica {replica} failed (exit status {process.returncode}) while "
+                        f"waiting for {what}:\n{self.output(replica)}"
+                    )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no {what} within {timeout} s:\n" +
-                                   "\n".join(self.output(r) for r in range(self.count)))
+                raise TimeoutError(
+                    f"no {what} within {timeout} s:\n" + "\n".join(self.output(r) for r in range(self.count))
+                )
             time.sleep(0.02)
 
     def committed(self, replica: int) -> list:
@@ -387,7 +465,7 @@ class ReplicaGroups:
             try:
                 process.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise TimeoutError(f"replica {replica} still runs after {timeout} s:\n{self.output(replica)}")
+                raise TimeoutError(f"replica {replica} still runs after {timeout} s:\n{self.output(replica)}") from None
             if process.returncode != 0:
                 raise RuntimeError(f"replica {replica} exited with {process.returncode}:\n{self.output(replica)}")
 

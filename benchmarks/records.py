@@ -1,7 +1,7 @@
 """The records of benchmarks/results/*.json, typed: one frozen dataclass per kind of record.
 
 The benchmark scripts build their records as these classes, ``common.write_results`` writes each
-one's ``to_dict()``, and the report (notebooks/report_analysis.py) reads them back with ``load_records``. A
+one's ``to_dict()``, and the report (notebooks/report_analysis) reads them back with ``load_records``. A
 record's JSON keys are its field names. A field without a default is always written (``null`` where
 it has no value); a field made by ``optional()`` is one that only some records have (a peer's
 ``library``, a SyncBatchNorm candidate that does not run at that world size): it is None when
@@ -18,7 +18,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 _LEFT_OUT_WHEN_NONE = "left_out_when_none"
 
@@ -39,14 +39,20 @@ class Record:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Record":
+    def from_dict(cls, data: dict) -> Record:
         """The record of a JSON object; raises ValueError on a key no field knows or a required one missing."""
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(data.keys() - fields.keys())
         if unknown:
             raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)} (benchmarks/records.py)")
-        missing = sorted(name for name, f in fields.items() if f.init and name not in data
-                         and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        missing = sorted(
+            name
+            for name, f in fields.items()
+            if f.init
+            and name not in data
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        )
         if missing:
             raise ValueError(f"{cls.__name__} lacks {', '.join(missing)}")
         for name, f in fields.items():
@@ -66,34 +72,36 @@ def _kind(value: str) -> Any:
 @dataclass(frozen=True, kw_only=True)
 class AllreduceTimeRecord(Record):
     """One candidate at one (world size, vector size): time per call of the slowest rank, over repetitions."""
+
     world_size: int
     numel: int
     candidate: str
     kind: str = _kind("time")
-    implementation: str                      # ddpkit, gloo, floor, mpich, deepspeed
-    algorithm: Optional[str]                 # ddpkit's algorithm argument
-    transport: Optional[str]                 # ddpkit's transport, its default resolved
-    checked: Optional[bool]                  # ddpkit's Note [Collective checks]
-    resolved_algorithm: Optional[str] = optional()  # what "auto" chose, where ddpkit can tell (process group)
-    median_s: Optional[float]                # None: not measured (see status)
-    p25_s: Optional[float]
-    p75_s: Optional[float]
+    implementation: str  # ddpkit, gloo, floor, mpich, deepspeed
+    algorithm: str | None  # ddpkit's algorithm argument
+    transport: str | None  # ddpkit's transport, its default resolved
+    checked: bool | None  # ddpkit's Note [Collective checks]
+    resolved_algorithm: str | None = optional()  # what "auto" chose, where ddpkit can tell (process group)
+    median_s: float | None  # None: not measured (see status)
+    p25_s: float | None
+    p75_s: float | None
     reps: int
-    status: str                              # "measured", or "not measured: <why>"
-    algorithm_bandwidth_GBps: Optional[float]
-    bus_bandwidth_GBps: Optional[float]      # None for the floor and at one process
-    batch: int                               # back-to-back calls per repetition
-    reps_planned: Optional[int] = optional()
-    cut_off: bool                            # fewer repetitions ran than planned (a peer's time budget; not measured)
-    warmup_s: Optional[float] = optional()   # a peer's warm-up repetition, which planned its repetitions
-    library: Optional[str] = optional()      # a peer's library version
-    reps_sharing_a_cpu: Optional[int] = optional()  # in-process: repetitions begun with ranks doubled up on a CPU
-    max_abs_error_of_mean: Optional[float]
+    status: str  # "measured", or "not measured: <why>"
+    algorithm_bandwidth_GBps: float | None
+    bus_bandwidth_GBps: float | None  # None for the floor and at one process
+    batch: int  # back-to-back calls per repetition
+    reps_planned: int | None = optional()
+    cut_off: bool  # fewer repetitions ran than planned (a peer's time budget; not measured)
+    warmup_s: float | None = optional()  # a peer's warm-up repetition, which planned its repetitions
+    library: str | None = optional()  # a peer's library version
+    reps_sharing_a_cpu: int | None = optional()  # in-process: repetitions begun with ranks doubled up on a CPU
+    max_abs_error_of_mean: float | None
 
 
 @dataclass(frozen=True, kw_only=True)
 class AllreduceMemoryRecord(Record):
     """Peak resident-set increase of one warm all-reduce, the maximum over ranks."""
+
     world_size: int
     numel: int
     candidate: str
@@ -108,6 +116,7 @@ class AllreduceMemoryRecord(Record):
 @dataclass(frozen=True, kw_only=True)
 class CollectiveRecord(Record):
     """One collective through one candidate (gloo, the "ddpkit" backend, ddpkit's own function)."""
+
     kind: str = _kind("collective")
     collective: str
     candidate: str
@@ -124,6 +133,7 @@ class CollectiveRecord(Record):
 @dataclass(frozen=True, kw_only=True)
 class LayerRecord(Record):
     """One all-reduce through one layer of the torch.distributed stack."""
+
     kind: str = _kind("layers")
     layer: str
     world_size: int
@@ -138,7 +148,8 @@ class LayerRecord(Record):
 @dataclass(frozen=True, kw_only=True)
 class DdpRecord(Record):
     """One DDP candidate on one (model, accumulation): step time and peak memory."""
-    kind: Optional[Literal["ddp"]] = optional()  # only in backend.json, beside its other kinds
+
+    kind: Literal["ddp"] | None = optional()  # only in backend.json, beside its other kinds
     world_size: int
     model: str
     batch_per_rank: int
@@ -146,18 +157,18 @@ class DdpRecord(Record):
     candidate: str
     # The candidate's settings (bench_ddp.run_config's ``candidates``).
     impl: str
-    algorithm: Optional[str] = optional()
-    backend: Optional[str] = optional()
-    env: Optional[dict] = optional()
+    algorithm: str | None = optional()
+    backend: str | None = optional()
+    env: dict | None = optional()
     median_step_s: float
     p25_step_s: float
     p75_step_s: float
     steps_timed: int
     peak_memory_bytes: int
-    reducer_stats: Optional[dict]
+    reducer_stats: dict | None
     # Named after run_config's reference candidate: torch (bench_ddp.py), torch_gloo (bench_backend.py).
-    max_param_diff_vs_torch_after_2_steps: Optional[float] = optional()
-    max_param_diff_vs_torch_gloo_after_2_steps: Optional[float] = optional()
+    max_param_diff_vs_torch_after_2_steps: float | None = optional()
+    max_param_diff_vs_torch_gloo_after_2_steps: float | None = optional()
 
 
 # -- bench_syncbn.py: syncbn.json, syncbn_cuda.json -------------------------------------------------------
@@ -167,6 +178,7 @@ class DdpRecord(Record):
 class SyncBatchNormRecord(Record):
     """One input shape at one world size. Per candidate (bench_syncbn.py's settings.candidates, present
     where it ran): ``t_<name>`` the median step time, ``alloc_<name>`` and ``rss_<name>`` its memory."""
+
     world_size: int
     shape: list[int]
     features: int
@@ -175,39 +187,39 @@ class SyncBatchNormRecord(Record):
     threads_per_rank: int
     kernels: str
     repetitions: int
-    steps_per_repetition: Optional[int] = optional()  # timed back to back in one repetition (absent: 1)
-    t_ddpkit: Optional[float] = optional()
-    t_ddpkit_pg: Optional[float] = optional()
-    t_ddpkit_unchecked: Optional[float] = optional()
-    t_torch_bn_local: Optional[float] = optional()
-    t_torch_syncbn: Optional[float] = optional()
-    t_ddpkit_local: Optional[float] = optional()
-    t_gloo_two_all_reduces: Optional[float] = optional()
-    t_torch_emulated: Optional[float] = optional()
-    alloc_ddpkit: Optional[int] = optional()
-    rss_ddpkit: Optional[int] = optional()
-    alloc_ddpkit_pg: Optional[int] = optional()
-    rss_ddpkit_pg: Optional[int] = optional()
-    alloc_ddpkit_unchecked: Optional[int] = optional()
-    rss_ddpkit_unchecked: Optional[int] = optional()
-    alloc_torch_bn_local: Optional[int] = optional()
-    rss_torch_bn_local: Optional[int] = optional()
-    alloc_torch_syncbn: Optional[int] = optional()
-    rss_torch_syncbn: Optional[int] = optional()
-    t_floor: Optional[float] = optional()    # CPU, world size > 1: torch BatchNorm + two gloo all-reduces
+    steps_per_repetition: int | None = optional()  # timed back to back in one repetition (absent: 1)
+    t_ddpkit: float | None = optional()
+    t_ddpkit_pg: float | None = optional()
+    t_ddpkit_unchecked: float | None = optional()
+    t_torch_bn_local: float | None = optional()
+    t_torch_syncbn: float | None = optional()
+    t_ddpkit_local: float | None = optional()
+    t_gloo_two_all_reduces: float | None = optional()
+    t_torch_emulated: float | None = optional()
+    alloc_ddpkit: int | None = optional()
+    rss_ddpkit: int | None = optional()
+    alloc_ddpkit_pg: int | None = optional()
+    rss_ddpkit_pg: int | None = optional()
+    alloc_ddpkit_unchecked: int | None = optional()
+    rss_ddpkit_unchecked: int | None = optional()
+    alloc_torch_bn_local: int | None = optional()
+    rss_torch_bn_local: int | None = optional()
+    alloc_torch_syncbn: int | None = optional()
+    rss_torch_syncbn: int | None = optional()
+    t_floor: float | None = optional()  # CPU, world size > 1: torch BatchNorm + two gloo all-reduces
     # ddpkit against the baseline (bench_syncbn.summarize): torch.nn.SyncBatchNorm on CUDA; on CPU torch's
     # BatchNorm on the local batch alone (files without steps_per_repetition divided by t_floor instead)
     ratio: float
-    ratio_pg: Optional[float] = optional()
-    ratio_unchecked: Optional[float] = optional()
-    ratio_emulated: Optional[float] = optional()
-    ratio_local_compute: Optional[float] = optional()
-    ratio_pg_vs_emulated: Optional[float] = optional()
-    ratio_floor: Optional[float] = optional()  # CPU, world size > 1: t_ddpkit / t_floor
+    ratio_pg: float | None = optional()
+    ratio_unchecked: float | None = optional()
+    ratio_emulated: float | None = optional()
+    ratio_local_compute: float | None = optional()
+    ratio_pg_vs_emulated: float | None = optional()
+    ratio_floor: float | None = optional()  # CPU, world size > 1: t_ddpkit / t_floor
     # The 95% interval of `ratio`'s median over the repetitions' paired ratios (common.ratio_spread);
     # absent in files written before it was recorded.
-    ratio_low: Optional[float] = optional()
-    ratio_high: Optional[float] = optional()
+    ratio_low: float | None = optional()
+    ratio_high: float | None = optional()
     alloc_extra: int
     alloc_extra_per_channel: float
 
@@ -225,23 +237,24 @@ class TrainingRecord(Record):
     it was asked for) beside a note that it ran plain BatchNorm: ``synchronized`` and ``label`` read
     both kinds right.
     """
+
     candidate: str
     impl: str
     sync_bn: bool
-    batch_norm: Optional[str] = optional()
+    batch_norm: str | None = optional()
     world_size: int
     notes: list[str]
     global_batch: int
     optimizer_steps: int
-    epochs: list[dict]                       # ddpkit.training.Trainer.train_epoch's records, one per epoch
+    epochs: list[dict]  # ddpkit.training.Trainer.train_epoch's records, one per epoch
     final_test_accuracy: float
     final_test_loss: float
     median_epoch_time_s: float
     peak_rss_bytes: int
-    loss_curve: list[float]                  # rank 0's loss at every optimizer step (its last micro-batch)
+    loss_curve: list[float]  # rank 0's loss at every optimizer step (its last micro-batch)
     # The timed blocks in the order run (absent before they were): training seconds, optimizer steps.
-    block_times_s: Optional[list[float]] = optional()
-    block_steps: Optional[list[int]] = optional()
+    block_times_s: list[float] | None = optional()
+    block_steps: list[int] | None = optional()
 
     @property
     def synchronized(self) -> bool:
@@ -268,38 +281,40 @@ class TrainingRecord(Record):
 @dataclass(frozen=True, kw_only=True)
 class MultihostRecord(Record):
     """One all-reduce candidate across simulated hosts at one size: time per call of the slowest rank."""
+
     kind: str = _kind("multihost_all_reduce")
-    topology: str                 # "2x2": hosts x ranks per host
-    link: str                     # "unshaped", or the tbf rate ("1gbit")
+    topology: str  # "2x2": hosts x ranks per host
+    link: str  # "unshaped", or the tbf rate ("1gbit")
     numel: int
-    candidate: str                # ddpkit, ddpkit_flat, ddpkit_backend, gloo; ddpkit_<algorithm> by name
+    candidate: str  # ddpkit, ddpkit_flat, ddpkit_backend, gloo; ddpkit_<algorithm> by name
     median_s: float
     p25_s: float
     p75_s: float
     reps: int
-    batch: int                    # back-to-back calls per repetition
+    batch: int  # back-to-back calls per repetition
     ratio_to_gloo: float
     # The CPU the ranks spent per call, summed over them (all run on this machine), and its share of
     # the machine's CPUs over the slowest rank's time (near 1: bound by the shared CPUs, not the link).
     # Files before these fields lack them.
-    all_ranks_cpu_s: Optional[float] = optional()
-    cpu_busy: Optional[float] = optional()
+    all_ranks_cpu_s: float | None = optional()
+    cpu_busy: float | None = optional()
     # 2(N-1)/N of the bytes per host link (N hosts) over the time, and its fraction of the link's
     # rate where tbf shapes it (None unshaped). Files before these fields lack them.
-    bus_bandwidth_GBps: Optional[float] = optional()
-    link_fraction: Optional[float] = optional()
+    bus_bandwidth_GBps: float | None = optional()
+    link_fraction: float | None = optional()
 
 
 @dataclass(frozen=True, kw_only=True)
 class MultihostCollectiveRecord(Record):
     """One candidate of another collective across simulated hosts at one size (the whole tensor: the
     broadcast's and the reduce's, the all-gather's output, the reduce-scatter's input)."""
+
     kind: str = _kind("multihost_collective")
-    collective: str               # broadcast, reduce, all_gather, reduce_scatter
+    collective: str  # broadcast, reduce, all_gather, reduce_scatter
     topology: str
     link: str
     numel: int
-    candidate: str                # ddpkit, ddpkit_flat, ddpkit_backend, gloo
+    candidate: str  # ddpkit, ddpkit_flat, ddpkit_backend, gloo
     median_s: float
     p25_s: float
     p75_s: float
@@ -307,24 +322,25 @@ class MultihostCollectiveRecord(Record):
     batch: int
     ratio_to_gloo: float
     # as MultihostRecord's
-    all_ranks_cpu_s: Optional[float] = optional()
-    cpu_busy: Optional[float] = optional()
+    all_ranks_cpu_s: float | None = optional()
+    cpu_busy: float | None = optional()
 
 
 @dataclass(frozen=True, kw_only=True)
 class MultihostDdpRecord(Record):
     """One DDP candidate's step across simulated hosts, slowest rank."""
+
     kind: str = _kind("multihost_ddp")
     topology: str
     link: str
-    candidate: str                # ddpkit_ddp, torch_ddp_gloo, torch_ddp_ddpkit
+    candidate: str  # ddpkit_ddp, torch_ddp_gloo, torch_ddp_ddpkit
     median_s: float
     p25_s: float
     p75_s: float
     reps: int
     ratio_to_torch_ddp_gloo: float
-    all_ranks_cpu_s: Optional[float] = optional()  # per step; as MultihostRecord's
-    cpu_busy: Optional[float] = optional()
+    all_ranks_cpu_s: float | None = optional()  # per step; as MultihostRecord's
+    cpu_busy: float | None = optional()
 
 
 # -- bench_torch_stack.py: torch_stack.json -----------------------------------------------------------
@@ -333,20 +349,21 @@ class MultihostDdpRecord(Record):
 @dataclass(frozen=True, kw_only=True)
 class TorchStackRecord(Record):
     """One workload on one candidate at one world size: step time (the slowest rank's, over repetitions)."""
+
     kind: str = _kind("torch_stack")
-    workload: str                            # fsdp2, ddp_powerSGD, ddp_fp16, tp_mlp
-    candidate: str                           # gloo, ddpkit; floor (tp_mlp: a mesh of one rank, no communication)
+    workload: str  # fsdp2, ddp_powerSGD, ddp_fp16, tp_mlp
+    candidate: str  # gloo, ddpkit; floor (tp_mlp: a mesh of one rank, no communication)
     world_size: int
-    model: str                               # e.g. "mlp 6x2048"
+    model: str  # e.g. "mlp 6x2048"
     batch_per_rank: int
     median_step_s: float
     p25_step_s: float
     p75_step_s: float
     reps: int
     steps_per_rep: int
-    max_param_diff_vs_gloo: float            # after the warm-up steps (tp_mlp: output and gradients of a step)
-    peak_rss_bytes: Optional[int] = optional()           # fsdp2: the candidate alone, max over ranks
-    peak_rss_increase_bytes: Optional[int] = optional()  # over the RSS before the model was built
+    max_param_diff_vs_gloo: float  # after the warm-up steps (tp_mlp: output and gradients of a step)
+    peak_rss_bytes: int | None = optional()  # fsdp2: the candidate alone, max over ranks
+    peak_rss_increase_bytes: int | None = optional()  # over the RSS before the model was built
 
 
 # -- bench_latency.py: latency.json ------------------------------------------------------------------------
@@ -355,12 +372,13 @@ class TorchStackRecord(Record):
 @dataclass(frozen=True, kw_only=True)
 class LatencyRecord(Record):
     """One layer of a small all-reduce's call path, looped back to back (bench_latency.STAGES)."""
+
     kind: str = _kind("latency")
-    stage: str                               # e.g. "c++ engine", "python ddpkit.all_reduce"
-    loop: str                                # where the loop runs: "c++" (no Python, no dispatcher) or "python"
+    stage: str  # e.g. "c++ engine", "python ddpkit.all_reduce"
+    loop: str  # where the loop runs: "c++" (no Python, no dispatcher) or "python"
     world_size: int
-    numel: int                               # float32 values all-reduced (0 for stages that move none)
-    median_s: float                          # per call: the slowest rank's, median over repetitions
+    numel: int  # float32 values all-reduced (0 for stages that move none)
+    median_s: float  # per call: the slowest rank's, median over repetitions
     p25_s: float
     p75_s: float
     reps: int
@@ -374,40 +392,48 @@ class LatencyRecord(Record):
 class FaultToleranceRecord(Record):
     """One measurement of a fault-tolerance candidate: "steady" (no failure) or "kill" (one replica, or
     for the torchrun baseline one rank, SIGKILLed mid-run and restarted)."""
+
     kind: str = _kind("fault_tolerance")
-    candidate: str                           # "torchft-gloo", "torchft-ddpkit", "torchft-floor", "torchrun-restart"
-    measure: str                             # "steady" or "kill"
+    candidate: str  # "torchft-gloo", "torchft-ddpkit", "torchft-floor", "torchrun-restart"
+    measure: str  # "steady" or "kill"
     repeat: int
     # the DDP wrapper: "torchft-ddp", "torchft-ddp-async" (ddpkit.torchft's) or "ddpkit-ddp" (its comm hook)
-    wrapper: Optional[str] = optional()
-    step_s: Optional[float] = optional()     # steady: median step time of the 8.4M-parameter MLP
-    comm_s: Optional[float] = optional()     # steady: median time per step in the gradient all-reduces
-    death_to_next_commit_s: Optional[float] = optional()     # kill: to the survivors' next committed step
-    restart_to_first_commit_s: Optional[float] = optional()  # kill: restart to its first committed step
-    ready_to_first_commit_s: Optional[float] = optional()  # kill: the same from its manager's start (imports done)
-    steps_lost: Optional[int] = optional()   # kill: steps a replica had committed and no longer holds
-    uncommitted_iterations: Optional[int] = optional()  # kill: survivors' iterations not committed meanwhile
-    failed: Optional[str] = optional()       # the candidate's failure, when it did not survive the kill
+    wrapper: str | None = optional()
+    step_s: float | None = optional()  # steady: median step time of the 8.4M-parameter MLP
+    comm_s: float | None = optional()  # steady: median time per step in the gradient all-reduces
+    death_to_next_commit_s: float | None = optional()  # kill: to the survivors' next committed step
+    restart_to_first_commit_s: float | None = optional()  # kill: restart to its first committed step
+    ready_to_first_commit_s: float | None = optional()  # kill: the same from its manager's start (imports done)
+    steps_lost: int | None = optional()  # kill: steps a replica had committed and no longer holds
+    uncommitted_iterations: int | None = optional()  # kill: survivors' iterations not committed meanwhile
+    failed: str | None = optional()  # the candidate's failure, when it did not survive the kill
     # kill, both the last survivor's (s after the kill): its first iteration ended and discarded after
     # the kill (the failed collective noticed), and the quorum of its next committed step (the lighthouse's part)
-    noticed_s: Optional[float] = optional()
-    next_quorum_s: Optional[float] = optional()
+    noticed_s: float | None = optional()
+    next_quorum_s: float | None = optional()
     # kill: [s after the kill at the iteration's end, replica, step, committed, participants, its quorum
     # in (s after the kill), its start (s after the kill)]
-    timeline: Optional[list] = optional()
+    timeline: list | None = optional()
 
 
 # A record with a "kind" is of the class of its kind; a record without one, of the class of its file.
-BY_KIND: dict[str, type[Record]] = {"time": AllreduceTimeRecord, "memory": AllreduceMemoryRecord,
-                                    "collective": CollectiveRecord, "layers": LayerRecord, "ddp": DdpRecord,
-                                    "multihost_all_reduce": MultihostRecord, "multihost_ddp": MultihostDdpRecord,
-                                    "multihost_collective": MultihostCollectiveRecord,
-                                    "torch_stack": TorchStackRecord, "latency": LatencyRecord,
-                                    "fault_tolerance": FaultToleranceRecord}
+BY_KIND: dict[str, type[Record]] = {
+    "time": AllreduceTimeRecord,
+    "memory": AllreduceMemoryRecord,
+    "collective": CollectiveRecord,
+    "layers": LayerRecord,
+    "ddp": DdpRecord,
+    "multihost_all_reduce": MultihostRecord,
+    "multihost_ddp": MultihostDdpRecord,
+    "multihost_collective": MultihostCollectiveRecord,
+    "torch_stack": TorchStackRecord,
+    "latency": LatencyRecord,
+    "fault_tolerance": FaultToleranceRecord,
+}
 BY_BENCHMARK: dict[str, type[Record]] = {"syncbn": SyncBatchNormRecord, "ddp": DdpRecord, "training": TrainingRecord}
 
 
-def load_records(source: Union[str, Path, dict], without_kind: Optional[type[Record]] = None) -> list[Record]:
+def load_records(source: str | Path | dict, without_kind: type[Record] | None = None) -> list[Record]:
     """The typed records of a results file, given its path or its parsed JSON document.
 
     A record without a ``kind`` is of ``without_kind``, by default of the class ``BY_BENCHMARK`` gives
@@ -428,8 +454,10 @@ def load_records(source: Union[str, Path, dict], without_kind: Optional[type[Rec
         else:
             cls = without_kind or BY_BENCHMARK.get(family)
             if cls is None:
-                raise ValueError(f"{where}, record {index}: no kind, and no record class for benchmark "
-                                 f"{document.get('benchmark')!r} (pass without_kind)")
+                raise ValueError(
+                    f"{where}, record {index}: no kind, and no record class for benchmark "
+                    f"{document.get('benchmark')!r} (pass without_kind)"
+                )
         try:
             records.append(cls.from_dict(data))
         except ValueError as error:

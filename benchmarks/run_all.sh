@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 QUICK=()
 TRAINING=(--full)  # bench_training.py's default is the short run of `make main`
-REPORT=(notebooks/report.py)
+REPORT=(-m notebooks.report)  # a module of the repository's root (see its docstring)
 if [ "${1:-}" = "--quick" ]; then
   QUICK=(--quick)  # every script then writes to benchmarks/results/quick/
   TRAINING=(--quick)

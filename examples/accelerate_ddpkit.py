@@ -42,8 +42,10 @@ reference.load_state_dict(initial)
 reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
 for step in range(STEPS):
     rows = slice(step * BATCH, (step + 1) * BATCH)
-    losses = [nn.functional.mse_loss(reference(inputs[r::world_size][rows]), targets[r::world_size][rows])
-              for r in range(world_size)]
+    losses = [
+        nn.functional.mse_loss(reference(inputs[r::world_size][rows]), targets[r::world_size][rows])
+        for r in range(world_size)
+    ]
     torch.stack(losses).mean().backward()
     reference_optimizer.step()
     reference_optimizer.zero_grad()
@@ -53,6 +55,8 @@ for p, q in zip(accelerator.unwrap_model(model).parameters(), reference.paramete
 assert dist.get_backend() == "ddpkit" and isinstance(model, nn.parallel.DistributedDataParallel)
 accelerator.wait_for_everyone()  # rank 0 speaks for all once all have checked
 if accelerator.is_main_process:
-    print(f"accelerate_ddpkit: Accelerate trained {STEPS} steps on {world_size} ranks ({dist.get_backend()} "
-          f"backend); the weights equal the one-process reference")
+    print(
+        f"accelerate_ddpkit: Accelerate trained {STEPS} steps on {world_size} ranks ({dist.get_backend()} "
+        f"backend); the weights equal the one-process reference"
+    )
 accelerator.end_training()  # destroys the process group too, though Accelerate did not create it

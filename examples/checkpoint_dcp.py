@@ -68,6 +68,8 @@ for p, q in zip(model.parameters(), restored.parameters()):
 dist.barrier()  # nobody reads the files any more
 if rank == 0:
     shutil.rmtree(directory[0])
-    print(f"checkpoint_dcp: an FSDP2 model and its AdamW state saved and loaded with DCP on {world_size} ranks "
-          f"({dist.get_backend()} backend); the restored model trains bit for bit as the original")
+    print(
+        f"checkpoint_dcp: an FSDP2 model and its AdamW state saved and loaded with DCP on {world_size} ranks "
+        f"({dist.get_backend()} backend); the restored model trains bit for bit as the original"
+    )
 dist.destroy_process_group()

@@ -42,6 +42,8 @@ dist.all_reduce(column_sums)
 torch.testing.assert_close(column_sums, torch.zeros(128), atol=1e-3, rtol=0)
 
 if rank == 0:
-    print(f"compile_functional: a functional all-reduce compiled (fullgraph, aot_eager) on {world_size} ranks "
-          f"({dist.get_backend()} backend) equals eager, bit for bit")
+    print(
+        f"compile_functional: a functional all-reduce compiled (fullgraph, aot_eager) on {world_size} ranks "
+        f"({dist.get_backend()} backend) equals eager, bit for bit"
+    )
 dist.destroy_process_group()

@@ -29,8 +29,8 @@ loss_fn = nn.CrossEntropyLoss()
 
 generator = torch.Generator().manual_seed(1 + rank)  # each rank its own data
 losses = []
-for step in range(30):
-    for micro_batch in range(4):
+for _step in range(30):
+    for _micro_batch in range(4):
         x = torch.randn(16, 20, generator=generator)
         y = (x @ teacher).argmax(1)
         loss = loss_fn(model(x), y)
@@ -46,6 +46,8 @@ rank0 = weights.clone()
 ddpkit.broadcast(rank0, src=0)
 assert torch.equal(weights, rank0)
 if rank == 0:
-    print(f"ddp_accumulation: loss {sum(losses[:5]) / 5:.3f} -> {sum(losses[-5:]) / 5:.3f} in 30 steps of "
-          f"4 x {world_size} micro-batches; the weights are identical on all {world_size} ranks")
+    print(
+        f"ddp_accumulation: loss {sum(losses[:5]) / 5:.3f} -> {sum(losses[-5:]) / 5:.3f} in 30 steps of "
+        f"4 x {world_size} micro-batches; the weights are identical on all {world_size} ranks"
+    )
 dist.destroy_process_group()

@@ -60,8 +60,10 @@ for step in range(start, STEPS):
     optimizer.zero_grad()
     if rank == 0:  # written whole, then renamed: a failure while writing leaves the old checkpoint
         checkpoint.parent.mkdir(exist_ok=True)
-        torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
-                   checkpoint.with_suffix(".tmp"))
+        torch.save(
+            {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1},
+            checkpoint.with_suffix(".tmp"),
+        )
         os.replace(checkpoint.with_suffix(".tmp"), checkpoint)
     dist.barrier()  # nobody goes on before the checkpoint of this step is on disk
 
@@ -84,6 +86,8 @@ assert (attempt, start) == (1, FAIL_AT), "the failure should cost one restart an
 dist.barrier()
 if rank == 0:
     shutil.rmtree(checkpoint.parent)
-    print(f"elastic_restart: {STEPS} steps on {world_size} ranks ({dist.get_backend()} backend), resumed at step "
-          f"{start} after a restart; the weights equal an uninterrupted run's")
+    print(
+        f"elastic_restart: {STEPS} steps on {world_size} ranks ({dist.get_backend()} backend), resumed at step "
+        f"{start} after a restart; the weights equal an uninterrupted run's"
+    )
 dist.destroy_process_group()

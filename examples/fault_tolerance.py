@@ -42,9 +42,16 @@ def main() -> None:
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
-    manager = Manager(pg=ProcessGroupDdpkit(timeout=timeout), min_replica_size=1, load_state_dict=load_state_dict,
-                      state_dict=state_dict, replica_id=f"replica_{replica}", lighthouse_addr=lighthouse,
-                      timeout=timeout, init_sync=False)
+    manager = Manager(
+        pg=ProcessGroupDdpkit(timeout=timeout),
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"replica_{replica}",
+        lighthouse_addr=lighthouse,
+        timeout=timeout,
+        init_sync=False,
+    )
     ddp_model = DistributedDataParallel(manager, model)
     optim = OptimizerWrapper(manager, optimizer)
     while manager.current_step() < STEPS:

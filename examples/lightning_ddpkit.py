@@ -46,9 +46,17 @@ class Regression(L.LightningModule):
 
 
 model = Regression()
-trainer = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy=DDPStrategy(process_group_backend="ddpkit"),
-                    max_epochs=1, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False)
+trainer = L.Trainer(
+    accelerator="cpu",
+    devices=WORLD_SIZE,
+    strategy=DDPStrategy(process_group_backend="ddpkit"),
+    max_epochs=1,
+    use_distributed_sampler=False,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
 trainer.fit(model)
 assert dist.get_backend() == "ddpkit"
 rank = dist.get_rank()
@@ -70,5 +78,7 @@ for p, q in zip(model.net.parameters(), reference.parameters()):
 
 dist.barrier()  # rank 0 speaks for both once both have checked
 if rank == 0:
-    print(f"lightning_ddpkit: Lightning's DDPStrategy trained {STEPS} steps on {WORLD_SIZE} ranks "
-          f"({dist.get_backend()} backend); the weights equal the one-process reference")
+    print(
+        f"lightning_ddpkit: Lightning's DDPStrategy trained {STEPS} steps on {WORLD_SIZE} ranks "
+        f"({dist.get_backend()} backend); the weights equal the one-process reference"
+    )

@@ -47,6 +47,8 @@ if rank == 1:
 
 dist.barrier()  # rank 0 prints only once rank 1's checks have passed too
 if rank == 0:
-    print(f"pipelining_gpipe: 2 stages x 4 micro-batches on the {dist.get_backend()} backend; the gradients equal "
-          f"the whole model's on the whole batch")
+    print(
+        f"pipelining_gpipe: 2 stages x 4 micro-batches on the {dist.get_backend()} backend; the gradients equal "
+        f"the whole model's on the whole batch"
+    )
 dist.destroy_process_group()

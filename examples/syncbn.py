@@ -17,7 +17,9 @@ ddpkit.init_distributed()
 rank, world_size = dist.get_rank(), dist.get_world_size()
 
 torch.manual_seed(0)  # the same weights and the same global batch on every rank
-model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+model = nn.Sequential(
+    nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 8, 10)
+)
 reference = copy.deepcopy(model)  # plain BatchNorm, to run on the whole batch in this process
 global_batch = torch.randn(4 * world_size, 3, 8, 8)
 
@@ -37,6 +39,8 @@ ddpkit.all_reduce(grad)
 torch.testing.assert_close(grad, reference[0].weight.grad, rtol=1e-4, atol=1e-4)
 
 if rank == 0:
-    print(f"syncbn: outputs, running statistics and gradients on {world_size} ranks equal BatchNorm on the "
-          f"global batch of {len(global_batch)}")
+    print(
+        f"syncbn: outputs, running statistics and gradients on {world_size} ranks equal BatchNorm on the "
+        f"global batch of {len(global_batch)}"
+    )
 dist.destroy_process_group()

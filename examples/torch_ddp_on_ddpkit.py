@@ -21,7 +21,7 @@ torch.manual_seed(rank)  # different weights on every rank: DDP starts them all 
 model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 generator = torch.Generator().manual_seed(100 + rank)
-for step in range(10):
+for _step in range(10):
     x = torch.randn(16, 20, generator=generator)
     loss = model(x).square().mean()
     loss.backward()  # the gradient all-reduces run on ddpkit's engine
@@ -33,6 +33,8 @@ spread = weights.clone()
 dist.all_reduce(spread, op=dist.ReduceOp.MAX)  # torch.distributed's own call, on the same backend
 assert torch.equal(spread, weights), "the replicas diverged"
 if rank == 0:
-    print(f"torch_ddp_on_ddpkit: torch DDP trained 10 steps on the {dist.get_backend()} backend; the weights are "
-          f"identical on all {world_size} ranks")
+    print(
+        f"torch_ddp_on_ddpkit: torch DDP trained 10 steps on the {dist.get_backend()} backend; the weights are "
+        f"identical on all {world_size} ranks"
+    )
 dist.destroy_process_group()

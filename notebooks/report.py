@@ -1,15 +1,17 @@
 """Builds notebooks/report.ipynb from the benchmark results and executes it headless.
 
-    python notebooks/report.py                                   # benchmarks/results -> notebooks/report.ipynb
-    python notebooks/report.py --results DIR --output PATH       # e.g. the --quick results of run_all.sh
+    python -m notebooks.report                                   # benchmarks/results -> notebooks/report.ipynb
+    python -m notebooks.report --results DIR --output PATH       # e.g. the --quick results of run_all.sh
+
+Run it from the repository's root, as a module: the analysis imports ``benchmarks.records`` as a package,
+and the notebook's kernel runs there too.
 
 The notebook reads ``<results>/*.json`` (schema: benchmarks/README.md), their records as the
 typed records of benchmarks/records.py (``r.median_s``), and torch's distributed test suite on
 both backends (docs/torch_suite.json, written by scripts/run_torch_suite.py). Every number in its
 text is computed from those files when it runs; nothing is typed in. This file holds the report's
-prose and its order; the analysis (every table, plot and computed sentence) is
-notebooks/report_analysis.py, and each code cell is one call into it. Edit those two files, not
-the .ipynb.
+prose and its order; the analysis (every table, plot and computed sentence) is the package
+notebooks/report_analysis, and each code cell is one call into it. Edit those, not the .ipynb.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-import report_analysis as analysis
+from notebooks import report_analysis as analysis
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 
-# The kernel runs in notebooks/ (see execute), so it imports the module next to this file.
+# The kernel runs in the repository's root (see execute), where both packages are.
 SETUP = """%matplotlib inline
-import report_analysis as analysis
+from notebooks import report_analysis as analysis
 R = analysis.load_results(analysis.results_folder())"""
 
 
@@ -41,7 +44,7 @@ def call(section, argument: str = "R") -> nbformat.NotebookNode:
     return nbformat.v4.new_code_cell(f"analysis.{section.__name__}({argument})")
 
 
-INTRO = r'''
+INTRO = r"""
 # ddpkit report
 
 Every figure below is read from `benchmarks/results/*.json` and was measured side by side with the
@@ -50,9 +53,9 @@ torch's own distributed test suite on both backends come from `docs/torch_suite.
 benchmarks/run_all.sh` (about 2 hours on 2 cores) measures all of them again from the checked-out
 tree and rebuilds this notebook; `bash benchmarks/run_all.sh --quick` is a smoke run of the same.
 Each section names the exact command that produced its file.
-'''
+"""
 
-ALLREDUCE_INTRO = r'''
+ALLREDUCE_INTRO = r"""
 ## 1. All-reduce
 
 ddpkit's default all-reduce (`ddpkit`: `algorithm="auto"` on ddpkit's default transport, collective checks on) and its
@@ -61,21 +64,21 @@ the memory floor (`floor`: one in-place `a.add_(b)` of the vector in one process
 (`mpich`) and DeepSpeed's CPU shared-memory all-reduce (`deepspeed`), float32 vectors on one host. A repetition
 synchronises the ranks through the candidate itself and times a batch of back-to-back calls; its time is the
 slowest rank's; the figure is the median over interleaved repetitions (method: `benchmarks/bench_allreduce.py`).
-'''
+"""
 
-SYNCBN = r'''
+SYNCBN = r"""
 ## 2. SyncBatchNorm
-'''
+"""
 
-DDP = r'''
+DDP = r"""
 ## 3. DistributedDataParallel
-'''
+"""
 
-TRAINING = r'''
+TRAINING = r"""
 ## 4. Training: ddpkit's pipeline against PyTorch's, like for like
-'''
+"""
 
-GPU = r'''
+GPU = r"""
 ## 5. On a GPU: CUDA SyncBatchNorm kernels and DDP
 
 `csrc/syncbn/cuda/` holds ddpkit's own CUDA kernels (Welford statistics, normalize + affine, the
@@ -86,9 +89,9 @@ the host and all-reduces it over shared memory (see "Device tensors on a host gr
 `csrc/comm/engine.h`). At world
 size 1 the baseline is torch's CUDA BatchNorm (cuDNN). Times by CUDA events, memory by
 `torch.cuda.max_memory_allocated`.
-'''
+"""
 
-BACKEND = r'''
+BACKEND = r"""
 ## 6. The "ddpkit" torch.distributed backend
 
 `dist.init_process_group("ddpkit")` puts torch's own collectives on ddpkit's engine (which calls go
@@ -98,9 +101,9 @@ function on that group (`ddpkit`: same engine and segment, so `backend / ddpkit`
 backend layer: torch.distributed's Python wrapper, the dispatcher, the Work object). `size` is the
 whole vector (all-reduce's tensor, all-gather's output, reduce-scatter's input), float32. Then torch's
 own `DistributedDataParallel`, unchanged, on both backends.
-'''
+"""
 
-MULTIHOST = r'''
+MULTIHOST = r"""
 ## 7. Across hosts
 
 ddpkit's all-reduce and DDP with the ranks on different hosts. The hosts are simulated on this one machine
@@ -135,9 +138,9 @@ across 2x2 on the unshaped link (8 linear layers 1024 wide, batch 8 per rank, SG
 torch's `DistributedDataParallel` on gloo (`torch_ddp_gloo`) and torch's on the "ddpkit" backend
 (`torch_ddp_ddpkit`). The command runs as root, because it makes namespaces:
 `sudo .venv/bin/python benchmarks/bench_multihost.py` (`run_all.sh` runs it when it runs as root).
-'''
+"""
 
-TORCH_STACK = r'''
+TORCH_STACK = r"""
 ## 8. torch's own stack on the ddpkit backend
 
 What torch builds on `torch.distributed`, unchanged, on the "ddpkit" backend against gloo, one host, CPU:
@@ -156,9 +159,9 @@ gloo's (`max |param diff|`). For `tp_mlp` a third candidate, `floor`, runs the s
 step without any communication, the least any backend could reach. FSDP2's memory: each candidate alone in fresh
 processes, the peak resident memory's increase over what the processes held before the model was built, the largest
 over ranks. Command: `.venv/bin/python benchmarks/bench_torch_stack.py`.
-'''
+"""
 
-FAULT_TOLERANCE = r'''
+FAULT_TOLERANCE = r"""
 ## 9. Training that survives a lost replica: torchft
 
 torchft (PyTorch's fault-tolerant training: replica groups, a lighthouse that forms a quorum every step, live
@@ -167,9 +170,9 @@ recovery of a restarted replica from a healthy one) with its CPU process group, 
 `torchrun --max-restarts` with a checkpoint every step as the baseline without torchft. The steady step runs 2
 replica groups of one rank; the kill runs 3, one of which is SIGKILLed mid-run and restarted
 ([docs/fault_tolerance.md](../docs/fault_tolerance.md)). Command: `.venv/bin/python benchmarks/bench_fault_tolerance.py`.
-'''
+"""
 
-COMMANDS = r'''
+COMMANDS = r"""
 ## 10. Reproduce
 
 From the repository, after `make main` (which sets up `.venv`):
@@ -188,9 +191,9 @@ From the repository, after `make main` (which sets up `.venv`):
 | torch's distributed test suite on gloo and on ddpkit | `.venv/bin/python scripts/run_torch_suite.py` (writes `docs/torch_suite.json`, `docs/torch_suite.md`) |
 | training comparison | `.venv/bin/python benchmarks/bench_training.py --full` (`make main`: the short run) |
 | GPU: build, CUDA tests, GPU benchmarks | `bash scripts/gpu_checks.sh build test bench` |
-| this notebook only | `.venv/bin/python notebooks/report.py` |
+| this notebook only | `.venv/bin/python -m notebooks.report` |
 | one training run | `.venv/bin/torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --accumulation-steps 2` |
-'''
+"""
 
 
 def build() -> nbformat.NotebookNode:
@@ -239,11 +242,16 @@ def build() -> nbformat.NotebookNode:
 
 
 def execute(notebook: nbformat.NotebookNode, results: Path, timeout: int = 300) -> nbformat.NotebookNode:
-    """Runs every cell in notebooks/ (relative paths resolve there); raises on the first failing cell."""
+    """Runs every cell in the repository's root (relative paths resolve there); raises on the first failing cell."""
     os.environ["DDPKIT_REPORT_RESULTS"] = str(results.resolve())
     # No timestamps in the cells' metadata: they would change the file at every run.
-    NotebookClient(notebook, timeout=timeout, kernel_name="python3", record_timing=False,
-                   resources={"metadata": {"path": str(HERE)}}).execute()
+    NotebookClient(
+        notebook,
+        timeout=timeout,
+        kernel_name="python3",
+        record_timing=False,
+        resources={"metadata": {"path": str(REPO)}},
+    ).execute()
     return notebook
 
 
@@ -262,10 +270,13 @@ def write_if_changed(notebook: nbformat.NotebookNode, path: Path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=HERE.parent / "benchmarks" / "results")
+    parser.add_argument("--results", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--output", type=Path, default=HERE / "report.ipynb")
-    parser.add_argument("--execute-only", action="store_true",
-                        help="run the existing notebook at --output instead of rebuilding it (CI)")
+    parser.add_argument(
+        "--execute-only",
+        action="store_true",
+        help="run the existing notebook at --output instead of rebuilding it (CI)",
+    )
     args = parser.parse_args()
     notebook = nbformat.read(args.output, as_version=4) if args.execute_only else build()
     execute(notebook, args.results)

@@ -68,21 +68,29 @@ def syncbn() -> None:
         print(f"=== SyncBatchNorm world size 1, shape {shape}")
         results = {}
         for name, layer in layers.items():
+
             def step(layer=layer):
                 layer(x).backward(grad)
+
             results[name] = timed(step)
         for _ in range(2):  # interleave once more: the first pass warms the clocks
             for name, layer in layers.items():
+
                 def step(layer=layer):
                     layer(x).backward(grad)
+
                 results[name] = min(results[name], timed(step))
         for name, (host, dev) in results.items():
             print(f"{name:8s} host {host * 1e6:8.1f} us/step   device {dev * 1e6:8.1f} us/step")
-        print(f"ratio ddpkit/torch: host {results['ddpkit'][0] / results['torch'][0]:.3f}, "
-              f"device {results['ddpkit'][1] / results['torch'][1]:.3f}")
+        print(
+            f"ratio ddpkit/torch: host {results['ddpkit'][0] / results['torch'][0]:.3f}, "
+            f"device {results['ddpkit'][1] / results['torch'][1]:.3f}"
+        )
         for name, layer in layers.items():
+
             def step(layer=layer):
                 layer(x).backward(grad)
+
             profiled(f"{name} {shape}", step)
 
 
@@ -97,10 +105,12 @@ def _ddp_worker(rank: int, port: int) -> None:
     for model_name, batch in [("net", 64), ("resnet18", 16)]:
         torch.manual_seed(0)
         wrapped = {
-            "ddpkit": ddpkit.DistributedDataParallel(build_model(model_name, in_channels=3, num_classes=100,
-                                                                 image_size=32).to(device)),
+            "ddpkit": ddpkit.DistributedDataParallel(
+                build_model(model_name, in_channels=3, num_classes=100, image_size=32).to(device)
+            ),
             "torch": torch.nn.parallel.DistributedDataParallel(
-                build_model(model_name, in_channels=3, num_classes=100, image_size=32).to(device), device_ids=[device]),
+                build_model(model_name, in_channels=3, num_classes=100, image_size=32).to(device), device_ids=[device]
+            ),
         }
         x = torch.randn(batch, 3, 32, 32, device=device)
         y = torch.randint(0, 100, (batch,), device=device)
@@ -108,9 +118,11 @@ def _ddp_worker(rank: int, port: int) -> None:
         results = {}
         for _ in range(3):
             for name, model in wrapped.items():
+
                 def step(model=model):
                     loss_fn(model(x), y).backward()
                     model.zero_grad(set_to_none=True)
+
                 dist.barrier()
                 t = timed(step, steps=30)
                 results[name] = min(results.get(name, t), t)
@@ -120,9 +132,11 @@ def _ddp_worker(rank: int, port: int) -> None:
                 print(f"{name:8s} host {host * 1e3:8.3f} ms/step   device {dev * 1e3:8.3f} ms/step")
             print(f"ratio ddpkit/torch: {results['ddpkit'][0] / results['torch'][0]:.3f}")
         for name, model in wrapped.items():
+
             def step(model=model):
                 loss_fn(model(x), y).backward()
                 model.zero_grad(set_to_none=True)
+
             dist.barrier()
             if rank == 0:
                 profiled(f"DDP {name} {model_name}", step, steps=5)

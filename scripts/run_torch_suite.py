@@ -33,7 +33,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # (not in benchmarks/results/: every file there holds typed benchmark records, tests/test_bench_records.py)
@@ -47,23 +46,27 @@ BACKENDS = ("gloo", "ddpkit")
 REASONS: dict[str, dict[str, str]] = {
     "test_ddp_logging_data_cpu": {
         "kind": "torch",
-        "reason": "DDP's logger records `ProcessGroup::getBackendName()`, which c10d reports as \"custom\" for every "
-                  "third-party backend (`BackendType::CUSTOM`), while the test expects `dist.get_backend()`, "
-                  "\"ddpkit\".",
-        "message": "'custom' != 'ddpkit'"},
+        "reason": 'DDP\'s logger records `ProcessGroup::getBackendName()`, which c10d reports as "custom" for every '
+        "third-party backend (`BackendType::CUSTOM`), while the test expects `dist.get_backend()`, "
+        '"ddpkit".',
+        "message": "'custom' != 'ddpkit'",
+    },
     "test_monitored_barrier_gloo": {
         "kind": "torch",
         "reason": "`dist.monitored_barrier` refuses every backend but gloo by name, in Python "
-                  "(`distributed_c10d.monitored_barrier`), before the backend is reached.",
-        "message": "monitored_barrier is only implemented for GLOO backend"},
+        "(`distributed_c10d.monitored_barrier`), before the backend is reached.",
+        "message": "monitored_barrier is only implemented for GLOO backend",
+    },
     "test_monitored_barrier_gloo_subgroup": {
         "kind": "torch",
         "reason": "As `test_monitored_barrier_gloo`: `dist.monitored_barrier` refuses every backend but gloo by name.",
-        "message": "monitored_barrier is only implemented for GLOO backend"},
+        "message": "monitored_barrier is only implemented for GLOO backend",
+    },
 }
 
 
 # --- one backend (the child process) ---------------------------------------------------------------
+
 
 def _summary(text: str) -> str:
     """A failure's exception line: the first failing rank's last one (a rank's traceback comes inside the
@@ -77,7 +80,7 @@ def _summary(text: str) -> str:
     return (candidates[-1] if candidates else lines[-1] if lines else "")[:400]
 
 
-def run_backend(backend: str, tests: Optional[list[str]], log: Path) -> None:
+def run_backend(backend: str, tests: list[str] | None, log: Path) -> None:
     """Runs in the child: ``tests`` (default: all) of the suite on ``backend``; one JSON line per test."""
     os.environ["BACKEND"] = backend
     sys.path.insert(0, str(REPO_ROOT / "tests"))
@@ -115,23 +118,38 @@ def run_backend(backend: str, tests: Optional[list[str]], log: Path) -> None:
             start = time.perf_counter()
             torch_suite.TestDistBackendWithFork(name).run(result)
             outcome, summary, detail = result.outcome
-            record = {"test": name, "outcome": outcome, "seconds": round(time.perf_counter() - start, 3),
-                      "summary": summary, "detail": detail}
+            record = {
+                "test": name,
+                "outcome": outcome,
+                "seconds": round(time.perf_counter() - start, 3),
+                "summary": summary,
+                "detail": detail,
+            }
             handle.write(json.dumps(record) + "\n")
             handle.flush()
-            print(f"[{backend}] {name}: {outcome} ({record['seconds']:.1f} s){' ' + summary if summary else ''}",
-                  file=sys.__stdout__, flush=True)
+            print(
+                f"[{backend}] {name}: {outcome} ({record['seconds']:.1f} s){' ' + summary if summary else ''}",
+                file=sys.__stdout__,
+                flush=True,
+            )
 
 
 # --- both backends (the parent) ------------------------------------------------------------------------
 
-def measure(backend: str, tests: Optional[list[str]], test_timeout: int, budget: float, quiet: bool) -> dict:
+
+def measure(backend: str, tests: list[str] | None, test_timeout: int, budget: float, quiet: bool) -> dict:
     """Runs one backend's child; returns {test: record} and the child's wall time."""
     with tempfile.TemporaryDirectory(prefix=f"torch_suite_{backend}_") as tmp:
         log = Path(tmp) / "outcomes.jsonl"
         log.touch()
-        env = dict(os.environ, BACKEND=backend, WORLD_SIZE="2", DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=str(test_timeout),
-                   PYTORCH_PRINT_REPRO_ON_FAILURE="0", PYTHONUNBUFFERED="1")
+        env = dict(
+            os.environ,
+            BACKEND=backend,
+            WORLD_SIZE="2",
+            DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=str(test_timeout),
+            PYTORCH_PRINT_REPRO_ON_FAILURE="0",
+            PYTHONUNBUFFERED="1",
+        )
         command = [sys.executable, __file__, "--child", backend, "--log", str(log)]
         if tests:
             command += ["--tests", *tests]
@@ -139,8 +157,14 @@ def measure(backend: str, tests: Optional[list[str]], test_timeout: int, budget:
         rank_log = Path(tmp) / "ranks.log"
         with open(rank_log, "w") as ranks_output:
             # The ranks' logging (stderr) goes to a file; the child's one line per test comes to this console.
-            process = subprocess.Popen(command, env=env, cwd=REPO_ROOT, stdout=None if not quiet else subprocess.DEVNULL,
-                                       stderr=ranks_output, start_new_session=True)
+            process = subprocess.Popen(
+                command,
+                env=env,
+                cwd=REPO_ROOT,
+                stdout=None if not quiet else subprocess.DEVNULL,
+                stderr=ranks_output,
+                start_new_session=True,
+            )
             try:
                 returncode = process.wait(timeout=budget)
             except subprocess.TimeoutExpired:
@@ -154,23 +178,33 @@ def measure(backend: str, tests: Optional[list[str]], test_timeout: int, budget:
             records[record.pop("test")] = record
         if returncode != 0:
             tail = rank_log.read_text()[-2000:]
-            print(f"torch_suite: the {backend} run ended with {returncode!r} after {len(records)} tests; its log's end:\n"
-                  f"{tail}", file=sys.stderr)
+            print(
+                f"torch_suite: the {backend} run ended with {returncode!r} after {len(records)} tests; its log's end:\n"
+                f"{tail}",
+                file=sys.stderr,
+            )
         return {"records": records, "seconds": wall, "returncode": returncode}
 
 
 def to_rerun(runs: dict) -> dict:
     """{backend: tests to run again}: with both backends, a test that failed on one and passed on the other;
     with one, every test that failed."""
-    failing = {backend: {name for name, record in run["records"].items() if record["outcome"] in ("failed", "error")}
-               for backend, run in runs.items()}
+    failing = {
+        backend: {name for name, record in run["records"].items() if record["outcome"] in ("failed", "error")}
+        for backend, run in runs.items()
+    }
     if set(runs) != set(BACKENDS):
         return {backend: sorted(names) for backend, names in failing.items() if names}
-    passing = {backend: {name for name, record in run["records"].items() if record["outcome"] == "passed"}
-               for backend, run in runs.items()}
+    passing = {
+        backend: {name for name, record in run["records"].items() if record["outcome"] == "passed"}
+        for backend, run in runs.items()
+    }
     other = {"gloo": "ddpkit", "ddpkit": "gloo"}
-    return {backend: sorted(failing[backend] & passing[other[backend]]) for backend in BACKENDS
-            if failing[backend] & passing[other[backend]]}
+    return {
+        backend: sorted(failing[backend] & passing[other[backend]])
+        for backend in BACKENDS
+        if failing[backend] & passing[other[backend]]
+    }
 
 
 def rerun(runs: dict, args) -> float:
@@ -186,17 +220,28 @@ def rerun(runs: dict, args) -> float:
                 continue
             first["ran_twice"] = True
             if second["outcome"] != first["outcome"]:
-                runs[backend]["records"][name] = {**second, "ran_twice": True, "first_outcome": first["outcome"],
-                                                  "first_summary": first["summary"]}
+                runs[backend]["records"][name] = {
+                    **second,
+                    "ran_twice": True,
+                    "first_outcome": first["outcome"],
+                    "first_summary": first["summary"],
+                }
         runs[backend]["counts"] = counts(runs[backend]["records"])
     return time.perf_counter() - start
 
 
 def flaky(runs: dict) -> list[dict]:
-    return [{"backend": backend, "test": name, "first_outcome": record["first_outcome"],
-             "first_summary": record["first_summary"]}
-            for backend, run in runs.items() for name, record in sorted(run["records"].items())
-            if "first_outcome" in record]
+    return [
+        {
+            "backend": backend,
+            "test": name,
+            "first_outcome": record["first_outcome"],
+            "first_summary": record["first_summary"],
+        }
+        for backend, run in runs.items()
+        for name, record in sorted(run["records"].items())
+        if "first_outcome" in record
+    ]
 
 
 def compare(runs: dict) -> list[dict]:
@@ -207,8 +252,15 @@ def compare(runs: dict) -> list[dict]:
         if record["outcome"] != "passed" or name not in ddpkit or ddpkit[name]["outcome"] == "passed":
             continue
         known = REASONS.get(name, {"kind": "unclassified", "reason": "not yet read: see the failure"})
-        rows.append({"test": name, "ddpkit_outcome": ddpkit[name]["outcome"], "ddpkit_summary": ddpkit[name]["summary"],
-                     "kind": known["kind"], "reason": known["reason"]})
+        rows.append(
+            {
+                "test": name,
+                "ddpkit_outcome": ddpkit[name]["outcome"],
+                "ddpkit_summary": ddpkit[name]["summary"],
+                "kind": known["kind"],
+                "reason": known["reason"],
+            }
+        )
     return rows
 
 
@@ -223,13 +275,13 @@ def markdown(document: dict) -> str:
     runs, rows = document["runs"], document["differences"]
     total = document["tests"]
     lines = [
-        "# torch's distributed test suite on \"ddpkit\" and on gloo",
+        '# torch\'s distributed test suite on "ddpkit" and on gloo',
         "",
         f"Written by `scripts/run_torch_suite.py` at commit `{document['git_commit']}` ({document['date']}), ddpkit built "
         f"from `{document['ddpkit_commit']}`, torch "
         f"{document['torch_version']}, world size 2, on {document['cpu_count']} CPU cores. The suite is "
         "`torch.testing._internal.distributed.distributed_test` (`TestDistBackend`, `DistributedTest._DistTestBase`), run "
-        "by `tests/torch_suite.py` with forked ranks; \"ddpkit\" is in the suite's `plugin`, `ddp` and `subgroup` feature "
+        'by `tests/torch_suite.py` with forked ranks; "ddpkit" is in the suite\'s `plugin`, `ddp` and `subgroup` feature '
         "sets and its literal gloo gates are opened (see that module). Every result is in "
         "`docs/torch_suite.json`.",
         "",
@@ -238,25 +290,40 @@ def markdown(document: dict) -> str:
     ]
     for backend in BACKENDS:
         c = runs[backend]["counts"]
-        lines.append(f"| {backend} | {total} | {c.get('passed', 0)} | {c.get('failed', 0) + c.get('error', 0)} | "
-                     f"{c.get('skipped', 0)} | {runs[backend]['seconds'] / 60:.1f} min |")
-    lines += ["", f"Both runs one after the other: {document['seconds'] / 60:.1f} minutes (then "
-              f"{document['rerun_seconds']:.0f} s to run the tests that failed on one backend only once more). Command: "
-              "`.venv/bin/python scripts/run_torch_suite.py`; CI runs every test gloo passes here on \"ddpkit\" "
-              "(`tests/test_torch_suite.py`, about a minute).", "",
-              "## Every test gloo passes and \"ddpkit\" does not", ""]
+        lines.append(
+            f"| {backend} | {total} | {c.get('passed', 0)} | {c.get('failed', 0) + c.get('error', 0)} | "
+            f"{c.get('skipped', 0)} | {runs[backend]['seconds'] / 60:.1f} min |"
+        )
+    lines += [
+        "",
+        f"Both runs one after the other: {document['seconds'] / 60:.1f} minutes (then "
+        f"{document['rerun_seconds']:.0f} s to run the tests that failed on one backend only once more). Command: "
+        '`.venv/bin/python scripts/run_torch_suite.py`; CI runs every test gloo passes here on "ddpkit" '
+        "(`tests/test_torch_suite.py`, about a minute).",
+        "",
+        '## Every test gloo passes and "ddpkit" does not',
+        "",
+    ]
     if not rows:
         lines.append("None.")
     else:
         lines += ["| test | on ddpkit | why | cause |", "|---|---|---|---|"]
         for row in rows:
             summary = row["ddpkit_summary"].replace("|", "\\|")
-            lines.append(f"| `{row['test']}` | {row['ddpkit_outcome']}: `{summary}` | {row['reason']} | {row['kind']} |")
+            lines.append(
+                f"| `{row['test']}` | {row['ddpkit_outcome']}: `{summary}` | {row['reason']} | {row['kind']} |"
+            )
     if document.get("flaky"):
-        lines += ["", "## Failed once, passed when run again", "",
-                  "A test that fails on one backend and passes on the other is run again once; these passed then "
-                  "(the machine was shared and loaded while the suite ran).", "",
-                  "| backend | test | first run |", "|---|---|---|"]
+        lines += [
+            "",
+            "## Failed once, passed when run again",
+            "",
+            "A test that fails on one backend and passes on the other is run again once; these passed then "
+            "(the machine was shared and loaded while the suite ran).",
+            "",
+            "| backend | test | first run |",
+            "|---|---|---|",
+        ]
         for row in document["flaky"]:
             summary = row["first_summary"].replace("|", "\\|")
             lines.append(f"| {row['backend']} | `{row['test']}` | {row['first_outcome']}: `{summary}` |")
@@ -266,29 +333,47 @@ def markdown(document: dict) -> str:
 
 def _git_commit() -> str:
     try:
-        commit = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     parser.add_argument("--tests", nargs="+", help="test names (default: the whole suite)")
     parser.add_argument("--test-timeout", type=int, default=120, help="seconds before a test's ranks are killed (120)")
     parser.add_argument("--budget", type=float, default=3600, help="seconds one backend's run may take in all (3600)")
-    parser.add_argument("--output", type=Path, help="results file (default docs/torch_suite.json and "
-                        "docs/torch_suite.md; not written with --tests unless given)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="results file (default docs/torch_suite.json and "
+        "docs/torch_suite.md; not written with --tests unless given)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no line per test")
-    parser.add_argument("--reruns", type=int, choices=(0, 1), default=1,
-                        help="run a failure once more (1, the default): with both backends, a test that fails on "
-                        "one only; with one, every failure. A test that passes then is reported as flaky")
-    parser.add_argument("--ddpkit-commit", help="the commit the ddpkit under test was built from, when it is not "
-                        "this tree (recorded; default: this tree's commit)")
+    parser.add_argument(
+        "--reruns",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="run a failure once more (1, the default): with both backends, a test that fails on "
+        "one only; with one, every failure. A test that passes then is reported as flaky",
+    )
+    parser.add_argument(
+        "--ddpkit-commit",
+        help="the commit the ddpkit under test was built from, when it is not "
+        "this tree (recorded; default: this tree's commit)",
+    )
     parser.add_argument("--child", choices=BACKENDS, help=argparse.SUPPRESS)
     parser.add_argument("--log", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -299,10 +384,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         sys.stdout.flush()
         os._exit(0)
 
+    import ddpkit._C
     import torch
 
     import ddpkit
-    import ddpkit._C
+
     start = time.perf_counter()
     runs = {}
     for backend in args.backends:
@@ -327,8 +413,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         "tests": max((len(run["records"]) for run in runs.values()), default=0),
         "seconds": round(seconds, 1),  # the runs, without the second runs of failures
         "rerun_seconds": round(rerun_seconds, 1),
-        "runs": {backend: {"seconds": round(run["seconds"], 1), "returncode": run["returncode"], "counts": run["counts"],
-                           "records": run["records"]} for backend, run in runs.items()},
+        "runs": {
+            backend: {
+                "seconds": round(run["seconds"], 1),
+                "returncode": run["returncode"],
+                "counts": run["counts"],
+                "records": run["records"],
+            }
+            for backend, run in runs.items()
+        },
         "differences": compare(runs) if set(runs) == set(BACKENDS) else [],
         "flaky": flaky(runs),
     }
@@ -346,8 +439,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             table = TABLE if args.output is None else output.with_suffix(".md")
             table.parent.mkdir(parents=True, exist_ok=True)
             table.write_text(markdown(document))
-            print(f"torch_suite: wrote {output.relative_to(REPO_ROOT) if output.is_relative_to(REPO_ROOT) else output} "
-                  f"and {table.relative_to(REPO_ROOT) if table.is_relative_to(REPO_ROOT) else table}")
+            print(
+                f"torch_suite: wrote {output.relative_to(REPO_ROOT) if output.is_relative_to(REPO_ROOT) else output} "
+                f"and {table.relative_to(REPO_ROOT) if table.is_relative_to(REPO_ROOT) else table}"
+            )
 
     print()
     for backend, run in runs.items():
@@ -357,7 +452,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  {row['test']}: {row['ddpkit_outcome']} [{row['kind']}] {row['ddpkit_summary']}")
     unclassified = [row["test"] for row in rows if row["kind"] == "unclassified"]
     if unclassified:
-        print(f"torch_suite: unclassified differences (add them to REASONS): {', '.join(unclassified)}", file=sys.stderr)
+        print(
+            f"torch_suite: unclassified differences (add them to REASONS): {', '.join(unclassified)}", file=sys.stderr
+        )
     failed_runs = [backend for backend, run in runs.items() if run["returncode"] != 0]
     return 1 if unclassified or failed_runs else 0
 

@@ -90,6 +90,24 @@ def pool():
 
 
 @pytest.fixture(scope="module")
+def pools():
+    """``pools(backend, n, group_timeout=30, **env)``: a live WorkerPool of n ranks whose world group is
+    ``backend`` (one per backend, world size, group timeout and environment), made on first use in a module
+    and closed at its end. A case that fails kills its pool; the next call starts a fresh one."""
+    made = {}
+
+    def get(backend, world_size, group_timeout=30.0, **env):
+        key = (backend, world_size, group_timeout, tuple(sorted(env.items())))
+        if key not in made:
+            made[key] = WorkerPool(world_size, backend=backend, timeout=60.0, group_timeout=group_timeout, env=env)
+        return made[key]
+
+    yield get
+    for worker_pool in made.values():
+        worker_pool.close()
+
+
+@pytest.fixture(scope="module")
 def hosts():
     """``hosts(name, backend="gloo")``: a live HostPool of the topology ``name`` (TOPOLOGIES), made on
     first use in a module and closed at its end (a pool of simulated hosts holds a launcher and ranks

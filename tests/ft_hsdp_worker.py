@@ -52,10 +52,19 @@ def parse_args() -> argparse.Namespace:
 
 def start_ranks(args: argparse.Namespace, argv: list) -> list:
     """Rank 0, the process the harness starts, starts the others in its own process group."""
-    return [subprocess.Popen([sys.executable, __file__, *argv, "--rank", str(rank)],
-                             env={**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.ranks),
-                                  "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(args.ranks)})
-            for rank in range(1, args.ranks)]
+    return [
+        subprocess.Popen(
+            [sys.executable, __file__, *argv, "--rank", str(rank)],
+            env={
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(args.ranks),
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(args.ranks),
+            },
+        )
+        for rank in range(1, args.ranks)
+    ]
 
 
 if __name__ == "__main__":
@@ -93,12 +102,13 @@ class GridLinear(nn.Linear):
 
 def build_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(GridLinear(ft_replica.FEATURES, ft_replica.HIDDEN), nn.ReLU(),
-                         GridLinear(ft_replica.HIDDEN, ft_replica.CLASSES)).double()
+    return nn.Sequential(
+        GridLinear(ft_replica.FEATURES, ft_replica.HIDDEN), nn.ReLU(), GridLinear(ft_replica.HIDDEN, ft_replica.CLASSES)
+    ).double()
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=2.0 ** -4, momentum=0.5)
+    return torch.optim.SGD(params, lr=2.0**-4, momentum=0.5)
 
 
 def batch(replica: int, rank: int, ranks: int, step: int) -> tuple:
@@ -123,8 +133,10 @@ def replay(members: dict, steps: int, ranks: int) -> dict:
         for t, p in zip(total, model.parameters()):
             p.grad = t / ranks / divisor
         optimizer.step()
-    return {"params": [p.detach().clone() for p in model.parameters()],
-            "momentum": [optimizer.state[p]["momentum_buffer"] for p in model.parameters()]}
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "momentum": [optimizer.state[p]["momentum_buffer"] for p in model.parameters()],
+    }
 
 
 def join_ranks(ranks: list, timeout: float) -> None:
@@ -158,8 +170,9 @@ def train(args: argparse.Namespace, others: list) -> None:
     timeout = datetime.timedelta(seconds=args.timeout)
     # Rank 0 holds the replica group's store: the process group's and the managers' keys.
     store = dist.TCPStore(addr, port, ranks, is_master=rank == 0, wait_for_workers=False, timeout=timeout * 3)
-    dist.init_process_group("ddpkit", store=dist.PrefixStore("replica-group/", store), rank=rank,
-                            world_size=ranks, timeout=timeout)
+    dist.init_process_group(
+        "ddpkit", store=dist.PrefixStore("replica-group/", store), rank=rank, world_size=ranks, timeout=timeout
+    )
     mesh = init_device_mesh("cpu", (ranks,))
     model = build_model()
     for layer in model:
@@ -171,8 +184,10 @@ def train(args: argparse.Namespace, others: list) -> None:
     # The group rank's shards, as plain tensors: what a healing rank k loads from rank k of a peer group.
     def state_dict() -> dict:
         momentum = [optimizer.state[p].get("momentum_buffer") for p in model.parameters()]
-        return {"params": [p.to_local() for p in model.parameters()],
-                "momentum": [None if m is None else m.to_local() for m in momentum]}
+        return {
+            "params": [p.to_local() for p in model.parameters()],
+            "momentum": [None if m is None else m.to_local() for m in momentum],
+        }
 
     def load_state_dict(state: dict) -> None:
         with torch.no_grad():
@@ -182,13 +197,26 @@ def train(args: argparse.Namespace, others: list) -> None:
                     optimizer.state[p].pop("momentum_buffer", None)
                 else:
                     optimizer.state[p]["momentum_buffer"] = DTensor.from_local(
-                        momentum.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                        momentum.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
 
     pg = ProcessGroupDdpkit(timeout=timeout)
-    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
-                      replica_id=f"replica_{replica}", timeout=timeout, quorum_timeout=timeout * 3,
-                      connect_timeout=timeout, store_addr=addr, store_port=port, rank=rank, world_size=ranks,
-                      init_sync=False, hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()))
+    manager = Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"replica_{replica}",
+        timeout=timeout,
+        quorum_timeout=timeout * 3,
+        connect_timeout=timeout,
+        store_addr=addr,
+        store_port=port,
+        rank=rank,
+        world_size=ranks,
+        init_sync=False,
+        hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()),
+    )
     replicate = ManagedProcessGroup(manager)
     replicate.register("dp_replicate")  # as torchtitan does: a registered group, for functional collectives
     dying = (replica, incarnation) == (args.die[0], 1) and rank == 0
@@ -207,8 +235,12 @@ def train(args: argparse.Namespace, others: list) -> None:
     optim = OptimizerWrapper(manager, optimizer)
 
     log = open(args.records, "a", buffering=1)
-    log.write(json.dumps({"ready": time.time(), "replica": replica, "rank": rank, "pid": os.getpid(),
-                          "incarnation": incarnation}) + "\n")
+    log.write(
+        json.dumps(
+            {"ready": time.time(), "replica": replica, "rank": rank, "pid": os.getpid(), "incarnation": incarnation}
+        )
+        + "\n"
+    )
     gate = os.environ.get("FT_START_GATE")
     if gate:
         Path(f"{gate}.{replica}.{rank}").touch()
@@ -230,14 +262,29 @@ def train(args: argparse.Namespace, others: list) -> None:
             time.sleep(args.compute)
         ft_replica.loss_of(model, *batch(replica, rank, ranks, step)).backward()
         optim.step()
-        log.write(json.dumps({"replica": replica, "rank": rank, "pid": os.getpid(), "incarnation": incarnation,
-                              "step": step, "committed": manager.current_step() > step,
-                              "participating": manager.is_participating(),
-                              "participants": manager.num_participants(), "start": started, "end": time.time(),
-                              "errored": repr(manager.errored()) if manager.errored() else None}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "replica": replica,
+                    "rank": rank,
+                    "pid": os.getpid(),
+                    "incarnation": incarnation,
+                    "step": step,
+                    "committed": manager.current_step() > step,
+                    "participating": manager.is_participating(),
+                    "participants": manager.num_participants(),
+                    "start": started,
+                    "end": time.time(),
+                    "errored": repr(manager.errored()) if manager.errored() else None,
+                }
+            )
+            + "\n"
+        )
     momentum = [optimizer.state[p]["momentum_buffer"].to_local() for p in model.parameters()]
-    torch.save({"params": [p.to_local() for p in model.parameters()], "momentum": momentum,
-                "step": manager.current_step()}, f"{args.out}.rank{rank}")
+    torch.save(
+        {"params": [p.to_local() for p in model.parameters()], "momentum": momentum, "step": manager.current_step()},
+        f"{args.out}.rank{rank}",
+    )
     manager.shutdown(wait=False)
     pg.shutdown()
     dist.destroy_process_group()

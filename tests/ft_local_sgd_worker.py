@@ -38,7 +38,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import ft_replica  # noqa: E402
 
-INNER_LR = 2.0 ** -4
+INNER_LR = 2.0**-4
 
 
 def build_model() -> nn.Module:
@@ -105,9 +105,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="the manager step (synchronisations) to stop at")
     parser.add_argument("--compute", type=float, default=0.0, help="seconds of stand-in compute per local step")
     parser.add_argument("--timeout", type=float, default=10.0, help="manager and process-group timeout, seconds")
-    parser.add_argument("--die", nargs=3, default=("-1", "-1", "local"), metavar=("REPLICA", "STEP", "WHERE"),
-                        help="that replica's first incarnation SIGKILLs itself in that step's round, in its "
-                        "local steps or in its synchronisation")
+    parser.add_argument(
+        "--die",
+        nargs=3,
+        default=("-1", "-1", "local"),
+        metavar=("REPLICA", "STEP", "WHERE"),
+        help="that replica's first incarnation SIGKILLs itself in that step's round, in its "
+        "local steps or in its synchronisation",
+    )
     parser.add_argument("--records", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -169,20 +174,39 @@ def main() -> None:
     pg = DyingGroup(timeout=timeout)
     # use_async_quorum=False: DiLoCo requires it, and torchtitan uses it for both algorithms (a
     # joining replica heals at the synchronisation's quorum, before it averages).
-    manager = RecordingManager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
-                               replica_id=f"replica_{replica}", timeout=timeout, quorum_timeout=timeout * 3,
-                               connect_timeout=timeout, store_addr=addr, store_port=port, rank=0, world_size=1,
-                               init_sync=False, use_async_quorum=False,
-                               hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()))
+    manager = RecordingManager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"replica_{replica}",
+        timeout=timeout,
+        quorum_timeout=timeout * 3,
+        connect_timeout=timeout,
+        store_addr=addr,
+        store_port=port,
+        rank=0,
+        world_size=1,
+        init_sync=False,
+        use_async_quorum=False,
+        hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()),
+    )
     if args.algorithm == "local-sgd":
         algorithm = LocalSGD(manager, model, optimizer, sync_every=args.sync_every)
     else:
-        algorithm = DiLoCo(manager, parts, optimizer, [outer_optimizer(part) for part in parts],
-                           sync_every=args.sync_every, fragment_sync_delay=args.delay)
+        algorithm = DiLoCo(
+            manager,
+            parts,
+            optimizer,
+            [outer_optimizer(part) for part in parts],
+            sync_every=args.sync_every,
+            fragment_sync_delay=args.delay,
+        )
 
     log = open(args.records, "a", buffering=1)
-    log.write(json.dumps({"ready": time.time(), "replica": replica, "pid": os.getpid(), "incarnation": incarnation})
-              + "\n")
+    log.write(
+        json.dumps({"ready": time.time(), "replica": replica, "pid": os.getpid(), "incarnation": incarnation}) + "\n"
+    )
     gate = os.environ.get("FT_START_GATE")
     if gate:
         Path(f"{gate}.{replica}.0").touch()
@@ -198,8 +222,7 @@ def main() -> None:
     def before_sync(_optimizer, _args, _kwargs) -> None:
         # Runs after each local step, before the algorithm's own hook (registered after this one).
         round_["inner"] += 1
-        if (dying and die_where == "local" and manager.current_step() == die_step
-                and round_["inner"] == period // 2):
+        if dying and die_where == "local" and manager.current_step() == die_step and round_["inner"] == period // 2:
             die("local")
         if round_["inner"] == period - args.delay:
             round_["local"] = [flat(part) for part in parts]
@@ -211,13 +234,29 @@ def main() -> None:
         step, committed = manager.decided
         fragment = step % args.fragments  # the one DiLoCo synchronised (its _current_fragment)
         brought = healed_from[-1] if healed_from else round_["local"]
-        log.write(json.dumps({
-            "replica": replica, "incarnation": incarnation, "pid": os.getpid(), "step": step, "committed": committed,
-            "fragment": fragment, "batch_step": round_["batch_step"], "participating": manager.is_participating(),
-            "participants": manager.num_participants(), "healed": bool(healed_from),
-            "local": round_["local"][fragment], "contribution": brought[fragment], "after": flat(parts[fragment]),
-            "start": round_["start"], "end": time.time(),
-            "errored": repr(manager.errored()) if manager.errored() else None}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "replica": replica,
+                    "incarnation": incarnation,
+                    "pid": os.getpid(),
+                    "step": step,
+                    "committed": committed,
+                    "fragment": fragment,
+                    "batch_step": round_["batch_step"],
+                    "participating": manager.is_participating(),
+                    "participants": manager.num_participants(),
+                    "healed": bool(healed_from),
+                    "local": round_["local"][fragment],
+                    "contribution": brought[fragment],
+                    "after": flat(parts[fragment]),
+                    "start": round_["start"],
+                    "end": time.time(),
+                    "errored": repr(manager.errored()) if manager.errored() else None,
+                }
+            )
+            + "\n"
+        )
         round_.update(inner=0, start=time.time())
 
     hooks = [optimizer.register_step_post_hook(before_sync)]

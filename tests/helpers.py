@@ -1,5 +1,6 @@
-"""What more than one test module uses: inputs and their references, the calls one rank rejects,
-ports, the training script's small runs, CIFAR archives, the examples' commands, and the leak check.
+"""What more than one test module uses: inputs and their references, errors and bits as tests compare
+them, the "ddpkit" backend's comparison with gloo, the calls one rank rejects, ports, the training
+script's small runs, CIFAR archives, the examples' commands, and the leak check.
 
 Test modules import from here, never from each other (a test module imported by another runs its
 module-level code twice and couples their fixtures)."""
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit.comm import ONE_HOST_ALGORITHMS
-from ddpkit.testing import HostPool
+from ddpkit.testing import HostPool, WorkerPool
 from ddpkit.training.data import FASHION_MNIST_ROOT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,6 +41,7 @@ TOPOLOGIES = {"2x2": [2, 2], "2x1": [1, 1], "3x1": [1, 1, 1], "1+3": [1, 3]}
 
 
 # --- the leak check ------------------------------------------------------------------------------
+
 
 def shm_names(pids=None) -> set:
     """Names in /dev/shm that ddpkit made ("ddpkit-<pid>-..."), of the processes ``pids`` if given.
@@ -58,6 +61,7 @@ def shm_names(pids=None) -> set:
 
 
 # --- collective inputs and their float64 references ----------------------------------------------
+
 
 def rank_input(rank, numel, dtype=torch.float32, integer=False, seed=0):
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -80,7 +84,125 @@ def algorithms_for(transport: str) -> list[str]:
     return [a for a in ONE_HOST_ALGORITHMS if transport == "shm" or a != "direct"]
 
 
+# --- errors and bits, as tests compare them --------------------------------------------------------
+
+
+def attempt(fn, *args, **kwargs) -> tuple:
+    """(None, ``fn(*args, **kwargs)``'s result), or (the exception it raised as "Type: message", None)."""
+    try:
+        return None, fn(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}", None
+
+
+def caught(fn, *args, **kwargs):
+    """The exception ``fn(*args, **kwargs)`` raised, as "Type: message", or None where it returned."""
+    return attempt(fn, *args, **kwargs)[0]
+
+
+_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(tensor):
+    """The tensor's elements as the integers of their bits, for comparisons where NaN must equal NaN
+    (of the same payload) and -0.0 differ from 0.0."""
+    return tensor.view(_INTEGER_OF_WIDTH[tensor.element_size()])
+
+
+def ieee_extremum(inputs, op):
+    """Note [Reductions]'s max or min ("max", "min") over the ranks' ``inputs``, as IEEE 754-2019's
+    maximum and minimum: the quiet NaN where any input is NaN, and +0 above -0."""
+    stacked = torch.stack(inputs)
+    result = stacked.amax(0) if op == "max" else stacked.amin(0)
+    if not stacked.dtype.is_floating_point:
+        return result
+    zeros = stacked == 0
+    signed = torch.signbit(stacked)
+    if op == "max":  # +0 where any zero operand is +0
+        zero = torch.where((zeros & ~signed).any(0), 0.0, -0.0).to(stacked.dtype)
+    else:  # -0 where any zero operand is -0
+        zero = torch.where((zeros & signed).any(0), -0.0, 0.0).to(stacked.dtype)
+    result = torch.where(result == 0, zero, result)
+    return torch.where(torch.isnan(stacked).any(0), torch.tensor(float("nan"), dtype=stacked.dtype), result)
+
+
+# --- the "ddpkit" backend against gloo (tests/test_backend_*.py) ------------------------------------
+
+RED = dist.ReduceOp
+_GLOO = None
+
+
+def gloo_group():
+    """A gloo group of every rank, made once per worker (collectively, on the first call)."""
+    global _GLOO
+    if _GLOO is None:
+        _GLOO = dist.new_group(backend="gloo")
+    return _GLOO
+
+
+def values(rank, shape, dtype=torch.float32, salt=0, low=-50, high=51):
+    """Integer-valued inputs: sums over 5 ranks (|x| <= 250) are exact in every dtype, bfloat16 included."""
+    generator = torch.Generator().manual_seed(salt * 1000 + rank)
+    return torch.randint(low, high, shape, generator=generator).to(dtype)
+
+
+def both(fn):
+    """(fn on the "ddpkit" world group, fn on the gloo group)."""
+    return fn(None), fn(gloo_group())
+
+
+def quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def all_reduced(tensor, op, group):
+    dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def batch(rank, step, size=16):
+    """Rank ``rank``'s batch at ``step``: ``size`` samples of 8 features, and labels in 0..3."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(size, 8, generator=generator), torch.randint(0, 4, (size,), generator=generator)
+
+
+def assert_same(ours, theirs, key, exact=True):
+    if isinstance(ours, torch.Tensor):
+        assert isinstance(theirs, torch.Tensor), key
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (key, ours.dtype, ours.shape, theirs.shape)
+        if exact:
+            assert torch.equal(ours, theirs), f"{key}: ddpkit {ours} != gloo {theirs}"
+        else:
+            torch.testing.assert_close(ours, theirs, msg=str(key))
+    elif isinstance(ours, (list, tuple)):
+        assert isinstance(theirs, (list, tuple)) and len(ours) == len(theirs), (key, ours, theirs)
+        for a, b in zip(ours, theirs):
+            assert_same(a, b, key, exact)
+    else:
+        assert ours == theirs, (key, ours, theirs)
+
+
+def check_against_gloo(per_rank):
+    for rank, results in enumerate(per_rank):
+        for key, (ours, theirs) in results.items():
+            # a mean is one division away from gloo's sum / n: within one rounding of it
+            exact = not (key == "reduce_scatter_tensor_avg" or (isinstance(key, tuple) and key[0] == "all_reduce_avg"))
+            assert_same(ours, theirs, (rank, key), exact=exact)
+
+
+def run_on_a_fresh_pool(fn, *args):
+    """fn on 3 fresh "ddpkit" ranks with a short group timeout, for calls that may hang or break the group."""
+    worker_pool = WorkerPool(3, backend="ddpkit", timeout=60.0, group_timeout=5.0)
+    try:
+        return worker_pool.run(fn, *args, timeout=40, return_exceptions=True)
+    finally:
+        worker_pool.close()
+
+
 # --- one rank rejects its arguments: every rank raises, the next call pairs ------------------------
+
 
 def _syncbn_bad_weight(rank):
     name = dist.group.WORLD.group_name
@@ -105,8 +227,9 @@ ONE_RANK_REJECTS = {
     "op": lambda rank: ddpkit.all_reduce(torch.ones(8), op="prod" if rank == 1 else "sum"),
     "algorithm": lambda rank: ddpkit.all_reduce(torch.ones(8), algorithm="telepathy" if rank == 1 else "auto"),
     "transport": lambda rank: ddpkit.all_reduce(torch.ones(8), transport="pigeon" if rank == 1 else "auto"),
-    "torch_op": lambda rank: ddpkit.reduce_scatter_tensor(torch.empty(2), torch.ones(4),
-                                                          op=dist.ReduceOp.PRODUCT if rank == 1 else "sum"),
+    "torch_op": lambda rank: ddpkit.reduce_scatter_tensor(
+        torch.empty(2), torch.ones(4), op=dist.ReduceOp.PRODUCT if rank == 1 else "sum"
+    ),
     "meta": lambda rank: ddpkit.broadcast(torch.ones(8, device="meta" if rank == 1 else "cpu"), src=0),
     "syncbn_weight": _syncbn_bad_weight,
 }
@@ -129,13 +252,14 @@ def call_each_then_all_reduce(calls, kinds):
             error = None
         except (RuntimeError, ValueError) as exc:
             error = str(exc)
-        after = torch.full((1000,), 10.0 ** rank)
+        after = torch.full((1000,), 10.0**rank)
         ddpkit.all_reduce(after)
         out[kind] = (error, after[0].item())
     return out
 
 
 # --- processes: ports, train.py, the examples --------------------------------------------------------
+
 
 def communicate_all(processes: list, timeout: float) -> list[tuple[str, str]]:
     """Each process's (stdout, stderr), waiting up to `timeout` seconds for each; however that ends, none is
@@ -179,8 +303,13 @@ def torchft_hosts(folder: Path, hosts: int, host_of):
         pool._make_network()
         namespaces = [pool._host_namespace(h) for h in range(hosts)]
         address = [f"{HostPool.SUBNET}.{h + 1}" for h in range(hosts)]
-        lighthouse = subprocess.Popen(["ip", "netns", "exec", namespaces[0], sys.executable, "-c", _LIGHTHOUSE],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        lighthouse = subprocess.Popen(
+            ["ip", "netns", "exec", namespaces[0], sys.executable, "-c", _LIGHTHOUSE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         port = int(lighthouse.stdout.readline())
         # torchft's checkpoint server names itself by the host's name: each host resolves every name.
         names = folder / "hosts"
@@ -191,13 +320,32 @@ def torchft_hosts(folder: Path, hosts: int, host_of):
 
         def on_host(replica: int, argv: list, env: dict) -> tuple:
             host = host_of(replica)
-            env = {**env, "MASTER_ADDR": address[host], "FT_HOSTNAME": address[host], "GLOO_SOCKET_IFNAME": "dkh",
-                   "TORCHFT_LIGHTHOUSE": f"http://{address[0]}:{port}"}
-            script = (f"mount -t tmpfs tmpfs /dev/shm && mount --bind {shlex.quote(str(names))} /etc/hosts && "
-                      f"mount --bind {shlex.quote(str(resolv))} /etc/resolv.conf && "
-                      f"hostname ft-host{host} && exec {shlex.join(argv)}")
-            return ["ip", "netns", "exec", namespaces[host], "unshare", "-m", "-u", "--fork", "--kill-child",
-                    "sh", "-c", script], env
+            env = {
+                **env,
+                "MASTER_ADDR": address[host],
+                "FT_HOSTNAME": address[host],
+                "GLOO_SOCKET_IFNAME": "dkh",
+                "TORCHFT_LIGHTHOUSE": f"http://{address[0]}:{port}",
+            }
+            script = (
+                f"mount -t tmpfs tmpfs /dev/shm && mount --bind {shlex.quote(str(names))} /etc/hosts && "
+                f"mount --bind {shlex.quote(str(resolv))} /etc/resolv.conf && "
+                f"hostname ft-host{host} && exec {shlex.join(argv)}"
+            )
+            return [
+                "ip",
+                "netns",
+                "exec",
+                namespaces[host],
+                "unshare",
+                "-m",
+                "-u",
+                "--fork",
+                "--kill-child",
+                "sh",
+                "-c",
+                script,
+            ], env
 
         yield on_host
     finally:
@@ -207,29 +355,54 @@ def torchft_hosts(folder: Path, hosts: int, host_of):
         pool.kill()
 
 
-needs_fashion_mnist = pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(),
-                                         reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)")
+needs_fashion_mnist = pytest.mark.skipif(
+    not Path(FASHION_MNIST_ROOT).is_dir(), reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)"
+)
 
 
 def small_cli(out_dir):
-    return ["--dataset", "fashion_mnist", "--limit-train", "1024", "--limit-test", "500", "--batch-size", "32",
-            "--max-steps", "4", "--epochs", "1", "--no-progress", "--out", str(out_dir)]
+    return [
+        "--dataset",
+        "fashion_mnist",
+        "--limit-train",
+        "1024",
+        "--limit-test",
+        "500",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "4",
+        "--epochs",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out_dir),
+    ]
 
 
 def documented_commands(path: Path) -> list[list[str]]:
     """The torchrun lines of the example's docstring, as argv (environment assignments first, if any):
     one for most examples, one per launch for those of several (fault_tolerance)."""
     docstring = ast.get_docstring(ast.parse(path.read_text()))
-    return [shlex.split(line.strip()) for line in docstring.splitlines()
-            if re.fullmatch(r"([A-Z_]+=\S+ )*torchrun .* examples/\w+\.py", line.strip())]
+    return [
+        shlex.split(line.strip())
+        for line in docstring.splitlines()
+        if re.fullmatch(r"([A-Z_]+=\S+ )*torchrun .* examples/\w+\.py", line.strip())
+    ]
 
 
 # --- CIFAR archives in the official format ----------------------------------------------------------
 
 CIFAR_LAYOUT = {
     # name: (top directory, archive, train members, test members, label key, classes)
-    "cifar10": ("cifar-10-batches-py", "cifar-10-python.tar.gz",
-                [f"data_batch_{i}" for i in range(1, 6)], ["test_batch"], b"labels", 10),
+    "cifar10": (
+        "cifar-10-batches-py",
+        "cifar-10-python.tar.gz",
+        [f"data_batch_{i}" for i in range(1, 6)],
+        ["test_batch"],
+        b"labels",
+        10,
+    ),
     "cifar100": ("cifar-100-python", "cifar-100-python.tar.gz", ["train"], ["test"], b"fine_labels", 100),
 }
 
@@ -240,8 +413,12 @@ def cifar_batch(n: int, label_key: bytes, classes: int, rng) -> tuple[bytes, np.
     labels = rng.integers(0, classes, n)
     # Each row is the red plane, then the green, then the blue, each row-major.
     rows = np.stack([np.concatenate([image[0].ravel(), image[1].ravel(), image[2].ravel()]) for image in images])
-    batch = {b"batch_label": b"training batch", b"data": rows, label_key: labels.tolist(),
-             b"filenames": [b"img_%d.png" % i for i in range(n)]}
+    batch = {
+        b"batch_label": b"training batch",
+        b"data": rows,
+        label_key: labels.tolist(),
+        b"filenames": [b"img_%d.png" % i for i in range(n)],
+    }
     if label_key == b"fine_labels":
         batch[b"coarse_labels"] = (labels // 5).tolist()
     return pickle.dumps(batch, protocol=2), images, labels
@@ -272,3 +449,51 @@ def write_cifar(root: Path, name: str, as_archive: bool, seed: int = 0, skip: tu
             (root / member).parent.mkdir(parents=True, exist_ok=True)
             (root / member).write_bytes(payload)
     return expected
+
+
+# --- SyncBatchNorm against BatchNorm (test_syncbn*.py, test_cuda.py) --------------------------------
+
+
+def even_sizes(batch, world_size):
+    return [len(chunk) for chunk in torch.arange(batch).tensor_split(world_size)]
+
+
+def shard(x, sizes, rank):
+    start = sum(sizes[:rank])
+    return x[start : start + sizes[rank]], start
+
+
+def forward_backward(layer, x, start, half, memory_format=torch.contiguous_format):
+    """One step on a shard starting at global index `start`: loss = sum of all outputs of the first
+    `half` samples of the global batch. Returns output, input gradient and the comm counters of the
+    forward and of the backward."""
+    x = x.detach().clone(memory_format=memory_format).requires_grad_()
+    ddpkit.reset_comm_counters()
+    y = layer(x)
+    forward = ddpkit.comm_counters()
+    ddpkit.reset_comm_counters()
+    y[: max(0, min(start + len(x), half) - start)].sum().backward()
+    backward = ddpkit.comm_counters()
+    return y.detach(), x.grad, forward, backward
+
+
+def batch_norm_reference(x, layer, half):
+    """`layer` (torch's BatchNorm, usually float64) on the whole batch `x` with loss = sum of the first
+    `half` samples' outputs: output and input gradient."""
+    x = x.detach().clone().requires_grad_()
+    y = layer(x)
+    y[:half].sum().backward()
+    return y.detach(), x.grad
+
+
+def small_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 6 * 6, 16),
+        torch.nn.BatchNorm1d(16),
+        torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4, affine=False, momentum=None)),
+    )

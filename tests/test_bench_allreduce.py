@@ -1,6 +1,7 @@
-"""The pure parts of benchmarks/bench_allreduce.py and benchmarks/peers/timing.py (no timing is asserted)."""
+"""The pure parts of benchmarks/bench_allreduce.py (with its allreduce_candidates.py, allreduce_peers.py and
+allreduce_summary.py) and benchmarks/peers/timing.py (no timing is asserted)."""
 
-import importlib.util
+import argparse
 import sys
 from pathlib import Path
 
@@ -8,12 +9,11 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
+import allreduce_candidates as candidates  # noqa: E402
+import allreduce_peers  # noqa: E402
+import allreduce_summary  # noqa: E402
+import bench_allreduce  # noqa: E402
 from peers import timing  # noqa: E402
-
-spec = importlib.util.spec_from_file_location("bench_allreduce", BENCHMARKS / "bench_allreduce.py")
-bench = importlib.util.module_from_spec(spec)
-sys.modules["bench_allreduce"] = bench  # dataclasses look their module up there
-spec.loader.exec_module(bench)
 
 
 def test_settle_runs_whole_batches_until_every_rank_agrees():
@@ -32,26 +32,40 @@ def test_settle_runs_whole_batches_until_every_rank_agrees():
 
 
 def test_candidates_that_spin_and_sleep_run_in_separate_processes():
-    assert bench.process_sets(["ddpkit", "ddpkit_ring_pg", "gloo", "floor"]) == [["ddpkit"], ["ddpkit_ring_pg", "gloo", "floor"]]
-    assert bench.process_sets(["ddpkit:ring:shm", "ddpkit:ring:shm:unchecked", "gloo"]) == \
-        [["ddpkit:ring:shm", "ddpkit:ring:shm:unchecked"], ["gloo"]]
-    assert bench.process_sets(["gloo"]) == [["gloo"]]
+    assert candidates.process_sets(["ddpkit", "ddpkit_ring_pg", "gloo", "floor"]) == [
+        ["ddpkit"],
+        ["ddpkit_ring_pg", "gloo", "floor"],
+    ]
+    assert candidates.process_sets(["ddpkit:ring:shm", "ddpkit:ring:shm:unchecked", "gloo"]) == [
+        ["ddpkit:ring:shm", "ddpkit:ring:shm:unchecked"],
+        ["gloo"],
+    ]
+    assert candidates.process_sets(["gloo"]) == [["gloo"]]
 
 
 def test_merge_keeps_points_of_either_run():
     a = [{"times": {("ddpkit", 1): [1.0]}, "accuracy": {("ddpkit", 1): 0.1}, "cpus": {("ddpkit", 1): [0]}}]
-    b = [{"times": {("ddpkit", 1): [2.0], ("gloo", 1): [3.0]}, "accuracy": {("ddpkit", 1): 0.3, ("gloo", 1): 0.2},
-          "cpus": {("ddpkit", 1): [1], ("gloo", 1): [0]}}]
-    assert bench.merge(a, b) == [{"times": {("ddpkit", 1): [1.0, 2.0], ("gloo", 1): [3.0]},
-                                  "accuracy": {("ddpkit", 1): 0.3, ("gloo", 1): 0.2},
-                                  "cpus": {("ddpkit", 1): [0, 1], ("gloo", 1): [0]}}]
+    b = [
+        {
+            "times": {("ddpkit", 1): [2.0], ("gloo", 1): [3.0]},
+            "accuracy": {("ddpkit", 1): 0.3, ("gloo", 1): 0.2},
+            "cpus": {("ddpkit", 1): [1], ("gloo", 1): [0]},
+        }
+    ]
+    assert bench_allreduce.merge(a, b) == [
+        {
+            "times": {("ddpkit", 1): [1.0, 2.0], ("gloo", 1): [3.0]},
+            "accuracy": {("ddpkit", 1): 0.3, ("gloo", 1): 0.2},
+            "cpus": {("ddpkit", 1): [0, 1], ("gloo", 1): [0]},
+        }
+    ]
 
 
 def test_reps_sharing_a_cpu_counts_ranks_doubled_up():
     # two ranks on 2 CPUs: the second repetition began with both on CPU 1
-    assert bench.reps_sharing_a_cpu([[0, 1, 1], [1, 1, 0]], cpus=2) == 1
+    assert bench_allreduce.reps_sharing_a_cpu([[0, 1, 1], [1, 1, 0]], cpus=2) == 1
     # four ranks on 2 CPUs share them always, which is not counted; on one CPU they are
-    assert bench.reps_sharing_a_cpu([[0, 0], [1, 0], [0, 0], [1, 0]], cpus=2) == 1
+    assert bench_allreduce.reps_sharing_a_cpu([[0, 0], [1, 0], [0, 0], [1, 0]], cpus=2) == 1
 
 
 def test_batch_and_reps_plan():
@@ -62,7 +76,7 @@ def test_batch_and_reps_plan():
     assert timing.reps_for(64_000_000, 8, 30) == 5
     assert timing.reps_for(1_000, 32, 30) == 7
     assert timing.reps_for(64_000_000, 8, 5) == 3  # never fewer than 3 ...
-    assert timing.reps_for(1_000, 2, 2) == 2       # ... unless fewer were asked for
+    assert timing.reps_for(1_000, 2, 2) == 2  # ... unless fewer were asked for
     assert timing.split_reps(7, 2) == [4, 3] and timing.split_reps(1, 2) == [1]
 
 
@@ -85,45 +99,56 @@ def test_stats_and_bus_bandwidth():
 
 
 def test_candidate_names():
-    assert bench.parse_candidate("ddpkit").algorithm == "auto"
-    assert bench.parse_candidate("ddpkit").transport is None  # ddpkit's default, whatever it is
-    ring = bench.parse_candidate("ddpkit_ring_pg")
+    assert candidates.parse_candidate("ddpkit").algorithm == "auto"
+    assert candidates.parse_candidate("ddpkit").transport is None  # ddpkit's default, whatever it is
+    ring = candidates.parse_candidate("ddpkit_ring_pg")
     assert (ring.algorithm, ring.effective_transport) == ("ring", "process_group")
-    unchecked = bench.parse_candidate("ddpkit:auto:process_group:unchecked")
+    unchecked = candidates.parse_candidate("ddpkit:auto:process_group:unchecked")
     assert (unchecked.algorithm, unchecked.transport, unchecked.checked) == ("auto", "process_group", False)
-    assert bench.parse_candidate("ddpkit:ring:default").transport is None
-    assert bench.parse_candidate("mpich").implementation == "mpich"
-    with pytest.raises(Exception):
-        bench.parse_candidate("nccl")
-    if not bench.HAS_TRANSPORT:  # no candidate may claim a transport this ddpkit does not have
-        with pytest.raises(Exception):
-            bench.parse_candidate("ddpkit:ring:shm")
+    assert candidates.parse_candidate("ddpkit:ring:default").transport is None
+    assert candidates.parse_candidate("mpich").implementation == "mpich"
+    with pytest.raises(argparse.ArgumentTypeError):
+        candidates.parse_candidate("nccl")
+    if not candidates.HAS_TRANSPORT:  # no candidate may claim a transport this ddpkit does not have
+        with pytest.raises(argparse.ArgumentTypeError):
+            candidates.parse_candidate("ddpkit:ring:shm")
 
 
 def _record(n, numel, candidate, median, cut_off=False):
     """A time record of one repetition at ``median`` seconds (None: not measured)."""
+    parsed = candidates.parse_candidate(candidate)
     if median is None:
-        return bench._time_record(bench.parse_candidate(candidate), n, numel, [], status="not measured: test",
-                                  batch=1, cut_off=cut_off, max_abs_error_of_mean=None)
-    return bench._time_record(bench.parse_candidate(candidate), n, numel, [median], batch=1, reps_planned=1,
-                              cut_off=cut_off, max_abs_error_of_mean=None)
+        return candidates.time_record(
+            parsed, n, numel, [], status="not measured: test", batch=1, cut_off=cut_off, max_abs_error_of_mean=None
+        )
+    return candidates.time_record(
+        parsed, n, numel, [median], batch=1, reps_planned=1, cut_off=cut_off, max_abs_error_of_mean=None
+    )
 
 
 def test_summary_bars():
     records = []
     for n in (2, 4, 8):
-        for numel in bench.GRID_SIZES:
-            records += [_record(n, numel, "gloo", 1.0), _record(n, numel, "ddpkit", 0.1 if n < 8 else 0.25),
-                        _record(n, numel, "floor", 0.05)]
-    records += [_record(2, 1_000, "mpich", 0.05), _record(2, 1_000, "deepspeed", 0.02),
-                _record(2, 1_000, "ddpkit:ring:process_group", 2.0),
-                _record(2, 1_000, "ddpkit:ring:process_group:unchecked", 1.6),
-                _record(4, 64_000_000, "mpich", None, cut_off=True)]
-    summary = bench.summarize(records)
+        for numel in candidates.GRID_SIZES:
+            records += [
+                _record(n, numel, "gloo", 1.0),
+                _record(n, numel, "ddpkit", 0.1 if n < 8 else 0.25),
+                _record(n, numel, "floor", 0.05),
+            ]
+    records += [
+        _record(2, 1_000, "mpich", 0.05),
+        _record(2, 1_000, "deepspeed", 0.02),
+        _record(2, 1_000, "ddpkit:ring:process_group", 2.0),
+        _record(2, 1_000, "ddpkit:ring:process_group:unchecked", 1.6),
+        _record(4, 64_000_000, "mpich", None, cut_off=True),
+    ]
+    summary = allreduce_summary.summarize(records)
     assert summary["ddpkit_over_gloo_max"] == pytest.approx(0.25)
     assert summary["ddpkit_over_gloo_bar_met"] is False
     assert "n=8 numel=64000000" not in summary["ddpkit_over_gloo"]  # the bar stops at 16M
-    assert summary["ddpkit_over_best_peer_n2"] == {"numel=1000": {"ratio": pytest.approx(5.0), "best_peer": "deepspeed"}}
+    assert summary["ddpkit_over_best_peer_n2"] == {
+        "numel=1000": {"ratio": pytest.approx(5.0), "best_peer": "deepspeed"}
+    }
     assert set(summary["ddpkit_over_floor_n2"]) == {"numel=1000000", "numel=16000000", "numel=64000000"}
     assert summary["ddpkit_over_floor_bar_met"] is True
     assert summary["checked_over_unchecked"] == {"ddpkit:ring:process_group ws=2 n=1000": pytest.approx(1.25)}
@@ -131,22 +156,40 @@ def test_summary_bars():
 
 
 def test_a_quick_run_is_summarized_as_the_grid_it_ran(capsys):
-    records = [_record(n, numel, candidate, median) for n in (2, 4) for numel in (1_000, 100_000, 1_000_000)
-               for candidate, median in (("gloo", 1.0), ("ddpkit", 0.1))]
-    summary = bench.summarize(records)
+    records = [
+        _record(n, numel, candidate, median)
+        for n in (2, 4)
+        for numel in (1_000, 100_000, 1_000_000)
+        for candidate, median in (("gloo", 1.0), ("ddpkit", 0.1))
+    ]
+    summary = allreduce_summary.summarize(records)
     assert summary["ddpkit_over_gloo_measured"] == "n in {2, 4} x 1k-1M floats"
     assert summary["ddpkit_over_gloo_bar_met"] is None  # within the target where run, but 6 of its 15 points
-    bench.print_summary(records, summary)
+    allreduce_summary.print_summary(records, summary)
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ddpkit / gloo"))
     assert line.startswith("ddpkit / gloo at n in {2, 4} x 1k-1M floats: worst 0.100x"), line
     assert line.endswith("; target <= 0.2x at n in {2, 4, 8} x 1k-16M floats: not checked, 6 of its 15 points run")
-    assert bench.grid_text([(2, 1_000), (4, 1_000), (2, 10_000)]) == "n in {2, 4} x 1k-10k floats (3 of those points)"
+    assert (
+        allreduce_summary.grid_text([(2, 1_000), (4, 1_000), (2, 10_000)])
+        == "n in {2, 4} x 1k-10k floats (3 of those points)"
+    )
 
 
 def test_peer_records_keep_missing_points():
-    points = [{"numel": 1_000, "world_size": 4, "times_s": [3e-6, 1e-6, 2e-6], "batch": 16, "reps_planned": 30,
-               "cut_off": True, "warmup_s": 4e-6, "max_abs_error_of_mean": 1e-7, "library": "MPICH 4.1.2"}]
-    records = bench.peer_records("mpich", 4, [1_000, 64_000_000], points, "job time limit (250 s)")
+    points = [
+        {
+            "numel": 1_000,
+            "world_size": 4,
+            "times_s": [3e-6, 1e-6, 2e-6],
+            "batch": 16,
+            "reps_planned": 30,
+            "cut_off": True,
+            "warmup_s": 4e-6,
+            "max_abs_error_of_mean": 1e-7,
+            "library": "MPICH 4.1.2",
+        }
+    ]
+    records = allreduce_peers.peer_records("mpich", 4, [1_000, 64_000_000], points, "job time limit (250 s)")
     measured, missing = records
     assert measured.median_s == 2e-6 and measured.cut_off and measured.reps == 3
     assert measured.bus_bandwidth_GBps == pytest.approx(4000 / 2e-6 * 1.5 / 1e9)
@@ -157,11 +200,21 @@ def test_peer_records_keep_missing_points():
 
 def test_a_peers_jobs_pool_their_repetitions_per_size():
     def point(numel, times, cut_off=False, error=1e-7):
-        return {"numel": numel, "world_size": 2, "times_s": times, "batch": 16, "reps_planned": len(times),
-                "cut_off": cut_off, "warmup_s": 4e-6, "max_abs_error_of_mean": error, "library": "MPICH 4.1.2"}
+        return {
+            "numel": numel,
+            "world_size": 2,
+            "times_s": times,
+            "batch": 16,
+            "reps_planned": len(times),
+            "cut_off": cut_off,
+            "warmup_s": 4e-6,
+            "max_abs_error_of_mean": error,
+            "library": "MPICH 4.1.2",
+        }
+
     first = [point(1_000, [1e-6, 2e-6]), point(10_000, [5e-6])]
     second = [point(1_000, [3e-6], cut_off=True, error=2e-7), point(100_000, [9e-6])]
-    merged = {p["numel"]: p for p in bench.merge_points(first, second)}
+    merged = {p["numel"]: p for p in allreduce_peers.merge_points(first, second)}
     assert merged[1_000]["times_s"] == [1e-6, 2e-6, 3e-6] and merged[1_000]["reps_planned"] == 3
     assert merged[1_000]["cut_off"] and merged[1_000]["max_abs_error_of_mean"] == 2e-7
     assert merged[10_000]["times_s"] == [5e-6] and merged[100_000]["times_s"] == [9e-6]

@@ -42,11 +42,17 @@ def test_a_smoke_run_never_writes_where_the_measured_results_are(monkeypatch, tm
 
 
 def test_tables_print_values_with_their_units(capsys):
-    rows = [{"candidate": "ddpkit", "median_s": 42e-6, "memory": 3 * 2**20, "ratio": 0.5},
-            {"candidate": "torch", "median_s": 1.5, "memory": None, "ratio": 1.0}]
-    common.print_table(rows, ["candidate", "median_s", "memory", "ratio"], align_left={"candidate"},
-                       headers={"median_s": "median"},
-                       formats={"median_s": common.seconds, "memory": common.mebibytes, "ratio": common.times})
+    rows = [
+        {"candidate": "ddpkit", "median_s": 42e-6, "memory": 3 * 2**20, "ratio": 0.5},
+        {"candidate": "torch", "median_s": 1.5, "memory": None, "ratio": 1.0},
+    ]
+    common.print_table(
+        rows,
+        ["candidate", "median_s", "memory", "ratio"],
+        align_left={"candidate"},
+        headers={"median_s": "median"},
+        formats={"median_s": common.seconds, "memory": common.mebibytes, "ratio": common.times},
+    )
     assert capsys.readouterr().out.splitlines() == [
         "candidate   median   memory   ratio",
         "ddpkit     42.0 µs  3.0 MiB  0.500x",
@@ -57,8 +63,11 @@ def test_tables_print_values_with_their_units(capsys):
 
 def test_a_wide_table_is_printed_in_parts_that_fit_and_repeat_the_row_names(capsys):
     columns = ["ranks", "candidate", *(f"column_{i}" for i in range(12))]
-    rows = [{"ranks": n, "candidate": name, **{f"column_{i}": 1000.0 * i for i in range(12)}}
-            for n in (2, 4) for name in ("ddpkit", "gloo")]
+    rows = [
+        {"ranks": n, "candidate": name, **{f"column_{i}": 1000.0 * i for i in range(12)}}
+        for n in (2, 4)
+        for name in ("ddpkit", "gloo")
+    ]
     common.print_table(rows, columns, align_left={"candidate"}, keys=2)
     lines = capsys.readouterr().out.splitlines()
     assert max(map(len, lines)) <= common.TABLE_WIDTH

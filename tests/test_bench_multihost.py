@@ -25,8 +25,8 @@ def test_slowest_rank_per_repetition_and_cpu_summed_over_ranks(monkeypatch):
     ranks = per_rank([(1.0, 0.5), (2.0, 1.0), (3.0, 0.5)], [(1.5, 1.5), (1.0, 3.0), (2.0, 0.5)])
     assert bench.slowest(ranks, "c") == [1.5, 2.0, 3.0]
     figures = bench.cpu_figures(ranks, "c")
-    assert figures["all_ranks_cpu_s"] == 2.0                       # median of 2.0, 4.0, 1.0
-    assert figures["cpu_busy"] == pytest.approx(2.0 / (1.5 * 2))   # median of 2/3, 1, 1/6
+    assert figures["all_ranks_cpu_s"] == 2.0  # median of 2.0, 4.0, 1.0
+    assert figures["cpu_busy"] == pytest.approx(2.0 / (1.5 * 2))  # median of 2/3, 1, 1/6
     with pytest.raises(ValueError, match="different numbers of repetitions"):
         bench.slowest(per_rank([(1.0, 0.0)], [(1.0, 0.0), (1.0, 0.0)]), "c")
 
@@ -37,15 +37,25 @@ def test_the_timed_call_is_the_librarys_own_function(monkeypatch):
     monkeypatch.setattr(bench.dist, "get_world_size", lambda: 4)
     tensor, block = object(), object()
     call = bench.user_call("gloo", "broadcast", tensor, block)
-    assert (call.func, call.args, call.keywords) == (bench.dist.broadcast, (tensor,), {"group": groups["gloo"], "src": 3})
+    assert (call.func, call.args, call.keywords) == (
+        bench.dist.broadcast,
+        (tensor,),
+        {"group": groups["gloo"], "src": 3},
+    )
     call = bench.user_call("ddpkit_backend", "reduce_scatter", tensor, block)
-    assert (call.func, call.args, call.keywords) == (bench.dist.reduce_scatter_tensor, (block, tensor),
-                                                     {"group": groups["ddpkit"]})
+    assert (call.func, call.args, call.keywords) == (
+        bench.dist.reduce_scatter_tensor,
+        (block, tensor),
+        {"group": groups["ddpkit"]},
+    )
     call = bench.user_call("ddpkit", "all_reduce", tensor, block)
     assert (call.func, call.args, call.keywords) == (bench.ddpkit.all_reduce, (tensor,), {"group": groups["gloo"]})
     call = bench.user_call("ddpkit_flat", "all_gather", tensor, block)
-    assert (call.func, call.args, call.keywords) == (bench.ddpkit.all_gather_into_tensor, (tensor, block),
-                                                     {"group": groups["gloo"], "transport": "process_group"})
+    assert (call.func, call.args, call.keywords) == (
+        bench.ddpkit.all_gather_into_tensor,
+        (tensor, block),
+        {"group": groups["gloo"], "transport": "process_group"},
+    )
     call = bench.user_call("ddpkit_flat", "all_reduce", tensor, block)
     assert call.keywords == {"group": groups["gloo"], "algorithm": "halving_doubling"}
     call = bench.user_call("ddpkit_star", "all_reduce", tensor, block)

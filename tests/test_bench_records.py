@@ -12,16 +12,23 @@ sys.path.insert(0, str(BENCHMARKS))
 import records  # noqa: E402
 
 RESULTS = sorted((BENCHMARKS / "results").glob("*.json"))
-CLASSES = {"allreduce": {records.AllreduceTimeRecord, records.AllreduceMemoryRecord},
-           "allreduce_checks": {records.AllreduceTimeRecord},
-           "allreduce_16core": {records.AllreduceTimeRecord},  # --memory-sizes left empty: no memory records
-           "allreduce_peers_n2": {records.AllreduceTimeRecord}, "allreduce_small_n2": {records.AllreduceTimeRecord},
-           "backend": {records.CollectiveRecord, records.LayerRecord, records.DdpRecord},
-           "ddp": {records.DdpRecord}, "ddp_cuda": {records.DdpRecord},
-           "syncbn": {records.SyncBatchNormRecord}, "syncbn_cuda": {records.SyncBatchNormRecord},
-           "training": {records.TrainingRecord}, "torch_stack": {records.TorchStackRecord},
-           "multihost": {records.MultihostRecord, records.MultihostCollectiveRecord, records.MultihostDdpRecord},
-           "latency": {records.LatencyRecord}, "fault_tolerance": {records.FaultToleranceRecord}}
+CLASSES = {
+    "allreduce": {records.AllreduceTimeRecord, records.AllreduceMemoryRecord},
+    "allreduce_checks": {records.AllreduceTimeRecord},
+    "allreduce_16core": {records.AllreduceTimeRecord},  # --memory-sizes left empty: no memory records
+    "allreduce_peers_n2": {records.AllreduceTimeRecord},
+    "allreduce_small_n2": {records.AllreduceTimeRecord},
+    "backend": {records.CollectiveRecord, records.LayerRecord, records.DdpRecord},
+    "ddp": {records.DdpRecord},
+    "ddp_cuda": {records.DdpRecord},
+    "syncbn": {records.SyncBatchNormRecord},
+    "syncbn_cuda": {records.SyncBatchNormRecord},
+    "training": {records.TrainingRecord},
+    "torch_stack": {records.TorchStackRecord},
+    "multihost": {records.MultihostRecord, records.MultihostCollectiveRecord, records.MultihostDdpRecord},
+    "latency": {records.LatencyRecord},
+    "fault_tolerance": {records.FaultToleranceRecord},
+}
 
 
 def _left_out_when_none(record) -> set:
@@ -53,8 +60,9 @@ LAYER = {"kind": "layers", "layer": "dist.all_reduce", "world_size": 2, "numel":
 
 
 def test_schema_drift_is_an_error():
-    assert records.load_records(_document("backend", LAYER)) == [records.LayerRecord(
-        layer="dist.all_reduce", world_size=2, numel=1000, median_s=1e-5, reps=3)]
+    assert records.load_records(_document("backend", LAYER)) == [
+        records.LayerRecord(layer="dist.all_reduce", world_size=2, numel=1000, median_s=1e-5, reps=3)
+    ]
     with pytest.raises(ValueError, match=r"record 1: LayerRecord has no field p99_s"):
         records.load_records(_document("backend", LAYER, {**LAYER, "p99_s": 1.0}))
     with pytest.raises(ValueError, match=r"LayerRecord lacks median_s, reps"):
@@ -74,9 +82,21 @@ def test_records_without_a_kind_take_the_class_of_their_benchmark():
 
 
 def test_optional_fields_are_left_out_when_none_and_required_ones_written():
-    record = records.DdpRecord(world_size=2, model="net", batch_per_rank=64, accumulation=1, candidate="torch",
-                               impl="torch", median_step_s=0.1, p25_step_s=0.1, p75_step_s=0.1, steps_timed=4,
-                               peak_memory_bytes=1, reducer_stats=None, max_param_diff_vs_torch_after_2_steps=0.0)
+    record = records.DdpRecord(
+        world_size=2,
+        model="net",
+        batch_per_rank=64,
+        accumulation=1,
+        candidate="torch",
+        impl="torch",
+        median_step_s=0.1,
+        p25_step_s=0.1,
+        p75_step_s=0.1,
+        steps_timed=4,
+        peak_memory_bytes=1,
+        reducer_stats=None,
+        max_param_diff_vs_torch_after_2_steps=0.0,
+    )
     data = record.to_dict()
     assert data["reducer_stats"] is None and data["max_param_diff_vs_torch_after_2_steps"] == 0.0
     assert not {"kind", "algorithm", "backend", "env", "max_param_diff_vs_torch_gloo_after_2_steps"} & data.keys()
@@ -94,11 +114,14 @@ def test_training_records_say_which_batch_norm_ran():
     assert by_candidate["ddpkit"].label == "ddpkit DDP, plain BatchNorm"
     assert by_candidate["ddpkit_sync_bn"].label == "ddpkit DDP, ddpkit.SyncBatchNorm"
     record = by_candidate["torch"]
-    assert dataclasses.replace(record, sync_bn=True, batch_norm="torch.nn.SyncBatchNorm").label == \
-        "torch DDP, torch.nn.SyncBatchNorm"
+    assert (
+        dataclasses.replace(record, sync_bn=True, batch_norm="torch.nn.SyncBatchNorm").label
+        == "torch DDP, torch.nn.SyncBatchNorm"
+    )
     # Records from before batch_norm was recorded: torch's CPU pipeline said sync_bn True beside its
     # note that it ran plain BatchNorm.
-    older = dataclasses.replace(record, sync_bn=True, batch_norm=None,
-                                notes=["torch.nn.SyncBatchNorm needs CUDA: plain BatchNorm on CPU"])
+    older = dataclasses.replace(
+        record, sync_bn=True, batch_norm=None, notes=["torch.nn.SyncBatchNorm needs CUDA: plain BatchNorm on CPU"]
+    )
     assert not older.synchronized and older.label == "torch DDP, plain BatchNorm"
     assert "batch_norm" not in older.to_dict()

@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO / "benchmarks"))
-import bench_allreduce  # noqa: E402
+import allreduce_summary  # noqa: E402
 import bench_backend  # noqa: E402
 import bench_ddp  # noqa: E402
 import bench_syncbn  # noqa: E402
@@ -31,7 +31,9 @@ def training(records, summary):
 
 
 PRINTERS = {
-    "allreduce": lambda records, summary: bench_allreduce.print_summary(records, bench_allreduce.summarize(records)),
+    "allreduce": lambda records, summary: allreduce_summary.print_summary(
+        records, allreduce_summary.summarize(records)
+    ),
     "syncbn": lambda records, summary: bench_syncbn.print_summary(records, summary, cuda=False),
     "syncbn_cuda": lambda records, summary: bench_syncbn.print_summary(records, summary, cuda=True),
     "ddp": lambda records, summary: bench_ddp.print_summary(records, reference="torch"),

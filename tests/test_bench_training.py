@@ -38,13 +38,34 @@ def test_the_ratio_pairs_blocks_and_leaves_out_the_warm_up():
 @pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(), reason="apt-get install dataset-fashion-mnist")
 def test_a_tiny_run_records_what_ran_and_plots_it(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_training.py"), "--quick", "--epochs", "1", "--limit-train",
-         "1024", "--limit-test", "200", "--block-steps", "1", "--no-progress", "--results-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "bench_training.py"),
+            "--quick",
+            "--epochs",
+            "1",
+            "--limit-train",
+            "1024",
+            "--limit-test",
+            "200",
+            "--block-steps",
+            "1",
+            "--no-progress",
+            "--results-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     document = json.loads((tmp_path / "training.json").read_text())
     ran = {r["candidate"]: (r["impl"], r["sync_bn"], r["batch_norm"]) for r in document["records"]}
-    assert ran == {"ddpkit": ("ddpkit", False, "BatchNorm"), "torch": ("torch", False, "BatchNorm"),
-                   "ddpkit_sync_bn": ("ddpkit", True, "ddpkit.SyncBatchNorm")}
+    assert ran == {
+        "ddpkit": ("ddpkit", False, "BatchNorm"),
+        "torch": ("torch", False, "BatchNorm"),
+        "ddpkit_sync_bn": ("ddpkit", True, "ddpkit.SyncBatchNorm"),
+    }
     assert document["settings"]["candidates"]["torch"] == {"impl": "torch", "sync_bn": False, "batch_norm": "BatchNorm"}
     assert document["summary"]["batch_norm"] == "BatchNorm" and "ddpkit_sync_bn_vs_torch" in document["summary"]
     assert "headline, like for like: ddpkit DDP, plain BatchNorm against torch DDP, plain BatchNorm" in result.stdout

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit.testing import WorkerPool
 
-from helpers import rank_input
+from helpers import bits, caught, rank_input
 
 TRANSPORTS = ["shm", "process_group"]
 BLOCK_ALGORITHMS = ("auto", "ring", "halving_doubling", "direct")
@@ -34,20 +34,18 @@ def algorithms_for(transport: str, world_size: int | None = None) -> list[str]:
     if world_size is None:
         world_size = dist.get_world_size()
     power_of_two = world_size & (world_size - 1) == 0
-    return [a for a in BLOCK_ALGORITHMS
-            if (transport == "shm" or a != "direct") and (power_of_two or a != "halving_doubling")]
+    return [
+        a
+        for a in BLOCK_ALGORITHMS
+        if (transport == "shm" or a != "direct") and (power_of_two or a != "halving_doubling")
+    ]
 
 
 def block_numels(world_size: int) -> list[int]:
     return sorted({0, 1, world_size - 1, 1001, LARGE})
 
 
-def bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes, for comparisons where NaN must equal NaN and -0.0 differ from 0.0."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def inputs_of(world_size: int, numel: int) -> torch.Tensor:
     """[world_size, numel]: every rank's integer-valued rank_input, as float64."""
     return torch.stack([rank_input(r, numel, integer=True).double() for r in range(world_size)])
@@ -59,22 +57,14 @@ def gathered_reference(world_size: int, numel: int) -> torch.Tensor:
 
 def scattered_reference(world_size: int, numel: int, rank: int, op: str) -> torch.Tensor:
     """op over the ranks of block `rank` of every rank's input (world_size * numel elements)."""
-    blocks = inputs_of(world_size, world_size * numel)[:, rank * numel:(rank + 1) * numel]
+    blocks = inputs_of(world_size, world_size * numel)[:, rank * numel : (rank + 1) * numel]
     if op == "mean":
         return blocks.sum(0).float() / world_size  # exact float32 sum, divided once
     return {"sum": blocks.sum(0), "max": blocks.amax(0), "min": blocks.amin(0)}[op].float()
 
 
-def expect_error(call) -> str | None:
-    """Runs `call`; returns the exception as text (None if nothing was raised)."""
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects the message
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 # --- cases that run on every rank ----------------------------------------------------------------
+
 
 def case_every_block_collective(transport, numels):
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -88,7 +78,7 @@ def case_every_block_collective(transport, numels):
             out[("all_gather", algorithm, numel)] = output
             # In place, as FSDP2 calls it: the input is this rank's block of the output.
             output = torch.full((world_size * numel,), float("nan"))
-            own = output[rank * numel:(rank + 1) * numel]
+            own = output[rank * numel : (rank + 1) * numel]
             own.copy_(source)
             ddpkit.all_gather_into_tensor(output, own, algorithm=algorithm, transport=transport)
             out[("all_gather_in_place", algorithm, numel)] = output
@@ -96,15 +86,15 @@ def case_every_block_collective(transport, numels):
                 source = rank_input(rank, world_size * numel, integer=True)
                 before = source.clone()
                 output = torch.full((numel,), float("nan"))
-                returned = ddpkit.reduce_scatter_tensor(output, source, op=op, algorithm=algorithm,
-                                                        transport=transport)
-                assert returned is output or returned.data_ptr() == output.data_ptr(), \
+                returned = ddpkit.reduce_scatter_tensor(output, source, op=op, algorithm=algorithm, transport=transport)
+                assert returned is output or returned.data_ptr() == output.data_ptr(), (
                     "reduce_scatter must fill `output`"
+                )
                 out[("reduce_scatter", algorithm, numel, op)] = output
                 if not torch.equal(source, before):
                     inputs_changed.append((algorithm, numel, op))
                 # In place: the output is this rank's block of the input.
-                own = source[rank * numel:(rank + 1) * numel]
+                own = source[rank * numel : (rank + 1) * numel]
                 ddpkit.reduce_scatter_tensor(own, source, op=op, algorithm=algorithm, transport=transport)
                 out[("reduce_scatter_in_place", algorithm, numel, op)] = own.clone()
     return out, inputs_changed
@@ -121,8 +111,12 @@ def case_shapes_and_torch_ops(transport):
         stacked = torch.empty(world_size, 2, 3)
         ddpkit.all_gather_into_tensor(stacked, source, algorithm=algorithm, transport=transport)
         out[("all_gather", algorithm)] = (flat, stacked)
-        for name, op in (("sum", dist.ReduceOp.SUM), ("mean", dist.ReduceOp.AVG),
-                         ("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN)):
+        for name, op in (
+            ("sum", dist.ReduceOp.SUM),
+            ("mean", dist.ReduceOp.AVG),
+            ("max", dist.ReduceOp.MAX),
+            ("min", dist.ReduceOp.MIN),
+        ):
             source = rank_input(rank, world_size * 6, integer=True).view(world_size * 2, 3)
             output = torch.empty(2, 3)
             ddpkit.reduce_scatter_tensor(output, source, op=op, algorithm=algorithm, transport=transport)
@@ -130,8 +124,19 @@ def case_shapes_and_torch_ops(transport):
     return out
 
 
-GATHER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-                 torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64)
+GATHER_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+)
 SCATTER_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 GATHER_NUMEL = 70_001  # odd, and more than a slot for the 8-byte dtypes
 SCATTER_NUMEL = 70_001  # odd, several steps of the direct reduce-scatter (a 1/n-slot piece per step)
@@ -151,8 +156,9 @@ def gather_source(rank, dtype):
 
 def scatter_source(rank, world_size, dtype):
     """Small integers (|x| < 32): every sum over at most 5 ranks is exact even in bfloat16."""
-    return torch.randint(-32, 32, (world_size * SCATTER_NUMEL,),
-                         generator=torch.Generator().manual_seed(rank)).to(dtype)
+    return torch.randint(-32, 32, (world_size * SCATTER_NUMEL,), generator=torch.Generator().manual_seed(rank)).to(
+        dtype
+    )
 
 
 def narrow_float_source(rank, world_size, dtype):
@@ -182,8 +188,9 @@ def case_dtypes(transport):
                 out[("reduce_scatter", algorithm, dtype, op)] = output
         for dtype in (torch.float16, torch.bfloat16):
             output = torch.empty(world_size, dtype=dtype)
-            ddpkit.reduce_scatter_tensor(output, narrow_float_source(rank, world_size, dtype),
-                                         algorithm=algorithm, transport=transport)
+            ddpkit.reduce_scatter_tensor(
+                output, narrow_float_source(rank, world_size, dtype), algorithm=algorithm, transport=transport
+            )
             out[("in_float32", algorithm, dtype)] = output
     return out
 
@@ -201,12 +208,18 @@ def case_subgroup(transport, numels):
     for algorithm in algorithms_for(transport):
         for numel in numels:
             output = torch.full((size * numel,), float("nan"))
-            ddpkit.all_gather_into_tensor(output, rank_input(rank, numel, integer=True), group=group,
-                                          algorithm=algorithm, transport=transport)
+            ddpkit.all_gather_into_tensor(
+                output, rank_input(rank, numel, integer=True), group=group, algorithm=algorithm, transport=transport
+            )
             out[("all_gather", algorithm, numel)] = output
             output = torch.full((numel,), float("nan"))
-            ddpkit.reduce_scatter_tensor(output, rank_input(rank, size * numel, integer=True), group=group,
-                                         algorithm=algorithm, transport=transport)
+            ddpkit.reduce_scatter_tensor(
+                output,
+                rank_input(rank, size * numel, integer=True),
+                group=group,
+                algorithm=algorithm,
+                transport=transport,
+            )
             out[("reduce_scatter", algorithm, numel)] = output
     ddpkit.barrier(group=group, transport=transport)
     resolved = ddpkit.comm.resolved_transport(group, transport)
@@ -225,12 +238,14 @@ def case_message_counts(numel):
     out = {}
     for algorithm in algorithms_for("shm"):
         ddpkit.reset_comm_counters()
-        ddpkit.all_gather_into_tensor(torch.empty(world_size * numel), torch.ones(numel), algorithm=algorithm,
-                                      transport="shm")
+        ddpkit.all_gather_into_tensor(
+            torch.empty(world_size * numel), torch.ones(numel), algorithm=algorithm, transport="shm"
+        )
         out[("all_gather", algorithm)] = ddpkit.comm_counters()
         ddpkit.reset_comm_counters()
-        ddpkit.reduce_scatter_tensor(torch.empty(numel), torch.ones(world_size * numel), algorithm=algorithm,
-                                     transport="shm")
+        ddpkit.reduce_scatter_tensor(
+            torch.empty(numel), torch.ones(world_size * numel), algorithm=algorithm, transport="shm"
+        )
         out[("reduce_scatter", algorithm)] = ddpkit.comm_counters()
     return out
 
@@ -243,12 +258,14 @@ def case_unchecked(transport):
     try:
         for algorithm in algorithms_for(transport):
             output = torch.empty(world_size * LARGE)
-            ddpkit.all_gather_into_tensor(output, rank_input(rank, LARGE, integer=True), algorithm=algorithm,
-                                          transport=transport)
+            ddpkit.all_gather_into_tensor(
+                output, rank_input(rank, LARGE, integer=True), algorithm=algorithm, transport=transport
+            )
             out[("all_gather", algorithm)] = output
             output = torch.empty(1001)
-            ddpkit.reduce_scatter_tensor(output, rank_input(rank, world_size * 1001, integer=True),
-                                         algorithm=algorithm, transport=transport)
+            ddpkit.reduce_scatter_tensor(
+                output, rank_input(rank, world_size * 1001, integer=True), algorithm=algorithm, transport=transport
+            )
             out[("reduce_scatter", algorithm)] = output
             ddpkit.barrier(transport=transport)
     finally:
@@ -262,14 +279,21 @@ def block_mismatch_call(kind, rank, transport):
     odd = rank == 1
 
     def gather(numel=1000, dtype=torch.float32, algorithm="auto"):
-        return lambda: ddpkit.all_gather_into_tensor(torch.zeros(n * numel, dtype=dtype),
-                                                     torch.ones(numel, dtype=dtype),
-                                                     algorithm=algorithm, transport=transport)
+        return lambda: ddpkit.all_gather_into_tensor(
+            torch.zeros(n * numel, dtype=dtype),
+            torch.ones(numel, dtype=dtype),
+            algorithm=algorithm,
+            transport=transport,
+        )
 
     def scatter(numel=1000, dtype=torch.float32, op="sum", algorithm="auto"):
-        return lambda: ddpkit.reduce_scatter_tensor(torch.zeros(numel, dtype=dtype),
-                                                    torch.ones(n * numel, dtype=dtype), op=op,
-                                                    algorithm=algorithm, transport=transport)
+        return lambda: ddpkit.reduce_scatter_tensor(
+            torch.zeros(numel, dtype=dtype),
+            torch.ones(n * numel, dtype=dtype),
+            op=op,
+            algorithm=algorithm,
+            transport=transport,
+        )
 
     return {
         "gather_numel": gather(numel=1000 + odd),
@@ -282,20 +306,25 @@ def block_mismatch_call(kind, rank, transport):
         "gather_algorithm": gather(algorithm="ring" if odd else "auto"),
         "scatter_algorithm": scatter(algorithm="ring" if odd else "auto"),
         "gather_vs_scatter": scatter() if odd else gather(),
-        "gather_vs_all_reduce": (lambda: ddpkit.all_reduce(torch.ones(1000), transport=transport)) if odd
-        else gather(),
+        "gather_vs_all_reduce": (lambda: ddpkit.all_reduce(torch.ones(1000), transport=transport)) if odd else gather(),
         "scatter_vs_barrier": (lambda: ddpkit.barrier(transport=transport)) if odd else scatter(),
-        "gather_output_size_on_one_rank": (lambda: ddpkit.all_gather_into_tensor(
-            torch.zeros(n * 8 + 1), torch.ones(8), transport=transport)) if odd else gather(numel=8),
-        "scatter_input_size_on_one_rank": (lambda: ddpkit.reduce_scatter_tensor(
-            torch.zeros(8), torch.ones(n * 8 - 1), transport=transport)) if odd else scatter(numel=8),
+        "gather_output_size_on_one_rank": (
+            lambda: ddpkit.all_gather_into_tensor(torch.zeros(n * 8 + 1), torch.ones(8), transport=transport)
+        )
+        if odd
+        else gather(numel=8),
+        "scatter_input_size_on_one_rank": (
+            lambda: ddpkit.reduce_scatter_tensor(torch.zeros(8), torch.ones(n * 8 - 1), transport=transport)
+        )
+        if odd
+        else scatter(numel=8),
     }[kind]
 
 
 def case_mismatch(kind, transport):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     assert ddpkit.collective_checks_enabled()
-    error = expect_error(block_mismatch_call(kind, rank, transport))
+    error = caught(block_mismatch_call(kind, rank, transport))
     # The group is still usable: all three collectives, through the same transport.
     gathered = torch.empty(world_size * 300_000)
     ddpkit.all_gather_into_tensor(gathered, torch.full((300_000,), float(rank)), transport=transport)
@@ -309,58 +338,72 @@ def case_mismatch(kind, transport):
 
 BAD_CALLS = {
     "gather_output_too_small": lambda n, t: ddpkit.all_gather_into_tensor(
-        torch.empty(n * 4 - 1), torch.ones(4), transport=t),
+        torch.empty(n * 4 - 1), torch.ones(4), transport=t
+    ),
     "scatter_input_too_large": lambda n, t: ddpkit.reduce_scatter_tensor(
-        torch.empty(4), torch.ones(n * 4 + 1), transport=t),
+        torch.empty(4), torch.ones(n * 4 + 1), transport=t
+    ),
     "gather_dtypes_differ": lambda n, t: ddpkit.all_gather_into_tensor(
-        torch.empty(n * 4, dtype=torch.float64), torch.ones(4), transport=t),
+        torch.empty(n * 4, dtype=torch.float64), torch.ones(4), transport=t
+    ),
     "scatter_dtypes_differ": lambda n, t: ddpkit.reduce_scatter_tensor(
-        torch.empty(4, dtype=torch.float64), torch.ones(n * 4), transport=t),
+        torch.empty(4, dtype=torch.float64), torch.ones(n * 4), transport=t
+    ),
     # overlapping, but no rank's own block (which would be the accepted in-place form)
     "gather_aliased": lambda n, t: (lambda out: ddpkit.all_gather_into_tensor(out, out[1:5], transport=t))(
-        torch.ones(n * 4)),
+        torch.ones(n * 4)
+    ),
     "scatter_aliased": lambda n, t: (lambda inp: ddpkit.reduce_scatter_tensor(inp[1:5], inp, transport=t))(
-        torch.ones(n * 4)),
+        torch.ones(n * 4)
+    ),
     "gather_non_contiguous": lambda n, t: ddpkit.all_gather_into_tensor(
-        torch.empty(n * 4, 4), torch.ones(4, 4).t(), transport=t),
+        torch.empty(n * 4, 4), torch.ones(4, 4).t(), transport=t
+    ),
     "scatter_non_contiguous_output": lambda n, t: ddpkit.reduce_scatter_tensor(
-        torch.empty(4, 4).t(), torch.ones(n * 4, 4), transport=t),
+        torch.empty(4, 4).t(), torch.ones(n * 4, 4), transport=t
+    ),
     "scatter_mean_of_integers": lambda n, t: ddpkit.reduce_scatter_tensor(
-        torch.empty(4, dtype=torch.int64), torch.ones(n * 4, dtype=torch.int64), op="mean", transport=t),
+        torch.empty(4, dtype=torch.int64), torch.ones(n * 4, dtype=torch.int64), op="mean", transport=t
+    ),
     "scatter_unsupported_dtype": lambda n, t: ddpkit.reduce_scatter_tensor(
-        torch.empty(4, dtype=torch.bool), torch.ones(n * 4, dtype=torch.bool), transport=t),
+        torch.empty(4, dtype=torch.bool), torch.ones(n * 4, dtype=torch.bool), transport=t
+    ),
     "scatter_unsupported_torch_op": lambda n, t: ddpkit.reduce_scatter_tensor(
-        torch.empty(4), torch.ones(n * 4), op=dist.ReduceOp.PRODUCT, transport=t),
+        torch.empty(4), torch.ones(n * 4), op=dist.ReduceOp.PRODUCT, transport=t
+    ),
     "gather_not_a_block_algorithm": lambda n, t: ddpkit.all_gather_into_tensor(
-        torch.empty(n * 4), torch.ones(4), algorithm="star", transport=t),
+        torch.empty(n * 4), torch.ones(4), algorithm="star", transport=t
+    ),
     "scatter_not_a_block_algorithm": lambda n, t: ddpkit.reduce_scatter_tensor(
-        torch.empty(4), torch.ones(n * 4), algorithm="butterfly", transport=t),
+        torch.empty(4), torch.ones(n * 4), algorithm="butterfly", transport=t
+    ),
     "gather_unknown_algorithm": lambda n, t: ddpkit.all_gather_into_tensor(
-        torch.empty(n * 4), torch.ones(4), algorithm="telepathy", transport=t),
+        torch.empty(n * 4), torch.ones(4), algorithm="telepathy", transport=t
+    ),
 }
 
 BAD_ARGUMENT_MESSAGES = {
     "gather_output_too_small": "ddpkit.all_gather_into_tensor: the output must have world size (2) times the "
-                               "elements of the input (4), got 7",
+    "elements of the input (4), got 7",
     "scatter_input_too_large": "ddpkit.reduce_scatter_tensor: the input must have world size (2) times the "
-                               "elements of the output (4), got 9",
+    "elements of the output (4), got 9",
     "gather_dtypes_differ": "ddpkit.all_gather_into_tensor: input and output must have the same dtype and device, "
-                            "got Float on cpu and Double on cpu",
+    "got Float on cpu and Double on cpu",
     "scatter_dtypes_differ": "ddpkit.reduce_scatter_tensor: input and output must have the same dtype and device, "
-                             "got Float on cpu and Double on cpu",
+    "got Float on cpu and Double on cpu",
     "gather_aliased": "ddpkit.all_gather_into_tensor: output and input must not share memory, except an input "
-                      "that is this rank's block of the output",
+    "that is this rank's block of the output",
     "scatter_aliased": "ddpkit.reduce_scatter_tensor: output and input must not share memory, except an output "
-                       "that is this rank's block of the input",
+    "that is this rank's block of the input",
     "gather_non_contiguous": "ddpkit.all_gather_into_tensor: expected a contiguous tensor",
     "scatter_non_contiguous_output": "ddpkit.reduce_scatter_tensor: expected a contiguous tensor",
     "scatter_mean_of_integers": "ddpkit.reduce_scatter_tensor: op 'mean' needs a floating-point tensor, got Long",
     "scatter_unsupported_dtype": "ddpkit.reduce_scatter_tensor: unsupported dtype Bool",
     "scatter_unsupported_torch_op": "unknown reduce op 'product'",
     "gather_not_a_block_algorithm": "ddpkit.all_gather_into_tensor: algorithm must be 'auto', 'ring', "
-                                    "'halving_doubling', 'direct' or 'hierarchical', got 'star'",
+    "'halving_doubling', 'direct' or 'hierarchical', got 'star'",
     "scatter_not_a_block_algorithm": "ddpkit.reduce_scatter_tensor: algorithm must be 'auto', 'ring', "
-                                     "'halving_doubling', 'direct' or 'hierarchical', got 'butterfly'",
+    "'halving_doubling', 'direct' or 'hierarchical', got 'butterfly'",
     "gather_unknown_algorithm": "unknown algorithm 'telepathy'",
 }
 
@@ -370,7 +413,7 @@ def case_bad_arguments(kinds, transport):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
     for kind in kinds:
-        error = expect_error(lambda: BAD_CALLS[kind](world_size, transport))
+        error = caught(lambda: BAD_CALLS[kind](world_size, transport))
         output = torch.empty(world_size * 10)
         ddpkit.all_gather_into_tensor(output, torch.full((10,), float(rank)), transport=transport)
         out[kind] = (error, output)
@@ -380,10 +423,16 @@ def case_bad_arguments(kinds, transport):
 def case_direct_over_process_group():
     rank, world_size = dist.get_rank(), dist.get_world_size()
     errors = [
-        expect_error(lambda: ddpkit.all_gather_into_tensor(torch.empty(world_size * 4), torch.ones(4),
-                                                           algorithm="direct", transport="process_group")),
-        expect_error(lambda: ddpkit.reduce_scatter_tensor(torch.empty(4), torch.ones(world_size * 4),
-                                                          algorithm="direct", transport="process_group")),
+        caught(
+            lambda: ddpkit.all_gather_into_tensor(
+                torch.empty(world_size * 4), torch.ones(4), algorithm="direct", transport="process_group"
+            )
+        ),
+        caught(
+            lambda: ddpkit.reduce_scatter_tensor(
+                torch.empty(4), torch.ones(world_size * 4), algorithm="direct", transport="process_group"
+            )
+        ),
     ]
     output = torch.empty(world_size * 4)
     ddpkit.all_gather_into_tensor(output, torch.full((4,), float(rank)), transport="process_group")
@@ -395,14 +444,19 @@ def case_algorithm_unusable_on_one_rank(collective, algorithm, transport):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     chosen = algorithm if rank == 1 else "auto"
     if collective == "all_gather":
-        error = expect_error(lambda: ddpkit.all_gather_into_tensor(
-            torch.empty(world_size * 8), torch.ones(8), algorithm=chosen, transport=transport))
+        error = caught(
+            lambda: ddpkit.all_gather_into_tensor(
+                torch.empty(world_size * 8), torch.ones(8), algorithm=chosen, transport=transport
+            )
+        )
     else:
-        error = expect_error(lambda: ddpkit.reduce_scatter_tensor(
-            torch.empty(8), torch.ones(world_size * 8), algorithm=chosen, transport=transport))
+        error = caught(
+            lambda: ddpkit.reduce_scatter_tensor(
+                torch.empty(8), torch.ones(world_size * 8), algorithm=chosen, transport=transport
+            )
+        )
     output = torch.empty(world_size * 8)
-    after = expect_error(lambda: ddpkit.all_gather_into_tensor(output, torch.full((8,), float(rank)),
-                                                                transport=transport))
+    after = caught(lambda: ddpkit.all_gather_into_tensor(output, torch.full((8,), float(rank)), transport=transport))
     return error, after, output
 
 
@@ -437,6 +491,7 @@ def barrier_timings(transport, group_ranks):
 
 
 # --- tests ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
@@ -486,8 +541,9 @@ def test_every_dtype(pool, transport):
                 assert tensor.dtype == dtype
                 assert torch.equal(bits(tensor), bits(expected)), (rank, algorithm, dtype)
             for dtype in SCATTER_DTYPES:
-                exact = torch.stack([scatter_source(r, world_size, dtype).double()
-                                     for r in range(world_size)])[:, rank * SCATTER_NUMEL:(rank + 1) * SCATTER_NUMEL]
+                exact = torch.stack([scatter_source(r, world_size, dtype).double() for r in range(world_size)])[
+                    :, rank * SCATTER_NUMEL : (rank + 1) * SCATTER_NUMEL
+                ]
                 for op in REDUCE_OPS if dtype.is_floating_point else ("sum", "max", "min"):
                     tensor = out[("reduce_scatter", algorithm, dtype, op)]
                     assert tensor.dtype == dtype
@@ -520,7 +576,7 @@ def test_subgroup(pool, transport):
         assert resolved == transport
         for numel in numels:
             gathered = subgroup_inputs(numel).reshape(-1).float()
-            block = subgroup_inputs(size * numel)[:, group_rank * numel:(group_rank + 1) * numel].sum(0).float()
+            block = subgroup_inputs(size * numel)[:, group_rank * numel : (group_rank + 1) * numel].sum(0).float()
             for algorithm in algorithms_for(transport, size):
                 assert torch.equal(out[("all_gather", algorithm, numel)], gathered), (rank, algorithm, numel)
                 assert torch.equal(out[("reduce_scatter", algorithm, numel)], block), (rank, algorithm, numel)
@@ -549,8 +605,12 @@ def test_direct_sends_no_messages_and_ring_one_block_per_round(pool, world_size)
                 assert counters["messages_sent"] == 2, (rank, collective, counters)
                 assert counters["bytes_sent"] == (world_size - 1) * numel * 4, (rank, collective, counters)
             else:  # "auto" takes the direct path over shared memory
-                assert counters["messages_sent"] == 0 and counters["bytes_sent"] == 0, (rank, collective, algorithm,
-                                                                                        counters)
+                assert counters["messages_sent"] == 0 and counters["bytes_sent"] == 0, (
+                    rank,
+                    collective,
+                    algorithm,
+                    counters,
+                )
 
 
 def test_many_small_slots_and_chunks():
@@ -586,7 +646,7 @@ MISMATCH_MESSAGES = {
     "gather_algorithm": "rank 1 passed algorithm ring, rank 0 passed algorithm auto",
     "scatter_algorithm": "rank 1 passed algorithm ring, rank 0 passed algorithm auto",
     "gather_vs_scatter": "rank 1 passed collective reduce_scatter_tensor, rank 0 passed collective "
-                         "all_gather_into_tensor",
+    "all_gather_into_tensor",
     "gather_vs_all_reduce": "rank 1 passed collective all_reduce, rank 0 passed collective all_gather_into_tensor",
     "scatter_vs_barrier": "rank 1 passed collective barrier, rank 0 passed collective reduce_scatter_tensor",
     "gather_output_size_on_one_rank": "rank 1 rejected its arguments",
@@ -594,9 +654,9 @@ MISMATCH_MESSAGES = {
 }
 OWN_ERRORS = {  # what rank 1, which rejected its own arguments, says instead
     "gather_output_size_on_one_rank": "ddpkit.all_gather_into_tensor: the output must have world size (3) times "
-                                      "the elements of the input (8), got 25",
+    "the elements of the input (8), got 25",
     "scatter_input_size_on_one_rank": "ddpkit.reduce_scatter_tensor: the input must have world size (3) times "
-                                      "the elements of the output (8), got 23",
+    "the elements of the output (8), got 23",
 }
 
 
@@ -626,11 +686,14 @@ def test_bad_arguments_raise_clearly(pool, transport):
             assert torch.equal(output, torch.arange(world_size, dtype=torch.float32).repeat_interleave(10)), kind
 
 
-@pytest.mark.parametrize("collective, algorithm, transport", [
-    ("all_gather", "star", "shm"),
-    ("reduce_scatter", "direct", "process_group"),
-    ("reduce_scatter", "halving_doubling", "process_group"),  # 3 ranks: not a power of two
-])
+@pytest.mark.parametrize(
+    "collective, algorithm, transport",
+    [
+        ("all_gather", "star", "shm"),
+        ("reduce_scatter", "direct", "process_group"),
+        ("reduce_scatter", "halving_doubling", "process_group"),  # 3 ranks: not a power of two
+    ],
+)
 def test_an_algorithm_only_one_rank_cannot_run_is_reported_on_every_rank(collective, algorithm, transport):
     """Note [Collective checks]: a rank that rejects its own arguments still takes part in the check,
     so that the others fail at once, saying which rank, and the group stays usable; an algorithm
@@ -643,13 +706,15 @@ def test_an_algorithm_only_one_rank_cannot_run_is_reported_on_every_rank(collect
     finally:
         worker_pool.close()
     what = "all_gather_into_tensor" if collective == "all_gather" else "reduce_scatter_tensor"
-    own = {"star": f"ddpkit.{what}: algorithm must be 'auto', 'ring', 'halving_doubling', 'direct' or "
-                   "'hierarchical', got 'star'",
-           "direct": f"ddpkit.{what}: algorithm 'direct' needs the shared-memory transport",
-           "halving_doubling": f"ddpkit.{what}: algorithm 'halving_doubling' needs a power-of-two world size, got 3"}[
-        algorithm]
-    seen = "\n".join(f"rank {rank}: {error!r}; afterwards: {after!r}"
-                     for rank, (error, after, _) in enumerate(outcomes))
+    own = {
+        "star": f"ddpkit.{what}: algorithm must be 'auto', 'ring', 'halving_doubling', 'direct' or "
+        "'hierarchical', got 'star'",
+        "direct": f"ddpkit.{what}: algorithm 'direct' needs the shared-memory transport",
+        "halving_doubling": f"ddpkit.{what}: algorithm 'halving_doubling' needs a power-of-two world size, got 3",
+    }[algorithm]
+    seen = "\n".join(
+        f"rank {rank}: {error!r}; afterwards: {after!r}" for rank, (error, after, _) in enumerate(outcomes)
+    )
     for rank, (error, after, output) in enumerate(outcomes):
         expected = own if rank == 1 else "rank 1 rejected its arguments"
         assert error is not None and expected in error, f"rank {rank} should say {expected!r}; got:\n{seen}"
@@ -666,8 +731,9 @@ def test_direct_needs_shared_memory(pool):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world_size, group_ranks, checked",
-                         [(1, None, True), (3, None, True), (3, None, False), (5, [4, 0, 2], True)])
+@pytest.mark.parametrize(
+    "world_size, group_ranks, checked", [(1, None, True), (3, None, True), (3, None, False), (5, [4, 0, 2], True)]
+)
 def test_barrier_waits_for_the_last_rank(pool, world_size, group_ranks, checked, transport):
     """With checks off too: then over the process group only the barrier's own messages hold ranks back."""
     results = pool(world_size).run(case_barrier, transport, group_ranks, checked)
@@ -680,5 +746,3 @@ def test_barrier_waits_for_the_last_rank(pool, world_size, group_ranks, checked,
         _, left = result
         # An ordering only (no upper bound): nobody leaves before the late rank has entered.
         assert left >= late_entered, f"rank {rank} left the barrier before rank {members[0]} entered it"
-
-

@@ -10,13 +10,23 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.training.cli import parse_args
 from ddpkit.training.data import FASHION_MNIST_ROOT
-from ddpkit.training.train import parse_args
 
-needs_fashion_mnist = pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(),
-                                         reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)")
-TINY = ["--dataset", "fashion_mnist", "--limit-train", "256", "--limit-test", "100", "--batch-size", "32",
-        "--no-progress"]
+needs_fashion_mnist = pytest.mark.skipif(
+    not Path(FASHION_MNIST_ROOT).is_dir(), reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)"
+)
+TINY = [
+    "--dataset",
+    "fashion_mnist",
+    "--limit-train",
+    "256",
+    "--limit-test",
+    "100",
+    "--batch-size",
+    "32",
+    "--no-progress",
+]
 
 
 def help_entries(capsys) -> dict:
@@ -38,10 +48,15 @@ def help_entries(capsys) -> dict:
 
 def test_help_shows_every_default_and_booleans_both_ways(capsys):
     entries = help_entries(capsys)
-    for flags, default in [("--epochs EPOCHS", "10"), ("--model {net,vgg11,resnet18,resnet34}", "net"),
-                           ("--impl {ddpkit,torch}", "ddpkit"), ("--lr LR", "0.05"),
-                           ("--dataset {cifar10,cifar100,fashion_mnist}", "fashion_mnist"),
-                           ("--accumulation-steps ACCUMULATION_STEPS", "1"), ("--optimizer {sgd,adamw}", "sgd")]:
+    for flags, default in [
+        ("--epochs EPOCHS", "10"),
+        ("--model {net,vgg11,resnet18,resnet34}", "net"),
+        ("--impl {ddpkit,torch}", "ddpkit"),
+        ("--lr LR", "0.05"),
+        ("--dataset {cifar10,cifar100,fashion_mnist}", "fashion_mnist"),
+        ("--accumulation-steps ACCUMULATION_STEPS", "1"),
+        ("--optimizer {sgd,adamw}", "sgd"),
+    ]:
         assert entries[flags].endswith(f"(default: {default})"), (flags, entries[flags])
     # A boolean reads as the pair it is, its default the value of the positive flag.
     for flag, default in [("sync-bn", True), ("resume", True), ("download", False)]:
@@ -63,29 +78,48 @@ def test_boolean_flags_and_backend_maps_parse():
 def test_unknown_backends_are_refused(capsys, backend):
     with pytest.raises(SystemExit):
         parse_args(["--backend", backend])
-    assert "choose from gloo, nccl, ddpkit, or map devices to them as in cpu:ddpkit,cuda:nccl" in capsys.readouterr().err
+    assert (
+        "choose from gloo, nccl, ddpkit, or map devices to them as in cpu:ddpkit,cuda:nccl" in capsys.readouterr().err
+    )
 
 
 def run_outside_the_repository(command, cwd, timeout=240):
     """``command`` in ``cwd`` with the usual umask and no repository on the module path."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-                          preexec_fn=lambda: os.umask(0o022))
+    return subprocess.run(
+        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, preexec_fn=lambda: os.umask(0o022)
+    )
 
 
 @needs_fashion_mnist
 def test_torchrun_trains_the_installed_module_outside_the_repository(tmp_path):
     result = run_outside_the_repository(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ddpkit.training", *TINY,
-         "--epochs", "1"], cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "ddpkit.training",
+            *TINY,
+            "--epochs",
+            "1",
+        ],
+        cwd=tmp_path,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     out = Path("runs/latest")  # the default, under the directory it ran in
-    assert "process group: backend gloo, world size 2, device cpu; ddpkit's collectives over shared memory" \
-        in result.stdout, output
+    assert (
+        "process group: backend gloo, world size 2, device cpu; ddpkit's collectives over shared memory"
+        in result.stdout
+    ), output
     assert "with ddpkit.DistributedDataParallel and ddpkit.SyncBatchNorm" in result.stdout, output
-    assert result.stdout.strip().splitlines()[-1] == \
-        f"wrote {out / 'metrics.json'}, {out / 'model.pt'} and {out / 'checkpoint.pt'}", output
+    assert (
+        result.stdout.strip().splitlines()[-1]
+        == f"wrote {out / 'metrics.json'}, {out / 'model.pt'} and {out / 'checkpoint.pt'}"
+    ), output
     for name in ("metrics.json", "model.pt", "checkpoint.pt"):
         assert stat.S_IMODE((tmp_path / out / name).stat().st_mode) == 0o644, name
 
@@ -95,9 +129,29 @@ def short_torch_run(tmp_path_factory):
     """A run as a newcomer types it: no --dataset, no --no-progress, --max-steps shorter than --epochs, its
     output piped (not a terminal)."""
     result = run_outside_the_repository(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "ddpkit.training",
-         "--impl", "torch", "--limit-train", "256", "--limit-test", "100", "--batch-size", "32",
-         "--epochs", "10", "--max-steps", "2"], cwd=tmp_path_factory.mktemp("short"))
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "-m",
+            "ddpkit.training",
+            "--impl",
+            "torch",
+            "--limit-train",
+            "256",
+            "--limit-test",
+            "100",
+            "--batch-size",
+            "32",
+            "--epochs",
+            "10",
+            "--max-steps",
+            "2",
+        ],
+        cwd=tmp_path_factory.mktemp("short"),
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -109,15 +163,17 @@ def test_the_default_dataset_is_the_installed_one(short_torch_run):
 
 @needs_fashion_mnist
 def test_the_header_says_how_many_epochs_max_steps_leaves(short_torch_run):
-    assert "2 optimizer steps in 1 epoch (--max-steps 2 of --epochs 10; 4 steps an epoch)" in short_torch_run.stdout, \
+    assert "2 optimizer steps in 1 epoch (--max-steps 2 of --epochs 10; 4 steps an epoch)" in short_torch_run.stdout, (
         short_torch_run.stdout
+    )
 
 
 @needs_fashion_mnist
 def test_the_torch_header_names_torchs_ddp_path(short_torch_run):
-    assert ("process group: backend gloo, world size 2, device cpu; torch's DDP all-reduces gradients through the "
-            "process group (gloo); evaluation and loss logs use ddpkit's collectives over shared memory") \
-        in short_torch_run.stdout, short_torch_run.stdout
+    assert (
+        "process group: backend gloo, world size 2, device cpu; torch's DDP all-reduces gradients through the "
+        "process group (gloo); evaluation and loss logs use ddpkit's collectives over shared memory"
+    ) in short_torch_run.stdout, short_torch_run.stdout
 
 
 @needs_fashion_mnist
@@ -140,14 +196,17 @@ def test_a_finished_run_says_so_and_more_epochs_continue_it(tmp_path):
 
     again = run_outside_the_repository([*command, "--epochs", "1"], cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert again.stdout.strip() == ("run/checkpoint.pt: the run already finished at epoch 1; nothing to do "
-                                    "(pass --epochs 2 (or more) to continue)"), again.stdout + again.stderr
+    assert again.stdout.strip() == (
+        "run/checkpoint.pt: the run already finished at epoch 1; nothing to do (pass --epochs 2 (or more) to continue)"
+    ), again.stdout + again.stderr
     assert (tmp_path / "run" / "metrics.json").read_bytes() == metrics  # nothing rewritten
 
     longer = run_outside_the_repository([*command, "--epochs", "2"], cwd=tmp_path)
     assert longer.returncode == 0, longer.stdout + longer.stderr
-    assert "continuing run/checkpoint.pt, finished at epoch 1, to epoch 2: the cosine schedule now spans 2 " \
-           "epochs, learning rate 0.025 from here" in longer.stdout, longer.stdout
+    assert (
+        "continuing run/checkpoint.pt, finished at epoch 1, to epoch 2: the cosine schedule now spans 2 "
+        "epochs, learning rate 0.025 from here" in longer.stdout
+    ), longer.stdout
     epochs = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]["epochs"]
     assert [e["epoch"] for e in epochs] == [0, 1]
 
@@ -155,5 +214,6 @@ def test_a_finished_run_says_so_and_more_epochs_continue_it(tmp_path):
     fresh = run_outside_the_repository([*command, "--out", "other", "--epochs", "2", "--max-steps", "3"], cwd=tmp_path)
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr
     refused = run_outside_the_repository([*command, "--out", "other", "--epochs", "3"], cwd=tmp_path)
-    assert refused.returncode == 1 and "belongs to a different run (epochs 2 -> 3, max_steps 3 -> None)" \
-        in refused.stderr, refused.stderr
+    assert (
+        refused.returncode == 1 and "belongs to a different run (epochs 2 -> 3, max_steps 3 -> None)" in refused.stderr
+    ), refused.stderr

@@ -1,6 +1,6 @@
-"""The shape issue 41 asks of the code, checked on every run: csrc/comm's includes form no cycle
-(scripts/check_includes.py), no source file in csrc is over 800 lines, and no test module imports
-another (what several use lives in tests/helpers.py)."""
+"""The shape issues 41 and 51 ask of the code, checked on every run: csrc/comm's includes form no cycle
+(scripts/check_includes.py), no source file in csrc, no Python file and no test module is over 800 lines,
+and no test module imports another (what several use lives in tests/helpers.py)."""
 
 import ast
 import subprocess
@@ -12,8 +12,9 @@ SOURCE_LINES_LIMIT = 800
 
 
 def test_comm_has_no_include_cycle():
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_includes.py")], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_includes.py")], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no include cycle" in result.stdout
 
@@ -22,8 +23,9 @@ def test_a_cycle_is_found(tmp_path):
     (tmp_path / "a.h").write_text('#include "comm/b.h"\n')
     (tmp_path / "b.h").write_text("#pragma once\n")
     (tmp_path / "b.cpp").write_text('#include "comm/b.h"\n#include "comm/a.h"\n')
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_includes.py"), str(tmp_path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_includes.py"), str(tmp_path)], capture_output=True, text=True
+    )
     assert result.returncode == 1
     assert "a -> b -> a" in result.stdout
 
@@ -34,12 +36,35 @@ def test_no_source_file_is_over_the_limit():
     assert sources and not long, long
 
 
+def lines_over_the_limit(paths) -> dict:
+    return {str(p.relative_to(ROOT)): n for p in paths if (n := len(p.read_text().splitlines())) > SOURCE_LINES_LIMIT}
+
+
+def test_no_python_file_is_over_the_limit():
+    sources = [
+        p
+        for folder in ("python", "benchmarks", "notebooks", "scripts", "examples")
+        for p in (ROOT / folder).rglob("*.py")
+    ] + list(ROOT.glob("*.py"))
+    assert sources and not lines_over_the_limit(sources), lines_over_the_limit(sources)
+
+
+def test_no_test_module_is_over_the_limit():
+    long = lines_over_the_limit((ROOT / "tests").glob("*.py"))
+    assert not long, long
+
+
 def test_no_test_module_imports_another():
     imports = {}
     for path in sorted((ROOT / "tests").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             found = [name for name in names if name.split(".")[0].startswith("test_")]
             if found:
                 imports[path.name] = found

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit.comm import ONE_HOST_ALGORITHMS as ALGORITHMS
+from ddpkit.testing import time_engine_loop
 
-from helpers import all_inputs, rank_input, reference
+from helpers import all_inputs, caught, rank_input, reference
 
 WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 
@@ -25,6 +26,7 @@ def numels_for(world_size):
 
 
 # --- cases that run on every rank ----------------------------------------------------------------
+
 
 def case_all_reduce(numels, ops, integer):
     rank = dist.get_rank()
@@ -44,8 +46,11 @@ def case_dtypes():
     out = {}
     for dtype in (torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64):
         for algorithm in ALGORITHMS:
-            tensor = rank_input(rank, 777, integer=True, dtype=dtype) if not dtype.is_floating_point \
+            tensor = (
+                rank_input(rank, 777, integer=True, dtype=dtype)
+                if not dtype.is_floating_point
                 else rank_input(rank, 777, dtype=dtype)
+            )
             ddpkit.all_reduce(tensor, op="sum", algorithm=algorithm)
             out[(dtype, algorithm)] = tensor
     return out
@@ -63,8 +68,11 @@ def case_rooted():
         out[("reduce", root)] = tensor if rank == root else None
         gathered = ddpkit.gather(rank_input(rank, 10, integer=True).view(2, 5), dst=root)
         out[("gather", root)] = gathered
-        chunks = torch.arange(world_size * 6, dtype=torch.float32).view(world_size, 2, 3) * (root + 1) \
-            if rank == root else None
+        chunks = (
+            torch.arange(world_size * 6, dtype=torch.float32).view(world_size, 2, 3) * (root + 1)
+            if rank == root
+            else None
+        )
         received = torch.empty(2, 3)
         ddpkit.scatter(received, chunks, src=root)
         out[("scatter", root)] = received
@@ -73,23 +81,23 @@ def case_rooted():
 
 def case_raises(fn_name):
     """Runs one bad call; returns the exception text (or None if nothing was raised)."""
-    rank = dist.get_rank()
-    try:
-        BAD_CALLS[fn_name](rank)
-    except Exception as exc:  # noqa: BLE001 - the test inspects the message
-        return f"{type(exc).__name__}: {exc}"
-    return None
+    return caught(BAD_CALLS[fn_name], dist.get_rank())
 
 
 BAD_CALLS = {
     "numel_mismatch": lambda rank: ddpkit.all_reduce(torch.ones(1000 + (rank == 1)), algorithm="ring"),
-    "dtype_mismatch": lambda rank: ddpkit.all_reduce(torch.ones(8, dtype=torch.float64 if rank == 1 else torch.float32)),
+    "dtype_mismatch": lambda rank: ddpkit.all_reduce(
+        torch.ones(8, dtype=torch.float64 if rank == 1 else torch.float32)
+    ),
     "op_mismatch": lambda rank: ddpkit.all_reduce(torch.ones(8), op="max" if rank == 1 else "sum"),
     "algorithm_mismatch": lambda rank: ddpkit.all_reduce(torch.ones(8), algorithm="butterfly" if rank == 1 else "ring"),
-    "collective_mismatch": lambda rank: ddpkit.broadcast(torch.ones(8)) if rank == 1 else ddpkit.all_reduce(torch.ones(8)),
+    "collective_mismatch": lambda rank: (
+        ddpkit.broadcast(torch.ones(8)) if rank == 1 else ddpkit.all_reduce(torch.ones(8))
+    ),
     "root_mismatch": lambda rank: ddpkit.broadcast(torch.ones(8), src=1 if rank == 1 else 0),
     "non_contiguous_on_one_rank": lambda rank: ddpkit.all_reduce(
-        torch.ones(4, 4).t() if rank == 1 else torch.ones(4, 4)),
+        torch.ones(4, 4).t() if rank == 1 else torch.ones(4, 4)
+    ),
     "non_contiguous": lambda rank: ddpkit.all_reduce(torch.ones(4, 4).t()),
     "unsupported_dtype": lambda rank: ddpkit.all_reduce(torch.ones(4, dtype=torch.bool)),
     "complex_dtype": lambda rank: ddpkit.all_reduce(torch.ones(4, dtype=torch.complex64)),
@@ -159,6 +167,7 @@ def case_mixed_load(iterations):
 
 # --- tests ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_all_reduce_matches_float64_reference(pool, world_size):
     numels = numels_for(world_size)
@@ -191,8 +200,9 @@ def test_dtypes(pool, world_size):
         if dtype.is_floating_point:
             exact = all_inputs(world_size, 777, dtype=dtype).sum(0)  # float64 sum of the dtype's values
             # float16/bfloat16 are reduced in float32 and rounded once: within one rounding of the exact sum
-            torch.testing.assert_close(tensor.double(), exact, atol=1e-5, rtol=torch.finfo(dtype).eps,
-                                       msg=f"{dtype} {algorithm}")
+            torch.testing.assert_close(
+                tensor.double(), exact, atol=1e-5, rtol=torch.finfo(dtype).eps, msg=f"{dtype} {algorithm}"
+            )
         else:
             assert torch.equal(tensor, all_inputs(world_size, 777, integer=True).sum(0).to(dtype))
         for rank in range(1, world_size):
@@ -290,7 +300,7 @@ def test_meta_tensors_on_every_rank_take_the_fake_kernels(pool):
 
 def test_a_meta_tensor_on_one_rank_raises_on_every_rank(pool):
     outcomes = pool(2).run(case_meta_tensors, (1,))
-    for rank, out in enumerate(outcomes):
+    for out in outcomes:
         assert "rank 1 passed tensor on the meta device (no data), rank 0 passed tensor with data" in out["error"], out
         assert out["after"] == 3.0  # and the next all-reduce paired correctly
 
@@ -318,10 +328,11 @@ def test_unchecked_mode_is_correct_and_counts(pool):
 
 
 def case_engine_loop():
-    per_call = {stage: ddpkit.testing.time_engine_loop(1000, 20, stage)
-                for stage in ("lookup", "engine", "all_reduce_unchecked", "all_reduce")}
+    per_call = {
+        stage: time_engine_loop(1000, 20, stage) for stage in ("lookup", "engine", "all_reduce_unchecked", "all_reduce")
+    }
     try:
-        ddpkit.testing.time_engine_loop(1000, 20, "everything")
+        time_engine_loop(1000, 20, "everything")
         error = None
     except RuntimeError as exc:
         error = str(exc)
@@ -421,8 +432,14 @@ def test_auto_choice_is_a_real_algorithm():
         for nbytes in (4, 4000, 400_000, 40_000_000):
             for op in ("sum", "max"):
                 assert ddpkit.comm.choose_algorithm(nbytes, world_size, op=op) in (
-                    "ring", "butterfly", "star", "gather_scatter", "recursive_doubling", "halving_doubling",
-                    "process_group")
+                    "ring",
+                    "butterfly",
+                    "star",
+                    "gather_scatter",
+                    "recursive_doubling",
+                    "halving_doubling",
+                    "process_group",
+                )
 
 
 def test_auto_choice_follows_the_note():
@@ -435,8 +452,12 @@ def test_auto_choice_follows_the_note():
         for nbytes in (4, 512 * 1024, 64 * 2**20):
             assert choose(nbytes, world_size, shared_memory=True) == "direct"
             assert choose(nbytes, world_size, hierarchical=True) == "hierarchical"
-    for op, large in (("sum", "process_group"), ("mean", "process_group"), ("max", "halving_doubling"),
-                      ("min", "halving_doubling")):
+    for op, large in (
+        ("sum", "process_group"),
+        ("mean", "process_group"),
+        ("max", "halving_doubling"),
+        ("min", "halving_doubling"),
+    ):
         ring = "ring" if large == "halving_doubling" else large
         assert choose(512 * 1024, 2, op=op) == "star" and choose(512 * 1024 + 4, 2, op=op) == large
         assert choose(512 * 1024, 3, op=op) == "star" and choose(512 * 1024 + 4, 3, op=op) == ring
@@ -450,6 +471,7 @@ def test_default_group_name_follows_a_new_default_group():
     destroy_process_group and a new init it names the new group, and it keeps no group alive."""
     import subprocess
     import sys
+
     script = """
 import gc, os, weakref, torch.distributed as dist
 from ddpkit import comm

@@ -26,18 +26,24 @@ from torch.profiler import ProfilerActivity, profile
 import ddpkit
 from ddpkit.testing import WorkerPool
 
+from helpers import even_sizes, shard
+
 DRY_RUN = os.environ.get("DDPKIT_TEST_CUDA_ON_CPU") == "1"
 CUDA = torch.cuda.is_available()
 DEVICE = "cpu" if DRY_RUN else "cuda"
 pytestmark = pytest.mark.skipif(
-    not CUDA and not DRY_RUN, reason=f"no CUDA device: torch {torch.__version__} (torch.version.cuda={torch.version.cuda}) "
-                     "sees none; the GPU part of issue 13 runs these")
+    not CUDA and not DRY_RUN,
+    reason=f"no CUDA device: torch {torch.__version__} (torch.version.cuda={torch.version.cuda}) "
+    "sees none; the GPU part of issue 13 runs these",
+)
 
 OP = "ddpkit::sync_batch_norm"
 CUDA_KERNELS = torch._C._dispatch_has_kernel_for_dispatch_key(OP, "CUDA")
 needs_kernels = pytest.mark.skipif(
-    not CUDA_KERNELS and not DRY_RUN, reason="ddpkit was built without its CUDA kernels (no CUDA compiler at build time?); "
-                             "CUDA tensors run the ATen-generic code")
+    not CUDA_KERNELS and not DRY_RUN,
+    reason="ddpkit was built without its CUDA kernels (no CUDA compiler at build time?); "
+    "CUDA tensors run the ATen-generic code",
+)
 
 TIGHT = 1e-5  # float32, against float64 BatchNorm (as tests/test_syncbn.py)
 DTYPE_ATOL = {torch.float64: 1e-12, torch.float32: TIGHT, torch.bfloat16: 3e-2, torch.float16: 4e-3}
@@ -66,15 +72,6 @@ def parameter_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def even_sizes(batch, world_size):
-    return [len(chunk) for chunk in torch.arange(batch).tensor_split(world_size)]
-
-
-def shard(x, sizes, rank):
-    start = sum(sizes[:rank])
-    return x[start:start + sizes[rank]], start
-
-
 def step(layer, x, grad_out, memory_format=torch.contiguous_format):
     """One forward + backward of `layer` on `x` (on the layer's device) with output gradient
     `grad_out`: output, input gradient, weight and bias gradients, state, all on the CPU."""
@@ -83,9 +80,13 @@ def step(layer, x, grad_out, memory_format=torch.contiguous_format):
     y = layer(x)
     y.backward(grad_out.to(device).contiguous(memory_format=memory_format))
     grads = (layer.weight.grad.cpu(), layer.bias.grad.cpu()) if layer.affine else None
-    return dict(y=y.detach().cpu(), grad=x.grad.cpu(), affine_grads=grads,
-                state={k: v.cpu() for k, v in layer.state_dict().items()},
-                layout_kept=y.is_contiguous(memory_format=memory_format) and x.grad.is_contiguous(memory_format=memory_format))
+    return dict(
+        y=y.detach().cpu(),
+        grad=x.grad.cpu(),
+        affine_grads=grads,
+        state={k: v.cpu() for k, v in layer.state_dict().items()},
+        layout_kept=y.is_contiguous(memory_format=memory_format) and x.grad.is_contiguous(memory_format=memory_format),
+    )
 
 
 def make_layers(features, affine, dtype, device, seed=0):
@@ -140,20 +141,24 @@ def cuda_kernel_names(fn):
 
 @only_cuda
 def test_cuda_kernels_are_built():
-    assert CUDA_KERNELS, ("ddpkit.sync_batch_norm has no CUDA kernel: the extension was built without "
-                          "csrc/syncbn/cuda (look for 'ddpkit: CUDA kernels skipped' in the build log; "
-                          "pip install --no-build-isolation -v . shows it)")
+    assert CUDA_KERNELS, (
+        "ddpkit.sync_batch_norm has no CUDA kernel: the extension was built without "
+        "csrc/syncbn/cuda (look for 'ddpkit: CUDA kernels skipped' in the build log; "
+        "pip install --no-build-isolation -v . shows it)"
+    )
     assert torch._C._dispatch_has_kernel_for_dispatch_key("ddpkit::sync_batch_norm_backward", "CUDA")
 
 
 # (shape, memory format, whether a channel's values are reduced in several splits: Note [Reduction
 # sinks] in csrc/syncbn/cuda/kernels.cuh). A single split ends in the reduction kernel itself; several
 # end in a finishing kernel over the partials.
-KERNEL_ROUTES = [((64, 256), torch.contiguous_format, False),
-                 ((8, 32, 9, 9), torch.contiguous_format, False),
-                 ((8, 32, 9, 9), torch.channels_last, True),  # 648 rows of 32 channels: 10 splits
-                 ((16, 8, 64, 64), torch.contiguous_format, True),
-                 ((16384, 64), torch.contiguous_format, True)]
+KERNEL_ROUTES = [
+    ((64, 256), torch.contiguous_format, False),
+    ((8, 32, 9, 9), torch.contiguous_format, False),
+    ((8, 32, 9, 9), torch.channels_last, True),  # 648 rows of 32 channels: 10 splits
+    ((16, 8, 64, 64), torch.contiguous_format, True),
+    ((16384, 64), torch.contiguous_format, True),
+]
 
 
 @only_cuda
@@ -269,20 +274,23 @@ def test_assignment_matrix(features, batch):
 
 
 @needs_kernels
-@pytest.mark.parametrize("shape,memory_format", [
-    ((12, 24), torch.contiguous_format),
-    ((12, 24, 7), torch.contiguous_format),
-    ((40, 96, 3), torch.contiguous_format),            # planes shorter than a warp
-    ((8, 24, 5, 6), torch.contiguous_format),
-    ((8, 24, 5, 6), torch.channels_last),
-    ((16, 8, 1, 1), torch.contiguous_format),          # one value per plane: the channels-inner layout
-    ((6, 20, 3, 4, 5), torch.contiguous_format),
-    ((6, 20, 3, 4, 5), torch.channels_last_3d),
-    ((4, 33, 70, 70), torch.contiguous_format),        # odd channel count, long planes
-    ((5, 1000, 3, 3), torch.channels_last),            # channel count not a multiple of 32
-    ((32, 256, 32, 32), torch.contiguous_format),      # the benchmark's conv shape
-    ((32, 256, 32, 32), torch.channels_last),
-])
+@pytest.mark.parametrize(
+    "shape,memory_format",
+    [
+        ((12, 24), torch.contiguous_format),
+        ((12, 24, 7), torch.contiguous_format),
+        ((40, 96, 3), torch.contiguous_format),  # planes shorter than a warp
+        ((8, 24, 5, 6), torch.contiguous_format),
+        ((8, 24, 5, 6), torch.channels_last),
+        ((16, 8, 1, 1), torch.contiguous_format),  # one value per plane: the channels-inner layout
+        ((6, 20, 3, 4, 5), torch.contiguous_format),
+        ((6, 20, 3, 4, 5), torch.channels_last_3d),
+        ((4, 33, 70, 70), torch.contiguous_format),  # odd channel count, long planes
+        ((5, 1000, 3, 3), torch.channels_last),  # channel count not a multiple of 32
+        ((32, 256, 32, 32), torch.contiguous_format),  # the benchmark's conv shape
+        ((32, 256, 32, 32), torch.channels_last),
+    ],
+)
 def test_shapes_and_layouts(shape, memory_format):
     torch.manual_seed(8)
     x, grad_out = torch.randn(shape) * 2 + 0.5, torch.randn(shape)
@@ -297,9 +305,10 @@ def test_shapes_and_layouts(shape, memory_format):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("shape,memory_format", [((40, 96), torch.contiguous_format),
-                                                 ((40, 96, 3), torch.contiguous_format),
-                                                 ((8, 64, 6, 6), torch.channels_last)])
+@pytest.mark.parametrize(
+    "shape,memory_format",
+    [((40, 96), torch.contiguous_format), ((40, 96, 3), torch.contiguous_format), ((8, 64, 6, 6), torch.channels_last)],
+)
 def test_dtypes(dtype, shape, memory_format):
     torch.manual_seed(10)
     x = torch.randn(shape).to(dtype)
@@ -398,8 +407,10 @@ def run_collectives(transport, algorithm, dtype):
     return out
 
 
-@pytest.mark.parametrize("transport,algorithm", [("auto", "auto"), ("process_group", "auto"),
-                                                 ("process_group", "ring"), ("auto", "process_group")])
+@pytest.mark.parametrize(
+    "transport,algorithm",
+    [("auto", "auto"), ("process_group", "auto"), ("process_group", "ring"), ("auto", "process_group")],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_collectives_on_device_tensors(gpu_pool, transport, algorithm, dtype):
     """gloo cannot send CUDA pointers: ddpkit stages through the host, and the results land on CUDA."""
@@ -422,8 +433,9 @@ def run_sync_step(x, grad_out, sizes, algorithm, options):
     local_grad, _ = shard(grad_out, sizes, rank)
     torch.manual_seed(0)
     weight, bias = torch.randn(x.shape[1]), torch.randn(x.shape[1])
-    layer = ddpkit.SyncBatchNorm(x.shape[1], affine=True, algorithm=algorithm,
-                                 dtype=options.get("parameter_dtype")).to(DEVICE)
+    layer = ddpkit.SyncBatchNorm(x.shape[1], affine=True, algorithm=algorithm, dtype=options.get("parameter_dtype")).to(
+        DEVICE
+    )
     with torch.no_grad():
         layer.weight.copy_(weight)
         layer.bias.copy_(bias)
@@ -439,11 +451,13 @@ def check_group_result(results, x, grad_out, atol=TIGHT, rtol=0.0):
     torch.testing.assert_close(torch.cat([r["grad"] for r in results]).double(), expected["grad"], atol=atol, rtol=rtol)
     # Each rank's affine gradients are its own sums; DDP's average makes them the global batch's.
     for i in range(2):
-        torch.testing.assert_close(sum(r["affine_grads"][i] for r in results).double(), expected["affine_grads"][i],
-                                   atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(
+            sum(r["affine_grads"][i] for r in results).double(), expected["affine_grads"][i], atol=1e-3, rtol=1e-5
+        )
     for r in results:
-        torch.testing.assert_close(r["state"]["running_var"].double(), expected["state"]["running_var"],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            r["state"]["running_var"].double(), expected["state"]["running_var"], atol=1e-5, rtol=1e-5
+        )
         assert r["counters"]["collectives"] == 2, r["counters"]  # one per pass
 
 
@@ -456,9 +470,14 @@ def test_sync_batch_norm_two_ranks_one_gpu(gpu_pool, algorithm, sizes, features)
     check_group_result(gpu_pool().run(run_sync_step, x, grad_out, sizes, algorithm, {}), x, grad_out)
 
 
-@pytest.mark.parametrize("dtype,memory_format", [(torch.float32, torch.channels_last),
-                                                 (torch.float16, torch.contiguous_format),
-                                                 (torch.bfloat16, torch.channels_last)])
+@pytest.mark.parametrize(
+    "dtype,memory_format",
+    [
+        (torch.float32, torch.channels_last),
+        (torch.float16, torch.contiguous_format),
+        (torch.bfloat16, torch.channels_last),
+    ],
+)
 def test_sync_batch_norm_two_ranks_conv(gpu_pool, dtype, memory_format):
     torch.manual_seed(12)
     shape = (12, 64, 8, 8)

@@ -124,8 +124,11 @@ def test_fashion_mnist_rejects_wrong_image_size(tmp_path):
 def test_idx_truncated_data(tmp_path, compress):
     payload = idx_bytes(np.ones((3, 28, 28), np.uint8))[:-10]
     path = write(tmp_path / "images", payload, compress)
-    with pytest.raises(ValueError, match=r"truncated: the header promises shape \[3, 28, 28\] = 2352 bytes of data, "
-                                         r"the file holds 2342"):
+    with pytest.raises(
+        ValueError,
+        match=r"truncated: the header promises shape \[3, 28, 28\] = 2352 bytes of data, "
+        r"the file holds 2342",
+    ):
         read_idx(path)
 
 
@@ -292,14 +295,20 @@ def test_cifar_unpickling_runs_no_foreign_code(tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("payload,raised", [
-    # _codecs.encode("x", "no-such-codec"): an allowed global called with a codec that does not exist
-    (b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00xX\r\x00\x00\x00no-such-codec\x86R.", "LookupError"),
-    # BUILD with a dict state on the bytes that _codecs.encode returns: bytes have no __dict__
-    (b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00xX\x06\x00\x00\x00latin1\x86R}X\x01\x00\x00\x00aK\x01sb.",
-     "AttributeError"),
-    (b"\x80\x02h\x05.", "UnpicklingError"),  # a memo entry that was never stored
-], ids=["lookup", "attribute", "memo"])
+@pytest.mark.parametrize(
+    "payload,raised",
+    [
+        # _codecs.encode("x", "no-such-codec"): an allowed global called with a codec that does not exist
+        (b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00xX\r\x00\x00\x00no-such-codec\x86R.", "LookupError"),
+        # BUILD with a dict state on the bytes that _codecs.encode returns: bytes have no __dict__
+        (
+            b"\x80\x02c_codecs\nencode\nX\x01\x00\x00\x00xX\x06\x00\x00\x00latin1\x86R}X\x01\x00\x00\x00aK\x01sb.",
+            "AttributeError",
+        ),
+        (b"\x80\x02h\x05.", "UnpicklingError"),  # a memo entry that was never stored
+    ],
+    ids=["lookup", "attribute", "memo"],
+)
 def test_cifar_corrupt_batch_pickle_is_a_value_error_naming_the_file(tmp_path, payload, raised):
     top = tmp_path / "cifar-100-python"
     top.mkdir()
@@ -348,8 +357,11 @@ def test_cifar_download_without_torchvision(tmp_path, monkeypatch):
     archive = mirror / "cifar-10-python.tar.gz"
     _without_torchvision(monkeypatch)
     source = data._CIFAR_SOURCES["cifar10"]
-    monkeypatch.setitem(data._CIFAR_SOURCES, "cifar10", replace(
-        source, url=archive.as_uri(), md5=hashlib.md5(archive.read_bytes()).hexdigest()))
+    monkeypatch.setitem(
+        data._CIFAR_SOURCES,
+        "cifar10",
+        replace(source, url=archive.as_uri(), md5=hashlib.md5(archive.read_bytes()).hexdigest()),
+    )
     root = tmp_path / "root"
     images, labels = load_dataset("cifar10", root, train=True, download=True)
     assert torch.equal(images, torch.from_numpy(expected["train"][0]))
@@ -370,8 +382,10 @@ def test_cifar_download_failure_names_path_and_url(tmp_path, monkeypatch):
     assert str(root / "cifar-100-python.tar.gz") in message and url in message
     assert "the download failed" in message and "does not match" in message
     # What to do without network: fetch the archive elsewhere, check it, put it here; not "use --download".
-    assert f"download {url} on another machine, check its md5 is {source.md5}, and copy it to " \
-           f"{root / 'cifar-100-python.tar.gz'}" in message
+    assert (
+        f"download {url} on another machine, check its md5 is {source.md5}, and copy it to "
+        f"{root / 'cifar-100-python.tar.gz'}" in message
+    )
     assert "Download it with --download" not in message
     assert not (root / "cifar-100-python.tar.gz").exists()
 
@@ -383,10 +397,18 @@ def test_registry():
     assert cifar10.mean == (0.4914, 0.4822, 0.4465) and cifar10.std == (0.2470, 0.2435, 0.2616)
     cifar100 = dataset_info("cifar100")
     assert (cifar100.num_classes, cifar100.mean, cifar100.std) == (
-        100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
+        100,
+        (0.5071, 0.4865, 0.4409),
+        (0.2673, 0.2564, 0.2762),
+    )
     fashion = dataset_info("fashion_mnist")
     assert (fashion.channels, fashion.num_classes, fashion.image_size, fashion.mean, fashion.std) == (
-        1, 10, 28, (0.2860,), (0.3530,))
+        1,
+        10,
+        28,
+        (0.2860,),
+        (0.3530,),
+    )
     with pytest.raises(ValueError, match="unknown dataset 'mnist'"):
         load_dataset("mnist")
     with pytest.raises(ValueError, match="unknown CIFAR dataset"):
@@ -443,15 +465,20 @@ def test_random_crop_flip_draws_every_crop_and_flip():
     out = random_crop_flip(images, padding, torch.Generator().manual_seed(0))
     padded = torch.zeros(n, 2, 4 + 2 * padding, 5 + 2 * padding, dtype=torch.uint8)
     padded[:, :, padding:-padding, padding:-padding] = images
+
     def crop(i, top, left, flip):
-        window = padded[i, :, top:top + 4, left:left + 5]
+        window = padded[i, :, top : top + 4, left : left + 5]
         return window.flip(-1) if flip else window
 
     seen = set()
     for i in range(n):
-        matches = [(top, left, flip)
-                   for top in range(2 * padding + 1) for left in range(2 * padding + 1) for flip in (False, True)
-                   if torch.equal(out[i], crop(i, top, left, flip))]
+        matches = [
+            (top, left, flip)
+            for top in range(2 * padding + 1)
+            for left in range(2 * padding + 1)
+            for flip in (False, True)
+            if torch.equal(out[i], crop(i, top, left, flip))
+        ]
         assert len(matches) == 1, f"image {i} is not exactly one crop of the padded image"
         seen.add(matches[0])
     assert len(seen) == (2 * padding + 1) ** 2 * 2
@@ -460,8 +487,9 @@ def test_random_crop_flip_draws_every_crop_and_flip():
 def test_random_crop_flip_hand_made():
     image = torch.tensor([[[1, 2], [3, 4]]], dtype=torch.uint8)[None]  # [1, 1, 2, 2]
     # With padding 1 the 4x4 padded image has nine 2x2 crops; the centred unflipped one is the image.
-    outcomes = {tuple(random_crop_flip(image, 1, torch.Generator().manual_seed(s)).flatten().tolist())
-                for s in range(200)}
+    outcomes = {
+        tuple(random_crop_flip(image, 1, torch.Generator().manual_seed(s)).flatten().tolist()) for s in range(200)
+    }
     assert (1, 2, 3, 4) in outcomes and (2, 1, 4, 3) in outcomes  # centred, plain and mirrored
     assert (0, 0, 0, 1) in outcomes  # top-left crop: only pixel 1, in its bottom-right corner
     assert (0, 4, 0, 0) in outcomes  # bottom-right crop [[4, 0], [0, 0]], mirrored

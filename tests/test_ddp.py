@@ -1,6 +1,5 @@
 """ddpkit.DistributedDataParallel against single-process training, on real gloo groups."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -19,6 +18,7 @@ MiB = 2**20
 
 
 # --- bucket assignment (pure) ---------------------------------------------------------------------
+
 
 def test_buckets_fill_in_reverse_order_with_a_small_first_bucket():
     sizes = [4 * MiB, 1 * MiB, 2 * MiB, 512 * 1024, 512 * 1024]
@@ -63,6 +63,7 @@ def test_reducer_takes_named_options_with_defaults():
 
 
 # --- models ---------------------------------------------------------------------------------------
+
 
 class FrozenPartsNet(nn.Module):
     """Two layers, with a frozen weight in one and a frozen bias in the other."""
@@ -118,8 +119,11 @@ class BufferNet(nn.Module):
         return self.fc(x)
 
 
-MODELS = {"frozen": FrozenPartsNet, "tied": TiedNet, "mlp": lambda: nn.Sequential(
-    nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))}
+MODELS = {
+    "frozen": FrozenPartsNet,
+    "tied": TiedNet,
+    "mlp": lambda: nn.Sequential(nn.Linear(FEATURES, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)),
+}
 
 
 def make_model(name, seed):
@@ -153,11 +157,17 @@ def train_reference(name, steps, accumulation=1):
 
 # --- cases run on every rank ----------------------------------------------------------------------
 
+
 def case_train(name, steps, grad_sync, algorithm, accumulation=1, bucket_cap_mb=0.002):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = make_model(name, seed=rank)  # different on purpose: construction must broadcast rank 0's
-    ddp = ddpkit.DistributedDataParallel(model, grad_sync=grad_sync, algorithm=algorithm,
-                                         bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=bucket_cap_mb / 2)
+    ddp = ddpkit.DistributedDataParallel(
+        model,
+        grad_sync=grad_sync,
+        algorithm=algorithm,
+        bucket_cap_mb=bucket_cap_mb,
+        first_bucket_cap_mb=bucket_cap_mb / 2,
+    )
     optimizer = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     accumulate = ddpkit.GradientAccumulation(ddp, accumulation)
     shard = GLOBAL_BATCH // world_size
@@ -165,7 +175,7 @@ def case_train(name, steps, grad_sync, algorithm, accumulation=1, bucket_cap_mb=
     for step in range(steps):
         for micro in range(accumulation):
             x, y = global_batch(step, micro)
-            x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+            x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
             # Every ddpkit collective of this process, the reducer's and any other, is counted here.
             before = ddpkit.comm_counters()["collectives"]
             stepped = accumulate.backward(loss_fn(ddp(x), y))
@@ -201,8 +211,7 @@ def case_buffers_resync_each_forward():
 def case_unused_parameters(algorithm):
     rank = dist.get_rank()
     model = UnusedBranchNet()
-    ddp = ddpkit.DistributedDataParallel(model, algorithm=algorithm, bucket_cap_mb=0.0001,
-                                         first_bucket_cap_mb=0.0001)
+    ddp = ddpkit.DistributedDataParallel(model, algorithm=algorithm, bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)
     x = torch.full((2, FEATURES), float(rank + 1))
     ddp(x, use_rare=(rank == 0)).sum().backward()
     return {name: p.grad.clone() if p.grad is not None else None for name, p in model.named_parameters()}
@@ -328,6 +337,7 @@ def case_a_backward_that_raised():
         raised = str(exc)
     ddp.zero_grad(set_to_none=True)
     import warnings
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ddp(x).sum().backward()
@@ -347,6 +357,7 @@ def case_two_forwards_one_backward_with_batch_norm():
 
 # --- tests ----------------------------------------------------------------------------------------
 
+
 def assert_states_close(actual, expected):
     assert actual.keys() == expected.keys()
     for key in expected:
@@ -357,8 +368,13 @@ def assert_states_close(actual, expected):
 @pytest.mark.parametrize("name", ["frozen", "tied"])
 def test_matches_single_process_training(pool, world_size, name):
     expected = train_reference(name, STEPS)
-    for grad_sync, algorithm in [("bucketed", "auto"), ("bucketed", "process_group"), ("bucketed", "ring"),
-                                 ("per_parameter", "auto"), ("gather_scatter", "auto")]:
+    for grad_sync, algorithm in [
+        ("bucketed", "auto"),
+        ("bucketed", "process_group"),
+        ("bucketed", "ring"),
+        ("per_parameter", "auto"),
+        ("gather_scatter", "auto"),
+    ]:
         results = pool(world_size).run(case_train, name, STEPS, grad_sync, algorithm)
         for state, _, _ in results:
             assert_states_close(state, expected)
@@ -532,6 +548,7 @@ def test_two_forwards_then_one_backward_through_batch_norm(pool):
 
 # --- the communication-hook seam ------------------------------------------------------------------
 
+
 def case_comm_hook(bucket_cap_mb):
     """The same steps with the native all-reduce and with a hook that averages through torch's own
     dist.all_reduce: the same gradients, the hook called once per bucket, in bucket order."""
@@ -539,8 +556,9 @@ def case_comm_hook(bucket_cap_mb):
     shard = GLOBAL_BATCH // world_size
     results = []
     for hooked in (False, True):
-        ddp = ddpkit.DistributedDataParallel(make_model("mlp", seed=0), bucket_cap_mb=bucket_cap_mb,
-                                             first_bucket_cap_mb=bucket_cap_mb / 2)
+        ddp = ddpkit.DistributedDataParallel(
+            make_model("mlp", seed=0), bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=bucket_cap_mb / 2
+        )
         calls = []
 
         def hook(state, bucket):
@@ -555,7 +573,7 @@ def case_comm_hook(bucket_cap_mb):
         for step in range(2):
             x, y = global_batch(step, 0)
             ddp.zero_grad(set_to_none=True)
-            loss_fn(ddp(x[rank * shard:(rank + 1) * shard]), y[rank * shard:(rank + 1) * shard]).backward()
+            loss_fn(ddp(x[rank * shard : (rank + 1) * shard]), y[rank * shard : (rank + 1) * shard]).backward()
             grads.append([p.grad.clone() for p in ddp.parameters()])
         results.append((grads, calls, [b.numel() for b in ddp.bucket_tensors()]))
     return results

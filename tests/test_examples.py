@@ -21,8 +21,18 @@ SEVERAL_LAUNCHES = {"fault_tolerance"}
 
 def test_there_are_the_examples():
     assert [path.stem for path in EXAMPLES] == [
-        "accelerate_ddpkit", "checkpoint_dcp", "collectives", "compile_functional", "ddp_accumulation",
-        "elastic_restart", "fault_tolerance", "lightning_ddpkit", "pipelining_gpipe", "syncbn", "torch_ddp_on_ddpkit"]
+        "accelerate_ddpkit",
+        "checkpoint_dcp",
+        "collectives",
+        "compile_functional",
+        "ddp_accumulation",
+        "elastic_restart",
+        "fault_tolerance",
+        "lightning_ddpkit",
+        "pipelining_gpipe",
+        "syncbn",
+        "torch_ddp_on_ddpkit",
+    ]
 
 
 @pytest.mark.parametrize("path", [p for p in EXAMPLES if p.stem not in SEVERAL_LAUNCHES], ids=lambda path: path.stem)
@@ -33,15 +43,21 @@ def test_example_runs_as_documented(path):
     commands = documented_commands(path)
     assert len(commands) == 1, f"{path.name}: its docstring should give one torchrun command"
     command = commands[0]
-    assignments = command[:command.index("torchrun")]
-    command = command[len(assignments):]
+    assignments = command[: command.index("torchrun")]
+    command = command[len(assignments) :]
     assert command[-1] == f"examples/{path.name}"
     # torchrun's default port may be taken by another job on the machine; PET_MASTER_PORT is how torchrun
     # reads --master_port from the environment, so the command itself stays as documented.
     env = {**os.environ, "PET_MASTER_PORT": str(free_port()), **dict(a.split("=", 1) for a in assignments)}
     # torchrun as the module of this interpreter: the same program as .venv/bin/torchrun.
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", *command[1:]], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *command[1:]],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     # The last line, from rank 0 once every check has passed on every rank.

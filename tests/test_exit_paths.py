@@ -13,7 +13,6 @@ import pytest
 
 from helpers import communicate_all, free_port
 
-
 JOB = textwrap.dedent(r"""
     import os, signal, sys, datetime, torch
     import torch.distributed as dist
@@ -45,18 +44,38 @@ JOB = textwrap.dedent(r"""
 """)
 
 # What each way of ending returns: the exit status a job ended that way has anyway.
-ENDINGS = {"normal": {0}, "callback_exit": {0, 1, 3}, "exception": {1}, "os_exit": {0}, "sigterm": {-signal.SIGTERM},
-           "destroy": {0}}
+ENDINGS = {
+    "normal": {0},
+    "callback_exit": {0, 1, 3},
+    "exception": {1},
+    "os_exit": {0},
+    "sigterm": {-signal.SIGTERM},
+    "destroy": {0},
+}
 
 
 def start_job(script, how: str) -> list:
     port = free_port()
     ranks = []
     for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        ranks.append(subprocess.Popen([sys.executable, str(script), how], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, str(script), how],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
     return ranks
 
 
@@ -128,8 +147,10 @@ def test_a_forked_child_cannot_use_its_parents_group_and_leaves_it_alone(tmp_pat
         assert process.returncode == 0, f"rank {rank}: exit status {process.returncode}\n{out}\n{err[-2000:]}"
         lines = out.splitlines()
         for name in ("all_reduce", "wait", "send"):
-            assert f"{name}: ddpkit.{name} (rank {rank}): this process is a fork of the one that made the group" \
-                in "\n".join(lines), out
+            assert (
+                f"{name}: ddpkit.{name} (rank {rank}): this process is a fork of the one that made the group"
+                in "\n".join(lines)
+            ), out
         assert "child exit status 0" in lines, out
         assert "parent's group after the child 2.0" in lines, out
 

@@ -95,9 +95,20 @@ def test_local_rank_picks_a_gpu_per_process_without_a_launcher(monkeypatch):
 
 def test_the_library_imports_without_the_training_application():
     # A fresh interpreter: this test process has imported the application already.
-    code = ("import sys, ddpkit, ddpkit.launch, ddpkit.testing\n"
-            "loaded = sorted(m for m in sys.modules if m.startswith('ddpkit.training'))\n"
-            "print(','.join(loaded))\n")
+    code = (
+        "import sys, ddpkit, ddpkit.launch, ddpkit.testing\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('ddpkit.training'))\n"
+        "print(','.join(loaded))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_spawn_is_the_public_workers_and_import_ddpkit_leaves_the_test_harness_unloaded():
+    import ddpkit.workers
+
+    assert ddpkit.spawn is ddpkit.workers.spawn and "spawn" in ddpkit.__all__
+    code = "import sys, ddpkit\nprint(','.join(sorted(m for m in sys.modules if m.startswith('ddpkit.testing'))))\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == ""
 

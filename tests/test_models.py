@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpkit.training.models import MODELS, VGG11_CONFIG, ResNet18, ResNet34, TemplateNet, VGG11, build_model
+from ddpkit.training.models import MODELS, VGG11, VGG11_CONFIG, ResNet18, ResNet34, TemplateNet, build_model
 
 SHAPES = [(1, 28, 10), (3, 32, 100)]  # (in_channels, image_size, num_classes)
 
@@ -42,7 +42,12 @@ def test_template_net_architecture():
     assert TemplateNet(1, 10, 28).fc1.in_features == 4608
     for conv, in_channels in ((net.conv1, 3), (net.conv2, 32)):
         assert (conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding) == (
-            in_channels, 32, (3, 3), (1, 1), (0, 0))
+            in_channels,
+            32,
+            (3, 3),
+            (1, 1),
+            (0, 0),
+        )
     assert (net.dropout1.p, net.dropout2.p) == (0.25, 0.5)
     assert (net.fc1.out_features, net.fc2.in_features, net.fc2.out_features) == (128, 128, 100)
     assert net.bn1.num_features == 128 and not net.bn1.affine

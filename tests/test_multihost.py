@@ -17,8 +17,15 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit.testing import HostPool, WorkerFailure, WorkerPool
 
-from helpers import (BACKEND_ONE_RANK_REJECTS, ONE_RANK_REJECTS, TOPOLOGIES, call_each_then_all_reduce, needs_hosts,
-                     rank_input)
+from helpers import (
+    BACKEND_ONE_RANK_REJECTS,
+    ONE_RANK_REJECTS,
+    TOPOLOGIES,
+    call_each_then_all_reduce,
+    ieee_extremum,
+    needs_hosts,
+    rank_input,
+)
 from helpers import HOSTS_GROUP_TIMEOUT_S as GROUP_TIMEOUT_S
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
@@ -33,6 +40,7 @@ def expected_hosts(ranks_per_host):
 
 
 # --- cases run on every rank ----------------------------------------------------------------------
+
 
 def case_every_collective(numels):
     """Every collective, dtype and size; integer-valued inputs, so that every result is exact."""
@@ -90,9 +98,10 @@ def check_every_collective(per_rank, ranks_per_host):
                 continue
             if key[0] == "reduce_scatter":
                 numel, dtype = key[2], next(d for d in DTYPES if str(d) == key[1])
-                inputs = torch.stack([rank_input(r, world_size * numel, integer=True).to(dtype).double()
-                                      for r in range(world_size)])
-                expected = inputs.sum(0)[rank * numel:(rank + 1) * numel].to(dtype)
+                inputs = torch.stack(
+                    [rank_input(r, world_size * numel, integer=True).to(dtype).double() for r in range(world_size)]
+                )
+                expected = inputs.sum(0)[rank * numel : (rank + 1) * numel].to(dtype)
             else:
                 expected = reference_of(key, world_size)
             if key[0] == "all_reduce" and key[3] == "mean" and key[1] in (str(torch.float16), str(torch.bfloat16)):
@@ -102,8 +111,9 @@ def check_every_collective(per_rank, ranks_per_host):
             else:
                 assert torch.equal(tensor, expected), (rank, key)
             if key[0] in ("all_reduce", "broadcast", "all_gather"):
-                assert torch.equal(tensor.view(-1).view(torch.uint8), per_rank[0][key].view(-1).view(torch.uint8)), \
+                assert torch.equal(tensor.view(-1).view(torch.uint8), per_rank[0][key].view(-1).view(torch.uint8)), (
                     f"{key}: rank {rank}'s bits differ from rank 0's"
+                )
 
 
 def case_mismatch(culprit, collective="all_reduce"):
@@ -142,6 +152,7 @@ def case_die(victim, numel=100_000):
 
 # --- simulated hosts --------------------------------------------------------------------------------
 
+
 @needs_hosts
 @pytest.mark.parametrize("name", sorted(TOPOLOGIES))
 def test_every_collective_across_hosts_is_exact_with_identical_bits(hosts, name):
@@ -153,9 +164,12 @@ def test_every_collective_across_hosts_is_exact_with_identical_bits(hosts, name)
 def test_a_mismatch_on_another_host_raises_on_every_rank_of_every_host(hosts):
     world_size = sum(TOPOLOGIES["2x2"])
     outcomes = hosts("2x2").run(case_mismatch, 3)
-    for rank, (error, after) in enumerate(outcomes):
-        assert error is not None and "ranks called mismatched collectives: rank 3 passed elements 1001, rank" in error \
-            and "passed elements 1000" in error, error
+    for error, after in outcomes:
+        assert (
+            error is not None
+            and "ranks called mismatched collectives: rank 3 passed elements 1001, rank" in error
+            and "passed elements 1000" in error
+        ), error
         assert after == sum(range(world_size))
 
 
@@ -221,9 +235,11 @@ def swap_input(rank, numel, dtype):
 
 def swapped_reference(op, inputs):
     """Note [Reductions]'s result of `op` over `inputs`, in float64 for the sum and the mean."""
-    expected = inputs[0].double() if op in ("sum", "mean") else inputs[0].clone()
+    if op in ("max", "min"):
+        return ieee_extremum(inputs, op)
+    expected = inputs[0].double()
     for other in inputs[1:]:
-        expected = expected + other.double() if op in ("sum", "mean") else ieee_extremum(expected, other, op)
+        expected = expected + other.double()
     return expected / len(inputs) if op == "mean" else expected
 
 
@@ -253,27 +269,21 @@ def test_two_hosts_swap_large_blocks_with_every_op_and_identical_bits(hosts, nam
             assert_reduced_as_the_note_says(tensor, expected, op, what)
             for rank in range(1, world_size):
                 theirs = per_rank[rank][(collective, dtype_name, op)]
-                assert torch.equal(theirs.view(torch.uint8), tensor.view(torch.uint8)), \
+                assert torch.equal(theirs.view(torch.uint8), tensor.view(torch.uint8)), (
                     f"{what}: rank {rank}'s bits differ from rank 0's"
+                )
         elif collective == "reduce_scatter":
             expected = swapped_reference(op, [swap_input(r, world_size * numel, dtype) for r in range(world_size)])
             for rank in range(world_size):
-                assert_reduced_as_the_note_says(per_rank[rank][(collective, dtype_name, op)],
-                                                expected[rank * numel:(rank + 1) * numel], op, f"{what} rank {rank}")
+                assert_reduced_as_the_note_says(
+                    per_rank[rank][(collective, dtype_name, op)],
+                    expected[rank * numel : (rank + 1) * numel],
+                    op,
+                    f"{what} rank {rank}",
+                )
         else:
             expected = swapped_reference(op, [swap_input(r, numel, dtype) for r in range(world_size)])
             assert_reduced_as_the_note_says(per_rank[-1][(collective, dtype_name, op)], expected, op, what)
-
-
-def ieee_extremum(a, b, op):
-    """Note [Reductions]'s max and min: torch's for NaNs, and +0 above -0 whatever the operands' order
-    (torch.maximum and torch.minimum return the first of two zeros)."""
-    result = torch.maximum(a, b) if op == "max" else torch.minimum(a, b)
-    if a.is_floating_point():
-        zeros = (a == 0) & (b == 0)
-        negative = (torch.signbit(a) & torch.signbit(b)) if op == "max" else (torch.signbit(a) | torch.signbit(b))
-        result = torch.where(zeros, torch.where(negative, -0.0, 0.0).to(a.dtype), result)
-    return result
 
 
 def case_all_reduce_sum(numel):
@@ -322,18 +332,19 @@ def test_a_frame_of_another_collective_raises_on_both_hosts_at_once():
     # stale_link_frame): rank 0 must refuse it, not read it as this collective's, and rank 1 must
     # learn at once that rank 0 gave up, not at the group's timeout.
     outcomes = all_reduce_on_two_hosts_with_fault("stale_link_frame:1")
-    assert isinstance(outcomes[0], RuntimeError) and "rank 1 sent a frame of collective" in str(outcomes[0]), \
-        outcomes[0]
+    assert isinstance(outcomes[0], RuntimeError) and "rank 1 sent a frame of collective" in str(outcomes[0]), outcomes[
+        0
+    ]
     assert isinstance(outcomes[1], RuntimeError) and "rank 0" in str(outcomes[1]), outcomes[1]
 
 
 # --- one machine split by DDPKIT_TEST_HOSTS -----------------------------------------------------------
 
+
 @pytest.mark.parametrize("labels", ["a,a,b,b", "a,b,b,b", "a,a,b,b,c,c"])
 def test_every_collective_with_test_hosts_is_exact_with_identical_bits(labels):
     ranks_per_host = [labels.split(",").count(label) for label in dict.fromkeys(labels.split(","))]
-    with WorkerPool(len(labels.split(",")), timeout=300, group_timeout=60,
-                    env={"DDPKIT_TEST_HOSTS": labels}) as pool:
+    with WorkerPool(len(labels.split(",")), timeout=300, group_timeout=60, env={"DDPKIT_TEST_HOSTS": labels}) as pool:
         per_rank = pool.run(case_every_collective, [0, 1, 7, 1001, 300_003], timeout=300)
     check_every_collective(per_rank, ranks_per_host)
 
@@ -357,15 +368,15 @@ def case_collectives_and_their_messages(numel):
         ddpkit.reduce_scatter_tensor(scattered, rank_input(rank, world_size * numel, integer=True), op=op)
         out[("reduce_scatter", op)] = scattered
     whole = rank_input(rank, world_size * numel, integer=True)
-    mine = whole[rank * numel:(rank + 1) * numel]
+    mine = whole[rank * numel : (rank + 1) * numel]
     ddpkit.reduce_scatter_tensor(mine, whole)  # the output is this rank's block of the input
     out[("reduce_scatter", "sum", "in place")] = mine.clone()
     gathered = torch.empty(world_size * numel, dtype=torch.float64)
     ddpkit.all_gather_into_tensor(gathered, rank_input(rank, numel, integer=True).double())
     out["all_gather"] = gathered
     gathered = torch.zeros(world_size * numel, dtype=torch.int32)
-    gathered[rank * numel:(rank + 1) * numel] = rank_input(rank, numel, integer=True).int()
-    ddpkit.all_gather_into_tensor(gathered, gathered[rank * numel:(rank + 1) * numel])  # in place
+    gathered[rank * numel : (rank + 1) * numel] = rank_input(rank, numel, integer=True).int()
+    ddpkit.all_gather_into_tensor(gathered, gathered[rank * numel : (rank + 1) * numel])  # in place
     out[("all_gather", "in place")] = gathered
     ddpkit.barrier()
     return out, ddpkit.comm_counters()["messages_sent"]
@@ -391,10 +402,11 @@ def test_collectives_across_hosts_are_exact_and_send_what_the_note_says(labels, 
             for dst in (0, world_size - 1):
                 if rank == dst:
                     torch.testing.assert_close(out[("reduce", op, dst)].double(), reduced[op], rtol=1e-6, atol=0)
-            block = reduced_wide[op][rank * numel:(rank + 1) * numel]
+            block = reduced_wide[op][rank * numel : (rank + 1) * numel]
             torch.testing.assert_close(out[("reduce_scatter", op)].double(), block, rtol=1e-6, atol=0)
-        assert torch.equal(out[("reduce_scatter", "sum", "in place")].double(),
-                           reduced_wide["sum"][rank * numel:(rank + 1) * numel])
+        assert torch.equal(
+            out[("reduce_scatter", "sum", "in place")].double(), reduced_wide["sum"][rank * numel : (rank + 1) * numel]
+        )
         assert torch.equal(out["all_gather"], inputs.reshape(-1))
         assert torch.equal(out[("all_gather", "in place")], inputs.reshape(-1).int())
         if labels != "a,b,b,b":
@@ -404,6 +416,8 @@ def test_collectives_across_hosts_are_exact_and_send_what_the_note_says(labels, 
             # and all-gather one frame of its swap (Note [Hierarchical collectives]).
             # The larger broadcast: its root sends its partner on the other host the tensor.
             assert messages == 14 + (0 if numel == 1001 else 3 + 4 + 2 + (rank == 3)), (rank, messages)
+
+
 @pytest.mark.parametrize("labels", ["a,a,b,b", "a,b,b,b"])
 def test_a_mismatch_of_any_hierarchical_collective_raises_on_every_rank(labels):
     with WorkerPool(4, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": labels}) as pool:
@@ -418,15 +432,20 @@ def test_a_mismatch_of_any_hierarchical_collective_raises_on_every_rank(labels):
 # hierarchical one (Note [One round across hosts]), small and large.
 ALGORITHM_DIFFERS = {
     "all_reduce_ring": lambda rank: ddpkit.all_reduce(torch.ones(8), algorithm="ring" if rank == 1 else "auto"),
-    "large_all_reduce_star": lambda rank: ddpkit.all_reduce(torch.ones(100_000),
-                                                            algorithm="star" if rank == 1 else "auto"),
+    "large_all_reduce_star": lambda rank: ddpkit.all_reduce(
+        torch.ones(100_000), algorithm="star" if rank == 1 else "auto"
+    ),
     "all_gather_ring": lambda rank: ddpkit.all_gather_into_tensor(
-        torch.empty(4 * 8), torch.ones(8), algorithm="ring" if rank == 1 else "auto"),
+        torch.empty(4 * 8), torch.ones(8), algorithm="ring" if rank == 1 else "auto"
+    ),
 }
 ONE_RANK_DIFFERS = {
-    **ONE_RANK_REJECTS, **BACKEND_ONE_RANK_REJECTS, **ALGORITHM_DIFFERS,
+    **ONE_RANK_REJECTS,
+    **BACKEND_ONE_RANK_REJECTS,
+    **ALGORITHM_DIFFERS,
     "torch_op": lambda rank: ddpkit.reduce_scatter_tensor(  # test_hardening's, for 4 ranks
-        torch.empty(2), torch.ones(8), op=dist.ReduceOp.PRODUCT if rank == 1 else "sum"),
+        torch.empty(2), torch.ones(8), op=dist.ReduceOp.PRODUCT if rank == 1 else "sum"
+    ),
 }
 
 
@@ -471,8 +490,13 @@ def test_links_that_fail_in_one_cross_subgroup_fail_the_set_up_on_every_rank():
     for rank, calls in enumerate(outcomes):
         for call, outcome in enumerate(calls):
             assert isinstance(outcome, str), f"rank {rank}, call {call}: {outcome}"
-            expected = ("links_cannot_listen" if rank == 3 else "rank 3 could not listen" if rank == 1
-                        else "rank 1, rank 3 could not set up its steps across hosts")
+            expected = (
+                "links_cannot_listen"
+                if rank == 3
+                else "rank 3 could not listen"
+                if rank == 1
+                else "rank 1, rank 3 could not set up its steps across hosts"
+            )
             assert expected in outcome, f"rank {rank}, call {call}: {outcome}"
 
 
@@ -524,11 +548,13 @@ def test_a_rank_dying_in_its_hosts_step_of_a_small_all_reduce_is_named_on_every_
     assert isinstance(outcomes[3], WorkerFailure)
     for rank in (0, 1, 2):
         assert isinstance(outcomes[rank], RuntimeError), f"rank {rank}: {outcomes[rank]!r}"
-        assert "rank 3" in str(outcomes[rank]) and "timed out" not in str(outcomes[rank]).lower(), \
+        assert "rank 3" in str(outcomes[rank]) and "timed out" not in str(outcomes[rank]).lower(), (
             f"rank {rank}: {outcomes[rank]}"
+        )
 
 
 # --- what a collective across hosts must leave untouched --------------------------------------------
+
 
 def case_half_precision_broadcast_bits(numel):
     """A float16 and a bfloat16 broadcast from the last rank of tensors holding arbitrary 16-bit
@@ -538,7 +564,7 @@ def case_half_precision_broadcast_bits(numel):
     out = {}
     for dtype in (torch.float16, torch.bfloat16):
         generator = torch.Generator().manual_seed(7)
-        bits = torch.randint(-2**15, 2**15, (numel,), dtype=torch.int16, generator=generator)
+        bits = torch.randint(-(2**15), 2**15, (numel,), dtype=torch.int16, generator=generator)
         bits[:4] = torch.tensor([0x7FC1, -0x0001, 0x7E01, -0x003F], dtype=torch.int16)  # NaNs of both signs
         tensor = (bits if rank == world_size - 1 else torch.zeros_like(bits)).view(dtype)
         ddpkit.broadcast(tensor, src=world_size - 1)

@@ -89,14 +89,18 @@ def test_backward_opcheck_without_weight():
     x = INPUTS["4d"]()
     args = forward_args(x, True, affine=False, requires_grad=False)
     output, mean, invstd, count = FORWARD(*args)
-    opcheck(BACKWARD, (torch.randn_like(output), x, None, mean, invstd, True, count, "auto", None,
-                       [True, False, False]))
+    opcheck(
+        BACKWARD, (torch.randn_like(output), x, None, mean, invstd, True, count, "auto", None, [True, False, False])
+    )
 
 
-@pytest.mark.xfail(strict=True, raises=Exception,
-                   reason="needs a C++ schema change: AOTAutograd functionalizes a custom op that mutates its inputs "
-                          "(running_mean, running_var) only if every output is a Tensor, and the fourth output (the "
-                          "count) is an int; see Note [SyncBatchNorm under torch.compile] in ddpkit/syncbn.py")
+@pytest.mark.xfail(
+    strict=True,
+    raises=Exception,
+    reason="needs a C++ schema change: AOTAutograd functionalizes a custom op that mutates its inputs "
+    "(running_mean, running_var) only if every output is a Tensor, and the fourth output (the "
+    "count) is an int; see Note [SyncBatchNorm under torch.compile] in ddpkit/syncbn.py",
+)
 def test_forward_aot_dispatch():
     opcheck(FORWARD, forward_args(INPUTS["4d"](), True), test_utils="test_aot_dispatch_dynamic")
 
@@ -110,10 +114,13 @@ def test_fake_kernel_under_fake_tensor_mode():
     assert mean.dtype == invstd.dtype == torch.float32  # the saved statistics of a float32 input
 
 
-@pytest.mark.xfail(strict=True, raises=Exception,
-                   reason="needs a C++ schema change: with a group the count is the group's total, known only after "
-                          "the all-reduce, so the fake kernel returns an unbacked size; the schema declares the "
-                          "output `int` (not `SymInt` or a Tensor), so the dispatcher demands a concrete value")
+@pytest.mark.xfail(
+    strict=True,
+    raises=Exception,
+    reason="needs a C++ schema change: with a group the count is the group's total, known only after "
+    "the all-reduce, so the fake kernel returns an unbacked size; the schema declares the "
+    "output `int` (not `SymInt` or a Tensor), so the dispatcher demands a concrete value",
+)
 def test_fake_kernel_with_a_group_returns_a_data_dependent_count():
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:
         x = mode.from_tensor(torch.randn(6, 4, 3))
@@ -137,9 +144,15 @@ def test_layer_on_the_meta_device():
 def small_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3, padding=1), ddpkit.SyncBatchNorm(8), torch.nn.ReLU(), torch.nn.Flatten(),
-        torch.nn.Linear(8 * 6 * 6, 16), ddpkit.SyncBatchNorm(16, momentum=None), torch.nn.ReLU(),
-        torch.nn.Linear(16, 4))
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        ddpkit.SyncBatchNorm(8),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 6 * 6, 16),
+        ddpkit.SyncBatchNorm(16, momentum=None),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 4),
+    )
 
 
 def test_torch_compile_matches_eager():
@@ -170,8 +183,10 @@ def test_torch_compile_matches_eager():
 
 # --- the collective ops (two ranks: every opcheck run is a collective of both) ----------------------
 
+
 def case_collective_opchecks():
     import torch.distributed as dist
+
     rank, n = dist.get_rank(), dist.get_world_size()
     name = dist.group.WORLD.group_name
     ops = torch.ops.ddpkit
@@ -198,26 +213,36 @@ def case_collective_opchecks():
 
 def test_collective_ops_pass_opcheck():
     from ddpkit.testing import WorkerPool
+
     with WorkerPool(2, timeout=120.0) as pool:
         assert pool.run(case_collective_opchecks, timeout=120) == [9, 9]
 
 
 def case_collective_aot_dispatch():
     import torch.distributed as dist
-    opcheck(torch.ops.ddpkit.all_reduce_.default, (torch.ones(4), "sum", "auto", dist.group.WORLD.group_name),
-            test_utils="test_aot_dispatch_dynamic")
+
+    opcheck(
+        torch.ops.ddpkit.all_reduce_.default,
+        (torch.ones(4), "sum", "auto", dist.group.WORLD.group_name),
+        test_utils="test_aot_dispatch_dynamic",
+    )
 
 
-@pytest.mark.xfail(strict=True, reason="the in-place collectives return their argument (-> Tensor(a!)), which "
-                                       "AOTAutograd cannot functionalize; torch.compile graph-breaks at them instead")
+@pytest.mark.xfail(
+    strict=True,
+    reason="the in-place collectives return their argument (-> Tensor(a!)), which "
+    "AOTAutograd cannot functionalize; torch.compile graph-breaks at them instead",
+)
 def test_collective_aot_dispatch():
     from ddpkit.testing import WorkerPool
+
     with WorkerPool(1, timeout=120.0) as pool:
         pool.run(case_collective_aot_dispatch, timeout=120)
 
 
 def case_compiled_collectives():
     import torch.distributed as dist
+
     rank = dist.get_rank()
     torch._dynamo.reset()
 
@@ -248,6 +273,7 @@ def test_torch_compile_of_collectives_matches_eager():
     """torch.compile of a function calling ddpkit's collectives compiles and gives eager's result:
     each collective runs eagerly at a graph break (Note [Collectives under torch.compile])."""
     from ddpkit.testing import WorkerPool
+
     with WorkerPool(2, timeout=120.0) as pool:
         results = pool.run(case_compiled_collectives, timeout=120)
     assert [len(r) for r in results] == [2, 2]

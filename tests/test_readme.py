@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.training.train import parse_args
+from ddpkit.training.cli import parse_args
 
 from helpers import EXAMPLES, documented_commands, free_port
 
@@ -69,8 +69,16 @@ def blocks() -> list[Block]:
                 continue
             end = next(j for j in range(i + 1, len(lines)) if lines[j] == "```")
             marker = re.fullmatch(r"<!-- (not run|file): (.+?) -->", lines[i - 1].strip()) if i else None
-            found.append(Block(doc, i + 1, fence.group(1), "".join(line + "\n" for line in lines[i + 1:end]),
-                               marker.group(1) if marker else "", marker.group(2) if marker else ""))
+            found.append(
+                Block(
+                    doc,
+                    i + 1,
+                    fence.group(1),
+                    "".join(line + "\n" for line in lines[i + 1 : end]),
+                    marker.group(1) if marker else "",
+                    marker.group(2) if marker else "",
+                )
+            )
             i = end + 1
     return found
 
@@ -100,8 +108,10 @@ def example_commands() -> set[tuple[str, ...]]:
 def venv_program(argv: list[str]) -> list[str]:
     """argv with the virtual environment's programs as this interpreter runs them (the same programs
     when the suite runs from .venv, as `make test` does)."""
-    program = {".venv/bin/python": [sys.executable],
-               ".venv/bin/torchrun": [sys.executable, "-m", "torch.distributed.run"]}[argv[0]]
+    program = {
+        ".venv/bin/python": [sys.executable],
+        ".venv/bin/torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    }[argv[0]]
     return program + argv[1:]
 
 
@@ -179,7 +189,7 @@ def test_each_command_runs_from_the_repository_as_written(block, argv):
     else:
         assert scripts and (REPO / scripts[0]).is_file(), argv
     if scripts and scripts[0] == "train.py" and "--help" not in argv:
-        parse_args(argv[argv.index("train.py") + 1:])  # exits (and fails the test) on an option it does not know
+        parse_args(argv[argv.index("train.py") + 1 :])  # exits (and fails the test) on an option it does not know
     if block.marker == "not run":
         return
     if argv[0] == ".venv/bin/torchrun" and tuple(["torchrun", *argv[1:]]) in example_commands():
@@ -194,7 +204,7 @@ def test_training_commands_do_not_resume_each_others_runs():
     runs = {}
     for _, argv in COMMANDS:
         if "train.py" in argv and "--help" not in argv:
-            config, _ = parse_args(argv[argv.index("train.py") + 1:])
+            config, _ = parse_args(argv[argv.index("train.py") + 1 :])
             runs.setdefault(config.out_dir, set()).add(repr(config))
     assert len(runs) >= 3, runs
     assert {out: configs for out, configs in runs.items() if len(configs) > 1} == {}
@@ -203,8 +213,10 @@ def test_training_commands_do_not_resume_each_others_runs():
 def anchors(doc: Path) -> set[str]:
     """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces as hyphens."""
     text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.DOTALL)  # a '#' in a code block is no heading
-    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
-            for heading in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)}
+    return {
+        re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        for heading in re.findall(r"^#+ (.+)$", text, flags=re.MULTILINE)
+    }
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda doc: str(doc.relative_to(REPO)))
@@ -220,6 +232,7 @@ def test_links_lead_somewhere(doc):
 
 def results_table_rows() -> dict[str, list[str]]:
     """The README's results, each row's figures as benchmarks/results/*.json give them today."""
+
     def load(name):
         return json.loads((REPO / "benchmarks" / "results" / name).read_text())
 
@@ -230,8 +243,11 @@ def results_table_rows() -> dict[str, list[str]]:
     training = load("training.json")
     runs = {r["candidate"]: r for r in training["records"]}
     epochs = {name: [e["epoch_time_s"] for e in runs[name]["epochs"]] for name in ("ddpkit", "torch")}
-    allreduce = {r["candidate"]: r for r in load("allreduce.json")["records"]
-                 if r["kind"] == "time" and r["world_size"] == 2 and r["numel"] == 1_000_000}
+    allreduce = {
+        r["candidate"]: r
+        for r in load("allreduce.json")["records"]
+        if r["kind"] == "time" and r["world_size"] == 2 and r["numel"] == 1_000_000
+    }
     ddp = load("ddp.json")
     steps = {(r["model"], r["candidate"]): r for r in ddp["records"] if r["accumulation"] == 1}
     stack = load("torch_stack.json")
@@ -240,22 +256,33 @@ def results_table_rows() -> dict[str, list[str]]:
     return {
         "training, Fashion-MNIST, 15 epochs": [
             *(spread("s", 1, statistics.median(e), min(e), max(e)) for e in epochs.values()),
-            f"{training['summary']['epoch_time_ratio']:.2f}"],
+            f"{training['summary']['epoch_time_ratio']:.2f}",
+        ],
         "the same runs: final test accuracy": [
             *(f"{runs[name]['final_test_accuracy'] * 100:.2f} %" for name in ("ddpkit", "torch")),
-            f"{training['summary']['accuracy_difference_pp']:.2f} points"],
+            f"{training['summary']['accuracy_difference_pp']:.2f} points",
+        ],
         "all-reduce of 1M floats": [
             *(spread("ms", 2, r["median_s"], r["p25_s"], r["p75_s"]) for r in (allreduce["ddpkit"], allreduce["gloo"])),
-            f"{allreduce['ddpkit']['median_s'] / allreduce['gloo']['median_s']:.2f}"],
-        **{f"DDP step, {label}": [
-            *(spread("ms", digits, r["median_step_s"], r["p25_step_s"], r["p75_step_s"])
-              for r in (steps[model, "ddpkit"], steps[model, "torch"])),
-            f"{ddp['summary'][f'ddpkit {model} acc=1']['time_ratio']:.2f}"]
-           for model, label, digits in (("net", "template Net", 1), ("resnet18", "ResNet-18", 0))},
+            f"{allreduce['ddpkit']['median_s'] / allreduce['gloo']['median_s']:.2f}",
+        ],
+        **{
+            f"DDP step, {label}": [
+                *(
+                    spread("ms", digits, r["median_step_s"], r["p25_step_s"], r["p75_step_s"])
+                    for r in (steps[model, "ddpkit"], steps[model, "torch"])
+                ),
+                f"{ddp['summary'][f'ddpkit {model} acc=1']['time_ratio']:.2f}",
+            ]
+            for model, label, digits in (("net", "template Net", 1), ("resnet18", "ResNet-18", 0))
+        },
         "torch's FSDP2 step": [
-            *(spread("ms", 0, r["median_step_s"], r["p25_step_s"], r["p75_step_s"])
-              for r in (fsdp["ddpkit"], fsdp["gloo"])),
-            f"{stack['summary']['fsdp2 n=2: ddpkit/gloo time']:.2f}"],
+            *(
+                spread("ms", 0, r["median_step_s"], r["p25_step_s"], r["p75_step_s"])
+                for r in (fsdp["ddpkit"], fsdp["gloo"])
+            ),
+            f"{stack['summary']['fsdp2 n=2: ddpkit/gloo time']:.2f}",
+        ],
         "SyncBatchNorm forward+backward": [f"{min(syncbn):.2f} to {max(syncbn):.2f}"],
     }
 
@@ -274,7 +301,9 @@ def test_the_readme_results_are_the_committed_results():
 
 def results_commit() -> str:
     """The one commit the README's results were measured at."""
-    commits = {json.loads((REPO / "benchmarks" / "results" / name).read_text())["environment"]["git_commit"]
-               for name in ("training.json", "allreduce.json", "ddp.json", "torch_stack.json", "syncbn.json")}
+    commits = {
+        json.loads((REPO / "benchmarks" / "results" / name).read_text())["environment"]["git_commit"]
+        for name in ("training.json", "allreduce.json", "ddp.json", "torch_stack.json", "syncbn.json")
+    }
     assert len(commits) == 1, f"the README's results come from several commits: {commits}"
     return commits.pop()[:7]

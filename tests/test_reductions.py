@@ -13,6 +13,8 @@ import torch
 
 import ddpkit  # noqa: F401  (registers the op libraries)
 
+from helpers import bits, ieee_extremum
+
 FLOATS = [torch.float32, torch.float64]
 INTS = [torch.int32, torch.int64]
 LOOPS = ["pairs", "sources", "sources_in_place"]
@@ -22,10 +24,6 @@ NUMEL = 3 * 4096 + 5
 
 def family(inputs, op, loop):
     return torch.ops.ddpkit_testing.reduce_with_family(inputs, op, loop)
-
-
-def bits(tensor):
-    return tensor.view(torch.int32 if tensor.element_size() == 4 else torch.int64)
 
 
 def rank_inputs(ranks, dtype, seed, special=True):
@@ -40,22 +38,6 @@ def rank_inputs(ranks, dtype, seed, special=True):
             where = torch.randint(0, NUMEL, (NUMEL // 8,), generator=generator)
             tensor[where] = values[torch.randint(0, len(values), (len(where),), generator=generator)]
     return inputs
-
-
-def ieee_extremum(inputs, op):
-    """IEEE 754-2019 maximum/minimum over the ranks: any NaN gives the quiet NaN, +0 > -0."""
-    stacked = torch.stack(inputs)
-    result = stacked.amax(0) if op == "max" else stacked.amin(0)
-    if not stacked.dtype.is_floating_point:
-        return result
-    zeros = stacked == 0
-    signed = torch.signbit(stacked)
-    if op == "max":  # +0 where any zero operand is +0
-        zero = torch.where((zeros & ~signed).any(0), 0.0, -0.0).to(stacked.dtype)
-    else:  # -0 where any zero operand is -0
-        zero = torch.where((zeros & signed).any(0), -0.0, 0.0).to(stacked.dtype)
-    result = torch.where(result == 0, zero, result)
-    return torch.where(torch.isnan(stacked).any(0), torch.tensor(float("nan"), dtype=stacked.dtype), result)
 
 
 def expected(inputs, op):

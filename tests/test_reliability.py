@@ -19,14 +19,15 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.training.data import FASHION_MNIST_ROOT
 from ddpkit.testing import WorkerFailure, WorkerPool
+from ddpkit.training.data import FASHION_MNIST_ROOT
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train.py"
 GROUP_TIMEOUT_S = 20
-needs_fashion_mnist = pytest.mark.skipif(not Path(FASHION_MNIST_ROOT).is_dir(),
-                                         reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)")
+needs_fashion_mnist = pytest.mark.skipif(
+    not Path(FASHION_MNIST_ROOT).is_dir(), reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)"
+)
 
 
 def processes_mentioning(marker: str) -> list[int]:
@@ -54,6 +55,7 @@ def children_of(pid: int) -> list[int]:
 
 
 # --- a rank dies in the middle of collectives ------------------------------------------------------
+
 
 def case_die_during_collectives(victim: int, algorithm: str):
     rank = dist.get_rank()
@@ -89,8 +91,9 @@ def test_dead_rank_fails_every_other_rank_quickly(algorithm):
     for outcome in survivors_of_rank_1(case_die_during_collectives, algorithm):
         if algorithm != "process_group":
             # Over shared memory the liveness check names the dead rank, whichever peer a survivor waited on.
-            assert "ddpkit.all_reduce" in str(outcome) and "rank 1 (pid" in str(outcome) and "died" in str(outcome), \
+            assert "ddpkit.all_reduce" in str(outcome) and "rank 1 (pid" in str(outcome) and "died" in str(outcome), (
                 outcome
+            )
 
 
 def case_die_while_the_peer_sleeps(async_op: bool):
@@ -113,8 +116,13 @@ def test_dead_rank_is_named_without_the_liveness_poll(async_op):
     fault) and a group timeout far beyond the pool's, rank 0 still names rank 1, killed while rank 0
     sleeps in a wait for it: the pidfd watch woke the wait. Without the watch rank 0 would sleep on
     until the pool gave up on it."""
-    pool = WorkerPool(2, backend="ddpkit" if async_op else "gloo", timeout=60, group_timeout=600,
-                      env={"DDPKIT_TEST_FAULT": "no_liveness_poll:0"})
+    pool = WorkerPool(
+        2,
+        backend="ddpkit" if async_op else "gloo",
+        timeout=60,
+        group_timeout=600,
+        env={"DDPKIT_TEST_FAULT": "no_liveness_poll:0"},
+    )
     try:
         outcomes = pool.run(case_die_while_the_peer_sleeps, async_op, return_exceptions=True)
     finally:
@@ -158,9 +166,19 @@ def case_die_during_training(victim: int):
     """DDP + SyncBatchNorm steps; the victim kills itself inside a backward, with buckets in flight."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = ddpkit.DistributedDataParallel(ddpkit.convert_sync_batchnorm(torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-        torch.nn.ReLU(), torch.nn.Linear(256, 10))), bucket_cap_mb=0.1)
+    model = ddpkit.DistributedDataParallel(
+        ddpkit.convert_sync_batchnorm(
+            torch.nn.Sequential(
+                torch.nn.Linear(64, 256),
+                torch.nn.BatchNorm1d(256),
+                torch.nn.ReLU(),
+                torch.nn.Linear(256, 256),
+                torch.nn.ReLU(),
+                torch.nn.Linear(256, 10),
+            )
+        ),
+        bucket_cap_mb=0.1,
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     step = 0
 
@@ -171,7 +189,7 @@ def case_die_during_training(victim: int):
 
     first_layer = model.module[0].weight  # its gradient is among the last of the backward
     first_layer.register_hook(die_in_backward)
-    for step in range(10_000):
+    for step in range(10_000):  # noqa: B007 - die_in_backward reads it
         optimizer.zero_grad()
         model(torch.randn(32, 64)).square().mean().backward()
         optimizer.step()
@@ -195,10 +213,34 @@ def exited(pid: int) -> bool:
 @needs_fashion_mnist
 def test_dead_worker_under_torchrun_stops_the_whole_job(tmp_path):
     out = tmp_path / "dead-worker-run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
-               "--max-restarts", "0", "--monitor-interval", "1",
-               str(TRAIN), "--dataset", "fashion_mnist", "--limit-train", "6000", "--batch-size", "16", "--epochs", "20", "--no-progress", "--checkpoint-every", "2",
-               "--timeout", str(GROUP_TIMEOUT_S), "--out", str(out)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "3",
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "1",
+        str(TRAIN),
+        "--dataset",
+        "fashion_mnist",
+        "--limit-train",
+        "6000",
+        "--batch-size",
+        "16",
+        "--epochs",
+        "20",
+        "--no-progress",
+        "--checkpoint-every",
+        "2",
+        "--timeout",
+        str(GROUP_TIMEOUT_S),
+        "--out",
+        str(out),
+    ]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -237,12 +279,40 @@ def test_dead_worker_under_torchrun_stops_the_whole_job(tmp_path):
 
 # --- restart without loss --------------------------------------------------------------------------
 
+
 def training_command(out: Path, max_restarts: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "--max-restarts", str(max_restarts), str(TRAIN), "--dataset", "fashion_mnist", "--model", "net",
-            "--limit-train", "4096", "--limit-test", "512", "--batch-size", "32", "--accumulation-steps", "2",
-            "--epochs", "2", "--checkpoint-every", "5", "--no-progress", "--timeout", str(GROUP_TIMEOUT_S),
-            "--out", str(out)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        str(max_restarts),
+        str(TRAIN),
+        "--dataset",
+        "fashion_mnist",
+        "--model",
+        "net",
+        "--limit-train",
+        "4096",
+        "--limit-test",
+        "512",
+        "--batch-size",
+        "32",
+        "--accumulation-steps",
+        "2",
+        "--epochs",
+        "2",
+        "--checkpoint-every",
+        "5",
+        "--no-progress",
+        "--timeout",
+        str(GROUP_TIMEOUT_S),
+        "--out",
+        str(out),
+    ]
 
 
 def checkpoint_step(path: Path) -> int:
@@ -254,8 +324,9 @@ def checkpoint_step(path: Path) -> int:
 
 @needs_fashion_mnist
 def test_killed_worker_resumes_from_checkpoint_and_ends_bitwise_equal(tmp_path):
-    uninterrupted = subprocess.run(training_command(tmp_path / "uninterrupted", 0), capture_output=True, text=True,
-                                   timeout=600)
+    uninterrupted = subprocess.run(
+        training_command(tmp_path / "uninterrupted", 0), capture_output=True, text=True, timeout=600
+    )
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
 
     out = tmp_path / "restarted"
@@ -301,8 +372,9 @@ CRASHING_SAVE = textwrap.dedent("""
 
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path):
     path = tmp_path / "checkpoint.pt"
-    result = subprocess.run([sys.executable, "-c", CRASHING_SAVE, str(path)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", CRASHING_SAVE, str(path)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 17, result.stderr
     state = torch.load(path, weights_only=False)
     assert state["step"] == 1 and torch.equal(state["weights"], torch.arange(10.0))

@@ -1,34 +1,32 @@
 """The committed benchmark results follow the schema, and the committed report notebook executes."""
 
-import importlib.util
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from notebooks import report
+from notebooks import report_analysis as analysis
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 NOTEBOOK = REPO / "notebooks" / "report.ipynb"
-ENVIRONMENT_FIELDS = {"command", "git_commit", "date", "hostname", "torch_version", "python_version", "backend",
-                      "device_type", "cpu_model", "cpu_count", "gpu"}
-
-
-sys.path.insert(0, str(REPO / "notebooks"))
-import report_analysis as analysis  # noqa: E402
-
-
-def load_report_module():
-    spec = importlib.util.spec_from_file_location("report", REPO / "notebooks" / "report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-report = load_report_module()
+ENVIRONMENT_FIELDS = {
+    "command",
+    "git_commit",
+    "date",
+    "hostname",
+    "torch_version",
+    "python_version",
+    "backend",
+    "device_type",
+    "cpu_model",
+    "cpu_count",
+    "gpu",
+}
 
 
 @pytest.mark.parametrize("name", analysis.EXPECTED + [n for n in analysis.OPTIONAL if (RESULTS / f"{n}.json").exists()])
@@ -42,9 +40,15 @@ def test_results_exist_and_follow_the_schema(name):
     assert isinstance(document["records"], list) and document["records"]
     # A record says how many processes it ran: world_size, or (multihost.json) topology, "<hosts>x<ranks per host>",
     # or (fault_tolerance.json) its measure, whose replica groups of one rank the benchmark fixes (2 steady, 3 kill).
-    assert all(isinstance(record, dict) and ("world_size" in record or re.fullmatch(r"\d+x\d+", record.get("topology", ""))
-                                             or record.get("measure") in ("steady", "kill"))
-               for record in document["records"])
+    assert all(
+        isinstance(record, dict)
+        and (
+            "world_size" in record
+            or re.fullmatch(r"\d+x\d+", record.get("topology", ""))
+            or record.get("measure") in ("steady", "kill")
+        )
+        for record in document["records"]
+    )
     assert isinstance(document["summary"], dict) and document["summary"]
 
 
@@ -72,8 +76,9 @@ def outputs_of(notebook):
 
 
 def text_of(outputs) -> str:
-    return "\n".join(str(o.get("data", {}).get("text/markdown", "")) + str(o.get("data", {}).get("text/html", ""))
-                     for o in outputs)
+    return "\n".join(
+        str(o.get("data", {}).get("text/markdown", "")) + str(o.get("data", {}).get("text/html", "")) for o in outputs
+    )
 
 
 def test_committed_notebook_executes_without_errors(tmp_path):
@@ -83,13 +88,16 @@ def test_committed_notebook_executes_without_errors(tmp_path):
     notebook.cells.insert(1, nbformat.v4.new_code_cell(LEGEND_CHECK))
     notebook.cells.append(nbformat.v4.new_code_cell("assert not UNLEGENDED, UNLEGENDED"))
     outputs = outputs_of(report.execute(notebook, RESULTS, timeout=120))
-    assert not [o for o in outputs if o.get("output_type") == "error"], \
-        [o.get("evalue") for o in outputs if o.get("output_type") == "error"]
+    assert not [o for o in outputs if o.get("output_type") == "error"], [
+        o.get("evalue") for o in outputs if o.get("output_type") == "error"
+    ]
     assert not [c.id for c in notebook.cells if "execution" in c.metadata], "executing recorded timestamps"
     # every plot rendered: one per section, two in the all-reduce's, one more each for multihost.json and
     # fault_tolerance.json where they exist
-    assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == \
-        6 + (RESULTS / "multihost.json").exists() + (RESULTS / "fault_tolerance.json").exists()
+    assert (
+        sum(1 for o in outputs if "image/png" in o.get("data", {}))
+        == 6 + (RESULTS / "multihost.json").exists() + (RESULTS / "fault_tolerance.json").exists()
+    )
 
 
 def results_copy(tmp_path, commits: dict, names=None):
@@ -107,8 +115,9 @@ def results_copy(tmp_path, commits: dict, names=None):
 
 
 def test_the_report_warns_about_results_of_other_commits(tmp_path):
-    notebook = report.execute(report.build(), results_copy(tmp_path / "mixed", {"ddp": "c0ffee-dirty",
-                                                                                 "backend": "badbeef"}), timeout=120)
+    notebook = report.execute(
+        report.build(), results_copy(tmp_path / "mixed", {"ddp": "c0ffee-dirty", "backend": "badbeef"}), timeout=120
+    )
     text = text_of(outputs_of(notebook))
     assert text.count("These results were measured at commit `c0ffee`") == 1
     assert "`ddp.json`: the tree it was measured from had uncommitted changes" in text
@@ -133,14 +142,21 @@ def test_the_optional_results_missing_are_a_sentence_each_and_one_commit_is_stat
 
 def test_the_report_reads_only_what_run_all_produces():
     run_all = (REPO / "benchmarks" / "run_all.sh").read_text()
-    scripts = {"allreduce": "bench_allreduce.py", "allreduce_checks": "--output allreduce_checks",
-               "syncbn": "bench_syncbn.py", "ddp": "bench_ddp.py", "training": "bench_training.py",
-               "backend": "bench_backend.py", "syncbn_cuda": "bench_syncbn.py \"${QUICK[@]}\" --device cuda",
-               "ddp_cuda": "bench_ddp.py \"${QUICK[@]}\" --device cuda",
-               "allreduce_16core": "--output allreduce_16core",
-               "torch_stack": "bench_torch_stack.py \"${QUICK[@]}\"", "multihost": "bench_multihost.py \"${QUICK[@]}\"",
-               "latency": "bench_latency.py \"${QUICK[@]}\"",
-               "fault_tolerance": "bench_fault_tolerance.py \"${QUICK[@]}\""}
+    scripts = {
+        "allreduce": "bench_allreduce.py",
+        "allreduce_checks": "--output allreduce_checks",
+        "syncbn": "bench_syncbn.py",
+        "ddp": "bench_ddp.py",
+        "training": "bench_training.py",
+        "backend": "bench_backend.py",
+        "syncbn_cuda": 'bench_syncbn.py "${QUICK[@]}" --device cuda',
+        "ddp_cuda": 'bench_ddp.py "${QUICK[@]}" --device cuda',
+        "allreduce_16core": "--output allreduce_16core",
+        "torch_stack": 'bench_torch_stack.py "${QUICK[@]}"',
+        "multihost": 'bench_multihost.py "${QUICK[@]}"',
+        "latency": 'bench_latency.py "${QUICK[@]}"',
+        "fault_tolerance": 'bench_fault_tolerance.py "${QUICK[@]}"',
+    }
     assert set(analysis.EXPECTED + analysis.OPTIONAL) == scripts.keys()
     assert all(command in run_all for command in scripts.values())
     # The one input from outside the results folder: torch's suite, which scripts/run_torch_suite.py writes.
@@ -151,11 +167,15 @@ def test_the_report_reads_only_what_run_all_produces():
 
 
 def test_the_notebook_speaks_plainly():
-    # The prose is report.py's cells; the sentences computed when it runs are report_analysis.py's.
-    sources = "\n".join(cell.source for cell in report.build().cells) + Path(analysis.__file__).read_text()
+    # The prose is report.py's cells; the sentences computed when it runs are report_analysis's.
+    sources = "\n".join(
+        [cell.source for cell in report.build().cells]
+        + [path.read_text() for path in sorted(Path(analysis.__file__).parent.glob("*.py"))]
+    )
     assert "Note [" not in sources
-    assert not re.search(r"\bbars?\b[^(]", sources.replace("ax.bar(", "").replace("time_ax.bar(", "")), \
+    assert not re.search(r"\bbars?\b[^(]", sources.replace("ax.bar(", "").replace("time_ax.bar(", "")), (
         "say target, not bar"
+    )
 
 
 def test_the_code_cells_are_calls_into_the_module():
@@ -175,8 +195,9 @@ def test_the_code_cells_are_calls_into_the_module():
 def test_committed_notebook_is_the_built_one():
     built = report.build()
     committed = nbformat.read(NOTEBOOK, as_version=4)
-    assert [(c.id, c.source) for c in committed.cells] == [(c.id, c.source) for c in built.cells], \
-        "notebooks/report.ipynb is stale: run python notebooks/report.py"
+    assert [(c.id, c.source) for c in committed.cells] == [(c.id, c.source) for c in built.cells], (
+        "notebooks/report.ipynb is stale: run python -m notebooks.report"
+    )
     assert not [c.id for c in committed.cells if "execution" in c.metadata], "timestamps in the committed report"
 
 

@@ -1,5 +1,5 @@
-"""notebooks/report_analysis.py on its own: provenance, formatting and sections on small synthetic results, with
-no notebook and no kernel (tests/test_report.py executes the notebook)."""
+"""The package notebooks/report_analysis on its own: provenance, formatting and sections on small synthetic
+results, with no notebook and no kernel (tests/test_report.py executes the notebook)."""
 
 import json
 import os
@@ -9,11 +9,15 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import IPython.display
+import matplotlib.pyplot as plt
 import pytest
 
+from notebooks import report_analysis as analysis
+from notebooks.report_analysis import data_parallel, formatting, hosts, torch_backend
+from notebooks.report_analysis.results import commit_of, provenance_problem, report_commit
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "notebooks"))
-import report_analysis as analysis  # noqa: E402
 
 
 @pytest.fixture
@@ -21,13 +25,13 @@ def shown(monkeypatch):
     """What the module displays, in order: the IPython objects (Markdown, HTML) and, for each plt.show, the
     figure shown (then closed)."""
     shown = []
-    monkeypatch.setattr(analysis, "display", shown.append)
+    monkeypatch.setattr(IPython.display, "display", shown.append)  # where report_analysis.output sends them
 
     def show(*args, **kwargs):
-        shown.append(analysis.plt.gcf())
-        analysis.plt.close("all")
+        shown.append(plt.gcf())
+        plt.close("all")
 
-    monkeypatch.setattr(analysis.plt, "show", show)
+    monkeypatch.setattr(plt, "show", show)
     return shown
 
 
@@ -45,10 +49,12 @@ def results(**documents):
 
 
 def test_importing_reads_and_draws_nothing(tmp_path):
-    script = ("import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt; import report_analysis; "
-              "assert not plt.get_fignums()")
+    script = (
+        "import matplotlib; matplotlib.use('Agg'); import matplotlib.pyplot as plt; "
+        "import notebooks.report_analysis; assert not plt.get_fignums()"
+    )
     env = {**os.environ, "DDPKIT_REPORT_RESULTS": str(tmp_path / "absent")}
-    subprocess.run([sys.executable, "-c", script], cwd=REPO / "notebooks", env=env, check=True)
+    subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, check=True)
 
 
 def test_results_folder_is_the_environment_s_or_the_repository_s(monkeypatch, tmp_path):
@@ -71,40 +77,44 @@ def test_load_results_reads_every_expected_result_and_the_optional_ones_present(
 
 
 def test_commit_of_splits_off_the_dirty_mark():
-    assert analysis.commit_of(environment("abc123")) == ("abc123", False)
-    assert analysis.commit_of(environment("abc123-dirty")) == ("abc123", True)
-    assert analysis.commit_of(environment(None)) == ("unknown", False)
+    assert commit_of(environment("abc123")) == ("abc123", False)
+    assert commit_of(environment("abc123-dirty")) == ("abc123", True)
+    assert commit_of(environment(None)) == ("unknown", False)
 
 
 def test_the_report_commit_is_the_one_of_most_expected_results():
     first, *others = analysis.EXPECTED
     R = results(**{first: environment("badbeef")}, latency=environment("badbeef"))  # optional ones do not count
-    assert analysis.report_commit(R) == "c0ffee"
+    assert report_commit(R) == "c0ffee"
     R = results(**{name: environment("badbeef-dirty") for name in others[:4]})
-    assert analysis.report_commit(R) == "badbeef"  # a dirty tree still counts for its commit
+    assert report_commit(R) == "badbeef"  # a dirty tree still counts for its commit
 
 
 def test_a_tie_goes_to_the_commit_of_the_latest_result():
     half = len(analysis.EXPECTED) // 2
     older = {name: environment("older", "2026-01-01T10:00:00") for name in analysis.EXPECTED[:half]}
     newer = {name: environment("newer", "2026-01-02T10:00:00") for name in analysis.EXPECTED[half:]}
-    assert analysis.report_commit({**older, **newer}) == "newer"
+    assert report_commit({**older, **newer}) == "newer"
     # whichever results come first in the list
     older = {name: environment("older", "2026-01-01T10:00:00") for name in analysis.EXPECTED[half:]}
     newer = {name: environment("newer", "2026-01-02T10:00:00") for name in analysis.EXPECTED[:half]}
-    assert analysis.report_commit({**older, **newer}) == "newer"
+    assert report_commit({**older, **newer}) == "newer"
 
 
 def test_provenance_problem_names_another_commit_and_a_dirty_tree():
-    R = results(ddp=environment("c0ffee-dirty"), backend=environment("badbeef1234567"),
-                training=environment("badbeef-dirty"))
-    assert analysis.provenance_problem(R, "allreduce") is None
-    assert analysis.provenance_problem(R, "ddp") == ("the tree it was measured from had uncommitted changes, so no "
-                                                     "commit holds the code that produced it")
-    assert analysis.provenance_problem(R, "backend") == ("it was measured at commit `badbeef123`, not at `c0ffee` "
-                                                         "like this report")
-    assert analysis.provenance_problem(R, "training").startswith("it was measured at commit `badbeef`, not at "
-                                                                 "`c0ffee` like this report and the tree it was")
+    R = results(
+        ddp=environment("c0ffee-dirty"), backend=environment("badbeef1234567"), training=environment("badbeef-dirty")
+    )
+    assert provenance_problem(R, "allreduce") is None
+    assert provenance_problem(R, "ddp") == (
+        "the tree it was measured from had uncommitted changes, so no commit holds the code that produced it"
+    )
+    assert provenance_problem(R, "backend") == (
+        "it was measured at commit `badbeef123`, not at `c0ffee` like this report"
+    )
+    assert provenance_problem(R, "training").startswith(
+        "it was measured at commit `badbeef`, not at `c0ffee` like this report and the tree it was"
+    )
 
 
 def test_provenance_states_the_commit_and_warns_once_per_problem(shown):
@@ -117,71 +127,106 @@ def test_provenance_states_the_commit_and_warns_once_per_problem(shown):
     assert "Every result comes from that commit" not in text(shown)
 
 
-@pytest.mark.parametrize("format, value, expected", [
-    (analysis.us, 12.4e-6, "12 µs"), (analysis.us_tenths, 12.34e-6, "12.3 µs"), (analysis.ms, 0.01234, "12.3 ms"),
-    (analysis.step_time, 0.0015, "1.5 ms"), (analysis.step_time, 0.00099, "990 µs"),
-    (analysis.call_time, 2.5e-6, "2.5 µs"), (analysis.call_time, 0.00125, "1.25 ms"),
-    (analysis.mib, 3 * 2**20, "3.0 MiB"), (analysis.kib, 2048, "2 KiB"), (analysis.ratio, 0.854, "0.85×"),
-    (analysis.floats, 1000, "1k"), (analysis.floats, 16_000_000, "16M"), (analysis.floats, 100_000, "100k"),
-    (analysis.floats, 1500, "1,500"), (analysis.floats, 999, "999"),
-    (analysis.minute, "2026-01-02T03:04:05.6", "2026-01-02 03:04"),
-])
+@pytest.mark.parametrize(
+    "format, value, expected",
+    [
+        (formatting.us, 12.4e-6, "12 µs"),
+        (formatting.us_tenths, 12.34e-6, "12.3 µs"),
+        (formatting.ms, 0.01234, "12.3 ms"),
+        (formatting.step_time, 0.0015, "1.5 ms"),
+        (formatting.step_time, 0.00099, "990 µs"),
+        (formatting.call_time, 2.5e-6, "2.5 µs"),
+        (formatting.call_time, 0.00125, "1.25 ms"),
+        (formatting.mib, 3 * 2**20, "3.0 MiB"),
+        (formatting.kib, 2048, "2 KiB"),
+        (formatting.ratio, 0.854, "0.85×"),
+        (formatting.floats, 1000, "1k"),
+        (formatting.floats, 16_000_000, "16M"),
+        (formatting.floats, 100_000, "100k"),
+        (formatting.floats, 1500, "1,500"),
+        (formatting.floats, 999, "999"),
+        (formatting.minute, "2026-01-02T03:04:05.6", "2026-01-02 03:04"),
+    ],
+)
 def test_formats(format, value, expected):
     assert format(value) == expected
 
 
 def test_html_table_formats_by_column_and_leaves_missing_values_empty():
     rows = [{"a": 1.23456, "b": 2e-6, "c": "x"}, {"a": None, "b": 1e-3}]
-    html = analysis.html_table(rows, ["c", "a", "b"], {"b": analysis.us})
-    assert html == ("<table><thead><tr><th>c</th><th>a</th><th>b</th></tr></thead><tbody>"
-                    "<tr><td>x</td><td>1.23</td><td>2 µs</td></tr><tr><td></td><td></td><td>1000 µs</td></tr>"
-                    "</tbody></table>")
+    html = formatting.html_table(rows, ["c", "a", "b"], {"b": formatting.us})
+    assert html == (
+        "<table><thead><tr><th>c</th><th>a</th><th>b</th></tr></thead><tbody>"
+        "<tr><td>x</td><td>1.23</td><td>2 µs</td></tr><tr><td></td><td></td><td>1000 µs</td></tr>"
+        "</tbody></table>"
+    )
 
 
 def ddp_step(candidate, median, p25, p75, model="resnet", accumulation=1):
-    return SimpleNamespace(candidate=candidate, model=model, accumulation=accumulation, median_step_s=median,
-                           p25_step_s=p25, p75_step_s=p75)
+    return SimpleNamespace(
+        candidate=candidate,
+        model=model,
+        accumulation=accumulation,
+        median_step_s=median,
+        p25_step_s=p25,
+        p75_step_s=p75,
+    )
 
 
 def test_below_floor_is_none_unless_a_step_is_faster_than_the_floor():
-    assert analysis.below_floor([ddp_step("floor", 0.010, 0.009, 0.011), ddp_step("ddpkit", 0.012, 0.011, 0.013)]) \
+    assert (
+        data_parallel.below_floor([ddp_step("floor", 0.010, 0.009, 0.011), ddp_step("ddpkit", 0.012, 0.011, 0.013)])
         is None
-    assert analysis.below_floor([ddp_step("ddpkit", 0.005, 0.004, 0.006)]) is None  # no floor measured
+    )
+    assert data_parallel.below_floor([ddp_step("ddpkit", 0.005, 0.004, 0.006)]) is None  # no floor measured
 
 
 def test_below_floor_tells_a_tie_from_a_difference():
     floor = ddp_step("floor", 0.010, 0.009, 0.011)
-    tie = analysis.below_floor([floor, ddp_step("torch_ddpkit", 0.0095, 0.0090, 0.0120)],
-                               names={"torch_ddpkit": "torch DDP on ddpkit"})
-    assert tie.startswith("Below the floor: `torch DDP on ddpkit` resnet, accumulation 1: 9.5 ms (middle half "
-                          "9.0 ms–12.0 ms) against the floor's 10.0 ms (9.0 ms–11.0 ms).")
+    tie = data_parallel.below_floor(
+        [floor, ddp_step("torch_ddpkit", 0.0095, 0.0090, 0.0120)], names={"torch_ddpkit": "torch DDP on ddpkit"}
+    )
+    assert tie.startswith(
+        "Below the floor: `torch DDP on ddpkit` resnet, accumulation 1: 9.5 ms (middle half "
+        "9.0 ms–12.0 ms) against the floor's 10.0 ms (9.0 ms–11.0 ms)."
+    )
     assert "In every case the middle halves of the repetitions overlap" in tie
-    apart = analysis.below_floor([floor, ddp_step("ddpkit", 0.005, 0.004, 0.006)])
+    apart = data_parallel.below_floor([floor, ddp_step("ddpkit", 0.005, 0.004, 0.006)])
     assert "In 1 of them the middle halves do not overlap" in apart
 
 
 def test_target_row_is_decided_by_the_worst_point():
-    row = analysis.target_row("t", {"1k": 0.4, "16M": 0.7}, 0.6, ["1k", "1M", "16M"])
-    assert (row["result"], row["worst"], row["measured at"], row["not measured at"]) == \
-        ("not met", "0.70× (16M)", "1k, 16M", "1M")
-    assert analysis.target_row("t", {"1k": 0.4}, 0.6)["result"] == "met"
-    row = analysis.target_row("t", {}, 0.6, ["1k"])
+    row = hosts.target_row("t", {"1k": 0.4, "16M": 0.7}, 0.6, ["1k", "1M", "16M"])
+    assert (row["result"], row["worst"], row["measured at"], row["not measured at"]) == (
+        "not met",
+        "0.70× (16M)",
+        "1k, 16M",
+        "1M",
+    )
+    assert hosts.target_row("t", {"1k": 0.4}, 0.6)["result"] == "met"
+    row = hosts.target_row("t", {}, 0.6, ["1k"])
     assert (row["result"], row["worst"], row["measured at"]) == ("not measured", "", "—")
 
 
 def test_skip_reasons_and_code_spans():
-    assert analysis.skip_reason("Need at least 2 CUDA devices") == "CUDA"
-    assert analysis.skip_reason("NCCL only") == "NCCL or MPI only"
-    assert analysis.skip_reason("Test requires world size of 4") == "another world size"
-    assert analysis.skip_reason("see https://github.com/pytorch/pytorch/issues/1") == "disabled upstream"
-    assert analysis.skip_reason("no reason") == "other"
-    assert analysis.code_html("`a<b` & c") == "<code>a&lt;b</code> &amp; c"
+    assert torch_backend.skip_reason("Need at least 2 CUDA devices") == "CUDA"
+    assert torch_backend.skip_reason("NCCL only") == "NCCL or MPI only"
+    assert torch_backend.skip_reason("Test requires world size of 4") == "another world size"
+    assert torch_backend.skip_reason("see https://github.com/pytorch/pytorch/issues/1") == "disabled upstream"
+    assert torch_backend.skip_reason("no reason") == "other"
+    assert formatting.code_html("`a<b` & c") == "<code>a&lt;b</code> &amp; c"
 
 
 def test_collective_checks_on_a_synthetic_result(shown):
-    R = results(allreduce_checks={**environment(), "records": [],
-                                  "summary": {"checked_over_unchecked": {"n=2 numel=1000": 1.2, "n=4 numel=1000": 1.1,
-                                                                         "n=8 numel=1000": 1.6}}})
+    R = results(
+        allreduce_checks={
+            **environment(),
+            "records": [],
+            "summary": {
+                "checked_over_unchecked": {"n=2 numel=1000": 1.2, "n=4 numel=1000": 1.1, "n=8 numel=1000": 1.6}
+            },
+        }
+    )
     analysis.collective_checks(R)
     assert shown[0].data == "Produced by `python bench.py` on 2026-01-01 10:00 UTC."
     assert "<td>n=2 numel=1000</td><td>1.20×</td>" in shown[1].data
@@ -190,17 +235,25 @@ def test_collective_checks_on_a_synthetic_result(shown):
 
 
 def test_a_section_warns_about_a_result_of_another_commit(shown):
-    R = results(allreduce_checks={**environment("badbeef"), "records": [],
-                                  "summary": {"checked_over_unchecked": {"n=2 numel=1000": 1.2}}})
+    R = results(
+        allreduce_checks={
+            **environment("badbeef"),
+            "records": [],
+            "summary": {"checked_over_unchecked": {"n=2 numel=1000": 1.2}},
+        }
+    )
     analysis.collective_checks(R)
     assert "⚠ `allreduce_checks.json`: it was measured at commit `badbeef`" in text(shown)
     assert "Run `bash benchmarks/run_all.sh` on a clean checkout" in text(shown)
 
 
 def test_allreduce_memory_draws_one_line_per_candidate_at_the_largest_size(shown):
-    records = [SimpleNamespace(kind="memory", candidate=c, numel=numel, world_size=n,
-                               peak_memory_increase_bytes=n * numel * 4)
-               for c in ("ddpkit", "gloo") for numel in (1000, 4_000_000) for n in (2, 4)]
+    records = [
+        SimpleNamespace(kind="memory", candidate=c, numel=numel, world_size=n, peak_memory_increase_bytes=n * numel * 4)
+        for c in ("ddpkit", "gloo")
+        for numel in (1000, 4_000_000)
+        for n in (2, 4)
+    ]
     analysis.allreduce_memory(results(allreduce={**environment(), "records": records}))
     (figure,) = shown
     (ax,) = figure.axes
@@ -209,12 +262,15 @@ def test_allreduce_memory_draws_one_line_per_candidate_at_the_largest_size(shown
     assert "4,000,000 floats" in ax.get_title()
 
 
-@pytest.mark.parametrize("section, sentence", [
-    (analysis.latency, "No `latency.json` in this results folder"),
-    (analysis.gpu, "No GPU results in this results folder (`syncbn_cuda.json`, `ddp_cuda.json`)."),
-    (analysis.multihost, "No `multihost.json` in this results folder"),
-    (analysis.torch_stack, "No `torch_stack.json` in this results folder"),
-])
+@pytest.mark.parametrize(
+    "section, sentence",
+    [
+        (analysis.latency, "No `latency.json` in this results folder"),
+        (analysis.gpu, "No GPU results in this results folder (`syncbn_cuda.json`, `ddp_cuda.json`)."),
+        (analysis.multihost, "No `multihost.json` in this results folder"),
+        (analysis.torch_stack, "No `torch_stack.json` in this results folder"),
+    ],
+)
 def test_a_missing_optional_result_is_one_sentence(shown, section, sentence):
     section(results())
     assert len(shown) == 1 and shown[0].data.startswith(sentence)
@@ -235,18 +291,25 @@ def test_torch_suite_missing_is_a_sentence_naming_the_file(shown, tmp_path):
 
 def test_torch_suite_on_a_synthetic_suite(shown, tmp_path):
     def run(**outcomes):
-        return {"records": {name: {"outcome": outcome, "summary": f"{outcome} `x`"}
-                            for name, outcome in outcomes.items()},
-                "counts": {"passed": sum(o == "passed" for o in outcomes.values())}, "seconds": 120}
+        return {
+            "records": {name: {"outcome": outcome, "summary": f"{outcome} `x`"} for name, outcome in outcomes.items()},
+            "counts": {"passed": sum(o == "passed" for o in outcomes.values())},
+            "seconds": 120,
+        }
 
-    suite = {"tests": 3, "world_size": 2, "date": "2026-01-01T10:00:00", "git_commit": "c0ffee",
-             "ddpkit_commit": "c0ffee", "torch_version": "2.11",
-             "runs": {"gloo": run(a="passed", b="passed", c="skipped"),
-                      "ddpkit": run(a="passed", b="failed", c="skipped")},
-             "differences": [{"test": "b", "reason": "uses `gloo` internals", "kind": "torch"}]}
+    suite = {
+        "tests": 3,
+        "world_size": 2,
+        "date": "2026-01-01T10:00:00",
+        "git_commit": "c0ffee",
+        "ddpkit_commit": "c0ffee",
+        "torch_version": "2.11",
+        "runs": {"gloo": run(a="passed", b="passed", c="skipped"), "ddpkit": run(a="passed", b="failed", c="skipped")},
+        "differences": [{"test": "b", "reason": "uses `gloo` internals", "kind": "torch"}],
+    }
     (tmp_path / "suite.json").write_text(json.dumps(suite))
     analysis.torch_suite(tmp_path / "suite.json")
     out = text(shown)
-    assert "gloo passes 2 tests and \"ddpkit\" 1: 1 pass on gloo only, none on \"ddpkit\" only." in out
+    assert 'gloo passes 2 tests and "ddpkit" 1: 1 pass on gloo only, none on "ddpkit" only.' in out
     assert "<td>uses <code>gloo</code> internals</td><td>torch's own code</td>" in out
     assert "Skipped on both backends: 1 tests, by the reason the suite gives: other 1" in out

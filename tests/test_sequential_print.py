@@ -12,8 +12,15 @@ SCRIPT = Path(__file__).resolve().parent.parent / "sequential_print.py"
 
 
 def launch(world_size: int, *args: str) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-               str(SCRIPT), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world_size}",
+        str(SCRIPT),
+        *args,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

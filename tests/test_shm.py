@@ -18,8 +18,8 @@ from ddpkit.testing import WorkerPool
 
 from helpers import algorithms_for, all_inputs, rank_input, reference
 
-
 # --- cases that run on every rank ----------------------------------------------------------------
+
 
 def case_resolved(transport):
     return ddpkit.comm.resolved_transport(transport=transport)
@@ -110,8 +110,10 @@ def case_two_groups_two_threads(iterations):
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             errors.append(repr(exc))
 
-    threads = [threading.Thread(target=loop, args=("world", None, 1000)),
-               threading.Thread(target=loop, args=("other", other, 200_000))]
+    threads = [
+        threading.Thread(target=loop, args=("world", None, 1000)),
+        threading.Thread(target=loop, args=("other", other, 200_000)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -139,6 +141,7 @@ def case_busy_receiver(numel):
 
 
 # --- tests ---------------------------------------------------------------------------------------
+
 
 def test_auto_picks_shared_memory_on_one_host(pool):
     assert pool(2).run(case_resolved, "auto") == ["shm", "shm"]
@@ -168,8 +171,9 @@ def test_environment_forces_shared_memory_or_names_a_bad_value(value):
                 assert torch.equal(reduced, torch.full((4,), 2.0))
         else:
             for outcome in outcomes:
-                assert isinstance(outcome, RuntimeError) and "DDPKIT_TRANSPORT=tcp is not one of" in str(outcome), \
+                assert isinstance(outcome, RuntimeError) and "DDPKIT_TRANSPORT=tcp is not one of" in str(outcome), (
                     outcome
+                )
     finally:
         worker_pool.close()
 
@@ -184,15 +188,18 @@ def test_every_collective_matches_the_reference(pool, world_size, transport):
             other = results[rank][key]
             if key[0] in ("reduce", "gather", "scatter"):
                 continue
-            assert torch.equal(tensor.view(torch.uint8) if tensor.numel() else tensor,
-                               other.view(torch.uint8) if other.numel() else other), f"{key}: ranks differ"
+            assert torch.equal(
+                tensor.view(torch.uint8) if tensor.numel() else tensor,
+                other.view(torch.uint8) if other.numel() else other,
+            ), f"{key}: ranks differ"
         if key[0] == "all_reduce":
             _, algorithm, numel, op = key
             torch.testing.assert_close(tensor.double(), reference(world_size, numel, op, integer=True), rtol=0, atol=0)
         elif key[0] == "mean":
             _, algorithm, numel = key
-            torch.testing.assert_close(tensor.double(), reference(world_size, numel, "mean"), rtol=0,
-                                       atol=1e-5 * world_size)
+            torch.testing.assert_close(
+                tensor.double(), reference(world_size, numel, "mean"), rtol=0, atol=1e-5 * world_size
+            )
         elif key[0] == "broadcast":
             assert torch.equal(tensor, rank_input(key[1], 1001, integer=True))
     for root in range(world_size):
@@ -227,8 +234,13 @@ def test_every_dtype(pool, transport):
                 assert broadcast.dtype == dtype and torch.equal(broadcast, rank_input(1, numel, integer=True).to(dtype))
             reduced = results[2][(dtype, "reduce", numel)]
             atol = 16 if dtype == torch.bfloat16 else 2 if dtype == torch.float16 else 0
-            torch.testing.assert_close(reduced.double(), all_inputs(world_size, numel, integer=True).sum(0), rtol=0,
-                                       atol=atol, msg=f"reduce {dtype} {numel}")
+            torch.testing.assert_close(
+                reduced.double(),
+                all_inputs(world_size, numel, integer=True).sum(0),
+                rtol=0,
+                atol=atol,
+                msg=f"reduce {dtype} {numel}",
+            )
         gathered = results[0][(dtype, "gather")]
         expected = torch.stack([rank_input(r, 7, integer=True).to(dtype) for r in range(world_size)])
         assert gathered.dtype == dtype and torch.equal(gathered, expected), dtype
@@ -254,11 +266,13 @@ def test_many_small_chunks_and_slots():
 def test_direct_all_reduce_checks_raise_on_every_rank(pool, kind):
     world_size = 3
     outcomes = pool(world_size).run(case_mismatch, kind)
-    expected = {"numel": "rank 1 passed elements 1001, rank 0 passed elements 1000",
-                "dtype": "rank 1 passed dtype Double, rank 0 passed dtype Float",
-                "op": "rank 1 passed op max, rank 0 passed op sum",
-                "rejected": "rank 1 rejected its arguments",
-                "large_numel": "rank 1 passed elements 3000001, rank 0 passed elements 3000000"}[kind]
+    expected = {
+        "numel": "rank 1 passed elements 1001, rank 0 passed elements 1000",
+        "dtype": "rank 1 passed dtype Double, rank 0 passed dtype Float",
+        "op": "rank 1 passed op max, rank 0 passed op sum",
+        "rejected": "rank 1 rejected its arguments",
+        "large_numel": "rank 1 passed elements 3000001, rank 0 passed elements 3000000",
+    }[kind]
     for rank, (error, after) in enumerate(outcomes):
         assert error is not None, f"rank {rank} did not raise"
         if kind == "rejected" and rank == 1:
@@ -289,5 +303,3 @@ def test_early_messages_wait_in_shared_memory(pool):
             assert torch.equal(gathered, torch.arange(world_size, dtype=torch.float32)[:, None].expand(-1, 4))
         assert torch.equal(tensor, rank_input(0, numel, integer=True)), rank
         assert peak_buffered == 0, f"rank {rank} buffered {peak_buffered} bytes of early messages"
-
-

@@ -48,33 +48,18 @@ from torch import nn
 
 from ddpkit.testing import WorkerPool
 
+from helpers import attempt, caught
+
 BACKENDS = ("gloo", "ddpkit")
 RTOL, ATOL = 1e-5, 1e-6
 
 
-# --- pools ---------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def pools():
-    """``pools(backend, n, **env)``: a live WorkerPool (one per backend, world size and environment).
-    A case that fails or times out kills its pool; the next call starts a fresh one."""
-    made = {}
-
-    def get(backend, world_size, **env):
-        key = (backend, world_size, tuple(sorted(env.items())))
-        if key not in made:
-            made[key] = WorkerPool(world_size, backend=backend, timeout=60.0, group_timeout=30.0, env=env)
-        return made[key]
-
-    yield get
-    for pool in made.values():
-        pool.close()
-
-
 def on_both(pools, fn, *args, world_size=2, timeout=60.0, env=None, **kwargs):
     """{backend: per-rank results} of ``fn(*args, **kwargs)`` in a gloo world and in a "ddpkit" world."""
-    return {backend: pools(backend, world_size, **(env or {})).run(fn, *args, timeout=timeout, **kwargs)
-            for backend in BACKENDS}
+    return {
+        backend: pools(backend, world_size, **(env or {})).run(fn, *args, timeout=timeout, **kwargs)
+        for backend in BACKENDS
+    }
 
 
 def assert_close(ours, theirs, where=""):
@@ -107,6 +92,7 @@ def assert_matches_gloo(results, key="params"):
 
 # --- models and data (on every rank) -------------------------------------------------------------------
 
+
 def mlp(width=32, depth=3, inputs=16, outputs=8):
     layers, size = [], inputs
     for _ in range(depth - 1):
@@ -132,6 +118,7 @@ def backend_of(group):
 
 
 # --- FSDP2 -------------------------------------------------------------------------------------------------
+
 
 def hsdp_mesh_from_groups():
     """A 2x2 (replicate, shard) mesh from explicit groups of the world's backend: shard groups are the
@@ -170,8 +157,11 @@ def case_fsdp2(mode, steps=3):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"params": {name: full(p) for name, p in model.named_parameters()}, "losses": losses,
-            "backends": [backend_of(mesh.get_group(dim)) for dim in range(mesh.ndim)]}
+    return {
+        "params": {name: full(p) for name, p in model.named_parameters()},
+        "losses": losses,
+        "backends": [backend_of(mesh.get_group(dim)) for dim in range(mesh.ndim)],
+    }
 
 
 @pytest.mark.parametrize("mode", ["per_layer", "root"])
@@ -191,6 +181,7 @@ def test_hsdp_on_a_2x2_mesh_matches_gloo(pools, mode):
 
 
 # --- FSDP1 -------------------------------------------------------------------------------------------------
+
 
 def case_fsdp1(per_layer, steps=3):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -219,15 +210,21 @@ def test_fsdp1_matches_gloo(pools, per_layer):
 
 # --- DDP communication hooks ----------------------------------------------------------------------------
 
+
 def register_hook(model, name):
     """Registers the hook ``name`` on torch DDP ``model``; returns an optimizer, or None when the hook
     steps the parameters itself."""
     from torch.distributed.algorithms.ddp_comm_hooks import (
-        debugging_hooks, default_hooks, post_localSGD_hook, powerSGD_hook)
+        debugging_hooks,
+        default_hooks,
+        post_localSGD_hook,
+        powerSGD_hook,
+    )
 
     def power_sgd(**kwargs):
-        return powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
-                                           **kwargs)
+        return powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, **kwargs
+        )
 
     if name is None:  # DDP's own all-reduce
         pass
@@ -246,8 +243,13 @@ def register_hook(model, name):
     elif name == "powerSGD":
         model.register_comm_hook(power_sgd(), powerSGD_hook.powerSGD_hook)
     elif name == "powerSGD_rank2_no_warm_start_no_error_feedback":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                                            warm_start=False, use_error_feedback=False)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=2,
+            start_powerSGD_iter=2,
+            warm_start=False,
+            use_error_feedback=False,
+        )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif name == "batched_powerSGD":
         model.register_comm_hook(power_sgd(), powerSGD_hook.batched_powerSGD_hook)
@@ -264,9 +266,20 @@ def register_hook(model, name):
     return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-HOOKS = ["allreduce", "fp16_compress", "fp16_compress_wrapper", "builtin_allreduce", "builtin_fp16_compress", "noop",
-         "powerSGD", "powerSGD_rank2_no_warm_start_no_error_feedback", "batched_powerSGD", "post_localSGD_local",
-         "post_localSGD_world", "fused_optimizer"]
+HOOKS = [
+    "allreduce",
+    "fp16_compress",
+    "fp16_compress_wrapper",
+    "builtin_allreduce",
+    "builtin_fp16_compress",
+    "noop",
+    "powerSGD",
+    "powerSGD_rank2_no_warm_start_no_error_feedback",
+    "batched_powerSGD",
+    "post_localSGD_local",
+    "post_localSGD_world",
+    "fused_optimizer",
+]
 
 
 def case_ddp_hook(name, steps=5):
@@ -281,22 +294,17 @@ def case_ddp_hook(name, steps=5):
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad()
-    return {"params": {key: p.detach().clone() for key, p in model.module.named_parameters()},
-            "backends": [backend_of(model.process_group)]}
-
-
-def caught(fn, *args):
-    try:
-        return None, fn(*args)
-    except Exception as exc:  # noqa: BLE001 - the caller reads it
-        return f"{type(exc).__name__}: {exc}", None
+    return {
+        "params": {key: p.detach().clone() for key, p in model.module.named_parameters()},
+        "backends": [backend_of(model.process_group)],
+    }
 
 
 @pytest.mark.parametrize("hook", HOOKS)
 def test_ddp_comm_hook_matches_gloo(pools, hook):
     if hook == "batched_powerSGD":
         # torch 2.13's batched_powerSGD_hook fails on every backend (AssertionError in _orthogonalize)
-        error, _ = pools("gloo", 2).run(caught, case_ddp_hook, hook, timeout=60)[0]
+        error, _ = pools("gloo", 2).run(attempt, case_ddp_hook, hook, timeout=60)[0]
         if error is not None:
             pytest.skip(f"gloo does not run {hook} in torch {torch.__version__}: {error.splitlines()[0][:200]}")
     results = on_both(pools, case_ddp_hook, hook, timeout=45.0)
@@ -317,8 +325,9 @@ def case_zero_overlap(overlap, steps=5):
     rank = dist.get_rank()
     torch.manual_seed(rank)
     model = DDP(mlp(), bucket_cap_mb=0.001)
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9,
-                                        overlap_with_ddp=overlap is not None)
+    optimizer = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9, overlap_with_ddp=overlap is not None
+    )
     if overlap is not None:
         hook = getattr(ddp_zero_hook, overlap)
         model.register_comm_hook(None, hook(default_hooks.allreduce_hook, model, optimizer))
@@ -327,8 +336,10 @@ def case_zero_overlap(overlap, steps=5):
         if overlap is None and step >= 2:
             optimizer.step()
         optimizer.zero_grad()
-    return {"params": {key: p.detach().clone() for key, p in model.module.named_parameters()},
-            "backends": [backend_of(model.process_group)]}
+    return {
+        "params": {key: p.detach().clone() for key, p in model.module.named_parameters()},
+        "backends": [backend_of(model.process_group)],
+    }
 
 
 def test_ddp_zero_hook_matches_zero_on_gloo(pools):
@@ -346,6 +357,7 @@ def test_ddp_zero_hook_matches_zero_on_gloo(pools):
 
 
 # --- Join with uneven inputs ---------------------------------------------------------------------------
+
 
 def case_join(zero, steps=3):
     """Rank r trains on steps + 2 r batches inside ``Join``."""
@@ -367,8 +379,10 @@ def case_join(zero, steps=3):
             model(batch(rank, step)).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-    return {"params": {key: p.detach().clone() for key, p in model.module.named_parameters()},
-            "backends": [backend_of(model.process_group)]}
+    return {
+        "params": {key: p.detach().clone() for key, p in model.module.named_parameters()},
+        "backends": [backend_of(model.process_group)],
+    }
 
 
 @pytest.mark.parametrize("zero", [False, True], ids=["ddp", "ddp_zero"])
@@ -378,6 +392,7 @@ def test_join_with_uneven_inputs_matches_gloo(pools, zero):
 
 
 # --- tensor parallel and DTensor -------------------------------------------------------------------------
+
 
 def case_tensor_parallel(steps=3):
     from torch.distributed.device_mesh import init_device_mesh
@@ -397,8 +412,11 @@ def case_tensor_parallel(steps=3):
         optimizer.step()
         optimizer.zero_grad()
         outputs.append(full(y))
-    return {"params": {name: full(p) for name, p in model.named_parameters()}, "outputs": outputs,
-            "backends": [backend_of(mesh.get_group(0))]}
+    return {
+        "params": {name: full(p) for name, p in model.named_parameters()},
+        "outputs": outputs,
+        "backends": [backend_of(mesh.get_group(0))],
+    }
 
 
 def test_tensor_parallel_matches_gloo(pools):
@@ -425,8 +443,9 @@ def case_dtensor_redistribute():
     partial = DTensor.from_local(mine, mesh, [Partial()])
     out["partial_to_replicate"] = partial.redistribute(mesh, [Replicate()]).to_local()
     out["partial_to_shard0"] = partial.redistribute(mesh, [Shard(0)]).to_local()
-    out["partial_avg_to_replicate"] = DTensor.from_local(mine, mesh, [Partial("avg")]).redistribute(
-        mesh, [Replicate()]).to_local()
+    out["partial_avg_to_replicate"] = (
+        DTensor.from_local(mine, mesh, [Partial("avg")]).redistribute(mesh, [Replicate()]).to_local()
+    )
     return {"params": out, "backends": [backend_of(mesh.get_group(0))]}
 
 
@@ -438,13 +457,15 @@ def test_dtensor_redistribute_matches_gloo(pools):
     for rank, result in enumerate(results["ddpkit"]):
         assert torch.equal(result["params"]["shard0_to_replicate"], x)
         assert torch.equal(result["params"]["shard0_to_shard1"], x.chunk(n, dim=1)[rank])
-        summed = sum(torch.randint(-50, 51, (4 * n, 3), generator=torch.Generator().manual_seed(r)).float()
-                     for r in range(n))
+        summed = sum(
+            torch.randint(-50, 51, (4 * n, 3), generator=torch.Generator().manual_seed(r)).float() for r in range(n)
+        )
         assert torch.equal(result["params"]["partial_to_replicate"], summed)
         assert torch.equal(result["params"]["partial_to_shard0"], summed.chunk(n, dim=0)[rank])
 
 
 # --- debug modes ---------------------------------------------------------------------------------------
+
 
 def case_debug_mode(mismatch, ddp):
     """A few collectives, (``ddp``) the DDP training of ``case_ddp_hook``, then (``mismatch``) an all-reduce of
@@ -460,13 +481,17 @@ def case_debug_mode(mismatch, ddp):
     dist.broadcast(y, src=n - 1)
     dist.barrier()
     trained = case_ddp_hook(None)["params"] if ddp else None
-    error = caught(dist.all_reduce, torch.ones(4 + rank))[0] if mismatch else None
+    error = caught(dist.all_reduce, torch.ones(4 + rank)) if mismatch else None
     after = torch.full((5,), float(rank))
     dist.all_reduce(after)
-    return {"params": {"x": x, "gathered": gathered, "scattered": scattered, "y": y, "after": after},
-            "ddp": trained, "mismatch": error, "backends": [backend_of(None)],
-            "debug_level": dist.get_debug_level().name,
-            "wrapped": type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__}
+    return {
+        "params": {"x": x, "gathered": gathered, "scattered": scattered, "y": y, "after": after},
+        "ddp": trained,
+        "mismatch": error,
+        "backends": [backend_of(None)],
+        "debug_level": dist.get_debug_level().name,
+        "wrapped": type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__,
+    }
 
 
 def debug_runs(level, tmp_path, **runs):
@@ -479,10 +504,12 @@ def debug_runs(level, tmp_path, **runs):
     for backend, (mismatch, ddp) in runs.items():
         output = tmp_path / f"{backend}_{level}.pt"
         command = [sys.executable, __file__, "debug", backend, str(int(mismatch)), str(int(ddp)), str(output)]
-        processes[backend] = (subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                               text=True), output)
+        processes[backend] = (
+            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+            output,
+        )
     try:
-        for backend, (process, output) in processes.items():
+        for backend, (process, _output) in processes.items():
             log, _ = process.communicate(timeout=150)
             assert process.returncode == 0, f"{backend} at {level}:\n{log[-4000:]}"
     finally:

@@ -52,10 +52,26 @@ KNOWN = [name for name in GLOO_PASSES if name in REASONS]
 def outcomes(tmp_path_factory):
     """{test: its record} of one run of the selection (and the known differences) on "ddpkit"."""
     output = tmp_path_factory.mktemp("torch_suite") / "ddpkit.json"
-    command = [sys.executable, str(SCRIPT), "--backends", "ddpkit", "--quiet", "--test-timeout", "60", "--budget", "170",
-               "--output", str(output), "--tests", *SELECTION, *KNOWN]
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--backends",
+        "ddpkit",
+        "--quiet",
+        "--test-timeout",
+        "60",
+        "--budget",
+        "170",
+        "--output",
+        str(output),
+        "--tests",
+        *SELECTION,
+        *KNOWN,
+    ]
     completed = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=200)
-    assert output.exists(), f"scripts/run_torch_suite.py wrote no results:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
+    assert output.exists(), (
+        f"scripts/run_torch_suite.py wrote no results:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
+    )
     run = json.loads(output.read_text())["runs"]["ddpkit"]
     assert run["returncode"] == 0, f"the ddpkit run ended with {run['returncode']}:\n{completed.stderr[-3000:]}"
     return run["records"]
@@ -69,7 +85,9 @@ def test_the_selection_is_the_committed_gloo_passes():
 @pytest.mark.parametrize("name", SELECTION)
 def test_passes_on_ddpkit(outcomes, name):
     record = outcomes[name]
-    assert record["outcome"] == "passed", f"{name}: {record['outcome']}: {record['summary']}\n{record.get('detail', '')}"
+    assert record["outcome"] == "passed", (
+        f"{name}: {record['outcome']}: {record['summary']}\n{record.get('detail', '')}"
+    )
 
 
 @pytest.mark.parametrize("name", KNOWN)

@@ -30,14 +30,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 import ft_replica  # noqa: E402
 
-
 STEPS = 1000  # an upper bound: the harness sets the last step once the killed replica is back
 
 
 @pytest.fixture
 def lighthouse():
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20,
-                              heartbeat_timeout_ms=700)
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20, heartbeat_timeout_ms=700
+    )
     yield server.address()
     server.shutdown()
 
@@ -51,25 +51,34 @@ def assert_bitwise_equal(a: dict, b: dict, what: str) -> None:
                 assert torch.equal(tensor, other[name]), f"{what}: optimizer state {index}.{name} differs"
 
 
-def kill_and_rejoin(tmp_path: Path, lighthouse: str, args: list, count: int = 3, victim: int = 1,
-                    launch=None) -> None:
+def kill_and_rejoin(tmp_path: Path, lighthouse: str, args: list, count: int = 3, victim: int = 1, launch=None) -> None:
     """Trains `count` replicas, SIGKILLs `victim` mid-training, checks the others commit without it,
     restarts it, checks it rejoins, and compares the end state with the replay."""
-    groups = ft_replica.ReplicaGroups(tmp_path, lighthouse, ["--exact", "--steps", str(STEPS), *args], count,
-                                      launch=launch)
+    groups = ft_replica.ReplicaGroups(
+        tmp_path, lighthouse, ["--exact", "--steps", str(STEPS), *args], count, launch=launch
+    )
     try:
         groups.start_all()
         # Every replica in one quorum, a few steps in.
-        groups.wait_until(lambda: any(r["participants"] == count and r["step"] >= 4 for r in groups.committed(victim)),
-                          240, f"a step committed by all {count} replicas")
+        groups.wait_until(
+            lambda: any(r["participants"] == count and r["step"] >= 4 for r in groups.committed(victim)),
+            240,
+            f"a step committed by all {count} replicas",
+        )
         groups.signal(victim, signal.SIGKILL)
         killed_at = max(r["step"] for r in groups.committed(victim))
         survivors = [r for r in range(count) if r != victim]
-        groups.wait_until(lambda: all(any(r["participants"] == count - 1 for r in groups.committed(s))
-                                      for s in survivors), 240, "a step committed without the killed replica")
+        groups.wait_until(
+            lambda: all(any(r["participants"] == count - 1 for r in groups.committed(s)) for s in survivors),
+            240,
+            "a step committed without the killed replica",
+        )
         groups.start(victim)
-        groups.wait_until(lambda: any(r["incarnation"] == 2 for r in groups.committed(victim)),
-                          240, "a step committed by the restarted replica")
+        groups.wait_until(
+            lambda: any(r["incarnation"] == 2 for r in groups.committed(victim)),
+            240,
+            "a step committed by the restarted replica",
+        )
         last = max(r["step"] for r in groups.committed(victim)) + 3
         groups.stop_at(last)
         groups.wait_all(90)
@@ -92,8 +101,10 @@ def kill_and_rejoin(tmp_path: Path, lighthouse: str, args: list, count: int = 3,
 
 
 GLOO_IN_TORCHFT_DDP = pytest.mark.xfail(
-    strict=False, reason="torchft 0.2.0's DDP hook asserts (`assert fut._fut`, torchft/ddp.py) when gloo's all-reduce "
-    "raises for a peer that died mid-collective; ddpkit's group reports the failure through errored() instead")
+    strict=False,
+    reason="torchft 0.2.0's DDP hook asserts (`assert fut._fut`, torchft/ddp.py) when gloo's all-reduce "
+    "raises for a peer that died mid-collective; ddpkit's group reports the failure through errored() instead",
+)
 
 
 @pytest.mark.parametrize("pg", ["ddpkit", pytest.param("gloo", marks=GLOO_IN_TORCHFT_DDP)])
@@ -132,6 +143,7 @@ class _ManagerOfHeldWork:
         from datetime import timedelta
 
         from torchft.manager import Manager
+
         self._timeout = timedelta(seconds=60)
         self._logger = logging.getLogger("test_torchft")
         self.wrap_future = Manager.wrap_future.__get__(self)
@@ -144,9 +156,14 @@ class _ManagerOfHeldWork:
     def num_participants(self) -> int:
         return 2
 
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False,
-                  reduce_op: torch.distributed.ReduceOp = torch.distributed.ReduceOp.AVG):
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        should_quantize: bool = False,
+        reduce_op: torch.distributed.ReduceOp = torch.distributed.ReduceOp.AVG,
+    ):
         from torchft.manager import _ManagedWork
+
         assert reduce_op == torch.distributed.ReduceOp.SUM, "the hook averages on the work's completion"
         work = _HeldWork()
         self.works.append(work)
@@ -185,15 +202,17 @@ def test_ddpkit_torchft_ddp_registers_its_hook_with_torch_ddp():
 
 def test_kill_and_rejoin_ddpkit_ddp(tmp_path, lighthouse):
     """ddpkit's DistributedDataParallel with the manager's all-reduce as its communication hook."""
-    kill_and_rejoin(tmp_path, lighthouse, ["--pg", "ddpkit", "--wrapper", "ddpkit-ddp", "--compute", "0.05"],
-                    count=2, victim=0)
+    kill_and_rejoin(
+        tmp_path, lighthouse, ["--pg", "ddpkit", "--wrapper", "ddpkit-ddp", "--compute", "0.05"], count=2, victim=0
+    )
 
 
 def test_kill_and_rejoin_ddpkit_syncbn(tmp_path, lighthouse):
     """ddpkit's SyncBatchNorm on the quorum's group (its statistics over the quorum's batches) and ddpkit's
     DDP with the manager's hook: the replicas end bitwise equal."""
-    kill_and_rejoin(tmp_path, lighthouse, ["--pg", "ddpkit", "--wrapper", "ddpkit-syncbn", "--compute", "0.05"],
-                    count=3, victim=2)
+    kill_and_rejoin(
+        tmp_path, lighthouse, ["--pg", "ddpkit", "--wrapper", "ddpkit-syncbn", "--compute", "0.05"], count=3, victim=2
+    )
 
 
 def test_benchmark_floor_communicates_nothing(tmp_path, lighthouse):
@@ -201,8 +220,9 @@ def test_benchmark_floor_communicates_nothing(tmp_path, lighthouse):
     manager and wrapper): every step commits in a quorum of both replicas, and each replica's gradient is its
     own divided by the participants, nothing of the other's (the replay of each replica alone says so)."""
     steps = 4
-    groups = ft_replica.ReplicaGroups(tmp_path, lighthouse, ["--exact", "--steps", str(steps), "--pg", "dummy",
-                                                             "--wrapper", "torchft-ddp"], 2)
+    groups = ft_replica.ReplicaGroups(
+        tmp_path, lighthouse, ["--exact", "--steps", str(steps), "--pg", "dummy", "--wrapper", "torchft-ddp"], 2
+    )
     try:
         groups.start_all()
         groups.wait_all(120)
@@ -213,15 +233,18 @@ def test_benchmark_floor_communicates_nothing(tmp_path, lighthouse):
         assert [r["step"] for r in committed] == list(range(steps)), committed
         assert all(r["participants"] == 2 for r in committed), committed
         alone = ft_replica.replay({step: ({replica}, 2) for step in range(steps)}, steps)
-        assert_bitwise_equal(torch.load(tmp_path / f"r{replica}.pt"), alone, f"replica {replica} against its own replay")
+        assert_bitwise_equal(
+            torch.load(tmp_path / f"r{replica}.pt"), alone, f"replica {replica} against its own replay"
+        )
 
 
 def test_example_runs_as_documented():
     """examples/fault_tolerance.py: its replica groups' torchrun lines, against this test's lighthouse, which
     waits for both (the documented one, --min_replicas 1, lets a replica that starts first train alone
     until the other joins and heals from it; its 15 steps here could end before the other started)."""
-    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=400, quorum_tick_ms=20,
-                              heartbeat_timeout_ms=700)
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=2, join_timeout_ms=400, quorum_tick_ms=20, heartbeat_timeout_ms=700
+    )
     try:
         run_example(server.address())
     finally:
@@ -231,20 +254,36 @@ def test_example_runs_as_documented():
 def run_example(lighthouse: str) -> None:
     path = REPO / "examples" / "fault_tolerance.py"
     docstring = ast.get_docstring(ast.parse(path.read_text()))
-    lines = [shlex.split(line.strip()) for line in docstring.splitlines()
-             if " torchrun " in line and line.strip().endswith("examples/fault_tolerance.py")]
+    lines = [
+        shlex.split(line.strip())
+        for line in docstring.splitlines()
+        if " torchrun " in line and line.strip().endswith("examples/fault_tolerance.py")
+    ]
     assert len(lines) == 2 and any(line.strip().startswith("torchft_lighthouse ") for line in docstring.splitlines())
     launches = []
     for command in lines:
         split = command.index("torchrun")
-        env = {**os.environ, **dict(a.split("=", 1) for a in command[:split]), "TORCHFT_LIGHTHOUSE": lighthouse,
-               "STEPS": "15", "PET_MASTER_PORT": str(ft_replica.free_port())}
-        arguments = [a for a in command[split + 1:]]
+        env = {
+            **os.environ,
+            **dict(a.split("=", 1) for a in command[:split]),
+            "TORCHFT_LIGHTHOUSE": lighthouse,
+            "STEPS": "15",
+            "PET_MASTER_PORT": str(ft_replica.free_port()),
+        }
+        arguments = [a for a in command[split + 1 :]]
         port = arguments.index("--master-port")
-        del arguments[port:port + 2]  # PET_MASTER_PORT: a free port instead of the documented one
-        launches.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *arguments], cwd=REPO,
-                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                         start_new_session=True))
+        del arguments[port : port + 2]  # PET_MASTER_PORT: a free port instead of the documented one
+        launches.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", *arguments],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
     outputs = []
     try:
         for launch in launches:
@@ -264,7 +303,9 @@ def test_unreachable_lighthouse_is_a_clear_error():
     from ddpkit.torchft import check_lighthouse
 
     port = ft_replica.free_port()
-    with pytest.raises(RuntimeError, match=rf"lighthouse at http://127.0.0.1:{port} is unreachable.*torchft_lighthouse"):
+    with pytest.raises(
+        RuntimeError, match=rf"lighthouse at http://127.0.0.1:{port} is unreachable.*torchft_lighthouse"
+    ):
         check_lighthouse(f"http://127.0.0.1:{port}", timeout=2)
     with pytest.raises(RuntimeError, match="TORCHFT_LIGHTHOUSE"):
         check_lighthouse("", timeout=2)
@@ -274,20 +315,33 @@ def test_stopped_replica_is_dropped_and_rejoins(tmp_path, lighthouse):
     """A replica that stops (SIGSTOP) instead of dying: the others' collective fails at the group's timeout,
     the quorum drops it at the lighthouse's heartbeat timeout and goes on; resumed (SIGCONT), it rejoins."""
     count, victim = 3, 2
-    groups = ft_replica.ReplicaGroups(tmp_path, lighthouse, ["--exact", "--steps", str(STEPS), "--pg", "ddpkit",
-                                                             "--compute", "0.05", "--timeout", "3"], count)
+    groups = ft_replica.ReplicaGroups(
+        tmp_path,
+        lighthouse,
+        ["--exact", "--steps", str(STEPS), "--pg", "ddpkit", "--compute", "0.05", "--timeout", "3"],
+        count,
+    )
     try:
         groups.start_all()
-        groups.wait_until(lambda: any(r["participants"] == count and r["step"] >= 3 for r in groups.committed(victim)),
-                          240, f"a step committed by all {count} replicas")
+        groups.wait_until(
+            lambda: any(r["participants"] == count and r["step"] >= 3 for r in groups.committed(victim)),
+            240,
+            f"a step committed by all {count} replicas",
+        )
         groups.signal(victim, signal.SIGSTOP)
         survivors = [r for r in range(count) if r != victim]
-        groups.wait_until(lambda: all(sum(r["participants"] == count - 1 for r in groups.committed(s)) >= 3
-                                      for s in survivors), 60, "steps committed without the stopped replica")
+        groups.wait_until(
+            lambda: all(sum(r["participants"] == count - 1 for r in groups.committed(s)) >= 3 for s in survivors),
+            60,
+            "steps committed without the stopped replica",
+        )
         resumed = time.time()
         groups.signal(victim, signal.SIGCONT)
-        groups.wait_until(lambda: any(r["start"] > resumed and r["participants"] == count
-                                      for r in groups.committed(victim)), 60, "the resumed replica back in the quorum")
+        groups.wait_until(
+            lambda: any(r["start"] > resumed and r["participants"] == count for r in groups.committed(victim)),
+            60,
+            "the resumed replica back in the quorum",
+        )
         last = max(r["step"] for r in groups.committed(victim)) + 3
         groups.stop_at(last)
         groups.wait_all(90)
@@ -336,8 +390,16 @@ def test_quorum_changes_keep_resources_flat(tmp_path):
     script = tmp_path / "changes.py"
     script.write_text(QUORUM_CHANGES)
     port = ft_replica.free_port()
-    ranks = [subprocess.Popen([sys.executable, str(script), str(rank), str(port), "50"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, start_new_session=True) for rank in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(port), "50"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in range(2)
+    ]
     results = communicate_all(ranks, timeout=120)
     for rank, (out, err) in zip(ranks, results):
         assert rank.returncode == 0, err[-3000:]
@@ -355,5 +417,11 @@ def test_kill_and_rejoin_across_two_simulated_hosts(tmp_path):
     group reduces through shared memory inside a host and ddpkit's hierarchy across them; a replica
     SIGKILLed on host 0 leaves, rejoins, and every replica ends bitwise equal to the replay."""
     with torchft_hosts(tmp_path, 2, lambda replica: replica // 2) as on_host:
-        kill_and_rejoin(tmp_path, "unused", ["--pg", "ddpkit", "--wrapper", "ddpkit-ddp", "--compute", "0.05"],
-                        count=4, victim=1, launch=on_host)
+        kill_and_rejoin(
+            tmp_path,
+            "unused",
+            ["--pg", "ddpkit", "--wrapper", "ddpkit-ddp", "--compute", "0.05"],
+            count=4,
+            victim=1,
+            launch=on_host,
+        )

@@ -25,9 +25,8 @@ torchft = pytest.importorskip("torchft", reason="scripts/setup.sh installs torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-import ft_replica  # noqa: E402
-
 import ft_hsdp_worker as worker  # noqa: E402
+import ft_replica  # noqa: E402
 
 STEPS = 1000  # an upper bound: the test sets the last step once the replacement is back
 RANKS = 2
@@ -43,20 +42,38 @@ def test_hsdp_kill_and_rejoin_across_simulated_hosts(tmp_path):
     count, victim, die_step = 3, 1, 4
     with torchft_hosts(tmp_path, count, lambda replica: replica) as on_host:
         groups = ft_replica.ReplicaGroups(
-            tmp_path, "unused", ["--ranks", str(RANKS), "--steps", str(STEPS), "--compute", "0.2",
-                                 "--die", str(victim), str(die_step)],
-            count, launch=on_host, script=Path(worker.__file__))
+            tmp_path,
+            "unused",
+            ["--ranks", str(RANKS), "--steps", str(STEPS), "--compute", "0.2", "--die", str(victim), str(die_step)],
+            count,
+            launch=on_host,
+            script=Path(worker.__file__),
+        )
         survivors = [r for r in range(count) if r != victim]
         try:
             groups.start_all()
             groups.wait_until(lambda: groups.processes[victim].poll() is not None, 180, "the victim group's death")
             assert groups.processes[victim].returncode == -signal.SIGKILL, groups.output(victim)
-            groups.wait_until(lambda: all(sum(r["participants"] == count - 1 for r in groups.committed(s)) >= 2 * RANKS
-                                          for s in survivors), 120, "steps committed without the killed group")
+            groups.wait_until(
+                lambda: all(
+                    sum(r["participants"] == count - 1 for r in groups.committed(s)) >= 2 * RANKS for s in survivors
+                ),
+                120,
+                "steps committed without the killed group",
+            )
             groups.start(victim)
-            groups.wait_until(lambda: {r["rank"] for r in groups.committed(victim)
-                                       if r["incarnation"] == 2 and r["participants"] == count} == set(range(RANKS)),
-                              180, "a step committed by both ranks of the replacement")
+            groups.wait_until(
+                lambda: (
+                    {
+                        r["rank"]
+                        for r in groups.committed(victim)
+                        if r["incarnation"] == 2 and r["participants"] == count
+                    }
+                    == set(range(RANKS))
+                ),
+                180,
+                "a step committed by both ranks of the replacement",
+            )
             last = max(r["step"] for r in groups.committed(victim)) + 2
             groups.stop_at(last)
             groups.wait_all(90)
@@ -73,8 +90,14 @@ def test_hsdp_kill_and_rejoin_across_simulated_hosts(tmp_path):
         assert any("ddpkit.all_reduce" in (r["errored"] or "") for r in failed), failed
     # Both ranks of a group decide alike: the same steps committed, in the same quorums.
     for replica in range(count):
-        decided = {rank: [(r["step"], r["incarnation"], r["participants"], r["participating"])
-                          for r in groups.committed(replica) if r["rank"] == rank] for rank in range(RANKS)}
+        decided = {
+            rank: [
+                (r["step"], r["incarnation"], r["participants"], r["participating"])
+                for r in groups.committed(replica)
+                if r["rank"] == rank
+            ]
+            for rank in range(RANKS)
+        }
         assert decided[0] == decided[1], f"replica {replica}: its ranks committed differently"
     members = ft_replica.membership(groups)
     assert sorted(members) == list(range(last)), f"steps committed: {sorted(members)}"

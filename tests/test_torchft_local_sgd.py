@@ -12,8 +12,8 @@ that the replicas which commit a step hold the same parameters, bit for bit.
 import functools
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import pytest
 import torch
@@ -23,9 +23,8 @@ from torchft._torchft import LighthouseServer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-import ft_replica  # noqa: E402
-
 import ft_local_sgd_worker as worker  # noqa: E402
+import ft_replica  # noqa: E402
 
 STEPS = 1000  # an upper bound: the test sets the last step once the replacement is back
 SYNC_EVERY = 4
@@ -33,8 +32,9 @@ SYNC_EVERY = 4
 
 @pytest.fixture
 def lighthouse():
-    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20,
-                              heartbeat_timeout_ms=700)
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20, heartbeat_timeout_ms=700
+    )
     yield server.address()
     server.shutdown()
 
@@ -55,26 +55,57 @@ def assert_average(after: list, contributions: list, divisor: int, what: str) ->
     torch.testing.assert_close(tensor(after), expected, rtol=1e-13, atol=1e-13, msg=what)
 
 
-def kill_and_rejoin(tmp_path: Path, lighthouse: str, algorithm: str, where: str, count: int = 3,
-                    victim: int = 1, die_step: int = 3, extra: tuple = ()) -> tuple:
+def kill_and_rejoin(
+    tmp_path: Path,
+    lighthouse: str,
+    algorithm: str,
+    where: str,
+    count: int = 3,
+    victim: int = 1,
+    die_step: int = 3,
+    extra: tuple = (),
+) -> tuple:
     """Trains `count` replicas with `algorithm`; replica `victim` SIGKILLs itself in the round of step
     `die_step` (`where`: its local steps or its synchronisation); once the others have committed steps
     without it, a replacement starts; once it has committed a step with all of them, all stop a few
     steps on. Returns the harness and the last step."""
     groups = ft_replica.ReplicaGroups(
-        tmp_path, lighthouse, ["--algorithm", algorithm, "--steps", str(STEPS), "--sync-every", str(SYNC_EVERY),
-                               "--compute", "0.02", "--die", str(victim), str(die_step), where, *extra],
-        count, script=Path(worker.__file__))
+        tmp_path,
+        lighthouse,
+        [
+            "--algorithm",
+            algorithm,
+            "--steps",
+            str(STEPS),
+            "--sync-every",
+            str(SYNC_EVERY),
+            "--compute",
+            "0.02",
+            "--die",
+            str(victim),
+            str(die_step),
+            where,
+            *extra,
+        ],
+        count,
+        script=Path(worker.__file__),
+    )
     survivors = [r for r in range(count) if r != victim]
     try:
         groups.start_all()
         groups.wait_until(lambda: groups.processes[victim].poll() is not None, 120, "the victim's death")
         assert groups.processes[victim].returncode == -signal.SIGKILL, groups.output(victim)
-        groups.wait_until(lambda: all(sum(r["participants"] == count - 1 for r in groups.committed(s)) >= 2
-                                      for s in survivors), 120, "steps committed without the killed replica")
+        groups.wait_until(
+            lambda: all(sum(r["participants"] == count - 1 for r in groups.committed(s)) >= 2 for s in survivors),
+            120,
+            "steps committed without the killed replica",
+        )
         groups.start(victim)
-        groups.wait_until(lambda: any(r["incarnation"] == 2 and r["participants"] == count
-                                      for r in groups.committed(victim)), 120, "a step committed by the replacement")
+        groups.wait_until(
+            lambda: any(r["incarnation"] == 2 and r["participants"] == count for r in groups.committed(victim)),
+            120,
+            "a step committed by the replacement",
+        )
         last = max(r["step"] for r in groups.committed(victim)) + 2
         groups.stop_at(last)
         groups.wait_all(90)
@@ -129,7 +160,7 @@ def check_run(groups, last: int, die_step: int, fragments: int = 1) -> dict:
     return committed
 
 
-def replay_local_steps(groups, start_of: Callable[[Optional[dict], dict], list]) -> None:
+def replay_local_steps(groups, start_of: Callable[[dict | None, dict], list]) -> None:
     """Each synchronisation's local parameters are `SYNC_EVERY` SGD steps on the replica's batches from
     `start_of(previous record of this incarnation or None, record)`, bit for bit."""
     for replica in range(groups.count):
@@ -158,13 +189,18 @@ def test_local_sgd_kill_and_rejoin(tmp_path, lighthouse):
     committed = check_run(groups, last, die_step)
     for step, done in committed.items():
         members = [r for r in done if r["participating"]]
-        assert_average(done[0]["after"], [r["contribution"] for r in members], done[0]["participants"],
-                       f"step {step}: the average of {[r['replica'] for r in members]}")
+        assert_average(
+            done[0]["after"],
+            [r["contribution"] for r in members],
+            done[0]["participants"],
+            f"step {step}: the average of {[r['replica'] for r in members]}",
+        )
     discarded = [r for r in synchronisations(groups) if not r["committed"]]
     for record in discarded:  # LocalSGD leaves a discarded synchronisation's parameters as they were
         assert same_bits(record["after"], record["contribution"]), record["step"]
-    assert {r["replica"] for r in discarded if r["step"] == die_step} == {0, 2}, \
+    assert {r["replica"] for r in discarded if r["step"] == die_step} == {0, 2}, (
         "the survivors' all-reduce failed on the dead peer and they discarded that step"
+    )
     # A round starts where the last synchronisation left the replica (a fresh incarnation: the seed's model).
     replay_local_steps(groups, lambda previous, record: initial() if previous is None else previous["after"])
 
@@ -189,11 +225,16 @@ def check_outer_steps(groups, committed: dict, last: int, fragments: int) -> dic
         pseudo = torch.stack([start - tensor(r["contribution"]) for r in members]).sum(0) / done[0]["participants"]
         offset = 0
         for p in parts[fragment].parameters():
-            p.grad = pseudo[offset:offset + p.numel()].view_as(p).clone()
+            p.grad = pseudo[offset : offset + p.numel()].view_as(p).clone()
             offset += p.numel()
         outers[fragment].step()
-        torch.testing.assert_close(tensor(done[0]["after"]), tensor(worker.flat(parts[fragment])), rtol=1e-13,
-                                   atol=1e-13, msg=f"step {step}: the outer step over {[r['replica'] for r in members]}")
+        torch.testing.assert_close(
+            tensor(done[0]["after"]),
+            tensor(worker.flat(parts[fragment])),
+            rtol=1e-13,
+            atol=1e-13,
+            msg=f"step {step}: the outer step over {[r['replica'] for r in members]}",
+        )
         current[fragment] = done[0]["after"]
     for record in synchronisations(groups):
         if not record["committed"]:
@@ -218,8 +259,9 @@ def test_streaming_diloco_kill_and_rejoin(tmp_path, lighthouse):
     all-reduce runs on ddpkit's engine thread while the next local step computes). A replica killed in
     a synchronisation fails the others' all-reduce: they discard that step and restore the fragment."""
     die_step = 3
-    groups, last = kill_and_rejoin(tmp_path, lighthouse, "diloco", "sync", die_step=die_step,
-                                   extra=("--fragments", "2", "--delay", "1"))
+    groups, last = kill_and_rejoin(
+        tmp_path, lighthouse, "diloco", "sync", die_step=die_step, extra=("--fragments", "2", "--delay", "1")
+    )
     committed = check_run(groups, last, die_step, fragments=2)
     check_outer_steps(groups, committed, last, fragments=2)
     discarded = [r for r in synchronisations(groups) if not r["committed"]]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,9 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddpkit.training.cli import parse_args
+from ddpkit.training.config import TrainConfig
 from ddpkit.training.data import FASHION_MNIST_ROOT, dataset_info, load_dataset, normalize
 from ddpkit.training.models import build_model
-from ddpkit.training.train import TrainConfig, Trainer, evaluate, parse_args
+from ddpkit.training.train import Trainer, evaluate
 
 from helpers import TRAIN, free_port, needs_fashion_mnist, small_cli, write_cifar
 
@@ -22,16 +25,27 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def small_config(out_dir, **overrides) -> TrainConfig:
-    settings = dict(dataset="fashion_mnist", model="net", epochs=1, batch_size=32, accumulation_steps=2,
-                    limit_train=4096, limit_test=1001, lr=0.05, log_every=1000,
-                    out_dir=str(out_dir) if out_dir is not None else None,
-                    progress=False, eval_batch_size=256)
+    settings = dict(
+        dataset="fashion_mnist",
+        model="net",
+        epochs=1,
+        batch_size=32,
+        accumulation_steps=2,
+        limit_train=4096,
+        limit_test=1001,
+        lr=0.05,
+        log_every=1000,
+        out_dir=str(out_dir) if out_dir is not None else None,
+        progress=False,
+        eval_batch_size=256,
+    )
     settings.update(overrides)
     return TrainConfig(**settings)
 
 
 def make_trainer(config: TrainConfig) -> Trainer:
     from ddpkit.launch import DistInfo
+
     return Trainer(config, DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo"))
 
 
@@ -46,6 +60,7 @@ def case_train(config: TrainConfig, until_step=None):
 
 
 # --- training -------------------------------------------------------------------------------------
+
 
 @needs_fashion_mnist
 def test_short_real_run_learns(pool, tmp_path):
@@ -64,8 +79,16 @@ def test_short_real_run_learns(pool, tmp_path):
 def test_ddpkit_and_torch_pipelines_match_with_plain_batchnorm(pool, tmp_path):
     losses = {}
     for impl in ("ddpkit", "torch"):
-        config = small_config(tmp_path / impl, impl=impl, sync_bn=False, max_steps=4, model="vgg11",
-                              limit_train=512, limit_test=64, batch_size=8)
+        config = small_config(
+            tmp_path / impl,
+            impl=impl,
+            sync_bn=False,
+            max_steps=4,
+            model="vgg11",
+            limit_train=512,
+            limit_test=64,
+            batch_size=8,
+        )
         summary, _ = pool(2).run(case_train, config, timeout=300)[0]
         losses[impl] = torch.tensor([s["local_loss"] for s in summary["history"]["steps"]])
     torch.testing.assert_close(losses["ddpkit"], losses["torch"], atol=1e-4, rtol=1e-4)
@@ -82,8 +105,9 @@ def test_resumed_run_equals_uninterrupted_run(pool, tmp_path):
     # The same history too: one evaluation per epoch, none where the first launch stopped.
     fields_of = {"epochs": ("epoch", "step", "test_loss", "test_accuracy"), "steps": ("step", "local_loss")}
     for kind, fields in fields_of.items():
-        assert [[record[f] for f in fields] for record in summary["history"][kind]] == \
-            [[record[f] for f in fields] for record in expected["history"][kind]], kind
+        assert [[record[f] for f in fields] for record in summary["history"][kind]] == [
+            [record[f] for f in fields] for record in expected["history"][kind]
+        ], kind
     errors = pool(2).run(case_resume_error, small_config(tmp_path / "b", **{**base, "lr": 0.1}), timeout=300)
     assert all("belongs to a different run (lr 0.05 -> 0.1)" in error for error in errors), errors
 
@@ -119,8 +143,15 @@ def test_an_epoch_paused_at_until_step_goes_on_where_it_stopped(pool):
 def test_reported_test_figures_are_those_of_model_pt_with_plain_batchnorm(pool, tmp_path, impl):
     """With plain BatchNorm each rank keeps running statistics of its own; model.pt holds rank 0's, and so
     must the model that the distributed evaluation scores."""
-    config = small_config(tmp_path / "run", impl=impl, sync_bn=False, accumulation_steps=1, limit_train=1024,
-                          limit_test=500, eval_batch_size=100)
+    config = small_config(
+        tmp_path / "run",
+        impl=impl,
+        sync_bn=False,
+        accumulation_steps=1,
+        limit_train=1024,
+        limit_test=500,
+        eval_batch_size=100,
+    )
     summary, _ = pool(2).run(case_train, config, timeout=300)[0]
     assert summary["batch_norm"] == "BatchNorm"
     info = dataset_info("fashion_mnist")
@@ -131,10 +162,12 @@ def test_reported_test_figures_are_those_of_model_pt_with_plain_batchnorm(pool, 
     with torch.no_grad():
         logits = model(normalize(images, info.mean, info.std))
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert metrics["final_test_accuracy"] == pytest.approx(float((logits.argmax(1) == labels).double().mean()),
-                                                           abs=1e-12)
-    assert metrics["final_test_loss"] == pytest.approx(float(nn.functional.cross_entropy(logits.double(), labels)),
-                                                       rel=1e-6)
+    assert metrics["final_test_accuracy"] == pytest.approx(
+        float((logits.argmax(1) == labels).double().mean()), abs=1e-12
+    )
+    assert metrics["final_test_loss"] == pytest.approx(
+        float(nn.functional.cross_entropy(logits.double(), labels)), rel=1e-6
+    )
 
 
 @needs_fashion_mnist
@@ -162,17 +195,26 @@ def test_a_finished_run_writes_the_results_it_was_stopped_before(pool, tmp_path)
 def test_augment_given_as_its_default_resumes_the_same_run(pool, tmp_path):
     config = small_config(tmp_path / "run", limit_train=512, limit_test=100, max_steps=2)
     pool(2).run(case_train, config, timeout=300)  # no --augment: off for Fashion-MNIST
-    summary, _ = pool(2).run(case_train, small_config(tmp_path / "run", limit_train=512, limit_test=100, max_steps=2,
-                                                      augment=False), timeout=300)[0]
+    summary, _ = pool(2).run(
+        case_train,
+        small_config(tmp_path / "run", limit_train=512, limit_test=100, max_steps=2, augment=False),
+        timeout=300,
+    )[0]
     assert summary["config"]["augment"] is False  # stored as resolved
     # A checkpoint that stored the option as given (None) resumes with it given too.
     checkpoint = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     checkpoint["config"]["augment"] = None
     torch.save(checkpoint, tmp_path / "run" / "checkpoint.pt")
-    pool(2).run(case_train, small_config(tmp_path / "run", limit_train=512, limit_test=100, max_steps=2,
-                                         augment=False), timeout=300)
-    errors = pool(2).run(case_resume_error, small_config(tmp_path / "run", limit_train=512, limit_test=100,
-                                                         max_steps=2, augment=True), timeout=300)
+    pool(2).run(
+        case_train,
+        small_config(tmp_path / "run", limit_train=512, limit_test=100, max_steps=2, augment=False),
+        timeout=300,
+    )
+    errors = pool(2).run(
+        case_resume_error,
+        small_config(tmp_path / "run", limit_train=512, limit_test=100, max_steps=2, augment=True),
+        timeout=300,
+    )
     assert all("belongs to a different run (augment False -> True)" in error for error in errors), errors
 
 
@@ -180,6 +222,7 @@ def case_download_once_per_node(root: Path, mirror: Path, events: Path):
     """Trainer setup with --download, downloading as torchvision does: straight to the final path, in
     pieces; every download and every load is logged to `events`."""
     from ddpkit.training import data
+
     rank = dist.get_rank()
 
     def log(event):
@@ -191,10 +234,10 @@ def case_download_once_per_node(root: Path, mirror: Path, events: Path):
         payload = mirror.read_bytes()
         into.mkdir(parents=True, exist_ok=True)
         with open(into / source.archive, "wb") as out:
-            out.write(payload[:len(payload) // 2])
+            out.write(payload[: len(payload) // 2])
             out.flush()
             time.sleep(1.0)
-            out.write(payload[len(payload) // 2:])
+            out.write(payload[len(payload) // 2 :])
         log("downloaded")
 
     def load(*args, **kwargs):
@@ -205,9 +248,17 @@ def case_download_once_per_node(root: Path, mirror: Path, events: Path):
     real_download, real_load = data._download_cifar, data.load_cifar
     data._download_cifar, data.load_cifar = download, load
     try:
-        config = small_config(None, dataset="cifar10", data_root=str(root), download=True, batch_size=2,
-                              accumulation_steps=1, limit_train=None, limit_test=None)
-        return len(make_trainer(config).train_x)
+        config = small_config(
+            None,
+            dataset="cifar10",
+            data_root=str(root),
+            download=True,
+            batch_size=2,
+            accumulation_steps=1,
+            limit_train=None,
+            limit_test=None,
+        )
+        return len(make_trainer(config).data.train_x)
     finally:
         data._download_cifar, data.load_cifar = real_download, real_load
 
@@ -233,6 +284,7 @@ def case_resume_error(config: TrainConfig):
 
 # --- distributed validation ----------------------------------------------------------------------
 
+
 def make_eval_problem(count):
     generator = torch.Generator().manual_seed(7)
     images = torch.randint(0, 256, (count, 1, 6, 6), generator=generator, dtype=torch.uint8)
@@ -248,6 +300,7 @@ def transform(images):
 
 def case_evaluate(count, batch_size):
     import ddpkit
+
     model, images, labels = make_eval_problem(count)
     ddpkit.reset_comm_counters()
     result = evaluate(model, images, labels, transform, batch_size, torch.device("cpu"))
@@ -273,18 +326,42 @@ def test_distributed_validation_equals_single_process(pool, world_size):
 
 # --- launching ------------------------------------------------------------------------------------
 
+
 @needs_fashion_mnist
 def test_two_torchrun_launchers_as_two_nodes(tmp_path):
     endpoint = f"127.0.0.1:{free_port()}"
-    launchers = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node",
-         "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", endpoint, "--rdzv_id", "two-nodes", str(TRAIN),
-         *small_cli(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for node in (0, 1)]
+    launchers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                endpoint,
+                "--rdzv_id",
+                "two-nodes",
+                str(TRAIN),
+                *small_cli(tmp_path / "run"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     outputs = [launcher.communicate(timeout=240)[0] for launcher in launchers]
     codes = [launcher.returncode for launcher in launchers]
-    assert codes == [0, 0], "\n".join(f"--- node {node} (exit {code}):\n{output[-6000:]}"
-                                       for node, (code, output) in enumerate(zip(codes, outputs)))
+    assert codes == [0, 0], "\n".join(
+        f"--- node {node} (exit {code}):\n{output[-6000:]}" for node, (code, output) in enumerate(zip(codes, outputs))
+    )
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["world_size"] == 2
     assert sum("test loss" in output for output in outputs) == 1  # only rank 0 logs
@@ -293,9 +370,27 @@ def test_two_torchrun_launchers_as_two_nodes(tmp_path):
 @needs_fashion_mnist
 def test_explicit_launch_without_torchrun(tmp_path):
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(TRAIN), "--master-addr", "127.0.0.1", "--master-port", port,
-                               "--world-size", "2", "--rank", str(rank), *small_cli(tmp_path / "run")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(TRAIN),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--world-size",
+                "2",
+                "--rank",
+                str(rank),
+                *small_cli(tmp_path / "run"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [process.communicate(timeout=240)[0] for process in ranks]
     assert [process.returncode for process in ranks] == [0, 0], outputs
     assert "test loss" in outputs[0] and "test loss" not in outputs[1]
@@ -304,15 +399,19 @@ def test_explicit_launch_without_torchrun(tmp_path):
 
 # --- bad input ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv,message", [
-    (["--epochs", "0"], "--epochs: must be >= 1"),
-    (["--batch-size", "-3"], "--batch-size: must be >= 1"),
-    (["--lr", "0"], "--lr: must be > 0"),
-    (["--dataset", "imagenet"], "--dataset: invalid choice"),
-    (["--algorithm", "telepathy"], "--algorithm: invalid choice"),
-    (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
-    (["--master-port", "70000"], "--master-port: port must be in 1..65535"),
-])
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--epochs", "0"], "--epochs: must be >= 1"),
+        (["--batch-size", "-3"], "--batch-size: must be >= 1"),
+        (["--lr", "0"], "--lr: must be > 0"),
+        (["--dataset", "imagenet"], "--dataset: invalid choice"),
+        (["--algorithm", "telepathy"], "--algorithm: invalid choice"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0"),
+        (["--master-port", "70000"], "--master-port: port must be in 1..65535"),
+    ],
+)
 def test_invalid_cli_values_are_argparse_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)
@@ -321,14 +420,28 @@ def test_invalid_cli_values_are_argparse_errors(capsys, argv, message):
 
 
 def test_missing_cifar_names_the_expected_path(tmp_path):
-    result = subprocess.run([sys.executable, str(TRAIN), "--dataset", "cifar10", "--data-root", str(tmp_path),
-                             "--no-progress", "--out", str(tmp_path / "out")], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(TRAIN),
+            "--dataset",
+            "cifar10",
+            "--data-root",
+            str(tmp_path),
+            "--no-progress",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode != 0
     assert str(tmp_path / "cifar-10-batches-py") in result.stderr or str(tmp_path) in result.stderr, result.stderr
 
 
 # --- user errors from the command line: one line, no traceback, non-zero exit -------------------
+
 
 def run_cli(*argv, timeout=120):
     return subprocess.run([sys.executable, str(TRAIN), *argv], capture_output=True, text=True, timeout=timeout)
@@ -344,25 +457,36 @@ def assert_one_line_error(result, status, expected):
     assert result.stdout.strip() == "", output
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["--batch-size", "8", "--global-batch-size", "64"], "--batch-size and --global-batch-size are alternatives"),
-    (["--impl", "torch", "--algorithm", "ring"], "--algorithm sets up ddpkit's DDP, not --impl torch's"),
-    (["--impl", "torch", "--grad-sync", "per_parameter", "--algorithm", "star"], "--grad-sync and --algorithm set up"),
-    (["--dataset", "fashion-mnist", "--download"], "--download fetches CIFAR only"),
-    (["--world-size", "2", "--rank", "0"], "--world-size and --rank are for launching without torchrun"),
-    (["--master-addr", "127.0.0.1", "--world-size", "2"], "--master-addr needs --world-size and --rank"),
-    (["--master-addr", "127.0.0.1", "--world-size", "2", "--rank", "2"], "--rank 2 is not in [0, --world-size 2)"),
-    (["--dataset", "mnist"], "--dataset: invalid choice: 'mnist'"),
-    (["--epochs", "0"], "--epochs: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--batch-size", "8", "--global-batch-size", "64"], "--batch-size and --global-batch-size are alternatives"),
+        (["--impl", "torch", "--algorithm", "ring"], "--algorithm sets up ddpkit's DDP, not --impl torch's"),
+        (
+            ["--impl", "torch", "--grad-sync", "per_parameter", "--algorithm", "star"],
+            "--grad-sync and --algorithm set up",
+        ),
+        (["--dataset", "fashion-mnist", "--download"], "--download fetches CIFAR only"),
+        (["--world-size", "2", "--rank", "0"], "--world-size and --rank are for launching without torchrun"),
+        (["--master-addr", "127.0.0.1", "--world-size", "2"], "--master-addr needs --world-size and --rank"),
+        (["--master-addr", "127.0.0.1", "--world-size", "2", "--rank", "2"], "--rank 2 is not in [0, --world-size 2)"),
+        (["--dataset", "mnist"], "--dataset: invalid choice: 'mnist'"),
+        (["--epochs", "0"], "--epochs: must be >= 1"),
+    ],
+)
 def test_bad_options_are_one_line(argv, expected):
     assert_one_line_error(run_cli(*argv), 2, expected)
 
 
 def test_torchrun_variables_without_master_are_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run([sys.executable, str(TRAIN), "--out", str(tmp_path / "out")], capture_output=True,
-                            text=True, timeout=120, env={**env, "RANK": "0", "WORLD_SIZE": "1"})
+    result = subprocess.run(
+        [sys.executable, str(TRAIN), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "RANK": "0", "WORLD_SIZE": "1"},
+    )
     assert_one_line_error(result, 2, "RANK/WORLD_SIZE are set but MASTER_ADDR, MASTER_PORT is not")
 
 
@@ -370,30 +494,52 @@ def test_torchrun_variables_without_master_are_one_line(tmp_path):
 @pytest.mark.parametrize("batch_norm", [["--no-sync-bn"], ["--impl", "torch"], []])
 def test_one_sample_for_batch_norm_1d_is_one_line(tmp_path, batch_norm):
     """Plain BatchNorm with a micro-batch of 1, or synchronized over one rank: the first forward would raise."""
-    result = run_cli("--dataset", "fashion_mnist", "--limit-train", "64", "--batch-size", "1", "--max-steps", "1",
-                     "--no-progress", "--out", str(tmp_path / "out"), *batch_norm)
+    result = run_cli(
+        "--dataset",
+        "fashion_mnist",
+        "--limit-train",
+        "64",
+        "--batch-size",
+        "1",
+        "--max-steps",
+        "1",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "out"),
+        *batch_norm,
+    )
     assert_one_line_error(result, 1, "--model net has BatchNorm1d, which in training normalises over the samples of")
     assert "use --batch-size 2 or more" in result.stderr
 
 
 def test_missing_dataset_is_one_line(tmp_path):
-    result = run_cli("--dataset", "fashion-mnist", "--data-root", str(tmp_path / "nowhere"), "--out",
-                     str(tmp_path / "out"))
+    result = run_cli(
+        "--dataset", "fashion-mnist", "--data-root", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")
+    )
     assert_one_line_error(result, 1, f"Fashion-MNIST not found: directory {tmp_path / 'nowhere'} does not exist")
     result = run_cli("--dataset", "CIFAR-100", "--data-root", str(tmp_path), "--out", str(tmp_path / "out"))
     assert_one_line_error(result, 1, f"CIFAR-100 not found: expected the directory {tmp_path / 'cifar-100-python'}")
 
 
 def test_global_batch_that_does_not_divide_is_one_line(tmp_path):
-    result = run_cli("--dataset", "fashion_mnist", "--global-batch-size", "63", "--accumulation-steps", "2",
-                     "--out", str(tmp_path / "out"))
+    result = run_cli(
+        "--dataset",
+        "fashion_mnist",
+        "--global-batch-size",
+        "63",
+        "--accumulation-steps",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert_one_line_error(result, 1, "--global-batch-size 63 is not divisible by world size x --accumulation-steps")
 
 
 @needs_fashion_mnist
 def test_too_few_samples_is_one_line(tmp_path):
-    result = run_cli("--dataset", "fashion_mnist", "--limit-train", "10", "--batch-size", "32", "--out",
-                     str(tmp_path / "out"))
+    result = run_cli(
+        "--dataset", "fashion_mnist", "--limit-train", "10", "--batch-size", "32", "--out", str(tmp_path / "out")
+    )
     assert_one_line_error(result, 1, "10 samples over 1 ranks do not fill one batch of 32")
 
 
@@ -411,10 +557,29 @@ def test_checkpoint_of_another_run_is_one_line(tmp_path):
 
 def launch_two_ranks(tmp_path, per_rank_argv):
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(TRAIN), "--master-addr", "127.0.0.1", "--master-port", port,
-                               "--world-size", "2", "--rank", str(rank), "--out", str(tmp_path / "out"),
-                               *per_rank_argv[rank]],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(TRAIN),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--world-size",
+                "2",
+                "--rank",
+                str(rank),
+                "--out",
+                str(tmp_path / "out"),
+                *per_rank_argv[rank],
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outputs = [process.communicate(timeout=240) for process in ranks]
     return [(process.returncode, out, err) for process, (out, err) in zip(ranks, outputs)]
 
@@ -438,21 +603,44 @@ def test_distributed_user_error_is_one_line_from_rank_0(tmp_path, missing_on):
 @needs_fashion_mnist
 def test_torchrun_user_error_is_reported_once_and_no_rank_prints_a_traceback(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(TRAIN), "--dataset",
-         "fashion-mnist", "--data-root", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            str(TRAIN),
+            "--dataset",
+            "fashion-mnist",
+            "--data-root",
+            str(tmp_path / "nowhere"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert output.count("Fashion-MNIST not found") == 1, output
     # torchrun's own launcher reports the failed workers with a traceback of torch/distributed/run.py;
     # none comes from a worker (no frame of train.py or ddpkit).
-    assert str(TRAIN) + '", line' not in output and "ddpkit/training/" + 'train.py", line' not in output, output
+    assert str(TRAIN) + '", line' not in output and not re.search(r'ddpkit/training/\w+\.py", line', output), output
 
 
-@pytest.mark.parametrize("spelling,name", [
-    ("fashion_mnist", "fashion_mnist"), ("fashion-mnist", "fashion_mnist"), ("Fashion-MNIST", "fashion_mnist"),
-    ("FashionMNIST", "fashion_mnist"), ("cifar10", "cifar10"), ("cifar-10", "cifar10"), ("CIFAR_100", "cifar100"),
-])
+@pytest.mark.parametrize(
+    "spelling,name",
+    [
+        ("fashion_mnist", "fashion_mnist"),
+        ("fashion-mnist", "fashion_mnist"),
+        ("Fashion-MNIST", "fashion_mnist"),
+        ("FashionMNIST", "fashion_mnist"),
+        ("cifar10", "cifar10"),
+        ("cifar-10", "cifar10"),
+        ("CIFAR_100", "cifar100"),
+    ],
+)
 def test_dataset_spellings(spelling, name):
     config, _ = parse_args(["--dataset", spelling])
     assert config.dataset == name

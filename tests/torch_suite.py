@@ -49,10 +49,9 @@ if "INIT_METHOD" not in os.environ:
 
 import torch  # noqa: E402
 import torch.multiprocessing  # noqa: E402
+from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
 
 import ddpkit  # noqa: E402,F401  (registers the "ddpkit" backend here and so in every forked rank)
-
-from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
 
 SUITE_MODULE = "torch.testing._internal.distributed.distributed_test"
 PLUGIN = "ddpkit"
@@ -87,6 +86,7 @@ def _import_suite():
     os.environ.__class__ = _EnvironWithGlooAlikeBackend
     try:
         import importlib
+
         module = importlib.import_module(SUITE_MODULE)
     finally:
         os.environ.__class__ = environ_class
@@ -110,9 +110,11 @@ class TestDistBackendWithFork(_suite.TestDistBackend, _suite.DistributedTest._Di
 def test_names() -> list[str]:
     """Every test of the suite, in definition order of ``unittest``'s loader (sorted by name)."""
     import unittest
+
     return list(unittest.TestLoader().getTestCaseNames(TestDistBackendWithFork))
 
 
 if __name__ == "__main__":
     from torch.testing._internal.common_utils import run_tests
+
     run_tests()

@@ -52,8 +52,9 @@ def main() -> None:
     if not hasattr(torch.ops, "deepspeed") or not hasattr(torch.ops.deepspeed, "inference_all_reduce_"):
         problems.append("torch.ops.deepspeed.inference_all_reduce_ is not registered")
     if problems:
-        raise SystemExit("deepspeed_allreduce.py: DeepSpeed would fall back to torch.distributed.all_reduce: "
-                         + "; ".join(problems))
+        raise SystemExit(
+            "deepspeed_allreduce.py: DeepSpeed would fall back to torch.distributed.all_reduce: " + "; ".join(problems)
+        )
 
     def all_reduce(tensor: torch.Tensor) -> None:
         ds_comm.inference_all_reduce(tensor, op=ds_comm.ReduceOp.SUM)
@@ -107,9 +108,17 @@ def main() -> None:
         times = torch.tensor([one_rep() for _ in range(reps)], dtype=torch.float64)
         torch.distributed.all_reduce(times, op=torch.distributed.ReduceOp.MAX)
         if rank == 0:
-            record = {"numel": numel, "world_size": n, "times_s": times.tolist(), "batch": batch,
-                      "reps_planned": wanted, "cut_off": cut_off, "warmup_s": first.item(),
-                      "max_abs_error_of_mean": error, "library": f"deepspeed {deepspeed.__version__}"}
+            record = {
+                "numel": numel,
+                "world_size": n,
+                "times_s": times.tolist(),
+                "batch": batch,
+                "reps_planned": wanted,
+                "cut_off": cut_off,
+                "warmup_s": first.item(),
+                "max_abs_error_of_mean": error,
+                "library": f"deepspeed {deepspeed.__version__}",
+            }
             with args.out.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         base = tensor = None  # frees them before the next size (the closures above hold their cells)

@@ -46,7 +46,9 @@ def main() -> None:
         # Accuracy of the mean (MPI has no mean: the sum divided by n, as for gloo).
         error = None
         if numel <= args.accuracy_max_numel:
-            inputs = [np.random.default_rng(numel * 1000 + r).standard_normal(numel, dtype=np.float32) for r in range(n)]
+            inputs = [
+                np.random.default_rng(numel * 1000 + r).standard_normal(numel, dtype=np.float32) for r in range(n)
+            ]
             exact = np.mean(np.stack(inputs).astype(np.float64), axis=0)
             buf = inputs[rank].copy()
             comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
@@ -67,17 +69,28 @@ def main() -> None:
                 comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
             return (time.perf_counter() - start) / batch
 
-        timing.settle(lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
-                      lambda done: comm.allreduce(int(done), op=MPI.MAX) > 0, batch)
+        timing.settle(
+            lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
+            lambda done: comm.allreduce(int(done), op=MPI.MAX) > 0,
+            batch,
+        )
         first = comm.allreduce(one_rep(), op=MPI.MAX)  # warm-up, and the plan
         reps, cut_off = timing.plan_reps(first * batch, wanted, args.point_budget)
         times = np.array([one_rep() for _ in range(reps)], dtype=np.float64)
         slowest = np.empty_like(times) if rank == 0 else None
         comm.Reduce(times, slowest, op=MPI.MAX, root=0)
         if rank == 0:
-            record = {"numel": numel, "world_size": n, "times_s": slowest.tolist(), "batch": batch,
-                      "reps_planned": wanted, "cut_off": cut_off, "warmup_s": first,
-                      "max_abs_error_of_mean": error, "library": library.splitlines()[0]}
+            record = {
+                "numel": numel,
+                "world_size": n,
+                "times_s": slowest.tolist(),
+                "batch": batch,
+                "reps_planned": wanted,
+                "cut_off": cut_off,
+                "warmup_s": first,
+                "max_abs_error_of_mean": error,
+                "library": library.splitlines()[0],
+            }
             with args.out.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         base = buf = None  # frees them before the next size (the closures above hold their cells)

@@ -17,27 +17,27 @@ import argparse
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 # numel -> back-to-back calls per timed repetition. Small messages take microseconds with a shared-memory
-# transport: a batch makes the skew of the synchronisation before it (a few µs) small against the batch.
+# transport: a batch makes the skew of the synchronisation before it small against the batch.
 BATCH = ((10_000, 16), (100_000, 4))
 
 
 # Seconds of back-to-back calls before a point's repetitions. A fresh set of processes keeps the CPUs
-# the kernel gave it at start-up for a while: two ranks that start on one CPU stay there for
-# milliseconds (the load balancer leaves tasks that just ran where they are), longer than the
-# repetitions of a 1k-float point take (16 pools of 4 repetitions at n=2: about 0.3 ms of calls each).
-# Measured with each rank's CPU logged per repetition (2-vCPU VM, ddpkit and MPICH, 8 pools): with no
-# settling, 1 or 2 of every 8 ddpkit pools ran with both ranks on one CPU (12-20 us per call against
-# 2.0-2.3 us); after 0.1 s of calls, none of 16. A training job runs for minutes, so the placement
-# it sees is the settled one.
+# the kernel gave it at start-up for a while: two ranks that start on one CPU stay there longer than
+# the repetitions of a small point take (the load balancer leaves tasks that just ran where they are),
+# and two ranks that spin on one CPU take turns, many times slower than on two. bench_allreduce.py logs
+# each rank's CPU at every repetition and counts those begun with spinning ranks doubled up
+# (``reps_sharing_a_cpu`` in its records, printed after its tables): that count says whether this
+# settling was long enough. A training job runs for minutes, so the placement it sees is the settled one.
 SETTLE_S = 0.1
 
 
-def settle(call: Callable[[], object], agree: Callable[[bool], bool], calls_per_check: int,
-           seconds: float = SETTLE_S) -> None:
+def settle(
+    call: Callable[[], object], agree: Callable[[bool], bool], calls_per_check: int, seconds: float = SETTLE_S
+) -> None:
     """Runs ``call()`` back to back for about ``seconds`` on every rank of a job: ``calls_per_check``
     calls, then ``agree(this rank's time is up)``, which must return the same on every rank (an
     all-reduce of the flag through the candidate itself), until it returns True."""
@@ -71,7 +71,7 @@ def reps_for(numel: int, world_size: int, reps: int) -> int:
     return min(reps, max(3, scaled))
 
 
-def plan_reps(first_call_s: float, reps: int, budget_s: Optional[float]) -> tuple[int, bool]:
+def plan_reps(first_call_s: float, reps: int, budget_s: float | None) -> tuple[int, bool]:
     """(repetitions to run, cut_off): as many of ``reps`` as fit in ``budget_s`` at ``first_call_s`` each.
 
     At least one repetition always runs; ``cut_off`` is True when fewer than ``reps`` will.
@@ -109,11 +109,15 @@ def slowest_per_rep(per_rank: Sequence[Sequence[float]]) -> list[float]:
 def time_stats(slowest: Sequence[float]) -> dict:
     """median, p25, p75 (seconds per call) of the slowest rank's times."""
     ordered = sorted(slowest)
-    return {"median_s": statistics.median(ordered), "p25_s": quantile(ordered, 0.25),
-            "p75_s": quantile(ordered, 0.75), "reps": len(ordered)}
+    return {
+        "median_s": statistics.median(ordered),
+        "p25_s": quantile(ordered, 0.25),
+        "p75_s": quantile(ordered, 0.75),
+        "reps": len(ordered),
+    }
 
 
-def bus_bandwidth_GBps(nbytes: int, seconds: Optional[float], world_size: int) -> Optional[float]:
+def bus_bandwidth_GBps(nbytes: int, seconds: float | None, world_size: int) -> float | None:
     """nccl-tests' bus bandwidth of an all-reduce: bytes/time * 2(n-1)/n, in GB/s (None for n=1)."""
     if world_size <= 1 or not seconds or seconds <= 0:
         return None

@@ -2,14 +2,16 @@
 
 Importing ddpkit loads its C++ extension, which registers the ``torch.ops.ddpkit`` custom ops and
 the ``"ddpkit"`` torch.distributed backend. The library is ``comm``, ``syncbn``, ``ddp``, ``backend``
-and ``launch``; ``ddpkit.testing`` is the multi-process harness of the tests and benchmarks, and
-``ddpkit.training`` the training application (datasets, models, trainer), which the library never
-imports. ``ddpkit.spawn`` (run a function on N fresh processes) is the harness's, re-exported.
+and ``launch``, with ``workers`` (``spawn``: run a function on N fresh processes that share a process
+group; ``WorkerPool``: keep them for many calls). ``ddpkit.testing`` is the multi-process harness of the
+tests and benchmarks (simulated hosts, engine timing), and ``ddpkit.training`` the training application
+(datasets, models, trainer): the library imports neither.
 ``ddpkit.__version__`` is the installed distribution's version (pyproject.toml's).
 """
 
 import atexit as _atexit
-from importlib.metadata import PackageNotFoundError, version as _distribution_version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _distribution_version
 
 import torch
 import torch.distributed  # noqa: F401  (before _C: its backend class derives from torch's)
@@ -33,7 +35,7 @@ from .comm import (
 from .ddp import DistributedDataParallel, GradientAccumulation
 from .launch import init_distributed
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
-from .testing import spawn
+from .workers import spawn
 
 _register_backend()
 # Before the interpreter finalizes: no thread of ddpkit's may take the GIL after that (Note [Exit paths]).

@@ -11,8 +11,8 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 _waiting: dict[str, list[Callable[[ModuleType], None]]] = {}
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Callable, Union
+from typing import BinaryIO
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def write_atomically(path: PathLike, write: Callable[[BinaryIO], None]) -> Path:

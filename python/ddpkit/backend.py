@@ -18,15 +18,19 @@ from . import _C
 NAME = "ddpkit"
 
 
-def _create(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta,
-            point_to_point: bool = True) -> dist.Backend:
+def _create(
+    store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta, point_to_point: bool = True
+) -> dist.Backend:
     # Two inner gloo backends on store prefixes of their own: one carries the engine's messages
     # across hosts and the delegated collectives, the other the program's own send/recv, whose tags
     # would otherwise meet the engine's. A caller that never sends (ddpkit.torchft's group, which
     # refuses send/recv unless asked) connects one only.
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("ddpkit-gloo/", store), rank, world_size, timeout)
-    gloo_p2p = (dist.ProcessGroupGloo(dist.PrefixStore("ddpkit-gloo-p2p/", store), rank, world_size, timeout)
-                if point_to_point else gloo)
+    gloo_p2p = (
+        dist.ProcessGroupGloo(dist.PrefixStore("ddpkit-gloo-p2p/", store), rank, world_size, timeout)
+        if point_to_point
+        else gloo
+    )
     return _C.Backend(store, rank, world_size, timeout, gloo, gloo_p2p)
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Callable, NamedTuple, Optional, Union
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,7 @@ if not hasattr(_WORLD, "_default_pg"):
 _TORCH_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
-def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
+def group_name(group: dist.ProcessGroup | None = None) -> str:
     """The registered name of ``group`` (default: the world group), which the C++ ops resolve."""
     # On every collective's path: one attribute read when the group is given; for the default group
     # the name is kept while that group is the default one (a weak reference: a destroyed group is
@@ -67,23 +68,25 @@ def group_name(group: Optional[dist.ProcessGroup] = None) -> str:
 
 
 # The default group whose name group_name() keeps, and that name.
-def _no_default_group() -> Optional[dist.ProcessGroup]:
+def _no_default_group() -> dist.ProcessGroup | None:
     return None
 
 
-_default_group: Callable[[], Optional[dist.ProcessGroup]] = _no_default_group
+_default_group: Callable[[], dist.ProcessGroup | None] = _no_default_group
 _default_group_name = ""
 
 
 def _not_a_group(group: object) -> str:
     if _DISTRIBUTED_AVAILABLE and group is dist.GroupMember.NON_GROUP_MEMBER:
-        return ("ddpkit: this rank is not a member of the group (torch.distributed.new_group returns "
-                "GroupMember.NON_GROUP_MEMBER to the ranks it leaves out); call collectives of a group only "
-                "on its members")
+        return (
+            "ddpkit: this rank is not a member of the group (torch.distributed.new_group returns "
+            "GroupMember.NON_GROUP_MEMBER to the ranks it leaves out); call collectives of a group only "
+            "on its members"
+        )
     return f"ddpkit: group must be a torch.distributed ProcessGroup or None, got {group!r}"
 
 
-def _op_name(op: Union[str, dist.ReduceOp]) -> str:
+def _op_name(op: str | dist.ReduceOp) -> str:
     # An op ddpkit does not reduce is passed on by name: the C++ side rejects it inside the
     # collective, so that every rank raises (Note [Collective checks]).
     if isinstance(op, str):
@@ -94,8 +97,13 @@ def _op_name(op: Union[str, dist.ReduceOp]) -> str:
         return str(op).rsplit(".", 1)[-1].lower()  # RedOpType.PRODUCT -> "product"
 
 
-def all_reduce(tensor: Tensor, op: Union[str, dist.ReduceOp] = "sum", algorithm: str = "auto",
-               group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
+def all_reduce(
+    tensor: Tensor,
+    op: str | dist.ReduceOp = "sum",
+    algorithm: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    transport: str = "auto",
+) -> Tensor:
     """Reduces ``tensor`` across all ranks in place; every rank ends with the same bits."""
     op, name = _op_name(op), group_name(group)
     # Eager calls skip the dispatcher where it would do nothing (Note [Eager calls past the
@@ -169,22 +177,27 @@ when_imported(_DYNAMO, _register_all_reduce)
 
 
 @_eagerly_under_compile
-def broadcast(tensor: Tensor, src: int = 0, group: Optional[dist.ProcessGroup] = None,
-              transport: str = "auto") -> Tensor:
+def broadcast(tensor: Tensor, src: int = 0, group: dist.ProcessGroup | None = None, transport: str = "auto") -> Tensor:
     """Copies rank ``src``'s ``tensor`` into ``tensor`` on every rank (binomial tree)."""
     return torch.ops.ddpkit.broadcast_.default(tensor, src, group_name(group), transport)
 
 
 @_eagerly_under_compile
-def reduce(tensor: Tensor, dst: int = 0, op: Union[str, dist.ReduceOp] = "sum",
-           group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
+def reduce(
+    tensor: Tensor,
+    dst: int = 0,
+    op: str | dist.ReduceOp = "sum",
+    group: dist.ProcessGroup | None = None,
+    transport: str = "auto",
+) -> Tensor:
     """Leaves the reduction in rank ``dst``'s ``tensor``; other ranks' tensors hold partial results."""
     return torch.ops.ddpkit.reduce_.default(tensor, dst, _op_name(op), group_name(group), transport)
 
 
 @_eagerly_under_compile
-def gather(tensor: Tensor, dst: int = 0, group: Optional[dist.ProcessGroup] = None,
-           transport: str = "auto") -> Optional[Tensor]:
+def gather(
+    tensor: Tensor, dst: int = 0, group: dist.ProcessGroup | None = None, transport: str = "auto"
+) -> Tensor | None:
     """On rank ``dst``: a ``[world_size, *tensor.shape]`` tensor of every rank's ``tensor``; elsewhere None."""
     name = group_name(group)
     gathered = torch.ops.ddpkit.gather.default(tensor, dst, name, transport)
@@ -192,35 +205,51 @@ def gather(tensor: Tensor, dst: int = 0, group: Optional[dist.ProcessGroup] = No
 
 
 @_eagerly_under_compile
-def scatter(output: Tensor, chunks: Optional[Tensor] = None, src: int = 0,
-            group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> Tensor:
+def scatter(
+    output: Tensor,
+    chunks: Tensor | None = None,
+    src: int = 0,
+    group: dist.ProcessGroup | None = None,
+    transport: str = "auto",
+) -> Tensor:
     """Writes row ``i`` of rank ``src``'s ``chunks`` (shape ``[world_size, *output.shape]``) into rank i's ``output``."""
     return torch.ops.ddpkit.scatter_.default(output, chunks, src, group_name(group), transport)
 
 
 @_eagerly_under_compile
-def all_gather_into_tensor(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
-                           algorithm: str = "auto", transport: str = "auto") -> Tensor:
+def all_gather_into_tensor(
+    output: Tensor,
+    input: Tensor,
+    group: dist.ProcessGroup | None = None,
+    algorithm: str = "auto",
+    transport: str = "auto",
+) -> Tensor:
     """Writes rank i's ``input`` into block i of ``output`` (``world_size * input.numel()`` elements) everywhere."""
     return torch.ops.ddpkit.all_gather_into_tensor_.default(output, input, algorithm, group_name(group), transport)
 
 
 @_eagerly_under_compile
-def reduce_scatter_tensor(output: Tensor, input: Tensor, op: Union[str, dist.ReduceOp] = "sum",
-                          group: Optional[dist.ProcessGroup] = None, algorithm: str = "auto",
-                          transport: str = "auto") -> Tensor:
+def reduce_scatter_tensor(
+    output: Tensor,
+    input: Tensor,
+    op: str | dist.ReduceOp = "sum",
+    group: dist.ProcessGroup | None = None,
+    algorithm: str = "auto",
+    transport: str = "auto",
+) -> Tensor:
     """Writes the reduction over ranks of block ``rank`` of ``input`` into ``output``; ``input`` is unchanged."""
-    return torch.ops.ddpkit.reduce_scatter_tensor_.default(output, input, _op_name(op), algorithm, group_name(group),
-                                                          transport)
+    return torch.ops.ddpkit.reduce_scatter_tensor_.default(
+        output, input, _op_name(op), algorithm, group_name(group), transport
+    )
 
 
 @_eagerly_under_compile
-def barrier(group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> None:
+def barrier(group: dist.ProcessGroup | None = None, transport: str = "auto") -> None:
     """Returns when every rank of ``group`` has called it."""
     torch.ops.ddpkit.barrier.default(group_name(group), transport)
 
 
-def resolved_transport(group: Optional[dist.ProcessGroup] = None, transport: str = "auto") -> str:
+def resolved_transport(group: dist.ProcessGroup | None = None, transport: str = "auto") -> str:
     """What ``transport`` means for CPU tensors of ``group``: ``"shm"`` or ``"process_group"``.
 
     Collective: every rank of the group must call it at the same point.
@@ -231,12 +260,13 @@ def resolved_transport(group: Optional[dist.ProcessGroup] = None, transport: str
 class Topology(NamedTuple):
     """Which ranks of a group share a host: ``hosts[h]`` lists host h's ranks (hosts numbered by their
     lowest rank); ``local_rank`` is this rank's index among its host's ranks, ``local_size`` their number."""
+
     hosts: tuple
     local_rank: int
     local_size: int
 
 
-def topology(group: Optional[dist.ProcessGroup] = None) -> Topology:
+def topology(group: dist.ProcessGroup | None = None) -> Topology:
     """The hosts of ``group`` as its ranks see them (Note [Topology], csrc/comm/topology.h): learnt
     from each rank's host identity over the group's own messages, so subgroups and meshes get their own.
 
@@ -264,18 +294,21 @@ def collective_checks_enabled() -> bool:
 def comm_counters() -> dict:
     """What this process's ddpkit collectives did since the last reset."""
     collectives, messages, nbytes, peak_buffered = torch.ops.ddpkit.comm_counters()
-    return {"collectives": collectives, "messages_sent": messages, "bytes_sent": nbytes,
-            "peak_buffered_bytes": peak_buffered}
+    return {
+        "collectives": collectives,
+        "messages_sent": messages,
+        "bytes_sent": nbytes,
+        "peak_buffered_bytes": peak_buffered,
+    }
 
 
 def reset_comm_counters() -> None:
     torch.ops.ddpkit.reset_comm_counters()
 
 
-
-
-def choose_algorithm(nbytes: int, world_size: int, shared_memory: bool = False, hierarchical: bool = False,
-                     op: str = "sum") -> str:
+def choose_algorithm(
+    nbytes: int, world_size: int, shared_memory: bool = False, hierarchical: bool = False, op: str = "sum"
+) -> str:
     """The algorithm ``algorithm="auto"`` runs for a CPU message of ``nbytes`` on ``world_size`` ranks, over
     shared memory or not, in a group spanning hosts or not (Note [Choosing an algorithm])."""
     return torch.ops.ddpkit.choose_algorithm(nbytes, world_size, shared_memory, hierarchical, op)
@@ -287,9 +320,12 @@ def choose_algorithm(nbytes: int, world_size: int, shared_memory: bool = False, 
 # the group's collective check (ddpkit::meta_collective, no data), so that a meta tensor on one rank
 # raises on every rank instead of skipping the collective there. The in-place ops return their
 # (mutated) argument, as their schemas say.
-def _meta_check(collective: str, tensor: Tensor, op: str, algorithm: str, root: int, group_name: str,
-                transport: str) -> None:
-    from torch._subclasses.fake_tensor import FakeTensor  # only where something traces (Note [Compile support waits for Dynamo])
+def _meta_check(
+    collective: str, tensor: Tensor, op: str, algorithm: str, root: int, group_name: str, transport: str
+) -> None:
+    from torch._subclasses.fake_tensor import (
+        FakeTensor,  # only where something traces (Note [Compile support waits for Dynamo])
+    )
 
     if not isinstance(tensor, FakeTensor):
         torch.ops.ddpkit.meta_collective.default(collective, tensor, op, algorithm, root, group_name, transport)
@@ -314,22 +350,21 @@ def _reduce_fake(tensor: Tensor, dst: int, op: str, group_name: str, transport: 
 
 
 @torch.library.register_fake("ddpkit::scatter_")
-def _scatter_fake(output: Tensor, chunks: Optional[Tensor], src: int, group_name: str,
-                  transport: str = "auto") -> Tensor:
+def _scatter_fake(output: Tensor, chunks: Tensor | None, src: int, group_name: str, transport: str = "auto") -> Tensor:
     _meta_check("scatter", output, "", "", src, group_name, transport)
     return output
 
 
 @torch.library.register_fake("ddpkit::all_gather_into_tensor_")
-def _all_gather_fake(output: Tensor, input: Tensor, algorithm: str, group_name: str,
-                     transport: str = "auto") -> Tensor:
+def _all_gather_fake(output: Tensor, input: Tensor, algorithm: str, group_name: str, transport: str = "auto") -> Tensor:
     _meta_check("all_gather_into_tensor", input, "", algorithm, -1, group_name, transport)
     return output
 
 
 @torch.library.register_fake("ddpkit::reduce_scatter_tensor_")
-def _reduce_scatter_fake(output: Tensor, input: Tensor, op: str, algorithm: str, group_name: str,
-                         transport: str = "auto") -> Tensor:
+def _reduce_scatter_fake(
+    output: Tensor, input: Tensor, op: str, algorithm: str, group_name: str, transport: str = "auto"
+) -> Tensor:
     _meta_check("reduce_scatter_tensor", output, op, algorithm, -1, group_name, transport)
     return output
 

@@ -14,7 +14,8 @@ does), for example torchft's fault-tolerant all-reduce (``ddpkit.torchft.allredu
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,9 @@ GRAD_SYNC_MODES = tuple(torch.ops.ddpkit.grad_sync_modes())  # from C++: csrc/dd
 DEFAULT_ALGORITHM = "auto"
 
 
-def assign_buckets(sizes_bytes: list[int], kinds: list[int], cap_bytes: int, first_cap_bytes: int,
-                   included: Optional[list[bool]] = None) -> list[int]:
+def assign_buckets(
+    sizes_bytes: list[int], kinds: list[int], cap_bytes: int, first_cap_bytes: int, included: list[bool] | None = None
+) -> list[int]:
     """Bucket index per parameter, -1 where ``included[i]`` is False (default: all included); parameters of
     different ``kinds`` (small integers: dtype and device) never share a bucket. See Note [Bucket assignment]."""
     return torch.ops.ddpkit.assign_buckets(sizes_bytes, kinds, cap_bytes, first_cap_bytes, included)
@@ -55,10 +57,18 @@ class DistributedDataParallel(nn.Module):
             forward.
     """
 
-    def __init__(self, module: nn.Module, process_group: Optional[dist.ProcessGroup] = None,
-                 bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True, gradient_as_bucket_view: bool = True,
-                 grad_sync: str = "bucketed", algorithm: str = DEFAULT_ALGORITHM, first_bucket_cap_mb: float = 1.0,
-                 init_sync: bool = True):
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 25.0,
+        broadcast_buffers: bool = True,
+        gradient_as_bucket_view: bool = True,
+        grad_sync: str = "bucketed",
+        algorithm: str = DEFAULT_ALGORITHM,
+        first_bucket_cap_mb: float = 1.0,
+        init_sync: bool = True,
+    ):
         super().__init__()
         if grad_sync not in GRAD_SYNC_MODES:
             raise ValueError(f"grad_sync must be one of {GRAD_SYNC_MODES}, got {grad_sync!r}")
@@ -72,7 +82,7 @@ class DistributedDataParallel(nn.Module):
         self.grad_sync = grad_sync
         self.algorithm = algorithm
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self._comm_hook: Optional[_HookReducer] = None
+        self._comm_hook: _HookReducer | None = None
         self._reducer = None
         if init_sync:
             self._group_name = comm.group_name(process_group)
@@ -84,15 +94,21 @@ class DistributedDataParallel(nn.Module):
             self._group_name = None
             self.world_size = None
             if broadcast_buffers:
-                raise ValueError("ddpkit.DistributedDataParallel: init_sync=False needs broadcast_buffers=False "
-                                 "(what makes the replicas equal at the start keeps their buffers equal too)")
+                raise ValueError(
+                    "ddpkit.DistributedDataParallel: init_sync=False needs broadcast_buffers=False "
+                    "(what makes the replicas equal at the start keeps their buffers equal too)"
+                )
 
         parameters = list(module.parameters())
         kinds: dict[tuple, int] = {}
         kind_of = [kinds.setdefault((p.dtype, p.device), len(kinds)) for p in parameters]
-        self._bucket_of = assign_buckets([p.numel() * p.element_size() for p in parameters], kind_of,
-                                         int(bucket_cap_mb * 2**20), int(first_bucket_cap_mb * 2**20),
-                                         included=[p.requires_grad for p in parameters])
+        self._bucket_of = assign_buckets(
+            [p.numel() * p.element_size() for p in parameters],
+            kind_of,
+            int(bucket_cap_mb * 2**20),
+            int(first_bucket_cap_mb * 2**20),
+            included=[p.requires_grad for p in parameters],
+        )
         if init_sync:
             self._build_reducer()
 
@@ -101,10 +117,15 @@ class DistributedDataParallel(nn.Module):
             self._group_name = comm.group_name(self.process_group)
             self.world_size = dist.get_world_size(self.process_group)
         self._reducer = torch.classes.ddpkit.Reducer(
-            parameters=list(self.module.parameters()), bucket_of_param=self._bucket_of, group_name=self._group_name,
-            algorithm=self.algorithm, grad_sync=self.grad_sync, gradient_as_bucket_view=self.gradient_as_bucket_view)
+            parameters=list(self.module.parameters()),
+            bucket_of_param=self._bucket_of,
+            group_name=self._group_name,
+            algorithm=self.algorithm,
+            grad_sync=self.grad_sync,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+        )
 
-    def register_comm_hook(self, state: Any, hook: Optional[Callable] = None) -> None:
+    def register_comm_hook(self, state: Any, hook: Callable | None = None) -> None:
         """Replaces the gradient all-reduce: ``hook(state, bucket)`` gets each flat gradient bucket (a
         tensor holding the local gradients of the bucket's parameters) as soon as it is full, in the
         same bucket order on every rank, and returns a ``torch.futures.Future`` whose value is the
@@ -116,14 +137,18 @@ class DistributedDataParallel(nn.Module):
         if self._comm_hook is not None:
             raise RuntimeError("ddpkit.DistributedDataParallel: register_comm_hook can only be called once")
         if self.grad_sync != "bucketed":
-            raise ValueError(f"ddpkit.DistributedDataParallel: a communication hook takes grad_sync='bucketed', "
-                             f"got {self.grad_sync!r}")
+            raise ValueError(
+                f"ddpkit.DistributedDataParallel: a communication hook takes grad_sync='bucketed', "
+                f"got {self.grad_sync!r}"
+            )
         if hook is None:
             state, hook = None, state
             call = hook
         else:
+
             def call(bucket: torch.Tensor, state=state, hook=hook):
                 return hook(state, bucket)
+
         if not callable(call):
             raise TypeError("ddpkit.DistributedDataParallel.register_comm_hook: hook must be callable")
         if self._reducer is not None:
@@ -202,16 +227,21 @@ class _HookReducer:
         self.params = parameters
         self.members = members
         self.bucket_of = bucket_of
-        self.buckets = [torch.zeros(sum(parameters[i].numel() for i in m), dtype=parameters[m[0]].dtype,
-                                    device=parameters[m[0]].device) for m in members]
+        self.buckets = [
+            torch.zeros(
+                sum(parameters[i].numel() for i in m), dtype=parameters[m[0]].dtype, device=parameters[m[0]].device
+            )
+            for m in members
+        ]
         self.stats["buckets"] = len(self.buckets)
         self._pending: list = []
         self._futures: list = []
         self._next = 0
         self._in_backward = False
         self._index = {id(p): i for i, p in enumerate(parameters)}
-        self._handles = [p.register_post_accumulate_grad_hook(self._ready)
-                         for i, p in enumerate(parameters) if bucket_of[i] >= 0]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._ready) for i, p in enumerate(parameters) if bucket_of[i] >= 0
+        ]
 
     def _start(self) -> None:
         self._in_backward = True
@@ -243,7 +273,7 @@ class _HookReducer:
         offset = 0
         for i in self.members[b]:
             p = self.params[i]
-            view = bucket[offset:offset + p.numel()]
+            view = bucket[offset : offset + p.numel()]
             if p.grad is None:
                 view.zero_()
             else:
@@ -267,7 +297,7 @@ class _HookReducer:
                 offset = 0
                 for i in self.members[b]:
                     p = self.params[i]
-                    averaged = value[offset:offset + p.numel()].view_as(p)
+                    averaged = value[offset : offset + p.numel()].view_as(p)
                     if p.grad is None:
                         p.grad = averaged.clone()
                     else:
@@ -309,7 +339,7 @@ class GradientAccumulation:
         self.micro_step = int(state["micro_step"])
 
 
-def _broadcast_tensors(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+def _broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """Copies rank 0's values into ``tensors`` on every rank: one ddpkit broadcast per dtype and device."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:
@@ -321,10 +351,11 @@ def _broadcast_tensors(tensors: list[torch.Tensor], group: Optional[dist.Process
             tensor.copy_(value)
 
 
-def _check_same_model_on_every_rank(module: nn.Module, group: Optional[dist.ProcessGroup]) -> None:
+def _check_same_model_on_every_rank(module: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Raises on every rank, naming the first difference, when ranks built different models."""
-    signature = [("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad)
-                 for name, p in module.named_parameters()]
+    signature = [
+        ("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()
+    ]
     signature += [("buffer", name, tuple(b.shape), str(b.dtype), False) for name, b in module.named_buffers()]
     signatures: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(signatures, signature, group=group)
@@ -333,11 +364,14 @@ def _check_same_model_on_every_rank(module: nn.Module, group: Optional[dist.Proc
         if theirs == reference:
             continue
         if len(theirs) != len(reference):
-            raise ValueError(f"ddpkit.DistributedDataParallel: rank {rank} has {len(theirs)} parameters and buffers, "
-                             f"rank 0 has {len(reference)}; every rank must build the same model")
+            raise ValueError(
+                f"ddpkit.DistributedDataParallel: rank {rank} has {len(theirs)} parameters and buffers, "
+                f"rank 0 has {len(reference)}; every rank must build the same model"
+            )
         for mine, other in zip(reference, theirs):
             if mine != other:
                 raise ValueError(
                     f"ddpkit.DistributedDataParallel: rank {rank}'s {other[0]} '{other[1]}' has shape {other[2]}, "
                     f"dtype {other[3]}, requires_grad={other[4]}; rank 0's '{mine[1]}' has shape {mine[2]}, "
-                    f"dtype {mine[3]}, requires_grad={mine[4]}")
+                    f"dtype {mine[3]}, requires_grad={mine[4]}"
+                )

@@ -2,8 +2,8 @@
 
 ``init_distributed()`` reads torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``), or takes ``master_addr/master_port/world_size/rank`` explicitly
-for a launch without torchrun (one command per node, ``tcp://`` rendezvous). The pool of worker
-processes that tests and benchmarks use is ``ddpkit.testing``.
+for a launch without torchrun (one command per node, ``tcp://`` rendezvous). Worker processes started
+from Python, each with its process group, are ``ddpkit.workers``' (``ddpkit.spawn``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -31,9 +30,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
-def init_distributed(backend: Optional[str] = None, *, master_addr: Optional[str] = None,
-                     master_port: Optional[int] = None, world_size: Optional[int] = None,
-                     rank: Optional[int] = None, timeout: float = DEFAULT_GROUP_TIMEOUT_S) -> DistInfo:
+def init_distributed(
+    backend: str | None = None,
+    *,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    world_size: int | None = None,
+    rank: int | None = None,
+    timeout: float = DEFAULT_GROUP_TIMEOUT_S,
+) -> DistInfo:
     """Initializes the default process group and returns this process's place in it.
 
     With ``master_addr`` it rendezvouses at ``tcp://master_addr:master_port`` with the given
@@ -52,16 +57,26 @@ def init_distributed(backend: Optional[str] = None, *, master_addr: Optional[str
             raise ValueError("ddpkit: master_addr needs world_size and rank")
         if not 0 <= rank < world_size:
             raise ValueError(f"ddpkit: rank {rank} is not in [0, world_size={world_size})")
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                world_size=world_size, rank=rank, timeout=group_timeout)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            world_size=world_size,
+            rank=rank,
+            timeout=group_timeout,
+        )
         local_rank = _local_rank(rank)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
         if missing:
             raise ValueError(f"ddpkit: RANK/WORLD_SIZE are set but {', '.join(missing)} is not; launch with torchrun")
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            dist.init_process_group(backend, store=_attempt_store(group_timeout), rank=int(os.environ["RANK"]),
-                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=group_timeout)
+            dist.init_process_group(
+                backend,
+                store=_attempt_store(group_timeout),
+                rank=int(os.environ["RANK"]),
+                world_size=int(os.environ["WORLD_SIZE"]),
+                timeout=group_timeout,
+            )
         else:
             dist.init_process_group(backend, timeout=group_timeout)
         local_rank = _local_rank(int(os.environ["RANK"]))
@@ -92,8 +107,13 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store:
     gloo address a dead worker of the previous attempt published, and the new group then fails to
     connect or hangs. Prefixing every key with the attempt number keeps attempts apart.
     """
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=False, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
     return dist.PrefixStore(f"ddpkit/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

@@ -15,7 +15,6 @@ the shapes, dtypes and strides of the outputs without computing them, for FakeTe
 from __future__ import annotations
 
 import inspect
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ _NORM_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "sync_batch_norm", "set_native_cpu_kernels", "cpu_kernels"]
 
 
-def _sync_group_name(group: Optional[dist.ProcessGroup]) -> Optional[str]:
+def _sync_group_name(group: dist.ProcessGroup | None) -> str | None:
     """The name of the group to synchronize over, or None when this rank is on its own."""
     if group is None:  # the world, if there is one; a group given needs none (torchft's quorum group)
         if not dist.is_available() or not dist.is_initialized():
@@ -41,13 +40,23 @@ def _sync_group_name(group: Optional[dist.ProcessGroup]) -> Optional[str]:
     return group.group_name if group.size() > 1 else None
 
 
-def sync_batch_norm(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], running_mean: Optional[Tensor],
-                    running_var: Optional[Tensor], training: bool, momentum: float, eps: float,
-                    algorithm: str = "auto", group: Optional[dist.ProcessGroup] = None) -> Tensor:
+def sync_batch_norm(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    algorithm: str = "auto",
+    group: dist.ProcessGroup | None = None,
+) -> Tensor:
     """Functional SyncBatchNorm: like ``torch.nn.functional.batch_norm``, with training-mode statistics
     over ``group`` (default: the world); ``momentum`` is the running-average factor for this call."""
-    return _sync_batch_norm_op(input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm,
-                               group, training)
+    return _sync_batch_norm_op(
+        input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm, group, training
+    )
 
 
 # Note [SyncBatchNorm under torch.compile]
@@ -65,19 +74,31 @@ def sync_batch_norm(input: Tensor, weight: Optional[Tensor], bias: Optional[Tens
 # which an `int` output cannot carry (a `SymInt` or Tensor one could). The break is at the op
 # whether or not it communicates; eager execution also keeps its all-reduce where every rank
 # expects it.
-def _sync_batch_norm_op(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                        running_mean: Optional[Tensor], running_var: Optional[Tensor], batch_stats: bool,
-                        momentum: float, eps: float, algorithm: str, group: Optional[dist.ProcessGroup],
-                        synchronize: bool) -> Tensor:
+def _sync_batch_norm_op(
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    batch_stats: bool,
+    momentum: float,
+    eps: float,
+    algorithm: str,
+    group: dist.ProcessGroup | None,
+    synchronize: bool,
+) -> Tensor:
     if torch.compiler.is_compiling():
-        return _sync_batch_norm_op_eagerly(input, weight, bias, running_mean, running_var, batch_stats, momentum, eps,
-                                           algorithm, group, synchronize)
+        return _sync_batch_norm_op_eagerly(
+            input, weight, bias, running_mean, running_var, batch_stats, momentum, eps, algorithm, group, synchronize
+        )
     name = _sync_group_name(group) if synchronize else None
-    output = _sync_batch_norm_eager(input, weight, bias, running_mean, running_var, batch_stats, momentum, eps,
-                                    algorithm, name)  # Note [SyncBatchNorm's eager call] (csrc/python.cpp)
+    output = _sync_batch_norm_eager(
+        input, weight, bias, running_mean, running_var, batch_stats, momentum, eps, algorithm, name
+    )  # Note [SyncBatchNorm's eager call] (csrc/python.cpp)
     if output is None:
-        output = torch.ops.ddpkit.sync_batch_norm(input, weight, bias, running_mean, running_var, batch_stats,
-                                                  momentum, eps, algorithm, name)[0]
+        output = torch.ops.ddpkit.sync_batch_norm(
+            input, weight, bias, running_mean, running_var, batch_stats, momentum, eps, algorithm, name
+        )[0]
     return output
 
 
@@ -116,17 +137,32 @@ class SyncBatchNorm(_BatchNorm):
     torch.compile] in this file says why).
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_group: Optional[dist.ProcessGroup] = None, device=None,
-                 dtype=None, *, algorithm: str = "auto", bias: bool = True) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device=None,
+        dtype=None,
+        *,
+        algorithm: str = "auto",
+        bias: bool = True,
+    ) -> None:
         if isinstance(device, str) and device in ALGORITHMS:
-            raise TypeError(f"ddpkit.SyncBatchNorm: {device!r} was passed as `device`; `algorithm` is keyword-only "
-                            f"(SyncBatchNorm(num_features, ..., algorithm={device!r}))")
+            raise TypeError(
+                f"ddpkit.SyncBatchNorm: {device!r} was passed as `device`; `algorithm` is keyword-only "
+                f"(SyncBatchNorm(num_features, ..., algorithm={device!r}))"
+            )
         if algorithm not in ALGORITHMS:
             raise ValueError(f"ddpkit.SyncBatchNorm: unknown algorithm {algorithm!r}; expected one of {ALGORITHMS}")
         if not _NORM_TAKES_BIAS and not bias:
-            raise TypeError(f"ddpkit.SyncBatchNorm: bias=False needs torch >= 2.13 (torch {torch.__version__} batch-norm "
-                            "layers have no `bias` flag)")
+            raise TypeError(
+                f"ddpkit.SyncBatchNorm: bias=False needs torch >= 2.13 (torch {torch.__version__} batch-norm "
+                "layers have no `bias` flag)"
+            )
         extra = {"bias": bias} if _NORM_TAKES_BIAS else {}
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, **extra)
         self.process_group = process_group
@@ -151,13 +187,24 @@ class SyncBatchNorm(_BatchNorm):
         keep_running = not self.training or self.track_running_stats
         # Only training synchronizes, as torch.nn.SyncBatchNorm: eval without running statistics
         # normalizes each rank's batch by its own statistics.
-        return _sync_batch_norm_op(input, self.weight, self.bias, self.running_mean if keep_running else None,
-                                   self.running_var if keep_running else None, batch_stats, factor, self.eps,
-                                   self.algorithm, self.process_group, self.training)
+        return _sync_batch_norm_op(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if keep_running else None,
+            self.running_var if keep_running else None,
+            batch_stats,
+            factor,
+            self.eps,
+            self.algorithm,
+            self.process_group,
+            self.training,
+        )
 
 
-def convert_sync_batchnorm(module: torch.nn.Module, process_group: Optional[dist.ProcessGroup] = None,
-                           algorithm: str = "auto") -> torch.nn.Module:
+def convert_sync_batchnorm(
+    module: torch.nn.Module, process_group: dist.ProcessGroup | None = None, algorithm: str = "auto"
+) -> torch.nn.Module:
     """Replaces every batch-norm layer of ``module`` (BatchNorm1d/2d/3d, torch's SyncBatchNorm) by a
     ``ddpkit.SyncBatchNorm``, like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``.
 
@@ -169,9 +216,17 @@ def convert_sync_batchnorm(module: torch.nn.Module, process_group: Optional[dist
     left as they are. Returns the converted module, which is ``module`` itself unless ``module`` is
     a batch-norm layer."""
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
-        converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                  module.track_running_stats, process_group, device="meta", algorithm=algorithm,
-                                  bias=module.bias is not None or not module.affine)
+        converted = SyncBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            process_group,
+            device="meta",
+            algorithm=algorithm,
+            bias=module.bias is not None or not module.affine,
+        )
         for name in ("weight", "bias"):
             setattr(converted, name, getattr(module, name))
         for name in ("running_mean", "running_var", "num_batches_tracked"):
@@ -219,15 +274,20 @@ def _prepared_input(input: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("ddpkit::sync_batch_norm")
-def _sync_batch_norm_fake(input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm,
-                          group_name):
-    torch._check(input.dim() >= 2, lambda: f"ddpkit::sync_batch_norm: expected an input of shape (N, C, *), got "
-                                           f"{input.dim()} dimensions")
+def _sync_batch_norm_fake(
+    input, weight, bias, running_mean, running_var, training, momentum, eps, algorithm, group_name
+):
+    torch._check(
+        input.dim() >= 2,
+        lambda: f"ddpkit::sync_batch_norm: expected an input of shape (N, C, *), got {input.dim()} dimensions",
+    )
     channels = input.shape[1]
     for tensor in (weight, bias, running_mean, running_var):
         if tensor is not None:
-            torch._check(tensor.dim() == 1 and tensor.shape[0] == channels,
-                         lambda: f"ddpkit::sync_batch_norm: per-channel tensors should have shape [{channels}]")
+            torch._check(
+                tensor.dim() == 1 and tensor.shape[0] == channels,
+                lambda: f"ddpkit::sync_batch_norm: per-channel tensors should have shape [{channels}]",
+            )
     output = torch.empty_like(_prepared_input(input))
     # The saved statistics, in the arithmetic dtype (Note [Saved statistics] in csrc/syncbn/kernels.h).
     arithmetic = torch.float64 if input.dtype == torch.float64 else torch.float32
@@ -242,11 +302,14 @@ def _sync_batch_norm_fake(input, weight, bias, running_mean, running_var, traini
 
 
 @torch.library.register_fake("ddpkit::sync_batch_norm_backward")
-def _sync_batch_norm_backward_fake(grad_output, input, weight, mean, invstd, training, count, algorithm, group_name,
-                                   output_mask):
+def _sync_batch_norm_backward_fake(
+    grad_output, input, weight, mean, invstd, training, count, algorithm, group_name, output_mask
+):
     channels = input.shape[1]
-    torch._check(grad_output.shape == input.shape,
-                 lambda: "ddpkit::sync_batch_norm_backward: grad_output must match the input's shape")
+    torch._check(
+        grad_output.shape == input.shape,
+        lambda: "ddpkit::sync_batch_norm_backward: grad_output must match the input's shape",
+    )
     if weight is not None:
         dtype = weight.dtype
     elif input.dtype in (torch.float16, torch.bfloat16):

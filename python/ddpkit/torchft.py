@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,8 @@ except ImportError as error:  # pragma: no cover - exercised only without torchf
     raise ImportError(
         "ddpkit.torchft needs torchft, which is not installed: `pip install --no-deps torchft "
         "opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp` (its declared dependencies would "
-        "replace the CPU torch; scripts/setup.sh does this for the test extra)") from error
+        "replace the CPU torch; scripts/setup.sh does this for the test extra)"
+    ) from error
 
 from . import backend as _backend
 
@@ -64,14 +65,15 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
             and ``recv`` raise.
     """
 
-    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(seconds=60),
-                 point_to_point: bool = False) -> None:
+    def __init__(
+        self, timeout: datetime.timedelta = datetime.timedelta(seconds=60), point_to_point: bool = False
+    ) -> None:
         super().__init__(timeout=timeout)
         self._point_to_point = point_to_point
         self._error_lock = threading.Lock()
-        self._error: Optional[Exception] = None
+        self._error: Exception | None = None
         self._generation = 0
-        self._registered: Optional[str] = None
+        self._registered: str | None = None
 
     @property
     def group_name(self) -> str:
@@ -86,16 +88,25 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
     def getBackendName(self) -> str:
         return "torchft-ddpkit"
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
-                  quorum_id: Optional[int] = None, group_rank: Optional[int] = None,
-                  group_world_size: Optional[int] = None, global_ranks: Optional[list[int]] = None) -> None:
+    def configure(
+        self,
+        store_addr: str,
+        replica_id: str,
+        rank: int,
+        world_size: int,
+        quorum_id: int | None = None,
+        group_rank: int | None = None,
+        group_world_size: int | None = None,
+        global_ranks: list[int] | None = None,
+    ) -> None:
         # An error belongs to the group it happened in: the new quorum starts clean, and a late report
         # from the old group's work (its generation) is dropped.
         with self._error_lock:
             self._error = None
             self._generation += 1
-        super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
-                          global_ranks)
+        super().configure(
+            store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+        )
 
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
         pg = dist.ProcessGroup(store, rank, world_size)
@@ -125,8 +136,10 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
 
     def _check_point_to_point(self, what: str) -> None:
         if not self._point_to_point:
-            raise RuntimeError(f"ProcessGroupDdpkit.{what}: this group carries collectives only; make it with "
-                               f"ProcessGroupDdpkit(point_to_point=True) for send/recv (torchft's PGTransport)")
+            raise RuntimeError(
+                f"ProcessGroupDdpkit.{what}: this group carries collectives only; make it with "
+                f"ProcessGroupDdpkit(point_to_point=True) for send/recv (torchft's PGTransport)"
+            )
 
     def abort(self, errored: bool = True) -> None:
         if self._registered is not None:
@@ -141,7 +154,7 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
                 pass
         super().abort(errored=errored)
 
-    def errored(self) -> Optional[Exception]:
+    def errored(self) -> Exception | None:
         with self._error_lock:
             return self._error
 
@@ -168,7 +181,7 @@ class _ReportingWork(dist._Work):
     def _settled(self) -> torch.futures.Future:
         return self._work.get_future()
 
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         try:
             self._work.wait()
             self._settled().wait()
@@ -198,7 +211,7 @@ class _ReportingWork(dist._Work):
 
 # torch DDP's register_comm_hook rejects any annotation of `bucket` but dist.GradBucket and any return
 # annotation but Future[Tensor] (this module's annotations are strings): they are left out.
-def allreduce_hook(manager: "Manager", bucket):
+def allreduce_hook(manager: Manager, bucket):
     """The communication hook of a data-parallel wrapper under torchft: averages each gradient
     bucket over the replicas of the manager's quorum (``manager.allreduce``) and returns at once a
     future that the collective's completion settles, so the bucket's all-reduce overlaps the rest
@@ -246,14 +259,16 @@ class DistributedDataParallel(_TorchftDDP):
     _comm_hook = staticmethod(allreduce_hook)
 
 
-def check_lighthouse(address: Optional[str] = None, timeout: float = 10.0) -> str:
+def check_lighthouse(address: str | None = None, timeout: float = 10.0) -> str:
     """Returns the lighthouse's address (default: TORCHFT_LIGHTHOUSE) once it accepts a connection, or
     raises RuntimeError saying which address was tried and how to start one: torchft's manager would
     otherwise retry its connection until its own timeout and fail with a transport error."""
     address = address or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not address:
-        raise RuntimeError("ddpkit.torchft: no lighthouse address: set TORCHFT_LIGHTHOUSE=http://HOST:PORT (start "
-                           "one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`)")
+        raise RuntimeError(
+            "ddpkit.torchft: no lighthouse address: set TORCHFT_LIGHTHOUSE=http://HOST:PORT (start "
+            "one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510`)"
+        )
     parsed = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
     host, port = parsed.hostname, parsed.port
     if host is None or port is None:
@@ -262,7 +277,8 @@ def check_lighthouse(address: Optional[str] = None, timeout: float = 10.0) -> st
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except OSError as error:
-        raise RuntimeError(f"ddpkit.torchft: the lighthouse at {address} is unreachable ({error}); start it first "
-                           f"(`torchft_lighthouse --min_replicas 1 --bind [::]:{port}`) or fix TORCHFT_LIGHTHOUSE"
-                           ) from None
+        raise RuntimeError(
+            f"ddpkit.torchft: the lighthouse at {address} is unreachable ({error}); start it first "
+            f"(`torchft_lighthouse --min_replicas 1 --bind [::]:{port}`) or fix TORCHFT_LIGHTHOUSE"
+        ) from None
     return address

@@ -1,4 +1,5 @@
-"""The training application built on ddpkit: datasets, models, the trainer and its command line.
+"""The training application built on ddpkit: datasets (``data``), models (``models``), the run's settings
+(``config``), its command line (``cli``) and the trainer (``train``).
 
 The library (``ddpkit.comm``, ``ddpkit.syncbn``, ``ddpkit.ddp``, ``ddpkit.launch``) does not import
 this package; ``import ddpkit`` leaves it unloaded. The one entry point is ``main``, which
@@ -8,6 +9,8 @@ this package; ``import ddpkit`` leaves it unloaded. The one entry point is ``mai
     torchrun --nproc_per_node 2 train.py --dataset fashion_mnist --epochs 10 --accumulation-steps 2   # the same
 """
 
-from .train import TrainConfig, Trainer, main, parse_args
+from .cli import parse_args
+from .config import TrainConfig
+from .train import Trainer, main
 
 __all__ = ["TrainConfig", "Trainer", "main", "parse_args"]

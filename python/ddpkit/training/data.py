@@ -26,9 +26,9 @@ import struct
 import tarfile
 import urllib.request
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from ..atomic import write_atomically
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 """Where ``apt-get install dataset-fashion-mnist`` puts the IDX files; env ``DDPKIT_FASHION_MNIST`` overrides it."""
@@ -64,12 +64,25 @@ class DatasetInfo:
 
 
 DATASETS = {
-    "fashion_mnist": DatasetInfo("fashion_mnist", channels=1, num_classes=10, image_size=28,
-                                 mean=(0.2860,), std=(0.3530,)),
-    "cifar10": DatasetInfo("cifar10", channels=3, num_classes=10, image_size=32,
-                           mean=(0.4914, 0.4822, 0.4465), std=(0.2470, 0.2435, 0.2616)),
-    "cifar100": DatasetInfo("cifar100", channels=3, num_classes=100, image_size=32,
-                            mean=(0.5071, 0.4865, 0.4409), std=(0.2673, 0.2564, 0.2762)),
+    "fashion_mnist": DatasetInfo(
+        "fashion_mnist", channels=1, num_classes=10, image_size=28, mean=(0.2860,), std=(0.3530,)
+    ),
+    "cifar10": DatasetInfo(
+        "cifar10",
+        channels=3,
+        num_classes=10,
+        image_size=32,
+        mean=(0.4914, 0.4822, 0.4465),
+        std=(0.2470, 0.2435, 0.2616),
+    ),
+    "cifar100": DatasetInfo(
+        "cifar100",
+        channels=3,
+        num_classes=100,
+        image_size=32,
+        mean=(0.5071, 0.4865, 0.4409),
+        std=(0.2673, 0.2564, 0.2762),
+    ),
 }
 
 
@@ -81,8 +94,9 @@ def dataset_name(name: str) -> str:
     for canonical in DATASETS:
         if key == canonical.replace("_", ""):
             return canonical
-    raise ValueError(f"ddpkit: unknown dataset {name!r}; expected one of {sorted(DATASETS)} "
-                     "('-' or '_' and case as you like)")
+    raise ValueError(
+        f"ddpkit: unknown dataset {name!r}; expected one of {sorted(DATASETS)} ('-' or '_' and case as you like)"
+    )
 
 
 def dataset_info(name: str) -> DatasetInfo:
@@ -90,8 +104,9 @@ def dataset_info(name: str) -> DatasetInfo:
     return DATASETS[dataset_name(name)]
 
 
-def load_dataset(name: str, root: Optional[PathLike] = None, train: bool = True,
-                 download: bool = False) -> tuple[Tensor, Tensor]:
+def load_dataset(
+    name: str, root: PathLike | None = None, train: bool = True, download: bool = False
+) -> tuple[Tensor, Tensor]:
     """One split of dataset ``name`` as ``(images uint8 [N, C, H, W], labels int64 [N])``.
 
     ``root`` means what it means for the dataset's loader: the directory holding the IDX files for
@@ -129,7 +144,7 @@ def read_idx(path: PathLike) -> Tensor:
     with open(path, "rb") as file:
         compressed = file.read(2) == b"\x1f\x8b"  # gzip's magic; an IDX file starts with two zero bytes
     try:
-        with (gzip.open(path, "rb") if compressed else open(path, "rb")) as file:
+        with gzip.open(path, "rb") if compressed else open(path, "rb") as file:
             data = bytearray(file.read())
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise ValueError(f"ddpkit: {path}: corrupt gzip stream ({exc})") from None
@@ -138,22 +153,27 @@ def read_idx(path: PathLike) -> Tensor:
     (magic,) = struct.unpack(">I", data[:4])
     ndim = magic & 0xFF
     if magic >> 8 != _IDX_UBYTE or ndim == 0:
-        raise ValueError(f"ddpkit: {path}: magic number 0x{magic:08x} is not that of an IDX file of unsigned "
-                         f"bytes (0x{_IDX_LABELS_MAGIC:08x} for labels, 0x{_IDX_IMAGES_MAGIC:08x} for images)")
+        raise ValueError(
+            f"ddpkit: {path}: magic number 0x{magic:08x} is not that of an IDX file of unsigned "
+            f"bytes (0x{_IDX_LABELS_MAGIC:08x} for labels, 0x{_IDX_IMAGES_MAGIC:08x} for images)"
+        )
     header_size = 4 + 4 * ndim
     if len(data) < header_size:
-        raise ValueError(f"ddpkit: {path}: truncated IDX header ({len(data)} bytes, {ndim} dimensions need "
-                         f"{header_size})")
+        raise ValueError(
+            f"ddpkit: {path}: truncated IDX header ({len(data)} bytes, {ndim} dimensions need {header_size})"
+        )
     shape = struct.unpack(f">{ndim}I", data[4:header_size])
     expected, found = math.prod(shape), len(data) - header_size
     if found != expected:
         problem = "truncated" if found < expected else "has trailing bytes"
-        raise ValueError(f"ddpkit: {path}: {problem}: the header promises shape {list(shape)} = {expected} bytes "
-                         f"of data, the file holds {found}")
+        raise ValueError(
+            f"ddpkit: {path}: {problem}: the header promises shape {list(shape)} = {expected} bytes "
+            f"of data, the file holds {found}"
+        )
     return torch.from_numpy(np.frombuffer(data, dtype=np.uint8, offset=header_size).reshape(shape))
 
 
-def load_fashion_mnist(root: Optional[PathLike] = None, train: bool = True) -> tuple[Tensor, Tensor]:
+def load_fashion_mnist(root: PathLike | None = None, train: bool = True) -> tuple[Tensor, Tensor]:
     """Fashion-MNIST's train (60000) or test (10000) split: ``(uint8 [N, 1, 28, 28], int64 [N])``.
 
     ``root`` (default: env ``DDPKIT_FASHION_MNIST``, else ``FASHION_MNIST_ROOT``) holds
@@ -163,15 +183,18 @@ def load_fashion_mnist(root: Optional[PathLike] = None, train: bool = True) -> t
     image_path, label_path = (_find_idx_file(root, name) for name in _FASHION_MNIST_FILES[train])
     images, labels = read_idx(image_path), read_idx(label_path)
     if images.dim() != 3 or images.shape[1:] != (28, 28):
-        raise ValueError(f"ddpkit: {image_path}: expected Fashion-MNIST images (magic 0x{_IDX_IMAGES_MAGIC:08x}, "
-                         f"shape [N, 28, 28]), found magic 0x{0x800 + images.dim():08x} with shape "
-                         f"{list(images.shape)}")
+        raise ValueError(
+            f"ddpkit: {image_path}: expected Fashion-MNIST images (magic 0x{_IDX_IMAGES_MAGIC:08x}, "
+            f"shape [N, 28, 28]), found magic 0x{0x800 + images.dim():08x} with shape "
+            f"{list(images.shape)}"
+        )
     if labels.dim() != 1:
-        raise ValueError(f"ddpkit: {label_path}: expected Fashion-MNIST labels (magic 0x{_IDX_LABELS_MAGIC:08x}, "
-                         f"shape [N]), found magic 0x{0x800 + labels.dim():08x} with shape {list(labels.shape)}")
+        raise ValueError(
+            f"ddpkit: {label_path}: expected Fashion-MNIST labels (magic 0x{_IDX_LABELS_MAGIC:08x}, "
+            f"shape [N]), found magic 0x{0x800 + labels.dim():08x} with shape {list(labels.shape)}"
+        )
     if len(images) != len(labels):
-        raise ValueError(f"ddpkit: {image_path} holds {len(images)} images but {label_path} holds "
-                         f"{len(labels)} labels")
+        raise ValueError(f"ddpkit: {image_path} holds {len(images)} images but {label_path} holds {len(labels)} labels")
     labels = labels.long()
     _check_labels(labels, DATASETS["fashion_mnist"].num_classes, str(label_path))
     return images.unsqueeze(1), labels
@@ -182,18 +205,24 @@ def _find_idx_file(root: Path, name: str) -> Path:
     for path in candidates:
         if path.is_file():
             return path
-    where = f"directory {root} does not exist" if not root.is_dir() else \
-        f"neither {candidates[0]} nor {candidates[1]} exists"
+    where = (
+        f"directory {root} does not exist"
+        if not root.is_dir()
+        else f"neither {candidates[0]} nor {candidates[1]} exists"
+    )
     raise FileNotFoundError(
         f"ddpkit: Fashion-MNIST not found: {where}. Install it with `apt-get install dataset-fashion-mnist` "
         f"(files go to {FASHION_MNIST_ROOT}), or point the root argument or the DDPKIT_FASHION_MNIST "
-        "environment variable at a directory holding {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]")
+        "environment variable at a directory holding {train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]"
+    )
 
 
 def _check_labels(labels: Tensor, num_classes: int, origin: str) -> None:
     if len(labels) and not (labels.min() >= 0 and labels.max() < num_classes):
-        raise ValueError(f"ddpkit: {origin}: labels span [{int(labels.min())}, {int(labels.max())}], "
-                         f"expected classes 0..{num_classes - 1}")
+        raise ValueError(
+            f"ddpkit: {origin}: labels span [{int(labels.min())}, {int(labels.max())}], "
+            f"expected classes 0..{num_classes - 1}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,21 +244,40 @@ class _CifarSource:
 
 _CIFAR_SOURCES = {
     "cifar10": _CifarSource(
-        "CIFAR-10", "cifar-10-batches-py", "cifar-10-python.tar.gz",
-        "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a",
-        tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), b"labels", "CIFAR10"),
+        "CIFAR-10",
+        "cifar-10-batches-py",
+        "cifar-10-python.tar.gz",
+        "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+        "c58f30108f718f92721af3b95e74349a",
+        tuple(f"data_batch_{i}" for i in range(1, 6)),
+        ("test_batch",),
+        b"labels",
+        "CIFAR10",
+    ),
     "cifar100": _CifarSource(
-        "CIFAR-100", "cifar-100-python", "cifar-100-python.tar.gz",
-        "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85",
-        ("train",), ("test",), b"fine_labels", "CIFAR100"),
+        "CIFAR-100",
+        "cifar-100-python",
+        "cifar-100-python.tar.gz",
+        "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+        "eb9058c3a382ffc7106e4002c42a8d85",
+        ("train",),
+        ("test",),
+        b"fine_labels",
+        "CIFAR100",
+    ),
 }
 
 # Everything a CIFAR batch file may reference: numpy arrays (under numpy 1's and numpy 2's module
 # names) and the bytes encoding of protocol-2 pickles. Unpickling anything else could run code.
-_CIFAR_PICKLE_GLOBALS = frozenset({
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
-})
+_CIFAR_PICKLE_GLOBALS = frozenset(
+    {
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("_codecs", "encode"),
+    }
+)
 
 
 class _CifarUnpickler(pickle.Unpickler):
@@ -239,8 +287,9 @@ class _CifarUnpickler(pickle.Unpickler):
         return getattr(importlib.import_module(module), name)
 
 
-def load_cifar(name: str, root: Optional[PathLike] = None, train: bool = True,
-               download: bool = False) -> tuple[Tensor, Tensor]:
+def load_cifar(
+    name: str, root: PathLike | None = None, train: bool = True, download: bool = False
+) -> tuple[Tensor, Tensor]:
     """CIFAR-10 or CIFAR-100 (``name`` ``"cifar10"``/``"cifar100"``): ``(uint8 [N, 3, 32, 32], int64 [N])``.
 
     N is 50000 for train, 10000 for test; CIFAR-100's labels are its 100 fine classes. ``root``
@@ -269,8 +318,10 @@ def load_cifar(name: str, root: Optional[PathLike] = None, train: bool = True,
         for batch_name in batch_names:
             path = directory / batch_name
             if not path.is_file():
-                raise FileNotFoundError(f"ddpkit: {source.title} batch {path} is missing; the directory {directory} "
-                                        f"is incomplete (delete it and extract {source.archive} again)")
+                raise FileNotFoundError(
+                    f"ddpkit: {source.title} batch {path} is missing; the directory {directory} "
+                    f"is incomplete (delete it and extract {source.archive} again)"
+                )
             with open(path, "rb") as file:
                 batches.append((_unpickle_cifar_batch(file, str(path)), str(path)))
     else:
@@ -283,20 +334,24 @@ def load_cifar(name: str, root: Optional[PathLike] = None, train: bool = True,
 
 
 def _cifar_missing_message(source: _CifarSource, root: Path) -> str:
-    return (f"ddpkit: {source.title} not found: expected the directory {root / source.directory} or the archive "
-            f"{root / source.archive}. Download it with --download (download=True), or fetch {source.url} "
-            f"(md5 {source.md5}) yourself and put it in {root}, extracted or not; set the root argument or the "
-            "DDPKIT_DATA environment variable to use another directory.")
+    return (
+        f"ddpkit: {source.title} not found: expected the directory {root / source.directory} or the archive "
+        f"{root / source.archive}. Download it with --download (download=True), or fetch {source.url} "
+        f"(md5 {source.md5}) yourself and put it in {root}, extracted or not; set the root argument or the "
+        "DDPKIT_DATA environment variable to use another directory."
+    )
 
 
 def _cifar_download_failed_message(source: _CifarSource, root: Path, error: Exception) -> str:
     # The download was asked for and failed (no network, a proxy, a corrupt transfer): what is left is
     # bringing the archive in by hand.
-    return (f"ddpkit: {source.title} not found in {root} and the download failed: {error}. Without network here, "
-            f"download {source.url} on another machine, check its md5 is {source.md5}, and copy it to "
-            f"{root / source.archive} (or extract it there as {root / source.directory}); then run again without "
-            "--download. The DDPKIT_DATA environment variable or the root argument (--data-root) picks another "
-            "directory.")
+    return (
+        f"ddpkit: {source.title} not found in {root} and the download failed: {error}. Without network here, "
+        f"download {source.url} on another machine, check its md5 is {source.md5}, and copy it to "
+        f"{root / source.archive} (or extract it there as {root / source.directory}); then run again without "
+        "--download. The DDPKIT_DATA environment variable or the root argument (--data-root) picks another "
+        "directory."
+    )
 
 
 def _unpickle_cifar_batch(file, origin: str) -> dict:
@@ -333,8 +388,9 @@ def _read_archive_batches(archive: Path, top: str, batch_names: Sequence[str]) -
 def _decode_cifar_batch(batch: dict, label_key: bytes, origin: str) -> tuple[Tensor, Tensor]:
     data, labels = batch.get(b"data"), batch.get(label_key)
     if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-        described = (f"{data.dtype} array of shape {list(data.shape)}" if isinstance(data, np.ndarray)
-                     else type(data).__name__)
+        described = (
+            f"{data.dtype} array of shape {list(data.shape)}" if isinstance(data, np.ndarray) else type(data).__name__
+        )
         raise ValueError(f"ddpkit: {origin}: b'data' should be a uint8 array of shape [N, 3072], found {described}")
     if labels is None:
         raise ValueError(f"ddpkit: {origin}: the batch has no {label_key!r} entry (keys: {sorted(batch)})")
@@ -362,19 +418,23 @@ def download_url(url: str, path: PathLike, md5: str) -> Path:
     equals ``md5``; on a mismatch (``ValueError``) or any other failure the temporary file is
     removed and ``path`` is left as it was.
     """
+
     def fetch(out) -> None:
         digest = hashlib.md5()
         with urllib.request.urlopen(url, timeout=60) as response:
             length = response.headers.get("Content-Length")
-            with tqdm(total=int(length) if length else None, unit="B", unit_scale=True, desc=Path(path).name,
-                      disable=None) as progress:
+            with tqdm(
+                total=int(length) if length else None, unit="B", unit_scale=True, desc=Path(path).name, disable=None
+            ) as progress:
                 while chunk := response.read(1 << 20):
                     out.write(chunk)
                     digest.update(chunk)
                     progress.update(len(chunk))
         if digest.hexdigest() != md5.lower():
-            raise ValueError(f"ddpkit: {url}: md5 {digest.hexdigest()} does not match the expected {md5} "
-                             "(corrupt or tampered download)")
+            raise ValueError(
+                f"ddpkit: {url}: md5 {digest.hexdigest()} does not match the expected {md5} "
+                "(corrupt or tampered download)"
+            )
 
     return write_atomically(path, fetch)
 
@@ -389,8 +449,9 @@ def normalize(images: Tensor, mean: Sequence[float], std: Sequence[float]) -> Te
     ``mean`` and ``std`` have ``C`` entries each, on the [0, 1] scale (``DatasetInfo.mean/std``).
     """
     if images.dtype != torch.uint8 or images.dim() != 4:
-        raise ValueError(f"ddpkit: normalize expects a uint8 batch [N, C, H, W], got {images.dtype} "
-                         f"{list(images.shape)}")
+        raise ValueError(
+            f"ddpkit: normalize expects a uint8 batch [N, C, H, W], got {images.dtype} {list(images.shape)}"
+        )
     channels = images.shape[1]
     if len(mean) != channels or len(std) != channels:
         raise ValueError(f"ddpkit: normalize got {len(mean)} means and {len(std)} stds for {channels} channels")
@@ -399,7 +460,7 @@ def normalize(images: Tensor, mean: Sequence[float], std: Sequence[float]) -> Te
     return images.float().div_(255).sub_(mean_t).div_(std_t)
 
 
-def random_crop_flip(images: Tensor, padding: int = 4, generator: Optional[torch.Generator] = None) -> Tensor:
+def random_crop_flip(images: Tensor, padding: int = 4, generator: torch.Generator | None = None) -> Tensor:
     """Per image, a random ``H x W`` crop of the zero-padded image, mirrored left-right with probability 1/2.
 
     ``images`` is ``[N, C, H, W]`` of any dtype; the result has the same shape, dtype and device.
@@ -453,11 +514,21 @@ class ShardedBatches:
     ``set_epoch`` as usual, sees exactly the batches the interrupted one would have.
     """
 
-    def __init__(self, num_samples: int, batch_size: int, rank: int, world_size: int, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False):
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ):
         if num_samples < 1 or batch_size < 1 or world_size < 1:
-            raise ValueError(f"ddpkit: ShardedBatches needs num_samples, batch_size and world_size >= 1, got "
-                             f"{num_samples}, {batch_size}, {world_size}")
+            raise ValueError(
+                f"ddpkit: ShardedBatches needs num_samples, batch_size and world_size >= 1, got "
+                f"{num_samples}, {batch_size}, {world_size}"
+            )
         if not 0 <= rank < world_size:
             raise ValueError(f"ddpkit: rank {rank} is not in [0, world_size={world_size})")
         self.num_samples, self.batch_size = num_samples, batch_size
@@ -470,8 +541,10 @@ class ShardedBatches:
             self.samples_per_rank = math.ceil(num_samples / world_size)
             self._num_batches = math.ceil(self.samples_per_rank / batch_size)
         if self._num_batches == 0:
-            raise ValueError(f"ddpkit: with drop_last, {num_samples} samples over {world_size} ranks do not fill one "
-                             f"batch of {batch_size} per rank")
+            raise ValueError(
+                f"ddpkit: with drop_last, {num_samples} samples over {world_size} ranks do not fill one "
+                f"batch of {batch_size} per rank"
+            )
         self.epoch = 0
         self._position = 0  # batches of `epoch` handed out so far
         self._restored = False  # `_position` came from load_state_dict and no iteration has used it yet
@@ -496,14 +569,14 @@ class ShardedBatches:
         total = self.samples_per_rank * self.world_size
         if total > self.num_samples:
             order = order.repeat(math.ceil(total / self.num_samples))
-        return order[self.rank:total:self.world_size]
+        return order[self.rank : total : self.world_size]
 
     def __iter__(self) -> Iterator[Tensor]:
         # Not a generator itself: the position must reset when iteration starts, not at the first batch,
         # or a state_dict taken in between would describe the previous pass.
         start = self._position if self._restored else 0
         self._position, self._restored = start, False
-        batches = self.indices()[:self._num_batches * self.batch_size].split(self.batch_size)
+        batches = self.indices()[: self._num_batches * self.batch_size].split(self.batch_size)
         return self._advance(batches, start)
 
     def _advance(self, batches: Sequence[Tensor], start: int) -> Iterator[Tensor]:
@@ -515,22 +588,32 @@ class ShardedBatches:
         """Like iterating, but yields ``tuple(t[indices] for t in tensors)``; each tensor has ``num_samples`` rows."""
         for tensor in tensors:
             if len(tensor) != self.num_samples:
-                raise ValueError(f"ddpkit: a tensor of {len(tensor)} rows given to ShardedBatches over "
-                                 f"{self.num_samples} samples")
+                raise ValueError(
+                    f"ddpkit: a tensor of {len(tensor)} rows given to ShardedBatches over {self.num_samples} samples"
+                )
         for indices in self:
             yield tuple(tensor[indices.to(tensor.device)] for tensor in tensors)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self._position, "num_samples": self.num_samples,
-                "batch_size": self.batch_size, "world_size": self.world_size, "seed": self.seed,
-                "shuffle": self.shuffle, "drop_last": self.drop_last}
+        return {
+            "epoch": self.epoch,
+            "position": self._position,
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "world_size": self.world_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restores ``state_dict()``'s position; the order-determining settings must be the same."""
         for key in ("num_samples", "batch_size", "world_size", "seed", "shuffle", "drop_last"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"ddpkit: cannot resume ShardedBatches: the checkpoint has {key}={state[key]!r}, "
-                                 f"this run {getattr(self, key)!r}")
+                raise ValueError(
+                    f"ddpkit: cannot resume ShardedBatches: the checkpoint has {key}={state[key]!r}, "
+                    f"this run {getattr(self, key)!r}"
+                )
         if not 0 <= state["position"] <= self._num_batches:
             raise ValueError(f"ddpkit: checkpoint position {state['position']} is not in [0, {self._num_batches}]")
         self.epoch, self._position, self._restored = state["epoch"], state["position"], True

@@ -8,7 +8,7 @@ the training script may swap for ddpkit's SyncBatchNorm.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +47,7 @@ class TemplateNet(nn.Module):
         return self.fc2(x)
 
 
-VGG11_CONFIG: tuple[Union[int, str], ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
+VGG11_CONFIG: tuple[int | str, ...] = (64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M")
 
 
 class VGG11(nn.Module):
@@ -88,8 +88,9 @@ class BasicBlock(nn.Module):
         self.conv2 = nn.Conv2d(channels, channels, 3, 1, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(channels)
         if stride != 1 or in_channels != channels:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, channels, 1, stride, bias=False),
-                                          nn.BatchNorm2d(channels))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, channels, 1, stride, bias=False), nn.BatchNorm2d(channels)
+            )
         else:
             self.shortcut = nn.Identity()
 
@@ -106,8 +107,9 @@ class ResNet(nn.Module):
 
     def __init__(self, blocks_per_stage: Sequence[int], in_channels: int = 3, num_classes: int = 10):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 3, 1, padding=1, bias=False), nn.BatchNorm2d(64),
-                                  nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, 64, 3, 1, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True)
+        )
         stages: list[nn.Module] = []
         channels = 64
         for index, (width, count) in enumerate(zip((64, 128, 256, 512), blocks_per_stage)):
