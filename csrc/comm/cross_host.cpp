@@ -44,6 +44,38 @@ void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op,
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }
 
+// Note [Compressed crossing] between two hosts: each host rounds its own block into the wire
+// format, the frames carry the rounded blocks, and both hosts add the two decoded blocks in host
+// order: each element ends with the same bits wherever it is computed. `out` (mine itself, or the
+// peer's block of a reduce-scatter's run) goes to the peer while its frame for `mine` arrives.
+void SocketPairChannel::swap_compressed(const at::Tensor& mine, const at::Tensor& out, ReduceOp op,
+                                        Communicator& comm) {
+  TORCH_INTERNAL_ASSERT(out.numel() == mine.numel() && out.is_contiguous() && mine.is_contiguous());
+  const at::ScalarType wire = wire_dtype(comm.wire_format());
+  const at::Tensor outgoing = scratch_.get(ScratchBuffers::kWire, out.numel(), wire).copy_(out);
+  // This host's own contribution, rounded as the peer's is.
+  if (out.is_same(mine)) {
+    mine.copy_(outgoing);
+  } else {
+    mine.copy_(mine.to(wire));
+  }
+  const at::Tensor incoming = scratch_.get(ScratchBuffers::kFromPeer, mine.numel(), wire);
+  const at::Tensor decoded = scratch_.get(ScratchBuffers::kDecoded, mine.numel(), mine.scalar_type());
+  const int64_t element = incoming.element_size();
+  const auto bytes = static_cast<int64_t>(incoming.nbytes());
+  int64_t reduced = 0;  // elements
+  auto reduce_ready = [&](int64_t ready_bytes) {
+    const int64_t ready = ready_bytes / element;
+    const at::Tensor theirs = slice(decoded, reduced, ready).copy_(slice(incoming, reduced, ready));
+    combine_(slice(mine, reduced, ready), theirs, accumulating_op(op), /*other_first=*/peer() == 0);
+    reduced = ready;
+  };
+  std::vector<SocketLinks::Send> sends{{peer(), outgoing.data_ptr(), bytes}};
+  std::vector<SocketLinks::Recv> recvs{{peer(), incoming.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
+  links().exchange(comm.sequence(), std::move(sends), recvs);
+  TORCH_INTERNAL_ASSERT(reduced == mine.numel());
+}
+
 void SocketPairChannel::move(const at::Tensor& outgoing, const at::Tensor& incoming, Communicator& comm) {
   std::vector<SocketLinks::Send> sends;
   if (outgoing.defined()) sends.push_back({peer(), outgoing.data_ptr(), static_cast<int64_t>(outgoing.nbytes())});
@@ -60,6 +92,7 @@ void SocketPairChannel::move(const at::Tensor& outgoing, const at::Tensor& incom
 // together would).
 void SocketPairChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
   if (block.numel() == 0) return;
+  if (compresses(comm.wire_format(), block, op)) return swap_compressed(block, block, op, comm);
   receive_and_combine(block, op, {{peer(), block.data_ptr(), block.numel() * block.element_size()}}, comm);
 }
 
@@ -88,6 +121,7 @@ void SocketPairChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceO
   if (m == 0) return;
   const at::Tensor theirs = slice(run, peer() * m, (peer() + 1) * m);
   const at::Tensor mine = slice(run, rank() * m, (rank() + 1) * m);
+  if (compresses(comm.wire_format(), run, op)) return swap_compressed(mine, theirs, op, comm);
   receive_and_combine(mine, op, {{peer(), theirs.data_ptr(), static_cast<int64_t>(theirs.nbytes())}}, comm);
 }
 
@@ -103,7 +137,7 @@ Communicator RingChannel::subgroup(const Communicator& comm) const {
 }
 
 void RingChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
-  ring_all_reduce(links(), comm.sequence(), block, op, WireFormat::kExact, scratch_);
+  ring_all_reduce(links(), comm.sequence(), block, op, comm.wire_format(), scratch_);
 }
 
 void RingChannel::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
@@ -125,7 +159,7 @@ void RingChannel::all_gather(const at::Tensor& flat, int64_t m, Communicator& co
 }
 
 void RingChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
-  ring_reduce_scatter(links(), comm.sequence(), run, m, op, WireFormat::kExact, scratch_);
+  ring_reduce_scatter(links(), comm.sequence(), run, m, op, comm.wire_format(), scratch_);
 }
 
 }  // namespace ddpkit::comm

@@ -5,6 +5,7 @@
 #include "comm/scratch.h"
 #include "comm/socket_links.h"
 #include "comm/transport.h"
+#include "comm/wire_format.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -86,6 +87,9 @@ class SocketPairChannel final : public CrossHostChannel {
   // into `mine` part by part, in host order.
   void receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<SocketLinks::Send> sends,
                            Communicator& comm);
+  // receive_and_combine with a compressed wire format (Note [Compressed crossing]), `out` the tensor
+  // sent to the other host.
+  void swap_compressed(const at::Tensor& mine, const at::Tensor& out, ReduceOp op, Communicator& comm);
   // Sends `outgoing` (undefined: nothing) while the other host's frame of exactly `incoming`'s size
   // (undefined: none) arrives into it.
   void move(const at::Tensor& outgoing, const at::Tensor& incoming, Communicator& comm);

@@ -20,11 +20,12 @@ namespace ddpkit::comm {
 //    rounded blocks in host order;
 //  - on the ring, each partial result is rounded as it leaves a rank, and the finished block once
 //    more for the all-gather (its owner keeps the rounded value too).
-// So every rank ends with the same bits, and an element's error is at most about (number of hosts)
-// roundings of the partial sums it passed through: relative 2^-9 each in bfloat16 (8 bits of
-// mantissa), 2^-12 in float16, whose narrower range makes bfloat16 the safer choice for gradients
-// (tests/test_multihost.py checks both against a float64 reference). Other dtypes and ops, and
-// tensors that never cross hosts, ignore the setting: they travel exact.
+// So every rank ends with the same bits, and an element's error is at most one rounding per host
+// of a partial sum no larger than the sum of the ranks' magnitudes: relative 2^-8 each in bfloat16
+// (8 significant bits), 2^-11 in float16, whose narrower range makes bfloat16 the safer choice for
+// gradients (tests/test_compressed_crossing.py checks that bound against a float64 reference). Other
+// dtypes and ops, tensors small enough to cross in the check's round (Note [One round across
+// hosts]), and tensors that never cross hosts ignore the setting: they travel exact.
 enum class WireFormat : int { kExact = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 struct WireFormatName {
