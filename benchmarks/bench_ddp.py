@@ -7,7 +7,12 @@
 Each candidate trains in its own pool of ``--world-size`` processes (so that peak memory is its
 own): ddpkit DDP with its default all-reduce, ddpkit DDP over the group's own all-reduce,
 torch DDP (``no_sync`` on accumulation micro-batches), and ``floor``: the same steps with no
-gradient communication at all, the least any data-parallel wrapper could take. All start from the
+gradient communication at all, the least any data-parallel wrapper could take. Communication hooks
+(issue 50): torch's ``allreduce_hook`` and ``fp16_compress_hook`` registered on ddpkit's DDP, in a
+world group on the "ddpkit" backend (the hook's ``dist.all_reduce`` runs on ddpkit's engine), and on
+torch DDP over gloo; their bars (``BARS``, in each hook candidate's summary entry): ddpkit's DDP with
+``allreduce_hook`` at most 1.05x ddpkit's DDP without a hook, and each hook on ddpkit's DDP no slower
+than the same hook on torch DDP. All start from the
 same weights and see the same synthetic batches; after a few steps their parameters must agree
 (else the run stops; ``floor`` does not average, so it is exempt) before anything is timed. Timing: blocks of steps alternate between the candidates (order rotating,
 ``common.interleave``); a step is k micro-batches of forward+backward plus the optimizer step, its
@@ -39,6 +44,15 @@ CANDIDATES = {
     "ddpkit_pg": {"impl": "ddpkit", "algorithm": "process_group"},
     "torch": {"impl": "torch"},
     "floor": {"impl": "floor"},
+    "ddpkit_allreduce_hook": {"impl": "ddpkit", "hook": "allreduce_hook", "backend": "ddpkit"},
+    "ddpkit_fp16_hook": {"impl": "ddpkit", "hook": "fp16_compress_hook", "backend": "ddpkit"},
+    "torch_allreduce_hook": {"impl": "torch", "hook": "allreduce_hook"},
+    "torch_fp16_hook": {"impl": "torch", "hook": "fp16_compress_hook"},
+}
+# A hook candidate's step time over each baseline's, and the most it may be (issue 50's bars).
+BARS = {
+    "ddpkit_allreduce_hook": {"ddpkit": 1.05, "torch_allreduce_hook": 1.0},
+    "ddpkit_fp16_hook": {"torch_fp16_hook": 1.0},
 }
 
 _state: dict = {}  # per worker process: the model under test and its data
@@ -74,13 +88,19 @@ def build(
     torch.manual_seed(0)
     model = build_model(model_name, in_channels=3, num_classes=num_classes, image_size=32).to(device)
     if candidate["impl"] == "ddpkit":
-        wrapped = ddpkit.DistributedDataParallel(model, algorithm=candidate["algorithm"])
+        wrapped = ddpkit.DistributedDataParallel(
+            model, algorithm=candidate.get("algorithm", ddpkit.ddp.DEFAULT_ALGORITHM)
+        )
     elif candidate["impl"] == "floor":
         wrapped = WithoutCommunication(model)
     else:
         wrapped = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None
         )
+    if candidate.get("hook"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        wrapped.register_comm_hook(None, getattr(default_hooks, candidate["hook"]))  # the world group
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
     batches = [
         (
@@ -218,6 +238,13 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["net", "resnet18"])
     parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--blocks", type=int, default=18, help="alternating blocks per candidate")
+    parser.add_argument(
+        "--candidates",
+        nargs="+",
+        choices=list(CANDIDATES),
+        default=list(CANDIDATES),
+        help="default: all; torch (the reference) is always measured",
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
         "--device",
@@ -241,6 +268,9 @@ def main() -> None:
     steps_for = {"net": 10, "resnet18": 2, "resnet34": 2, "vgg11": 3}
     if args.quick:
         args.models, args.blocks = ["net"], 2
+    candidates = {name: CANDIDATES[name] for name in CANDIDATES if name in args.candidates or name == "torch"}
+    if args.device == "cuda":  # the hooks' world group on the "ddpkit" backend is CPU-only here
+        candidates = {name: c for name, c in candidates.items() if c.get("backend") != "ddpkit"}
     records = []
     for model_name in args.models:
         for accumulation in args.accumulation:
@@ -254,6 +284,7 @@ def main() -> None:
                 steps_for[model_name],
                 backend,
                 args.device,
+                candidates,
             )
             print(
                 f"{model_name} accumulation {accumulation}: measured in {time.monotonic() - started:.0f} s", flush=True
@@ -262,16 +293,34 @@ def main() -> None:
     for record in records:
         if record.candidate == "torch":
             continue
-        torch_record = next(
-            r
-            for r in records
-            if r.candidate == "torch" and r.model == record.model and r.accumulation == record.accumulation
-        )
+
+        def of(candidate: str) -> DdpRecord | None:
+            return next(
+                (
+                    r
+                    for r in records
+                    if r.candidate == candidate and r.model == record.model and r.accumulation == record.accumulation
+                ),
+                None,
+            )
+
+        torch_record = of("torch")
         key = f"{record.candidate} {record.model} acc={record.accumulation}"
         summary[key] = {
             "time_ratio": record.median_step_s / torch_record.median_step_s,
             "memory_ratio": record.peak_memory_bytes / torch_record.peak_memory_bytes,
         }
+        bars = {
+            baseline: {
+                "time_ratio": record.median_step_s / of(baseline).median_step_s,
+                "bar": bar,
+                "met": record.median_step_s / of(baseline).median_step_s <= bar,
+            }
+            for baseline, bar in BARS.get(record.candidate, {}).items()
+            if of(baseline) is not None
+        }
+        if bars:
+            summary[key]["bars"] = bars
     path = common.write_results(
         "ddp_cuda" if args.device == "cuda" else "ddp",
         backend=backend,
@@ -281,6 +330,8 @@ def main() -> None:
             "models": args.models,
             "accumulation": args.accumulation,
             "blocks": args.blocks,
+            "candidates": list(candidates),
+            "bars": BARS,
             "batch_per_rank": {m: batch_for[m] for m in args.models},
             "steps_per_block": {m: steps_for[m] for m in args.models},
             "threads_per_process": max(1, (torch.get_num_threads()) // args.world_size),
@@ -292,6 +343,12 @@ def main() -> None:
         quick=args.quick,
     )
     print_summary(records, reference="torch")
+    for key, entry in summary.items():
+        for baseline, bar in entry.get("bars", {}).items():
+            print(
+                f"{key}: {bar['time_ratio']:.3f}x {baseline} (bar <= {bar['bar']}x: "
+                f"{'met' if bar['met'] else 'NOT met'})"
+            )
     print(f"wrote {path}")
 
 

@@ -160,6 +160,7 @@ class DdpRecord(Record):
     algorithm: str | None = optional()
     backend: str | None = optional()
     env: dict | None = optional()
+    hook: str | None = optional()  # a communication hook of torch's ddp_comm_hooks.default_hooks, by name
     median_step_s: float
     p25_step_s: float
     p75_step_s: float

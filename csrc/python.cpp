@@ -1,8 +1,9 @@
 // The Python module ddpkit._C. Importing it loads the library, which runs the static op
 // registrations (register.cpp: torch.ops.ddpkit.*), and binds what has to cross pybind11: the
 // "ddpkit" torch.distributed backend, which torch.distributed wants as a Python object derived from
-// its own Backend class, the eager all-reduce (Note [Eager calls past the dispatcher]) and
-// SyncBatchNorm's eager call (Note [SyncBatchNorm's eager call]). The only file that includes
+// its own Backend class, the eager all-reduce (Note [Eager calls past the dispatcher]),
+// SyncBatchNorm's eager call (Note [SyncBatchNorm's eager call]) and the DDP reducer's Python
+// communication hook (Note [Communication hooks]). The only file that includes
 // pybind11 or Python headers; compiled against torch's bundled pybind11 so the types cross between
 // the two modules.
 
@@ -12,12 +13,15 @@
 #include <pybind11/chrono.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
+#include <torch/csrc/jit/api/object.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "comm/wire_format.h"
 #include "backend/backend.h"
 #include "comm/exit.h"
 #include "comm/ops.h"
+#include "ddp/reducer.h"
 #include "syncbn/syncbn.h"
 
 #include <array>
@@ -161,6 +165,21 @@ PYBIND11_MODULE(_C, m) {
       "op must be called from Python: Note [SyncBatchNorm's eager call] in csrc/python.cpp."};
   m.add_object("sync_batch_norm_eager",
                py::reinterpret_steal<py::object>(PyCFunction_New(&sync_batch_norm_eager_def, nullptr)));
+  // The reducer is a TorchScript class (register.cpp); a Python hook has to cross pybind11, and torch's
+  // PythonCommHook is what torch's own reducer keeps for one (Note [Communication hooks]).
+  m.def(
+      "register_comm_hook",
+      [](const torch::jit::Object& reducer, py::object state, py::object hook) {
+        auto native = c10::IValue(reducer._ivalue()).toCustomClass<ddpkit::ddp::Reducer>();
+        auto python_hook = std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook));
+        // The reducer's lock: a backward on another thread holds it while its hook waits for the GIL.
+        py::gil_scoped_release release;
+        native->register_comm_hook(std::move(python_hook));
+      },
+      py::arg("reducer"), py::arg("state"), py::arg("hook"),
+      "register_comm_hook(reducer, state, hook): hook(state, bucket: torch.distributed.GradBucket) -> "
+      "torch.futures.Future[Tensor] replaces the all-reduce of each bucket of `reducer` (a "
+      "torch.classes.ddpkit.Reducer): Note [Communication hooks] in csrc/ddp/reducer.h.");
   m.def(
       "prepare_for_exit",
       [] {

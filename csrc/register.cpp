@@ -78,7 +78,8 @@ TORCH_LIBRARY(ddpkit, m) {
       "-> int[]",
       &assign_buckets_op);
   m.class_<ddpkit::ddp::Reducer>("Reducer")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::string, std::string, std::string, bool>(),
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::optional<std::string>, std::string,
+                       std::string, bool>(),
            "See csrc/ddp/reducer.h",
            {torch::arg("parameters"), torch::arg("bucket_of_param"), torch::arg("group_name"),
             torch::arg("algorithm") = "auto", torch::arg("grad_sync") = "bucketed",

@@ -29,16 +29,18 @@ bool same_memory(const at::Tensor& a, const at::Tensor& b) {
 
 std::vector<std::string> grad_sync_modes() { return {std::begin(kModeNames), std::end(kModeNames)}; }
 
-Reducer::Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_param, std::string group_name,
-                 std::string algorithm, std::string mode, bool gradient_as_bucket_view)
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_param,
+                 std::optional<std::string> group_name, std::string algorithm, std::string mode,
+                 bool gradient_as_bucket_view)
     : params_(std::move(params)),
-      group_name_(std::move(group_name)),
       algorithm_(comm::parse_algorithm(algorithm)),
       mode_(parse_mode(mode)),
       gradient_as_bucket_view_(gradient_as_bucket_view) {
   TORCH_CHECK(params_.size() == bucket_of_param.size(), "Reducer: one bucket index per parameter expected");
-  engine_ = comm::Engine::of(group_name_);
-  world_size_ = engine_->size();
+  if (group_name) {
+    engine_ = comm::Engine::of(*group_name);
+    world_size_ = engine_->size();
+  }
   scale_ = at::scalar_tensor(1.0 / world_size_, at::TensorOptions().dtype(at::kDouble));
   slots_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -82,6 +84,8 @@ void Reducer::build_buckets(const std::vector<int64_t>& bucket_of_param) {
     bucket.flat = at::zeros({numel}, first.options());
     int64_t offset = 0;
     for (size_t i : bucket.params) {
+      bucket.offsets.push_back(static_cast<size_t>(offset));
+      bucket.lengths.push_back(static_cast<size_t>(params_[i].numel()));
       Slot& slot = slots_[i];
       slot.bucket = static_cast<int64_t>(b);
       slot.view = bucket.flat.narrow(0, offset, params_[i].numel()).view(params_[i].sizes());
@@ -98,7 +102,9 @@ void Reducer::build_buckets(const std::vector<int64_t>& bucket_of_param) {
 Reducer::~Reducer() {
   for (auto& [node, key] : hooks_) node->del_post_hook(key);
   // A bucket still queued on the engine writes into buckets_: wait for it (errors were reported, or
-  // will be, by the backward that launched it).
+  // will be, by the backward that launched it). A hook's future is not waited for: its callbacks
+  // may need the GIL, which the Python code destroying this reducer may hold, and they keep
+  // the tensors they write to alive themselves.
   for (auto& bucket : buckets_) {
     if (!bucket.work) continue;
     try {
@@ -126,11 +132,16 @@ void Reducer::abandon_unfinished_backward() {
   std::string errors;
   for (auto& bucket : buckets_) {
     auto work = std::move(bucket.work);
-    if (!work) continue;
+    auto hook_result = std::move(bucket.hook_result);
     try {
-      work->wait();  // its all-reduce writes into the bucket, which the next backward refills
+      // Its all-reduce (or the hook's) writes into the bucket, which the next backward refills.
+      if (work) work->wait();
+      if (hook_result) {
+        hook_result->wait();
+        hook_result->value();  // raises what the hook's future failed with
+      }
     } catch (const std::exception& e) {
-      errors += c10::str("; a bucket's all-reduce failed: ", e.what());
+      errors += c10::str("; a bucket's ", work ? "all-reduce" : "communication hook", " failed: ", e.what());
     }
   }
   in_backward_ = false;
@@ -139,6 +150,17 @@ void Reducer::abandon_unfinished_backward() {
       "synchronised, so they hold this rank's own, unaveraged values: zero them before the next "
       "optimizer step",
       errors);
+}
+
+void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(hook, "Reducer::register_comm_hook: no hook");
+  TORCH_CHECK(!comm_hook_, "ddpkit.DistributedDataParallel: register_comm_hook can only be called once");
+  TORCH_CHECK(mode_ == SyncMode::kBucketed,
+              "ddpkit.DistributedDataParallel: a communication hook takes grad_sync='bucketed', got '",
+              kModeNames[static_cast<size_t>(mode_)], "'");
+  TORCH_CHECK(!in_backward_, "ddpkit.DistributedDataParallel: register_comm_hook during backward");
+  comm_hook_ = std::move(hook);
 }
 
 void Reducer::set_sync(bool enabled) {
@@ -166,6 +188,9 @@ void Reducer::mark_ready(size_t index) {
 }
 
 void Reducer::start_iteration() {
+  TORCH_CHECK(engine_ || comm_hook_,
+              "ddpkit.DistributedDataParallel: built without a process group, it synchronises gradients only "
+              "through a communication hook: call register_comm_hook before the first backward");
   in_backward_ = true;
   next_launch_ = 0;
   for (auto& slot : slots_) slot.ready = false;
@@ -183,23 +208,41 @@ void Reducer::copy_into_slot(size_t index) {
   } else if (!grad.defined()) {
     slot.view.zero_();
   } else if (same_memory(grad, slot.view)) {
-    slot.view.mul_(scale_);
+    if (!comm_hook_) slot.view.mul_(scale_);  // Note [Communication hooks]: the hook averages
   } else {
     // detach(): under backward(create_graph=True) the gradient carries a graph of its own, which the
     // averaged gradient does not keep (nor does torch's DDP's).
-    at::mul_out(slot.view, grad.detach(), scale_);
+    if (comm_hook_) {
+      slot.view.copy_(grad.detach());
+    } else {
+      at::mul_out(slot.view, grad.detach(), scale_);
+    }
     if (gradient_as_bucket_view_) grad = slot.view;
   }
 }
 
 void Reducer::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
-    launch(buckets_[next_launch_++]);
+    launch(next_launch_++);
   }
 }
 
-void Reducer::launch(Bucket& bucket) {
+void Reducer::launch(size_t index) {
+  Bucket& bucket = buckets_[index];
   ++collectives_;
+  if (comm_hook_) {  // Note [Communication hooks]
+    std::vector<c10::IntArrayRef> sizes;
+    std::vector<at::Tensor> parameters;
+    for (size_t i : bucket.params) {
+      sizes.push_back(params_[i].sizes());
+      parameters.push_back(params_[i]);
+    }
+    c10d::GradBucket grad_bucket(index, buckets_.size(), bucket.flat, bucket.offsets, bucket.lengths, std::move(sizes),
+                                 std::move(parameters), std::nullopt);
+    bucket.hook_result = comm_hook_->runHook(grad_bucket);
+    TORCH_CHECK(bucket.hook_result, "ddpkit.DistributedDataParallel: the communication hook returned no future");
+    return;
+  }
   // Note [Overlap]: queued on the group's engine, which runs it while backward goes on.
   at::Tensor flat = bucket.flat;
   const comm::Algorithm algorithm = algorithm_;
@@ -235,12 +278,23 @@ void Reducer::finish_bucketed() {
     slot.ready = true;
     --buckets_[slot.bucket].pending;
   }
-  launch_ready_buckets();
-  TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size(), "every bucket must be launched by now");
-  for (auto& bucket : buckets_) {
-    auto work = std::move(bucket.work);
-    if (work) work->wait();
+  // Every bucket launched is waited for even after a launch or a wait failed (Note [Communication
+  // hooks]), then the first failure raises.
+  std::exception_ptr failure;
+  try {
+    launch_ready_buckets();
+    TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size(), "every bucket must be launched by now");
+  } catch (...) {
+    failure = std::current_exception();
   }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    try {
+      wait_for_bucket(b);
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& slot = slots_[i];
     if (!slot.included || !params_[i].requires_grad()) continue;  // Note [Frozen after wrapping]
@@ -253,6 +307,21 @@ void Reducer::finish_bucketed() {
       grad.copy_(slot.view);
     }
   }
+}
+
+void Reducer::wait_for_bucket(size_t index) {
+  Bucket& bucket = buckets_[index];
+  auto work = std::move(bucket.work);
+  if (work) work->wait();
+  auto hook_result = std::move(bucket.hook_result);
+  if (!hook_result) return;
+  hook_result->wait();
+  const at::Tensor result = comm_hook_->parseHookResult(hook_result->value());
+  TORCH_CHECK(result.defined() && result.numel() == bucket.flat.numel(),
+              "ddpkit.DistributedDataParallel: the communication hook's future for bucket ", index, " holds ",
+              result.defined() ? c10::str("a tensor of ", result.numel(), " elements") : std::string("no tensor"),
+              "; the bucket has ", bucket.flat.numel());
+  if (!same_memory(result, bucket.flat)) bucket.flat.copy_(result.reshape({-1}));
 }
 
 void Reducer::finish_per_parameter() {

@@ -7,18 +7,16 @@
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <functional>
-#include <future>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 
 namespace ddpkit::ddp {
 
@@ -65,8 +63,9 @@ std::vector<std::string> grad_sync_modes();
 // Note [A backward that raised]
 // A backward that raised after the reducer's first hook (an error in the model's backward, out of
 // memory) never runs the callback that finishes the synchronisation. The next training forward
-// (prepare_for_forward) notices: it waits for the buckets already launched, whose all-reduces write
-// into memory the next backward refills, starts afresh and warns that the abandoned step's
+// (prepare_for_forward) notices: it waits for the buckets already launched, whose all-reduces (or
+// communication hooks' futures) write into memory the next backward refills, starts afresh and
+// warns that the abandoned step's
 // gradients were never averaged; without it the next backward would queue no callback and return
 // gradients that were never synchronised. torch's DDP raises there instead ("Expected to have
 // finished reduction in the prior iteration").
@@ -89,14 +88,33 @@ std::vector<std::string> grad_sync_modes();
 // the same order on every rank, and runs every collective of the group one after the other, so the
 // two never interleave on a transport.
 
+// Note [Communication hooks]
+// register_comm_hook() replaces each bucket's all-reduce by a hook, as torch's reducer keeps its
+// comm_hook_: everything else stays this reducer's, so a hooked DDP has the same bucket layout,
+// launch order and rules for unused, frozen and accumulated parameters and for a backward that
+// raised as the native one. Where launch() would queue a bucket's all-reduce it calls
+// hook->runHook() with a c10d::GradBucket over the bucket (torch's own class, so torch's hooks run
+// unchanged: buffer(), index(), is_last(), parameters(), gradients(), set_buffer()), on the autograd
+// thread, under the reducer's lock, once per bucket and iteration. The future it returns is waited
+// for where the all-reduce's Work would be (finish_bucketed); its value, any tensor of the bucket's
+// numel (another dtype too: fp16_compress_wrapper's hook returns its float16 buffer), is copied into
+// the bucket unless it is the bucket itself, then into the gradients as without a hook. As with
+// torch's reducer, gradients enter the bucket unscaled: the hook averages (torch's hooks divide by
+// the group's size). A future that failed fails backward once every bucket's future has settled,
+// so that no hook's callback still writes into a bucket the next backward refills. The hook never
+// calls back into this reducer (its lock is held).
+
 class Reducer : public torch::CustomClassHolder {
  public:
   // `params`: the parameters in registration order (shared parameters once); `bucket_of_param[i]`
   // is param i's bucket from assign_buckets() or -1 for a parameter left out (frozen). Buckets of one
-  // index must hold parameters of one dtype and device. `algorithm`: an all-reduce algorithm name of
-  // collectives.h ("process_group" = the group's own). `mode`: "bucketed" | "per_parameter" |
-  // "gather_scatter". Registers one post hook per included parameter; the destructor removes them.
-  Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_param, std::string group_name,
+  // index must hold parameters of one dtype and device. `group_name`: the registered group whose
+  // engine runs the all-reduces; none for a reducer whose buckets only a communication hook will
+  // reduce (register_comm_hook before the first synchronised backward). `algorithm`: an all-reduce
+  // algorithm name of collectives.h ("process_group" = the group's own). `mode`: "bucketed" |
+  // "per_parameter" | "gather_scatter". Registers one post hook per included parameter; the
+  // destructor removes them.
+  Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_param, std::optional<std::string> group_name,
           std::string algorithm, std::string mode, bool gradient_as_bucket_view);
   ~Reducer() override;
 
@@ -106,6 +124,10 @@ class Reducer : public torch::CustomClassHolder {
   // Called before a training forward: finishes off a backward that raised (Note [A backward that
   // raised]), then Note [Gradient as bucket view].
   void prepare_for_forward();
+
+  // Replaces each bucket's all-reduce by `hook` (Note [Communication hooks]). Once, in kBucketed
+  // mode, outside backward.
+  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
 
   // no_sync(): while disabled, hooks return at once and gradients just accumulate in param.grad.
   void set_sync(bool enabled);
@@ -118,7 +140,8 @@ class Reducer : public torch::CustomClassHolder {
   // The flat bucket tensors, in launch order (for tests and memory accounting).
   std::vector<at::Tensor> buckets() const;
 
-  // Counters since construction: "synced_backwards", "collectives" (gradient all-reduces issued),
+  // Counters since construction: "synced_backwards", "collectives" (gradient all-reduces issued, or
+  // communication hook calls),
   // "launched_during_backward" (buckets launched before backward ended), "buckets", "wait_us" (time
   // the end of backward spent waiting for communication, i.e. the part not overlapped) and
   // "last_wait_us" (the same for the latest synchronised backward).
@@ -128,8 +151,12 @@ class Reducer : public torch::CustomClassHolder {
   struct Bucket {
     at::Tensor flat;                      // one dtype and device, numel = sum of its parameters' numels
     std::vector<size_t> params;           // indices into params_, in slot order
+    std::vector<size_t> offsets;          // each slot's first element in `flat` (c10d::GradBucket's)
+    std::vector<size_t> lengths;          // each slot's numel
     size_t pending = 0;                   // slots still waiting for a gradient this iteration
     c10::intrusive_ptr<c10d::Work> work;  // its all-reduce on the group's engine, until waited on
+    // With a communication hook instead of `work`: the future it returned for the bucket, until waited on.
+    c10::intrusive_ptr<c10::ivalue::Future> hook_result;
   };
   struct Slot {
     bool included = false;  // synchronised by this reducer (requires grad, not left out)
@@ -143,7 +170,8 @@ class Reducer : public torch::CustomClassHolder {
   void start_iteration();         // first hook of a synchronised backward
   void copy_into_slot(size_t index);
   void launch_ready_buckets();
-  void launch(Bucket& bucket);
+  void launch(size_t index);
+  void wait_for_bucket(size_t index);  // its all-reduce or hook; the result in bucket.flat
   void finish_bucketed();
   void finish_per_parameter();
   void abandon_unfinished_backward();  // Note [A backward that raised]
@@ -154,8 +182,8 @@ class Reducer : public torch::CustomClassHolder {
   // The pointer type grad_accumulator() returns (std::shared_ptr up to torch 2.11, intrusive_ptr after).
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<std::pair<NodePtr, uintptr_t>> hooks_;
-  std::string group_name_;
-  std::shared_ptr<comm::Engine> engine_;
+  std::shared_ptr<comm::Engine> engine_;  // null without a group
+  std::unique_ptr<c10d::CommHookInterface> comm_hook_;
   comm::Algorithm algorithm_;
   SyncMode mode_;
   bool gradient_as_bucket_view_;

@@ -7,8 +7,9 @@ gradients averaged over all ranks. The reducer (``csrc/ddp/reducer.h``) fills fl
 per-parameter autograd hooks and launches each bucket's all-reduce as soon as it is full, so
 communication overlaps the rest of backward. Inside ``no_sync()`` nothing is communicated and
 gradients accumulate locally; ``GradientAccumulation`` drives that for k micro-batches per step.
-``register_comm_hook(state, hook)`` replaces the all-reduce with the caller's (as torch DDP's
-does), for example torchft's fault-tolerant all-reduce (``ddpkit.torchft.allreduce_hook``).
+``register_comm_hook(state, hook)`` replaces each bucket's all-reduce inside the same reducer (as
+torch DDP's does): torch's hooks (compression, PowerSGD) and torchft's fault-tolerant all-reduce
+(``ddpkit.torchft.allreduce_hook``) run unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from . import comm
+from . import _C, comm
 
 GRAD_SYNC_MODES = tuple(torch.ops.ddpkit.grad_sync_modes())  # from C++: csrc/ddp/reducer.h
 DEFAULT_ALGORITHM = "auto"
@@ -82,23 +83,13 @@ class DistributedDataParallel(nn.Module):
         self.grad_sync = grad_sync
         self.algorithm = algorithm
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self._comm_hook: _HookReducer | None = None
         self._reducer = None
-        if init_sync:
-            self._group_name = comm.group_name(process_group)
-            self.world_size = dist.get_world_size(process_group)
-            _check_same_model_on_every_rank(module, process_group)
-            with torch.no_grad():
-                _broadcast_tensors(list(module.parameters()) + list(module.buffers()), process_group)
-        else:
-            self._group_name = None
-            self.world_size = None
-            if broadcast_buffers:
-                raise ValueError(
-                    "ddpkit.DistributedDataParallel: init_sync=False needs broadcast_buffers=False "
-                    "(what makes the replicas equal at the start keeps their buffers equal too)"
-                )
-
+        self.world_size: int | None = None
+        if not init_sync and broadcast_buffers:
+            raise ValueError(
+                "ddpkit.DistributedDataParallel: init_sync=False needs broadcast_buffers=False "
+                "(what makes the replicas equal at the start keeps their buffers equal too)"
+            )
         parameters = list(module.parameters())
         kinds: dict[tuple, int] = {}
         kind_of = [kinds.setdefault((p.dtype, p.device), len(kinds)) for p in parameters]
@@ -110,58 +101,58 @@ class DistributedDataParallel(nn.Module):
             included=[p.requires_grad for p in parameters],
         )
         if init_sync:
-            self._build_reducer()
+            self._build_reducer(with_group=True)
+            _check_same_model_on_every_rank(module, process_group)
+            with torch.no_grad():
+                _broadcast_tensors(list(module.parameters()) + list(module.buffers()), process_group)
 
-    def _build_reducer(self) -> None:
-        if self._group_name is None:
-            self._group_name = comm.group_name(self.process_group)
+    def _build_reducer(self, with_group: bool) -> None:
+        """The native reducer; ``with_group=False`` where only a communication hook will reduce (the
+        group of init_sync=False may not be formed yet: torchft's before its first quorum)."""
+        group_name = None
+        if with_group:
+            group_name = comm.group_name(self.process_group)
             self.world_size = dist.get_world_size(self.process_group)
         self._reducer = torch.classes.ddpkit.Reducer(
             parameters=list(self.module.parameters()),
             bucket_of_param=self._bucket_of,
-            group_name=self._group_name,
+            group_name=group_name,
             algorithm=self.algorithm,
             grad_sync=self.grad_sync,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
 
-    def register_comm_hook(self, state: Any, hook: Callable | None = None) -> None:
-        """Replaces the gradient all-reduce: ``hook(state, bucket)`` gets each flat gradient bucket (a
-        tensor holding the local gradients of the bucket's parameters) as soon as it is full, in the
-        same bucket order on every rank, and returns a ``torch.futures.Future`` whose value is the
-        averaged bucket; at the end of backward the reducer waits for every future and writes the
-        values back into ``param.grad``. Like torch DDP's: call it once, before the first forward; the
-        hook averages (nothing divides by the world size for it). ``register_comm_hook(hook)`` with
-        a one-argument ``hook(bucket)`` works too.
+    def _native_reducer(self):
+        if self._reducer is None:
+            self._build_reducer(with_group=True)
+        return self._reducer
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """Replaces each bucket's all-reduce by ``hook(state, bucket)``, as torch DDP's
+        ``register_comm_hook``: ``bucket`` is a ``torch.distributed.GradBucket`` (``buffer()``,
+        ``index()``, ``is_last()``, ``parameters()``, ``gradients()``, ``set_buffer()``) and the hook
+        returns a ``torch.futures.Future`` whose value is the reduced bucket. The reducer calls it once
+        per bucket, where it would launch that bucket's all-reduce (in the same bucket order on every
+        rank), and waits for its future where it would wait for the all-reduce: everything else
+        (unused and frozen parameters, ``no_sync()``, ``gradient_as_bucket_view``, a backward that
+        raised) works as without a hook (Note [Communication hooks] in csrc/ddp/reducer.h). torch's
+        hooks run unchanged (``torch.distributed.algorithms.ddp_comm_hooks``: ``allreduce_hook``,
+        ``fp16_compress_hook``, ``bf16_compress_hook``, the compress wrappers, PowerSGD), and so does
+        torchft's manager (``ddpkit.torchft.allreduce_hook``). The hook averages: gradients enter the
+        bucket unscaled. Once, before the first backward, with grad_sync="bucketed".
         """
-        if self._comm_hook is not None:
-            raise RuntimeError("ddpkit.DistributedDataParallel: register_comm_hook can only be called once")
-        if self.grad_sync != "bucketed":
-            raise ValueError(
-                f"ddpkit.DistributedDataParallel: a communication hook takes grad_sync='bucketed', "
-                f"got {self.grad_sync!r}"
+        if not callable(hook):
+            raise TypeError(
+                f"ddpkit.DistributedDataParallel.register_comm_hook: hook must be callable, got {type(hook).__name__}"
             )
-        if hook is None:
-            state, hook = None, state
-            call = hook
-        else:
-
-            def call(bucket: torch.Tensor, state=state, hook=hook):
-                return hook(state, bucket)
-
-        if not callable(call):
-            raise TypeError("ddpkit.DistributedDataParallel.register_comm_hook: hook must be callable")
-        if self._reducer is not None:
-            self._reducer.set_sync(False)  # the built-in all-reduce stays silent from now on
-        self._comm_hook = _HookReducer(list(self.module.parameters()), self._bucket_of, call)
+        if self._reducer is None:  # init_sync=False: the hook may be all that communicates
+            self._build_reducer(with_group=False)
+        _C.register_comm_hook(self._reducer, state, hook)
 
     def forward(self, *inputs, **kwargs):
-        if self._comm_hook is not None:
-            return self.module(*inputs, **kwargs)
-        if self._reducer is None:
-            self._build_reducer()
+        reducer = self._native_reducer()
         if self.training and torch.is_grad_enabled():
-            self._reducer.prepare_for_forward()
+            reducer.prepare_for_forward()
         if self.broadcast_buffers and self.training and self.world_size > 1:
             buffers = list(self.module.buffers())
             if buffers:
@@ -175,22 +166,13 @@ class DistributedDataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally and communicate nothing."""
-        if self._comm_hook is not None:
-            previous = self._comm_hook.enabled
-            self._comm_hook.enabled = False
-            try:
-                yield
-            finally:
-                self._comm_hook.enabled = previous
-            return
-        if self._reducer is None:
-            self._build_reducer()
-        previous = self._reducer.sync_enabled()
-        self._reducer.set_sync(False)
+        reducer = self._native_reducer()
+        previous = reducer.sync_enabled()
+        reducer.set_sync(False)
         try:
             yield
         finally:
-            self._reducer.set_sync(previous)
+            reducer.set_sync(previous)
 
     def finish_gradient_synchronization(self) -> None:
         """Waits for the gradient all-reduces; they finish inside backward, so normally a no-op."""
@@ -199,113 +181,10 @@ class DistributedDataParallel(nn.Module):
 
     def reducer_stats(self) -> dict:
         """Counters of the reducer: synced backwards, gradient collectives, buckets, overlap."""
-        if self._comm_hook is not None:
-            return dict(self._comm_hook.stats)
-        return dict(self._reducer.stats())
+        return dict(self._native_reducer().stats())
 
     def bucket_tensors(self) -> list[torch.Tensor]:
-        if self._comm_hook is not None:
-            return list(self._comm_hook.buckets)
-        return list(self._reducer.buckets())
-
-
-class _HookReducer:
-    """The reducer of a DistributedDataParallel with a communication hook: the native reducer's bucket
-    layout and launch order (last parameter first, a bucket as soon as its last gradient arrived,
-    always in bucket order), with the hook in place of the native all-reduce. It is Python because
-    the hook is: the native reducer calls only the engine."""
-
-    def __init__(self, parameters: list, bucket_of: list, hook: Callable) -> None:
-        self.enabled = True
-        self.hook = hook
-        self.stats = {"synced_backwards": 0, "collectives": 0, "buckets": 0}
-        count = max(bucket_of, default=-1) + 1
-        members: list = [[] for _ in range(count)]
-        for index in reversed(range(len(parameters))):  # slot order of Note [Bucket assignment]
-            if bucket_of[index] >= 0:
-                members[bucket_of[index]].append(index)
-        self.params = parameters
-        self.members = members
-        self.bucket_of = bucket_of
-        self.buckets = [
-            torch.zeros(
-                sum(parameters[i].numel() for i in m), dtype=parameters[m[0]].dtype, device=parameters[m[0]].device
-            )
-            for m in members
-        ]
-        self.stats["buckets"] = len(self.buckets)
-        self._pending: list = []
-        self._futures: list = []
-        self._next = 0
-        self._in_backward = False
-        self._index = {id(p): i for i, p in enumerate(parameters)}
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._ready) for i, p in enumerate(parameters) if bucket_of[i] >= 0
-        ]
-
-    def _start(self) -> None:
-        self._in_backward = True
-        self._pending = [len(m) for m in self.members]
-        self._futures = [None] * len(self.buckets)
-        self._seen = set()
-        self._next = 0
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-
-    def _ready(self, param: torch.Tensor) -> None:
-        if not self.enabled:
-            return
-        if not self._in_backward:
-            self._start()
-        index = self._index[id(param)]
-        if index in self._seen:
-            return
-        self._seen.add(index)
-        self._pending[self.bucket_of[index]] -= 1
-        self._launch_full()
-
-    def _launch_full(self) -> None:
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            self._launch(self._next)
-            self._next += 1
-
-    def _launch(self, b: int) -> None:
-        bucket = self.buckets[b]
-        offset = 0
-        for i in self.members[b]:
-            p = self.params[i]
-            view = bucket[offset : offset + p.numel()]
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad.reshape(-1))
-            offset += p.numel()
-        self.stats["collectives"] += 1
-        self._futures[b] = self.hook(bucket)
-
-    def _finish(self) -> None:
-        # Parameters that got no gradient this backward contribute what they hold (Note [Unused parameters]).
-        for b in range(len(self.buckets)):
-            self._pending[b] = 0
-        self._launch_full()
-        self._in_backward = False
-        with torch.no_grad():
-            for b, future in enumerate(self._futures):
-                value = future.wait()
-                if isinstance(value, (list, tuple)):
-                    value = value[0]
-                bucket = self.buckets[b]
-                offset = 0
-                for i in self.members[b]:
-                    p = self.params[i]
-                    averaged = value[offset : offset + p.numel()].view_as(p)
-                    if p.grad is None:
-                        p.grad = averaged.clone()
-                    else:
-                        p.grad.copy_(averaged)
-                    offset += p.numel()
-                del bucket
-        self._futures = []
-        self.stats["synced_backwards"] += 1
+        return list(self._native_reducer().buckets())
 
 
 class GradientAccumulation:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import socket
 import threading
 import urllib.parse
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -217,46 +219,79 @@ class _ReportingWork(dist._Work):
         return self._settled().then(reported)
 
 
+# Note [An asynchronous manager hook]
+# torchft 0.2.0's manager.allreduce() starts the collective and returns a Work whose public wait()
+# builds the continuations (the division by the participants, the error report through the
+# manager's wrap_future) only once the collective is done: its chain reads a loop variable that is
+# right only if each callback runs at once, so a chain built on a pending collective fails its
+# `assert managed_fut._callback` (the first try's failure of issue 42), and its get_future() is a
+# placeholder until wait() has run. torchft's own DDP hook therefore waits inside the hook, and each
+# bucket's all-reduce blocks backward until it is done. allreduce_hook instead hands the Work to one
+# waiter thread per process, which calls the public wait() for each Work in launch order and settles
+# the future the hook returned at once: the all-reduces overlap the rest of backward, the reducer
+# waits for the futures where it waits for its own all-reduces, and nothing but torchft's public API
+# is used (so no torchft internals to check). The manager starts the collective as a sum (its quorum
+# checks, a healing replica's zeroed bucket, a launch failure reported), and the waiter divides by the
+# participants counted at launch, as the manager's own average does. tests/test_torchft.py's hook
+# test checks the future is pending at return, the average and the report; bench_fault_tolerance.py's
+# steady step measures the gain.
+
+
+class _WorkWaiter:
+    """Waits for the manager's Works in the order they were submitted, on one daemon thread per process
+    (started at first use, and again in a forked child, which inherits no threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue | None = None
+        self._pid: int | None = None
+
+    def submit(self, work: dist.Work, finish: Callable[[bool], torch.Tensor]) -> torch.futures.Future:
+        """A future settled with ``finish(work.wait())`` once the waiter thread got to ``work``."""
+        future: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self._pid != os.getpid():
+                self._queue = queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(self._queue,), name="ddpkit-torchft-hook", daemon=True).start()
+                self._pid = os.getpid()
+            self._queue.put((work, finish, future))
+        return future
+
+    @staticmethod
+    def _run(works: queue.SimpleQueue) -> None:
+        while True:
+            work, finish, future = works.get()
+            try:
+                result = finish(work.wait())
+            except BaseException as error:  # noqa: BLE001  (the reducer waits for this future: settle it)
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+
+_waiter = _WorkWaiter()
+
+
 # torch DDP's register_comm_hook rejects any annotation of `bucket` but dist.GradBucket and any return
 # annotation but Future[Tensor] (this module's annotations are strings): they are left out.
 def allreduce_hook(manager: Manager, bucket):
     """The communication hook of a data-parallel wrapper under torchft: averages each gradient
     bucket over the replicas of the manager's quorum (``manager.allreduce``) and returns at once a
     future that the collective's completion settles, so the bucket's all-reduce overlaps the rest
-    of backward. ``ddpkit_model.register_comm_hook(manager, allreduce_hook)`` for ddpkit's DDP (a
-    bucket tensor), or torch DDP's ``register_comm_hook`` (a ``GradBucket``);
+    of backward (Note [An asynchronous manager hook]). ``model.register_comm_hook(manager,
+    allreduce_hook)`` for ddpkit's DDP or torch DDP (a ``GradBucket``; a bare tensor works too);
     ``ddpkit.torchft.DistributedDataParallel`` is torchft's DDP wrapper with this hook.
 
-    A failed all-reduce never fails the future: the manager's continuation reports the error
-    (``should_commit()`` then discards the step) and settles it with the bucket as it is."""
+    A failed all-reduce never fails the future: the manager's wait reports the error
+    (``should_commit()`` then discards the step) and the future is settled with the bucket as it is."""
     tensor = bucket.buffer() if isinstance(bucket, dist.GradBucket) else bucket
-    # Note [An asynchronous manager hook]
-    # torchft's manager builds the continuations of its all-reduce (the division by the participants,
-    # the error report) only when the work is waited on, and its chain then reads a loop variable
-    # that is right only if each callback runs at once, while the chain is built: torchft's own DDP
-    # hook therefore waits, and each bucket's all-reduce blocks backward until it is done (a chain
-    # built on a pending work fails its `assert managed_fut._callback`, the first try's failure of
-    # issue 42). So the manager starts the collective as a sum (its checks, its quorum, a healing
-    # replica's zeroed bucket, a launch failure reported), and this hook chains the average on the
-    # process group's own work and hands it to `manager.wrap_future`, the manager's public
-    # error report and timeout: the returned future is settled by the collective's completion, never
-    # fails, and a failure reaches `should_commit()` through the manager. The pending work is torchft
-    # 0.2.0's `_ManagedWork._work`. tests/test_torchft.py's hook test checks the future is pending at
-    # return, the average and the report; bench_fault_tolerance.py's steady step measures the gain.
     work = manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
-    pending = getattr(work, "_work", None)
-    if pending is None:  # the manager had errored already (a settled _DummyWork): nothing to wait for
-        work.wait()
-        settled: torch.futures.Future = torch.futures.Future()
-        settled.set_result(tensor)
-        return settled
     participants = manager.num_participants()
 
-    def average(future: torch.futures.Future) -> torch.Tensor:
-        future.value()  # a failure raises here, for wrap_future to report
-        return tensor.div_(participants)
+    def average(succeeded: bool) -> torch.Tensor:
+        return tensor.div_(participants) if succeeded else tensor
 
-    return manager.wrap_future(pending.get_future().then(average), tensor)
+    return _waiter.submit(work, average)
 
 
 class DistributedDataParallel(_TorchftDDP):
