@@ -152,3 +152,32 @@ def test_only_the_formats_of_the_table_are_taken():
         ddpkit.Options(cross_host_dtype=torch.int8)
     with pytest.raises(TypeError, match="pg_options must be a ddpkit.Options"):
         ddpkit.backend._create(dist.HashStore(), 0, 1, dist.default_pg_timeout, options=object())
+
+
+def case_ddp_hook(cross_host_dtype):
+    """ddpkit's DDP with torch's allreduce_hook on a "ddpkit" group made with ddpkit.Options: the
+    gradients after one backward of this rank's batch."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    torch.manual_seed(0)
+    model = ddpkit.DistributedDataParallel(torch.nn.Linear(300, 400))  # 120k parameters: they cross in the channel
+    group = dist.new_group(backend="ddpkit", pg_options=ddpkit.Options(cross_host_dtype=cross_host_dtype))
+    model.register_comm_hook(group, default_hooks.allreduce_hook)
+    torch.manual_seed(1 + dist.get_rank())
+    model(torch.randn(8, 300)).square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    dist.destroy_process_group(group)
+    return grads
+
+
+def test_a_ddp_hook_reaches_the_compressed_crossing():
+    with WorkerPool(4, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": "a,a,b,b"}) as pool:
+        exact = pool.run(case_ddp_hook, None)
+        crossed = pool.run(case_ddp_hook, torch.bfloat16)
+    for rank in range(1, 4):
+        for a, b in zip(crossed[0] + exact[0], crossed[rank] + exact[rank], strict=True):
+            assert torch.equal(a, b), rank  # every rank's gradients alike
+    for ours, reference in zip(crossed[0], exact[0], strict=True):
+        assert not torch.equal(ours, reference)
+        # Two roundings (one per host) of partial sums no larger than the gradients' scale.
+        torch.testing.assert_close(ours, reference, rtol=0, atol=2 * 2.0**-8 * reference.abs().max().item())
