@@ -52,25 +52,31 @@ void SocketPairChannel::swap_compressed(const at::Tensor& mine, const at::Tensor
                                         Communicator& comm) {
   TORCH_INTERNAL_ASSERT(out.numel() == mine.numel() && out.is_contiguous() && mine.is_contiguous());
   const at::ScalarType wire = wire_dtype(comm.wire_format());
-  const at::Tensor outgoing = scratch_.get(ScratchBuffers::kWire, out.numel(), wire).copy_(out);
-  // This host's own contribution, rounded as the peer's is.
-  if (out.is_same(mine)) {
-    mine.copy_(outgoing);
-  } else {
-    mine.copy_(mine.to(wire));
-  }
+  const at::Tensor outgoing = scratch_.get(ScratchBuffers::kWire, out.numel(), wire);
+  int64_t encoded = 0;  // elements of `out` in `outgoing`
+  auto encode = [&](int64_t bytes) {
+    const int64_t upto = bytes / outgoing.element_size();
+    slice(outgoing, encoded, upto).copy_(slice(out, encoded, upto));
+    encoded = upto;
+  };
   const at::Tensor incoming = scratch_.get(ScratchBuffers::kFromPeer, mine.numel(), wire);
   const at::Tensor decoded = scratch_.get(ScratchBuffers::kDecoded, mine.numel(), mine.scalar_type());
   const int64_t element = incoming.element_size();
   const auto bytes = static_cast<int64_t>(incoming.nbytes());
   int64_t reduced = 0;  // elements
+  // Part by part as the peer's arrives, so that rounding this host's own part overlaps the transfer:
+  // this host's contribution rounded as the peer's is, then the two added in host order.
   auto reduce_ready = [&](int64_t ready_bytes) {
     const int64_t ready = ready_bytes / element;
+    const at::Tensor own = slice(mine, reduced, ready);
+    // Where `out` is `mine`, its parts up to `ready` are encoded: the exchange reports data ready
+    // only as far as it has sent this peer's frame (SocketLinks::Recv).
+    own.copy_(out.is_same(mine) ? slice(outgoing, reduced, ready) : own.to(wire));
     const at::Tensor theirs = slice(decoded, reduced, ready).copy_(slice(incoming, reduced, ready));
-    combine_(slice(mine, reduced, ready), theirs, accumulating_op(op), /*other_first=*/peer() == 0);
+    combine_(own, theirs, accumulating_op(op), /*other_first=*/peer() == 0);
     reduced = ready;
   };
-  std::vector<SocketLinks::Send> sends{{peer(), outgoing.data_ptr(), bytes}};
+  std::vector<SocketLinks::Send> sends{{peer(), outgoing.data_ptr(), bytes, nullptr, 0, encode, kSwapStepBytes}};
   std::vector<SocketLinks::Recv> recvs{{peer(), incoming.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
   links().exchange(comm.sequence(), std::move(sends), recvs);
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());

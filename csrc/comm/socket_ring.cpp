@@ -47,14 +47,26 @@ at::Tensor part(const at::Tensor& flat, const Span& span) { return slice(flat, s
 
 // One step: `out` to the right neighbour while the left one's frame of exactly `in`'s size arrives
 // into `in`; `on_part(elements)` is called as the first `elements` of it are in (null: not at all).
+// With `source`, `out` is written from it as it goes out (SocketLinks::Send's prepare: an encoded
+// frame whose encoding overlaps the transfer).
 void step(SocketLinks& links, uint64_t sequence, const at::Tensor& out, const at::Tensor& in,
-          std::function<void(int64_t)> on_part) {
+          std::function<void(int64_t)> on_part, const at::Tensor& source = at::Tensor()) {
   const int n = links.size(), r = links.rank();
   const int64_t element = in.element_size();
   const auto in_bytes = static_cast<int64_t>(in.nbytes());
   std::function<void(int64_t)> on_data;
   if (on_part) on_data = [&on_part, element](int64_t bytes) { on_part(bytes / element); };
-  std::vector<SocketLinks::Send> sends{{wrap(r + 1, n), out.data_ptr(), static_cast<int64_t>(out.nbytes())}};
+  std::function<void(int64_t)> prepare;
+  int64_t written = 0;  // elements of `source` in `out`
+  if (source.defined()) {
+    prepare = [&](int64_t bytes) {
+      const int64_t upto = bytes / out.element_size();
+      slice(out, written, upto).copy_(slice(source, written, upto));
+      written = upto;
+    };
+  }
+  std::vector<SocketLinks::Send> sends{
+      {wrap(r + 1, n), out.data_ptr(), static_cast<int64_t>(out.nbytes()), nullptr, 0, prepare, kRingPartBytes}};
   std::vector<SocketLinks::Recv> recvs{
       {wrap(r - 1, n), in.data_ptr(), in_bytes, 0, std::move(on_data), kRingPartBytes, in_bytes}};
   links.exchange(sequence, std::move(sends), recvs);
@@ -62,10 +74,13 @@ void step(SocketLinks& links, uint64_t sequence, const at::Tensor& out, const at
 
 // The reduce-scatter of Note [A ring across hosts] over `blocks` of `flat`: afterwards this rank's
 // block is reduced over every rank. With `wire` compressing, frames go through `wired` (flat's
-// layout in the wire's dtype) and parts are decoded into a float32 scratch before they are reduced.
+// layout in the wire's dtype): parts are decoded into a float32 scratch before they are reduced,
+// and each reduced part is encoded at once for the next step's frame, so that the rounding overlaps
+// the transfer. `round_own`: this rank's finished block too, encoded and taken back rounded (the
+// all-reduce's, whose all-gather sends it so: Note [Compressed crossing]).
 void reduce_scatter_blocks(SocketLinks& links, uint64_t sequence, const at::Tensor& flat,
                            const std::vector<Span>& blocks, ReduceOp op, bool compressed, const at::Tensor& wired,
-                           ScratchBuffers& scratch) {
+                           bool round_own, ScratchBuffers& scratch) {
   const int n = links.size(), r = links.rank();
   const ReduceOp sum_or_op = accumulating_op(op);
   const int64_t most = largest(blocks);
@@ -77,27 +92,40 @@ void reduce_scatter_blocks(SocketLinks& links, uint64_t sequence, const at::Tens
     const Span& received = blocks[wrap(r - 2 - s, n)];
     const at::Tensor mine = part(flat, received);
     at::Tensor out = part(flat, sent);
-    at::Tensor in = compressed ? part(wired, received) : incoming.narrow(0, 0, received.size());
-    if (compressed) out = part(wired, sent).copy_(out);  // the partial result, rounded as it leaves
+    const at::Tensor in = compressed ? part(wired, received) : incoming.narrow(0, 0, received.size());
+    // The partial result, rounded as it leaves: the first step's is this rank's own block, encoded as
+    // it goes out; the later ones' were encoded as they were reduced.
+    at::Tensor source;
+    if (compressed) {
+      if (s == 0) source = out;
+      out = part(wired, sent);
+    }
+    const bool last = s == n - 2;
     int64_t reduced = 0;
     auto reduce_ready = [&](int64_t ready) {
       at::Tensor theirs = slice(in, reduced, ready);
       if (compressed) theirs = decoded.narrow(0, 0, ready - reduced).copy_(theirs);
-      combine_(slice(mine, reduced, ready), theirs, sum_or_op, /*other_first=*/true);
+      const at::Tensor result = slice(mine, reduced, ready);
+      combine_(result, theirs, sum_or_op, /*other_first=*/true);
+      if (compressed && (!last || round_own)) {
+        // `in`'s part is decoded already: its place takes the encoded result.
+        slice(in, reduced, ready).copy_(result);
+        if (last) result.copy_(slice(in, reduced, ready));
+      }
       reduced = ready;
     };
-    step(links, sequence, out, in, reduce_ready);
+    step(links, sequence, out, in, reduce_ready, source);
     TORCH_INTERNAL_ASSERT(reduced == mine.numel());
   }
 }
 
 // The all-gather of Note [A ring across hosts] over `blocks` of `flat`, this rank's block finished.
-// With `wire` compressing, the frames carry `wired`'s bytes: the owner rounds its block into it and
-// takes the rounded value itself, the others decode each block as it lands and forward its bytes.
+// With `wire` compressing, the frames carry `wired`'s bytes: the owner's block is there already,
+// rounded (reduce_scatter_blocks' round_own), and the others decode each block as it lands and
+// forward its bytes.
 void all_gather_blocks(SocketLinks& links, uint64_t sequence, const at::Tensor& flat, const std::vector<Span>& blocks,
                        bool compressed, const at::Tensor& wired) {
   const int n = links.size(), r = links.rank();
-  if (compressed) part(flat, blocks[r]).copy_(part(wired, blocks[r]).copy_(part(flat, blocks[r])));
   const at::Tensor& frames = compressed ? wired : flat;
   for (int s = 0; s < n - 1; ++s) {
     const Span& received = blocks[wrap(r - 1 - s, n)];
@@ -126,7 +154,7 @@ void ring_all_reduce(SocketLinks& links, uint64_t sequence, const at::Tensor& fl
   const at::Tensor wired =
       compressed ? scratch.get(ScratchBuffers::kWire, flat.numel(), wire_dtype(wire)) : at::Tensor();
   const std::vector<Span> blocks = even_blocks(flat.numel(), links.size());
-  reduce_scatter_blocks(links, sequence, flat, blocks, op, compressed, wired, scratch);
+  reduce_scatter_blocks(links, sequence, flat, blocks, op, compressed, wired, /*round_own=*/true, scratch);
   all_gather_blocks(links, sequence, flat, blocks, compressed, wired);
 }
 
@@ -137,7 +165,8 @@ void ring_reduce_scatter(SocketLinks& links, uint64_t sequence, const at::Tensor
   const bool compressed = compresses(wire, run, op);
   const at::Tensor wired =
       compressed ? scratch.get(ScratchBuffers::kWire, run.numel(), wire_dtype(wire)) : at::Tensor();
-  reduce_scatter_blocks(links, sequence, run, blocks_of(m, links.size()), op, compressed, wired, scratch);
+  reduce_scatter_blocks(links, sequence, run, blocks_of(m, links.size()), op, compressed, wired, /*round_own=*/false,
+                        scratch);
 }
 
 void ring_all_gather(SocketLinks& links, uint64_t sequence, const at::Tensor& flat, int64_t m) {
