@@ -27,6 +27,13 @@ Each kill is repeated --repeats times, candidates interleaved; the medians are r
     .venv/bin/python benchmarks/bench_fault_tolerance.py --steady-wrappers torchft-ddp --kill-wrappers --no-baseline
 
 `--quick` is a smoke run (one repeat of shorter runs, into benchmarks/results/quick/), as run_all.sh --quick makes.
+
+Across hosts (root: ddpkit.testing.torchft_hosts' simulated hosts), the steady step alone, one replica group
+per host, links shaped to --link; writes fault_tolerance_hosts.json: torchft on gloo, on ddpkit, and on
+ddpkit with its all-reduces crossing hosts in bfloat16 (ProcessGroupDdpkit(cross_host_dtype=...), Note
+[Compressed crossing]), interleaved:
+
+    sudo .venv/bin/python benchmarks/bench_fault_tolerance.py --hosts 4 --link 1gbit --steady-wrappers torchft-ddp
 """
 
 from __future__ import annotations
@@ -87,6 +94,93 @@ def steady_state(pg: str, wrapper: str, steps: int, heartbeat_ms: int) -> dict:
         "step_s": statistics.median(r["end"] - r["start"] for r in steps),
         "comm_s": statistics.median(r["comm_s"] for r in steps),
     }
+
+
+def steady_across_hosts(candidate: str, wrapper: str, steps: int, hosts: int, link: str, heartbeat_ms: int) -> dict:
+    """steady_state with one replica group per simulated host; `candidate` a HOSTS_CANDIDATES key."""
+    from ddpkit.testing import torchft_hosts
+
+    pg, cross_host_dtype = HOSTS_CANDIDATES[candidate]
+    with tempfile.TemporaryDirectory() as folder:
+        rate = None if link == "unshaped" else link
+        with torchft_hosts(
+            Path(folder), hosts, lambda replica: replica, rate=rate, heartbeat_ms=heartbeat_ms
+        ) as on_host:
+            arguments = ["--pg", pg, "--wrapper", wrapper, "--model", "mlp8x1024", "--steps", str(steps)]
+            groups = ft_replica.ReplicaGroups(
+                Path(folder), "unused", [*arguments, "--cross-host-dtype", cross_host_dtype], hosts, launch=on_host
+            )
+            try:
+                groups.start_all()
+                groups.wait_all(600)
+            finally:
+                groups.close()
+            steps = [r for replica in range(hosts) for r in groups.committed(replica) if r["step"] >= 3]
+    return {
+        "step_s": statistics.median(r["end"] - r["start"] for r in steps),
+        "comm_s": statistics.median(r["comm_s"] for r in steps),
+    }
+
+
+# Across hosts: candidate -> (ft_replica.py's --pg, its --cross-host-dtype).
+HOSTS_CANDIDATES = {
+    "torchft-gloo": ("gloo", "none"),
+    "torchft-ddpkit": ("ddpkit", "none"),
+    "torchft-ddpkit-bf16": ("ddpkit", "bfloat16"),
+}
+
+
+def main_across_hosts(args) -> None:
+    rows = []
+    names = list(HOSTS_CANDIDATES)
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]
+        for wrapper in args.steady_wrappers:
+            for candidate in order:
+                steady = steady_across_hosts(
+                    candidate, wrapper, args.steady_steps, args.hosts, args.link, args.heartbeat_ms
+                )
+                rows.append(
+                    records.FaultToleranceRecord(
+                        candidate=candidate,
+                        measure="steady",
+                        repeat=repeat,
+                        wrapper=wrapper,
+                        topology=f"{args.hosts}x1",
+                        link=args.link,
+                        **steady,
+                    )
+                )
+                print(candidate, wrapper, "steady", steady, flush=True)
+    summary = {}
+    for wrapper in args.steady_wrappers:
+        medians = {
+            c: statistics.median(r.step_s for r in rows if r.candidate == c and r.wrapper == wrapper) for c in names
+        }
+        gloo = medians["torchft-gloo"]
+        summary[wrapper] = {"median_step_s": medians, "over_gloo": {c: m / gloo for c, m in medians.items()}}
+    output = Path(args.output) if args.output else results_dir(args.quick) / "fault_tolerance_hosts.json"
+    settings = {
+        "hosts": args.hosts,
+        "link": args.link,
+        "repeats": args.repeats,
+        "steady_steps": args.steady_steps,
+        "heartbeat_ms": args.heartbeat_ms,
+        "candidates": {c: {"pg": pg, "cross_host_dtype": d} for c, (pg, d) in HOSTS_CANDIDATES.items()},
+        "replicas": "one replica group of one rank per simulated host (ddpkit.testing.torchft_hosts)",
+    }
+    path = write_results(
+        "fault_tolerance_hosts",
+        backend="gloo",
+        device_type="cpu",
+        settings=settings,
+        records=rows,
+        summary=summary,
+        quick=args.quick,
+        directory=output.parent,
+    )
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {path}")
 
 
 def kill_run(pg: str, wrapper: str, args) -> dict:
@@ -259,6 +353,8 @@ def main() -> None:
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the torchrun --max-restarts baseline")
     parser.add_argument("--quick", action="store_true", help="smoke run: one repeat of shorter runs")
+    parser.add_argument("--hosts", type=int, help="the steady step across this many simulated hosts instead")
+    parser.add_argument("--link", default="1gbit", help='--hosts: the links\' tbf rate, or "unshaped"')
     parser.add_argument(
         "--output",
         help="a path whose folder gets fault_tolerance.json (default: benchmarks/results/, its quick/ with --quick)",
@@ -266,6 +362,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.repeats, args.steady_steps, args.kill_steps = 1, 8, 20
+    if args.hosts:
+        return main_across_hosts(args)
     output = Path(args.output) if args.output else results_dir(args.quick) / "fault_tolerance.json"
 
     names = {

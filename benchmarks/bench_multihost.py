@@ -14,6 +14,7 @@ back-to-back calls; the figure is the median over repetitions of the slowest ran
   ddpkit          ddpkit's collective, algorithm "auto" (hierarchical: the group spans hosts)
   ddpkit_flat     ddpkit's flat schedule over gloo's send/recv: the all-reduce's "halving_doubling",
                   the others' transport "process_group" (no hierarchy)
+  ddpkit_bf16     ddpkit's collective with cross_host_dtype=torch.bfloat16 (Note [Compressed crossing])
   ddpkit_<name>   the all-reduce with algorithm <name> ("star", "recursive_doubling", ...)
   ddpkit_backend  torch.distributed's collective on a group of the "ddpkit" backend
   gloo            torch.distributed's collective on a gloo group (the baseline)
@@ -76,6 +77,9 @@ def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torc
             options.update(algorithm="halving_doubling") if collective == "all_reduce" else options.update(
                 transport="process_group"
             )
+        elif candidate == "ddpkit_bf16":
+            assert collective in ("all_reduce", "reduce_scatter"), f"{candidate} compresses sums only"
+            options.update(cross_host_dtype=torch.bfloat16)
         elif candidate != "ddpkit":
             assert collective == "all_reduce", f"{candidate} names an all-reduce algorithm"
             options.update(algorithm=candidate[len("ddpkit_") :])

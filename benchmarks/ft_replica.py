@@ -168,6 +168,12 @@ def main() -> None:
     parser.add_argument("--compute", type=float, default=0.0, help="seconds of stand-in compute per step")
     parser.add_argument("--timeout", type=float, default=10.0, help="manager and process-group timeout, seconds")
     parser.add_argument("--exact", action="store_true")
+    parser.add_argument(
+        "--cross-host-dtype",
+        choices=["none", "bfloat16"],
+        default="none",
+        help="--pg ddpkit: the replicas' all-reduces cross hosts in bfloat16 (Note [Compressed crossing])",
+    )
     parser.add_argument("--records", required=True, help="the JSON lines log (a test replays it)")
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -198,7 +204,12 @@ def main() -> None:
     if args.pg == "dummy":
         pg = ProcessGroupDummy(0, 1)  # its configure() ignores the quorum's rank and size
     else:
-        pg = ProcessGroupDdpkit(timeout=timeout) if args.pg == "ddpkit" else ProcessGroupGloo(timeout=timeout)
+        cross_host_dtype = torch.bfloat16 if args.cross_host_dtype == "bfloat16" else None
+        pg = (
+            ProcessGroupDdpkit(timeout=timeout, cross_host_dtype=cross_host_dtype)
+            if args.pg == "ddpkit"
+            else ProcessGroupGloo(timeout=timeout)
+        )
 
     def load_state_dict(state: dict) -> None:
         model.load_state_dict(state["model"])

@@ -400,6 +400,9 @@ class FaultToleranceRecord(Record):
     repeat: int
     # the DDP wrapper: "torchft-ddp", "torchft-ddp-async" (ddpkit.torchft's) or "ddpkit-ddp" (its comm hook)
     wrapper: str | None = optional()
+    # across simulated hosts (fault_tolerance_hosts.json): "4x1", one replica group per host, and the links
+    topology: str | None = optional()
+    link: str | None = optional()
     step_s: float | None = optional()  # steady: median step time of the 8.4M-parameter MLP
     comm_s: float | None = optional()  # steady: median time per step in the gradient all-reduces
     death_to_next_commit_s: float | None = optional()  # kill: to the survivors' next committed step
@@ -417,6 +420,26 @@ class FaultToleranceRecord(Record):
     timeline: list | None = optional()
 
 
+# -- bench_compression.py: compression.json -----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressionRecord(Record):
+    """One training run across simulated hosts with one way of sending its gradients (``comm_hook``:
+    ddpkit.training's COMM_HOOKS), the others' configuration and seed alike."""
+
+    kind: str = _kind("compression_training")
+    comm_hook: str  # "none" (float32), "bf16_crossing" (Note [Compressed crossing]), "bf16_compress" (torch's)
+    topology: str  # "2x2": hosts x ranks per host
+    link: str  # "unshaped", or the tbf rate ("1gbit")
+    epochs: list[dict]  # ddpkit.training.Trainer.train_epoch's records, one per epoch
+    final_test_accuracy: float
+    final_test_loss: float
+    median_epoch_time_s: float
+    loss_curve: list[float]  # rank 0's loss at every optimizer step
+    accuracy_minus_fp32_points: float  # final test accuracy against the "none" run's, in points
+
+
 # A record with a "kind" is of the class of its kind; a record without one, of the class of its file.
 BY_KIND: dict[str, type[Record]] = {
     "time": AllreduceTimeRecord,
@@ -430,6 +453,7 @@ BY_KIND: dict[str, type[Record]] = {
     "torch_stack": TorchStackRecord,
     "latency": LatencyRecord,
     "fault_tolerance": FaultToleranceRecord,
+    "compression_training": CompressionRecord,
 }
 BY_BENCHMARK: dict[str, type[Record]] = {"syncbn": SyncBatchNormRecord, "ddp": DdpRecord, "training": TrainingRecord}
 

@@ -17,6 +17,7 @@
 #include <torch/csrc/jit/api/object.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "comm/wire_format.h"
 #include "backend/backend.h"
 #include "comm/exit.h"
 #include "comm/ops.h"
@@ -66,20 +67,21 @@ std::string_view utf8_of(PyObject* object, const char* what) {
   return std::string_view(data, static_cast<size_t>(size));
 }
 
-// all_reduce_eager(tensor, op, algorithm, group_name, transport) -> bool: the kernel of
+// all_reduce_eager(tensor, op, algorithm, group_name, transport, wire) -> bool: the kernel of
 // ddpkit::all_reduce_ on `tensor` where eager_all_reduce_applies, else False with nothing done.
 PyObject* all_reduce_eager(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK_TYPE(nargs == 5, "ddpkit: all_reduce_eager takes 5 arguments, got ", nargs);
+  TORCH_CHECK_TYPE(nargs == 6, "ddpkit: all_reduce_eager takes 6 arguments, got ", nargs);
   if (!eager_all_reduce_applies(args[0])) Py_RETURN_FALSE;
   const std::string_view op = utf8_of(args[1], "op");
   const std::string_view algorithm = utf8_of(args[2], "algorithm");
   const std::string group_name(utf8_of(args[3], "group_name"));
   const std::string_view transport = utf8_of(args[4], "transport");
+  const std::string_view wire = utf8_of(args[5], "wire");
   at::Tensor target = THPVariable_Unpack(args[0]);
   {
     py::gil_scoped_release no_gil;
-    ddpkit::comm::all_reduce_op(target, op, algorithm, group_name, transport);
+    ddpkit::comm::all_reduce_op(target, op, algorithm, group_name, transport, wire);
   }
   target.unsafeGetTensorImpl()->bump_version();
   Py_RETURN_TRUE;
@@ -140,15 +142,18 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ddpkit::backend::Backend, c10d::Backend, c10::intrusive_ptr<ddpkit::backend::Backend>>(m, "Backend")
       .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                        std::chrono::milliseconds timeout, const c10::intrusive_ptr<c10d::Backend>& gloo,
-                       const c10::intrusive_ptr<c10d::Backend>& gloo_p2p) {
-             return c10::make_intrusive<ddpkit::backend::Backend>(store, rank, size, timeout, gloo, gloo_p2p);
+                       const c10::intrusive_ptr<c10d::Backend>& gloo_p2p, const std::string& cross_host_wire) {
+             return c10::make_intrusive<ddpkit::backend::Backend>(store, rank, size, timeout, gloo, gloo_p2p,
+                                                                  ddpkit::comm::parse_wire_format(cross_host_wire));
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("gloo"), py::arg("gloo_p2p"),
+           py::arg("cross_host_wire") = "exact",
            "See Note [The ddpkit backend] in csrc/backend/backend.h; made by ddpkit.backend's creator.");
   // A plain CPython function (METH_FASTCALL), not pybind11's (Note [Eager calls past the dispatcher]).
   static PyMethodDef all_reduce_eager_def = {
       "all_reduce_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_reduce_eager)), METH_FASTCALL,
-      "all_reduce_eager(tensor, op, algorithm, group_name, transport) -> bool: ddpkit::all_reduce_'s kernel called "
+      "all_reduce_eager(tensor, op, algorithm, group_name, transport, wire) -> bool: ddpkit::all_reduce_'s kernel "
+      "called "
       "directly, or False (nothing done) where the op must run: Note [Eager calls past the dispatcher] in "
       "csrc/python.cpp."};
   m.add_object("all_reduce_eager", py::reinterpret_steal<py::object>(PyCFunction_New(&all_reduce_eager_def, nullptr)));

@@ -33,8 +33,11 @@ TORCH_LIBRARY(ddpkit, m) {
   // Collectives from point-to-point messages (csrc/comm). `group_name` is a torch.distributed
   // group's .group_name; the tensor's device picks the group's backend.
   // `transport`: "auto" (shared memory when every rank is on this host and the tensor is on CPU,
-  // else the group's own send/recv), "shm" or "process_group"; see comm/engine.h.
-  m.def("all_reduce_(Tensor(a!) tensor, str op, str algorithm, str group_name, str transport=\"auto\") -> Tensor(a!)");
+  // else the group's own send/recv), "shm" or "process_group"; see comm/engine.h. `wire`: how the
+  // data crosses hosts, "exact", "bfloat16" or "float16" (Note [Compressed crossing]).
+  m.def(
+      "all_reduce_(Tensor(a!) tensor, str op, str algorithm, str group_name, str transport=\"auto\", "
+      "str wire=\"exact\") -> Tensor(a!)");
   m.def("broadcast_(Tensor(a!) tensor, int src, str group_name, str transport=\"auto\") -> Tensor(a!)");
   m.def("reduce_(Tensor(a!) tensor, int dst, str op, str group_name, str transport=\"auto\") -> Tensor(a!)");
   m.def("gather(Tensor tensor, int dst, str group_name, str transport=\"auto\") -> Tensor");
@@ -44,7 +47,7 @@ TORCH_LIBRARY(ddpkit, m) {
       "str transport=\"auto\") -> Tensor(a!)");
   m.def(
       "reduce_scatter_tensor_(Tensor(a!) output, Tensor input, str op, str algorithm, str group_name, "
-      "str transport=\"auto\") -> Tensor(a!)");
+      "str transport=\"auto\", str wire=\"exact\") -> Tensor(a!)");
   m.def("barrier(str group_name, str transport=\"auto\") -> ()", &ddpkit::comm::barrier_op);
   // The collective check of `collective` for meta tensors (no data): what the collectives' fake
   // kernels run for real meta tensors, so that a meta tensor on one rank raises on every rank.
@@ -60,6 +63,7 @@ TORCH_LIBRARY(ddpkit, m) {
       "str op=\"sum\") -> str",
       &ddpkit::comm::choose_algorithm_op);
   m.def("algorithms() -> str[]", &ddpkit::comm::algorithms_op);
+  m.def("wire_formats() -> str[]", &ddpkit::comm::wire_formats_op);
   m.def("transports() -> str[]", &ddpkit::comm::transports_op);
   m.def("reduce_ops() -> str[]", &ddpkit::comm::reduce_ops_op);
   m.def("collectives() -> str[]", &ddpkit::comm::collectives_op);

@@ -6,7 +6,6 @@ Test modules import from here, never from each other (a test module imported by 
 module-level code twice and couples their fixtures)."""
 
 import ast
-import contextlib
 import io
 import os
 import pickle
@@ -14,8 +13,6 @@ import re
 import shlex
 import signal
 import socket
-import subprocess
-import sys
 import tarfile
 import warnings
 from pathlib import Path
@@ -27,7 +24,7 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit.comm import ONE_HOST_ALGORITHMS
-from ddpkit.testing import HostPool, WorkerPool
+from ddpkit.testing import HostPool, WorkerPool, torchft_hosts  # noqa: F401  (torchft_hosts: the tests' import)
 from ddpkit.training.data import FASHION_MNIST_ROOT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -277,82 +274,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# --- torchft replica groups on simulated hosts ----------------------------------------------------------
-
-_LIGHTHOUSE = """
-import sys
-from torchft._torchft import LighthouseServer
-server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=400, quorum_tick_ms=20, heartbeat_timeout_ms=700)
-print(server.address().rsplit(":", 1)[1], flush=True)
-sys.stdin.read()
-server.shutdown()
-"""
-
-
-@contextlib.contextmanager
-def torchft_hosts(folder: Path, hosts: int, host_of):
-    """`hosts` simulated hosts (HostPool's network and namespaces) for torchft replica groups, a lighthouse
-    on host 0 (the tests' settings: heartbeat timeout 700 ms, join timeout 400 ms). Yields the `launch`
-    of benchmarks/ft_replica.py's ReplicaGroups that runs replica r on host `host_of(r)`, with a private
-    /dev/shm and hostname there, its store at that host's address and TORCHFT_LIGHTHOUSE set."""
-    pool = HostPool([1] * hosts)
-    lighthouse = None
-    try:
-        pool._make_network()
-        namespaces = [pool._host_namespace(h) for h in range(hosts)]
-        address = [f"{HostPool.SUBNET}.{h + 1}" for h in range(hosts)]
-        lighthouse = subprocess.Popen(
-            ["ip", "netns", "exec", namespaces[0], sys.executable, "-c", _LIGHTHOUSE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        port = int(lighthouse.stdout.readline())
-        # torchft's checkpoint server names itself by the host's name: each host resolves every name.
-        names = folder / "hosts"
-        names.write_text("127.0.0.1 localhost\n" + "".join(f"{a} ft-host{h}\n" for h, a in enumerate(address)))
-        # No name server is reachable from a simulated host: a lookup must fail at once, not time out.
-        resolv = folder / "resolv.conf"
-        resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-
-        def on_host(replica: int, argv: list, env: dict) -> tuple:
-            host = host_of(replica)
-            env = {
-                **env,
-                "MASTER_ADDR": address[host],
-                "FT_HOSTNAME": address[host],
-                "GLOO_SOCKET_IFNAME": "dkh",
-                "TORCHFT_LIGHTHOUSE": f"http://{address[0]}:{port}",
-            }
-            script = (
-                f"mount -t tmpfs tmpfs /dev/shm && mount --bind {shlex.quote(str(names))} /etc/hosts && "
-                f"mount --bind {shlex.quote(str(resolv))} /etc/resolv.conf && "
-                f"hostname ft-host{host} && exec {shlex.join(argv)}"
-            )
-            return [
-                "ip",
-                "netns",
-                "exec",
-                namespaces[host],
-                "unshare",
-                "-m",
-                "-u",
-                "--fork",
-                "--kill-child",
-                "sh",
-                "-c",
-                script,
-            ], env
-
-        yield on_host
-    finally:
-        if lighthouse is not None:
-            os.killpg(lighthouse.pid, signal.SIGKILL)
-            lighthouse.wait()
-        pool.kill()
 
 
 needs_fashion_mnist = pytest.mark.skipif(

@@ -58,6 +58,8 @@ def test_the_timed_call_is_the_librarys_own_function(monkeypatch):
     )
     call = bench.user_call("ddpkit_flat", "all_reduce", tensor, block)
     assert call.keywords == {"group": groups["gloo"], "algorithm": "halving_doubling"}
+    call = bench.user_call("ddpkit_bf16", "all_reduce", tensor, block)
+    assert call.keywords == {"group": groups["gloo"], "cross_host_dtype": bench.torch.bfloat16}
     call = bench.user_call("ddpkit_star", "all_reduce", tensor, block)
     assert call.keywords == {"group": groups["gloo"], "algorithm": "star"}
     call = bench.user_call("ddpkit", "reduce", tensor, block)

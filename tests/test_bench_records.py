@@ -28,6 +28,8 @@ CLASSES = {
     "multihost": {records.MultihostRecord, records.MultihostCollectiveRecord, records.MultihostDdpRecord},
     "latency": {records.LatencyRecord},
     "fault_tolerance": {records.FaultToleranceRecord},
+    "compression": {records.CompressionRecord},
+    "fault_tolerance_hosts": {records.FaultToleranceRecord},
 }
 
 

@@ -400,21 +400,23 @@ def test_eager_calls_past_the_dispatcher_match_the_op(pool):
         assert "ddpkit.all_reduce_.default" in out["seen"], out["seen"]
 
 
-def test_the_eager_binding_rejects_what_is_not_its_five_arguments():
+def test_the_eager_binding_rejects_what_is_not_its_six_arguments():
     """_C.all_reduce_eager is a raw CPython function: its own argument checks raise TypeError, and
     a tensor the dispatcher must see is handed back untouched (False) before any argument is read."""
     from ddpkit import _C
 
     t = torch.ones(3)
-    with pytest.raises(TypeError, match="takes 5 arguments, got 2"):
+    with pytest.raises(TypeError, match="takes 6 arguments, got 2"):
         _C.all_reduce_eager(t, "sum")
     with pytest.raises(TypeError, match="op must be a str, got int"):
-        _C.all_reduce_eager(t, 3, "auto", "0", "auto")
+        _C.all_reduce_eager(t, 3, "auto", "0", "auto", "exact")
     with pytest.raises(TypeError, match="transport must be a str, got NoneType"):
-        _C.all_reduce_eager(t, "sum", "auto", "0", None)
+        _C.all_reduce_eager(t, "sum", "auto", "0", None, "exact")
+    with pytest.raises(TypeError, match="wire must be a str, got NoneType"):
+        _C.all_reduce_eager(t, "sum", "auto", "0", "auto", None)
     graded = torch.ones(3, requires_grad=True)
-    assert _C.all_reduce_eager(graded, 3, None, None, None) is False
-    assert _C.all_reduce_eager([1.0], "sum", "auto", "0", "auto") is False
+    assert _C.all_reduce_eager(graded, 3, None, None, None, None) is False
+    assert _C.all_reduce_eager([1.0], "sum", "auto", "0", "auto", "exact") is False
 
 
 def test_gil_is_released_while_waiting(pool):

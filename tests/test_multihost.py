@@ -349,6 +349,34 @@ def test_every_collective_with_test_hosts_is_exact_with_identical_bits(labels):
     check_every_collective(per_rank, ranks_per_host)
 
 
+def case_ring_collectives(numels):
+    """case_every_collective's keys for the collectives the ring across hosts runs, in float32 and int64."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {"topology": ddpkit.comm.topology()}
+    for dtype in (torch.float32, torch.int64):
+        for numel in numels:
+            for op in ("sum", "max"):
+                tensor = rank_input(rank, numel, integer=True).to(dtype)
+                ddpkit.all_reduce(tensor, op=op)
+                out[("all_reduce", str(dtype), numel, op, "auto")] = tensor
+            gathered = torch.empty(world_size * numel, dtype=dtype)
+            ddpkit.all_gather_into_tensor(gathered, rank_input(rank, numel, integer=True).to(dtype))
+            out[("all_gather", str(dtype), numel)] = gathered
+            scattered = torch.empty(numel, dtype=dtype)
+            ddpkit.reduce_scatter_tensor(scattered, rank_input(rank, world_size * numel, integer=True).to(dtype))
+            out[("reduce_scatter", str(dtype), numel)] = scattered
+    return out
+
+
+def test_eight_hosts_are_exact_with_identical_bits():
+    """The ring across hosts (Note [A ring across hosts]) at eight hosts of one rank: blocks of uneven
+    sizes, some empty (7 elements over 8 ranks), every result exact and alike on every rank."""
+    labels = ",".join("abcdefgh")
+    with WorkerPool(8, timeout=600, group_timeout=120, env={"DDPKIT_TEST_HOSTS": labels}) as pool:
+        per_rank = pool.run(case_ring_collectives, [7, 100_003], timeout=600)
+    check_every_collective(per_rank, [1] * 8)
+
+
 def case_collectives_and_their_messages(numel):
     """Every collective that crosses hosts hierarchically, in place and not, some ops, and the
     point-to-point messages ddpkit sent meanwhile."""

@@ -95,6 +95,22 @@ def test_ddpkit_and_torch_pipelines_match_with_plain_batchnorm(pool, tmp_path):
 
 
 @needs_fashion_mnist
+def test_comm_hooks_train_with_every_rank_alike(pool, tmp_path):
+    """--comm-hook: torch's allreduce_hook on a compressed "ddpkit" group (bf16_crossing: on one host
+    nothing crosses, so it is the float32 run) and torch's bf16_compress_hook, which rounds."""
+    results = {}
+    for hook in ("none", "bf16_crossing", "bf16_compress"):
+        config = small_config(tmp_path / hook, comm_hook=hook, sync_bn=False, max_steps=4, limit_test=64)
+        results[hook] = pool(2).run(case_train, config, timeout=300)
+        (_, first), (_, second) = results[hook]
+        for key in first:
+            assert torch.equal(first[key], second[key]), (hook, key)
+    for key, value in results["none"][0][1].items():
+        assert torch.equal(results["bf16_crossing"][0][1][key], value), key
+    assert any(not torch.equal(results["bf16_compress"][0][1][k], v) for k, v in results["none"][0][1].items())
+
+
+@needs_fashion_mnist
 def test_resumed_run_equals_uninterrupted_run(pool, tmp_path):
     base = dict(epochs=2, limit_train=2048, checkpoint_every=5, model="net")
     expected, uninterrupted = pool(2).run(case_train, small_config(tmp_path / "a", **base), timeout=300)[0]

@@ -230,14 +230,16 @@ at::Tensor flat_cat(const std::vector<at::Tensor>& tensors) {
 }  // namespace
 
 Backend::Backend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
-                 c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> gloo_p2p)
+                 c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> gloo_p2p,
+                 comm::WireFormat cross_host)
     : c10d::Backend(rank, size),
       fork_generation_(comm::fork_generation()),
       store_(std::move(store)),
       gloo_(std::move(gloo)),
       gloo_p2p_(std::move(gloo_p2p)),
       options_(c10::make_intrusive<Options>("ddpkit", timeout)),
-      transport_(comm::parse_transport("auto")) {
+      transport_(comm::parse_transport("auto")),
+      cross_host_(cross_host) {
   for (const auto& inner : {gloo_, gloo_p2p_}) {
     TORCH_CHECK(inner, "ddpkit backend: needs two inner gloo backends");
     TORCH_CHECK(inner->getRank() == rank && inner->getSize() == size, "ddpkit backend: an inner gloo backend has rank ",
@@ -332,7 +334,8 @@ c10::intrusive_ptr<c10d::Work> Backend::allreduce(std::vector<at::Tensor>& tenso
           return delegate(call, tensors, delegated_header(call.op, tensor, opts.reduceOp),
                           [gloo = gloo_, tensors, opts]() mutable { return gloo->allreduce(tensors, opts); });
         }
-        return launch(call, tensors, [tensor, reduction](comm::Communicator& comm) mutable {
+        return launch(call, tensors, [tensor, reduction, wire = cross_host_](comm::Communicator& comm) mutable {
+          comm.set_wire_format(wire);
           on_contiguous(tensor, [&](at::Tensor& t) { comm::all_reduce_(t, *reduction, comm::Algorithm::kAuto, comm); });
         });
       });
@@ -616,9 +619,11 @@ c10::intrusive_ptr<c10d::Work> Backend::_reduce_scatter_base(at::Tensor& output,
                             return gloo->_reduce_scatter_base(output, input, opts);
                           });
         }
-        return launch(call, {output}, [out = output, in = input, reduction](comm::Communicator& comm) mutable {
-          comm::reduce_scatter_tensor_(out, in, *reduction, comm::Algorithm::kAuto, comm);
-        });
+        return launch(call, {output},
+                      [out = output, in = input, reduction, wire = cross_host_](comm::Communicator& comm) mutable {
+                        comm.set_wire_format(wire);
+                        comm::reduce_scatter_tensor_(out, in, *reduction, comm::Algorithm::kAuto, comm);
+                      });
       });
 }
 

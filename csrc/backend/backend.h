@@ -3,6 +3,7 @@
 // collectives (dist.all_reduce, DistributedDataParallel, ZeroRedundancyOptimizer, ...) on ddpkit's
 // collective engine. Registered from Python on `import ddpkit` (python/ddpkit/backend.py).
 
+#include "comm/wire_format.h"
 #include "comm/engine.h"
 
 #include <ATen/ATen.h>
@@ -56,9 +57,12 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   // What torch.distributed hands a backend creator (`store` already carries the group's prefix),
   // and two gloo backends of the same ranks, each on a store prefix of its own: `gloo` carries the
   // engine's messages across hosts and the delegated collectives, `gloo_p2p` the program's own
-  // send/recv, whose tags would otherwise meet the engine's (Note [Tags]).
+  // send/recv, whose tags would otherwise meet the engine's (Note [Tags]). `cross_host` is how the
+  // sums and means of allreduce and reduce_scatter cross hosts (Note [Compressed crossing]:
+  // ddpkit.Options(cross_host_dtype=...) through init_process_group's pg_options).
   Backend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
-          c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> gloo_p2p);
+          c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> gloo_p2p,
+          comm::WireFormat cross_host = comm::WireFormat::kExact);
   // In a forked child, leaves the inner gloo backends undestroyed: their threads are the parent's
   // (Note [Forked children] in comm/engine.cpp).
   ~Backend() override;
@@ -143,6 +147,7 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   c10::intrusive_ptr<c10d::Backend> gloo_p2p_;
   c10::intrusive_ptr<Options> options_;
   comm::TransportKind transport_;
+  comm::WireFormat cross_host_;
   std::mutex engine_mutex_;
   std::shared_ptr<comm::Engine> engine_;
   std::atomic<uint64_t> collectives_launched_{0};

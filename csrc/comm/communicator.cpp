@@ -84,6 +84,7 @@ CollectiveHeader Communicator::stamp(const CollectiveHeader& header, const std::
   CollectiveHeader stamped = header;
   stamped.magic = local_error.empty() ? kHeaderMagic : kRejectedMagic;
   stamped.sequence = static_cast<int64_t>(sequence_ & 0x7FFFFF);
+  stamped.wire = static_cast<int64_t>(wire_format_);
   return stamped;
 }
 

@@ -7,6 +7,7 @@
 #include "comm/collective_check.h"
 #include "comm/reduce_op.h"
 #include "comm/transport.h"
+#include "comm/wire_format.h"
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -165,6 +166,10 @@ class Communicator {
   void use_hierarchy(const Hierarchy* hierarchy) { hierarchy_ = hierarchy; }
   // The group's backend for this communicator's device.
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
+  // The format this collective's data crosses hosts in (Note [Compressed crossing]): kExact unless
+  // its caller asked for another; stamped into its headers, so that ranks that disagree raise.
+  WireFormat wire_format() const { return wire_format_; }
+  void set_wire_format(WireFormat format) { wire_format_ = format; }
   // The most bytes of data that may ride in this collective's check (CollectiveCheck::ride_along_bytes).
   int64_t ride_along_bytes() const { return check_ != nullptr ? check_->ride_along_bytes() : 0; }
 
@@ -261,6 +266,7 @@ class Communicator {
   std::string_view group_;
   std::string_view what_;
   int failed_peer_ = -1;  // the peer of the last message whose wait failed
+  WireFormat wire_format_ = WireFormat::kExact;
 };
 
 // Aborts every message in `messages` (a failed peer will never complete them) and clears the list.

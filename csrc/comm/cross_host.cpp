@@ -4,6 +4,7 @@
 #include "comm/communicator.h"
 #include "comm/reduce_kernel.h"
 #include "comm/schedules.h"
+#include "comm/socket_ring.h"
 
 namespace ddpkit::comm {
 namespace {
@@ -42,6 +43,44 @@ void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op,
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }
 
+// Note [Compressed crossing] between two hosts: each host rounds its own block into the wire
+// format, the frames carry the rounded blocks, and both hosts add the two decoded blocks in host
+// order: each element ends with the same bits wherever it is computed. `out` (mine itself, or the
+// peer's block of a reduce-scatter's run) goes to the peer while its frame for `mine` arrives.
+void SocketPairChannel::swap_compressed(const at::Tensor& mine, const at::Tensor& out, ReduceOp op,
+                                        Communicator& comm) {
+  TORCH_INTERNAL_ASSERT(out.numel() == mine.numel() && out.is_contiguous() && mine.is_contiguous());
+  const at::ScalarType wire = wire_dtype(comm.wire_format());
+  const at::Tensor outgoing = scratch_.get(ScratchBuffers::kWire, out.numel(), wire);
+  int64_t encoded = 0;  // elements of `out` in `outgoing`
+  auto encode = [&](int64_t bytes) {
+    const int64_t upto = bytes / outgoing.element_size();
+    slice(outgoing, encoded, upto).copy_(slice(out, encoded, upto));
+    encoded = upto;
+  };
+  const at::Tensor incoming = scratch_.get(ScratchBuffers::kFromPeer, mine.numel(), wire);
+  const at::Tensor decoded = scratch_.get(ScratchBuffers::kDecoded, mine.numel(), mine.scalar_type());
+  const int64_t element = incoming.element_size();
+  const auto bytes = static_cast<int64_t>(incoming.nbytes());
+  int64_t reduced = 0;  // elements
+  // Part by part as the peer's arrives, so that rounding this host's own part overlaps the transfer:
+  // this host's contribution rounded as the peer's is, then the two added in host order.
+  auto reduce_ready = [&](int64_t ready_bytes) {
+    const int64_t ready = ready_bytes / element;
+    const at::Tensor own = slice(mine, reduced, ready);
+    // Where `out` is `mine`, its parts up to `ready` are encoded: the exchange reports data ready
+    // only as far as it has sent this peer's frame (Links::Recv).
+    own.copy_(out.is_same(mine) ? slice(outgoing, reduced, ready) : own.to(wire));
+    const at::Tensor theirs = slice(decoded, reduced, ready).copy_(slice(incoming, reduced, ready));
+    combine_(own, theirs, accumulating_op(op), /*other_first=*/peer() == 0);
+    reduced = ready;
+  };
+  std::vector<Links::Send> sends{{peer(), outgoing.data_ptr(), bytes, nullptr, 0, encode, kSwapStepBytes}};
+  std::vector<Links::Recv> recvs{{peer(), incoming.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
+  links().exchange(comm.sequence(), std::move(sends), recvs);
+  TORCH_INTERNAL_ASSERT(reduced == mine.numel());
+}
+
 void SocketPairChannel::move(const at::Tensor& outgoing, const at::Tensor& incoming, Communicator& comm) {
   std::vector<Links::Send> sends;
   if (outgoing.defined()) sends.push_back({peer(), outgoing.data_ptr(), static_cast<int64_t>(outgoing.nbytes())});
@@ -58,6 +97,7 @@ void SocketPairChannel::move(const at::Tensor& outgoing, const at::Tensor& incom
 // together would).
 void SocketPairChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
   if (block.numel() == 0) return;
+  if (compresses(comm.wire_format(), block, op)) return swap_compressed(block, block, op, comm);
   receive_and_combine(block, op, {{peer(), block.data_ptr(), block.numel() * block.element_size()}}, comm);
 }
 
@@ -86,61 +126,45 @@ void SocketPairChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceO
   if (m == 0) return;
   const at::Tensor theirs = slice(run, peer() * m, (peer() + 1) * m);
   const at::Tensor mine = slice(run, rank() * m, (rank() + 1) * m);
+  if (compresses(comm.wire_format(), run, op)) return swap_compressed(mine, theirs, op, comm);
   receive_and_combine(mine, op, {{peer(), theirs.data_ptr(), static_cast<int64_t>(theirs.nbytes())}}, comm);
 }
 
-SubgroupChannel::SubgroupChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
-                                 c10::intrusive_ptr<c10d::Backend> backend)
+RingChannel::RingChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
+                         c10::intrusive_ptr<c10d::Backend> backend, ScratchBuffers& scratch)
     : CrossHostChannel(rank, std::move(group_ranks), std::move(links)),
       backend_(std::move(backend)),
-      messages_(std::make_shared<ProcessGroupTransport>(backend_, c10::kCPU)) {}
+      messages_(std::make_shared<ProcessGroupTransport>(backend_, c10::kCPU)),
+      scratch_(scratch) {}
 
-Communicator SubgroupChannel::subgroup(const Communicator& comm) const {
+Communicator RingChannel::subgroup(const Communicator& comm) const {
   return Communicator(rank(), size(), c10::kCPU, backend_, messages_, comm.sequence(), comm.group(), comm.what());
 }
 
-// Sums through gloo's own all-reduce; max and min through ddpkit's ring, which keeps Note
-// [Reductions]'s semantics (gloo's max drops a NaN held by a later rank).
-void SubgroupChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
-  if (block.numel() == 0) return;
-  if (accumulating_op(op) == ReduceOp::kSum) {
-    c10d::AllreduceOptions options;
-    options.reduceOp = c10d::ReduceOp::SUM;
-    std::vector<at::Tensor> tensors{block};
-    backend_->allreduce(tensors, options)->wait();
-    return;
-  }
-  Communicator cross = subgroup(comm);
-  Schedule schedule = ring_schedule(block, op, size(), rank());
-  run_schedule(cross, schedule, schedule.size());
+void RingChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
+  ring_all_reduce(links(), comm.sequence(), block, op, comm.wire_format(), scratch_);
 }
 
-void SubgroupChannel::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
+void RingChannel::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
   if (flat.numel() == 0) return;
   Communicator cross = subgroup(comm);
   Schedule schedule = broadcast_schedule(flat, size(), rank(), root);
   run_schedule(cross, schedule);
 }
 
-void SubgroupChannel::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) {
+void RingChannel::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) {
   if (flat.numel() == 0) return;
   Communicator cross = subgroup(comm);
   Schedule schedule = reduce_schedule(flat, op, size(), rank(), root);
   run_schedule(cross, schedule);
 }
 
-void SubgroupChannel::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
-  if (m == 0) return;
-  Communicator cross = subgroup(comm);
-  Schedule schedule = ring_all_gather_schedule(flat, m, size(), rank());
-  run_schedule(cross, schedule, schedule.size());
+void RingChannel::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
+  ring_all_gather(links(), comm.sequence(), flat, m);
 }
 
-void SubgroupChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
-  if (m == 0) return;
-  Communicator cross = subgroup(comm);
-  Schedule schedule = ring_reduce_scatter_schedule(run, m, op, size(), rank());
-  run_schedule(cross, schedule);
+void RingChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
+  ring_reduce_scatter(links(), comm.sequence(), run, m, op, comm.wire_format(), scratch_);
 }
 
 }  // namespace ddpkit::comm

@@ -5,6 +5,7 @@
 #include "comm/scratch.h"
 #include "comm/links.h"
 #include "comm/transport.h"
+#include "comm/wire_format.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -25,10 +26,9 @@ class Communicator;
 // there are:
 //  - SocketPairChannel, between two hosts: every step over the two ranks' socket link (Note [Socket
 //    links]), the receiver reducing parts as they arrive, in host order;
-//  - SubgroupChannel, among three hosts or more: the sums' all-reduce through the gloo subgroup's own
-//    (its pipelined TCP ring), every other step through ddpkit's schedules over that subgroup's
-//    messages (which beat gloo's collectives there: bench_multihost.py's all_gather and
-//    reduce_scatter points).
+//  - RingChannel, among three hosts or more: the all-reduce, all-gather and reduce-scatter on a ring
+//    over the socket links (Note [A ring across hosts] in socket_ring.h), the broadcast and the reduce
+//    through ddpkit's schedules over the gloo subgroup's messages.
 // Every step is part of the caller's collective (its sequence number names its frames and tags),
 // takes contiguous tensors, and moves nothing when they are empty. A kMean is summed; the caller
 // divides once. Every rank ends with the same bits: each element is reduced in one place, or in the
@@ -85,6 +85,9 @@ class SocketPairChannel final : public CrossHostChannel {
   // `sends` go to the other host while its frame of exactly `mine`'s size arrives and is reduced
   // into `mine` part by part, in host order.
   void receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<Links::Send> sends, Communicator& comm);
+  // receive_and_combine with a compressed wire format (Note [Compressed crossing]), `out` the tensor
+  // sent to the other host.
+  void swap_compressed(const at::Tensor& mine, const at::Tensor& out, ReduceOp op, Communicator& comm);
   // Sends `outgoing` (undefined: nothing) while the other host's frame of exactly `incoming`'s size
   // (undefined: none) arrives into it.
   void move(const at::Tensor& outgoing, const at::Tensor& incoming, Communicator& comm);
@@ -95,11 +98,12 @@ class SocketPairChannel final : public CrossHostChannel {
 };
 
 // Among three hosts or more (Note [Steps across hosts]): `backend` is the gloo subgroup of the ranks
-// the channel spans, split from the group's.
-class SubgroupChannel final : public CrossHostChannel {
+// the channel spans, split from the group's; `scratch` receives the ring's frames and outlives the
+// channel.
+class RingChannel final : public CrossHostChannel {
  public:
-  SubgroupChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
-                  c10::intrusive_ptr<c10d::Backend> backend);
+  RingChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
+              c10::intrusive_ptr<c10d::Backend> backend, ScratchBuffers& scratch);
   void all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) override;
   void broadcast(const at::Tensor& flat, int root, Communicator& comm) override;
   void reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) override;
@@ -113,6 +117,7 @@ class SubgroupChannel final : public CrossHostChannel {
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::shared_ptr<Transport> messages_;  // point-to-point messages on `backend_`
+  ScratchBuffers& scratch_;
 };
 
 }  // namespace ddpkit::comm

@@ -48,10 +48,10 @@ std::unique_ptr<CrossHostChannel> connect_across_hosts(const std::vector<int>& c
   TORCH_INTERNAL_ASSERT(subgroup, "splitting the group's backend gave no subgroup");
   const int cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), rank) - cross.begin());
   std::shared_ptr<Links> links = part_factory().links(*subgroup, cross_rank, cross, timeout);
-  // The capability table of Note [Steps across hosts]: two hosts swap over their link, more take
-  // the subgroup.
+  // The capability table of Note [Steps across hosts]: two hosts swap over their link, more run a
+  // ring over their links.
   if (cross.size() == 2) return std::make_unique<SocketPairChannel>(cross_rank, cross, links, hierarchy.scratch);
-  return std::make_unique<SubgroupChannel>(cross_rank, cross, links, subgroup);
+  return std::make_unique<RingChannel>(cross_rank, cross, links, subgroup, hierarchy.scratch);
 }
 
 }  // namespace

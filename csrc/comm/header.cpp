@@ -1,5 +1,7 @@
 #include "comm/header.h"
 
+#include "comm/wire_format.h"
+
 #include "comm/algorithm.h"
 #include "comm/reduce_op.h"
 
@@ -41,6 +43,12 @@ std::string field_value(const HeaderField& field, int64_t value) {
   if (field.member == &CollectiveHeader::op && value >= 0) {
     if (value >= static_cast<int64_t>(kReduceOpNames.size())) return c10::str("invalid op ", value);
     return std::string(reduce_op_name(static_cast<ReduceOp>(value)));
+  }
+  if (field.member == &CollectiveHeader::wire) {
+    for (const WireFormatName& known : kWireFormats) {
+      if (static_cast<int64_t>(known.format) == value) return std::string(known.name);
+    }
+    return c10::str("invalid wire format ", value);
   }
   if (field.member == &CollectiveHeader::algorithm && value >= 0) {
     if (value >= static_cast<int64_t>(kAlgorithmNames.size())) return c10::str("invalid algorithm ", value);

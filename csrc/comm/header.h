@@ -45,6 +45,7 @@ struct CollectiveHeader {
   int64_t algorithm = -1;  // Algorithm, or -1 where there is none
   int64_t root = -1;       // src/dst rank, or -1
   int64_t meta = 0;  // 1 when this rank's tensors are meta tensors: a check with no data (Note [Collective checks])
+  int64_t wire = 0;  // WireFormat: how the data crosses hosts (Note [Compressed crossing])
 };
 static_assert(std::is_trivially_copyable_v<CollectiveHeader>);
 constexpr int64_t kHeaderWords = sizeof(CollectiveHeader) / sizeof(int64_t);
@@ -62,7 +63,7 @@ struct HeaderField {
   int64_t CollectiveHeader::* member;
 };
 // The fields compared across ranks, in the order mismatches are reported.
-constexpr std::array<HeaderField, 8> kHeaderFields = {{
+constexpr std::array<HeaderField, 9> kHeaderFields = {{
     {"sequence", &CollectiveHeader::sequence},
     {"collective", &CollectiveHeader::kind},
     {"tensor", &CollectiveHeader::meta},
@@ -71,6 +72,7 @@ constexpr std::array<HeaderField, 8> kHeaderFields = {{
     {"op", &CollectiveHeader::op},
     {"algorithm", &CollectiveHeader::algorithm},
     {"root", &CollectiveHeader::root},
+    {"cross_host_dtype", &CollectiveHeader::wire},
 }};
 
 // How rank `rank`'s header differs from rank `reference_rank`'s, in the words of an error ("" when

@@ -15,13 +15,19 @@ namespace ddpkit::comm {
 // their data through it. SocketLinks (socket_links.h) is the implementation.
 class Links {
  public:
-  // One frame to send: `first` then `second` (either may be empty), as one message.
+  // One frame to send: `first` then `second` (either may be empty), as one message. With `prepare`,
+  // the frame's data is written as it goes out: exchange() calls prepare(n) before it sends data
+  // byte n - 1, n growing by `prepare_step` bytes at a time (or to the frame's end), so that the
+  // caller fills the next part of `first` (a compressed crossing encodes it) while earlier parts
+  // are on their way; `second` must be empty.
   struct Send {
     int peer;
     const void* first;
     int64_t first_bytes;
     const void* second = nullptr;
     int64_t second_bytes = 0;
+    std::function<void(int64_t)> prepare = nullptr;
+    int64_t prepare_step = 0;
   };
   // One frame to receive into `data`, at most `capacity` bytes; exchange() sets `received`. With
   // `on_data`, exchange() calls it with a count of bytes each time another `step` of them (or the

@@ -2,6 +2,7 @@
 
 #include "comm/collectives.h"
 #include "comm/engine.h"
+#include "comm/wire_format.h"
 
 #include <algorithm>
 #include <array>
@@ -37,12 +38,16 @@ void run_collective(const std::string& group_name, c10::DeviceType device, std::
 }  // namespace
 
 at::Tensor& all_reduce_op(at::Tensor& tensor, std::string_view op, std::string_view algorithm,
-                          const std::string& group_name, std::string_view transport) {
+                          const std::string& group_name, std::string_view transport, std::string_view wire) {
   std::string error;
   const ReduceOp reduce_op = parse_or_note(parse_reduce_op, op, ReduceOp::kSum, error);
   const Algorithm parsed = parse_or_note(parse_algorithm, algorithm, Algorithm::kAuto, error);
+  const WireFormat format = parse_or_note(parse_wire_format, wire, WireFormat::kExact, error);
   run_collective(group_name, tensor.device().type(), transport, CollectiveKind::kAllReduce, error,
-                 [&](Communicator& comm) { all_reduce_(tensor, reduce_op, parsed, comm); });
+                 [&](Communicator& comm) {
+                   comm.set_wire_format(format);
+                   all_reduce_(tensor, reduce_op, parsed, comm);
+                 });
   return tensor;
 }
 
@@ -87,14 +92,20 @@ at::Tensor& all_gather_into_tensor_op(at::Tensor& output, const at::Tensor& inpu
 
 at::Tensor& reduce_scatter_tensor_op(at::Tensor& output, const at::Tensor& input, std::string_view op,
                                      std::string_view algorithm, const std::string& group_name,
-                                     std::string_view transport) {
+                                     std::string_view transport, std::string_view wire) {
   std::string error;
   const ReduceOp reduce_op = parse_or_note(parse_reduce_op, op, ReduceOp::kSum, error);
   const Algorithm parsed = parse_or_note(parse_algorithm, algorithm, Algorithm::kAuto, error);
+  const WireFormat format = parse_or_note(parse_wire_format, wire, WireFormat::kExact, error);
   run_collective(group_name, output.device().type(), transport, CollectiveKind::kReduceScatter, error,
-                 [&](Communicator& comm) { reduce_scatter_tensor_(output, input, reduce_op, parsed, comm); });
+                 [&](Communicator& comm) {
+                   comm.set_wire_format(format);
+                   reduce_scatter_tensor_(output, input, reduce_op, parsed, comm);
+                 });
   return output;
 }
+
+std::vector<std::string> wire_formats_op() { return wire_format_names(); }
 
 void barrier_op(const std::string& group_name, std::string_view transport) {
   run_collective(group_name, c10::kCPU, transport, CollectiveKind::kBarrier, {},

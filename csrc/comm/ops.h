@@ -11,8 +11,9 @@
 
 namespace ddpkit::comm {
 
+// `wire`: how the data crosses hosts, a name of kWireFormats (Note [Compressed crossing]).
 at::Tensor& all_reduce_op(at::Tensor& tensor, std::string_view op, std::string_view algorithm,
-                          const std::string& group_name, std::string_view transport);
+                          const std::string& group_name, std::string_view transport, std::string_view wire);
 at::Tensor& broadcast_op(at::Tensor& tensor, int64_t src, const std::string& group_name, std::string_view transport);
 at::Tensor& reduce_op(at::Tensor& tensor, int64_t dst, std::string_view op, const std::string& group_name,
                       std::string_view transport);
@@ -24,7 +25,7 @@ at::Tensor& all_gather_into_tensor_op(at::Tensor& output, const at::Tensor& inpu
                                       const std::string& group_name, std::string_view transport);
 at::Tensor& reduce_scatter_tensor_op(at::Tensor& output, const at::Tensor& input, std::string_view op,
                                      std::string_view algorithm, const std::string& group_name,
-                                     std::string_view transport);
+                                     std::string_view transport, std::string_view wire);
 void barrier_op(const std::string& group_name, std::string_view transport);
 // The collective `collective` (a name of kCollectiveNames) with meta tensors: its check alone, no
 // data (comm::meta_collective). `op` and `algorithm` are "" where the collective has none.
@@ -37,6 +38,8 @@ bool collective_checks_enabled_op();
 // [collectives, messages sent, bytes sent, peak buffered bytes] since the last reset, for this process.
 std::vector<int64_t> comm_counters_op();
 void reset_comm_counters_op();
+// The names of kWireFormats, in enum order (Note [Compressed crossing]).
+std::vector<std::string> wire_formats_op();
 std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory, bool hierarchical,
                                 std::string_view op);
 // The names the string arguments accept, from the C++ enums' name tables (Python reads them here).

@@ -416,7 +416,8 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
   const Clock::time_point deadline = Clock::now() + call_timeout_or(timeout_);
   struct Outgoing {
     FrameHeader header;
-    int64_t done = 0;  // bytes of header, first and second sent
+    int64_t done = 0;      // bytes of header, first and second sent
+    int64_t prepared = 0;  // data bytes prepare() has made (all of them without prepare)
   };
   struct Incoming {
     FrameHeader header{};
@@ -431,6 +432,8 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
   for (size_t i = 0; i < sends.size(); ++i) {
     TORCH_INTERNAL_ASSERT(sends[i].peer != rank_ && fds_.at(sends[i].peer) >= 0 && !sending[sends[i].peer]++);
     outgoing[i].header = {kFrameMagic, sequence, static_cast<uint64_t>(sends[i].first_bytes + sends[i].second_bytes)};
+    TORCH_INTERNAL_ASSERT(!sends[i].prepare || (sends[i].second_bytes == 0 && sends[i].prepare_step > 0));
+    outgoing[i].prepared = sends[i].prepare ? 0 : sends[i].first_bytes + sends[i].second_bytes;
     note_message_sent(sends[i].first_bytes + sends[i].second_bytes);
   }
   for (Recv& recv : recvs) {
@@ -459,6 +462,15 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
       Outgoing& out = outgoing[i];
       const Send& send = sends[i];
       while (out.done < send_total(i)) {
+        const int64_t data_sent = std::max<int64_t>(0, out.done - kHeaderBytes);
+        if (send.prepare && out.prepared <= data_sent && out.prepared < send.first_bytes) {
+          out.prepared = std::min(send.first_bytes, out.prepared + send.prepare_step);
+          try {
+            send.prepare(out.prepared);
+          } catch (const std::exception& e) {
+            give_up(-1, e.what());
+          }
+        }
         iovec parts[3];
         int count = 0;
         int64_t skip = out.done;
@@ -472,7 +484,7 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
           skip = 0;
         };
         add(&out.header, kHeaderBytes);
-        add(send.first, send.first_bytes);
+        add(send.first, send.prepare ? out.prepared : send.first_bytes);  // never past what is prepared
         add(send.second, send.second_bytes);
         msghdr message{};
         message.msg_iov = parts;

@@ -17,6 +17,7 @@ import torch
 import torch.distributed  # noqa: F401  (before _C: its backend class derives from torch's)
 
 from . import _C  # registers torch.ops.ddpkit.*
+from .backend import Options
 from .backend import register as _register_backend
 from .comm import (
     all_gather_into_tensor,
@@ -49,6 +50,7 @@ except PackageNotFoundError:  # the package imported from a source tree that pip
 __all__ = [
     "DistributedDataParallel",
     "GradientAccumulation",
+    "Options",
     "SyncBatchNorm",
     "all_gather_into_tensor",
     "all_reduce",

@@ -32,6 +32,7 @@ ALGORITHMS = tuple(torch.ops.ddpkit.algorithms())
 ONE_HOST_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "hierarchical")
 TRANSPORTS = tuple(torch.ops.ddpkit.transports())
 REDUCE_OPS = tuple(torch.ops.ddpkit.reduce_ops())
+WIRE_FORMATS = tuple(torch.ops.ddpkit.wire_formats())
 
 _DISTRIBUTED_AVAILABLE = dist.is_available()
 # torch's registry of groups, whose default group ``dist.group.WORLD`` reads through two properties.
@@ -97,20 +98,40 @@ def _op_name(op: str | dist.ReduceOp) -> str:
         return str(op).rsplit(".", 1)[-1].lower()  # RedOpType.PRODUCT -> "product"
 
 
+# The wire formats of Note [Compressed crossing] (csrc/comm/wire_format.h) by the dtype that names them.
+_WIRE_FORMATS = {None: "exact", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def wire_format(cross_host_dtype: torch.dtype | None) -> str:
+    """The name of the wire format that carries a float32 sum or mean across hosts in
+    ``cross_host_dtype`` (None: exact, the default); raises ValueError for any other dtype."""
+    try:
+        return _WIRE_FORMATS[cross_host_dtype]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"ddpkit: cross_host_dtype must be None, torch.bfloat16 or torch.float16, got {cross_host_dtype!r}"
+        ) from None
+
+
 def all_reduce(
     tensor: Tensor,
     op: str | dist.ReduceOp = "sum",
     algorithm: str = "auto",
     group: dist.ProcessGroup | None = None,
     transport: str = "auto",
+    cross_host_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Reduces ``tensor`` across all ranks in place; every rank ends with the same bits."""
-    op, name = _op_name(op), group_name(group)
+    """Reduces ``tensor`` across all ranks in place; every rank ends with the same bits.
+
+    ``cross_host_dtype`` (torch.bfloat16 or torch.float16) sends a float32 sum or mean across hosts in
+    that dtype, half the bytes, while the steps inside a host keep full precision (Note [Compressed
+    crossing] in csrc/comm/wire_format.h: what is rounded where); every rank must pass the same."""
+    op, name, wire = _op_name(op), group_name(group), wire_format(cross_host_dtype)
     # Eager calls skip the dispatcher where it would do nothing (Note [Eager calls past the
     # dispatcher]); torch.compile traces _all_reduce_in_graph in the binding's place (Note
     # [Collectives under torch.compile]).
-    if not _all_reduce_eager(tensor, op, algorithm, name, transport):
-        torch.ops.ddpkit.all_reduce_.default(tensor, op, algorithm, name, transport)
+    if not _all_reduce_eager(tensor, op, algorithm, name, transport, wire):
+        torch.ops.ddpkit.all_reduce_.default(tensor, op, algorithm, name, transport, wire)
     return tensor
 
 
@@ -157,13 +178,13 @@ def _eagerly_under_compile(function: Callable) -> Callable:
     return call
 
 
-def _all_reduce_op(tensor: Tensor, op: str, algorithm: str, group_name: str, transport: str) -> None:
-    torch.ops.ddpkit.all_reduce_.default(tensor, op, algorithm, group_name, transport)
+def _all_reduce_op(tensor: Tensor, op: str, algorithm: str, group_name: str, transport: str, wire: str) -> None:
+    torch.ops.ddpkit.all_reduce_.default(tensor, op, algorithm, group_name, transport, wire)
 
 
-def _all_reduce_in_graph(tensor: Tensor, op: str, algorithm: str, group_name: str, transport: str) -> bool:
+def _all_reduce_in_graph(tensor: Tensor, op: str, algorithm: str, group_name: str, transport: str, wire: str) -> bool:
     """What torch.compile traces where eager code calls the binding: the op, run eagerly."""
-    _all_reduce_op(tensor, op, algorithm, group_name, transport)
+    _all_reduce_op(tensor, op, algorithm, group_name, transport, wire)
     return True
 
 
@@ -236,10 +257,12 @@ def reduce_scatter_tensor(
     group: dist.ProcessGroup | None = None,
     algorithm: str = "auto",
     transport: str = "auto",
+    cross_host_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """Writes the reduction over ranks of block ``rank`` of ``input`` into ``output``; ``input`` is unchanged."""
+    """Writes the reduction over ranks of block ``rank`` of ``input`` into ``output``; ``input`` is unchanged.
+    ``cross_host_dtype`` as all_reduce's."""
     return torch.ops.ddpkit.reduce_scatter_tensor_.default(
-        output, input, _op_name(op), algorithm, group_name(group), transport
+        output, input, _op_name(op), algorithm, group_name(group), transport, wire_format(cross_host_dtype)
     )
 
 

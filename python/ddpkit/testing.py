@@ -13,6 +13,7 @@ points the tests arm with DDPKIT_TEST_FAULT and the host split of DDPKIT_TEST_HO
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -284,6 +286,94 @@ class HostPool(WorkerPool):
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+# --- torchft replica groups on simulated hosts ----------------------------------------------------------
+
+_LIGHTHOUSE = """
+import sys
+from torchft._torchft import LighthouseServer
+server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms={join_ms}, quorum_tick_ms=20,
+                          heartbeat_timeout_ms={heartbeat_ms})
+print(server.address().rsplit(":", 1)[1], flush=True)
+sys.stdin.read()
+server.shutdown()
+"""
+
+
+@contextlib.contextmanager
+def torchft_hosts(
+    folder: Path, hosts: int, host_of, rate: str | None = None, heartbeat_ms: int = 700, join_ms: int = 400
+):
+    """`hosts` simulated hosts (HostPool's network and namespaces, links shaped to `rate` where given)
+    for torchft replica groups, a lighthouse on host 0 (heartbeat and join timeouts in ms: the tests'
+    settings by default). Yields the `launch` of benchmarks/ft_replica.py's ReplicaGroups that runs
+    replica r on host `host_of(r)`, with a private /dev/shm and hostname there, its store at that
+    host's address and TORCHFT_LIGHTHOUSE set."""
+    pool = HostPool([1] * hosts, rate=rate)
+    lighthouse = None
+    try:
+        pool._make_network()
+        namespaces = [pool._host_namespace(h) for h in range(hosts)]
+        address = [f"{HostPool.SUBNET}.{h + 1}" for h in range(hosts)]
+        lighthouse = subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                namespaces[0],
+                sys.executable,
+                "-c",
+                _LIGHTHOUSE.format(join_ms=join_ms, heartbeat_ms=heartbeat_ms),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        port = int(lighthouse.stdout.readline())
+        # torchft's checkpoint server names itself by the host's name: each host resolves every name.
+        names = folder / "hosts"
+        names.write_text("127.0.0.1 localhost\n" + "".join(f"{a} ft-host{h}\n" for h, a in enumerate(address)))
+        # No name server is reachable from a simulated host: a lookup must fail at once, not time out.
+        resolv = folder / "resolv.conf"
+        resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+
+        def on_host(replica: int, argv: list, env: dict) -> tuple:
+            host = host_of(replica)
+            env = {
+                **env,
+                "MASTER_ADDR": address[host],
+                "FT_HOSTNAME": address[host],
+                "GLOO_SOCKET_IFNAME": "dkh",
+                "TORCHFT_LIGHTHOUSE": f"http://{address[0]}:{port}",
+            }
+            script = (
+                f"mount -t tmpfs tmpfs /dev/shm && mount --bind {shlex.quote(str(names))} /etc/hosts && "
+                f"mount --bind {shlex.quote(str(resolv))} /etc/resolv.conf && "
+                f"hostname ft-host{host} && exec {shlex.join(argv)}"
+            )
+            return [
+                "ip",
+                "netns",
+                "exec",
+                namespaces[host],
+                "unshare",
+                "-m",
+                "-u",
+                "--fork",
+                "--kill-child",
+                "sh",
+                "-c",
+                script,
+            ], env
+
+        yield on_host
+    finally:
+        if lighthouse is not None:
+            os.killpg(lighthouse.pid, signal.SIGKILL)
+            lighthouse.wait()
+        pool.kill()
 
 
 class _PlainConnection:

@@ -65,13 +65,19 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
             second inner gloo group that each quorum then connects too. Off by default (torchft's
             default checkpoint transport is HTTP): a quorum change connects one group, and ``send``
             and ``recv`` raise.
+        cross_host_dtype: torch.bfloat16 or torch.float16 sends the replicas' float32 all-reduces
+            across hosts in that dtype (ddpkit.Options; Note [Compressed crossing]). None: exact.
     """
 
     def __init__(
-        self, timeout: datetime.timedelta = datetime.timedelta(seconds=60), point_to_point: bool = False
+        self,
+        timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+        point_to_point: bool = False,
+        cross_host_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(timeout=timeout)
         self._point_to_point = point_to_point
+        self._options = _backend.Options(cross_host_dtype=cross_host_dtype)
         self._error_lock = threading.Lock()
         self._error: Exception | None = None
         self._generation = 0
@@ -113,7 +119,9 @@ class ProcessGroupDdpkit(ProcessGroupWrapper):
     def _create_pg(self, store: dist.Store, rank: int, world_size: int) -> dist.ProcessGroup:
         pg = dist.ProcessGroup(store, rank, world_size)
         pg._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
-        inner = _backend._create(store, rank, world_size, self._timeout, point_to_point=self._point_to_point)
+        inner = _backend._create(
+            store, rank, world_size, self._timeout, point_to_point=self._point_to_point, options=self._options
+        )
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, inner)
         # The engine names its group in every error; the quorum id tells the quorums apart (alike on
         # every rank of one quorum, as the name must be).

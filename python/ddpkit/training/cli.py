@@ -40,7 +40,7 @@ from pathlib import Path
 from .. import comm
 from ..ddp import GRAD_SYNC_MODES
 from ..launch import DEFAULT_GROUP_TIMEOUT_S, DistInfo, init_distributed
-from .config import TrainConfig
+from .config import COMM_HOOKS, TrainConfig
 from .data import DATA_ROOT, DATASETS, FASHION_MNIST_ROOT, dataset_name
 from .models import MODELS
 
@@ -219,6 +219,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
         "--algorithm",
         choices=comm.ALGORITHMS,
         help=f"ddpkit's all-reduce algorithm, --impl ddpkit only (default: {defaults.algorithm})",
+    )
+    parser.add_argument(
+        "--comm-hook",
+        choices=COMM_HOOKS,
+        default=defaults.comm_hook,
+        help="a communication hook on the DDP: bf16_crossing sends the gradients' bytes across hosts in "
+        "bfloat16 (ddpkit.Options), bf16_compress is torch's bf16_compress_hook (every step, in bfloat16)",
     )
     parser.add_argument(
         "--epochs",

@@ -17,6 +17,13 @@ class UsageError(ValueError):
     one line on rank 0, and exits with status 1."""
 
 
+# The communication hooks a run may register on its DDP (--comm-hook): "bf16_crossing", torch's
+# allreduce_hook on a "ddpkit" group whose float32 sums cross hosts in bfloat16 (ddpkit.Options: Note
+# [Compressed crossing]); "bf16_compress", torch's bf16_compress_hook, which rounds every gradient to
+# bfloat16 before an all-reduce of bfloat16, inside hosts too.
+COMM_HOOKS = ("none", "bf16_crossing", "bf16_compress")
+
+
 @dataclasses.dataclass
 class TrainConfig:
     dataset: str = "fashion_mnist"  # the one scripts/setup.sh installs
@@ -27,6 +34,7 @@ class TrainConfig:
     sync_bn: bool = True
     grad_sync: str = "bucketed"
     algorithm: str = DEFAULT_ALGORITHM
+    comm_hook: str = "none"  # COMM_HOOKS
     epochs: int = 10
     batch_size: int = 64  # per rank and micro-batch
     global_batch_size: int | None = None  # per optimizer step; overrides batch_size
@@ -58,6 +66,7 @@ RUN_DEFINING = (
     "sync_bn",
     "grad_sync",
     "algorithm",
+    "comm_hook",
     "epochs",
     "batch_size",
     "global_batch_size",

@@ -25,9 +25,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import comm
 from ..atomic import write_atomically
+from ..backend import Options
 from ..ddp import DistributedDataParallel, GradientAccumulation, _broadcast_tensors
 from ..launch import DistInfo
 from .cli import init_from_args, parse_args
@@ -205,10 +207,21 @@ def convert_batch_norm(model: nn.Module, batch_norm: str) -> nn.Module:
 
 
 def wrap_data_parallel(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
-    """ddpkit's DistributedDataParallel (--impl ddpkit) or torch's (--impl torch) around ``model``."""
+    """ddpkit's DistributedDataParallel (--impl ddpkit) or torch's (--impl torch) around ``model``, with
+    the communication hook of --comm-hook (COMM_HOOKS)."""
     if config.impl == "ddpkit":
-        return DistributedDataParallel(model, grad_sync=config.grad_sync, algorithm=config.algorithm)
-    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        wrapped = DistributedDataParallel(model, grad_sync=config.grad_sync, algorithm=config.algorithm)
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if config.comm_hook == "bf16_crossing":
+        # Collective: every rank makes the group.
+        crossing = dist.new_group(backend="ddpkit", pg_options=Options(cross_host_dtype=torch.bfloat16))
+        wrapped.register_comm_hook(crossing, default_hooks.allreduce_hook)
+    elif config.comm_hook == "bf16_compress":
+        wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return wrapped
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,178 @@
+#include "comm/socket_ring.h"
+
+#include "comm/arguments.h"
+#include "comm/reduce_kernel.h"
+
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+namespace ddpkit::comm {
+namespace {
+
+// A part of Note [A ring across hosts]: reduced as it lands, as the pair's swap does (its
+// kSwapStepBytes, measured there; bench_multihost.py's 3x1 and 4x1 points time the ring).
+constexpr int64_t kRingPartBytes = 256 << 10;
+
+int wrap(int i, int n) { return ((i % n) + n) % n; }
+
+// Elements [begin, end) of a tensor: one block of the ring.
+struct Span {
+  int64_t begin;
+  int64_t end;
+  int64_t size() const { return end - begin; }
+};
+
+// `numel` elements in n blocks differing by at most one element.
+std::vector<Span> even_blocks(int64_t numel, int n) {
+  std::vector<Span> blocks(n);
+  for (int b = 0; b < n; ++b) blocks[b] = {b * numel / n, (b + 1) * numel / n};
+  return blocks;
+}
+
+// n blocks of m elements.
+std::vector<Span> blocks_of(int64_t m, int n) {
+  std::vector<Span> blocks(n);
+  for (int b = 0; b < n; ++b) blocks[b] = {b * m, (b + 1) * m};
+  return blocks;
+}
+
+int64_t largest(const std::vector<Span>& blocks) {
+  int64_t most = 0;
+  for (const Span& b : blocks) most = std::max(most, b.size());
+  return most;
+}
+
+at::Tensor part(const at::Tensor& flat, const Span& span) { return slice(flat, span.begin, span.end); }
+
+// One step: `out` to the right neighbour while the left one's frame of exactly `in`'s size arrives
+// into `in`; `on_part(elements)` is called as the first `elements` of it are in (null: not at all).
+// With `source`, `out` is written from it as it goes out (Links::Send's prepare: an encoded
+// frame whose encoding overlaps the transfer).
+void step(Links& links, uint64_t sequence, const at::Tensor& out, const at::Tensor& in,
+          std::function<void(int64_t)> on_part, const at::Tensor& source = at::Tensor()) {
+  const int n = links.size(), r = links.rank();
+  const int64_t element = in.element_size();
+  const auto in_bytes = static_cast<int64_t>(in.nbytes());
+  std::function<void(int64_t)> on_data;
+  if (on_part) on_data = [&on_part, element](int64_t bytes) { on_part(bytes / element); };
+  std::function<void(int64_t)> prepare;
+  int64_t written = 0;  // elements of `source` in `out`
+  if (source.defined()) {
+    prepare = [&](int64_t bytes) {
+      const int64_t upto = bytes / out.element_size();
+      slice(out, written, upto).copy_(slice(source, written, upto));
+      written = upto;
+    };
+  }
+  std::vector<Links::Send> sends{
+      {wrap(r + 1, n), out.data_ptr(), static_cast<int64_t>(out.nbytes()), nullptr, 0, prepare, kRingPartBytes}};
+  std::vector<Links::Recv> recvs{
+      {wrap(r - 1, n), in.data_ptr(), in_bytes, 0, std::move(on_data), kRingPartBytes, in_bytes}};
+  links.exchange(sequence, std::move(sends), recvs);
+}
+
+// The reduce-scatter of Note [A ring across hosts] over `blocks` of `flat`: afterwards this rank's
+// block is reduced over every rank. With `wire` compressing, frames go through `wired` (flat's
+// layout in the wire's dtype): parts are decoded into a float32 scratch before they are reduced,
+// and each reduced part is encoded at once for the next step's frame, so that the rounding overlaps
+// the transfer. `round_own`: this rank's finished block too, encoded and taken back rounded (the
+// all-reduce's, whose all-gather sends it so: Note [Compressed crossing]).
+void reduce_scatter_blocks(Links& links, uint64_t sequence, const at::Tensor& flat, const std::vector<Span>& blocks,
+                           ReduceOp op, bool compressed, const at::Tensor& wired, bool round_own,
+                           ScratchBuffers& scratch) {
+  const int n = links.size(), r = links.rank();
+  const ReduceOp sum_or_op = accumulating_op(op);
+  const int64_t most = largest(blocks);
+  const at::Tensor incoming =
+      compressed ? at::Tensor() : scratch.get(ScratchBuffers::kFromPeer, most, flat.scalar_type());
+  const at::Tensor decoded = compressed ? scratch.get(ScratchBuffers::kDecoded, most, at::kFloat) : at::Tensor();
+  for (int s = 0; s < n - 1; ++s) {
+    const Span& sent = blocks[wrap(r - 1 - s, n)];
+    const Span& received = blocks[wrap(r - 2 - s, n)];
+    const at::Tensor mine = part(flat, received);
+    at::Tensor out = part(flat, sent);
+    const at::Tensor in = compressed ? part(wired, received) : incoming.narrow(0, 0, received.size());
+    // The partial result, rounded as it leaves: the first step's is this rank's own block, encoded as
+    // it goes out; the later ones' were encoded as they were reduced.
+    at::Tensor source;
+    if (compressed) {
+      if (s == 0) source = out;
+      out = part(wired, sent);
+    }
+    const bool last = s == n - 2;
+    int64_t reduced = 0;
+    auto reduce_ready = [&](int64_t ready) {
+      at::Tensor theirs = slice(in, reduced, ready);
+      if (compressed) theirs = decoded.narrow(0, 0, ready - reduced).copy_(theirs);
+      const at::Tensor result = slice(mine, reduced, ready);
+      combine_(result, theirs, sum_or_op, /*other_first=*/true);
+      if (compressed && (!last || round_own)) {
+        // `in`'s part is decoded already: its place takes the encoded result.
+        slice(in, reduced, ready).copy_(result);
+        if (last) result.copy_(slice(in, reduced, ready));
+      }
+      reduced = ready;
+    };
+    step(links, sequence, out, in, reduce_ready, source);
+    TORCH_INTERNAL_ASSERT(reduced == mine.numel());
+  }
+}
+
+// The all-gather of Note [A ring across hosts] over `blocks` of `flat`, this rank's block finished.
+// With `wire` compressing, the frames carry `wired`'s bytes: the owner's block is there already,
+// rounded (reduce_scatter_blocks' round_own), and the others decode each block as it lands and
+// forward its bytes.
+void all_gather_blocks(Links& links, uint64_t sequence, const at::Tensor& flat, const std::vector<Span>& blocks,
+                       bool compressed, const at::Tensor& wired) {
+  const int n = links.size(), r = links.rank();
+  const at::Tensor& frames = compressed ? wired : flat;
+  for (int s = 0; s < n - 1; ++s) {
+    const Span& received = blocks[wrap(r - 1 - s, n)];
+    const at::Tensor in = part(frames, received);
+    std::function<void(int64_t)> decode;
+    int64_t decoded = 0;
+    if (compressed) {
+      const at::Tensor into = part(flat, received);
+      decode = [&, into](int64_t ready) {
+        slice(into, decoded, ready).copy_(slice(in, decoded, ready));
+        decoded = ready;
+      };
+    }
+    step(links, sequence, part(frames, blocks[wrap(r - s, n)]), in, decode);
+    TORCH_INTERNAL_ASSERT(!compressed || decoded == received.size());
+  }
+}
+
+}  // namespace
+
+void ring_all_reduce(Links& links, uint64_t sequence, const at::Tensor& flat, ReduceOp op, WireFormat wire,
+                     ScratchBuffers& scratch) {
+  TORCH_INTERNAL_ASSERT(flat.is_contiguous() && links.size() >= 2);
+  if (flat.numel() == 0) return;
+  const bool compressed = compresses(wire, flat, op);
+  const at::Tensor wired =
+      compressed ? scratch.get(ScratchBuffers::kWire, flat.numel(), wire_dtype(wire)) : at::Tensor();
+  const std::vector<Span> blocks = even_blocks(flat.numel(), links.size());
+  reduce_scatter_blocks(links, sequence, flat, blocks, op, compressed, wired, /*round_own=*/true, scratch);
+  all_gather_blocks(links, sequence, flat, blocks, compressed, wired);
+}
+
+void ring_reduce_scatter(Links& links, uint64_t sequence, const at::Tensor& run, int64_t m, ReduceOp op,
+                         WireFormat wire, ScratchBuffers& scratch) {
+  TORCH_INTERNAL_ASSERT(run.is_contiguous() && run.numel() == m * links.size());
+  if (m == 0) return;
+  const bool compressed = compresses(wire, run, op);
+  const at::Tensor wired =
+      compressed ? scratch.get(ScratchBuffers::kWire, run.numel(), wire_dtype(wire)) : at::Tensor();
+  reduce_scatter_blocks(links, sequence, run, blocks_of(m, links.size()), op, compressed, wired, /*round_own=*/false,
+                        scratch);
+}
+
+void ring_all_gather(Links& links, uint64_t sequence, const at::Tensor& flat, int64_t m) {
+  TORCH_INTERNAL_ASSERT(flat.is_contiguous() && flat.numel() == m * links.size());
+  if (m == 0) return;
+  all_gather_blocks(links, sequence, flat, blocks_of(m, links.size()), /*compressed=*/false, at::Tensor());
+}
+
+}  // namespace ddpkit::comm

@@ -1,0 +1,51 @@
+#pragma once
+// What the bytes that cross hosts carry (Note [Compressed crossing]).
+
+#include "comm/reduce_op.h"
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <string_view>
+#include <vector>
+
+namespace ddpkit::comm {
+
+// Note [Compressed crossing]
+// Across hosts the link, not the CPU, bounds a large all-reduce (Note [A ring across hosts]: at a
+// shaped 1 Gbit/s both ddpkit and gloo fill it), so the only way past it is to send fewer bytes.
+// Opt-in, a float32 sum or mean may cross hosts as bfloat16 or float16: half the bytes on every
+// link, while the steps inside a host (shared memory) keep full precision. What is rounded where:
+//  - between two hosts (the swap), each host rounds its own contribution once and both add the two
+//    rounded blocks in host order;
+//  - on the ring, each partial result is rounded as it leaves a rank, and the finished block once
+//    more for the all-gather (its owner keeps the rounded value too).
+// So every rank ends with the same bits, and an element's error is at most one rounding per host
+// of a partial sum no larger than the sum of the ranks' magnitudes: relative 2^-8 each in bfloat16
+// (8 significant bits), 2^-11 in float16, whose narrower range makes bfloat16 the safer choice for
+// gradients (tests/test_compressed_crossing.py checks that bound against a float64 reference). Other
+// dtypes and ops, tensors small enough to cross in the check's round (Note [One round across
+// hosts]), and tensors that never cross hosts ignore the setting: they travel exact.
+enum class WireFormat : int { kExact = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct WireFormatName {
+  WireFormat format;
+  std::string_view name;
+};
+
+// One table for the enum (exported to Python as ddpkit.wire_formats()).
+inline constexpr std::array<WireFormatName, 3> kWireFormats{
+    {{WireFormat::kExact, "exact"}, {WireFormat::kBFloat16, "bfloat16"}, {WireFormat::kFloat16, "float16"}}};
+
+// The format of `name`; a caller error naming the formats otherwise.
+WireFormat parse_wire_format(std::string_view name);
+std::string_view wire_format_name(WireFormat format);
+std::vector<std::string> wire_format_names();
+
+// Whether `tensor` reduced with `op` crosses hosts in `format` (not exact): float32 sums and means.
+bool compresses(WireFormat format, const at::Tensor& tensor, ReduceOp op);
+
+// The dtype a compressing format puts on the wire.
+at::ScalarType wire_dtype(WireFormat format);
+
+}  // namespace ddpkit::comm
