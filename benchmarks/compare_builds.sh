@@ -5,12 +5,15 @@
 # the memory floor) alternately with the base build and with the tree's, ROUNDS times, and prints per
 # size the median over rounds of the tree's ddpkit time over the base's (each round's two runs back to
 # back, so drift hits both). Building both the same way keeps the testing build's fault points out of
-# the comparison.
+# the comparison. With --two-hosts (as root: simulated hosts), it then alternates the two builds the
+# same way on bench_multihost.py's all-reduce across two hosts (2x1 and 2x2, unshaped).
 #   bash benchmarks/compare_builds.sh ac93524 11      # about 3 minutes on 2 cores, plus the builds
+#   bash benchmarks/compare_builds.sh ac93524 11 --two-hosts
 set -euo pipefail
 cd "$(dirname "$0")/.."
-base=$(git rev-parse --short "${1:?usage: compare_builds.sh BASE_COMMIT [ROUNDS]}")
+base=$(git rev-parse --short "${1:?usage: compare_builds.sh BASE_COMMIT [ROUNDS] [--two-hosts]}")
 rounds=${2:-11}
+two_hosts=${3:-}
 stash=$(git stash create)  # empty when the tree has no uncommitted changes
 tree=$(git rev-parse --short "${stash:-HEAD}")
 release_venv() {  # COMMIT -> the path of a venv with COMMIT's release build, made once
@@ -53,4 +56,32 @@ for numel in sorted({numel for _, numel in runs[0][0]}):
           f"{med([b[('ddpkit', numel)] for b, _ in runs]) * 1e6:>8.1f}us  {med([t[('ddpkit', numel)] for _, t in runs]) * 1e6:>8.1f}us  "
           f"{med([b[('ddpkit', numel)] / b[('gloo', numel)] for b, _ in runs]):>9.3f}  "
           f"{med([t[('ddpkit', numel)] / t[('gloo', numel)] for _, t in runs]):>9.3f}")
+PY
+[ "$two_hosts" = --two-hosts ] || exit 0
+for round in $(seq 1 "$rounds"); do
+  for build in base tree; do
+    py=$tree_py; [ $build = base ] && py=$base_py
+    DDPKIT_RESULTS_DIR="$work/hosts-$build-$round" $py benchmarks/bench_multihost.py --topologies 2x1 2x2 \
+      --links unshaped --collectives all_reduce --candidates ddpkit --sizes 1000 100000 1000000 --no-ddp \
+      > "$work/hosts-$build-$round.log" 2>&1
+  done
+  echo "two hosts: round $round of $rounds done"
+done
+"$tree_py" - "$work" "$rounds" "$base" "$tree" <<'PY'
+import json, statistics, sys
+work, rounds, base, tree = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+def times(path):
+    return {(r["topology"], r["candidate"], r["numel"]): r["median_s"] for r in json.load(open(path))["records"]
+            if r.get("kind") == "multihost_all_reduce"}
+runs = [(times(f"{work}/hosts-base-{i}/multihost.json"), times(f"{work}/hosts-tree-{i}/multihost.json"))
+        for i in range(1, rounds + 1)]
+med = statistics.median
+print(f"\nddpkit all-reduce across two hosts, this tree ({tree}) against {base}: medians over {rounds} rounds")
+print(f"{'topology':>8}  {'floats':>8}  {'tree/base':>9}  {'rounds min-max':>14}  {'base/gloo':>9}  {'tree/gloo':>9}")
+for key in sorted(k for k in runs[0][0] if k[1] == "ddpkit"):
+    topology, _, numel = key
+    gloo = (topology, "gloo", numel)
+    ratio = [t[key] / b[key] for b, t in runs]
+    print(f"{topology:>8}  {numel:>8}  {med(ratio):>8.3f}x  {min(ratio):>6.2f}-{max(ratio):<6.2f}  "
+          f"{med([b[key] / b[gloo] for b, _ in runs]):>9.3f}  {med([t[key] / t[gloo] for _, t in runs]):>9.3f}")
 PY
