@@ -3,8 +3,9 @@
 
 A module is a header and its source file together (foo.h and foo.cpp), so that a header declaring
 what a source file of another module defines, while that module includes the first, shows as the
-cycle it is. Prints the modules in dependency order (each after everything it includes) and exits 0,
-or prints a cycle and exits 1.
+cycle it is. Prints the modules in dependency order (each after everything it includes, with its
+floor: 1 for a module that includes none of the folder's, else one above the highest it includes) and
+exits 0, or prints a cycle and exits 1.
     python3 scripts/check_includes.py [csrc/comm]
 """
 
@@ -66,6 +67,14 @@ def topological_order(graph: dict[str, set[str]]) -> list[str]:
     return order
 
 
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's floor, for an acyclic graph."""
+    floor: dict[str, int] = {}
+    for node in topological_order(graph):
+        floor[node] = 1 + max((floor[child] for child in graph[node]), default=0)
+    return floor
+
+
 def main() -> int:
     folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "csrc" / "comm"
     graph = module_graph(folder)
@@ -73,9 +82,12 @@ def main() -> int:
     if cycle:
         print(f"check_includes: include cycle in {folder}: " + " -> ".join(cycle))
         return 1
+    floor = floors(graph)
     for node in topological_order(graph):
-        print(f"  {node:<18} includes {', '.join(sorted(graph[node])) or '-'}")
-    print(f"check_includes: {len(graph)} modules of {folder}, no include cycle")
+        print(f"  {floor[node]:>2} {node:<18} includes {', '.join(sorted(graph[node])) or '-'}")
+    print(
+        f"check_includes: {len(graph)} modules of {folder} on {max(floor.values(), default=0)} floors, no include cycle"
+    )
     return 0
 
 

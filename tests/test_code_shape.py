@@ -32,6 +32,17 @@ def test_a_cycle_is_found(tmp_path):
     assert "a -> b -> a" in result.stdout
 
 
+def test_floors_count_the_longest_include_chain(tmp_path):
+    (tmp_path / "a.h").write_text('#include "comm/b.h"\n#include "comm/c.h"\n')
+    (tmp_path / "b.h").write_text('#include "comm/c.h"\n')
+    (tmp_path / "c.h").write_text("#pragma once\n")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_includes.py"), str(tmp_path)], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout
+    assert "3 modules" in result.stdout and "on 3 floors" in result.stdout
+
+
 def test_no_source_file_is_over_the_limit():
     sources = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in {".cpp", ".h", ".cu", ".cuh"}]
     long = {str(p.relative_to(ROOT)): n for p in sources if (n := len(p.read_text().splitlines())) > SOURCE_LINES_LIMIT}
