@@ -203,6 +203,25 @@ def test_a_rank_killed_on_a_third_host_is_reported_by_both_others():
         assert "rank 2" in str(outcomes[rank]), f"rank {rank}: {outcomes[rank]}"
 
 
+@needs_hosts
+@pytest.mark.parametrize("ranks_per_host", [[1, 1, 1], [1, 1, 1, 1]], ids=["3x1", "4x1"])
+def test_a_rank_killed_in_the_middle_of_a_ring_step_is_named_on_every_host(ranks_per_host):
+    # Rank 1 dies as its second ring step across hosts starts (die_in_ring_step): its partners have
+    # finished the first step with it. The ring's neighbours lose their connection to it; every other
+    # rank learns which rank failed, not a timeout.
+    pool = HostPool(ranks_per_host, group_timeout=GROUP_TIMEOUT_S, env={"DDPKIT_TEST_FAULT": "die_in_ring_step:1"})
+    try:
+        outcomes = pool.run(case_all_reduces, 3, 1_000_000, return_exceptions=True, timeout=4 * GROUP_TIMEOUT_S)
+    finally:
+        pool.close()
+    assert isinstance(outcomes[1], WorkerFailure)
+    for rank in [0, *range(2, len(ranks_per_host))]:
+        assert isinstance(outcomes[rank], RuntimeError), f"rank {rank}: {outcomes[rank]!r}"
+        assert "rank 1" in str(outcomes[rank]) and "timed out" not in str(outcomes[rank]).lower(), (
+            f"rank {rank}: {outcomes[rank]}"
+        )
+
+
 def case_swapped_blocks(numel):
     """Large all-reduces, reduce-scatters and reduces whose step across two hosts goes over the socket
     links (Note [Socket links]): random floats with NaNs and signed zeros on some ranks, and integers,

@@ -32,6 +32,11 @@ namespace {
 constexpr uint64_t kRecordMagic = 0x64646b6c696e6b31ULL;  // "ddklink1"
 constexpr uint64_t kAckMagic = 0x64646b61636b6564ULL;     // "ddkacked"
 constexpr uint64_t kFrameMagic = 0x64646b6672616d65ULL;   // "ddkframe"
+constexpr uint64_t kNewsMagic = 0x64646b6e65777321ULL;    // "ddknews!": its bytes field names a failed rank
+
+// How long a rank that gives up spends finishing its frames cut halfway and sending the news
+// (Note [News of a failure]), within the exchange's deadline.
+constexpr std::chrono::seconds kNewsWithin{1};
 
 using Clock = std::chrono::steady_clock;
 
@@ -440,17 +445,55 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     TORCH_INTERNAL_ASSERT(recv.peer != rank_ && fds_.at(recv.peer) >= 0 && !receiving[recv.peer]++);
     recv.received = 0;
   }
+  auto send_total = [&](size_t i) { return kHeaderBytes + static_cast<int64_t>(outgoing[i].header.bytes); };
+  // Sends the rest of frame `i`, cut halfway, by `until`; false when it cannot.
+  auto finish = [&](size_t i, Clock::time_point until) noexcept {
+    const Send& send = sends[i];
+    Outgoing& out = outgoing[i];
+    try {
+      if (send.prepare && out.prepared < send.first_bytes) send.prepare(send.first_bytes);
+      const std::string whom = c10::str("rank ", group_ranks_[send.peer]);
+      int64_t skip = out.done;
+      for (auto [data, bytes] : {std::pair<const void*, int64_t>{&out.header, kHeaderBytes},
+                                 {send.first, send.first_bytes},
+                                 {send.second, send.second_bytes}}) {
+        if (skip < bytes) {
+          write_all(fds_[send.peer], static_cast<const char*>(data) + skip, static_cast<size_t>(bytes - skip), until,
+                    whom);
+        }
+        skip = std::max<int64_t>(0, skip - bytes);
+      }
+      return true;
+    } catch (const std::exception&) {
+      return false;
+    }
+  };
   // Gives up this exchange over `peer`'s failure (-1: this rank's own), cutting off the peers whose
-  // frame from this rank stopped halfway.
-  auto give_up = [&](int peer, const std::string& why) {
+  // frame from this rank stopped halfway. With `failed_rank` (a rank of the caller's group, or -1),
+  // tells every other peer first that it failed (Note [News of a failure]).
+  auto give_up = [&](int peer, const std::string& why, int64_t failed_rank = -1) {
     std::vector<int> cut_off;
+    const Clock::time_point until = std::min(deadline, Clock::now() + kNewsWithin);
     for (size_t i = 0; i < sends.size(); ++i) {
-      const int64_t total = kHeaderBytes + static_cast<int64_t>(outgoing[i].header.bytes);
-      if (outgoing[i].done > 0 && outgoing[i].done < total) cut_off.push_back(sends[i].peer);
+      const bool halfway = outgoing[i].done > 0 && outgoing[i].done < send_total(i);
+      if (halfway && (failed_rank < 0 || sends[i].peer == peer || !finish(i, until))) cut_off.push_back(sends[i].peer);
+    }
+    if (failed_rank >= 0) {
+      const FrameHeader news{kNewsMagic, sequence, static_cast<uint64_t>(failed_rank)};
+      for (int other = 0; other < size(); ++other) {
+        if (other == rank_ || other == peer || fds_[other] < 0 ||
+            std::find(cut_off.begin(), cut_off.end(), other) != cut_off.end())
+          continue;
+        try {
+          write_all(fds_[other], &news, sizeof(news), until, c10::str("rank ", group_ranks_[other]));
+        } catch (const std::exception&) {
+        }
+      }
     }
     fail(peer, why, cut_off);
   };
-  auto send_total = [&](size_t i) { return kHeaderBytes + static_cast<int64_t>(outgoing[i].header.bytes); };
+  // Gives up over `peer`'s failure, telling the others.
+  auto peer_failed = [&](int peer, const std::string& why) { give_up(peer, why, group_ranks_[peer]); };
   auto recv_total = [&](size_t i) {
     return incoming[i].done < kHeaderBytes ? kHeaderBytes + 1
                                            : kHeaderBytes + static_cast<int64_t>(incoming[i].header.bytes);
@@ -493,7 +536,7 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
         if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         if (sent < 0 && errno == EINTR) continue;
         if (sent < 0)
-          give_up(send.peer, c10::str("sending to rank ", group_ranks_[send.peer], " failed: ", errno_text()));
+          peer_failed(send.peer, c10::str("sending to rank ", group_ranks_[send.peer], " failed: ", errno_text()));
         out.done += sent;
       }
       if (out.done < send_total(i)) ++unfinished;
@@ -509,14 +552,22 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
         if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         if (got < 0 && errno == EINTR) continue;
         if (got == 0) {
-          give_up(recv.peer, c10::str("rank ", group_ranks_[recv.peer],
-                                      " closed its connection: its process died or gave up this collective"));
+          peer_failed(recv.peer, c10::str("rank ", group_ranks_[recv.peer],
+                                          " closed its connection: its process died or gave up this collective"));
         }
         if (got < 0)
-          give_up(recv.peer, c10::str("receiving from rank ", group_ranks_[recv.peer], " failed: ", errno_text()));
+          peer_failed(recv.peer, c10::str("receiving from rank ", group_ranks_[recv.peer], " failed: ", errno_text()));
         in.done += got;
         if (in.done == kHeaderBytes) {
           const FrameHeader& header = in.header;
+          if (header.magic == kNewsMagic) {
+            // Another rank failed; the messenger gave up over it (Note [News of a failure]).
+            const auto failed = static_cast<int64_t>(header.bytes);
+            const auto known = std::find(group_ranks_.begin(), group_ranks_.end(), failed);
+            const int peer = known == group_ranks_.end() ? recv.peer : static_cast<int>(known - group_ranks_.begin());
+            give_up(peer, c10::str("rank ", failed, " failed or died (rank ", group_ranks_[recv.peer], " reported it)"),
+                    failed);
+          }
           if (header.magic != kFrameMagic || header.sequence != sequence ||
               header.bytes > static_cast<uint64_t>(recv.capacity) ||
               header.bytes < static_cast<uint64_t>(recv.minimum)) {
@@ -571,8 +622,8 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     if (ready < 0 && errno == EINTR) continue;
     if (ready < 0) give_up(-1, c10::str("poll failed: ", errno_text()));
     if (ready == 0) {
-      give_up(waiting_peer.front(), c10::str("timed out after ", call_timeout_or(timeout_).count(),
-                                             " ms waiting for rank ", group_ranks_[waiting_peer.front()]));
+      peer_failed(waiting_peer.front(), c10::str("timed out after ", call_timeout_or(timeout_).count(),
+                                                 " ms waiting for rank ", group_ranks_[waiting_peer.front()]));
     }
   }
 }

@@ -21,9 +21,9 @@ namespace ddpkit::comm {
 // and it slowed gloo's own next all-reduce (gloo's pairs hand late sends to their device thread),
 // which the plain connection left alone (a ping-pong probe between two simulated hosts decided it;
 // bench_multihost.py's small all-reduces across hosts measure what it serves). So the ranks of a
-// cross subgroup (Hierarchy::cross) keep one TCP connection per pair for the check's round, and
-// between two hosts for every step across hosts too (Note [Hierarchical collectives]); among more
-// hosts the data steps stay on gloo.
+// cross subgroup (Hierarchy::cross) keep one TCP connection per pair for the check's round and for
+// the data steps across hosts: the swap between two hosts, the ring among more (Note [A ring across
+// hosts]; broadcast and reduce among three hosts or more stay on the gloo subgroup's messages).
 //  - Set-up, a collective of the cross subgroup: every rank listens on the address gloo uses (the
 //    first interface of GLOO_SOCKET_IFNAME, else its hostname's address, preferring one that is
 //    neither loopback nor link-local), and the ranks all-gather their address, port and a fresh
@@ -43,6 +43,17 @@ namespace ddpkit::comm {
 //    once (shutting the rest down), as gloo's pairs do. A rank whose own step fails elsewhere in a
 //    collective's data steps (a rank of its host lost) breaks its links too (break_off): it is alive,
 //    so its partners on other hosts would otherwise wait for its frames until the timeout.
+//
+// Note [News of a failure]
+// On a ring the rank that sees a peer die is its neighbour; the others would see only that neighbour
+// hang up, and name it. So a rank that gives up over a peer's failure (closed, a failed send or
+// receive, the timeout) first finishes any frame it had sent halfway to another peer (its data
+// never depends on the step's incoming frame, so it is the true frame) and then sends every other
+// peer a news frame naming the failed rank, each within a second, before it shuts the failed link.
+// A rank that reads news where it expected a frame gives up naming that rank ("rank 1 failed or died
+// (rank 2 reported it)") and passes the news on. A frame it could not finish in time is cut off as
+// before, and that peer names the messenger. tests/test_multihost.py's ring-step kill checks that
+// every host names the killed rank.
 // Where a rank listens for its links (Note [Socket links]): a socket on the address gloo uses, and
 // the fresh token a connecting rank must name; or why it could not listen, which the set-up tells
 // every rank instead of an address.

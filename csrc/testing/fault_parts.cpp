@@ -128,7 +128,7 @@ class FaultyHostTransport final : public Transport {
   std::unique_ptr<DyingDirect> dying_;
 };
 
-// ---- The links across hosts: links_cannot_listen, stray_links, stale_link_frame ----
+// ---- The links across hosts: links_cannot_listen, stray_links, stale_link_frame, die_in_ring_step ----
 
 // Links whose first frame sent carries the previous collective's sequence number.
 class StaleFrameLinks final : public Links {
@@ -153,6 +153,39 @@ class StaleFrameLinks final : public Links {
  private:
   std::shared_ptr<Links> inner_;
   bool stale_pending_ = true;
+};
+
+// Links whose rank SIGKILLs itself as it starts its second exchange of a ring's data (a frame of
+// more than kRingFrameBytes: the check's round carries less) in its first collective that has one:
+// its partners have finished the ring's first step with it and wait for its next frame.
+class DyingInRingLinks final : public Links {
+ public:
+  static constexpr int64_t kRingFrameBytes = 64 * 1024;
+
+  explicit DyingInRingLinks(std::shared_ptr<Links> inner) : inner_(std::move(inner)) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  void exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs) override {
+    const bool data = std::any_of(sends.begin(), sends.end(), [](const Send& send) {
+      return send.first_bytes + send.second_bytes > kRingFrameBytes;
+    });
+    if (data && (data_sequence_ == 0 || data_sequence_ == sequence)) {
+      data_sequence_ = sequence;
+      if (++data_steps_ == 2) die();
+    }
+    inner_->exchange(sequence, std::move(sends), recvs);
+  }
+  void shut_down() noexcept override { inner_->shut_down(); }
+  void break_off(const std::string& why) noexcept override { inner_->break_off(why); }
+  void send_last_words(uint64_t sequence, int peer, const void* data, int64_t bytes) noexcept override {
+    inner_->send_last_words(sequence, peer, data, bytes);
+  }
+  int failed_peer() const override { return inner_->failed_peer(); }
+
+ private:
+  std::shared_ptr<Links> inner_;
+  uint64_t data_sequence_ = 0;  // the first collective with a ring's data, once seen
+  int data_steps_ = 0;
 };
 
 // A connection to `listener`'s address: what stray_links queues before any rank can connect.
@@ -248,6 +281,7 @@ class FaultyParts final : public PartFactory {
     if (forged >= 0) ::close(forged);
     TORCH_CHECK(!strays || made->refused() == 2, "stray_links: set-up refused ", made->refused(), " of its 2 strays");
     if (fault_armed("stale_link_frame", me)) return std::make_shared<StaleFrameLinks>(std::move(made));
+    if (fault_armed("die_in_ring_step", me)) return std::make_shared<DyingInRingLinks>(std::move(made));
     return made;
   }
 };
