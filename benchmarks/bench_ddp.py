@@ -12,9 +12,11 @@ gradient communication at all, the least any data-parallel wrapper could take. C
 world group on the "ddpkit" backend (the hook's ``dist.all_reduce`` runs on ddpkit's engine), and on
 torch DDP over gloo; their bars (``BARS``, in each hook candidate's summary entry): ddpkit's DDP with
 ``allreduce_hook`` at most 1.05x ddpkit's DDP without a hook, and each hook on ddpkit's DDP no slower
-than the same hook on torch DDP. All start from the
-same weights and see the same synthetic batches; after a few steps their parameters must agree
-(else the run stops; ``floor`` does not average, so it is exempt) before anything is timed. Timing: blocks of steps alternate between the candidates (order rotating,
+than the same hook on torch DDP.
+
+All start from the same weights and see the same synthetic batches; after a few steps their
+parameters must agree (else the run stops; ``floor`` does not average, so it is exempt) before
+anything is timed. Timing: blocks of steps alternate between the candidates (order rotating,
 ``common.interleave``); a step is k micro-batches of forward+backward plus the optimizer step, its
 time is the slowest rank's, the figure is the median step. Memory: peak RSS, the largest over the
 ranks (``max_memory_allocated`` on GPU). Results: benchmarks/results/ddp.json.
