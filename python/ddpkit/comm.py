@@ -126,7 +126,8 @@ def all_reduce(
     ``cross_host_dtype`` (torch.bfloat16 or torch.float16) sends a float32 sum or mean across hosts in
     that dtype, half the bytes, while the steps inside a host keep full precision (Note [Compressed
     crossing] in csrc/comm/wire_format.h: what is rounded where); every rank must pass the same."""
-    op, name, wire = _op_name(op), group_name(group), wire_format(cross_host_dtype)
+    op, name = _op_name(op), group_name(group)
+    wire = "exact" if cross_host_dtype is None else wire_format(cross_host_dtype)  # the common case, no call
     # Eager calls skip the dispatcher where it would do nothing (Note [Eager calls past the
     # dispatcher]); torch.compile traces _all_reduce_in_graph in the binding's place (Note
     # [Collectives under torch.compile]).
