@@ -156,6 +156,9 @@ def test_the_report_reads_only_what_run_all_produces():
         "multihost": 'bench_multihost.py "${QUICK[@]}"',
         "latency": 'bench_latency.py "${QUICK[@]}"',
         "fault_tolerance": 'bench_fault_tolerance.py "${QUICK[@]}"',
+        "multihost_hosts": "--output multihost_hosts",
+        "compression": 'bench_compression.py "${QUICK[@]}"',
+        "fault_tolerance_hosts": "--hosts 4 --link 1gbit",
     }
     assert set(analysis.EXPECTED + analysis.OPTIONAL) == scripts.keys()
     assert all(command in run_all for command in scripts.values())

@@ -11,7 +11,7 @@ it on its own.
 The modules, by concern: ``results`` (reading the results, their commits), ``formatting`` (units, HTML tables),
 ``output`` (where tables, sentences and figures go), then one module per part of the report: ``overview`` (0),
 ``allreduce`` (1), ``syncbn`` (2), ``data_parallel`` (3 and 4), ``cuda`` (5), ``torch_backend`` (6, 8 and
-torch's test suite), ``hosts`` (7), ``recovery`` (9).
+torch's test suite), ``hosts`` (7), ``crossing`` (7b), ``recovery`` (9).
 """
 
 from .allreduce import (
@@ -23,6 +23,7 @@ from .allreduce import (
     collective_checks,
     latency,
 )
+from .crossing import compression, fault_tolerance_hosts, multihost_hosts
 from .cuda import gpu
 from .data_parallel import ddp, training
 from .hosts import multihost, multihost_targets
@@ -57,6 +58,9 @@ __all__ = [
     "backend",
     "multihost",
     "multihost_targets",
+    "multihost_hosts",
+    "compression",
+    "fault_tolerance_hosts",
     "torch_stack",
     "torch_suite",
     "fault_tolerance",

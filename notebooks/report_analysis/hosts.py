@@ -12,18 +12,30 @@ from IPython.display import Markdown
 from .formatting import figure_legend, floats, ms, ratio, step_time, us
 from .output import command, display, table
 
-MULTIHOST_HOSTS = {"2x2": "2 hosts × 2 ranks", "2x1": "2 hosts × 1 rank"}
+MULTIHOST_HOSTS = {
+    "2x2": "2 hosts × 2 ranks",
+    "2x1": "2 hosts × 1 rank",
+    "3x1": "3 hosts × 1 rank",
+    "4x1": "4 hosts × 1 rank",
+    "4x2": "4 hosts × 2 ranks",
+    "8x1": "8 hosts × 1 rank",
+}
 MULTIHOST_LINKS = {"unshaped": "unshaped link", "10gbit": "10 Gbit/s", "1gbit": "1 Gbit/s"}
 # The issue's targets for ddpkit's time over gloo's, by (hosts x ranks, link) and size (None: no target there);
 # 2 hosts x 1 rank's target, 1.0 everywhere, is the gloo line itself.
 MULTIHOST_TARGETS = {
     ("2x2", "unshaped"): lambda n: 0.5 if n >= 16_000_000 else 0.6,
     ("2x2", "1gbit"): lambda n: 0.75 if n >= 1_000_000 else None,
+    # issue 49: the ring across three hosts or more
+    ("3x1", "unshaped"): lambda n: 0.6 if n == 100_000 else 0.85 if n >= 1_000_000 else None,
+    ("4x1", "unshaped"): lambda n: 0.6 if n == 100_000 else 0.85 if n >= 1_000_000 else None,
+    ("4x2", "unshaped"): lambda n: 0.6 if n >= 1_000_000 else None,
 }
 MULTIHOST_STYLE = {
     "ddpkit": dict(color="tab:red", linewidth=2.5),
     "ddpkit_flat": dict(color="tab:blue"),
     "ddpkit_backend": dict(color="tab:green", linestyle="-."),
+    "ddpkit_bf16": dict(color="tab:purple", linestyle="--"),
 }
 
 
@@ -63,20 +75,21 @@ def multihost_target(topology: str, link: str, numel: int) -> float | None:
     return goal(numel) if goal else None
 
 
-def multihost(R: dict) -> None:
+def multihost(R: dict, name: str = "multihost") -> None:
     """Across hosts: the all-reduce candidates over gloo by topology and link (plot and table), the other
-    collectives, and the DDP step; a sentence where the folder has no multihost.json."""
-    if "multihost" not in R:
+    collectives, and the DDP step, of the result `name` (multihost.json, or multihost_hosts.json: three hosts
+    and more); a sentence where the folder has no such file."""
+    if name not in R:
         display(
             Markdown(
-                "No `multihost.json` in this results folder, so nothing across hosts is shown: "
+                f"No `{name}.json` in this results folder, so it is not shown: "
                 "`sudo .venv/bin/python benchmarks/bench_multihost.py` measures it (as root: its hosts are "
-                "namespaces)."
+                "namespaces; `benchmarks/run_all.sh` gives the command of each file)."
             )
         )
         return
-    command(R, "multihost")
-    m = multihost_records(R["multihost"])
+    command(R, name)
+    m = multihost_records(R[name])
     if m.reduces:
         _multihost_all_reduce(m)
     if m.collectives:
@@ -188,19 +201,28 @@ def _multihost_all_reduce(m: Multihost) -> None:
                 backend_point = m.by_point.get((topology, link, numel, "ddpkit_backend"))
                 own = m.by_point.get((topology, link, numel, "ddpkit"))
                 row["backend / ddpkit"] = backend_point.median_s / own.median_s if backend_point and own else None
+                row["ddpkit: of the link"] = own.link_fraction if own and own.link_fraction is not None else None
                 busy = [r.cpu_busy for r in (own, gloo) if r is not None and r.cpu_busy is not None]
                 row["CPUs busy: ddpkit, gloo"] = " / ".join(f"{b:.0%}" for b in busy) if len(busy) == 2 else None
                 row["reps"] = gloo.reps if gloo else None
                 rows.append(row)
     cpu_column = ["CPUs busy: ddpkit, gloo"] if any(row["CPUs busy: ddpkit, gloo"] for row in rows) else []
+    link_column = ["ddpkit: of the link"] if any(row["ddpkit: of the link"] is not None for row in rows) else []
     table(
         rows,
-        ["hosts × ranks", "link", "floats", "gloo", *m.others, "backend / ddpkit", *cpu_column, "reps"],
-        {"gloo": step_time, **{c: ratio for c in m.others}, "backend / ddpkit": ratio},
+        ["hosts × ranks", "link", "floats", "gloo", *m.others, "backend / ddpkit", *link_column, *cpu_column, "reps"],
+        {
+            "gloo": step_time,
+            **{c: ratio for c in m.others},
+            "backend / ddpkit": ratio,
+            "ddpkit: of the link": lambda x: f"{x:.2f}",
+        },
     )
     display(
         Markdown(
-            "`gloo`: its time per call (median); the candidates' columns: their time over gloo's; "
+            "`gloo`: its time per call (median); the candidates' columns: their time over gloo's; `ddpkit: "
+            "of the link`: its bus bandwidth across hosts (2(N-1)/N of the bytes per host link, N hosts) over a "
+            "shaped link's rate; "
             "`backend / ddpkit`: the \"ddpkit\" backend's time over `ddpkit.all_reduce`'s, the cost of going "
             "through torch's API. `CPUs busy`: the CPU time all ranks' processes spent per call (every "
             "thread, kernel time included), over the slowest rank's time × this machine's cores, for "

@@ -17,8 +17,20 @@ EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backe
 # Shown when present, a sentence in their place when not: the GPU results, which run_all.sh produces only on a
 # machine with a GPU, and the all-reduce grid on that machine's CPU cores (scripts/gpu_checks.sh grid);
 # torch_stack (bench_torch_stack.py); multihost (bench_multihost.py, which needs root); latency (bench_latency.py);
-# fault_tolerance (bench_fault_tolerance.py, which needs torchft).
-OPTIONAL = ["syncbn_cuda", "ddp_cuda", "allreduce_16core", "torch_stack", "multihost", "latency", "fault_tolerance"]
+# fault_tolerance (bench_fault_tolerance.py, which needs torchft); across three hosts or more, the compressed
+# crossing's training and torchft across hosts (multihost_hosts, compression, fault_tolerance_hosts: root).
+OPTIONAL = [
+    "syncbn_cuda",
+    "ddp_cuda",
+    "allreduce_16core",
+    "torch_stack",
+    "multihost",
+    "latency",
+    "fault_tolerance",
+    "multihost_hosts",
+    "compression",
+    "fault_tolerance_hosts",
+]
 # Read from the repository, not from the results folder: torch's own distributed test suite on gloo and on
 # "ddpkit", written by scripts/run_torch_suite.py (run_all.sh does not run it); a sentence in its place when absent.
 SUITE = "docs/torch_suite.json"
