@@ -48,7 +48,7 @@ run $PY benchmarks/bench_fault_tolerance.py "${QUICK[@]}"  # torchft on gloo and
 if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null && command -v unshare >/dev/null; then
   run $PY benchmarks/bench_multihost.py "${QUICK[@]}"  # simulated hosts: network and mount namespaces
   # three hosts and more: the ring across hosts and the compressed crossing (issue 49)
-  run $PY benchmarks/bench_multihost.py "${QUICK[@]}" --topologies 3x1 4x1 4x2 --links unshaped 1gbit \
+  run $PY benchmarks/bench_multihost.py "${QUICK[@]}" --topologies 2x1 3x1 4x1 4x2 8x1 --links unshaped 1gbit \
     --collectives all_reduce --candidates ddpkit ddpkit_backend ddpkit_bf16 gloo --no-ddp --output multihost_hosts
   run $PY benchmarks/bench_compression.py "${QUICK[@]}"
   run $PY benchmarks/bench_fault_tolerance.py "${QUICK[@]}" --hosts 4 --link 1gbit --steady-wrappers torchft-ddp

@@ -147,7 +147,7 @@ From three hosts on, ddpkit's steps across hosts run on a ring over its own conn
 all-gather, each part reduced as it arrives), where they used gloo's all-reduce. Opt-in, the float32 sums and means
 that cross hosts travel in bfloat16 (`cross_host_dtype`, `ddpkit.Options`): half the bytes, the steps inside a host
 at full precision, every rank with the same bits ([docs/multihost.md](../docs/multihost.md#compressed-crossing-opt-in)).
-The all-reduce at 3 and 4 hosts of one rank and 4 hosts of two, unshaped and at 1 Gbit/s, against gloo; `ddpkit_bf16`
+The all-reduce at 2, 3, 4 and 8 hosts of one rank and 4 hosts of two, unshaped and at 1 Gbit/s, against gloo; `ddpkit_bf16`
 is `ddpkit.all_reduce` with the bfloat16 crossing. Then Fashion-MNIST trained across 2 hosts × 2 ranks three ways
 with the same seed: float32, bfloat16 across hosts, and torch's `bf16_compress_hook` (bfloat16 everywhere); and
 torchft's steady step with one replica group on each of 4 hosts at 1 Gbit/s. Every multi-host figure here comes from
