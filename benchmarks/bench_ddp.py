@@ -3,6 +3,7 @@
     python benchmarks/bench_ddp.py            # week-4 Net and ResNet-18 on CIFAR-shaped data, accumulation 1 and 4
     python benchmarks/bench_ddp.py --quick    # a smoke run
     python benchmarks/bench_ddp.py --device cuda   # the ranks share GPU 0 over gloo: ddp_cuda.json
+    python benchmarks/bench_ddp.py --accumulation 1 --candidates ddpkit ddpkit_allreduce_hook ddpkit_fp16_hook torch_allreduce_hook torch_fp16_hook --output ddp_hooks
 
 Each candidate trains in its own pool of ``--world-size`` processes (so that peak memory is its
 own): ddpkit DDP with its default all-reduce, ddpkit DDP over the group's own all-reduce,
@@ -248,6 +249,7 @@ def main() -> None:
         help="default: all; torch (the reference) is always measured",
     )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output", help="results file name, without .json (default: ddp, or ddp_cuda on cuda)")
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -324,7 +326,7 @@ def main() -> None:
         if bars:
             summary[key]["bars"] = bars
     path = common.write_results(
-        "ddp_cuda" if args.device == "cuda" else "ddp",
+        args.output or ("ddp_cuda" if args.device == "cuda" else "ddp"),
         backend=backend,
         device_type=args.device,
         settings={

@@ -21,11 +21,13 @@ CLASSES = {
     "backend": {records.CollectiveRecord, records.LayerRecord, records.DdpRecord},
     "ddp": {records.DdpRecord},
     "ddp_cuda": {records.DdpRecord},
+    "ddp_hooks": {records.DdpRecord},
     "syncbn": {records.SyncBatchNormRecord},
     "syncbn_cuda": {records.SyncBatchNormRecord},
     "training": {records.TrainingRecord},
     "torch_stack": {records.TorchStackRecord},
     "multihost": {records.MultihostRecord, records.MultihostCollectiveRecord, records.MultihostDdpRecord},
+    "multihost_hosts": {records.MultihostRecord},  # --collectives all_reduce --no-ddp
     "latency": {records.LatencyRecord},
     "fault_tolerance": {records.FaultToleranceRecord},
     "compression": {records.CompressionRecord},
