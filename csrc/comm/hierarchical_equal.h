@@ -13,8 +13,8 @@ namespace ddpkit::comm {
 //  2. every local rank at once all-reduces its slice with the ranks of the same local rank on the
 //     other hosts ("cross"), so each host's link carries 2(H-1)/H of the vector once: between two
 //     hosts the two ranks swap their slices over their socket link, both ways at once, and each
-//     reduces the pair in host order (Note [Socket links]); among more hosts, through the process
-//     group's own all-reduce on that subgroup (gloo's TCP ring is pipelined and tuned);
+//     reduces the pair in host order (Note [Socket links]); among more hosts, on a ring over the
+//     same links (Note [A ring across hosts]);
 //  3. all-gather inside each host over shared memory.
 // The broadcast: the ranks of the root's local rank carry the tensor across hosts (among three hosts
 // or more, ddpkit's binomial tree on their subgroup), then every host broadcasts it from that local
@@ -27,12 +27,10 @@ namespace ddpkit::comm {
 // run: the all-gather sends this rank's block to the ranks of its local rank (ddpkit's ring on their
 // subgroup), then all-gathers the hosts' runs inside the host; the reduce-scatter reduce-scatters the
 // runs inside the host, then each run among the ranks of its local rank (ddpkit's ring). Each host's
-// link carries (H-1)/H of its ranks' data once, the least an all-gather or reduce-scatter can. Among
-// three hosts or more, only the sum's and mean's all-reduce takes the process group's own collective
-// (gloo's pipelined ring); every other step takes ddpkit's schedules over its messages, which beat
-// gloo's collectives there (bench_multihost.py's all_gather and reduce_scatter points; gloo's
-// reduce-scatter is an all-reduce). With one rank per host the all-gather's ring runs in the output
-// itself.
+// link carries (H-1)/H of its ranks' data once, the least an all-gather or reduce-scatter can. The
+// rings across hosts run over the socket links (Note [A ring across hosts]); the broadcast's and the
+// reduce's trees over the cross subgroup's messages (Note [Steps across hosts]). With one rank per
+// host the all-gather's ring runs in the output itself.
 class EqualHostsForm final : public HierarchicalForm {
  public:
   // `h` outlives the form (it holds it).
