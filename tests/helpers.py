@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import ddpkit
 from ddpkit.comm import ONE_HOST_ALGORITHMS
@@ -418,3 +419,44 @@ def small_model():
         torch.nn.BatchNorm1d(16),
         torch.nn.Sequential(torch.nn.Linear(16, 4), torch.nn.BatchNorm1d(4, affine=False, momentum=None)),
     )
+
+
+# --- DDP test models (test_ddp.py and test_ddp_hooks.py) ------------------------------------------------
+
+
+class UnusedBranchNet(nn.Module):
+    """``rare`` is used only when asked (rank 0's data, in the tests); ``never`` by nobody."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.body = nn.Linear(features, 4)
+        self.rare = nn.Linear(features, 4)
+        self.never = nn.Linear(features, 4)
+
+    def forward(self, x, use_rare=False):
+        out = self.body(x)
+        return out + self.rare(x) if use_rare else out
+
+
+class BufferNet(nn.Module):
+    """One layer and a buffer that forward leaves alone (a test makes it drift across ranks)."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.fc = nn.Linear(features, 4)
+        self.register_buffer("counter", torch.zeros(3))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class FailingBackward(torch.autograd.Function):
+    """The identity whose backward raises: a backward that fails below a model's last layer."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in backward")

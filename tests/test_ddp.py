@@ -9,7 +9,7 @@ import ddpkit
 from ddpkit.ddp import assign_buckets
 from ddpkit.testing import WorkerPool
 
-from helpers import needs_hosts
+from helpers import BufferNet, FailingBackward, UnusedBranchNet, needs_hosts
 
 GLOBAL_BATCH = 16
 FEATURES = 12
@@ -95,30 +95,6 @@ class TiedNet(nn.Module):
         return self.head(self.unembed(torch.tanh(self.hidden(self.embed(x)))))
 
 
-class UnusedBranchNet(nn.Module):
-    """``rare`` is used only by rank 0's data; ``never`` by nobody."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Linear(FEATURES, 4)
-        self.rare = nn.Linear(FEATURES, 4)
-        self.never = nn.Linear(FEATURES, 4)
-
-    def forward(self, x, use_rare=False):
-        out = self.body(x)
-        return out + self.rare(x) if use_rare else out
-
-
-class BufferNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(FEATURES, 4)
-        self.register_buffer("counter", torch.zeros(3))
-
-    def forward(self, x):
-        return self.fc(x)
-
-
 MODELS = {
     "frozen": FrozenPartsNet,
     "tied": TiedNet,
@@ -190,7 +166,7 @@ def case_train(name, steps, grad_sync, algorithm, accumulation=1, bucket_cap_mb=
 def case_construction_broadcasts():
     rank = dist.get_rank()
     torch.manual_seed(rank)
-    model = BufferNet()
+    model = BufferNet(FEATURES)
     model.counter.fill_(rank + 5)
     ddp = ddpkit.DistributedDataParallel(model)
     return {k: v.clone() for k, v in ddp.state_dict().items()}
@@ -198,7 +174,7 @@ def case_construction_broadcasts():
 
 def case_buffers_resync_each_forward():
     rank = dist.get_rank()
-    ddp = ddpkit.DistributedDataParallel(BufferNet())
+    ddp = ddpkit.DistributedDataParallel(BufferNet(FEATURES))
     ddp.module.counter.fill_(rank + 1)  # drift, as batch-norm statistics would
     ddp(torch.randn(2, FEATURES))
     after_train_forward = ddp.module.counter.clone()
@@ -210,7 +186,7 @@ def case_buffers_resync_each_forward():
 
 def case_unused_parameters(algorithm):
     rank = dist.get_rank()
-    model = UnusedBranchNet()
+    model = UnusedBranchNet(FEATURES)
     ddp = ddpkit.DistributedDataParallel(model, algorithm=algorithm, bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)
     x = torch.full((2, FEATURES), float(rank + 1))
     ddp(x, use_rare=(rank == 0)).sum().backward()
@@ -219,7 +195,7 @@ def case_unused_parameters(algorithm):
 
 def case_used_only_before_the_synchronising_micro_batch():
     rank = dist.get_rank()
-    model = UnusedBranchNet()
+    model = UnusedBranchNet(FEATURES)
     ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)
     x = torch.full((2, FEATURES), float(rank + 1))
     with ddp.no_sync():
@@ -313,23 +289,13 @@ def case_backward_with_create_graph():
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("injected failure in backward")
-
-
 def case_a_backward_that_raised():
     rank = dist.get_rank()
     model = make_model("mlp", seed=0)
     ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.0005, first_bucket_cap_mb=0.0005)
     x = torch.full((4, FEATURES), float(rank + 1))
     # The model's last layer gets its gradient (and its bucket leaves) before the failure below it.
-    out = model[4](torch.relu(model[3](_FailingBackward.apply(torch.relu(model[2](model[1](model[0](x))))))))
+    out = model[4](torch.relu(model[3](FailingBackward.apply(torch.relu(model[2](model[1](model[0](x))))))))
     try:
         out.sum().backward()
         raised = None

@@ -12,6 +12,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_loca
 
 import ddpkit
 
+from helpers import BufferNet, FailingBackward, UnusedBranchNet
+
 FEATURES = 24
 BATCH = 8
 STEPS = 5
@@ -31,20 +33,6 @@ class Layers(nn.Module):
 
     def forward(self, x):
         return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
-
-
-class UnusedBranchNet(nn.Module):
-    """``rare`` is used only by rank 0's data; ``never`` by nobody."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = nn.Linear(FEATURES, 4)
-        self.rare = nn.Linear(FEATURES, 4)
-        self.never = nn.Linear(FEATURES, 4)
-
-    def forward(self, x, use_rare=False):
-        out = self.body(x)
-        return out + self.rare(x) if use_rare else out
 
 
 def make_layers():
@@ -283,19 +271,9 @@ def test_hook_gets_a_torch_grad_bucket(pool):
 # --- what the native reducer handles, under a hook --------------------------------------------------
 
 
-class BufferNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(FEATURES, 4)
-        self.register_buffer("counter", torch.zeros(3))
-
-    def forward(self, x):
-        return self.fc(x)
-
-
 def case_buffers_broadcast_under_a_hook():
     rank = dist.get_rank()
-    ddp = ddpkit.DistributedDataParallel(BufferNet())
+    ddp = ddpkit.DistributedDataParallel(BufferNet(FEATURES))
     ddp.register_comm_hook(None, averaging_hook)
     ddp.module.counter.fill_(rank + 1)  # drift, as batch-norm statistics would
     ddp(torch.randn(2, FEATURES)).sum().backward()
@@ -305,16 +283,6 @@ def case_buffers_broadcast_under_a_hook():
 def test_buffers_are_broadcast_before_each_forward_under_a_hook(pool):
     for counter in pool(2).run(case_buffers_broadcast_under_a_hook):
         assert torch.equal(counter, torch.full((3,), 1.0))  # rank 0's
-
-
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("injected failure in backward")
 
 
 def case_a_backward_that_raised(hook_fails):
@@ -336,7 +304,7 @@ def case_a_backward_that_raised(hook_fails):
     if hook_fails:
         out = ddp(x)
     else:  # fc3 gets its gradient (and its bucket leaves) before the failure below it
-        out = model.fc3(_FailingBackward.apply(torch.tanh(model.fc2(torch.tanh(model.fc1(x))))))
+        out = model.fc3(FailingBackward.apply(torch.tanh(model.fc2(torch.tanh(model.fc1(x))))))
     try:
         out.sum().backward()
         raised = None
@@ -371,7 +339,7 @@ def case_hook_raised_at_the_end_of_backward():
     """The hook raises for the last bucket, which only the end of backward launches (it holds ``never``,
     a parameter no rank uses): backward raises, after every bucket launched before has settled."""
     rank = dist.get_rank()
-    model = UnusedBranchNet()
+    model = UnusedBranchNet(FEATURES)
     ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)
     failing = [True]
 
@@ -433,7 +401,7 @@ def test_a_parameter_frozen_after_wrapping_gets_no_gradient_under_a_hook(pool, a
 
 def case_unused_parameters():
     rank = dist.get_rank()
-    model = UnusedBranchNet()
+    model = UnusedBranchNet(FEATURES)
     ddp = ddpkit.DistributedDataParallel(model, bucket_cap_mb=0.0001, first_bucket_cap_mb=0.0001)
     calls = []
     ddp.register_comm_hook(calls, averaging_hook)
