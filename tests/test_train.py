@@ -344,7 +344,8 @@ def test_distributed_validation_equals_single_process(pool, world_size):
 
 
 @needs_fashion_mnist
-def test_two_torchrun_launchers_as_two_nodes(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", "ddpkit"])
+def test_two_torchrun_launchers_as_two_nodes(tmp_path, backend):
     endpoint = f"127.0.0.1:{free_port()}"
     launchers = [
         subprocess.Popen(
@@ -363,8 +364,10 @@ def test_two_torchrun_launchers_as_two_nodes(tmp_path):
                 "--rdzv_endpoint",
                 endpoint,
                 "--rdzv_id",
-                "two-nodes",
+                f"two-nodes-{backend}",
                 str(TRAIN),
+                "--backend",
+                backend,
                 *small_cli(tmp_path / "run"),
             ],
             stdout=subprocess.PIPE,
