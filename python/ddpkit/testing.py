@@ -110,6 +110,20 @@ class HostPool(WorkerPool):
     def _host_namespace(self, host: int) -> str:
         return f"{self._prefix}h{host}"
 
+    def _on_host(self, host: int, script: str) -> list[str]:
+        """The command that runs the shell `script` on simulated host `host`: in its network
+        namespace, with mount and hostname namespaces of its own (so its /dev/shm and name too)."""
+        return ["ip", "netns", "exec", self._host_namespace(host)] + [
+            "unshare",
+            "-m",
+            "-u",
+            "--fork",
+            "--kill-child",
+            "sh",
+            "-c",
+            script,
+        ]
+
     def _ip(self, *args: str, namespace: str | None = None) -> None:
         command = ["ip"] + (["-n", namespace] if namespace else []) + list(args)
         done = subprocess.run(command, capture_output=True, text=True)
@@ -196,20 +210,7 @@ class HostPool(WorkerPool):
                 )
                 self._launchers.append(
                     subprocess.Popen(
-                        [
-                            "ip",
-                            "netns",
-                            "exec",
-                            self._host_namespace(host),
-                            "unshare",
-                            "-m",
-                            "-u",
-                            "--fork",
-                            "--kill-child",
-                            "sh",
-                            "-c",
-                            script,
-                        ],
+                        self._on_host(host, script),
                         stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE,
                         text=True,
@@ -353,20 +354,7 @@ def torchft_hosts(
                 f"mount --bind {shlex.quote(str(resolv))} /etc/resolv.conf && "
                 f"hostname ft-host{host} && exec {shlex.join(argv)}"
             )
-            return [
-                "ip",
-                "netns",
-                "exec",
-                namespaces[host],
-                "unshare",
-                "-m",
-                "-u",
-                "--fork",
-                "--kill-child",
-                "sh",
-                "-c",
-                script,
-            ], env
+            return pool._on_host(host, script), env
 
         yield on_host
     finally:
