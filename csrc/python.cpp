@@ -186,5 +186,5 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release release;  // the completions it waits for run Python callbacks
         ddpkit::comm::prepare_for_exit();
       },
-      "Called by atexit (ddpkit/__init__.py): Note [Exit paths] in csrc/comm/engine.cpp.");
+      "Called by atexit (ddpkit/__init__.py): Note [Exit paths] in csrc/comm/completion_pool.h.");
 }

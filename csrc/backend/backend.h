@@ -58,13 +58,14 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   // and two gloo backends of the same ranks, each on a store prefix of its own: `gloo` carries the
   // engine's messages across hosts and the delegated collectives, `gloo_p2p` the program's own
   // send/recv, whose tags would otherwise meet the engine's (Note [Tags]). `cross_host` is how the
-  // sums and means of allreduce and reduce_scatter cross hosts (Note [Compressed crossing]:
+  // sums and means of allreduce and _reduce_scatter_base (reduce_scatter_tensor) cross hosts; the
+  // list and coalesced forms stay exact (Note [Compressed crossing]:
   // ddpkit.Options(cross_host_dtype=...) through init_process_group's pg_options).
   Backend(c10::intrusive_ptr<c10d::Store> store, int rank, int size, std::chrono::milliseconds timeout,
           c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> gloo_p2p,
           comm::WireFormat cross_host = comm::WireFormat::kExact);
   // In a forked child, leaves the inner gloo backends undestroyed: their threads are the parent's
-  // (Note [Forked children] in comm/engine.cpp).
+  // (Note [Forked children] in comm/exit.cpp).
   ~Backend() override;
 
   const std::string getBackendName() const override { return "ddpkit"; }

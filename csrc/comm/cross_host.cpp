@@ -7,14 +7,6 @@
 #include "comm/socket_ring.h"
 
 namespace ddpkit::comm {
-namespace {
-
-// The part of a frame across two hosts reduced at a time while the rest arrives: reducing parts as
-// they land against reducing once everything is in, unshaped and shaped, and this part size against
-// larger ones, were decided on bench_multihost.py's 2x1 points (the part size changed by hand).
-constexpr int64_t kSwapStepBytes = 256 << 10;
-
-}  // namespace
 
 SocketPairChannel::SocketPairChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
                                      ScratchBuffers& scratch)
@@ -38,7 +30,7 @@ void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op,
     combine_(slice(mine, reduced, ready), slice(theirs, reduced, ready), sum_or_op, /*other_first=*/peer() == 0);
     reduced = ready;
   };
-  std::vector<Links::Recv> recvs{{peer(), theirs.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
+  std::vector<Links::Recv> recvs{{peer(), theirs.data_ptr(), bytes, 0, reduce_ready, kLinkPartBytes, bytes}};
   links().exchange(comm.sequence(), std::move(sends), recvs);
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }
@@ -75,8 +67,8 @@ void SocketPairChannel::swap_compressed(const at::Tensor& mine, const at::Tensor
     combine_(own, theirs, accumulating_op(op), /*other_first=*/peer() == 0);
     reduced = ready;
   };
-  std::vector<Links::Send> sends{{peer(), outgoing.data_ptr(), bytes, nullptr, 0, encode, kSwapStepBytes}};
-  std::vector<Links::Recv> recvs{{peer(), incoming.data_ptr(), bytes, 0, reduce_ready, kSwapStepBytes, bytes}};
+  std::vector<Links::Send> sends{{peer(), outgoing.data_ptr(), bytes, nullptr, 0, encode, kLinkPartBytes}};
+  std::vector<Links::Recv> recvs{{peer(), incoming.data_ptr(), bytes, 0, reduce_ready, kLinkPartBytes, bytes}};
   links().exchange(comm.sequence(), std::move(sends), recvs);
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }

@@ -25,10 +25,9 @@ namespace ddpkit::comm {
 // equal hosts, one step of each host's shared memory and one round of messages among the ranks of
 // each local rank (Note [One round across hosts]: one round trip across hosts, where the process
 // group's check takes two); with unequal hosts, the process group's check through rank 0. Either way
-// a mismatched call raises on every rank of every host. Among more than two hosts, sum and mean cross
-// hosts through gloo's all-reduce; max and min through ddpkit's ring on the same subgroup, so that
-// they keep Note [Reductions]'s semantics (gloo's max drops a NaN held by a later rank); between two,
-// every op takes the swap, reduced by Note [Reductions]'s rules. Every slice is reduced in one place,
+// a mismatched call raises on every rank of every host. Among more than two hosts every op's
+// all-reduce crosses on the ring over the socket links (Note [A ring across hosts] in socket_ring.h);
+// between two, every op takes the swap; both reduce by Note [Reductions]'s rules. Every slice is reduced in one place,
 // or in the same order in both, so every rank ends with the same bits.
 // Between two hosts every step across hosts moves over the socket links: the all-reduce's swap, the
 // broadcast's and the reduce's one frame, the all-gather's and the reduce-scatter's swap of blocks;

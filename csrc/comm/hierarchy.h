@@ -76,8 +76,9 @@ enum class OnFailure {
 // that failed) stops this host's other ranks too, who may be waiting for this one inside the host,
 // then raises here. With kCutLinks it also shuts the links across hosts down, so that a partner on
 // another host waiting for this rank's frame raises at once instead of at the group's timeout (this
-// rank is alive, so its connections would stay open). Among three hosts or more the sums cross on
-// gloo's all-reduce, which nothing here can interrupt: those partners wait for the timeout.
+// rank is alive, so its connections would stay open). Among three hosts or more the broadcast and the
+// reduce cross on the gloo subgroup's messages, which nothing here can interrupt: there those partners
+// wait for the timeout.
 void on_hosts(const Hierarchy& h, OnFailure on_failure, c10::function_ref<void()> steps);
 
 }  // namespace ddpkit::comm

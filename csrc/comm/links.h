@@ -13,6 +13,12 @@ namespace ddpkit::comm {
 // subgroup, in its order), carrying frames: each a collective's sequence number and its bytes. The
 // steps across hosts (cross_host.h) and the check's round across hosts (cross_host_check.h) move
 // their data through it. SocketLinks (socket_links.h) is the implementation.
+// The part of a frame across hosts reduced (or encoded) at a time while the rest is on its way, by
+// the swap between two hosts and the ring among more: reducing parts as they land against reducing
+// once everything is in, and this size against larger ones, were decided on bench_multihost.py's
+// 2x1 points (the size changed by hand); its 3x1 and 4x1 points time the ring.
+inline constexpr int64_t kLinkPartBytes = 256 << 10;
+
 class Links {
  public:
   // One frame to send: `first` then `second` (either may be empty), as one message. With `prepare`,

@@ -70,8 +70,6 @@ class SegmentWaits {
                std::chrono::milliseconds liveness_period)
       : memory_(memory), liveness_(liveness), spin_(spin), liveness_period_(liveness_period) {}
 
-  bool spins() const { return spin_; }
-
   // Waits until `ready()` holds, sleeping on `signal` (Note [Waiting on shared memory]). Throws,
   // naming the peer, when a peer died or gave up, or when the deadline passed.
   template <class Ready>

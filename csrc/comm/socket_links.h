@@ -54,6 +54,7 @@ namespace ddpkit::comm {
 // (rank 2 reported it)") and passes the news on. A frame it could not finish in time is cut off as
 // before, and that peer names the messenger. tests/test_multihost.py's ring-step kill checks that
 // every host names the killed rank.
+
 // Where a rank listens for its links (Note [Socket links]): a socket on the address gloo uses, and
 // the fresh token a connecting rank must name; or why it could not listen, which the set-up tells
 // every rank instead of an address.

@@ -10,10 +10,6 @@
 namespace ddpkit::comm {
 namespace {
 
-// A part of Note [A ring across hosts]: reduced as it lands, as the pair's swap does (its
-// kSwapStepBytes, measured there; bench_multihost.py's 3x1 and 4x1 points time the ring).
-constexpr int64_t kRingPartBytes = 256 << 10;
-
 int wrap(int i, int n) { return ((i % n) + n) % n; }
 
 // Elements [begin, end) of a tensor: one block of the ring.
@@ -66,9 +62,9 @@ void step(Links& links, uint64_t sequence, const at::Tensor& out, const at::Tens
     };
   }
   std::vector<Links::Send> sends{
-      {wrap(r + 1, n), out.data_ptr(), static_cast<int64_t>(out.nbytes()), nullptr, 0, prepare, kRingPartBytes}};
+      {wrap(r + 1, n), out.data_ptr(), static_cast<int64_t>(out.nbytes()), nullptr, 0, prepare, kLinkPartBytes}};
   std::vector<Links::Recv> recvs{
-      {wrap(r - 1, n), in.data_ptr(), in_bytes, 0, std::move(on_data), kRingPartBytes, in_bytes}};
+      {wrap(r - 1, n), in.data_ptr(), in_bytes, 0, std::move(on_data), kLinkPartBytes, in_bytes}};
   links.exchange(sequence, std::move(sends), recvs);
 }
 

@@ -20,7 +20,7 @@ namespace ddpkit::comm {
 //    element, block b from b·numel/N), or one of a reduce-scatter's N blocks of m elements;
 //  - a step is one exchange: a block out to the right, a block in from the left;
 //  - a part is what the receiver reduces at a time while the rest of its block arrives
-//    (kRingPartBytes), so that receiving, reducing and the right neighbour's sending overlap.
+//    (kLinkPartBytes in links.h), so that receiving, reducing and the right neighbour's sending overlap.
 // The reduce-scatter takes N - 1 steps: at step s rank r sends block r - 1 - s and receives block
 // r - 2 - s, which it reduces into its own copy, the incoming partial result first; after the
 // last step rank r holds block r reduced over every rank, in the one order the ring gives it

@@ -12,8 +12,8 @@
 namespace ddpkit::comm {
 
 // Note [Compressed crossing]
-// Across hosts the link, not the CPU, bounds a large all-reduce (Note [A ring across hosts]: at a
-// shaped 1 Gbit/s both ddpkit and gloo fill it), so the only way past it is to send fewer bytes.
+// Across hosts the link, not the CPU, bounds a large all-reduce (bench_multihost.py's shaped links:
+// ddpkit and gloo both fill them), so the only way past it is to send fewer bytes.
 // Opt-in, a float32 sum or mean may cross hosts as bfloat16 or float16: half the bytes on every
 // link, while the steps inside a host (shared memory) keep full precision. What is rounded where:
 //  - between two hosts (the swap), each host rounds its own contribution once and both add the two
