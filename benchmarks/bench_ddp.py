@@ -275,6 +275,66 @@ def main() -> None:
     candidates = {name: CANDIDATES[name] for name in CANDIDATES if name in args.candidates or name == "torch"}
     if args.device == "cuda":  # the hooks' world group on the "ddpkit" backend is CPU-only here
         candidates = {name: c for name, c in candidates.items() if c.get("backend") != "ddpkit"}
+
+    def write(records: list[DdpRecord]) -> tuple[Path, dict]:
+        """The results so far, rewritten after every configuration so that a run cut short keeps them."""
+        summary = {}
+        for record in records:
+            if record.candidate == "torch":
+                continue
+
+            def of(candidate: str) -> DdpRecord | None:
+                return next(
+                    (
+                        r
+                        for r in records
+                        if r.candidate == candidate
+                        and r.model == record.model
+                        and r.accumulation == record.accumulation
+                    ),
+                    None,
+                )
+
+            torch_record = of("torch")
+            key = f"{record.candidate} {record.model} acc={record.accumulation}"
+            summary[key] = {
+                "time_ratio": record.median_step_s / torch_record.median_step_s,
+                "memory_ratio": record.peak_memory_bytes / torch_record.peak_memory_bytes,
+            }
+            bars = {
+                baseline: {
+                    "time_ratio": record.median_step_s / of(baseline).median_step_s,
+                    "bar": bar,
+                    "met": record.median_step_s / of(baseline).median_step_s <= bar,
+                }
+                for baseline, bar in BARS.get(record.candidate, {}).items()
+                if of(baseline) is not None
+            }
+            if bars:
+                summary[key]["bars"] = bars
+        path = common.write_results(
+            args.output or ("ddp_cuda" if args.device == "cuda" else "ddp"),
+            backend=backend,
+            device_type=args.device,
+            settings={
+                "world_size": args.world_size,
+                "models": args.models,
+                "accumulation": args.accumulation,
+                "blocks": args.blocks,
+                "candidates": list(candidates),
+                "bars": BARS,
+                "batch_per_rank": {m: batch_for[m] for m in args.models},
+                "steps_per_block": {m: steps_for[m] for m in args.models},
+                "threads_per_process": max(1, (torch.get_num_threads()) // args.world_size),
+                "data": "synthetic CIFAR-shaped batches (3x32x32, 100 classes)",
+                "memory": "peak RSS per process (max over ranks); GPU: max_memory_allocated",
+            },
+            records=records,
+            summary=summary,
+            quick=args.quick,
+        )
+        return path, summary
+
     records = []
     for model_name in args.models:
         for accumulation in args.accumulation:
@@ -293,59 +353,7 @@ def main() -> None:
             print(
                 f"{model_name} accumulation {accumulation}: measured in {time.monotonic() - started:.0f} s", flush=True
             )
-    summary = {}
-    for record in records:
-        if record.candidate == "torch":
-            continue
-
-        def of(candidate: str) -> DdpRecord | None:
-            return next(
-                (
-                    r
-                    for r in records
-                    if r.candidate == candidate and r.model == record.model and r.accumulation == record.accumulation
-                ),
-                None,
-            )
-
-        torch_record = of("torch")
-        key = f"{record.candidate} {record.model} acc={record.accumulation}"
-        summary[key] = {
-            "time_ratio": record.median_step_s / torch_record.median_step_s,
-            "memory_ratio": record.peak_memory_bytes / torch_record.peak_memory_bytes,
-        }
-        bars = {
-            baseline: {
-                "time_ratio": record.median_step_s / of(baseline).median_step_s,
-                "bar": bar,
-                "met": record.median_step_s / of(baseline).median_step_s <= bar,
-            }
-            for baseline, bar in BARS.get(record.candidate, {}).items()
-            if of(baseline) is not None
-        }
-        if bars:
-            summary[key]["bars"] = bars
-    path = common.write_results(
-        args.output or ("ddp_cuda" if args.device == "cuda" else "ddp"),
-        backend=backend,
-        device_type=args.device,
-        settings={
-            "world_size": args.world_size,
-            "models": args.models,
-            "accumulation": args.accumulation,
-            "blocks": args.blocks,
-            "candidates": list(candidates),
-            "bars": BARS,
-            "batch_per_rank": {m: batch_for[m] for m in args.models},
-            "steps_per_block": {m: steps_for[m] for m in args.models},
-            "threads_per_process": max(1, (torch.get_num_threads()) // args.world_size),
-            "data": "synthetic CIFAR-shaped batches (3x32x32, 100 classes)",
-            "memory": "peak RSS per process (max over ranks); GPU: max_memory_allocated",
-        },
-        records=records,
-        summary=summary,
-        quick=args.quick,
-    )
+            path, summary = write(records)
     print_summary(records, reference="torch")
     for key, entry in summary.items():
         for baseline, bar in entry.get("bars", {}).items():

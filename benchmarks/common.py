@@ -102,7 +102,9 @@ def environment(backend: str, device_type: str) -> dict:
             "gpu_driver": _nvidia_driver(),
         }
     return {
-        "command": " ".join(shlex.quote(arg) for arg in [Path(sys.executable).name, *sys.argv]),
+        "command": " ".join(
+            shlex.quote(arg) for arg in [*_settings_from_environment(), Path(sys.executable).name, *sys.argv]
+        ),
         "git_commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
@@ -114,6 +116,13 @@ def environment(backend: str, device_type: str) -> dict:
         "cpu_count": os.cpu_count(),
         "gpu": gpu or None,
     }
+
+
+def _settings_from_environment() -> list[str]:
+    """The DDPKIT_* variables that change what ddpkit does (DDPKIT_SHM_WHOLE_BYTES=131072, say), as the
+    command's prefix; not the two that only say where results go and which commit wrote them."""
+    where = {"DDPKIT_RESULTS_DIR", "DDPKIT_GIT_COMMIT"}
+    return [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("DDPKIT_") and k not in where]
 
 
 def _nvidia_driver() -> str | None:

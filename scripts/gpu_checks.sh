@@ -21,7 +21,9 @@
 #
 # Where the machine has no iproute2, carry Debian's (ignore .tools/ in .git/info/exclude): `apt-get download
 # iproute2` and its libraries, `dpkg -x` each into .tools/root/, with the wrappers .tools/bin/ip and
-# .tools/bin/tc that give ip and tc their libraries and the programs `ip netns exec` starts none.
+# .tools/bin/tc that give ip and tc their libraries and the programs `ip netns exec` starts none. Replace
+# every link there by a copy of its target (dpkg -x leaves sbin/ip a link to /bin/ip, which the machine
+# lacks: the H100 round of 2026-11-28 lost its multihost phase to it).
 #
 # Each phase runs under a time limit of its own, capped by what is left of BUDGET seconds (default
 # 560, for a 600-second device call), so a slow phase still leaves the later ones some time and the
@@ -78,7 +80,8 @@ for phase in "$@"; do
         >"$WORK/bench_syncbn.log" 2>&1
       echo "bench_syncbn: rc=$?"; tail -32 "$WORK/bench_syncbn.log"
       cp benchmarks/results/syncbn_cuda.json "$WORK/results/" 2>/dev/null
-      timeout "$(limit 150)" $PY benchmarks/bench_ddp.py --device cuda --blocks ${DDP_BLOCKS:-6} >"$WORK/bench_ddp.log" 2>&1
+      # bench_ddp.py rewrites its JSON after each of its four configurations: a cut keeps the ones done.
+      timeout "$(limit 180)" $PY benchmarks/bench_ddp.py --device cuda --blocks ${DDP_BLOCKS:-4} >"$WORK/bench_ddp.log" 2>&1
       echo "bench_ddp: rc=$?"; tail -22 "$WORK/bench_ddp.log"
       cp benchmarks/results/ddp_cuda.json "$WORK/results/" 2>/dev/null
       ;;

@@ -16,6 +16,7 @@ CLASSES = {
     "allreduce": {records.AllreduceTimeRecord, records.AllreduceMemoryRecord},
     "allreduce_checks": {records.AllreduceTimeRecord},
     "allreduce_16core": {records.AllreduceTimeRecord},  # --memory-sizes left empty: no memory records
+    "allreduce_whole_16core": {records.AllreduceTimeRecord},
     "allreduce_peers_n2": {records.AllreduceTimeRecord},
     "allreduce_small_n2": {records.AllreduceTimeRecord},
     "backend": {records.CollectiveRecord, records.LayerRecord, records.DdpRecord},

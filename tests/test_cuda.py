@@ -586,8 +586,7 @@ def run_nccl_world_size_one(state, batches):
     set_device()
     torch.manual_seed(16)
     x, grad_out = torch.randn(24, 32, 5, 5), torch.randn(24, 32, 5, 5)
-    layer = ddpkit.SyncBatchNorm(32, affine=True).to(DEVICE)
-    sync = step(layer, x, grad_out)
+    sync = step(make_layers(32, True, torch.float32, DEVICE), x, grad_out)  # reference()'s affine parameters
     model = ddpkit.convert_sync_batchnorm(ConvNet(True))
     model.load_state_dict(state)
     wrapped = ddpkit.DistributedDataParallel(model.to(DEVICE))

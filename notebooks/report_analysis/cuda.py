@@ -53,6 +53,8 @@ def gpu(R: dict) -> None:
         )
     if "ddp_cuda" in R:
         command(R, "ddp_cuda")
+        device = R["ddp_cuda"]["environment"]["gpu"]
+        display(Markdown(f"GPU: {device['gpu_name']} (each GPU file names its own card and commit)."))
         rows = [
             {"candidate": k, "time / torch DDP": v["time_ratio"], "memory / torch DDP": v["memory_ratio"]}
             for k, v in R["ddp_cuda"]["summary"].items()
