@@ -17,6 +17,9 @@ back-to-back calls; the figure is the median over repetitions of the slowest ran
   ddpkit_bf16     ddpkit's collective with cross_host_dtype=torch.bfloat16 (Note [Compressed crossing])
   ddpkit_<name>   the all-reduce with algorithm <name> ("star", "recursive_doubling", ...)
   ddpkit_backend  torch.distributed's collective on a group of the "ddpkit" backend
+  ddpkit_backend_method
+                  the all-reduce as the "ddpkit" group's own method, group.allreduce([t], options).wait(),
+                  without torch.distributed's Python function around it: what that function costs
   gloo            torch.distributed's collective on a gloo group (the baseline)
 The size is the whole tensor: the all-reduce's, broadcast's and reduce's, the all-gather's output
 and the reduce-scatter's input (float32). The broadcast's and the reduce's root is the last rank.
@@ -69,6 +72,11 @@ def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torc
     input, the reduce-scatter's output)."""
     groups = _groups()
     last = dist.get_world_size() - 1
+    if candidate == "ddpkit_backend_method":
+        assert collective == "all_reduce", f"{candidate} is the all-reduce's method"
+        options = dist.AllreduceOptions()
+        options.asyncOp = False
+        return lambda: groups["ddpkit"].allreduce([tensor], options).wait()
     if candidate in ("gloo", "ddpkit_backend"):
         library, options = dist, {"group": groups["gloo" if candidate == "gloo" else "ddpkit"]}
     else:
