@@ -44,12 +44,6 @@ void SocketPairChannel::swap_compressed(const at::Tensor& mine, const at::Tensor
   TORCH_INTERNAL_ASSERT(out.numel() == mine.numel() && out.is_contiguous() && mine.is_contiguous());
   const at::ScalarType wire = wire_dtype(comm.wire_format());
   const at::Tensor outgoing = scratch_.get(ScratchBuffers::kWire, out.numel(), wire);
-  int64_t encoded = 0;  // elements of `out` in `outgoing`
-  auto encode = [&](int64_t bytes) {
-    const int64_t upto = bytes / outgoing.element_size();
-    slice(outgoing, encoded, upto).copy_(slice(out, encoded, upto));
-    encoded = upto;
-  };
   const at::Tensor incoming = scratch_.get(ScratchBuffers::kFromPeer, mine.numel(), wire);
   const at::Tensor decoded = scratch_.get(ScratchBuffers::kDecoded, mine.numel(), mine.scalar_type());
   const int64_t element = incoming.element_size();
@@ -67,7 +61,8 @@ void SocketPairChannel::swap_compressed(const at::Tensor& mine, const at::Tensor
     combine_(own, theirs, accumulating_op(op), /*other_first=*/peer() == 0);
     reduced = ready;
   };
-  std::vector<Links::Send> sends{{peer(), outgoing.data_ptr(), bytes, nullptr, 0, encode, kLinkPartBytes}};
+  std::vector<Links::Send> sends{
+      {peer(), outgoing.data_ptr(), bytes, nullptr, 0, encode_as_sent(outgoing, out), kLinkPartBytes}};
   std::vector<Links::Recv> recvs{{peer(), incoming.data_ptr(), bytes, 0, reduce_ready, kLinkPartBytes, bytes}};
   links().exchange(comm.sequence(), std::move(sends), recvs);
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());

@@ -2,6 +2,7 @@
 
 #include "comm/arguments.h"
 #include "comm/reduce_kernel.h"
+#include "comm/split.h"
 
 #include <algorithm>
 #include <functional>
@@ -19,10 +20,11 @@ struct Span {
   int64_t size() const { return end - begin; }
 };
 
-// `numel` elements in n blocks differing by at most one element.
-std::vector<Span> even_blocks(int64_t numel, int n) {
+// The all-reduce's blocks: BalancedSplit's (Note [Splitting among ranks]).
+std::vector<Span> balanced_blocks(int64_t numel, int n) {
+  const BalancedSplit split{numel, n};
   std::vector<Span> blocks(n);
-  for (int b = 0; b < n; ++b) blocks[b] = {b * numel / n, (b + 1) * numel / n};
+  for (int b = 0; b < n; ++b) blocks[b] = {split.start(b), split.start(b + 1)};
   return blocks;
 }
 
@@ -52,17 +54,9 @@ void step(Links& links, uint64_t sequence, const at::Tensor& out, const at::Tens
   const auto in_bytes = static_cast<int64_t>(in.nbytes());
   std::function<void(int64_t)> on_data;
   if (on_part) on_data = [&on_part, element](int64_t bytes) { on_part(bytes / element); };
-  std::function<void(int64_t)> prepare;
-  int64_t written = 0;  // elements of `source` in `out`
-  if (source.defined()) {
-    prepare = [&](int64_t bytes) {
-      const int64_t upto = bytes / out.element_size();
-      slice(out, written, upto).copy_(slice(source, written, upto));
-      written = upto;
-    };
-  }
-  std::vector<Links::Send> sends{
-      {wrap(r + 1, n), out.data_ptr(), static_cast<int64_t>(out.nbytes()), nullptr, 0, prepare, kLinkPartBytes}};
+  std::function<void(int64_t)> prepare = source.defined() ? encode_as_sent(out, source) : nullptr;
+  std::vector<Links::Send> sends{{wrap(r + 1, n), out.data_ptr(), static_cast<int64_t>(out.nbytes()), nullptr, 0,
+                                  std::move(prepare), kLinkPartBytes}};
   std::vector<Links::Recv> recvs{
       {wrap(r - 1, n), in.data_ptr(), in_bytes, 0, std::move(on_data), kLinkPartBytes, in_bytes}};
   links.exchange(sequence, std::move(sends), recvs);
@@ -149,7 +143,7 @@ void ring_all_reduce(Links& links, uint64_t sequence, const at::Tensor& flat, Re
   const bool compressed = compresses(wire, flat, op);
   const at::Tensor wired =
       compressed ? scratch.get(ScratchBuffers::kWire, flat.numel(), wire_dtype(wire)) : at::Tensor();
-  const std::vector<Span> blocks = even_blocks(flat.numel(), links.size());
+  const std::vector<Span> blocks = balanced_blocks(flat.numel(), links.size());
   reduce_scatter_blocks(links, sequence, flat, blocks, op, compressed, wired, /*round_own=*/true, scratch);
   all_gather_blocks(links, sequence, flat, blocks, compressed, wired);
 }

@@ -12,8 +12,9 @@ namespace ddpkit::comm {
 // the rank that reduces an element decides the order its operands are summed in (the direct
 // reduce-scatter sums the reducing rank's own piece first: Note [Direct all-gather and
 // reduce-scatter]), so the rule is part of a collective's result. Two rules, each for a reason:
-//  - BalancedSplit, wherever a collective picks its own pieces: the ring's chunks, the butterfly's,
-//    the halving-doubling's halves, the direct all-reduce's slices.
+//  - BalancedSplit, wherever a collective picks its own pieces: the ring's chunks (in shared memory
+//    and across hosts: socket_ring.cpp), the butterfly's, the halving-doubling's halves, the direct
+//    all-reduce's slices.
 //  - PaddedSplit, where the pieces must be equal blocks: the host step of the hierarchical
 //    all-reduce and reduce between equal hosts (Horovod's split, Note [Hierarchical collectives])
 //    is the direct reduce-scatter and all-gather, whose contract is torch's reduce_scatter_tensor's

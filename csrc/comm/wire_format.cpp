@@ -38,4 +38,13 @@ at::ScalarType wire_dtype(WireFormat format) {
   return format == WireFormat::kBFloat16 ? at::kBFloat16 : at::kHalf;
 }
 
+std::function<void(int64_t)> encode_as_sent(const at::Tensor& frame, const at::Tensor& source) {
+  TORCH_INTERNAL_ASSERT(frame.numel() == source.numel() && frame.is_contiguous());
+  return [frame, source, encoded = int64_t{0}](int64_t bytes) mutable {
+    const int64_t upto = bytes / frame.element_size();
+    frame.narrow(0, encoded, upto - encoded).copy_(source.narrow(0, encoded, upto - encoded));
+    encoded = upto;
+  };
+}
+
 }  // namespace ddpkit::comm

@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <cstdint>
+#include <functional>
 #include <string_view>
 #include <vector>
 
@@ -47,5 +49,10 @@ bool compresses(WireFormat format, const at::Tensor& tensor, ReduceOp op);
 
 // The dtype a compressing format puts on the wire.
 at::ScalarType wire_dtype(WireFormat format);
+
+// Links::Send's prepare for `frame` (the wire's dtype) written from `source` (as long) as the frame
+// goes out, so that the rounding overlaps the transfer: the swap's and the ring's outgoing frames.
+// The function keeps how far it has encoded: the exchange calls the one it was given.
+std::function<void(int64_t)> encode_as_sent(const at::Tensor& frame, const at::Tensor& source);
 
 }  // namespace ddpkit::comm
