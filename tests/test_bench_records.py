@@ -29,6 +29,7 @@ CLASSES = {
     "torch_stack": {records.TorchStackRecord},
     "multihost": {records.MultihostRecord, records.MultihostCollectiveRecord, records.MultihostDdpRecord},
     "multihost_hosts": {records.MultihostRecord},  # --collectives all_reduce --no-ddp
+    "multihost_backend_path": {records.MultihostRecord},
     "latency": {records.LatencyRecord},
     "fault_tolerance": {records.FaultToleranceRecord},
     "compression": {records.CompressionRecord},
