@@ -96,10 +96,7 @@ at::Tensor Communicator::begin(const CollectiveHeader& header, const std::string
     return {};
   }
   if (!is_checked()) {
-    // Nobody learns of this rank's rejection, so its peers wait for it; over shared memory its next
-    // collective would take their current one's step: the check stops that memory instead.
-    if (!local_error.empty() && check_ != nullptr) check_->reject_unchecked(what_);
-    TORCH_CHECK(local_error.empty(), local_error);
+    begin_unchecked(local_error);
     return {};
   }
   TORCH_INTERNAL_ASSERT(check_ != nullptr, "a collective on a communicator without a check");
@@ -107,12 +104,15 @@ at::Tensor Communicator::begin(const CollectiveHeader& header, const std::string
   return check_->start(*this, header, local_error, ride);
 }
 
+void Communicator::begin_unchecked(const std::string& local_error) {
+  if (!local_error.empty() && check_ != nullptr) check_->reject_unchecked(what_);
+  TORCH_CHECK(local_error.empty(), local_error);
+}
+
 void Communicator::begin_in_direct_step(const CollectiveHeader& header, const std::string& local_error) {
   note_collective();
   if (!is_checked()) {
-    // As in begin(): nobody learns of this rank's rejection, so the check stops the host's memory.
-    if (!local_error.empty() && check_ != nullptr) check_->reject_unchecked(what_);
-    TORCH_CHECK(local_error.empty(), local_error);
+    begin_unchecked(local_error);
     return;
   }
   TORCH_INTERNAL_ASSERT(check_ != nullptr && check_->rides_in_direct_steps(),

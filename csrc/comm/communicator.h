@@ -249,6 +249,10 @@ class Communicator {
   int tag(int round) const;
   // Counts the collective (counters()); begin() and run_direct() do it, once per collective.
   void note_collective();
+  // An unchecked collective's start: raises `local_error` if there is one. Nobody learns of this
+  // rank's rejection, so its peers wait for it; over shared memory its next collective would take
+  // their current one's step: the check stops that memory first.
+  void begin_unchecked(const std::string& local_error);
   // Raises the error of a message to or from `failed.peer` that failed for `cause`, naming that peer
   // and the `silent` ones still awaited; records the peer for failed_peer().
   [[noreturn]] void fail(const Message& failed, const std::exception& cause, const std::vector<int>& silent);

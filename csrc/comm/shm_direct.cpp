@@ -27,10 +27,15 @@ void ShmDirect::post_header(const CarriedCheck* check, int set) const {
   if (check) memory_.slot_header(seg_.rank(), set) = check->header;
 }
 
-void ShmDirect::verify_headers(const CarriedCheck* check, int set, std::string_view what) const {
-  if (!check) return;
+std::vector<CollectiveHeader> ShmDirect::read_headers(int set) const {
   std::vector<CollectiveHeader> headers(seg_.size());
   for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = memory_.slot_header(peer, set);
+  return headers;
+}
+
+void ShmDirect::verify_headers(const CarriedCheck* check, int set, std::string_view what) const {
+  if (!check) return;
+  const std::vector<CollectiveHeader> headers = read_headers(set);
   const std::string error = describe_headers(headers.data(), seg_.size(), what, seg_.group_ranks().data());
   TORCH_CHECK(check->local_error.empty(), std::string(check->local_error));
   TORCH_CHECK(error.empty(), error);
@@ -216,9 +221,7 @@ std::vector<CollectiveHeader> ShmDirect::exchange_headers(const CollectiveHeader
   const int set = static_cast<int>(target & 1);
   memory_.slot_header(seg_.rank(), set) = header;
   arrive_and_wait(target, context);
-  std::vector<CollectiveHeader> headers(seg_.size());
-  for (int peer = 0; peer < seg_.size(); ++peer) headers[peer] = memory_.slot_header(peer, set);
-  return headers;
+  return read_headers(set);
 }
 
 }  // namespace ddpkit::comm

@@ -90,6 +90,8 @@ class ShmDirect final : public DirectCollectives {
   // After the first step's arrivals: compares every rank's header in slot set `set`; throws this
   // rank's `local_error` first if there is one.
   void verify_headers(const CarriedCheck* check, int set, std::string_view what) const;
+  // Every rank's header in slot set `set`, in rank order (after the step's arrivals).
+  std::vector<CollectiveHeader> read_headers(int set) const;
   // Posts this rank's arrival at step `target` and waits for every peer's.
   void arrive_and_wait(uint32_t target, const WaitContext& context);
 
