@@ -45,7 +45,8 @@ std::string field_value(const HeaderField& field, int64_t value) {
     return std::string(reduce_op_name(static_cast<ReduceOp>(value)));
   }
   if (field.member == &CollectiveHeader::wire) {
-    if (value < 0 || value >= static_cast<int64_t>(kWireFormats.size())) return c10::str("invalid wire format ", value);
+    if (value < 0 || value >= static_cast<int64_t>(kWireFormatNames.size()))
+      return c10::str("invalid wire format ", value);
     return std::string(wire_format_name(static_cast<WireFormat>(value)));
   }
   if (field.member == &CollectiveHeader::algorithm && value >= 0) {

@@ -105,8 +105,6 @@ at::Tensor& reduce_scatter_tensor_op(at::Tensor& output, const at::Tensor& input
   return output;
 }
 
-std::vector<std::string> wire_formats_op() { return wire_format_names(); }
-
 void barrier_op(const std::string& group_name, std::string_view transport) {
   run_collective(group_name, c10::kCPU, transport, CollectiveKind::kBarrier, {},
                  [&](Communicator& comm) { barrier(comm); });
@@ -157,6 +155,7 @@ std::vector<std::string> algorithms_op() { return names_of(kAlgorithmNames); }
 std::vector<std::string> transports_op() { return names_of(kTransportNames); }
 std::vector<std::string> reduce_ops_op() { return names_of(kReduceOpNames); }
 std::vector<std::string> collectives_op() { return names_of(kCollectiveNames); }
+std::vector<std::string> wire_formats_op() { return names_of(kWireFormatNames); }
 
 std::vector<int64_t> topology_op(const std::string& group_name) {
   const Topology topology = Engine::of(group_name)->topology();

@@ -11,7 +11,7 @@
 
 namespace ddpkit::comm {
 
-// `wire`: how the data crosses hosts, a name of kWireFormats (Note [Compressed crossing]).
+// `wire`: how the data crosses hosts, a name of kWireFormatNames (Note [Compressed crossing]).
 at::Tensor& all_reduce_op(at::Tensor& tensor, std::string_view op, std::string_view algorithm,
                           const std::string& group_name, std::string_view transport, std::string_view wire);
 at::Tensor& broadcast_op(at::Tensor& tensor, int64_t src, const std::string& group_name, std::string_view transport);
@@ -38,7 +38,7 @@ bool collective_checks_enabled_op();
 // [collectives, messages sent, bytes sent, peak buffered bytes] since the last reset, for this process.
 std::vector<int64_t> comm_counters_op();
 void reset_comm_counters_op();
-// The names of kWireFormats, in enum order (Note [Compressed crossing]).
+// The names of kWireFormatNames, in enum order (Note [Compressed crossing]).
 std::vector<std::string> wire_formats_op();
 std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory, bool hierarchical,
                                 std::string_view op);

@@ -7,26 +7,19 @@
 namespace ddpkit::comm {
 
 WireFormat parse_wire_format(std::string_view name) {
-  for (const WireFormatName& known : kWireFormats) {
-    if (known.name == name) return known.format;
+  for (size_t i = 0; i < kWireFormatNames.size(); ++i) {
+    if (kWireFormatNames[i] == name) return static_cast<WireFormat>(i);
   }
   std::string expected;
-  for (const WireFormatName& known : kWireFormats) expected += c10::str(expected.empty() ? "" : ", ", known.name);
+  for (std::string_view known : kWireFormatNames) expected += c10::str(expected.empty() ? "" : ", ", known);
   TORCH_CHECK(false, "ddpkit: unknown wire format '", name, "' for the bytes that cross hosts; expected one of ",
               expected);
 }
 
 std::string_view wire_format_name(WireFormat format) {
-  for (const WireFormatName& known : kWireFormats) {
-    if (known.format == format) return known.name;
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown wire format ", static_cast<int>(format));
-}
-
-std::vector<std::string> wire_format_names() {
-  std::vector<std::string> names;
-  for (const WireFormatName& known : kWireFormats) names.emplace_back(known.name);
-  return names;
+  const auto index = static_cast<size_t>(format);
+  TORCH_INTERNAL_ASSERT(index < kWireFormatNames.size(), "unknown wire format ", index);
+  return kWireFormatNames[index];
 }
 
 bool compresses(WireFormat format, const at::Tensor& tensor, ReduceOp op) {

@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <functional>
 #include <string_view>
-#include <vector>
 
 namespace ddpkit::comm {
 
@@ -30,19 +29,12 @@ namespace ddpkit::comm {
 // hosts]), and tensors that never cross hosts ignore the setting: they travel exact.
 enum class WireFormat : int { kExact = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-struct WireFormatName {
-  WireFormat format;
-  std::string_view name;
-};
-
-// One table for the enum (exported to Python as ddpkit.wire_formats()).
-inline constexpr std::array<WireFormatName, 3> kWireFormats{
-    {{WireFormat::kExact, "exact"}, {WireFormat::kBFloat16, "bfloat16"}, {WireFormat::kFloat16, "float16"}}};
+// One name per WireFormat, in enum order (Python: ddpkit.comm.WIRE_FORMATS).
+inline constexpr std::array<std::string_view, 3> kWireFormatNames = {"exact", "bfloat16", "float16"};
 
 // The format of `name`; a caller error naming the formats otherwise.
 WireFormat parse_wire_format(std::string_view name);
 std::string_view wire_format_name(WireFormat format);
-std::vector<std::string> wire_format_names();
 
 // Whether `tensor` reduced with `op` crosses hosts in `format` (not exact): float32 sums and means.
 bool compresses(WireFormat format, const at::Tensor& tensor, ReduceOp op);
