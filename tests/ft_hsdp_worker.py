@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -203,19 +202,9 @@ def train(args: argparse.Namespace, others: list) -> None:
     pg = ProcessGroupDdpkit(timeout=timeout)
     manager = Manager(
         pg=pg,
-        min_replica_size=1,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
-        replica_id=f"replica_{replica}",
-        timeout=timeout,
-        quorum_timeout=timeout * 3,
-        connect_timeout=timeout,
-        store_addr=addr,
-        store_port=port,
-        rank=rank,
-        world_size=ranks,
-        init_sync=False,
-        hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()),
+        **ft_replica.manager_options(replica, rank, ranks, timeout),
     )
     replicate = ManagedProcessGroup(manager)
     replicate.register("dp_replicate")  # as torchtitan does: a registered group, for functional collectives

@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -176,20 +175,10 @@ def main() -> None:
     # joining replica heals at the synchronisation's quorum, before it averages).
     manager = RecordingManager(
         pg=pg,
-        min_replica_size=1,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
-        replica_id=f"replica_{replica}",
-        timeout=timeout,
-        quorum_timeout=timeout * 3,
-        connect_timeout=timeout,
-        store_addr=addr,
-        store_port=port,
-        rank=0,
-        world_size=1,
-        init_sync=False,
         use_async_quorum=False,
-        hostname=os.environ.get("FT_HOSTNAME", socket.gethostname()),
+        **ft_replica.manager_options(replica, 0, 1, timeout),
     )
     if args.algorithm == "local-sgd":
         algorithm = LocalSGD(manager, model, optimizer, sync_every=args.sync_every)
