@@ -12,7 +12,8 @@
 #                                          # -> multihost_16core.json; iproute2 from .tools/ where the machine
 #                                          # has no `ip` (see below)
 #   bash scripts/gpu_checks.sh cpu-suites  # the CPU suites that exercise torch's APIs, on the CUDA torch
-# Several phases in one call: bash scripts/gpu_checks.sh build test bench grid profile.
+# Several phases in one call: bash scripts/gpu_checks.sh build test bench profile multihost grid (about
+# 460 s on an H100 with multihost failing at once: with multihost running, give grid a second call).
 # The machine reaches no network: fetch MPICH's wheels here first, into .whl/ (ignore it in
 # .git/info/exclude and carry it with the call), for the machine's Python 3.12:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -50,10 +51,13 @@ for phase in "$@"; do
   echo "== $phase at ${SECONDS}s"
   case "$phase" in
     build)
-      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-      $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-      nvcc --version | tail -1
-      lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA node\(s\))"
+      # The machine, into the phase's archive too: the call's output keeps only its tail.
+      {
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+        nvcc --version | tail -1
+        lscpu | grep -E "^(Model name|CPU\(s\)|Thread|Core|Socket|NUMA node\(s\))"
+      } 2>&1 | tee "$WORK/machine.txt"
       start=$SECONDS
       timeout "$(limit 300)" $PY -m pip install --no-build-isolation --no-deps -C cmake.define.DDPKIT_TESTING=ON -v . \
         >"$WORK/build.log" 2>&1
