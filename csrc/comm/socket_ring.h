@@ -16,13 +16,18 @@ namespace ddpkit::comm {
 // Among N >= 3 hosts the steps across hosts run on a ring over the socket links (Note [Socket
 // links]): rank r sends to r + 1 and receives from r - 1, one frame each way per step, both at
 // once. The vocabulary, said once:
-//  - a block is one of the N parts a ring splits a tensor into (sizes differing by at most one
-//    element, block b from b·numel/N), or one of a reduce-scatter's N blocks of m elements;
+//  - a block is one of the N parts a ring splits a tensor into (BalancedSplit's: sizes differing
+//    by at most one element, the first numel % N one longer), or one of a reduce-scatter's N
+//    blocks of m elements;
 //  - a step is one exchange: a block out to the right, a block in from the left;
 //  - a part is what the receiver reduces at a time while the rest of its block arrives
 //    (kLinkPartBytes in links.h), so that receiving, reducing and the right neighbour's sending overlap.
 // The reduce-scatter takes N - 1 steps: at step s rank r sends block r - 1 - s and receives block
-// r - 2 - s, which it reduces into its own copy, the incoming partial result first; after the
+// r - 2 - s, which it reduces into its own copy, the incoming partial result first. The parts of a
+// block arrive through a window of a few parts reused (Links::Recv's window), not a buffer of the
+// block's size: each is reduced while the kernel's copy of it is still in cache, where a cold
+// buffer made that copy ddpkit's largest cost against gloo's at 16M floats on 3x1 (a perf
+// profile; bench_multihost.py times it). After the
 // last step rank r holds block r reduced over every rank, in the one order the ring gives it
 // (x_{b+1}, x_{b+2}, ..., x_b), so every element is reduced in one place (Note [Reductions]). The
 // all-gather takes N - 1 steps more: at step s rank r sends block r - s and receives block r - 1 - s
