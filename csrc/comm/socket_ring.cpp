@@ -64,8 +64,11 @@ void step(Links& links, uint64_t sequence, const at::Tensor& out, const at::Tens
   links.exchange(sequence, std::move(sends), recvs);
 }
 
-// The window an uncompressed reduce-scatter receives a block's parts into (Note [A ring across hosts]).
+// The window an uncompressed reduce-scatter receives a block's parts into, for blocks longer than
+// kWindowedFromBytes: a shorter block stays in a core's cache whole, and there the window's extra
+// reads cost more than they save (Note [A ring across hosts]).
 constexpr int64_t kWindowBytes = 4 * kLinkPartBytes;
+constexpr int64_t kWindowedFromBytes = 4 * kWindowBytes;
 
 // The reduce-scatter of Note [A ring across hosts] over `blocks` of `flat`: afterwards this rank's
 // block is reduced over every rank. With `wire` compressing, frames go through `wired` (flat's
@@ -80,17 +83,16 @@ void reduce_scatter_blocks(Links& links, uint64_t sequence, const at::Tensor& fl
   const ReduceOp sum_or_op = accumulating_op(op);
   const int64_t most = largest(blocks);
   const int64_t window = kWindowBytes / flat.element_size();
+  // One choice for every block (they differ by at most one element).
+  const bool windowed = !compressed && most * flat.element_size() > kWindowedFromBytes;
   const at::Tensor incoming =
-      compressed ? at::Tensor() : scratch.get(ScratchBuffers::kFromPeer, std::min(most, window), flat.scalar_type());
+      compressed ? at::Tensor() : scratch.get(ScratchBuffers::kFromPeer, windowed ? window : most, flat.scalar_type());
   const at::Tensor decoded = compressed ? scratch.get(ScratchBuffers::kDecoded, most, at::kFloat) : at::Tensor();
   for (int s = 0; s < n - 1; ++s) {
     const Span& sent = blocks[wrap(r - 1 - s, n)];
     const Span& received = blocks[wrap(r - 2 - s, n)];
     const at::Tensor mine = part(flat, received);
     at::Tensor out = part(flat, sent);
-    // Uncompressed, a block longer than the window arrives through it, each part reduced while
-    // the kernel's copy of it is still in cache.
-    const bool windowed = !compressed && received.size() > window;
     const at::Tensor in = compressed ? part(wired, received)
                           : windowed ? incoming
                                      : incoming.narrow(0, 0, received.size());
