@@ -396,9 +396,9 @@ def test_eight_hosts_are_exact_with_identical_bits():
     check_every_collective(per_rank, [1] * 8)
 
 
-def test_blocks_longer_than_the_ring_window_are_exact_with_identical_bits():
-    """Blocks that arrive through the reduce-scatter's window of parts (Note [A ring across hosts]):
-    a third of 4,000,003 elements in float32 and in int64 is long enough to take the window, and uneven."""
+def test_blocks_of_megabytes_are_exact_with_identical_bits():
+    """The ring across hosts (Note [A ring across hosts]) on blocks of several MiB, many parts each: a
+    third of 4,000,003 elements (uneven blocks) in float32 and in int64, exact and alike on every rank."""
     with WorkerPool(3, timeout=600, group_timeout=120, env={"DDPKIT_TEST_HOSTS": "a,b,c"}) as pool:
         per_rank = pool.run(case_ring_collectives, [4_000_003], timeout=600)
     check_every_collective(per_rank, [1] * 3)

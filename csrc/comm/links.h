@@ -40,10 +40,6 @@ class Links {
   // rest of the frame) is ready, so that the caller works on the first part while the rest is on
   // its way: ready means received, and, where the exchange also sends this peer a frame, sent as
   // far (frame data bytes), so that the caller may overwrite what it sent up to there.
-  // With a `window` (a multiple of `step`; no frame to the same peer in the exchange), `data` holds
-  // only `window` bytes, reused: frame byte b lands at b % window, a step at a time, and each step
-  // is passed to on_data before the next is read, so the data stays in cache from the kernel's copy
-  // to the caller's use (Note [A ring across hosts]). Each call's new bytes lie in one step.
   struct Recv {
     int peer;
     void* data;
@@ -52,7 +48,6 @@ class Links {
     std::function<void(int64_t)> on_data = nullptr;
     int64_t step = 0;
     int64_t minimum = 0;  // a shorter frame breaks the links, as a longer one than `capacity` does
-    int64_t window = 0;   // 0: `data` holds the whole frame
   };
 
   virtual ~Links() = default;

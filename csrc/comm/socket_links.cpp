@@ -445,10 +445,6 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     TORCH_INTERNAL_ASSERT(recv.peer != rank_ && fds_.at(recv.peer) >= 0 && !receiving[recv.peer]++);
     recv.received = 0;
   }
-  for (const Recv& recv : recvs) {  // a window is passed on as it fills: nothing may hold its data back
-    TORCH_INTERNAL_ASSERT(recv.window == 0 ||
-                          (recv.on_data && recv.step > 0 && recv.window % recv.step == 0 && !sending[recv.peer]));
-  }
   auto send_total = [&](size_t i) { return kHeaderBytes + static_cast<int64_t>(outgoing[i].header.bytes); };
   // Sends the rest of frame `i`, cut halfway, by `until`; false when it cannot.
   auto finish = [&](size_t i, Clock::time_point until) noexcept {
@@ -502,25 +498,6 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     return incoming[i].done < kHeaderBytes ? kHeaderBytes + 1
                                            : kHeaderBytes + static_cast<int64_t>(incoming[i].header.bytes);
   };
-  // Passes frame `i`'s data to its on_data as far as it is ready, a step at a time.
-  auto report = [&](size_t i) {
-    Incoming& in = incoming[i];
-    Recv& recv = recvs[i];
-    if (!recv.on_data) return;
-    int64_t ready = std::max<int64_t>(0, in.done - kHeaderBytes);
-    const int64_t total = in.done < kHeaderBytes ? -1 : static_cast<int64_t>(in.header.bytes);
-    for (size_t j = 0; j < sends.size(); ++j) {
-      if (sends[j].peer == recv.peer) ready = std::min(ready, std::max<int64_t>(0, outgoing[j].done - kHeaderBytes));
-    }
-    if (ready > in.reported && (ready == total || ready - in.reported >= recv.step)) {
-      try {
-        recv.on_data(ready);
-      } catch (const std::exception& e) {
-        give_up(recv.peer, e.what());  // the frame is only partly read: the stream cannot go on
-      }
-      in.reported = ready;
-    }
-  };
   // Moves every unfinished frame as far as its socket allows; returns how many are unfinished.
   auto progress = [&]() {
     size_t unfinished = 0;
@@ -568,15 +545,9 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
       Incoming& in = incoming[i];
       Recv& recv = recvs[i];
       while (in.done < recv_total(i)) {
-        const int64_t data_done = in.done - kHeaderBytes;
-        char* into = reinterpret_cast<char*>(&in.header) + in.done;
-        int64_t want = kHeaderBytes - in.done;
-        if (data_done >= 0) {
-          want = recv_total(i) - in.done;
-          into = static_cast<char*>(recv.data) + (recv.window > 0 ? data_done % recv.window : data_done);
-          // A window takes a step at a time, each passed on before the next (never across its end).
-          if (recv.window > 0) want = std::min(want, recv.step - data_done % recv.step);
-        }
+        char* into = in.done < kHeaderBytes ? reinterpret_cast<char*>(&in.header) + in.done
+                                            : static_cast<char*>(recv.data) + (in.done - kHeaderBytes);
+        const int64_t want = in.done < kHeaderBytes ? kHeaderBytes - in.done : recv_total(i) - in.done;
         const ssize_t got = ::recv(fds_[recv.peer], into, static_cast<size_t>(want), 0);
         if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
         if (got < 0 && errno == EINTR) continue;
@@ -605,9 +576,23 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
                                         " expected ", recv.minimum, " to ", recv.capacity));
           }
         }
-        if (recv.window > 0) report(i);
       }
-      report(i);
+      if (recv.on_data) {
+        int64_t ready = std::max<int64_t>(0, in.done - kHeaderBytes);
+        const int64_t total = in.done < kHeaderBytes ? -1 : static_cast<int64_t>(in.header.bytes);
+        for (size_t j = 0; j < sends.size(); ++j) {
+          if (sends[j].peer == recv.peer)
+            ready = std::min(ready, std::max<int64_t>(0, outgoing[j].done - kHeaderBytes));
+        }
+        if (ready > in.reported && (ready == total || ready - in.reported >= recv.step)) {
+          try {
+            recv.on_data(ready);
+          } catch (const std::exception& e) {
+            give_up(recv.peer, e.what());  // the frame is only partly read: the stream cannot go on
+          }
+          in.reported = ready;
+        }
+      }
       if (in.done < recv_total(i)) {
         ++unfinished;
       } else {

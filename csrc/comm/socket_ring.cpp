@@ -43,32 +43,24 @@ int64_t largest(const std::vector<Span>& blocks) {
 
 at::Tensor part(const at::Tensor& flat, const Span& span) { return slice(flat, span.begin, span.end); }
 
-// One step: `out` to the right neighbour while the left one's frame of `in_numel` elements arrives
-// into `in`: the whole frame, or, where `in` is shorter, a window of it that each part reuses
-// (Links::Recv's window: a multiple of kLinkPartBytes). `on_part(elements)` is called as the first
-// `elements` of the frame are in (null: not at all). With `source`, `out` is written from it as it
-// goes out (Links::Send's prepare: an encoded frame whose encoding overlaps the transfer).
-void step(Links& links, uint64_t sequence, const at::Tensor& out, const at::Tensor& in, int64_t in_numel,
+// One step: `out` to the right neighbour while the left one's frame of exactly `in`'s size arrives
+// into `in`; `on_part(elements)` is called as the first `elements` of it are in (null: not at all).
+// With `source`, `out` is written from it as it goes out (Links::Send's prepare: an encoded
+// frame whose encoding overlaps the transfer).
+void step(Links& links, uint64_t sequence, const at::Tensor& out, const at::Tensor& in,
           std::function<void(int64_t)> on_part, const at::Tensor& source = at::Tensor()) {
   const int n = links.size(), r = links.rank();
   const int64_t element = in.element_size();
-  const int64_t in_bytes = in_numel * element;
-  const int64_t window = in.numel() < in_numel ? static_cast<int64_t>(in.nbytes()) : 0;
+  const auto in_bytes = static_cast<int64_t>(in.nbytes());
   std::function<void(int64_t)> on_data;
   if (on_part) on_data = [&on_part, element](int64_t bytes) { on_part(bytes / element); };
   std::function<void(int64_t)> prepare = source.defined() ? encode_as_sent(out, source) : nullptr;
   std::vector<Links::Send> sends{{wrap(r + 1, n), out.data_ptr(), static_cast<int64_t>(out.nbytes()), nullptr, 0,
                                   std::move(prepare), kLinkPartBytes}};
   std::vector<Links::Recv> recvs{
-      {wrap(r - 1, n), in.data_ptr(), in_bytes, 0, std::move(on_data), kLinkPartBytes, in_bytes, window}};
+      {wrap(r - 1, n), in.data_ptr(), in_bytes, 0, std::move(on_data), kLinkPartBytes, in_bytes}};
   links.exchange(sequence, std::move(sends), recvs);
 }
-
-// The window an uncompressed reduce-scatter receives a block's parts into, for blocks longer than
-// kWindowedFromBytes: a shorter block stays in a core's cache whole, and there the window's extra
-// reads cost more than they save (Note [A ring across hosts]).
-constexpr int64_t kWindowBytes = 4 * kLinkPartBytes;
-constexpr int64_t kWindowedFromBytes = 4 * kWindowBytes;
 
 // The reduce-scatter of Note [A ring across hosts] over `blocks` of `flat`: afterwards this rank's
 // block is reduced over every rank. With `wire` compressing, frames go through `wired` (flat's
@@ -82,20 +74,15 @@ void reduce_scatter_blocks(Links& links, uint64_t sequence, const at::Tensor& fl
   const int n = links.size(), r = links.rank();
   const ReduceOp sum_or_op = accumulating_op(op);
   const int64_t most = largest(blocks);
-  const int64_t window = kWindowBytes / flat.element_size();
-  // One choice for every block (they differ by at most one element).
-  const bool windowed = !compressed && most * flat.element_size() > kWindowedFromBytes;
   const at::Tensor incoming =
-      compressed ? at::Tensor() : scratch.get(ScratchBuffers::kFromPeer, windowed ? window : most, flat.scalar_type());
+      compressed ? at::Tensor() : scratch.get(ScratchBuffers::kFromPeer, most, flat.scalar_type());
   const at::Tensor decoded = compressed ? scratch.get(ScratchBuffers::kDecoded, most, at::kFloat) : at::Tensor();
   for (int s = 0; s < n - 1; ++s) {
     const Span& sent = blocks[wrap(r - 1 - s, n)];
     const Span& received = blocks[wrap(r - 2 - s, n)];
     const at::Tensor mine = part(flat, received);
     at::Tensor out = part(flat, sent);
-    const at::Tensor in = compressed ? part(wired, received)
-                          : windowed ? incoming
-                                     : incoming.narrow(0, 0, received.size());
+    const at::Tensor in = compressed ? part(wired, received) : incoming.narrow(0, 0, received.size());
     // The partial result, rounded as it leaves: the first step's is this rank's own block, encoded as
     // it goes out; the later ones' were encoded as they were reduced.
     at::Tensor source;
@@ -106,9 +93,7 @@ void reduce_scatter_blocks(Links& links, uint64_t sequence, const at::Tensor& fl
     const bool last = s == n - 2;
     int64_t reduced = 0;
     auto reduce_ready = [&](int64_t ready) {
-      const int64_t at = windowed ? reduced % window : reduced;  // a part never crosses the window's end
-      TORCH_INTERNAL_ASSERT(at + (ready - reduced) <= in.numel());
-      at::Tensor theirs = slice(in, at, at + (ready - reduced));
+      at::Tensor theirs = slice(in, reduced, ready);
       if (compressed) theirs = decoded.narrow(0, 0, ready - reduced).copy_(theirs);
       const at::Tensor result = slice(mine, reduced, ready);
       combine_(result, theirs, sum_or_op, /*other_first=*/true);
@@ -119,7 +104,7 @@ void reduce_scatter_blocks(Links& links, uint64_t sequence, const at::Tensor& fl
       }
       reduced = ready;
     };
-    step(links, sequence, out, in, received.size(), reduce_ready, source);
+    step(links, sequence, out, in, reduce_ready, source);
     TORCH_INTERNAL_ASSERT(reduced == mine.numel());
   }
 }
@@ -144,7 +129,7 @@ void all_gather_blocks(Links& links, uint64_t sequence, const at::Tensor& flat, 
         decoded = ready;
       };
     }
-    step(links, sequence, part(frames, blocks[wrap(r - s, n)]), in, in.numel(), decode);
+    step(links, sequence, part(frames, blocks[wrap(r - s, n)]), in, decode);
     TORCH_INTERNAL_ASSERT(!compressed || decoded == received.size());
   }
 }

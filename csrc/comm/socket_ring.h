@@ -23,13 +23,8 @@ namespace ddpkit::comm {
 //  - a part is what the receiver reduces at a time while the rest of its block arrives
 //    (kLinkPartBytes in links.h), so that receiving, reducing and the right neighbour's sending overlap.
 // The reduce-scatter takes N - 1 steps: at step s rank r sends block r - 1 - s and receives block
-// r - 2 - s, which it reduces into its own copy, the incoming partial result first. Uncompressed,
-// the parts of a block of several MiB arrive through a window of a few parts reused (Links::Recv's
-// window), not a buffer of the block's size, so each is reduced while the kernel's copy of it is
-// still in cache: into a cold buffer that copy was ddpkit's largest cost against gloo's (a perf
-// profile at 16M floats on 3x1). A block that fits a core's cache whole takes no window, which
-// would only add reads (builds with and without it alternated at 1M and 16M floats on 3x1 and 4x1).
-// After the last step rank r holds block r reduced over every rank, in the one order the ring gives it
+// r - 2 - s, which it reduces into its own copy, the incoming partial result first; after the
+// last step rank r holds block r reduced over every rank, in the one order the ring gives it
 // (x_{b+1}, x_{b+2}, ..., x_b), so every element is reduced in one place (Note [Reductions]). The
 // all-gather takes N - 1 steps more: at step s rank r sends block r - s and receives block r - 1 - s
 // straight into place. Each link carries 2(N-1)/N of the tensor, what a bandwidth-optimal
