@@ -30,6 +30,7 @@ CLASSES = {
     "multihost": {records.MultihostRecord, records.MultihostCollectiveRecord, records.MultihostDdpRecord},
     "multihost_hosts": {records.MultihostRecord},  # --collectives all_reduce --no-ddp
     "multihost_backend_path": {records.MultihostRecord},
+    "multihost_16core": {records.MultihostRecord},  # the GPU machine's 16 cores (also multihost_16core_3x1_4x2.json)
     "latency": {records.LatencyRecord},
     "fault_tolerance": {records.FaultToleranceRecord},
     "compression": {records.CompressionRecord},
