@@ -82,11 +82,13 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=2.0**-4, momentum=0.5)
 
 
-def manager_options(replica: int, rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
+def manager_options(
+    replica: int, rank: int, world_size: int, addr: str, port: int, timeout: datetime.timedelta
+) -> dict:
     """torchft.Manager's settings as this script's replicas and the tests' workers run it: replica group
-    ``replica``'s ``rank`` of ``world_size``, one replica enough for a quorum, its store at MASTER_ADDR and
-    MASTER_PORT, timeouts from ``timeout`` (the quorum's three times it), no initial sync (every replica
-    builds the same model from one seed), and the address its peers reach its manager at
+    ``replica``'s ``rank`` of ``world_size``, one replica enough for a quorum, its store at ``addr``:``port``,
+    timeouts from ``timeout`` (the quorum's three times it), no initial sync (every replica builds the
+    same model from one seed), and the address its peers reach its manager at
     (ddpkit.testing.torchft_hosts' FT_HOSTNAME: a simulated host's name resolves nowhere)."""
     return dict(
         min_replica_size=1,
@@ -94,8 +96,8 @@ def manager_options(replica: int, rank: int, world_size: int, timeout: datetime.
         timeout=timeout,
         quorum_timeout=timeout * 3,
         connect_timeout=timeout,
-        store_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-        store_port=int(os.environ["MASTER_PORT"]),
+        store_addr=addr,
+        store_port=port,
         rank=rank,
         world_size=world_size,
         init_sync=False,
@@ -246,7 +248,7 @@ def main() -> None:
         # A healing replica's forward moves the shared statistics: it must run on the state it
         # heals to, which the manager then loads at the quorum instead of at the commit.
         use_async_quorum=not syncbn,
-        **manager_options(replica, rank, world_size, timeout),
+        **manager_options(replica, rank, world_size, addr, port, timeout),
     )
     log = open(args.records, "a", buffering=1)
     # Interpreter and imports done, manager up: a restart's own start-up ends here.

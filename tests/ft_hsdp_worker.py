@@ -204,7 +204,7 @@ def train(args: argparse.Namespace, others: list) -> None:
         pg=pg,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
-        **ft_replica.manager_options(replica, rank, ranks, timeout),
+        **ft_replica.manager_options(replica, rank, ranks, addr, port, timeout),
     )
     replicate = ManagedProcessGroup(manager)
     replicate.register("dp_replicate")  # as torchtitan does: a registered group, for functional collectives

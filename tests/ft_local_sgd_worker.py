@@ -178,7 +178,7 @@ def main() -> None:
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         use_async_quorum=False,
-        **ft_replica.manager_options(replica, 0, 1, timeout),
+        **ft_replica.manager_options(replica, 0, 1, addr, port, timeout),
     )
     if args.algorithm == "local-sgd":
         algorithm = LocalSGD(manager, model, optimizer, sync_every=args.sync_every)
