@@ -16,6 +16,11 @@ back-to-back calls; the figure is the median over repetitions of the slowest ran
                   the others' transport "process_group" (no hierarchy)
   ddpkit_bf16     ddpkit's collective with cross_host_dtype=torch.bfloat16 (Note [Compressed crossing])
   ddpkit_<name>   the all-reduce with algorithm <name> ("star", "recursive_doubling", ...)
+  ddpkit_sends_caller, ddpkit_sends_thread
+                  ddpkit's collective on a group whose links send on the caller's thread, or every frame
+                  on their own thread (Note [A thread for sending]; DDPKIT_LINK_THREAD_BYTES 0 or 1 at
+                  the group's set-up, a testing build's), whatever this machine's CPUs: what the thread
+                  gains where the set-up turns it on (ddpkit), and costs where it does not
   ddpkit_backend  torch.distributed's collective on a group of the "ddpkit" backend
   ddpkit_backend_method
                   the all-reduce as the "ddpkit" group's own method, group.allreduce([t], options).wait(),
@@ -65,6 +70,24 @@ def _groups():
     return _GROUPS
 
 
+# DDPKIT_LINK_THREAD_BYTES at the set-up of each candidate's group (Note [A thread for sending]).
+SENDS = {"ddpkit_sends_caller": "0", "ddpkit_sends_thread": "1"}
+
+
+def _sends_group(candidate: str) -> dist.ProcessGroup:
+    """A gloo group whose links ddpkit made with DDPKIT_LINK_THREAD_BYTES=SENDS[candidate], made once
+    (every rank asks for the candidates in the same order, so the groups match)."""
+    groups = _groups()
+    if candidate not in groups:
+        os.environ["DDPKIT_LINK_THREAD_BYTES"] = SENDS[candidate]
+        try:
+            groups[candidate] = dist.new_group(backend="gloo")
+            ddpkit.barrier(group=groups[candidate])  # the set-up, which reads it
+        finally:
+            del os.environ["DDPKIT_LINK_THREAD_BYTES"]
+    return groups[candidate]
+
+
 def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torch.Tensor) -> Callable[[], object]:
     """The call a user makes for ``candidate``'s ``collective``, bound once, for the timed loop: the loop
     then calls the library's own function with nothing of the benchmark's between (as
@@ -79,6 +102,8 @@ def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torc
         return lambda: groups["ddpkit"].allreduce([tensor], options).wait()
     if candidate in ("gloo", "ddpkit_backend"):
         library, options = dist, {"group": groups["gloo" if candidate == "gloo" else "ddpkit"]}
+    elif candidate in SENDS:
+        library, options = ddpkit, {"group": _sends_group(candidate)}
     else:
         library, options = ddpkit, {"group": groups["gloo"]}
         if candidate == "ddpkit_flat":

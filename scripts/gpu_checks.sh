@@ -8,7 +8,9 @@
 #                                          # wheels in .whl/: mpich, mpi4py) -> allreduce_16core.json
 #   bash scripts/gpu_checks.sh profile     # scripts/gpu_profile.py: where SyncBatchNorm's and DDP's time goes
 #   bash scripts/gpu_checks.sh multihost   # bench_multihost.py on simulated hosts (network and mount namespaces,
-#                                          # root): 4x1, 4x2, 8x1, unshaped and 10 Gbit/s, ddpkit against gloo
+#                                          # root): 4x1, 4x2, 8x1, unshaped and 10 Gbit/s, ddpkit against gloo,
+#                                          # and ddpkit with its links' sends on the caller's thread (Note [A
+#                                          # thread for sending])
 #                                          # -> multihost_16core.json; iproute2 from .tools/ where the machine
 #                                          # has no `ip` (see below)
 #   bash scripts/gpu_checks.sh cpu-suites  # the CPU suites that exercise torch's APIs, on the CUDA torch
@@ -119,7 +121,7 @@ for phase in "$@"; do
       fi
       ip netns del ddpkit-probe
       timeout "$(limit 200)" $PY benchmarks/bench_multihost.py --topologies ${MULTIHOST_TOPOLOGIES:-4x1 4x2 8x1} \
-        --links unshaped 10gbit --collectives all_reduce --candidates ddpkit ddpkit_backend gloo \
+        --links unshaped 10gbit --collectives all_reduce --candidates ${MULTIHOST_CANDIDATES:-ddpkit ddpkit_sends_caller ddpkit_backend gloo} \
         --sizes 1000 100000 1000000 16000000 --reps ${MULTIHOST_REPS:-7} --no-ddp --output multihost_16core \
         >"$WORK/multihost.log" 2>&1
       echo "multihost: rc=$?"; tail -30 "$WORK/multihost.log"

@@ -9,6 +9,7 @@ DDPKIT_TEST_HOSTS (csrc/comm/faults.h), which needs nothing. See Note [Topology]
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -42,10 +43,11 @@ def expected_hosts(ranks_per_host):
 # --- cases run on every rank ----------------------------------------------------------------------
 
 
-def case_every_collective(numels):
+def case_every_collective(numels, group=None):
     """Every collective, dtype and size; integer-valued inputs, so that every result is exact."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    out = {"topology": ddpkit.comm.topology()}
+    on = {"group": group}
+    out = {"topology": ddpkit.comm.topology(group)}
     for dtype in DTYPES:
         ops = ("sum", "max", "min") + (("mean",) if dtype.is_floating_point else ())
         sizes = numels if dtype == torch.float32 else numels[:3]
@@ -53,22 +55,24 @@ def case_every_collective(numels):
             for op in ops:
                 for algorithm in ("auto", "ring"):
                     tensor = rank_input(rank, numel, integer=True).to(dtype)
-                    ddpkit.all_reduce(tensor, op=op, algorithm=algorithm)
+                    ddpkit.all_reduce(tensor, op=op, algorithm=algorithm, **on)
                     out[("all_reduce", str(dtype), numel, op, algorithm)] = tensor
             for root in (0, world_size - 1):
                 tensor = rank_input(rank, numel, integer=True).to(dtype)
-                ddpkit.broadcast(tensor, src=root)
+                ddpkit.broadcast(tensor, src=root, **on)
                 out[("broadcast", str(dtype), numel, root)] = tensor
                 tensor = rank_input(rank, numel, integer=True).to(dtype)
-                ddpkit.reduce(tensor, dst=root)
+                ddpkit.reduce(tensor, dst=root, **on)
                 out[("reduce", str(dtype), numel, root)] = tensor if rank == root else None
             gathered = torch.empty(world_size * numel, dtype=dtype)
-            ddpkit.all_gather_into_tensor(gathered, rank_input(rank, numel, integer=True).to(dtype))
+            ddpkit.all_gather_into_tensor(gathered, rank_input(rank, numel, integer=True).to(dtype), **on)
             out[("all_gather", str(dtype), numel)] = gathered
             scattered = torch.empty(numel, dtype=dtype)
-            ddpkit.reduce_scatter_tensor(scattered, rank_input(rank, world_size * numel, integer=True).to(dtype))
+            ddpkit.reduce_scatter_tensor(
+                scattered, rank_input(rank, world_size * numel, integer=True).to(dtype), **on
+            )
             out[("reduce_scatter", str(dtype), numel)] = scattered
-    ddpkit.barrier()
+    ddpkit.barrier(**on)
     return out
 
 
@@ -203,13 +207,20 @@ def test_a_rank_killed_on_a_third_host_is_reported_by_both_others():
         assert "rank 2" in str(outcomes[rank]), f"rank {rank}: {outcomes[rank]}"
 
 
+# DDPKIT_LINK_THREAD_BYTES (the testing build's): the links' sends on the caller's thread, or on the
+# links' own thread for every frame, whatever this machine's CPUs (Note [A thread for sending]).
+SENDS = {"caller": "0", "thread": "1"}
+
+
 @needs_hosts
+@pytest.mark.parametrize("sends", sorted(SENDS))
 @pytest.mark.parametrize("ranks_per_host", [[1, 1, 1], [1, 1, 1, 1]], ids=["3x1", "4x1"])
-def test_a_rank_killed_in_the_middle_of_a_ring_step_is_named_on_every_host(ranks_per_host):
+def test_a_rank_killed_in_the_middle_of_a_ring_step_is_named_on_every_host(ranks_per_host, sends):
     # Rank 1 dies as its second ring step across hosts starts (die_in_ring_step): its partners have
-    # finished the first step with it. The ring's neighbours lose their connection to it; every other
-    # rank learns which rank failed, not a timeout.
-    pool = HostPool(ranks_per_host, group_timeout=GROUP_TIMEOUT_S, env={"DDPKIT_TEST_FAULT": "die_in_ring_step:1"})
+    # finished the first step with it. The ring's neighbours lose their connection to it (on the
+    # sending thread, its left one); every other rank learns which rank failed, not a timeout.
+    env = {"DDPKIT_TEST_FAULT": "die_in_ring_step:1", "DDPKIT_LINK_THREAD_BYTES": SENDS[sends]}
+    pool = HostPool(ranks_per_host, group_timeout=GROUP_TIMEOUT_S, env=env)
     try:
         outcomes = pool.run(case_all_reduces, 3, 1_000_000, return_exceptions=True, timeout=4 * GROUP_TIMEOUT_S)
     finally:
@@ -220,6 +231,86 @@ def test_a_rank_killed_in_the_middle_of_a_ring_step_is_named_on_every_host(ranks
         assert "rank 1" in str(outcomes[rank]) and "timed out" not in str(outcomes[rank]).lower(), (
             f"rank {rank}: {outcomes[rank]}"
         )
+
+
+def send_threads():
+    """How many of this process's threads are the links' sending threads (send_thread.cpp names them)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as comm:
+            names.append(comm.read().strip())
+    return names.count("ddpkit-send")
+
+
+def case_on_either_thread(numels):
+    """case_every_collective and compressed sums on a group whose links send on the caller's thread,
+    then on one whose links send every frame on their own thread, and how many sending threads each
+    group started."""
+    rank = dist.get_rank()
+    out = {}
+    for sends in ("caller", "thread"):
+        os.environ["DDPKIT_LINK_THREAD_BYTES"] = SENDS[sends]
+        before = send_threads()
+        group = dist.new_group(backend="gloo")
+        results = case_every_collective(numels, group)
+        for numel in numels:
+            tensor = rank_input(rank, numel)
+            ddpkit.all_reduce(tensor, group=group, cross_host_dtype=torch.bfloat16)
+            results[("compressed", numel)] = tensor
+        results["started"] = send_threads() - before
+        out[sends] = results
+    del os.environ["DDPKIT_LINK_THREAD_BYTES"]
+    return out
+
+
+@needs_hosts
+@pytest.mark.parametrize("ranks_per_host", [[1, 1, 1], [2, 2]], ids=["3x1", "2x2"])
+def test_sending_on_the_links_thread_is_exact_and_gives_the_callers_bits(ranks_per_host):
+    # The ring (3x1) and the swap (2x2, whose reductions wait for the frame sent to the same peer),
+    # exact, and bit for bit what the caller's thread gives, compressed sums included.
+    pool = HostPool(ranks_per_host, group_timeout=GROUP_TIMEOUT_S)
+    try:
+        per_rank = pool.run(case_on_either_thread, [1001, 300_003], timeout=300)
+    finally:
+        pool.close()
+    thread_results = []
+    for rank, out in enumerate(per_rank):
+        assert out["caller"].pop("started") == 0 and out["thread"].pop("started") == 1, rank
+        for key, tensor in out["caller"].items():
+            if isinstance(tensor, torch.Tensor):
+                theirs = out["thread"][key]
+                assert torch.equal(theirs.view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), (rank, key)
+        thread_results.append({k: v for k, v in out["thread"].items() if k[0] != "compressed"})
+    check_every_collective(thread_results, ranks_per_host)
+
+
+def case_rank_2_stays_away(numel, away_s):
+    """Rank 2 sleeps through a large all-reduce of the others, with checks off, so that the ring's
+    data steps (not the check's round) wait for it; returns what the others raised."""
+    ddpkit.set_collective_checks(False)
+    ddpkit.all_reduce(torch.ones(4))  # the group's set-up, with every rank here
+    if dist.get_rank() == 2:
+        time.sleep(away_s)
+        return None
+    try:
+        ddpkit.all_reduce(torch.ones(numel))
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("sends", sorted(SENDS))
+def test_a_ring_step_waiting_out_a_rank_that_stays_away_names_it(sends):
+    # Rank 1's frame to rank 2 is larger than the sockets hold, so its sending thread is blocked in
+    # the middle of it when rank 1 gives up: the caller stops the thread and names rank 2, as rank 0,
+    # which waits for rank 2's frame, does.
+    timeout_s = 3.0
+    env = {"DDPKIT_TEST_HOSTS": "a,b,c", "DDPKIT_LINK_THREAD_BYTES": SENDS[sends]}
+    with WorkerPool(3, timeout=120, group_timeout=timeout_s, env=env) as pool:
+        outcomes = pool.run(case_rank_2_stays_away, 12_000_000, 3 * timeout_s, return_exceptions=True)
+    for rank in (0, 1):
+        error = outcomes[rank]
+        assert isinstance(error, str) and "waiting for rank 2" in error, f"rank {rank}: {error!r}"
 
 
 def case_swapped_blocks(numel):

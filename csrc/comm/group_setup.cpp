@@ -6,11 +6,13 @@
 #include "comm/hierarchical_unequal.h"
 #include "comm/part_factory.h"
 #include "comm/shm_setup.h"
+#include "comm/socket_links.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <algorithm>
 #include <exception>
+#include <thread>
 #include <vector>
 
 namespace ddpkit::comm {
@@ -41,13 +43,19 @@ c10::intrusive_ptr<c10d::Backend> split_backend(const c10::intrusive_ptr<c10d::B
 // hosts]), over a subgroup split from `cpu`, with the socket links between every pair of them.
 std::unique_ptr<CrossHostChannel> connect_across_hosts(const std::vector<int>& cross, Hierarchy& hierarchy,
                                                        const c10::intrusive_ptr<c10d::Backend>& cpu, int size,
-                                                       const c10::intrusive_ptr<c10d::Store>& store, uint64_t nonce,
-                                                       std::chrono::milliseconds timeout, int rank) {
+                                                       const c10::intrusive_ptr<c10d::Store>& store,
+                                                       const Discovery& discovery, std::chrono::milliseconds timeout,
+                                                       int rank) {
+  const uint64_t nonce = discovery.nonce;
   const int index = hierarchy.topology.uniform() ? hierarchy.topology.local_rank() : 0;
   c10::intrusive_ptr<c10d::Backend> subgroup = split_backend(cpu, size, cross, store, nonce, index);
   TORCH_INTERNAL_ASSERT(subgroup, "splitting the group's backend gave no subgroup");
   const int cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), rank) - cross.begin());
-  std::shared_ptr<Links> links = part_factory().links(*subgroup, cross_rank, cross, timeout);
+  // Note [A thread for sending]: only where every rank on this kernel (the simulated hosts' too) can
+  // have a second CPU, as Note [Waiting on shared memory] counts them.
+  const int64_t cpus = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t thread_bytes = 2 * discovery.on_kernel[rank] <= cpus ? kSendThreadBytes : 0;
+  std::shared_ptr<Links> links = part_factory().links(*subgroup, cross_rank, cross, timeout, thread_bytes);
   // The capability table of Note [Steps across hosts]: two hosts swap over their link, more run a
   // ring over their links.
   if (cross.size() == 2) return std::make_unique<SocketPairChannel>(cross_rank, cross, links, hierarchy.scratch);
@@ -96,7 +104,7 @@ GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Back
   try {
     if (!cross.empty()) {
       hierarchy->cross =
-          connect_across_hosts(cross, *hierarchy, cpu, setup.size(), store(), discovery.nonce, timeout, setup.rank());
+          connect_across_hosts(cross, *hierarchy, cpu, setup.size(), store(), discovery, timeout, setup.rank());
     }
   } catch (...) {
     failure = std::current_exception();

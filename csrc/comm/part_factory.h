@@ -39,10 +39,10 @@ class PartFactory {
   virtual SegmentOptions segment_options(int size, bool spinning, int rank) const;
   // The transport of this host's ranks over `segment`: a ShmTransport.
   virtual std::shared_ptr<Transport> host_transport(std::shared_ptr<ShmSegment> segment) const;
-  // The links across hosts among `group_ranks` (this rank at `rank`), over their subgroup `backend`:
-  // SocketLinks::connect's.
+  // The links across hosts among `group_ranks` (this rank at `rank`), over their subgroup `backend`,
+  // sending on a thread from `thread_bytes` (Note [A thread for sending]): SocketLinks::connect's.
   virtual std::shared_ptr<Links> links(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
-                                       std::chrono::milliseconds timeout) const;
+                                       std::chrono::milliseconds timeout, int64_t thread_bytes) const;
 };
 
 // The factory every group's set-up uses.

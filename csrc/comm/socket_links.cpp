@@ -2,7 +2,8 @@
 
 #include "comm/call_timeout.h"
 
-#include "comm/communicator.h"
+#include "comm/send_thread.h"
+#include "comm/socket_io.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -16,7 +17,6 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -29,16 +29,10 @@
 namespace ddpkit::comm {
 namespace {
 
+using namespace socket_io;
+
 constexpr uint64_t kRecordMagic = 0x64646b6c696e6b31ULL;  // "ddklink1"
 constexpr uint64_t kAckMagic = 0x64646b61636b6564ULL;     // "ddkacked"
-constexpr uint64_t kFrameMagic = 0x64646b6672616d65ULL;   // "ddkframe"
-constexpr uint64_t kNewsMagic = 0x64646b6e65777321ULL;    // "ddknews!": its bytes field names a failed rank
-
-// How long a rank that gives up spends finishing its frames cut halfway and sending the news
-// (Note [News of a failure]), within the exchange's deadline.
-constexpr std::chrono::seconds kNewsWithin{1};
-
-using Clock = std::chrono::steady_clock;
 
 // A descriptor closed when it goes out of scope, unless released.
 class Fd {
@@ -64,52 +58,6 @@ class Fd {
   int fd_;
 };
 
-std::string errno_text() { return std::strerror(errno); }
-
-int remaining_ms(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return static_cast<int>(std::clamp<int64_t>(left, 0, 1 << 30));
-}
-
-// Waits until `fd` is ready for `events` or the deadline passes; false on the deadline.
-bool wait_for(int fd, short events, Clock::time_point deadline) {
-  while (true) {
-    pollfd entry{fd, events, 0};
-    const int ready = ::poll(&entry, 1, remaining_ms(deadline));
-    if (ready > 0) return true;
-    if (ready == 0) return false;
-    TORCH_CHECK(errno == EINTR, "poll failed: ", errno_text());
-  }
-}
-
-// Writes all `bytes` of `data` to `fd` by the deadline.
-void write_all(int fd, const void* data, size_t bytes, Clock::time_point deadline, const std::string& whom) {
-  const char* at = static_cast<const char*>(data);
-  while (bytes > 0) {
-    TORCH_CHECK(wait_for(fd, POLLOUT, deadline), "timed out writing to ", whom);
-    const ssize_t sent = ::send(fd, at, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
-    TORCH_CHECK(sent > 0, "writing to ", whom, " failed: ", errno_text());
-    at += sent;
-    bytes -= static_cast<size_t>(sent);
-  }
-}
-
-// Reads exactly `bytes` into `data` from `fd` by the deadline.
-void read_all(int fd, void* data, size_t bytes, Clock::time_point deadline, const std::string& whom) {
-  char* at = static_cast<char*>(data);
-  while (bytes > 0) {
-    TORCH_CHECK(wait_for(fd, POLLIN, deadline), "timed out reading from ", whom);
-    const ssize_t got = ::recv(fd, at, bytes, MSG_DONTWAIT);
-    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
-    TORCH_CHECK(got != 0, whom, " closed the connection");
-    TORCH_CHECK(got > 0, "reading from ", whom, " failed: ", errno_text());
-    at += got;
-    bytes -= static_cast<size_t>(got);
-  }
-}
-
-// This rank's address on the network gloo uses: the first address of the first interface named by
 // GLOO_SOCKET_IFNAME, else the first address its hostname resolves to (gloo's own rule). Port 0.
 sockaddr_storage link_address() {
   sockaddr_storage address{};
@@ -204,12 +152,6 @@ struct Ack {
   uint64_t rank;  // the acceptor's
 };
 
-struct FrameHeader {
-  uint64_t magic;
-  uint64_t sequence;
-  uint64_t bytes;
-};
-
 }  // namespace
 
 LinkListener LinkListener::open() {
@@ -249,8 +191,18 @@ LinkListener::~LinkListener() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+SocketLinks::SocketLinks(int rank, std::vector<int> fds, std::vector<int> group_ranks,
+                         std::chrono::milliseconds timeout, int refused, int64_t thread_bytes)
+    : rank_(rank),
+      fds_(std::move(fds)),
+      group_ranks_(std::move(group_ranks)),
+      timeout_(timeout),
+      refused_(refused),
+      thread_bytes_(thread_bytes) {}
+
 std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
-                                                  std::chrono::milliseconds timeout, LinkListener listener) {
+                                                  std::chrono::milliseconds timeout, LinkListener listener,
+                                                  int64_t thread_bytes) {
   const int size = static_cast<int>(group_ranks.size());
   TORCH_INTERNAL_ASSERT(rank >= 0 && rank < size);
   // A rank that cannot listen still joins the all-gather below, announcing no address, so that every
@@ -365,10 +317,12 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
   for (int peer = 0; peer < size; ++peer) {
     if (peer != rank) fds[peer] = links[peer].release();
   }
-  return std::unique_ptr<SocketLinks>(new SocketLinks(rank, std::move(fds), std::move(group_ranks), timeout, refused));
+  return std::unique_ptr<SocketLinks>(
+      new SocketLinks(rank, std::move(fds), std::move(group_ranks), timeout, refused, thread_bytes));
 }
 
 SocketLinks::~SocketLinks() {
+  sender_.reset();  // its job, if any, stopped with its exchange
   for (int fd : fds_) {
     if (fd >= 0) ::close(fd);
   }
@@ -410,221 +364,6 @@ void SocketLinks::send_last_words(uint64_t sequence, int peer, const void* data,
   try {
     write_all(fds_[peer], frame.data(), frame.size(), Clock::now() + std::chrono::seconds(1), "a partner");
   } catch (const std::exception&) {
-  }
-}
-
-void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs) {
-  if (!broken_.empty()) {
-    shut_down();  // so that no peer waits for this rank's frames
-    TORCH_CHECK(false, "the links across hosts broke in an earlier collective: ", broken_);
-  }
-  const Clock::time_point deadline = Clock::now() + call_timeout_or(timeout_);
-  struct Outgoing {
-    FrameHeader header;
-    int64_t done = 0;      // bytes of header, first and second sent
-    int64_t prepared = 0;  // data bytes prepare() has made (all of them without prepare)
-  };
-  struct Incoming {
-    FrameHeader header{};
-    int64_t done = 0;      // bytes of header and data received
-    int64_t reported = 0;  // data bytes passed to on_data
-  };
-  std::vector<Outgoing> outgoing(sends.size());
-  std::vector<Incoming> incoming(recvs.size());
-  constexpr auto kHeaderBytes = static_cast<int64_t>(sizeof(FrameHeader));
-  // One frame per peer and direction: two would interleave on the one stream.
-  std::vector<char> sending(fds_.size(), 0), receiving(fds_.size(), 0);
-  for (size_t i = 0; i < sends.size(); ++i) {
-    TORCH_INTERNAL_ASSERT(sends[i].peer != rank_ && fds_.at(sends[i].peer) >= 0 && !sending[sends[i].peer]++);
-    outgoing[i].header = {kFrameMagic, sequence, static_cast<uint64_t>(sends[i].first_bytes + sends[i].second_bytes)};
-    TORCH_INTERNAL_ASSERT(!sends[i].prepare || (sends[i].second_bytes == 0 && sends[i].prepare_step > 0));
-    outgoing[i].prepared = sends[i].prepare ? 0 : sends[i].first_bytes + sends[i].second_bytes;
-    note_message_sent(sends[i].first_bytes + sends[i].second_bytes);
-  }
-  for (Recv& recv : recvs) {
-    TORCH_INTERNAL_ASSERT(recv.peer != rank_ && fds_.at(recv.peer) >= 0 && !receiving[recv.peer]++);
-    recv.received = 0;
-  }
-  auto send_total = [&](size_t i) { return kHeaderBytes + static_cast<int64_t>(outgoing[i].header.bytes); };
-  // Sends the rest of frame `i`, cut halfway, by `until`; false when it cannot.
-  auto finish = [&](size_t i, Clock::time_point until) noexcept {
-    const Send& send = sends[i];
-    Outgoing& out = outgoing[i];
-    try {
-      if (send.prepare && out.prepared < send.first_bytes) send.prepare(send.first_bytes);
-      const std::string whom = c10::str("rank ", group_ranks_[send.peer]);
-      int64_t skip = out.done;
-      for (auto [data, bytes] : {std::pair<const void*, int64_t>{&out.header, kHeaderBytes},
-                                 {send.first, send.first_bytes},
-                                 {send.second, send.second_bytes}}) {
-        if (skip < bytes) {
-          write_all(fds_[send.peer], static_cast<const char*>(data) + skip, static_cast<size_t>(bytes - skip), until,
-                    whom);
-        }
-        skip = std::max<int64_t>(0, skip - bytes);
-      }
-      return true;
-    } catch (const std::exception&) {
-      return false;
-    }
-  };
-  // Gives up this exchange over `peer`'s failure (-1: this rank's own), cutting off the peers whose
-  // frame from this rank stopped halfway. With `failed_rank` (a rank of the caller's group, or -1),
-  // tells every other peer first that it failed (Note [News of a failure]).
-  auto give_up = [&](int peer, const std::string& why, int64_t failed_rank = -1) {
-    std::vector<int> cut_off;
-    const Clock::time_point until = std::min(deadline, Clock::now() + kNewsWithin);
-    for (size_t i = 0; i < sends.size(); ++i) {
-      const bool halfway = outgoing[i].done > 0 && outgoing[i].done < send_total(i);
-      if (halfway && (failed_rank < 0 || sends[i].peer == peer || !finish(i, until))) cut_off.push_back(sends[i].peer);
-    }
-    if (failed_rank >= 0) {
-      const FrameHeader news{kNewsMagic, sequence, static_cast<uint64_t>(failed_rank)};
-      for (int other = 0; other < size(); ++other) {
-        if (other == rank_ || other == peer || fds_[other] < 0 ||
-            std::find(cut_off.begin(), cut_off.end(), other) != cut_off.end())
-          continue;
-        try {
-          write_all(fds_[other], &news, sizeof(news), until, c10::str("rank ", group_ranks_[other]));
-        } catch (const std::exception&) {
-        }
-      }
-    }
-    fail(peer, why, cut_off);
-  };
-  // Gives up over `peer`'s failure, telling the others.
-  auto peer_failed = [&](int peer, const std::string& why) { give_up(peer, why, group_ranks_[peer]); };
-  auto recv_total = [&](size_t i) {
-    return incoming[i].done < kHeaderBytes ? kHeaderBytes + 1
-                                           : kHeaderBytes + static_cast<int64_t>(incoming[i].header.bytes);
-  };
-  // Moves every unfinished frame as far as its socket allows; returns how many are unfinished.
-  auto progress = [&]() {
-    size_t unfinished = 0;
-    for (size_t i = 0; i < sends.size(); ++i) {
-      Outgoing& out = outgoing[i];
-      const Send& send = sends[i];
-      while (out.done < send_total(i)) {
-        const int64_t data_sent = std::max<int64_t>(0, out.done - kHeaderBytes);
-        if (send.prepare && out.prepared <= data_sent && out.prepared < send.first_bytes) {
-          out.prepared = std::min(send.first_bytes, out.prepared + send.prepare_step);
-          try {
-            send.prepare(out.prepared);
-          } catch (const std::exception& e) {
-            give_up(-1, e.what());
-          }
-        }
-        iovec parts[3];
-        int count = 0;
-        int64_t skip = out.done;
-        auto add = [&](const void* data, int64_t bytes) {
-          if (skip >= bytes) {
-            skip -= bytes;
-            return;
-          }
-          parts[count++] = {const_cast<char*>(static_cast<const char*>(data)) + skip,
-                            static_cast<size_t>(bytes - skip)};
-          skip = 0;
-        };
-        add(&out.header, kHeaderBytes);
-        add(send.first, send.prepare ? out.prepared : send.first_bytes);  // never past what is prepared
-        add(send.second, send.second_bytes);
-        msghdr message{};
-        message.msg_iov = parts;
-        message.msg_iovlen = count;
-        const ssize_t sent = ::sendmsg(fds_[send.peer], &message, MSG_NOSIGNAL);
-        if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-        if (sent < 0 && errno == EINTR) continue;
-        if (sent < 0)
-          peer_failed(send.peer, c10::str("sending to rank ", group_ranks_[send.peer], " failed: ", errno_text()));
-        out.done += sent;
-      }
-      if (out.done < send_total(i)) ++unfinished;
-    }
-    for (size_t i = 0; i < recvs.size(); ++i) {
-      Incoming& in = incoming[i];
-      Recv& recv = recvs[i];
-      while (in.done < recv_total(i)) {
-        char* into = in.done < kHeaderBytes ? reinterpret_cast<char*>(&in.header) + in.done
-                                            : static_cast<char*>(recv.data) + (in.done - kHeaderBytes);
-        const int64_t want = in.done < kHeaderBytes ? kHeaderBytes - in.done : recv_total(i) - in.done;
-        const ssize_t got = ::recv(fds_[recv.peer], into, static_cast<size_t>(want), 0);
-        if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-        if (got < 0 && errno == EINTR) continue;
-        if (got == 0) {
-          peer_failed(recv.peer, c10::str("rank ", group_ranks_[recv.peer],
-                                          " closed its connection: its process died or gave up this collective"));
-        }
-        if (got < 0)
-          peer_failed(recv.peer, c10::str("receiving from rank ", group_ranks_[recv.peer], " failed: ", errno_text()));
-        in.done += got;
-        if (in.done == kHeaderBytes) {
-          const FrameHeader& header = in.header;
-          if (header.magic == kNewsMagic) {
-            // Another rank failed; the messenger gave up over it (Note [News of a failure]).
-            const auto failed = static_cast<int64_t>(header.bytes);
-            const auto known = std::find(group_ranks_.begin(), group_ranks_.end(), failed);
-            const int peer = known == group_ranks_.end() ? recv.peer : static_cast<int>(known - group_ranks_.begin());
-            give_up(peer, c10::str("rank ", failed, " failed or died (rank ", group_ranks_[recv.peer], " reported it)"),
-                    failed);
-          }
-          if (header.magic != kFrameMagic || header.sequence != sequence ||
-              header.bytes > static_cast<uint64_t>(recv.capacity) ||
-              header.bytes < static_cast<uint64_t>(recv.minimum)) {
-            give_up(recv.peer, c10::str("rank ", group_ranks_[recv.peer], " sent a frame of collective ",
-                                        header.sequence, " with ", header.bytes, " bytes where collective ", sequence,
-                                        " expected ", recv.minimum, " to ", recv.capacity));
-          }
-        }
-      }
-      if (recv.on_data) {
-        int64_t ready = std::max<int64_t>(0, in.done - kHeaderBytes);
-        const int64_t total = in.done < kHeaderBytes ? -1 : static_cast<int64_t>(in.header.bytes);
-        for (size_t j = 0; j < sends.size(); ++j) {
-          if (sends[j].peer == recv.peer)
-            ready = std::min(ready, std::max<int64_t>(0, outgoing[j].done - kHeaderBytes));
-        }
-        if (ready > in.reported && (ready == total || ready - in.reported >= recv.step)) {
-          try {
-            recv.on_data(ready);
-          } catch (const std::exception& e) {
-            give_up(recv.peer, e.what());  // the frame is only partly read: the stream cannot go on
-          }
-          in.reported = ready;
-        }
-      }
-      if (in.done < recv_total(i)) {
-        ++unfinished;
-      } else {
-        recv.received = static_cast<int64_t>(in.header.bytes);
-      }
-    }
-    return unfinished;
-  };
-  std::vector<pollfd> waiting;
-  std::vector<int> waiting_peer;
-  while (progress() > 0) {
-    waiting.clear();
-    waiting_peer.clear();
-    for (size_t i = 0; i < sends.size(); ++i) {
-      if (outgoing[i].done < send_total(i)) {
-        waiting.push_back({fds_[sends[i].peer], POLLOUT, 0});
-        waiting_peer.push_back(sends[i].peer);
-      }
-    }
-    for (size_t i = 0; i < recvs.size(); ++i) {
-      if (incoming[i].done < recv_total(i)) {
-        waiting.push_back({fds_[recvs[i].peer], POLLIN, 0});
-        waiting_peer.push_back(recvs[i].peer);
-      }
-    }
-    const int ready = ::poll(waiting.data(), waiting.size(), remaining_ms(deadline));
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready < 0) give_up(-1, c10::str("poll failed: ", errno_text()));
-    if (ready == 0) {
-      peer_failed(waiting_peer.front(), c10::str("timed out after ", call_timeout_or(timeout_).count(),
-                                                 " ms waiting for rank ", group_ranks_[waiting_peer.front()]));
-    }
   }
 }
 

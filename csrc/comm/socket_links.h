@@ -15,6 +15,8 @@
 
 namespace ddpkit::comm {
 
+class SendThread;
+
 // Note [Socket links]
 // The check across hosts (Note [One round across hosts]) is a ping-pong of a few hundred bytes. Over
 // gloo's send/recv it took longer than over a plain TCP connection blocking on the caller's thread,
@@ -35,8 +37,9 @@ namespace ddpkit::comm {
 //  - Messages are frames: a magic word, the collective's sequence number and the length, then the
 //    bytes. A receive names its smallest and largest size; a frame outside them, another sequence
 //    number or another magic breaks the links rather than be misread.
-//  - exchange() moves a collective's frames all at once (non-blocking sockets, one poll loop), so
-//    two ranks that both send never wait on each other's buffers. A peer that dies closes its end,
+//  - exchange() moves a collective's frames all at once (non-blocking sockets, one poll loop; a
+//    large exchange's sends in a loop of their own on the links' thread: Note [A thread for
+//    sending]), so two ranks that both send never wait on each other's buffers. A peer that dies closes its end,
 //    which the poll sees at once; a peer that stops is given up at the group's timeout. Either
 //    failure breaks the links: the link to the failed peer, and every link a frame stopped halfway
 //    on, is shut down, so that those peers raise at once too, and every later exchange raises at
@@ -54,6 +57,24 @@ namespace ddpkit::comm {
 // (rank 2 reported it)") and passes the news on. A frame it could not finish in time is cut off as
 // before, and that peer names the messenger. tests/test_multihost.py's ring-step kill checks that
 // every host names the killed rank.
+
+// Note [A thread for sending]
+// A frame's bytes cost CPU on both hosts: the kernel copies them out of the sender and into the
+// receiver, and on the simulated hosts the sending CPU also carries them through the bridge to the
+// receiver's socket. With one thread doing a ring step's sending, receiving and reducing, that
+// thread is the step's bound wherever a rank has a second core to give (bench_multihost.py's 16M
+// points on the GPU machines' 16 cores: the rank's thread busy nearly all the step, against gloo,
+// whose pairs hand their I/O to a device thread). So an exchange that sends kSendThreadBytes or more
+// (a part of Links' at least) and also receives hands its sends to the links' SendThread
+// (send_thread.h), and the caller's thread receives and reduces meanwhile; a smaller one stays on the
+// caller's thread, where waking the thread would cost about what it overlaps. bench_multihost.py's
+// ddpkit_sends_caller and ddpkit_sends_thread candidates time either way in the same run. The caller
+// keeps the exchange's deadline and every way of giving up: before it gives up it stops the
+// thread's job, so that the frames' progress is its own again (Note [News of a failure]). The
+// group's set-up turns the thread on only where every rank on the kernel can have a second CPU
+// (connect_across_hosts in group_setup.cpp): where they cannot (this repository's 2-core CI, whose
+// simulated hosts share its two CPUs), both threads would share the rank's CPU and only add switches.
+inline constexpr int64_t kSendThreadBytes = kLinkPartBytes;
 
 // Where a rank listens for its links (Note [Socket links]): a socket on the address gloo uses, and
 // the fresh token a connecting rank must name; or why it could not listen, which the set-up tells
@@ -101,10 +122,11 @@ class SocketLinks final : public Links {
   // group, in order), listening on `listener`, to every other of its ranks, as Note [Socket links]
   // describes; raises, naming the rank and its address, when a link cannot be made within
   // `timeout`, which also bounds every later exchange, or when a rank could not listen. Peers are
-  // indices of `group_ranks`; errors name the group's ranks.
+  // indices of `group_ranks`; errors name the group's ranks. Exchanges that send `thread_bytes` or
+  // more, and receive, send on the links' thread (Note [A thread for sending]); 0: none does.
   static std::unique_ptr<SocketLinks> connect(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
-                                              std::chrono::milliseconds timeout,
-                                              LinkListener listener = LinkListener::open());
+                                              std::chrono::milliseconds timeout, LinkListener listener,
+                                              int64_t thread_bytes);
   ~SocketLinks() override;
   SocketLinks(const SocketLinks&) = delete;
   SocketLinks& operator=(const SocketLinks&) = delete;
@@ -122,9 +144,10 @@ class SocketLinks final : public Links {
   int refused() const { return refused_; }
 
  private:
+  class Exchange;  // one exchange() (socket_exchange.cpp)
+
   SocketLinks(int rank, std::vector<int> fds, std::vector<int> group_ranks, std::chrono::milliseconds timeout,
-              int refused)
-      : rank_(rank), fds_(std::move(fds)), group_ranks_(std::move(group_ranks)), timeout_(timeout), refused_(refused) {}
+              int refused, int64_t thread_bytes);
   [[noreturn]] void fail(int peer, const std::string& why, const std::vector<int>& cut_off);
 
   int rank_;
@@ -134,6 +157,8 @@ class SocketLinks final : public Links {
   int refused_;
   int failed_peer_ = -1;
   std::string broken_;  // why the links broke; empty while they work
+  int64_t thread_bytes_;  // Note [A thread for sending]; 0: never
+  std::unique_ptr<SendThread> sender_;  // made by the first exchange that sends on it
 };
 
 }  // namespace ddpkit::comm

@@ -1,0 +1,57 @@
+#pragma once
+// The thread to which the socket links hand the sending of a large exchange (Note [A thread for
+// sending] in socket_links.h).
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+namespace ddpkit::comm {
+
+// One thread that runs one job at a time for its owner (the caller), with two wake-ups that a poll
+// can wait on: stop_fd(), readable once the caller asked the job to stop, for the job's poll; and
+// news_fd(), readable once the job told the caller something (tell_caller()) or returned, for the
+// caller's poll. The thread starts with the first job and is joined by the destructor.
+class SendThread {
+ public:
+  SendThread();
+  ~SendThread();
+  SendThread(const SendThread&) = delete;
+  SendThread& operator=(const SendThread&) = delete;
+
+  // Runs `job` on the thread and returns at once. No job may be running (the previous one waited).
+  void start(std::function<void()> job);
+  // Asks the running job to stop (stop_requested(), stop_fd()) and waits until it returned; at once
+  // when none runs. Never raises.
+  void stop() noexcept;
+  // Waits until the running job returned; at once when none runs.
+  void wait() noexcept;
+
+  // For the job: whether the caller asked it to stop, and the descriptor that turns readable then.
+  bool stop_requested() const { return stop_.load(std::memory_order_acquire); }
+  int stop_fd() const { return stop_fd_; }
+  // For the job: wakes the caller's poll on news_fd().
+  void tell_caller() noexcept;
+  // For the caller: readable after tell_caller() or a job's return; clear_news() empties it.
+  int news_fd() const { return news_fd_; }
+  void clear_news() noexcept;
+
+ private:
+  void loop();
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::function<void()> job_;  // the job to run; empty while none is waiting
+  bool running_ = false;       // a job was started and has not returned
+  bool quit_ = false;
+  std::atomic<bool> stop_{false};
+  int stop_fd_ = -1;  // eventfds
+  int news_fd_ = -1;
+  uint64_t fork_generation_ = 0;  // the process that started the thread (Note [Forked children])
+  std::thread thread_;
+};
+
+}  // namespace ddpkit::comm
