@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <exception>
-#include <thread>
 #include <vector>
 
 namespace ddpkit::comm {
@@ -51,10 +50,7 @@ std::unique_ptr<CrossHostChannel> connect_across_hosts(const std::vector<int>& c
   c10::intrusive_ptr<c10d::Backend> subgroup = split_backend(cpu, size, cross, store, nonce, index);
   TORCH_INTERNAL_ASSERT(subgroup, "splitting the group's backend gave no subgroup");
   const int cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), rank) - cross.begin());
-  // Note [A thread for sending]: only where every rank on this kernel (the simulated hosts' too) can
-  // have a second CPU, as Note [Waiting on shared memory] counts them.
-  const int64_t cpus = std::max(1u, std::thread::hardware_concurrency());
-  const int64_t thread_bytes = 2 * discovery.on_kernel[rank] <= cpus ? kSendThreadBytes : 0;
+  const int64_t thread_bytes = cpus_for_each_rank(discovery, rank, 2) ? kSendThreadBytes : 0;
   std::shared_ptr<Links> links = part_factory().links(*subgroup, cross_rank, cross, timeout, thread_bytes);
   // The capability table of Note [Steps across hosts]: two hosts swap over their link, more run a
   // ring over their links.
@@ -74,7 +70,7 @@ GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Back
   const Discovery discovery = discover_topology(setup, parts.host_identity());
   group.topology = discovery.topology;
   const SegmentOptions options =
-      parts.segment_options(group.topology.local_size(), waits_spin(discovery, setup.rank()), setup.rank());
+      parts.segment_options(group.topology.local_size(), cpus_for_each_rank(discovery, setup.rank(), 1), setup.rank());
   if (std::shared_ptr<ShmSegment> segment = set_up_segment(setup, discovery, timeout, options)) {
     group.shm = parts.host_transport(std::move(segment));
     group.shm_check = std::make_unique<SlotCheck>(*group.shm->direct());

@@ -5,11 +5,11 @@
 #include <c10/util/Exception.h>
 
 #include <pthread.h>
+#include <signal.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdint>
 #include <cstring>
 
 namespace ddpkit::comm {
@@ -42,16 +42,16 @@ SendThread::SendThread() {
 
 SendThread::~SendThread() {
   if (thread_.joinable() && fork_generation() != fork_generation_) {
-    // A forked child: the parent's thread does not exist here (Note [Forked children]), and it may
-    // have held the mutex at the fork.
+    // A forked child: the parent's thread does not exist here.
     thread_.detach();
+    (void)shared_.release();
   } else if (thread_.joinable()) {
     stop();
     {
-      std::lock_guard<std::mutex> lock(mutex_);
-      quit_ = true;
+      std::lock_guard<std::mutex> lock(shared_->mutex);
+      shared_->quit = true;
     }
-    changed_.notify_all();
+    shared_->changed.notify_all();
     thread_.join();
   }
   ::close(stop_fd_);
@@ -59,30 +59,41 @@ SendThread::~SendThread() {
 }
 
 void SendThread::start(std::function<void()> job) {
+  Shared& shared = *shared_;
+  if (!thread_.joinable()) {
+    // Every signal blocked while the thread is made, so that it inherits the mask: process signals
+    // reach the caller's threads, as before the links had one.
+    sigset_t all, previous;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &previous);
+    try {
+      thread_ = std::thread([this] {
+        ::pthread_setname_np(::pthread_self(), "ddpkit-send");  // for top -H and perf
+        loop();
+      });
+    } catch (...) {
+      pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+      throw;
+    }
+    pthread_sigmask(SIG_SETMASK, &previous, nullptr);
+    fork_generation_ = fork_generation();
+  }
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_INTERNAL_ASSERT(!running_, "a SendThread runs one job at a time");
+    std::lock_guard<std::mutex> lock(shared.mutex);
+    TORCH_INTERNAL_ASSERT(!shared.running, "a SendThread runs one job at a time");
     stop_.store(false, std::memory_order_release);
     drain(stop_fd_);
     drain(news_fd_);
-    job_ = std::move(job);
-    running_ = true;
+    shared.job = std::move(job);
+    shared.running = true;
   }
-  if (!thread_.joinable()) {
-    fork_generation_ = fork_generation();
-    thread_ = std::thread([this] {
-      ::pthread_setname_np(::pthread_self(), "ddpkit-send");  // for top -H and perf
-      loop();
-    });
-  } else {
-    changed_.notify_all();
-  }
+  shared.changed.notify_all();
 }
 
 void SendThread::stop() noexcept {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!running_) return;
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    if (!shared_->running) return;
     stop_.store(true, std::memory_order_release);
   }
   post(stop_fd_);
@@ -90,8 +101,8 @@ void SendThread::stop() noexcept {
 }
 
 void SendThread::wait() noexcept {
-  std::unique_lock<std::mutex> lock(mutex_);
-  changed_.wait(lock, [&] { return !running_; });
+  std::unique_lock<std::mutex> lock(shared_->mutex);
+  shared_->changed.wait(lock, [&] { return !shared_->running; });
 }
 
 void SendThread::tell_caller() noexcept { post(news_fd_); }
@@ -99,19 +110,20 @@ void SendThread::tell_caller() noexcept { post(news_fd_); }
 void SendThread::clear_news() noexcept { drain(news_fd_); }
 
 void SendThread::loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
+  Shared& shared = *shared_;
+  std::unique_lock<std::mutex> lock(shared.mutex);
   while (true) {
-    changed_.wait(lock, [&] { return quit_ || job_; });
-    if (!job_) return;  // quit_, with nothing left to run
-    std::function<void()> job = std::move(job_);
-    job_ = nullptr;
+    shared.changed.wait(lock, [&] { return shared.quit || shared.job; });
+    if (!shared.job) return;  // quit, with nothing left to run
+    std::function<void()> job = std::move(shared.job);
+    shared.job = nullptr;
     lock.unlock();
-    job();  // a job catches its own failures: it runs in the exchange's place (socket_exchange.cpp)
+    job();  // it catches its own failures (start()'s contract)
     job = nullptr;
     post(news_fd_);
     lock.lock();
-    running_ = false;
-    changed_.notify_all();
+    shared.running = false;
+    shared.changed.notify_all();
   }
 }
 

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -14,20 +15,23 @@ namespace ddpkit::comm {
 // One thread that runs one job at a time for its owner (the caller), with two wake-ups that a poll
 // can wait on: stop_fd(), readable once the caller asked the job to stop, for the job's poll; and
 // news_fd(), readable once the job told the caller something (tell_caller()) or returned, for the
-// caller's poll. The thread starts with the first job and is joined by the destructor.
+// caller's poll. The thread starts with the first job, blocking every signal (they are the
+// caller's), and is joined by the destructor.
 class SendThread {
  public:
+  // Raises when the eventfds cannot be made.
   SendThread();
   ~SendThread();
   SendThread(const SendThread&) = delete;
   SendThread& operator=(const SendThread&) = delete;
 
-  // Runs `job` on the thread and returns at once. No job may be running (the previous one waited).
+  // Runs `job` on the thread and returns at once; raises, with nothing started, when the thread
+  // cannot be made. No job may be running (the previous one waited for). `job` must not throw.
   void start(std::function<void()> job);
-  // Asks the running job to stop (stop_requested(), stop_fd()) and waits until it returned; at once
-  // when none runs. Never raises.
+  // Asks the running job to stop (stop_requested(), stop_fd()) and waits until it returned; returns
+  // at once when no job runs. Never raises.
   void stop() noexcept;
-  // Waits until the running job returned; at once when none runs.
+  // Waits until the running job returned; returns at once when no job runs.
   void wait() noexcept;
 
   // For the job: whether the caller asked it to stop, and the descriptor that turns readable then.
@@ -40,13 +44,19 @@ class SendThread {
   void clear_news() noexcept;
 
  private:
+  // What the caller and the thread share under its mutex. Left undestroyed in a forked child,
+  // whose copy may show the parent's thread waiting on it or holding it (Note [Forked children]).
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable changed;
+    std::function<void()> job;  // the job to run; empty while none is waiting
+    bool running = false;       // a job was started and has not returned
+    bool quit = false;
+  };
+
   void loop();
 
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::function<void()> job_;  // the job to run; empty while none is waiting
-  bool running_ = false;       // a job was started and has not returned
-  bool quit_ = false;
+  std::unique_ptr<Shared> shared_ = std::make_unique<Shared>();
   std::atomic<bool> stop_{false};
   int stop_fd_ = -1;  // eventfds
   int news_fd_ = -1;

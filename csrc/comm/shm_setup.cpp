@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <random>
-#include <thread>
 
 namespace ddpkit::comm {
 namespace {
@@ -248,14 +247,8 @@ void agree_on_segments(Communicator& setup, const Topology& topology, const Host
 
 }  // namespace
 
-bool waits_spin(const Discovery& group, int rank) {
-  // Note [Waiting on shared memory]: the CPUs are the kernel's, shared by every rank on it, also
-  // by those of other hosts that a container or namespace of this machine simulates.
-  return group.on_kernel[rank] <= static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
-}
-
 SegmentOptions default_segment_options(int size, bool spinning) {
-  return SegmentOptions{default_segment_settings(size, spinning), std::chrono::milliseconds(kSleepMillis)};
+  return SegmentOptions{default_segment_settings(size, spinning), std::chrono::milliseconds(kSleepMillis), spinning};
 }
 
 std::shared_ptr<ShmSegment> set_up_segment(Communicator& setup, const Discovery& group,
@@ -282,7 +275,7 @@ std::shared_ptr<ShmSegment> set_up_segment(Communicator& setup, const Discovery&
   ranks.group_size = setup.size();
   ranks.group = std::string(setup.group());
   ranks.timeout = timeout;
-  return std::make_shared<ShmSegment>(std::move(host.memory), std::move(ranks), waits_spin(group, rank),
+  return std::make_shared<ShmSegment>(std::move(host.memory), std::move(ranks), options.spinning,
                                       options.liveness_period);
 }
 

@@ -46,13 +46,10 @@ class Communicator;
 struct SegmentOptions {
   SegmentSettings settings;
   std::chrono::milliseconds liveness_period;
+  bool spinning;  // whether the rank's waits spin (Note [Waiting on shared memory])
 };
 
-// Whether rank `rank`'s waits spin: the group has no more ranks on its kernel than it has CPUs
-// (Note [Waiting on shared memory]).
-bool waits_spin(const Discovery& group, int rank);
-
-// default_segment_settings(size, spinning) and a liveness period of kSleepMillis.
+// default_segment_settings(size, spinning), a liveness period of kSleepMillis, and `spinning`.
 SegmentOptions default_segment_options(int size, bool spinning);
 
 // Collective over the ranks of `setup`'s group (Note [Shared-memory segment]): `setup` is a

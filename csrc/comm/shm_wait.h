@@ -20,10 +20,10 @@ namespace ddpkit::comm {
 // it anyway, so it spins up to kCallerSpinMicros (a peer a little behind, e.g. still computing the
 // batch-norm statistics it brings to the same all-reduce, then costs no futex wake-up, which takes
 // far longer than the spin: bench_latency.py's small all-reduce is what it keeps fast); a thread that
-// runs collectives in the background (the engine's, for DDP
-// buckets) spins only kSpinMicros, since the core it holds is the one its process computes on
-// (spin_briefly_on_this_thread). Spinning is skipped when the group has more ranks on this kernel
-// than it has CPUs, where a spinning rank only takes the core from the peer it waits for (the
+// runs collectives in the background (the engine's, for DDP buckets) spins only kSpinMicros, since
+// the core it holds is the one its process computes on (spin_briefly_on_this_thread). Spinning is
+// skipped (cpus_for_each_rank) when the group has more ranks on this kernel than it has CPUs, where
+// a spinning rank only takes the core from the peer it waits for (the
 // collapse of busy-polling MPI on oversubscribed hosts); ranks count whether or not they share this
 // host's memory, since containers or namespaces with a /dev/shm of their own (simulated hosts)
 // still share the kernel's CPUs. A spin that outlasts kSpinMicros yields the core at each clock

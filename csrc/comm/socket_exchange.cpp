@@ -56,7 +56,9 @@ class SocketLinks::Exchange {
  private:
   struct Outgoing {
     FrameHeader header{};
-    std::atomic<int64_t> done{0};  // bytes of header, first and second sent: written by the sender only
+    // Bytes of header, first and second sent: written by whichever thread runs send_some, read by
+    // the other (the caller's on_data) with acquire.
+    std::atomic<int64_t> done{0};
     int64_t prepared = 0;          // data bytes prepare() has made (all of them without prepare)
   };
   struct Incoming {
@@ -71,8 +73,9 @@ class SocketLinks::Exchange {
     return incoming_[i].done < kHeaderBytes ? kHeaderBytes + 1
                                             : kHeaderBytes + static_cast<int64_t>(incoming_[i].header.bytes);
   }
-  // Sends as much of frame `i` as its socket takes now (prepare()-ing it as it goes); on failure
-  // says why in `failure`. Whichever thread sends runs it; it raises nothing.
+  // Sends as much of frame `i` as its socket takes now (prepare()-ing it as it goes), or, on the
+  // sending thread, until the caller asks it to stop; on failure says why in `failure`. Whichever
+  // thread sends runs it.
   Sent send_some(size_t i, SendFailure& failure);
   // Receives as much of frame `i` as its socket holds now and reports what is ready to on_data;
   // true once the whole frame is in. Gives up (raising) on a failure.
@@ -91,7 +94,8 @@ class SocketLinks::Exchange {
     if (failure.peer < 0) give_up(-1, failure.why);
     peer_failed(failure.peer, failure.why);
   }
-  [[noreturn]] void timed_out();
+  // The first peer whose frame this rank still waits to send or receive, or -1.
+  int waiting_peer() const;
 
   SocketLinks& links_;
   const uint64_t sequence_;
@@ -139,6 +143,7 @@ Sent SocketLinks::Exchange::send_some(size_t i, SendFailure& failure) {
   const int fd = links_.fds_[send.peer];
   int64_t done = out.done.load(std::memory_order_relaxed);  // this thread is its one writer
   while (done < send_total(i)) {
+    if (sender_ != nullptr && sender_->stop_requested()) return Sent::kBlocked;
     const int64_t data_sent = std::max<int64_t>(0, done - kHeaderBytes);
     if (send.prepare && out.prepared <= data_sent && out.prepared < send.first_bytes) {
       out.prepared = std::min(send.first_bytes, out.prepared + send.prepare_step);
@@ -146,6 +151,9 @@ Sent SocketLinks::Exchange::send_some(size_t i, SendFailure& failure) {
         send.prepare(out.prepared);
       } catch (const std::exception& e) {
         failure = {-1, e.what()};
+        return Sent::kFailed;
+      } catch (...) {
+        failure = {-1, "preparing a frame failed"};
         return Sent::kFailed;
       }
     }
@@ -270,6 +278,9 @@ void SocketLinks::Exchange::send_on_thread(const at::ThreadLocalState& caller) n
   } catch (const std::exception& e) {
     send_failure_ = {-1, e.what()};
     send_failed_.store(true, std::memory_order_release);
+  } catch (...) {
+    send_failure_ = {-1, "the sending thread failed"};
+    send_failed_.store(true, std::memory_order_release);
   }
 }
 
@@ -319,43 +330,42 @@ void SocketLinks::Exchange::give_up(int peer, const std::string& why, int64_t fa
   links_.fail(peer, why, cut_off);
 }
 
-void SocketLinks::Exchange::timed_out() {
-  if (sender_ != nullptr) sender_->stop();
-  // The peer named is the first this rank still waits on: a send's, else a receive's.
-  int peer = -1;
-  for (size_t i = 0; i < sends_.size() && peer < 0; ++i) {
-    if (!sent(i)) peer = sends_[i].peer;
+int SocketLinks::Exchange::waiting_peer() const {
+  for (size_t i = 0; i < sends_.size(); ++i) {
+    if (!sent(i)) return sends_[i].peer;
   }
-  for (size_t i = 0; i < recvs_.size() && peer < 0; ++i) {
-    if (incoming_[i].done < recv_total(i)) peer = recvs_[i].peer;
+  for (size_t i = 0; i < recvs_.size(); ++i) {
+    if (incoming_[i].done < recv_total(i)) return recvs_[i].peer;
   }
-  TORCH_INTERNAL_ASSERT(peer >= 0);
-  peer_failed(peer, c10::str("timed out after ", call_timeout_or(links_.timeout_).count(), " ms waiting for rank ",
-                             links_.group_ranks_[peer]));
+  return -1;
 }
 
 void SocketLinks::Exchange::run(SendThread* sender) {
-  // Stops the thread's job however this call ends: it works on this frame's state.
-  // Declared after `caller`, which the job reads, so that it runs first.
+  // Stops the thread's job however this call ends, since the job works on this Exchange; declared
+  // after `caller`, which the job reads, so that it runs first.
   std::optional<at::ThreadLocalState> caller;
   struct StopOnExit {
-    SendThread* thread;
+    SendThread*& thread;
     ~StopOnExit() {
       if (thread != nullptr) thread->stop();
     }
-  } stop_on_exit{sender};
+  } stop_on_exit{sender_};
   if (sender != nullptr) {
-    sender_ = sender;
     caller.emplace();
-    sender->start([this, &caller] { send_on_thread(*caller); });
+    sender_ = sender;  // before the job starts: it reads it
+    try {
+      sender->start([this, &caller] { send_on_thread(*caller); });
+    } catch (const std::exception&) {
+      sender_ = nullptr;  // no thread could be made (out of threads or memory): the sends stay here
+    }
   }
-  const bool threaded = sender != nullptr;
+  const bool threaded = sender_ != nullptr;
   std::vector<pollfd> waiting;
   while (true) {
     // Read before the receives report: the last report then sees every byte sent.
     const bool sending = threaded && !sends_finished_.load(std::memory_order_acquire);
     if (threaded && send_failed_.load(std::memory_order_acquire)) {
-      sender->wait();
+      sender_->wait();
       failed_sending(send_failure_);
     }
     waiting.clear();
@@ -369,14 +379,22 @@ void SocketLinks::Exchange::run(SendThread* sender) {
       if (!receive_some(i)) waiting.push_back({links_.fds_[recvs_[i].peer], POLLIN, 0});
     }
     if (waiting.empty() && !sending) break;
-    if (threaded) waiting.push_back({sender->news_fd(), POLLIN, 0});
+    if (threaded) waiting.push_back({sender_->news_fd(), POLLIN, 0});
     const int ready = ::poll(waiting.data(), waiting.size(), remaining_ms(deadline_));
     if (ready < 0 && errno == EINTR) continue;
     if (ready < 0) give_up(-1, c10::str("poll failed: ", errno_text()));
-    if (ready == 0) timed_out();
-    if (threaded && waiting.back().revents != 0) sender->clear_news();
+    if (ready == 0) {
+      if (threaded) sender_->stop();
+      const int peer = waiting_peer();
+      if (peer >= 0) {
+        peer_failed(peer, c10::str("timed out after ", call_timeout_or(links_.timeout_).count(),
+                                   " ms waiting for rank ", links_.group_ranks_[peer]));
+      }
+      continue;  // the thread sent the last bytes as the deadline passed: the last report is left
+    }
+    if (threaded && waiting.back().revents != 0) sender_->clear_news();
   }
-  if (threaded) sender->wait();
+  if (threaded) sender_->wait();
 }
 
 void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs) {
@@ -386,8 +404,14 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
   }
   int64_t sent_bytes = 0;
   for (const Send& send : sends) sent_bytes += send.first_bytes + send.second_bytes;
-  const bool threaded = thread_bytes_ > 0 && sent_bytes >= thread_bytes_ && !recvs.empty();
-  if (threaded && !sender_) sender_ = std::make_unique<SendThread>();
+  bool threaded = thread_bytes_ > 0 && sent_bytes >= thread_bytes_ && !recvs.empty();
+  if (threaded && !sender_) {
+    try {
+      sender_ = std::make_unique<SendThread>();
+    } catch (const std::exception&) {
+      threaded = false;  // no eventfd: the sends stay on the caller's thread
+    }
+  }
   Exchange(*this, sequence, std::move(sends), recvs).run(threaded ? sender_.get() : nullptr);
 }
 

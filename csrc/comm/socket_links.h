@@ -64,16 +64,17 @@ class SendThread;
 // receiver's socket. With one thread doing a ring step's sending, receiving and reducing, that
 // thread is the step's bound wherever a rank has a second core to give (bench_multihost.py's 16M
 // points on the GPU machines' 16 cores: the rank's thread busy nearly all the step, against gloo,
-// whose pairs hand their I/O to a device thread). So an exchange that sends kSendThreadBytes or more
-// (a part of Links' at least) and also receives hands its sends to the links' SendThread
-// (send_thread.h), and the caller's thread receives and reduces meanwhile; a smaller one stays on the
-// caller's thread, where waking the thread would cost about what it overlaps. bench_multihost.py's
-// ddpkit_sends_caller and ddpkit_sends_thread candidates time either way in the same run. The caller
-// keeps the exchange's deadline and every way of giving up: before it gives up it stops the
-// thread's job, so that the frames' progress is its own again (Note [News of a failure]). The
-// group's set-up turns the thread on only where every rank on the kernel can have a second CPU
-// (connect_across_hosts in group_setup.cpp): where they cannot (this repository's 2-core CI, whose
-// simulated hosts share its two CPUs), both threads would share the rank's CPU and only add switches.
+// whose pairs hand their I/O to a device thread). So an exchange whose frames to send come to
+// kSendThreadBytes or more (one part, kLinkPartBytes) and that also receives hands its sends to the
+// links' SendThread (send_thread.h), and the caller's thread receives and reduces meanwhile; a
+// smaller one stays on the caller's thread, where waking the thread would cost about what it
+// overlaps. bench_multihost.py's ddpkit_sends_caller and ddpkit_sends_thread candidates time either
+// way in the same run. The caller keeps the exchange's deadline and every way of giving up: before
+// it gives up it stops the thread's job, so that the frames' progress is its own again (Note [News
+// of a failure]). The group's set-up turns the thread on only where every rank on the kernel can
+// have a second CPU (cpus_for_each_rank in topology.h): where they cannot (this repository's 2-core
+// CI, whose simulated hosts share its two CPUs), both threads would share the rank's CPU and only
+// add switches.
 inline constexpr int64_t kSendThreadBytes = kLinkPartBytes;
 
 // Where a rank listens for its links (Note [Socket links]): a socket on the address gloo uses, and

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 #include <fstream>
 #include <map>
 #include <random>
@@ -160,6 +161,10 @@ Discovery discover_topology(Communicator& setup, const std::string& identity) {
   discovery.on_kernel.assign(host_keys + 2 * size, host_keys + 3 * size);
   discovery.nonce = value_of<Plan>(plan_message).nonce;
   return discovery;
+}
+
+bool cpus_for_each_rank(const Discovery& group, int rank, int threads) {
+  return threads * group.on_kernel[rank] <= static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 }  // namespace ddpkit::comm

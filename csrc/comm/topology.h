@@ -72,4 +72,10 @@ std::string host_identity();
 // or stopped answering.
 Discovery discover_topology(Communicator& setup, const std::string& identity);
 
+// Whether the kernel that rank `rank` runs on has `threads` CPUs for each of the group's ranks on
+// it, the simulated hosts' included (they share its CPUs): what decides whether shared-memory waits
+// spin (1: Note [Waiting on shared memory]) and whether the links send on a thread (2: Note [A
+// thread for sending]).
+bool cpus_for_each_rank(const Discovery& group, int rank, int threads);
+
 }  // namespace ddpkit::comm
