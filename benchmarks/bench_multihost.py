@@ -16,11 +16,12 @@ back-to-back calls; the figure is the median over repetitions of the slowest ran
                   the others' transport "process_group" (no hierarchy)
   ddpkit_bf16     ddpkit's collective with cross_host_dtype=torch.bfloat16 (Note [Compressed crossing])
   ddpkit_<name>   the all-reduce with algorithm <name> ("star", "recursive_doubling", ...)
-  ddpkit_sends_caller, ddpkit_sends_thread
-                  ddpkit's collective on a group whose links send on the caller's thread, or every frame
-                  on their own thread (Note [A thread for sending]; DDPKIT_LINK_THREAD_BYTES 0 or 1 at
-                  the group's set-up, a testing build's), whatever this machine's CPUs: what the thread
-                  gains where the set-up turns it on (ddpkit), and costs where it does not
+  ddpkit_links_caller, ddpkit_links_send, ddpkit_links_both
+                  ddpkit's collective on a group whose links move every frame on the caller's thread,
+                  every exchange's sends on their sending thread, or its receives on their receiving
+                  thread too (Note [Threads of the links]; DDPKIT_LINK_THREADS at the group's set-up,
+                  a testing build's), whatever this machine's CPUs: what the threads gain where the
+                  set-up starts them (ddpkit), and cost where it does not
   ddpkit_backend  torch.distributed's collective on a group of the "ddpkit" backend
   ddpkit_backend_method
                   the all-reduce as the "ddpkit" group's own method, group.allreduce([t], options).wait(),
@@ -70,21 +71,21 @@ def _groups():
     return _GROUPS
 
 
-# DDPKIT_LINK_THREAD_BYTES at the set-up of each candidate's group (Note [A thread for sending]).
-SENDS = {"ddpkit_sends_caller": "0", "ddpkit_sends_thread": "1"}
+# The candidates whose group's links are set up with DDPKIT_LINK_THREADS (Note [Threads of the links]).
+LINK_THREADS = ("ddpkit_links_caller", "ddpkit_links_send", "ddpkit_links_both")
 
 
-def _sends_group(candidate: str) -> dist.ProcessGroup:
-    """A gloo group whose links ddpkit made with DDPKIT_LINK_THREAD_BYTES=SENDS[candidate], made once
+def _threads_group(candidate: str) -> dist.ProcessGroup:
+    """A gloo group whose links ddpkit made with DDPKIT_LINK_THREADS=<candidate's last word>, made once
     (every rank asks for the candidates in the same order, so the groups match)."""
     groups = _groups()
     if candidate not in groups:
-        os.environ["DDPKIT_LINK_THREAD_BYTES"] = SENDS[candidate]
+        os.environ["DDPKIT_LINK_THREADS"] = candidate.rsplit("_", 1)[1]
         try:
             groups[candidate] = dist.new_group(backend="gloo")
             ddpkit.barrier(group=groups[candidate])  # the set-up, which reads it
         finally:
-            del os.environ["DDPKIT_LINK_THREAD_BYTES"]
+            del os.environ["DDPKIT_LINK_THREADS"]
     return groups[candidate]
 
 
@@ -102,8 +103,8 @@ def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torc
         return lambda: groups["ddpkit"].allreduce([tensor], options).wait()
     if candidate in ("gloo", "ddpkit_backend"):
         library, options = dist, {"group": groups["gloo" if candidate == "gloo" else "ddpkit"]}
-    elif candidate in SENDS:
-        library, options = ddpkit, {"group": _sends_group(candidate)}
+    elif candidate in LINK_THREADS:
+        library, options = ddpkit, {"group": _threads_group(candidate)}
     else:
         library, options = ddpkit, {"group": groups["gloo"]}
         if candidate == "ddpkit_flat":
@@ -131,12 +132,29 @@ def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torc
     return functools.partial(function, *arguments, **options)
 
 
+def thread_cpu_ns() -> dict:
+    """CPU time so far of each of this process's threads, in nanoseconds, by thread id (/proc's
+    schedstat)."""
+    spent = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/schedstat") as schedstat:
+                spent[task] = int(schedstat.read().split()[0])
+        except OSError:
+            pass  # it ended meanwhile
+    return spent
+
+
 def timed(call: Callable[[], object], calls: int) -> dict:
-    """This rank's seconds per call of ``call`` over ``calls`` back-to-back calls, and the CPU seconds
-    per call its process spent meanwhile (every thread: gloo's own threads count as ddpkit's do)."""
-    cpu = time.process_time()
+    """This rank's seconds per call of ``call`` over ``calls`` back-to-back calls, the CPU seconds per
+    call its process spent meanwhile (every thread: gloo's own threads count as ddpkit's do), and
+    those of its busiest thread: the CPU one thread must get through per call however many cores the
+    machine has (Note [Threads of the links])."""
+    cpu, threads = time.process_time(), thread_cpu_ns()
     seconds = common.time_per_call(call, calls=calls)
-    return {"seconds": seconds, "cpu_s": (time.process_time() - cpu) / calls}
+    cpu_s = (time.process_time() - cpu) / calls
+    busiest = max((spent - threads.get(task, 0) for task, spent in thread_cpu_ns().items()), default=0)
+    return {"seconds": seconds, "cpu_s": cpu_s, "busiest_thread_cpu_s": busiest / 1e9 / calls}
 
 
 def case_collective(collective: str, numel: int, reps: int, calls: int, candidates: list) -> dict:
@@ -205,7 +223,14 @@ def cpu_figures(per_rank: list, candidate: str) -> dict:
     totals = [sum(column) for column in zip(*[[rep["cpu_s"] for rep in rank[candidate]] for rank in per_rank])]
     cpus = os.cpu_count() or 1
     busy = [total / (seconds * cpus) for total, seconds in zip(totals, slowest(per_rank, candidate))]
-    return {"all_ranks_cpu_s": common.median(totals), "cpu_busy": common.median(busy)}
+    busiest = [
+        max(column) for column in zip(*[[rep["busiest_thread_cpu_s"] for rep in rank[candidate]] for rank in per_rank])
+    ]
+    return {
+        "all_ranks_cpu_s": common.median(totals),
+        "cpu_busy": common.median(busy),
+        "busiest_thread_cpu_s": common.median(busiest),
+    }
 
 
 def parse_topology(topology: str) -> tuple[int, int]:
@@ -404,7 +429,8 @@ def main() -> None:
             "median over interleaved repetitions",
             "cpu": "all_ranks_cpu_s: every rank's process CPU time per call (time.process_time, all threads), "
             "summed over ranks, median over repetitions; cpu_busy: that sum over (the slowest "
-            "rank's time x this machine's CPUs), median over repetitions",
+            "rank's time x this machine's CPUs), median over repetitions; busiest_thread_cpu_s: the CPU "
+            "time per call of the busiest thread of any rank (/proc's schedstat), median over repetitions",
             "cpus": os.cpu_count(),
         },
     )
@@ -414,18 +440,30 @@ def main() -> None:
             "median_s": "median",
             "ratio_to_gloo": "/ gloo",
             "cpu_busy": "CPUs busy",
+            "busiest_thread_cpu_s": "busiest thread",
             "link_fraction": "of link",
         },
         "formats": {
             "median_s": common.seconds,
             "ratio_to_gloo": common.times,
             "cpu_busy": lambda share: f"{share:.0%}",
+            "busiest_thread_cpu_s": common.seconds,
             "link_fraction": lambda share: "-" if share is None else f"{share:.2f}",
         },
     }
     common.print_table(
         [r for r in records if isinstance(r, MultihostRecord)],
-        ["topology", "link", "numel", "candidate", "median_s", "ratio_to_gloo", "link_fraction", "cpu_busy"],
+        [
+            "topology",
+            "link",
+            "numel",
+            "candidate",
+            "median_s",
+            "ratio_to_gloo",
+            "link_fraction",
+            "cpu_busy",
+            "busiest_thread_cpu_s",
+        ],
         align_left=["topology", "link", "candidate"],
         keys=4,
         **table,

@@ -303,6 +303,9 @@ class MultihostRecord(Record):
     # rate where tbf shapes it (None unshaped). Files before these fields lack them.
     bus_bandwidth_GBps: float | None = optional()
     link_fraction: float | None = optional()
+    # The CPU per call of the busiest thread of any rank: what no number of cores takes below it.
+    # Files before this field lack it.
+    busiest_thread_cpu_s: float | None = optional()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,6 +328,7 @@ class MultihostCollectiveRecord(Record):
     # as MultihostRecord's
     all_ranks_cpu_s: float | None = optional()
     cpu_busy: float | None = optional()
+    busiest_thread_cpu_s: float | None = optional()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,6 +346,7 @@ class MultihostDdpRecord(Record):
     ratio_to_torch_ddp_gloo: float
     all_ranks_cpu_s: float | None = optional()  # per step; as MultihostRecord's
     cpu_busy: float | None = optional()
+    busiest_thread_cpu_s: float | None = optional()
 
 
 # -- bench_torch_stack.py: torch_stack.json -----------------------------------------------------------

@@ -13,7 +13,7 @@ $PY -m pip wheel --no-build-isolation --no-deps -q -C build-dir="$scratch/build"
 (cd "$scratch" && unzip -q -o ./*.whl 'ddpkit/_C*')
 names="die_at_hello|die_at_offer|die_at_map|die_at_verdict|die_in_host_step|die_in_host_data_step|corrupt_chunk"
 names="$names|stray_links|links_cannot_listen|stale_link_frame|die_in_ring_step|DDPKIT_TEST_FAULT|DDPKIT_TEST_HOSTS|the test fault"
-names="$names|no_liveness_poll|DDPKIT_SHM_|DDPKIT_LINK_THREAD_BYTES|time_engine_loop|ddpkit_testing"
+names="$names|no_liveness_poll|DDPKIT_SHM_|DDPKIT_LINK_THREADS|time_engine_loop|ddpkit_testing"
 found=$(strings "$scratch"/ddpkit/_C*.so | grep -E "$names" || true)
 if [ -n "$found" ]; then
   echo "$found"

@@ -16,8 +16,9 @@ spec.loader.exec_module(bench)
 
 
 def per_rank(*ranks):
-    """Results as case_collective returns them from each rank: candidate -> repetitions."""
-    return [{"c": [{"seconds": s, "cpu_s": c} for s, c in rank]} for rank in ranks]
+    """Results as case_collective returns them from each rank: candidate -> repetitions (the busiest
+    thread's CPU: a fifth of the process's)."""
+    return [{"c": [{"seconds": s, "cpu_s": c, "busiest_thread_cpu_s": c / 5} for s, c in rank]} for rank in ranks]
 
 
 def test_slowest_rank_per_repetition_and_cpu_summed_over_ranks(monkeypatch):
@@ -27,6 +28,7 @@ def test_slowest_rank_per_repetition_and_cpu_summed_over_ranks(monkeypatch):
     figures = bench.cpu_figures(ranks, "c")
     assert figures["all_ranks_cpu_s"] == 2.0  # median of 2.0, 4.0, 1.0
     assert figures["cpu_busy"] == pytest.approx(2.0 / (1.5 * 2))  # median of 2/3, 1, 1/6
+    assert figures["busiest_thread_cpu_s"] == pytest.approx(1.5 / 5)  # the busier rank's per repetition: 1.5, 3.0, 0.5
     with pytest.raises(ValueError, match="different numbers of repetitions"):
         bench.slowest(per_rank([(1.0, 0.0)], [(1.0, 0.0), (1.0, 0.0)]), "c")
 

@@ -68,9 +68,7 @@ def case_every_collective(numels, group=None):
             ddpkit.all_gather_into_tensor(gathered, rank_input(rank, numel, integer=True).to(dtype), **on)
             out[("all_gather", str(dtype), numel)] = gathered
             scattered = torch.empty(numel, dtype=dtype)
-            ddpkit.reduce_scatter_tensor(
-                scattered, rank_input(rank, world_size * numel, integer=True).to(dtype), **on
-            )
+            ddpkit.reduce_scatter_tensor(scattered, rank_input(rank, world_size * numel, integer=True).to(dtype), **on)
             out[("reduce_scatter", str(dtype), numel)] = scattered
     ddpkit.barrier(**on)
     return out
@@ -207,19 +205,21 @@ def test_a_rank_killed_on_a_third_host_is_reported_by_both_others():
         assert "rank 2" in str(outcomes[rank]), f"rank {rank}: {outcomes[rank]}"
 
 
-# DDPKIT_LINK_THREAD_BYTES (the testing build's): the links' sends on the caller's thread, or on the
-# links' own thread for every frame, whatever this machine's CPUs (Note [A thread for sending]).
-SENDS = {"caller": "0", "thread": "1"}
+# DDPKIT_LINK_THREADS (the testing build's): every frame on the caller's thread, every exchange's
+# sends on the links' sending thread, or its receives on their receiving thread too, whatever this
+# machine's CPUs (Note [Threads of the links]).
+THREADS = ("caller", "send", "both")
 
 
 @needs_hosts
-@pytest.mark.parametrize("sends", sorted(SENDS))
+@pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("ranks_per_host", [[1, 1, 1], [1, 1, 1, 1]], ids=["3x1", "4x1"])
-def test_a_rank_killed_in_the_middle_of_a_ring_step_is_named_on_every_host(ranks_per_host, sends):
+def test_a_rank_killed_in_the_middle_of_a_ring_step_is_named_on_every_host(ranks_per_host, threads):
     # Rank 1 dies as its second ring step across hosts starts (die_in_ring_step): its partners have
     # finished the first step with it. The ring's neighbours lose their connection to it (on the
-    # sending thread, its left one); every other rank learns which rank failed, not a timeout.
-    env = {"DDPKIT_TEST_FAULT": "die_in_ring_step:1", "DDPKIT_LINK_THREAD_BYTES": SENDS[sends]}
+    # links' threads where they move the frames); every other rank learns which rank failed, not a
+    # timeout.
+    env = {"DDPKIT_TEST_FAULT": "die_in_ring_step:1", "DDPKIT_LINK_THREADS": threads}
     pool = HostPool(ranks_per_host, group_timeout=GROUP_TIMEOUT_S, env=env)
     try:
         outcomes = pool.run(case_all_reduces, 3, 1_000_000, return_exceptions=True, timeout=4 * GROUP_TIMEOUT_S)
@@ -233,55 +233,58 @@ def test_a_rank_killed_in_the_middle_of_a_ring_step_is_named_on_every_host(ranks
         )
 
 
-def send_threads():
-    """How many of this process's threads are the links' sending threads (send_thread.cpp names them)."""
+def link_threads():
+    """This process's threads of the links, by name (link_thread.cpp names them)."""
     names = []
     for task in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{task}/comm") as comm:
             names.append(comm.read().strip())
-    return names.count("ddpkit-send")
+    return {name: names.count(name) for name in ("ddpkit-send", "ddpkit-recv")}
 
 
-def case_on_either_thread(numels):
-    """case_every_collective and compressed sums on a group whose links send on the caller's thread,
-    then on one whose links send every frame on their own thread, and how many sending threads each
-    group started."""
+def case_on_each_thread(numels):
+    """case_every_collective and compressed sums on a group per DDPKIT_LINK_THREADS setting, and the
+    threads of the links each group started."""
     rank = dist.get_rank()
     out = {}
-    for sends in ("caller", "thread"):
-        os.environ["DDPKIT_LINK_THREAD_BYTES"] = SENDS[sends]
-        before = send_threads()
+    for threads in THREADS:
+        os.environ["DDPKIT_LINK_THREADS"] = threads
+        before = link_threads()
         group = dist.new_group(backend="gloo")
         results = case_every_collective(numels, group)
         for numel in numels:
             tensor = rank_input(rank, numel)
             ddpkit.all_reduce(tensor, group=group, cross_host_dtype=torch.bfloat16)
             results[("compressed", numel)] = tensor
-        results["started"] = send_threads() - before
-        out[sends] = results
-    del os.environ["DDPKIT_LINK_THREAD_BYTES"]
+        results["started"] = {name: count - before[name] for name, count in link_threads().items()}
+        out[threads] = results
+    del os.environ["DDPKIT_LINK_THREADS"]
     return out
 
 
 @needs_hosts
 @pytest.mark.parametrize("ranks_per_host", [[1, 1, 1], [2, 2]], ids=["3x1", "2x2"])
-def test_sending_on_the_links_thread_is_exact_and_gives_the_callers_bits(ranks_per_host):
+def test_the_links_threads_are_exact_and_give_the_callers_bits(ranks_per_host):
     # The ring (3x1) and the swap (2x2, whose reductions wait for the frame sent to the same peer),
-    # exact, and bit for bit what the caller's thread gives, compressed sums included.
+    # exact, and bit for bit what the caller's thread alone gives, compressed sums included.
     pool = HostPool(ranks_per_host, group_timeout=GROUP_TIMEOUT_S)
     try:
-        per_rank = pool.run(case_on_either_thread, [1001, 300_003], timeout=300)
+        per_rank = pool.run(case_on_each_thread, [1001, 300_003], timeout=300)
     finally:
         pool.close()
-    thread_results = []
+    started = {"caller": (0, 0), "send": (1, 0), "both": (1, 1)}
     for rank, out in enumerate(per_rank):
-        assert out["caller"].pop("started") == 0 and out["thread"].pop("started") == 1, rank
-        for key, tensor in out["caller"].items():
-            if isinstance(tensor, torch.Tensor):
-                theirs = out["thread"][key]
-                assert torch.equal(theirs.view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), (rank, key)
-        thread_results.append({k: v for k, v in out["thread"].items() if k[0] != "compressed"})
-    check_every_collective(thread_results, ranks_per_host)
+        for threads in THREADS:
+            count = out[threads].pop("started")
+            assert (count["ddpkit-send"], count["ddpkit-recv"]) == started[threads], (rank, threads, count)
+            for key, tensor in out["caller"].items():
+                if isinstance(tensor, torch.Tensor):
+                    theirs = out[threads][key].view(-1).view(torch.uint8)
+                    assert torch.equal(theirs, tensor.view(-1).view(torch.uint8)), (rank, threads, key)
+    check_every_collective(
+        [{key: value for key, value in out["both"].items() if key[0] != "compressed"} for out in per_rank],
+        ranks_per_host,
+    )
 
 
 def case_rank_2_stays_away(numel, away_s):
@@ -299,13 +302,13 @@ def case_rank_2_stays_away(numel, away_s):
     return None
 
 
-@pytest.mark.parametrize("sends", sorted(SENDS))
-def test_a_ring_step_waiting_out_a_rank_that_stays_away_names_it(sends):
-    # Rank 1's frame to rank 2 is larger than the sockets hold, so its sending thread is blocked in
-    # the middle of it when rank 1 gives up: the caller stops the thread and names rank 2, as rank 0,
-    # which waits for rank 2's frame, does.
+@pytest.mark.parametrize("threads", THREADS)
+def test_a_ring_step_waiting_out_a_rank_that_stays_away_names_it(threads):
+    # Rank 1's frame to rank 2 is larger than the sockets hold, so its sending thread (where it sends
+    # on one) is blocked in the middle of it when rank 1 gives up: the caller stops the threads and
+    # names rank 2, as rank 0, whose receiving thread waits for rank 2's frame, does.
     timeout_s = 3.0
-    env = {"DDPKIT_TEST_HOSTS": "a,b,c", "DDPKIT_LINK_THREAD_BYTES": SENDS[sends]}
+    env = {"DDPKIT_TEST_HOSTS": "a,b,c", "DDPKIT_LINK_THREADS": threads}
     with WorkerPool(3, timeout=120, group_timeout=timeout_s, env=env) as pool:
         outcomes = pool.run(case_rank_2_stays_away, 12_000_000, 3 * timeout_s, return_exceptions=True)
     for rank in (0, 1):

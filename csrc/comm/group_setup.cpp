@@ -50,8 +50,10 @@ std::unique_ptr<CrossHostChannel> connect_across_hosts(const std::vector<int>& c
   c10::intrusive_ptr<c10d::Backend> subgroup = split_backend(cpu, size, cross, store, nonce, index);
   TORCH_INTERNAL_ASSERT(subgroup, "splitting the group's backend gave no subgroup");
   const int cross_rank = static_cast<int>(std::find(cross.begin(), cross.end(), rank) - cross.begin());
-  const int64_t thread_bytes = cpus_for_each_rank(discovery, rank, 2) ? kSendThreadBytes : 0;
-  std::shared_ptr<Links> links = part_factory().links(*subgroup, cross_rank, cross, timeout, thread_bytes);
+  // Note [Threads of the links]: a receiving thread where each rank has 3 CPUs, a sending one with 2.
+  LinkThreading threading;
+  if (cpus_for_each_rank(discovery, rank, 2)) threading = {kLinkThreadBytes, cpus_for_each_rank(discovery, rank, 3)};
+  std::shared_ptr<Links> links = part_factory().links(*subgroup, cross_rank, cross, timeout, threading);
   // The capability table of Note [Steps across hosts]: two hosts swap over their link, more run a
   // ring over their links.
   if (cross.size() == 2) return std::make_unique<SocketPairChannel>(cross_rank, cross, links, hierarchy.scratch);

@@ -32,8 +32,8 @@ std::shared_ptr<Transport> PartFactory::host_transport(std::shared_ptr<ShmSegmen
 }
 
 std::shared_ptr<Links> PartFactory::links(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
-                                          std::chrono::milliseconds timeout, int64_t thread_bytes) const {
-  return SocketLinks::connect(backend, rank, std::move(group_ranks), timeout, LinkListener::open(), thread_bytes);
+                                          std::chrono::milliseconds timeout, LinkThreading threading) const {
+  return SocketLinks::connect(backend, rank, std::move(group_ranks), timeout, LinkListener::open(), threading);
 }
 
 const PartFactory& part_factory() { return *installed().load(std::memory_order_acquire); }

@@ -2,6 +2,7 @@
 // How a group's set-up makes the parts the test suite faults (Note [Test seam]).
 
 #include "comm/links.h"
+#include "comm/socket_links.h"
 #include "comm/shm_setup.h"
 #include "comm/transport.h"
 
@@ -40,9 +41,9 @@ class PartFactory {
   // The transport of this host's ranks over `segment`: a ShmTransport.
   virtual std::shared_ptr<Transport> host_transport(std::shared_ptr<ShmSegment> segment) const;
   // The links across hosts among `group_ranks` (this rank at `rank`), over their subgroup `backend`,
-  // sending on a thread from `thread_bytes` (Note [A thread for sending]): SocketLinks::connect's.
+  // their threads as `threading` says (Note [Threads of the links]): SocketLinks::connect's.
   virtual std::shared_ptr<Links> links(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
-                                       std::chrono::milliseconds timeout, int64_t thread_bytes) const;
+                                       std::chrono::milliseconds timeout, LinkThreading threading) const;
 };
 
 // The factory every group's set-up uses.

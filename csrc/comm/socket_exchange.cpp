@@ -1,11 +1,11 @@
 // SocketLinks::exchange: a collective's frames over the socket links, all at once (Note [Socket
-// links]), the sends of a large one on the links' sending thread (Note [A thread for sending]).
+// links]), a large exchange's sends and receives on the links' threads (Note [Threads of the links]).
 
 #include "comm/socket_links.h"
 
 #include "comm/call_timeout.h"
 #include "comm/communicator.h"
-#include "comm/send_thread.h"
+#include "comm/link_thread.h"
 #include "comm/socket_io.h"
 
 #include <ATen/ThreadLocalState.h>
@@ -35,14 +35,16 @@ constexpr auto kHeaderBytes = static_cast<int64_t>(sizeof(FrameHeader));
 // (Note [News of a failure]), within the exchange's deadline.
 constexpr std::chrono::seconds kNewsWithin{1};
 
-// Why a frame could not go on: `peer` failed (it closed, a send failed), or, with `peer` -1, this
-// rank's own prepare() raised.
-struct SendFailure {
+// Why an exchange gives up: `peer` failed (-1: this rank's own failure), and, with `failed_rank`
+// (a rank of the caller's group; -1: none), the rank every other peer is told failed (Note [News
+// of a failure]).
+struct Failure {
   int peer = -1;
   std::string why;
+  int64_t failed_rank = -1;
 };
 
-enum class Sent { kDone, kBlocked, kFailed };
+enum class Moved { kDone, kBlocked, kFailed };
 
 }  // namespace
 
@@ -50,50 +52,67 @@ enum class Sent { kDone, kBlocked, kFailed };
 class SocketLinks::Exchange {
  public:
   Exchange(SocketLinks& links, uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs);
-  // Moves every frame; on the links' sending thread (Note [A thread for sending]) with `sender`.
-  void run(SendThread* sender);
+  // Moves every frame: the sends on `sender` and the receives on `receiver` where not null (Note
+  // [Threads of the links]), the rest on this thread, which keeps the deadline and reports data.
+  void run(LinkThread* sender, LinkThread* receiver);
 
  private:
   struct Outgoing {
     FrameHeader header{};
-    // Bytes of header, first and second sent: written by whichever thread runs send_some, read by
-    // the other (the caller's on_data) with acquire.
+    // Bytes of header, first and second sent: written by whichever thread sends, read by the other
+    // (the caller's on_data) with acquire.
     std::atomic<int64_t> done{0};
-    int64_t prepared = 0;          // data bytes prepare() has made (all of them without prepare)
+    int64_t prepared = 0;  // data bytes prepare() has made (all of them without prepare)
   };
   struct Incoming {
-    FrameHeader header{};
-    int64_t done = 0;      // bytes of header and data received
-    int64_t reported = 0;  // data bytes passed to on_data
+    FrameHeader header{};  // complete, and checked, before `done` passes it
+    // Bytes of header and data received: written by whichever thread receives, read by the other
+    // (the caller's reports) with acquire.
+    std::atomic<int64_t> done{0};
+    int64_t reported = 0;  // data bytes passed to on_data (the caller's)
+    int64_t told = 0;      // data bytes the receiving thread woke the caller for (its own)
+  };
+  // One direction's job on a thread, and whether it failed (it returns when done, failed or stopped).
+  struct Direction {
+    LinkThread* thread = nullptr;  // null: the caller's thread moves it
+    std::atomic<bool> failed{false};
+    Failure failure;  // written before `failed`
   };
 
   int64_t send_total(size_t i) const { return kHeaderBytes + static_cast<int64_t>(outgoing_[i].header.bytes); }
   bool sent(size_t i) const { return outgoing_[i].done.load(std::memory_order_acquire) == send_total(i); }
-  int64_t recv_total(size_t i) const {
-    return incoming_[i].done < kHeaderBytes ? kHeaderBytes + 1
-                                            : kHeaderBytes + static_cast<int64_t>(incoming_[i].header.bytes);
+  // Frame `i`'s bytes with its header once `done` bytes of it are in (a byte more while the header
+  // is not).
+  int64_t recv_total(size_t i, int64_t done) const {
+    return done < kHeaderBytes ? kHeaderBytes + 1 : kHeaderBytes + static_cast<int64_t>(incoming_[i].header.bytes);
   }
-  // Sends as much of frame `i` as its socket takes now (prepare()-ing it as it goes), or, on the
-  // sending thread, until the caller asks it to stop; on failure says why in `failure`. Whichever
-  // thread sends runs it.
-  Sent send_some(size_t i, SendFailure& failure);
-  // Receives as much of frame `i` as its socket holds now and reports what is ready to on_data;
-  // true once the whole frame is in. Gives up (raising) on a failure.
-  bool receive_some(size_t i);
-  // The sending thread's job: every frame, until done, failed or stopped.
-  void send_on_thread(const at::ThreadLocalState& caller) noexcept;
+  bool received(size_t i) const {
+    const int64_t done = incoming_[i].done.load(std::memory_order_acquire);
+    return done == recv_total(i, done);
+  }
+  // Sends as much of frame `i` as its socket takes now (prepare()-ing it as it goes), or, on a
+  // thread, until the caller asks it to stop; on failure says why in `failure`. `news`: set when
+  // the caller should look (a report waits for this send).
+  Moved send_some(size_t i, Failure& failure, bool& news);
+  // Receives as much of frame `i` as its socket holds now, checking its header, or, on a thread,
+  // until the caller asks it to stop; on failure says why in `failure`. `news`: set when another
+  // step of data (Recv::step) or the frame's end is in for the caller to report.
+  Moved receive_some(size_t i, Failure& failure, bool& news);
+  // Passes what is ready of frame `i` to its on_data (the caller's thread).
+  void report(size_t i);
+  // A thread's job: every frame of its direction, until done, failed or stopped.
+  void move_on_thread(Direction& direction, bool sending, const at::ThreadLocalState& caller) noexcept;
+  // Hands `direction` to `thread`; false, leaving it to the caller, when the thread cannot start.
+  bool start(Direction& direction, LinkThread* thread, bool sending, const at::ThreadLocalState* caller);
+  // Stops the threads' jobs: the frames' progress is this thread's again.
+  void stop_threads() noexcept;
   // Sends the rest of frame `i`, cut halfway, by `until`; false when it cannot.
   bool finish(size_t i, Clock::time_point until) noexcept;
-  // Gives up this exchange over `peer`'s failure (-1: this rank's own), cutting off the peers whose
-  // frame from this rank stopped halfway. With `failed_rank` (a rank of the caller's group, or -1),
-  // tells every other peer first that it failed (Note [News of a failure]).
-  [[noreturn]] void give_up(int peer, const std::string& why, int64_t failed_rank = -1);
-  // Gives up over `peer`'s failure, telling the others.
-  [[noreturn]] void peer_failed(int peer, const std::string& why) { give_up(peer, why, links_.group_ranks_[peer]); }
-  [[noreturn]] void failed_sending(const SendFailure& failure) {
-    if (failure.peer < 0) give_up(-1, failure.why);
-    peer_failed(failure.peer, failure.why);
-  }
+  // Gives up this exchange over `failure`, cutting off the peers whose frame from this rank stopped
+  // halfway and telling every other peer which rank failed, where it names one.
+  [[noreturn]] void give_up(const Failure& failure);
+  [[noreturn]] void give_up(int peer, const std::string& why) { give_up(Failure{peer, why, -1}); }
+  Failure peer_failed(int peer, std::string why) const { return {peer, std::move(why), links_.group_ranks_[peer]}; }
   // The first peer whose frame this rank still waits to send or receive, or -1.
   int waiting_peer() const;
 
@@ -102,13 +121,11 @@ class SocketLinks::Exchange {
   const std::vector<Send> sends_;
   std::vector<Recv>& recvs_;
   std::unique_ptr<Outgoing[]> outgoing_;
-  std::vector<Incoming> incoming_;
+  std::unique_ptr<Incoming[]> incoming_;
   const Clock::time_point deadline_;
-  SendThread* sender_ = nullptr;  // while the sends are the thread's
-  bool gated_ = false;            // an on_data waits for the frame sent to its peer
-  std::atomic<bool> sends_finished_{false};
-  std::atomic<bool> send_failed_{false};
-  SendFailure send_failure_;  // the thread's, written before send_failed_
+  bool gated_ = false;  // an on_data waits for the frame sent to its peer
+  Direction sending_;
+  Direction receiving_;
 };
 
 SocketLinks::Exchange::Exchange(SocketLinks& links, uint64_t sequence, std::vector<Send> sends,
@@ -118,7 +135,7 @@ SocketLinks::Exchange::Exchange(SocketLinks& links, uint64_t sequence, std::vect
       sends_(std::move(sends)),
       recvs_(recvs),
       outgoing_(new Outgoing[sends_.size()]),
-      incoming_(recvs.size()),
+      incoming_(new Incoming[recvs.size()]),
       deadline_(Clock::now() + call_timeout_or(links.timeout_)) {
   // One frame per peer and direction: two would interleave on the one stream.
   std::vector<char> sending(links_.fds_.size(), 0), receiving(links_.fds_.size(), 0);
@@ -137,13 +154,13 @@ SocketLinks::Exchange::Exchange(SocketLinks& links, uint64_t sequence, std::vect
   }
 }
 
-Sent SocketLinks::Exchange::send_some(size_t i, SendFailure& failure) {
+Moved SocketLinks::Exchange::send_some(size_t i, Failure& failure, bool& news) {
   Outgoing& out = outgoing_[i];
   const Send& send = sends_[i];
   const int fd = links_.fds_[send.peer];
   int64_t done = out.done.load(std::memory_order_relaxed);  // this thread is its one writer
   while (done < send_total(i)) {
-    if (sender_ != nullptr && sender_->stop_requested()) return Sent::kBlocked;
+    if (sending_.thread != nullptr && sending_.thread->stop_requested()) return Moved::kBlocked;
     const int64_t data_sent = std::max<int64_t>(0, done - kHeaderBytes);
     if (send.prepare && out.prepared <= data_sent && out.prepared < send.first_bytes) {
       out.prepared = std::min(send.first_bytes, out.prepared + send.prepare_step);
@@ -151,10 +168,10 @@ Sent SocketLinks::Exchange::send_some(size_t i, SendFailure& failure) {
         send.prepare(out.prepared);
       } catch (const std::exception& e) {
         failure = {-1, e.what()};
-        return Sent::kFailed;
+        return Moved::kFailed;
       } catch (...) {
         failure = {-1, "preparing a frame failed"};
-        return Sent::kFailed;
+        return Moved::kFailed;
       }
     }
     iovec parts[3];
@@ -175,112 +192,153 @@ Sent SocketLinks::Exchange::send_some(size_t i, SendFailure& failure) {
     message.msg_iov = parts;
     message.msg_iovlen = count;
     const ssize_t written = ::sendmsg(fd, &message, MSG_NOSIGNAL);
-    if (written < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return Sent::kBlocked;
+    if (written < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return Moved::kBlocked;
     if (written < 0 && errno == EINTR) continue;
     if (written < 0) {
-      failure = {send.peer, c10::str("sending to rank ", links_.group_ranks_[send.peer], " failed: ", errno_text())};
-      return Sent::kFailed;
+      failure = peer_failed(send.peer,
+                            c10::str("sending to rank ", links_.group_ranks_[send.peer], " failed: ", errno_text()));
+      return Moved::kFailed;
     }
     done += written;
     out.done.store(done, std::memory_order_release);
+    news = news || gated_;
   }
-  return Sent::kDone;
+  return Moved::kDone;
 }
 
-bool SocketLinks::Exchange::receive_some(size_t i) {
+Moved SocketLinks::Exchange::receive_some(size_t i, Failure& failure, bool& news) {
   Incoming& in = incoming_[i];
-  Recv& recv = recvs_[i];
+  const Recv& recv = recvs_[i];
   const int peer = recv.peer;
   const std::vector<int>& ranks = links_.group_ranks_;
-  while (in.done < recv_total(i)) {
-    char* into = in.done < kHeaderBytes ? reinterpret_cast<char*>(&in.header) + in.done
-                                        : static_cast<char*>(recv.data) + (in.done - kHeaderBytes);
-    const int64_t want = in.done < kHeaderBytes ? kHeaderBytes - in.done : recv_total(i) - in.done;
+  int64_t done = in.done.load(std::memory_order_relaxed);  // this thread is its one writer
+  Moved result = Moved::kDone;
+  while (done < recv_total(i, done)) {
+    if (receiving_.thread != nullptr && receiving_.thread->stop_requested()) return Moved::kBlocked;
+    char* into = done < kHeaderBytes ? reinterpret_cast<char*>(&in.header) + done
+                                     : static_cast<char*>(recv.data) + (done - kHeaderBytes);
+    const int64_t want = (done < kHeaderBytes ? kHeaderBytes : recv_total(i, done)) - done;
     const ssize_t got = ::recv(links_.fds_[peer], into, static_cast<size_t>(want), 0);
-    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-    if (got < 0 && errno == EINTR) continue;
-    if (got == 0) {
-      peer_failed(peer,
-                  c10::str("rank ", ranks[peer], " closed its connection: its process died or gave up this collective"));
+    if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      result = Moved::kBlocked;
+      break;
     }
-    if (got < 0) peer_failed(peer, c10::str("receiving from rank ", ranks[peer], " failed: ", errno_text()));
-    in.done += got;
-    if (in.done == kHeaderBytes) {
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) {
+      failure = peer_failed(peer, got == 0 ? c10::str("rank ", ranks[peer],
+                                                      " closed its connection: its process died or gave up this "
+                                                      "collective")
+                                           : c10::str("receiving from rank ", ranks[peer], " failed: ", errno_text()));
+      return Moved::kFailed;
+    }
+    done += got;
+    if (done == kHeaderBytes) {
       const FrameHeader& header = in.header;
       if (header.magic == kNewsMagic) {
         // Another rank failed; the messenger gave up over it (Note [News of a failure]).
         const auto failed = static_cast<int64_t>(header.bytes);
         const auto known = std::find(ranks.begin(), ranks.end(), failed);
         const int about = known == ranks.end() ? peer : static_cast<int>(known - ranks.begin());
-        give_up(about, c10::str("rank ", failed, " failed or died (rank ", ranks[peer], " reported it)"), failed);
+        failure = {about, c10::str("rank ", failed, " failed or died (rank ", ranks[peer], " reported it)"), failed};
+        return Moved::kFailed;
       }
       if (header.magic != kFrameMagic || header.sequence != sequence_ ||
           header.bytes > static_cast<uint64_t>(recv.capacity) || header.bytes < static_cast<uint64_t>(recv.minimum)) {
-        give_up(peer, c10::str("rank ", ranks[peer], " sent a frame of collective ", header.sequence, " with ",
-                               header.bytes, " bytes where collective ", sequence_, " expected ", recv.minimum, " to ",
-                               recv.capacity));
+        failure = {peer, c10::str("rank ", ranks[peer], " sent a frame of collective ", header.sequence, " with ",
+                                  header.bytes, " bytes where collective ", sequence_, " expected ", recv.minimum,
+                                  " to ", recv.capacity)};
+        return Moved::kFailed;
       }
     }
+    in.done.store(done, std::memory_order_release);
   }
-  if (recv.on_data) {
-    int64_t ready = std::max<int64_t>(0, in.done - kHeaderBytes);
-    const int64_t total = in.done < kHeaderBytes ? -1 : static_cast<int64_t>(in.header.bytes);
-    for (size_t j = 0; j < sends_.size(); ++j) {
-      if (sends_[j].peer == peer) {
-        ready = std::min(ready, std::max<int64_t>(0, outgoing_[j].done.load(std::memory_order_acquire) - kHeaderBytes));
-      }
-    }
-    if (ready > in.reported && (ready == total || ready - in.reported >= recv.step)) {
-      try {
-        recv.on_data(ready);
-      } catch (const std::exception& e) {
-        give_up(peer, e.what());  // the frame is only partly read: the stream cannot go on
-      }
-      in.reported = ready;
-    }
+  const int64_t data = std::max<int64_t>(0, done - kHeaderBytes);
+  const bool whole = done >= kHeaderBytes && data == static_cast<int64_t>(in.header.bytes);
+  if (recv.on_data && data > in.told && (whole || data - in.told >= recv.step)) {
+    news = true;
+    in.told = data;
   }
-  if (in.done < recv_total(i)) return false;
-  recv.received = static_cast<int64_t>(in.header.bytes);
-  return true;
+  return result;
 }
 
-void SocketLinks::Exchange::send_on_thread(const at::ThreadLocalState& caller) noexcept {
+void SocketLinks::Exchange::report(size_t i) {
+  Incoming& in = incoming_[i];
+  Recv& recv = recvs_[i];
+  if (!recv.on_data) return;
+  const int64_t done = in.done.load(std::memory_order_acquire);
+  int64_t ready = std::max<int64_t>(0, done - kHeaderBytes);
+  const int64_t total = done < kHeaderBytes ? -1 : static_cast<int64_t>(in.header.bytes);
+  for (size_t j = 0; j < sends_.size(); ++j) {
+    if (sends_[j].peer == recv.peer) {
+      ready = std::min(ready, std::max<int64_t>(0, outgoing_[j].done.load(std::memory_order_acquire) - kHeaderBytes));
+    }
+  }
+  if (ready > in.reported && (ready == total || ready - in.reported >= recv.step)) {
+    try {
+      recv.on_data(ready);
+    } catch (const std::exception& e) {
+      give_up(recv.peer, e.what());  // the frame is only partly read: the stream cannot go on
+    }
+    in.reported = ready;
+  }
+}
+
+void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
+                                           const at::ThreadLocalState& caller) noexcept {
+  auto fail = [&direction](std::string why) {
+    direction.failure = {-1, std::move(why), -1};
+    direction.failed.store(true, std::memory_order_release);
+  };
   try {
     const at::ThreadLocalStateGuard state(caller);  // prepare() runs tensor ops in the caller's modes
+    const size_t count = sending ? sends_.size() : recvs_.size();
     std::vector<pollfd> waiting;
-    while (!sender_->stop_requested()) {
+    while (!direction.thread->stop_requested()) {
       waiting.clear();
-      bool moved = false;
-      for (size_t i = 0; i < sends_.size(); ++i) {
-        const int64_t before = outgoing_[i].done.load(std::memory_order_relaxed);
-        if (before == send_total(i)) continue;
-        const Sent result = send_some(i, send_failure_);
-        if (result == Sent::kFailed) {
-          send_failed_.store(true, std::memory_order_release);
+      bool news = false;
+      for (size_t i = 0; i < count; ++i) {
+        if (sending ? sent(i) : received(i)) continue;
+        const Moved result = sending ? send_some(i, direction.failure, news) : receive_some(i, direction.failure, news);
+        if (result == Moved::kFailed) {
+          direction.failed.store(true, std::memory_order_release);
           return;
         }
-        moved = moved || outgoing_[i].done.load(std::memory_order_relaxed) > before;
-        if (result == Sent::kBlocked) waiting.push_back({links_.fds_[sends_[i].peer], POLLOUT, 0});
+        if (result == Moved::kBlocked) {
+          waiting.push_back({links_.fds_[sending ? sends_[i].peer : recvs_[i].peer],
+                             static_cast<short>(sending ? POLLOUT : POLLIN), 0});
+        }
       }
-      if (waiting.empty()) {
-        sends_finished_.store(true, std::memory_order_release);
-        return;
-      }
-      if (gated_ && moved) sender_->tell_caller();
-      waiting.push_back({sender_->stop_fd(), POLLIN, 0});
+      if (waiting.empty()) return;  // done: the thread tells the caller as its job returns
+      if (news) direction.thread->tell_caller();
+      waiting.push_back({direction.thread->stop_fd(), POLLIN, 0});
       // No deadline here: the caller keeps the exchange's, and stops this job when it passes.
       if (::poll(waiting.data(), waiting.size(), -1) < 0 && errno != EINTR) {
-        send_failure_ = {-1, c10::str("poll failed: ", errno_text())};
-        send_failed_.store(true, std::memory_order_release);
-        return;
+        return fail(c10::str("poll failed: ", errno_text()));
       }
     }
   } catch (const std::exception& e) {
-    send_failure_ = {-1, e.what()};
-    send_failed_.store(true, std::memory_order_release);
+    fail(e.what());
   } catch (...) {
-    send_failure_ = {-1, "the sending thread failed"};
-    send_failed_.store(true, std::memory_order_release);
+    fail("a thread of the links failed");
+  }
+}
+
+bool SocketLinks::Exchange::start(Direction& direction, LinkThread* thread, bool sending,
+                                  const at::ThreadLocalState* caller) {
+  if (thread == nullptr) return false;
+  direction.thread = thread;  // before the job starts: it reads it
+  try {
+    thread->start([this, &direction, sending, caller] { move_on_thread(direction, sending, *caller); });
+    return true;
+  } catch (const std::exception&) {
+    direction.thread = nullptr;  // no thread could be made (out of threads or memory)
+    return false;
+  }
+}
+
+void SocketLinks::Exchange::stop_threads() noexcept {
+  for (Direction* direction : {&sending_, &receiving_}) {
+    if (direction->thread != nullptr) direction->thread->stop();
   }
 }
 
@@ -306,17 +364,20 @@ bool SocketLinks::Exchange::finish(size_t i, Clock::time_point until) noexcept {
   }
 }
 
-void SocketLinks::Exchange::give_up(int peer, const std::string& why, int64_t failed_rank) {
-  if (sender_ != nullptr) sender_->stop();  // the frames' progress is this thread's again
+void SocketLinks::Exchange::give_up(const Failure& failure) {
+  stop_threads();
+  const int peer = failure.peer;
   std::vector<int> cut_off;
   const Clock::time_point until = std::min(deadline_, Clock::now() + kNewsWithin);
   for (size_t i = 0; i < sends_.size(); ++i) {
     const int64_t done = outgoing_[i].done.load(std::memory_order_acquire);
     const bool halfway = done > 0 && done < send_total(i);
-    if (halfway && (failed_rank < 0 || sends_[i].peer == peer || !finish(i, until))) cut_off.push_back(sends_[i].peer);
+    if (halfway && (failure.failed_rank < 0 || sends_[i].peer == peer || !finish(i, until))) {
+      cut_off.push_back(sends_[i].peer);
+    }
   }
-  if (failed_rank >= 0) {
-    const FrameHeader news{kNewsMagic, sequence_, static_cast<uint64_t>(failed_rank)};
+  if (failure.failed_rank >= 0) {
+    const FrameHeader news{kNewsMagic, sequence_, static_cast<uint64_t>(failure.failed_rank)};
     for (int other = 0; other < links_.size(); ++other) {
       if (other == links_.rank_ || other == peer || links_.fds_[other] < 0 ||
           std::find(cut_off.begin(), cut_off.end(), other) != cut_off.end())
@@ -327,7 +388,7 @@ void SocketLinks::Exchange::give_up(int peer, const std::string& why, int64_t fa
       }
     }
   }
-  links_.fail(peer, why, cut_off);
+  links_.fail(peer, failure.why, cut_off);
 }
 
 int SocketLinks::Exchange::waiting_peer() const {
@@ -335,66 +396,88 @@ int SocketLinks::Exchange::waiting_peer() const {
     if (!sent(i)) return sends_[i].peer;
   }
   for (size_t i = 0; i < recvs_.size(); ++i) {
-    if (incoming_[i].done < recv_total(i)) return recvs_[i].peer;
+    if (!received(i)) return recvs_[i].peer;
   }
   return -1;
 }
 
-void SocketLinks::Exchange::run(SendThread* sender) {
-  // Stops the thread's job however this call ends, since the job works on this Exchange; declared
-  // after `caller`, which the job reads, so that it runs first.
-  std::optional<at::ThreadLocalState> caller;
+void SocketLinks::Exchange::run(LinkThread* sender, LinkThread* receiver) {
+  // Stops the threads' jobs however this call ends, since they work on this Exchange; declared
+  // after `caller`, which the jobs read, so that it runs first.
+  const std::optional<at::ThreadLocalState> caller =
+      sender != nullptr || receiver != nullptr ? std::make_optional<at::ThreadLocalState>() : std::nullopt;
   struct StopOnExit {
-    SendThread*& thread;
-    ~StopOnExit() {
-      if (thread != nullptr) thread->stop();
-    }
-  } stop_on_exit{sender_};
-  if (sender != nullptr) {
-    caller.emplace();
-    sender_ = sender;  // before the job starts: it reads it
-    try {
-      sender->start([this, &caller] { send_on_thread(*caller); });
-    } catch (const std::exception&) {
-      sender_ = nullptr;  // no thread could be made (out of threads or memory): the sends stay here
-    }
-  }
-  const bool threaded = sender_ != nullptr;
+    Exchange& exchange;
+    ~StopOnExit() { exchange.stop_threads(); }
+  } stop_on_exit{*this};
+  const at::ThreadLocalState* state = caller ? &*caller : nullptr;
+  const bool threaded_sends = start(sending_, sender, /*sending=*/true, state);
+  const bool threaded_receives = start(receiving_, receiver, /*sending=*/false, state);
   std::vector<pollfd> waiting;
+  std::vector<LinkThread*> waking;  // the thread of each of waiting's last entries
   while (true) {
-    // Read before the receives report: the last report then sees every byte sent.
-    const bool sending = threaded && !sends_finished_.load(std::memory_order_acquire);
-    if (threaded && send_failed_.load(std::memory_order_acquire)) {
-      sender_->wait();
-      failed_sending(send_failure_);
+    // Read before the reports: the last report then sees every byte the threads moved.
+    bool sending = false, receiving = false;
+    for (size_t i = 0; i < sends_.size() && threaded_sends; ++i) sending = sending || !sent(i);
+    for (size_t i = 0; i < recvs_.size() && threaded_receives; ++i) receiving = receiving || !received(i);
+    for (Direction* direction : {&sending_, &receiving_}) {
+      if (direction->thread != nullptr && direction->failed.load(std::memory_order_acquire)) {
+        direction->thread->wait();
+        give_up(direction->failure);
+      }
     }
     waiting.clear();
-    for (size_t i = 0; i < sends_.size() && !threaded; ++i) {
-      SendFailure failure;
-      const Sent result = send_some(i, failure);
-      if (result == Sent::kFailed) failed_sending(failure);
-      if (result == Sent::kBlocked) waiting.push_back({links_.fds_[sends_[i].peer], POLLOUT, 0});
+    Failure failure;
+    bool news = false;
+    for (size_t i = 0; i < sends_.size() && !threaded_sends; ++i) {
+      const Moved result = send_some(i, failure, news);
+      if (result == Moved::kFailed) give_up(failure);
+      if (result == Moved::kBlocked) waiting.push_back({links_.fds_[sends_[i].peer], POLLOUT, 0});
     }
-    for (size_t i = 0; i < recvs_.size(); ++i) {
-      if (!receive_some(i)) waiting.push_back({links_.fds_[recvs_[i].peer], POLLIN, 0});
+    for (size_t i = 0; i < recvs_.size() && !threaded_receives; ++i) {
+      if (received(i)) continue;
+      const Moved result = receive_some(i, failure, news);
+      if (result == Moved::kFailed) give_up(failure);
+      if (result == Moved::kBlocked) waiting.push_back({links_.fds_[recvs_[i].peer], POLLIN, 0});
     }
-    if (waiting.empty() && !sending) break;
-    if (threaded) waiting.push_back({sender_->news_fd(), POLLIN, 0});
+    for (size_t i = 0; i < recvs_.size(); ++i) report(i);
+    if (waiting.empty() && !sending && !receiving) break;
+    const size_t own = waiting.size();
+    waking.clear();
+    for (Direction* direction : {&sending_, &receiving_}) {
+      if (direction->thread == nullptr) continue;
+      waiting.push_back({direction->thread->news_fd(), POLLIN, 0});
+      waking.push_back(direction->thread);
+    }
     const int ready = ::poll(waiting.data(), waiting.size(), remaining_ms(deadline_));
     if (ready < 0 && errno == EINTR) continue;
     if (ready < 0) give_up(-1, c10::str("poll failed: ", errno_text()));
     if (ready == 0) {
-      if (threaded) sender_->stop();
+      stop_threads();
       const int peer = waiting_peer();
       if (peer >= 0) {
-        peer_failed(peer, c10::str("timed out after ", call_timeout_or(links_.timeout_).count(),
-                                   " ms waiting for rank ", links_.group_ranks_[peer]));
+        give_up(peer_failed(peer, c10::str("timed out after ", call_timeout_or(links_.timeout_).count(),
+                                           " ms waiting for rank ", links_.group_ranks_[peer])));
       }
-      continue;  // the thread sent the last bytes as the deadline passed: the last report is left
+      continue;  // the threads moved the last bytes as the deadline passed: the last report is left
     }
-    if (threaded && waiting.back().revents != 0) sender_->clear_news();
+    for (size_t k = own; k < waiting.size(); ++k) {
+      if (waiting[k].revents != 0) waking[k - own]->clear_news();
+    }
   }
-  if (threaded) sender_->wait();
+  stop_threads();  // their frames are done: this only waits for the jobs to return
+  for (size_t i = 0; i < recvs_.size(); ++i) recvs_[i].received = static_cast<int64_t>(incoming_[i].header.bytes);
+}
+
+LinkThread* SocketLinks::thread(std::unique_ptr<LinkThread>& slot, const char* name) noexcept {
+  if (!slot) {
+    try {
+      slot = std::make_unique<LinkThread>(name);
+    } catch (const std::exception&) {
+      return nullptr;  // no eventfd: the caller's thread moves this direction
+    }
+  }
+  return slot.get();
 }
 
 void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs) {
@@ -402,17 +485,14 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
     shut_down();  // so that no peer waits for this rank's frames
     TORCH_CHECK(false, "the links across hosts broke in an earlier collective: ", broken_);
   }
+  // By what it sends: the steps of data send what they receive, and the check's round, which may
+  // receive up to a payload per partner, sends little (Note [One round across hosts]).
   int64_t sent_bytes = 0;
   for (const Send& send : sends) sent_bytes += send.first_bytes + send.second_bytes;
-  bool threaded = thread_bytes_ > 0 && sent_bytes >= thread_bytes_ && !recvs.empty();
-  if (threaded && !sender_) {
-    try {
-      sender_ = std::make_unique<SendThread>();
-    } catch (const std::exception&) {
-      threaded = false;  // no eventfd: the sends stay on the caller's thread
-    }
-  }
-  Exchange(*this, sequence, std::move(sends), recvs).run(threaded ? sender_.get() : nullptr);
+  const bool large = threading_.from_bytes > 0 && sent_bytes >= threading_.from_bytes && !recvs.empty();
+  LinkThread* sender = large ? thread(send_thread_, "ddpkit-send") : nullptr;
+  LinkThread* receiver = large && threading_.receives ? thread(receive_thread_, "ddpkit-recv") : nullptr;
+  Exchange(*this, sequence, std::move(sends), recvs).run(sender, receiver);
 }
 
 }  // namespace ddpkit::comm

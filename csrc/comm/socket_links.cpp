@@ -2,7 +2,7 @@
 
 #include "comm/call_timeout.h"
 
-#include "comm/send_thread.h"
+#include "comm/link_thread.h"
 #include "comm/socket_io.h"
 
 #include <ATen/ATen.h>
@@ -192,17 +192,17 @@ LinkListener::~LinkListener() {
 }
 
 SocketLinks::SocketLinks(int rank, std::vector<int> fds, std::vector<int> group_ranks,
-                         std::chrono::milliseconds timeout, int refused, int64_t thread_bytes)
+                         std::chrono::milliseconds timeout, int refused, LinkThreading threading)
     : rank_(rank),
       fds_(std::move(fds)),
       group_ranks_(std::move(group_ranks)),
       timeout_(timeout),
       refused_(refused),
-      thread_bytes_(thread_bytes) {}
+      threading_(threading) {}
 
 std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
                                                   std::chrono::milliseconds timeout, LinkListener listener,
-                                                  int64_t thread_bytes) {
+                                                  LinkThreading threading) {
   const int size = static_cast<int>(group_ranks.size());
   TORCH_INTERNAL_ASSERT(rank >= 0 && rank < size);
   // A rank that cannot listen still joins the all-gather below, announcing no address, so that every
@@ -318,11 +318,12 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
     if (peer != rank) fds[peer] = links[peer].release();
   }
   return std::unique_ptr<SocketLinks>(
-      new SocketLinks(rank, std::move(fds), std::move(group_ranks), timeout, refused, thread_bytes));
+      new SocketLinks(rank, std::move(fds), std::move(group_ranks), timeout, refused, threading));
 }
 
 SocketLinks::~SocketLinks() {
-  sender_.reset();  // its job, if any, stopped with its exchange
+  send_thread_.reset();  // their jobs stopped with their exchanges
+  receive_thread_.reset();
   for (int fd : fds_) {
     if (fd >= 0) ::close(fd);
   }

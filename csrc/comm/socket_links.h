@@ -15,7 +15,7 @@
 
 namespace ddpkit::comm {
 
-class SendThread;
+class LinkThread;
 
 // Note [Socket links]
 // The check across hosts (Note [One round across hosts]) is a ping-pong of a few hundred bytes. Over
@@ -38,8 +38,8 @@ class SendThread;
 //    bytes. A receive names its smallest and largest size; a frame outside them, another sequence
 //    number or another magic breaks the links rather than be misread.
 //  - exchange() moves a collective's frames all at once (non-blocking sockets, one poll loop; a
-//    large exchange's sends in a loop of their own on the links' thread: Note [A thread for
-//    sending]), so two ranks that both send never wait on each other's buffers. A peer that dies closes its end,
+//    large exchange's sends and receives in loops of their own on the links' threads: Note
+//    [Threads of the links]), so two ranks that both send never wait on each other's buffers. A peer that dies closes its end,
 //    which the poll sees at once; a peer that stops is given up at the group's timeout. Either
 //    failure breaks the links: the link to the failed peer, and every link a frame stopped halfway
 //    on, is shut down, so that those peers raise at once too, and every later exchange raises at
@@ -58,24 +58,32 @@ class SendThread;
 // before, and that peer names the messenger. tests/test_multihost.py's ring-step kill checks that
 // every host names the killed rank.
 
-// Note [A thread for sending]
+// Note [Threads of the links]
 // A frame's bytes cost CPU on both hosts: the kernel copies them out of the sender and into the
 // receiver, and on the simulated hosts the sending CPU also carries them through the bridge to the
 // receiver's socket. With one thread doing a ring step's sending, receiving and reducing, that
-// thread is the step's bound wherever a rank has a second core to give (bench_multihost.py's 16M
-// points on the GPU machines' 16 cores: the rank's thread busy nearly all the step, against gloo,
-// whose pairs hand their I/O to a device thread). So an exchange whose frames to send come to
-// kSendThreadBytes or more (one part, kLinkPartBytes) and that also receives hands its sends to the
-// links' SendThread (send_thread.h), and the caller's thread receives and reduces meanwhile; a
-// smaller one stays on the caller's thread, where waking the thread would cost about what it
-// overlaps. bench_multihost.py's ddpkit_sends_caller and ddpkit_sends_thread candidates time either
-// way in the same run. The caller keeps the exchange's deadline and every way of giving up: before
-// it gives up it stops the thread's job, so that the frames' progress is its own again (Note [News
-// of a failure]). The group's set-up turns the thread on only where every rank on the kernel can
-// have a second CPU (cpus_for_each_rank in topology.h): where they cannot (this repository's 2-core
-// CI, whose simulated hosts share its two CPUs), both threads would share the rank's CPU and only
-// add switches.
-inline constexpr int64_t kSendThreadBytes = kLinkPartBytes;
+// thread is the step's bound wherever a rank has cores to spare (bench_multihost.py's 16M points on
+// the GPU machines' 16 cores: the rank's thread busy nearly all the step, against gloo, whose pairs
+// hand their I/O to a device thread). So an exchange that sends LinkThreading::from_bytes or more
+// (one part, kLinkPartBytes, by default) and also receives hands its sends to the links' sending
+// thread, and, where the set-up says so, its receives to their receiving thread (LinkThread, in
+// link_thread.h); the caller's thread moves what is left, reports data to on_data (so reductions
+// and decodings stay the caller's) and keeps the exchange's deadline and every way of giving up,
+// stopping the threads' jobs first, so that the frames' progress is its own again (Note [News of
+// a failure]). A smaller exchange stays on the caller's thread, where waking a thread would cost
+// about what it overlaps. The group's set-up (cpus_for_each_rank in topology.h) gives each rank on
+// a kernel with 3 CPUs per rank both threads, with 2 the sending one (a probe on 2 cores, /proc's
+// per-thread CPU times at 3x1 and 4x1, 16M floats: the sending thread takes a third of a rank's
+// CPU, and the receives most of the rest), and with fewer none: this repository's 2-core CI, whose
+// simulated hosts share its two CPUs, where the threads would share the rank's CPU and only add
+// switches. bench_multihost.py's ddpkit_links_* candidates time each choice in the same run.
+inline constexpr int64_t kLinkThreadBytes = kLinkPartBytes;
+
+// What a large exchange moves on the links' threads (Note [Threads of the links]).
+struct LinkThreading {
+  int64_t from_bytes = 0;  // exchanges that send this much or more, and receive; 0: none
+  bool receives = false;   // the receives too, not only the sends
+};
 
 // Where a rank listens for its links (Note [Socket links]): a socket on the address gloo uses, and
 // the fresh token a connecting rank must name; or why it could not listen, which the set-up tells
@@ -123,11 +131,11 @@ class SocketLinks final : public Links {
   // group, in order), listening on `listener`, to every other of its ranks, as Note [Socket links]
   // describes; raises, naming the rank and its address, when a link cannot be made within
   // `timeout`, which also bounds every later exchange, or when a rank could not listen. Peers are
-  // indices of `group_ranks`; errors name the group's ranks. Exchanges that send `thread_bytes` or
-  // more, and receive, send on the links' thread (Note [A thread for sending]); 0: none does.
+  // indices of `group_ranks`; errors name the group's ranks. Large exchanges move on the links'
+  // threads as `threading` says (Note [Threads of the links]).
   static std::unique_ptr<SocketLinks> connect(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
                                               std::chrono::milliseconds timeout, LinkListener listener,
-                                              int64_t thread_bytes);
+                                              LinkThreading threading);
   ~SocketLinks() override;
   SocketLinks(const SocketLinks&) = delete;
   SocketLinks& operator=(const SocketLinks&) = delete;
@@ -148,7 +156,7 @@ class SocketLinks final : public Links {
   class Exchange;  // one exchange() (socket_exchange.cpp)
 
   SocketLinks(int rank, std::vector<int> fds, std::vector<int> group_ranks, std::chrono::milliseconds timeout,
-              int refused, int64_t thread_bytes);
+              int refused, LinkThreading threading);
   [[noreturn]] void fail(int peer, const std::string& why, const std::vector<int>& cut_off);
 
   int rank_;
@@ -158,8 +166,12 @@ class SocketLinks final : public Links {
   int refused_;
   int failed_peer_ = -1;
   std::string broken_;  // why the links broke; empty while they work
-  int64_t thread_bytes_;  // Note [A thread for sending]; 0: never
-  std::unique_ptr<SendThread> sender_;  // made by the first exchange that sends on it
+  // The thread in `slot`, made as `name` the first time; null when it cannot be made.
+  static LinkThread* thread(std::unique_ptr<LinkThread>& slot, const char* name) noexcept;
+
+  LinkThreading threading_;                     // Note [Threads of the links]
+  std::unique_ptr<LinkThread> send_thread_;     // made by the first exchange that sends on it
+  std::unique_ptr<LinkThread> receive_thread_;  // made by the first exchange that receives on it
 };
 
 }  // namespace ddpkit::comm

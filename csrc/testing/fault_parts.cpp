@@ -213,11 +213,16 @@ int64_t env_bytes(const char* name, int64_t fallback) {
   return static_cast<int64_t>(shm_detail::round_up(static_cast<size_t>(parsed), shm_detail::kLine));
 }
 
-// DDPKIT_LINK_THREAD_BYTES in place of the set-up's `chosen` (Note [A thread for sending]): 0 never
-// sends on the links' thread, and a value forces it on a machine of few CPUs too.
-int64_t thread_bytes(int64_t chosen) {
-  const char* value = std::getenv("DDPKIT_LINK_THREAD_BYTES");
-  return value == nullptr || *value == '\0' ? chosen : std::max<int64_t>(0, std::atoll(value));
+// DDPKIT_LINK_THREADS in place of the set-up's `chosen` (Note [Threads of the links]): "caller"
+// moves every frame on the caller's thread, "send" every exchange's sends on the sending thread,
+// "both" its receives on the receiving thread too, whatever the machine's CPUs.
+LinkThreading threading(LinkThreading chosen) {
+  const char* value = std::getenv("DDPKIT_LINK_THREADS");
+  if (value == nullptr || *value == '\0') return chosen;
+  const std::string_view name(value);
+  TORCH_CHECK(name == "caller" || name == "send" || name == "both", "DDPKIT_LINK_THREADS=", name,
+              " is not one of caller, send, both");
+  return name == "caller" ? LinkThreading{} : LinkThreading{1, name == "both"};
 }
 
 class FaultyParts final : public PartFactory {
@@ -257,13 +262,13 @@ class FaultyParts final : public PartFactory {
   }
 
   std::shared_ptr<Links> links(c10d::Backend& backend, int rank, std::vector<int> group_ranks,
-                               std::chrono::milliseconds timeout, int64_t chosen_thread_bytes) const override {
-    const int64_t thread_bytes = testing::thread_bytes(chosen_thread_bytes);
+                               std::chrono::milliseconds timeout, LinkThreading chosen) const override {
+    const LinkThreading threading = testing::threading(chosen);
     const int me = group_ranks[rank];
     const int size = static_cast<int>(group_ranks.size());
     if (fault_armed("links_cannot_listen", me)) {
       return SocketLinks::connect(backend, rank, std::move(group_ranks), timeout,
-                                  LinkListener::failed("the test fault links_cannot_listen"), thread_bytes);
+                                  LinkListener::failed("the test fault links_cannot_listen"), threading);
     }
     LinkListener listener = LinkListener::open();
     // stray_links: connections that are not a rank's, queued before any rank can connect (every rank
@@ -281,7 +286,7 @@ class FaultyParts final : public PartFactory {
     }
     std::unique_ptr<SocketLinks> made;
     try {
-      made = SocketLinks::connect(backend, rank, std::move(group_ranks), timeout, std::move(listener), thread_bytes);
+      made = SocketLinks::connect(backend, rank, std::move(group_ranks), timeout, std::move(listener), threading);
     } catch (...) {
       if (forged >= 0) ::close(forged);
       throw;

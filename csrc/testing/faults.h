@@ -33,8 +33,9 @@
 // (tests/test_multihost.py).
 // DDPKIT_SHM_SLOT_BYTES, DDPKIT_SHM_WHOLE_BYTES and DDPKIT_SHM_CHUNK_BYTES set a host leader's
 // segment settings (SegmentSettings), so that the tests run many steps on small tensors and the
-// benchmarks can move the thresholds; a value below 4096 gives no layout. DDPKIT_LINK_THREAD_BYTES
-// sets the socket links' kSendThreadBytes (Note [A thread for sending]; 0: never their thread).
+// benchmarks can move the thresholds; a value below 4096 gives no layout. DDPKIT_LINK_THREADS
+// (caller | send | both) sets which of every exchange's directions the socket links move on their
+// threads (Note [Threads of the links]).
 // No release source includes this header: scripts/check_release_strings.sh builds the release
 // library and checks that none of these names is in it.
 

@@ -1,4 +1,4 @@
-#include "comm/send_thread.h"
+#include "comm/link_thread.h"
 
 #include "comm/exit.h"
 
@@ -29,7 +29,7 @@ void drain(int fd) noexcept {
 
 }  // namespace
 
-SendThread::SendThread() {
+LinkThread::LinkThread(const char* name) : name_(name) {
   stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   news_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   if (stop_fd_ < 0 || news_fd_ < 0) {
@@ -40,7 +40,7 @@ SendThread::SendThread() {
   }
 }
 
-SendThread::~SendThread() {
+LinkThread::~LinkThread() {
   if (thread_.joinable() && fork_generation() != fork_generation_) {
     // A forked child: the parent's thread does not exist here.
     thread_.detach();
@@ -58,7 +58,7 @@ SendThread::~SendThread() {
   ::close(news_fd_);
 }
 
-void SendThread::start(std::function<void()> job) {
+void LinkThread::start(std::function<void()> job) {
   Shared& shared = *shared_;
   if (!thread_.joinable()) {
     // Every signal blocked while the thread is made, so that it inherits the mask: process signals
@@ -68,7 +68,7 @@ void SendThread::start(std::function<void()> job) {
     pthread_sigmask(SIG_SETMASK, &all, &previous);
     try {
       thread_ = std::thread([this] {
-        ::pthread_setname_np(::pthread_self(), "ddpkit-send");  // for top -H and perf
+        ::pthread_setname_np(::pthread_self(), name_);
         loop();
       });
     } catch (...) {
@@ -80,7 +80,7 @@ void SendThread::start(std::function<void()> job) {
   }
   {
     std::lock_guard<std::mutex> lock(shared.mutex);
-    TORCH_INTERNAL_ASSERT(!shared.running, "a SendThread runs one job at a time");
+    TORCH_INTERNAL_ASSERT(!shared.running, "a LinkThread runs one job at a time");
     stop_.store(false, std::memory_order_release);
     drain(stop_fd_);
     drain(news_fd_);
@@ -90,7 +90,7 @@ void SendThread::start(std::function<void()> job) {
   shared.changed.notify_all();
 }
 
-void SendThread::stop() noexcept {
+void LinkThread::stop() noexcept {
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     if (!shared_->running) return;
@@ -100,16 +100,16 @@ void SendThread::stop() noexcept {
   wait();
 }
 
-void SendThread::wait() noexcept {
+void LinkThread::wait() noexcept {
   std::unique_lock<std::mutex> lock(shared_->mutex);
   shared_->changed.wait(lock, [&] { return !shared_->running; });
 }
 
-void SendThread::tell_caller() noexcept { post(news_fd_); }
+void LinkThread::tell_caller() noexcept { post(news_fd_); }
 
-void SendThread::clear_news() noexcept { drain(news_fd_); }
+void LinkThread::clear_news() noexcept { drain(news_fd_); }
 
-void SendThread::loop() {
+void LinkThread::loop() {
   Shared& shared = *shared_;
   std::unique_lock<std::mutex> lock(shared.mutex);
   while (true) {

@@ -1,6 +1,6 @@
 #pragma once
-// The thread to which the socket links hand the sending of a large exchange (Note [A thread for
-// sending] in socket_links.h).
+// A thread to which the socket links hand the sending or the receiving of a large exchange (Note
+// [Threads of the links] in socket_links.h).
 
 #include <atomic>
 #include <condition_variable>
@@ -15,15 +15,15 @@ namespace ddpkit::comm {
 // One thread that runs one job at a time for its owner (the caller), with two wake-ups that a poll
 // can wait on: stop_fd(), readable once the caller asked the job to stop, for the job's poll; and
 // news_fd(), readable once the job told the caller something (tell_caller()) or returned, for the
-// caller's poll. The thread starts with the first job, blocking every signal (they are the
-// caller's), and is joined by the destructor.
-class SendThread {
+// caller's poll. The thread, named `name` (for top -H and perf), starts with the first job, blocking
+// every signal (they are the caller's), and is joined by the destructor.
+class LinkThread {
  public:
-  // Raises when the eventfds cannot be made.
-  SendThread();
-  ~SendThread();
-  SendThread(const SendThread&) = delete;
-  SendThread& operator=(const SendThread&) = delete;
+  // Raises when the eventfds cannot be made. `name`: at most 15 characters.
+  explicit LinkThread(const char* name);
+  ~LinkThread();
+  LinkThread(const LinkThread&) = delete;
+  LinkThread& operator=(const LinkThread&) = delete;
 
   // Runs `job` on the thread and returns at once; raises, with nothing started, when the thread
   // cannot be made. No job may be running (the previous one waited for). `job` must not throw.
@@ -60,6 +60,7 @@ class SendThread {
   std::atomic<bool> stop_{false};
   int stop_fd_ = -1;  // eventfds
   int news_fd_ = -1;
+  const char* name_;
   uint64_t fork_generation_ = 0;  // the process that started the thread (Note [Forked children])
   std::thread thread_;
 };
