@@ -20,7 +20,9 @@
 #include <atomic>
 #include <cerrno>
 #include <memory>
+#include <new>
 #include <optional>
+#include <system_error>
 #include <utility>
 
 namespace ddpkit::comm {
@@ -44,7 +46,13 @@ struct Failure {
   int64_t failed_rank = -1;
 };
 
-enum class Moved { kDone, kBlocked, kFailed };
+// kPaused: a receiving thread stopped reading at a step of data for the caller to hear of it; its
+// socket may hold more.
+enum class Moved { kDone, kBlocked, kPaused, kFailed };
+
+// Whether data growing from `from` to `to` bytes passed a multiple of `step` (any growth, for no
+// step): receiving thread and caller count steps alike, so that the thread's news is a report's.
+bool passed_a_step(int64_t from, int64_t to, int64_t step) { return step > 0 ? to / step > from / step : to > from; }
 
 }  // namespace
 
@@ -95,8 +103,9 @@ class SocketLinks::Exchange {
   // the caller should look (a report waits for this send).
   Moved send_some(size_t i, Failure& failure, bool& news);
   // Receives as much of frame `i` as its socket holds now, checking its header, or, on a thread,
-  // until the caller asks it to stop; on failure says why in `failure`. `news`: set when another
-  // step of data (Recv::step) or the frame's end is in for the caller to report.
+  // until the caller asks it to stop or another step of data (Recv::step) is in (kPaused); on
+  // failure says why in `failure`. `news`: set when another step or the frame's end is in for the
+  // caller to report.
   Moved receive_some(size_t i, Failure& failure, bool& news);
   // Passes what is ready of frame `i` to its on_data (the caller's thread).
   void report(size_t i);
@@ -251,12 +260,14 @@ Moved SocketLinks::Exchange::receive_some(size_t i, Failure& failure, bool& news
       }
     }
     in.done.store(done, std::memory_order_release);
-  }
-  const int64_t data = std::max<int64_t>(0, done - kHeaderBytes);
-  const bool whole = done >= kHeaderBytes && data == static_cast<int64_t>(in.header.bytes);
-  if (recv.on_data && data > in.told && (whole || data - in.told >= recv.step)) {
-    news = true;
-    in.told = data;
+    const int64_t data = std::max<int64_t>(0, done - kHeaderBytes);
+    const bool whole = done >= kHeaderBytes && data == static_cast<int64_t>(in.header.bytes);
+    if (recv.on_data && (whole || passed_a_step(in.told, data, recv.step))) {
+      news = news || data > in.told;
+      in.told = data;
+      // On a thread, tell the caller now, so that it reduces this step while the next arrives.
+      if (!whole && receiving_.thread != nullptr) return Moved::kPaused;
+    }
   }
   return result;
 }
@@ -273,7 +284,7 @@ void SocketLinks::Exchange::report(size_t i) {
       ready = std::min(ready, std::max<int64_t>(0, outgoing_[j].done.load(std::memory_order_acquire) - kHeaderBytes));
     }
   }
-  if (ready > in.reported && (ready == total || ready - in.reported >= recv.step)) {
+  if (ready > in.reported && (ready == total || passed_a_step(in.reported, ready, recv.step))) {
     try {
       recv.on_data(ready);
     } catch (const std::exception& e) {
@@ -303,7 +314,7 @@ void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
           direction.failed.store(true, std::memory_order_release);
           return;
         }
-        if (result == Moved::kBlocked) {
+        if (result == Moved::kBlocked || result == Moved::kPaused) {
           waiting.push_back({links_.fds_[sending ? sends_[i].peer : recvs_[i].peer],
                              static_cast<short>(sending ? POLLOUT : POLLIN), 0});
         }
@@ -330,10 +341,12 @@ bool SocketLinks::Exchange::start(Direction& direction, LinkThread* thread, bool
   try {
     thread->start([this, &direction, sending, caller] { move_on_thread(direction, sending, *caller); });
     return true;
-  } catch (const std::exception&) {
-    direction.thread = nullptr;  // no thread could be made (out of threads or memory)
-    return false;
+  } catch (const std::system_error&) {
+    direction.thread = nullptr;  // no thread could be made (out of threads)
+  } catch (const std::bad_alloc&) {
+    direction.thread = nullptr;
   }
+  return false;
 }
 
 void SocketLinks::Exchange::stop_threads() noexcept {
@@ -454,6 +467,11 @@ void SocketLinks::Exchange::run(LinkThread* sender, LinkThread* receiver) {
     if (ready < 0) give_up(-1, c10::str("poll failed: ", errno_text()));
     if (ready == 0) {
       stop_threads();
+      for (Direction* direction : {&sending_, &receiving_}) {
+        if (direction->thread != nullptr && direction->failed.load(std::memory_order_acquire)) {
+          give_up(direction->failure);  // it failed as the deadline passed: its failure is the news
+        }
+      }
       const int peer = waiting_peer();
       if (peer >= 0) {
         give_up(peer_failed(peer, c10::str("timed out after ", call_timeout_or(links_.timeout_).count(),
