@@ -2,8 +2,8 @@
 // How a group's set-up makes the parts the test suite faults (Note [Test seam]).
 
 #include "comm/links.h"
-#include "comm/socket_links.h"
 #include "comm/shm_setup.h"
+#include "comm/socket_links.h"
 #include "comm/transport.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

@@ -46,9 +46,7 @@ struct Failure {
   int64_t failed_rank = -1;
 };
 
-// kPaused: a receiving thread stopped reading at a step of data for the caller to hear of it; its
-// socket may hold more.
-enum class Moved { kDone, kBlocked, kPaused, kFailed };
+enum class Moved { kDone, kBlocked, kFailed };
 
 // Whether data growing from `from` to `to` bytes passed a multiple of `step` (any growth, for no
 // step): receiving thread and caller count steps alike, so that the thread's news is a report's.
@@ -103,9 +101,9 @@ class SocketLinks::Exchange {
   // the caller should look (a report waits for this send).
   Moved send_some(size_t i, Failure& failure, bool& news);
   // Receives as much of frame `i` as its socket holds now, checking its header, or, on a thread,
-  // until the caller asks it to stop or another step of data (Recv::step) is in (kPaused); on
-  // failure says why in `failure`. `news`: set when another step or the frame's end is in for the
-  // caller to report.
+  // until the caller asks it to stop; on failure says why in `failure`. `news`: set when another
+  // step of data (Recv::step) or the frame's end is in for the caller to report (a thread has told
+  // the caller already).
   Moved receive_some(size_t i, Failure& failure, bool& news);
   // Passes what is ready of frame `i` to its on_data (the caller's thread).
   void report(size_t i);
@@ -262,11 +260,11 @@ Moved SocketLinks::Exchange::receive_some(size_t i, Failure& failure, bool& news
     in.done.store(done, std::memory_order_release);
     const int64_t data = std::max<int64_t>(0, done - kHeaderBytes);
     const bool whole = done >= kHeaderBytes && data == static_cast<int64_t>(in.header.bytes);
-    if (recv.on_data && (whole || passed_a_step(in.told, data, recv.step))) {
-      news = news || data > in.told;
+    if (recv.on_data && data > in.told && (whole || passed_a_step(in.told, data, recv.step))) {
       in.told = data;
-      // On a thread, tell the caller now, so that it reduces this step while the next arrives.
-      if (!whole && receiving_.thread != nullptr) return Moved::kPaused;
+      // On a thread, tell the caller at once, so that it reduces this step while the next arrives.
+      if (receiving_.thread != nullptr) receiving_.thread->tell_caller();
+      news = true;
     }
   }
   return result;
@@ -314,13 +312,13 @@ void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
           direction.failed.store(true, std::memory_order_release);
           return;
         }
-        if (result == Moved::kBlocked || result == Moved::kPaused) {
+        if (result == Moved::kBlocked) {
           waiting.push_back({links_.fds_[sending ? sends_[i].peer : recvs_[i].peer],
                              static_cast<short>(sending ? POLLOUT : POLLIN), 0});
         }
       }
-      if (waiting.empty()) return;  // done: the thread tells the caller as its job returns
-      if (news) direction.thread->tell_caller();
+      if (waiting.empty()) return;                           // done: the thread tells the caller as its job returns
+      if (news && sending) direction.thread->tell_caller();  // a receiving thread told at each step
       waiting.push_back({direction.thread->stop_fd(), POLLIN, 0});
       // No deadline here: the caller keeps the exchange's, and stops this job when it passes.
       if (::poll(waiting.data(), waiting.size(), -1) < 0 && errno != EINTR) {

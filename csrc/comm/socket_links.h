@@ -38,14 +38,15 @@ class LinkThread;
 //    bytes. A receive names its smallest and largest size; a frame outside them, another sequence
 //    number or another magic breaks the links rather than be misread.
 //  - exchange() moves a collective's frames all at once (non-blocking sockets, one poll loop; a
-//    large exchange's sends and receives in loops of their own on the links' threads: Note
-//    [Threads of the links]), so two ranks that both send never wait on each other's buffers. A peer that dies closes its end,
-//    which the poll sees at once; a peer that stops is given up at the group's timeout. Either
-//    failure breaks the links: the link to the failed peer, and every link a frame stopped halfway
-//    on, is shut down, so that those peers raise at once too, and every later exchange raises at
-//    once (shutting the rest down), as gloo's pairs do. A rank whose own step fails elsewhere in a
-//    collective's data steps (a rank of its host lost) breaks its links too (break_off): it is alive,
-//    so its partners on other hosts would otherwise wait for its frames until the timeout.
+//    large exchange's sends and receives in loops of their own on the links' threads: Note [Threads
+//    of the links]), so two ranks that both send never wait on each other's buffers. A peer that
+//    dies closes its end, which the poll sees at once; a peer that stops is given up at the group's
+//    timeout. Either failure breaks the links: the link to the failed peer, and every link a frame
+//    stopped halfway on, is shut down, so that those peers raise at once too, and every later
+//    exchange raises at once (shutting the rest down), as gloo's pairs do. A rank whose own step
+//    fails elsewhere in a collective's data steps (a rank of its host lost) breaks its links too
+//    (break_off): it is alive, so its partners on other hosts would otherwise wait for its frames
+//    until the timeout.
 //
 // Note [News of a failure]
 // On a ring the rank that sees a peer die is its neighbour; the others would see only that neighbour
@@ -69,14 +70,14 @@ class LinkThread;
 // thread, and, where the set-up says so, its receives to their receiving thread (LinkThread, in
 // link_thread.h); the caller's thread moves what is left, reports data to on_data (so reductions
 // and decodings stay the caller's) and keeps the exchange's deadline and every way of giving up,
-// stopping the threads' jobs first, so that the frames' progress is its own again (Note [News of
-// a failure]). A smaller exchange stays on the caller's thread, where waking a thread would cost
+// stopping the threads' jobs first, so that the frames' progress is its own again (Note [News of a
+// failure]). A smaller exchange stays on the caller's thread, where waking a thread would cost
 // about what it overlaps. The group's set-up (cpus_for_each_rank in topology.h) gives each rank on
-// a kernel with 3 CPUs per rank both threads, with 2 the sending one (a probe on 2 cores, /proc's
-// per-thread CPU times at 3x1 and 4x1, 16M floats: the sending thread takes a third of a rank's
-// CPU, and the receives most of the rest), and with fewer none: this repository's 2-core CI, whose
-// simulated hosts share its two CPUs, where the threads would share the rank's CPU and only add
-// switches. bench_multihost.py's ddpkit_links_* candidates time each choice in the same run.
+// a kernel with 3 CPUs per rank both threads, with 2 the sending one (the busiest thread's CPU per
+// call that bench_multihost.py reports shows how the work splits between them), and with fewer
+// none: this repository's 2-core CI, whose simulated hosts share its two CPUs, where the threads
+// would share the rank's CPU and only add switches. bench_multihost.py's ddpkit_links_* candidates
+// time each choice in the same run.
 inline constexpr int64_t kLinkThreadBytes = kLinkPartBytes;
 
 // What a large exchange moves on the links' threads (Note [Threads of the links]).

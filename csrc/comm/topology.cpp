@@ -8,11 +8,11 @@
 
 #include <algorithm>
 #include <cstring>
-#include <thread>
 #include <fstream>
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 
 namespace ddpkit::comm {
 
