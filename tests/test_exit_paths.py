@@ -155,5 +155,38 @@ def test_a_forked_child_cannot_use_its_parents_group_and_leaves_it_alone(tmp_pat
         assert "parent's group after the child 2.0" in lines, out
 
 
+DESTROYED = textwrap.dedent(r"""
+    import atexit, os, sys
+    # Registered before ddpkit's own handler, so it runs after it (atexit runs the last first).
+    threads = lambda: len(os.listdir("/proc/self/task"))
+    atexit.register(lambda: print("threads after ddpkit's exit handler", threads(), flush=True))
+    import torch, torch.distributed as dist
+    import ddpkit
+
+    dist.init_process_group("gloo")
+    tensor = torch.ones(10)
+    ddpkit.all_reduce(tensor)  # an engine for the gloo group, which holds its backend
+    dist.all_reduce(tensor)  # a work on gloo's own threads
+    print("threads before", threads(), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_a_destroyed_gloo_group_ends_its_threads_before_the_interpreter_finalizes(tmp_path):
+    """Note [Exit paths]: the engine of a destroyed gloo group, and the gloo backend it holds, are freed by
+    ddpkit's exit handler, so no gloo worker thread is left to drop a work's tensor, and ask for the
+    GIL, while the interpreter finalizes (torch's race, pytorch/pytorch#190489: SIGABRT, seen once in
+    CI's run of docs/ddp.md's ddp_hooks.py)."""
+    script = tmp_path / "destroyed.py"
+    script.write_text(DESTROYED)
+    ranks = start_job(script, "destroyed")
+    outputs = communicate_all(ranks, timeout=120)
+    for rank, (process, (out, err)) in enumerate(zip(ranks, outputs)):
+        assert process.returncode == 0, f"rank {rank}: exit status {process.returncode}\n{out}\n{err[-2000:]}"
+        before = int(out.split("threads before ")[1].split()[0])
+        after = int(out.split("threads after ddpkit's exit handler ")[1].split()[0])
+        assert before > 1 and after == 1, out  # only the main thread is left
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))

@@ -64,6 +64,10 @@ class Engine {
   // EngineBackend, that backend's engine. Fails clearly when there is no such group.
   static std::shared_ptr<Engine> of(const std::string& group_name);
 
+  // Frees the engines of() made for groups destroyed since: their threads, segments and the
+  // backends they hold, a gloo group's worker threads among them (Note [Exit paths]).
+  static void release_destroyed();
+
   // A new engine for `group`, owned by the caller (the "ddpkit" backend). In a forked child it is
   // never destroyed, and its collectives fail at once (Note [Forked children]).
   static std::shared_ptr<Engine> create(EngineGroup group);

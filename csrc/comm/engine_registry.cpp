@@ -27,7 +27,34 @@ bool registered(const std::string& name, const RegistryEntry& entry) {
   }
 }
 
+// Never destroyed: engines may still be running when static destructors would run at exit.
+std::unordered_map<std::string, RegistryEntry>& registry() {
+  static auto* entries = new std::unordered_map<std::string, RegistryEntry>();
+  return *entries;
+}
+
+std::mutex& registry_mutex() {
+  static auto* mutex = new std::mutex();
+  return *mutex;
+}
+
+// Erases every entry but `kept` whose group is no longer alive and registered. Under registry_mutex().
+void erase_destroyed_locked(const RegistryEntry* kept) {
+  for (auto it = registry().begin(); it != registry().end();) {
+    if (&it->second != kept && !registered(it->first, it->second)) {
+      it = registry().erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 }  // namespace
+
+void Engine::release_destroyed() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  erase_destroyed_locked(nullptr);
+}
 
 std::shared_ptr<Engine> Engine::of(const std::string& group_name) {
   c10::intrusive_ptr<c10d::ProcessGroup> group;
@@ -45,22 +72,13 @@ std::shared_ptr<Engine> Engine::of(const std::string& group_name) {
       // no CPU backend: an engine of the group's own, below
     }
   }
-  // Never destroyed: engines may still be running when static destructors would run at exit.
-  static auto* registry = new std::unordered_map<std::string, RegistryEntry>();
-  static auto* registry_mutex = new std::mutex();
-  std::lock_guard<std::mutex> lock(*registry_mutex);
-  RegistryEntry& entry = (*registry)[group_name];
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  RegistryEntry& entry = registry()[group_name];
   if (!entry.engine || entry.group->lock().get() != group.get()) {
     // A new engine: first free those of destroyed groups (their threads, segments and the backends
     // they hold), so that creating and destroying groups holds memory, threads and fds flat. Not
     // per call: resolving every registered name costs a lookup each.
-    for (auto it = registry->begin(); it != registry->end();) {
-      if (&it->second != &entry && !registered(it->first, it->second)) {
-        it = registry->erase(it);
-      } else {
-        ++it;
-      }
-    }
+    erase_destroyed_locked(&entry);
     entry.group.emplace(group);
     c10::weak_intrusive_ptr<c10d::ProcessGroup> weak(group);
     EngineGroup handle;
