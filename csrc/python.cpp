@@ -19,6 +19,7 @@
 
 #include "comm/wire_format.h"
 #include "backend/backend.h"
+#include "comm/engine.h"
 #include "comm/exit.h"
 #include "comm/ops.h"
 #include "ddp/reducer.h"
@@ -185,6 +186,7 @@ PYBIND11_MODULE(_C, m) {
       [] {
         py::gil_scoped_release release;  // the completions it waits for run Python callbacks
         ddpkit::comm::prepare_for_exit();
+        ddpkit::comm::Engine::release_destroyed();  // their gloo backends' threads too
       },
       "Called by atexit (ddpkit/__init__.py): Note [Exit paths] in csrc/comm/completion_pool.h.");
 }

@@ -1,7 +1,6 @@
 #include "comm/exit.h"
 
 #include "comm/completion_pool.h"
-#include "comm/engine.h"
 
 #include <c10/util/Exception.h>
 
@@ -41,9 +40,6 @@ void check_not_forked(uint64_t made_in, std::string_view what, int rank) {
               "parent's process group (its threads are the parent's); make a new group in the child");
 }
 
-void prepare_for_exit() {
-  CompletionPool::instance().prepare_for_exit();
-  Engine::release_destroyed();
-}
+void prepare_for_exit() { CompletionPool::instance().prepare_for_exit(); }
 
 }  // namespace ddpkit::comm

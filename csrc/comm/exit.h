@@ -10,8 +10,8 @@ namespace ddpkit::comm {
 // Called by Python's atexit (ddpkit/__init__.py), with the GIL released, before the interpreter starts
 // finalizing: lets the completions already running finish (their Python callbacks need the GIL) and
 // from then on leaves every future of a completed collective unsettled, so that no thread of ddpkit's
-// takes the GIL, or drops a Python callback, once the interpreter is finalizing; then frees the
-// engines of destroyed groups, and with them the gloo backends they hold (Note [Exit paths]).
+// takes the GIL, or drops a Python callback, once the interpreter is finalizing. The same atexit
+// call then frees the engines of destroyed groups (Engine::release_destroyed, Note [Exit paths]).
 void prepare_for_exit();
 
 // How many forks separate this process from the one that loaded ddpkit (a pthread_atfork child
