@@ -79,6 +79,18 @@ def start_job(script, how: str) -> list:
     return ranks
 
 
+def run_clean_job(tmp_path, name: str, text: str) -> list:
+    """Runs `text` as a 2-rank job (`name` its first argument); each rank's output, every rank having
+    exited 0."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(text)
+    ranks = start_job(script, name)
+    outputs = communicate_all(ranks, timeout=120)
+    for rank, (process, (out, err)) in enumerate(zip(ranks, outputs)):
+        assert process.returncode == 0, f"rank {rank}: exit status {process.returncode}\n{out}\n{err[-2000:]}"
+    return [out for out, _ in outputs]
+
+
 def test_every_ending_is_clean(tmp_path):
     # Written once, before any rank starts: rewriting it per job let a starting rank read it empty and
     # exit 0 without a word, its peer left waiting (seen in CI).
@@ -139,12 +151,7 @@ def test_a_forked_child_cannot_use_its_parents_group_and_leaves_it_alone(tmp_pat
     """Note [Forked children]: in a child forked with a group's work in flight, a collective, a wait and a
     send each fail at once instead of hanging, destroying the group there neither crashes nor hangs, and
     the parent's group goes on."""
-    script = tmp_path / "forked.py"
-    script.write_text(FORKED)
-    ranks = start_job(script, "forked")
-    outputs = communicate_all(ranks, timeout=120)
-    for rank, (process, (out, err)) in enumerate(zip(ranks, outputs)):
-        assert process.returncode == 0, f"rank {rank}: exit status {process.returncode}\n{out}\n{err[-2000:]}"
+    for rank, out in enumerate(run_clean_job(tmp_path, "forked", FORKED)):
         lines = out.splitlines()
         for name in ("all_reduce", "wait", "send"):
             assert (
@@ -177,12 +184,7 @@ def test_a_destroyed_gloo_group_ends_its_threads_before_the_interpreter_finalize
     ddpkit's exit handler, so no gloo worker thread is left to drop a work's tensor, and ask for the
     GIL, while the interpreter finalizes (torch's race, pytorch/pytorch#190489: SIGABRT, seen once in
     CI's run of docs/ddp.md's ddp_hooks.py)."""
-    script = tmp_path / "destroyed.py"
-    script.write_text(DESTROYED)
-    ranks = start_job(script, "destroyed")
-    outputs = communicate_all(ranks, timeout=120)
-    for rank, (process, (out, err)) in enumerate(zip(ranks, outputs)):
-        assert process.returncode == 0, f"rank {rank}: exit status {process.returncode}\n{out}\n{err[-2000:]}"
+    for out in run_clean_job(tmp_path, "destroyed", DESTROYED):
         before = int(out.split("threads before ")[1].split()[0])
         after = int(out.split("threads after ddpkit's exit handler ")[1].split()[0])
         assert before > 1 and after == 1, out  # only the main thread is left
