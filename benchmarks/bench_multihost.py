@@ -150,7 +150,8 @@ def timed(call: Callable[[], object], calls: int) -> dict:
     call its process spent meanwhile (every thread: gloo's own threads count as ddpkit's do), and
     those of its busiest thread: the CPU one thread must get through per call however many cores the
     machine has (Note [Threads of the links])."""
-    cpu, threads = time.process_time(), thread_cpu_ns()
+    threads = thread_cpu_ns()
+    cpu = time.process_time()  # after /proc's reading, which is not the call's CPU
     seconds = common.time_per_call(call, calls=calls)
     cpu_s = (time.process_time() - cpu) / calls
     busiest = max((spent - threads.get(task, 0) for task, spent in thread_cpu_ns().items()), default=0)
