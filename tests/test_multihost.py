@@ -242,10 +242,11 @@ def link_threads():
     return {name: names.count(name) for name in ("ddpkit-send", "ddpkit-recv")}
 
 
-def case_on_each_thread(numels):
-    """case_every_collective and compressed sums on a group per DDPKIT_LINK_THREADS setting, and the
-    threads of the links each group started."""
-    rank = dist.get_rank()
+def case_on_each_thread(numels, windowed_numel):
+    """case_every_collective and compressed sums on a group per DDPKIT_LINK_THREADS setting, a sum
+    and a reduce-scatter whose ring steps receive through a window (Note [Receiving windows]) at
+    ``windowed_numel``, and the threads of the links each group started."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
     for threads in THREADS:
         os.environ["DDPKIT_LINK_THREADS"] = threads
@@ -256,6 +257,14 @@ def case_on_each_thread(numels):
             tensor = rank_input(rank, numel)
             ddpkit.all_reduce(tensor, group=group, cross_host_dtype=torch.bfloat16)
             results[("compressed", numel)] = tensor
+        tensor = rank_input(rank, windowed_numel, integer=True)
+        ddpkit.all_reduce(tensor, group=group)
+        results[("all_reduce", str(torch.float32), windowed_numel, "sum", "windowed")] = tensor
+        scattered = torch.empty(windowed_numel)
+        ddpkit.reduce_scatter_tensor(
+            scattered, rank_input(rank, world_size * windowed_numel, integer=True), group=group
+        )
+        results[("reduce_scatter", str(torch.float32), windowed_numel)] = scattered
         results["started"] = {name: count - before[name] for name, count in link_threads().items()}
         out[threads] = results
     del os.environ["DDPKIT_LINK_THREADS"]
@@ -265,11 +274,13 @@ def case_on_each_thread(numels):
 @needs_hosts
 @pytest.mark.parametrize("ranks_per_host", [[1, 1, 1], [2, 2]], ids=["3x1", "2x2"])
 def test_the_links_threads_are_exact_and_give_the_callers_bits(ranks_per_host):
-    # The ring (3x1) and the swap (2x2, whose reductions wait for the frame sent to the same peer),
-    # exact, and bit for bit what the caller's thread alone gives, compressed sums included.
+    # The ring (3x1, whose blocks of a third of 1,000,003 floats arrive through a window that wraps,
+    # on the receiving thread too) and the swap (2x2, whose reductions wait for the frame sent to
+    # the same peer), exact, and bit for bit what the caller's thread alone gives, compressed sums
+    # included.
     pool = HostPool(ranks_per_host, group_timeout=GROUP_TIMEOUT_S)
     try:
-        per_rank = pool.run(case_on_each_thread, [1001, 300_003], timeout=300)
+        per_rank = pool.run(case_on_each_thread, [1001, 300_003], 1_000_003, timeout=300)
     finally:
         pool.close()
     started = {"caller": (0, 0), "send": (1, 0), "both": (1, 1)}

@@ -30,12 +30,13 @@ void drain(int fd) noexcept {
 }  // namespace
 
 LinkThread::LinkThread(const char* name) : name_(name) {
-  stop_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  news_fd_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-  if (stop_fd_ < 0 || news_fd_ < 0) {
+  for (int* fd : {&stop_fd_, &job_news_fd_, &news_fd_}) {
+    *fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (*fd >= 0) continue;
     const std::string why = std::strerror(errno);
-    if (stop_fd_ >= 0) ::close(stop_fd_);
-    if (news_fd_ >= 0) ::close(news_fd_);
+    for (int made : {stop_fd_, job_news_fd_, news_fd_}) {
+      if (made >= 0) ::close(made);
+    }
     TORCH_CHECK(false, "eventfd failed: ", why);
   }
 }
@@ -55,6 +56,7 @@ LinkThread::~LinkThread() {
     thread_.join();
   }
   ::close(stop_fd_);
+  ::close(job_news_fd_);
   ::close(news_fd_);
 }
 
@@ -83,6 +85,7 @@ void LinkThread::start(std::function<void()> job) {
     TORCH_INTERNAL_ASSERT(!shared.running, "a LinkThread runs one job at a time");
     stop_.store(false, std::memory_order_release);
     drain(stop_fd_);
+    drain(job_news_fd_);
     drain(news_fd_);
     shared.job = std::move(job);
     shared.running = true;
@@ -104,6 +107,10 @@ void LinkThread::wait() noexcept {
   std::unique_lock<std::mutex> lock(shared_->mutex);
   shared_->changed.wait(lock, [&] { return !shared_->running; });
 }
+
+void LinkThread::tell_job() noexcept { post(job_news_fd_); }
+
+void LinkThread::clear_job_news() noexcept { drain(job_news_fd_); }
 
 void LinkThread::tell_caller() noexcept { post(news_fd_); }
 

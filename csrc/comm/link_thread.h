@@ -12,11 +12,12 @@
 
 namespace ddpkit::comm {
 
-// One thread that runs one job at a time for its owner (the caller), with two wake-ups that a poll
-// can wait on: stop_fd(), readable once the caller asked the job to stop, for the job's poll; and
-// news_fd(), readable once the job told the caller something (tell_caller()) or returned, for the
-// caller's poll. The thread, named `name` (for top -H and perf), starts with the first job, blocking
-// every signal (they are the caller's), and is joined by the destructor.
+// One thread that runs one job at a time for its owner (the caller), with wake-ups that a poll can
+// wait on: for the job's poll, stop_fd(), readable once the caller asked the job to stop, and
+// job_news_fd(), readable once the caller told the job something (tell_job()); for the caller's
+// poll, news_fd(), readable once the job told the caller something (tell_caller()) or returned.
+// The thread, named `name` (for top -H and perf), starts with the first job, blocking every signal
+// (they are the caller's), and is joined by the destructor.
 class LinkThread {
  public:
   // Raises when the eventfds cannot be made. `name`: at most 15 characters.
@@ -37,6 +38,11 @@ class LinkThread {
   // For the job: whether the caller asked it to stop, and the descriptor that turns readable then.
   bool stop_requested() const { return stop_.load(std::memory_order_acquire); }
   int stop_fd() const { return stop_fd_; }
+  // For the caller: wakes the job's poll on job_news_fd(); for the job: clear_job_news() empties it
+  // (before it looks at what the caller changed, so that no later news is lost).
+  void tell_job() noexcept;
+  int job_news_fd() const { return job_news_fd_; }
+  void clear_job_news() noexcept;
   // For the job: wakes the caller's poll on news_fd().
   void tell_caller() noexcept;
   // For the caller: readable after tell_caller() or a job's return; clear_news() empties it.
@@ -59,6 +65,7 @@ class LinkThread {
   std::unique_ptr<Shared> shared_ = std::make_unique<Shared>();
   std::atomic<bool> stop_{false};
   int stop_fd_ = -1;  // eventfds
+  int job_news_fd_ = -1;
   int news_fd_ = -1;
   const char* name_;
   uint64_t fork_generation_ = 0;  // the process that started the thread (Note [Forked children])

@@ -19,6 +19,19 @@ namespace ddpkit::comm {
 // 2x1 points (the size changed by hand); its 3x1 and 4x1 points time the ring.
 inline constexpr int64_t kLinkPartBytes = 256 << 10;
 
+// Note [Receiving windows]
+// A ring step's reduce-scatter reduces what arrives into the rank's own block, so its frame only
+// passes through the receiving buffer. Received whole, a block of megabytes streams through
+// memory: every line the kernel's copy out of the socket writes must be fetched and later written
+// back, and that copy is the largest single cost of a large step on a host's CPUs (perf). So such
+// a frame is received into a window of kLinkWindowBytes used round and round (Links::Recv::window):
+// the exchange receives no further ahead of the reports than the window holds, and the same lines
+// stay in the cache from the copy to the reduction, as gloo's ring receives into two segments of a
+// megabyte.
+// The window's size against the whole block, and against 2 and 8 parts, was decided on
+// bench_multihost.py's 3x1 and 4x1 points at 16M floats, interleaved in one run.
+inline constexpr int64_t kLinkWindowBytes = 4 * kLinkPartBytes;
+
 class Links {
  public:
   // One frame to send: `first` then `second` (either may be empty), as one message. With `prepare`,
@@ -40,6 +53,11 @@ class Links {
   // rest of the frame) is ready, so that the caller works on the first part while the rest is on
   // its way: ready means received, and, where the exchange also sends this peer a frame, sent as
   // far (frame data bytes), so that the caller may overwrite what it sent up to there.
+  // With a `window` (Note [Receiving windows]), `data` holds only `window` bytes, used round and
+  // round: frame byte k lands at data[k % window], and the exchange receives at most `window` bytes
+  // past the last multiple of `step` it has passed to on_data, which must be done with the bytes up
+  // to there when it returns. A window needs on_data, a multiple of `step` of at least one step,
+  // and no frame sent to the same peer.
   struct Recv {
     int peer;
     void* data;
@@ -48,6 +66,7 @@ class Links {
     std::function<void(int64_t)> on_data = nullptr;
     int64_t step = 0;
     int64_t minimum = 0;  // a shorter frame breaks the links, as a longer one than `capacity` does
+    int64_t window = 0;   // 0: `data` holds the whole frame
   };
 
   virtual ~Links() = default;

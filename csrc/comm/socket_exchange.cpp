@@ -46,7 +46,8 @@ struct Failure {
   int64_t failed_rank = -1;
 };
 
-enum class Moved { kDone, kBlocked, kFailed };
+// kFull: the frame's window is full (Note [Receiving windows]) until the caller reports more of it.
+enum class Moved { kDone, kBlocked, kFailed, kFull };
 
 // Whether data growing from `from` to `to` bytes passed a multiple of `step` (any growth, for no
 // step): receiving thread and caller count steps alike, so that the thread's news is a report's.
@@ -75,8 +76,10 @@ class SocketLinks::Exchange {
     // Bytes of header and data received: written by whichever thread receives, read by the other
     // (the caller's reports) with acquire.
     std::atomic<int64_t> done{0};
-    int64_t reported = 0;  // data bytes passed to on_data (the caller's)
-    int64_t told = 0;      // data bytes the receiving thread woke the caller for (its own)
+    // Data bytes passed to on_data: written by the caller, read by the receiving thread with acquire
+    // (a window's room).
+    std::atomic<int64_t> reported{0};
+    int64_t told = 0;  // data bytes the receiving thread woke the caller for (its own)
   };
   // One direction's job on a thread, and whether it failed (it returns when done, failed or stopped).
   struct Direction {
@@ -130,7 +133,8 @@ class SocketLinks::Exchange {
   std::unique_ptr<Outgoing[]> outgoing_;
   std::unique_ptr<Incoming[]> incoming_;
   const Clock::time_point deadline_;
-  bool gated_ = false;  // an on_data waits for the frame sent to its peer
+  bool gated_ = false;     // an on_data waits for the frame sent to its peer
+  bool windowed_ = false;  // a frame is received into a window
   Direction sending_;
   Direction receiving_;
 };
@@ -158,6 +162,10 @@ SocketLinks::Exchange::Exchange(SocketLinks& links, uint64_t sequence, std::vect
     TORCH_INTERNAL_ASSERT(recv.peer != links_.rank_ && links_.fds_.at(recv.peer) >= 0 && !receiving[recv.peer]++);
     recv.received = 0;
     gated_ = gated_ || (recv.on_data && sending[recv.peer]);
+    // A window is emptied by reports alone: a report that waited for a send could wait forever.
+    TORCH_INTERNAL_ASSERT(recv.window == 0 ||
+                          (recv.on_data && recv.step > 0 && recv.window % recv.step == 0 && !sending[recv.peer]));
+    windowed_ = windowed_ || recv.window > 0;
   }
 }
 
@@ -224,7 +232,18 @@ Moved SocketLinks::Exchange::receive_some(size_t i, Failure& failure, bool& news
     if (receiving_.thread != nullptr && receiving_.thread->stop_requested()) return Moved::kBlocked;
     char* into = done < kHeaderBytes ? reinterpret_cast<char*>(&in.header) + done
                                      : static_cast<char*>(recv.data) + (done - kHeaderBytes);
-    const int64_t want = (done < kHeaderBytes ? kHeaderBytes : recv_total(i, done)) - done;
+    int64_t want = (done < kHeaderBytes ? kHeaderBytes : recv_total(i, done)) - done;
+    if (recv.window > 0 && done >= kHeaderBytes) {
+      // Up to the window's end, and no further past the reports' last whole step than it holds: the
+      // part of an element a report ends with is still to be reduced.
+      const int64_t data = done - kHeaderBytes;
+      const int64_t at = data % recv.window;
+      const int64_t done_with = in.reported.load(std::memory_order_acquire) / recv.step * recv.step;
+      const int64_t room = done_with + recv.window - data;
+      if (room == 0) return Moved::kFull;
+      into = static_cast<char*>(recv.data) + at;
+      want = std::min({want, recv.window - at, room});
+    }
     const ssize_t got = ::recv(links_.fds_[peer], into, static_cast<size_t>(want), 0);
     if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       result = Moved::kBlocked;
@@ -282,13 +301,16 @@ void SocketLinks::Exchange::report(size_t i) {
       ready = std::min(ready, std::max<int64_t>(0, outgoing_[j].done.load(std::memory_order_acquire) - kHeaderBytes));
     }
   }
-  if (ready > in.reported && (ready == total || passed_a_step(in.reported, ready, recv.step))) {
+  const int64_t reported = in.reported.load(std::memory_order_relaxed);  // this thread is its one writer
+  if (ready > reported && (ready == total || passed_a_step(reported, ready, recv.step))) {
     try {
       recv.on_data(ready);
     } catch (const std::exception& e) {
       give_up(recv.peer, e.what());  // the frame is only partly read: the stream cannot go on
     }
-    in.reported = ready;
+    in.reported.store(ready, std::memory_order_release);
+    // Room in the window: a receiving thread that found it full waits for this.
+    if (recv.window > 0 && receiving_.thread != nullptr) receiving_.thread->tell_job();
   }
 }
 
@@ -302,9 +324,12 @@ void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
     const at::ThreadLocalStateGuard state(caller);  // prepare() runs tensor ops in the caller's modes
     const size_t count = sending ? sends_.size() : recvs_.size();
     std::vector<pollfd> waiting;
+    // The caller's reports make room in the windows (Note [Receiving windows]).
+    const bool for_room = !sending && windowed_;
     while (!direction.thread->stop_requested()) {
+      if (for_room) direction.thread->clear_job_news();  // before the windows' room is read
       waiting.clear();
-      bool news = false;
+      bool news = false, full = false;
       for (size_t i = 0; i < count; ++i) {
         if (sending ? sent(i) : received(i)) continue;
         const Moved result = sending ? send_some(i, direction.failure, news) : receive_some(i, direction.failure, news);
@@ -316,10 +341,12 @@ void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
           waiting.push_back({links_.fds_[sending ? sends_[i].peer : recvs_[i].peer],
                              static_cast<short>(sending ? POLLOUT : POLLIN), 0});
         }
+        full = full || result == Moved::kFull;
       }
-      if (waiting.empty()) return;                           // done: the thread tells the caller as its job returns
+      if (waiting.empty() && !full) return;                  // done: the thread tells the caller as its job returns
       if (news && sending) direction.thread->tell_caller();  // a receiving thread told at each step
       waiting.push_back({direction.thread->stop_fd(), POLLIN, 0});
+      if (for_room) waiting.push_back({direction.thread->job_news_fd(), POLLIN, 0});
       // No deadline here: the caller keeps the exchange's, and stops this job when it passes.
       if (::poll(waiting.data(), waiting.size(), -1) < 0 && errno != EINTR) {
         return fail(c10::str("poll failed: ", errno_text()));
@@ -439,7 +466,7 @@ void SocketLinks::Exchange::run(LinkThread* sender, LinkThread* receiver) {
     }
     waiting.clear();
     Failure failure;
-    bool news = false;
+    bool news = false, full = false;
     for (size_t i = 0; i < sends_.size() && !threaded_sends; ++i) {
       const Moved result = send_some(i, failure, news);
       if (result == Moved::kFailed) give_up(failure);
@@ -450,8 +477,10 @@ void SocketLinks::Exchange::run(LinkThread* sender, LinkThread* receiver) {
       const Moved result = receive_some(i, failure, news);
       if (result == Moved::kFailed) give_up(failure);
       if (result == Moved::kBlocked) waiting.push_back({links_.fds_[recvs_[i].peer], POLLIN, 0});
+      full = full || result == Moved::kFull;
     }
     for (size_t i = 0; i < recvs_.size(); ++i) report(i);
+    if (full) continue;  // the reports just made room: receive again before waiting
     if (waiting.empty() && !sending && !receiving) break;
     const size_t own = waiting.size();
     waking.clear();

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <vector>
 
 namespace ddpkit::comm {
@@ -46,24 +47,28 @@ at::Tensor part(const at::Tensor& flat, const Span& span) { return slice(flat, s
 // One step: `out` to the right neighbour while the left one's frame of exactly `in`'s size arrives
 // into `in`; `on_part(elements)` is called as the first `elements` of it are in (null: not at all).
 // With `source`, `out` is written from it as it goes out (Links::Send's prepare: an encoded
-// frame whose encoding overlaps the transfer).
+// frame whose encoding overlaps the transfer). With `in_numel`, the frame has that many elements
+// and `in` is its window (Note [Receiving windows]): element k lands at in[k % in.numel()].
 void step(Links& links, uint64_t sequence, const at::Tensor& out, const at::Tensor& in,
-          std::function<void(int64_t)> on_part, const at::Tensor& source = at::Tensor()) {
+          std::function<void(int64_t)> on_part, const at::Tensor& source = at::Tensor(),
+          std::optional<int64_t> in_numel = std::nullopt) {
   const int n = links.size(), r = links.rank();
   const int64_t element = in.element_size();
-  const auto in_bytes = static_cast<int64_t>(in.nbytes());
+  const auto in_bytes = in_numel ? *in_numel * element : static_cast<int64_t>(in.nbytes());
+  const int64_t window = in_numel ? static_cast<int64_t>(in.nbytes()) : 0;
   std::function<void(int64_t)> on_data;
   if (on_part) on_data = [&on_part, element](int64_t bytes) { on_part(bytes / element); };
   std::function<void(int64_t)> prepare = source.defined() ? encode_as_sent(out, source) : nullptr;
   std::vector<Links::Send> sends{{wrap(r + 1, n), out.data_ptr(), static_cast<int64_t>(out.nbytes()), nullptr, 0,
                                   std::move(prepare), kLinkPartBytes}};
   std::vector<Links::Recv> recvs{
-      {wrap(r - 1, n), in.data_ptr(), in_bytes, 0, std::move(on_data), kLinkPartBytes, in_bytes}};
+      {wrap(r - 1, n), in.data_ptr(), in_bytes, 0, std::move(on_data), kLinkPartBytes, in_bytes, window}};
   links.exchange(sequence, std::move(sends), recvs);
 }
 
 // The reduce-scatter of Note [A ring across hosts] over `blocks` of `flat`: afterwards this rank's
-// block is reduced over every rank. With `wire` compressing, frames go through `wired` (flat's
+// block is reduced over every rank. Blocks larger than kLinkWindowBytes arrive through a window
+// (Note [Receiving windows]). With `wire` compressing, frames go through `wired` (flat's
 // layout in the wire's dtype): parts are decoded into a float32 scratch before they are reduced,
 // and each reduced part is encoded at once for the next step's frame, so that the rounding overlaps
 // the transfer. `round_own`: this rank's finished block too, encoded and taken back rounded (the
@@ -74,15 +79,19 @@ void reduce_scatter_blocks(Links& links, uint64_t sequence, const at::Tensor& fl
   const int n = links.size(), r = links.rank();
   const ReduceOp sum_or_op = accumulating_op(op);
   const int64_t most = largest(blocks);
+  // The compressed frames stay whole: each reduced part is encoded back into its place in `wired`.
+  const int64_t window = kLinkWindowBytes / flat.element_size();
+  const bool windowed = !compressed && most > window;
   const at::Tensor incoming =
-      compressed ? at::Tensor() : scratch.get(ScratchBuffers::kFromPeer, most, flat.scalar_type());
+      compressed ? at::Tensor() : scratch.get(ScratchBuffers::kFromPeer, windowed ? window : most, flat.scalar_type());
   const at::Tensor decoded = compressed ? scratch.get(ScratchBuffers::kDecoded, most, at::kFloat) : at::Tensor();
   for (int s = 0; s < n - 1; ++s) {
     const Span& sent = blocks[wrap(r - 1 - s, n)];
     const Span& received = blocks[wrap(r - 2 - s, n)];
     const at::Tensor mine = part(flat, received);
     at::Tensor out = part(flat, sent);
-    const at::Tensor in = compressed ? part(wired, received) : incoming.narrow(0, 0, received.size());
+    const at::Tensor in =
+        compressed ? part(wired, received) : (windowed ? incoming : incoming.narrow(0, 0, received.size()));
     // The partial result, rounded as it leaves: the first step's is this rank's own block, encoded as
     // it goes out; the later ones' were encoded as they were reduced.
     at::Tensor source;
@@ -93,6 +102,15 @@ void reduce_scatter_blocks(Links& links, uint64_t sequence, const at::Tensor& fl
     const bool last = s == n - 2;
     int64_t reduced = 0;
     auto reduce_ready = [&](int64_t ready) {
+      if (windowed) {
+        for (int64_t upto; reduced < ready; reduced = upto) {  // in at most two pieces: the window wraps
+          const int64_t at = reduced % window;
+          upto = std::min(ready, reduced + window - at);
+          combine_(slice(mine, reduced, upto), incoming.narrow(0, at, upto - reduced), sum_or_op,
+                   /*other_first=*/true);
+        }
+        return;
+      }
       at::Tensor theirs = slice(in, reduced, ready);
       if (compressed) theirs = decoded.narrow(0, 0, ready - reduced).copy_(theirs);
       const at::Tensor result = slice(mine, reduced, ready);
@@ -104,7 +122,7 @@ void reduce_scatter_blocks(Links& links, uint64_t sequence, const at::Tensor& fl
       }
       reduced = ready;
     };
-    step(links, sequence, out, in, reduce_ready, source);
+    step(links, sequence, out, in, reduce_ready, source, windowed ? std::make_optional(received.size()) : std::nullopt);
     TORCH_INTERNAL_ASSERT(reduced == mine.numel());
   }
 }
