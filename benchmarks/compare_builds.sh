@@ -6,14 +6,25 @@
 # size the median over rounds of the tree's ddpkit time over the base's (each round's two runs back to
 # back, so drift hits both). Building both the same way keeps the testing build's fault points out of
 # the comparison. With --two-hosts (as root: simulated hosts), it then alternates the two builds the
-# same way on bench_multihost.py's all-reduce across two hosts (2x1 and 2x2, unshaped).
+# same way on bench_multihost.py's all-reduce across two hosts (2x1 and 2x2, unshaped). With --hosts
+# TOPOLOGIES SIZES it alternates them on those topologies and sizes only (bench_multihost.py's
+# --reps 9 each), without the n=2 runs.
 #   bash benchmarks/compare_builds.sh ac93524 11      # about 3 minutes on 2 cores, plus the builds
 #   bash benchmarks/compare_builds.sh ac93524 11 --two-hosts
+#   bash benchmarks/compare_builds.sh ac93524 5 --hosts "3x1 4x1 4x2 8x1" "1000000 16000000"
 set -euo pipefail
 cd "$(dirname "$0")/.."
-base=$(git rev-parse --short "${1:?usage: compare_builds.sh BASE_COMMIT [ROUNDS] [--two-hosts]}")
+base=$(git rev-parse --short "${1:?usage: compare_builds.sh BASE_COMMIT [ROUNDS] [--two-hosts | --hosts TOPOLOGIES SIZES]}")
 rounds=${2:-11}
-two_hosts=${3:-}
+hosts_mode=${3:-}
+topologies="2x1 2x2"
+sizes="1000 100000 1000000"
+reps=()
+if [ "$hosts_mode" = --hosts ]; then
+  topologies=${4:?--hosts needs TOPOLOGIES and SIZES}
+  sizes=${5:?--hosts needs TOPOLOGIES and SIZES}
+  reps=(--reps 9)
+fi
 stash=$(git stash create)  # empty when the tree has no uncommitted changes
 tree=$(git rev-parse --short "${stash:-HEAD}")
 release_venv() {  # COMMIT -> the path of a venv with COMMIT's release build, made once
@@ -32,6 +43,7 @@ tree_py=$(release_venv "$tree")
 work=${TMPDIR:-/tmp}/ddpkit-compare-$base-vs-$tree
 rm -rf "$work" && mkdir -p "$work"
 for round in $(seq 1 "$rounds"); do
+  [ "$hosts_mode" = --hosts ] && break
   for build in base tree; do
     py=$tree_py; [ $build = base ] && py=$base_py
     DDPKIT_RESULTS_DIR="$work/$build-$round" $py benchmarks/bench_allreduce.py --world-sizes 2 \
@@ -40,7 +52,7 @@ for round in $(seq 1 "$rounds"); do
   done
   echo "round $round of $rounds done"
 done
-"$tree_py" - "$work" "$rounds" "$base" "$tree" <<'PY'
+[ "$hosts_mode" = --hosts ] || "$tree_py" - "$work" "$rounds" "$base" "$tree" <<'PY'
 import json, statistics, sys
 work, rounds, base, tree = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 def times(path):
@@ -57,15 +69,16 @@ for numel in sorted({numel for _, numel in runs[0][0]}):
           f"{med([b[('ddpkit', numel)] / b[('gloo', numel)] for b, _ in runs]):>9.3f}  "
           f"{med([t[('ddpkit', numel)] / t[('gloo', numel)] for _, t in runs]):>9.3f}")
 PY
-[ "$two_hosts" = --two-hosts ] || exit 0
+[ -n "$hosts_mode" ] || exit 0
 for round in $(seq 1 "$rounds"); do
   for build in base tree; do
     py=$tree_py; [ $build = base ] && py=$base_py
-    DDPKIT_RESULTS_DIR="$work/hosts-$build-$round" $py benchmarks/bench_multihost.py --topologies 2x1 2x2 \
-      --links unshaped --collectives all_reduce --candidates ddpkit --sizes 1000 100000 1000000 --no-ddp \
+    # shellcheck disable=SC2086  # the topologies and sizes are lists
+    DDPKIT_RESULTS_DIR="$work/hosts-$build-$round" $py benchmarks/bench_multihost.py --topologies $topologies \
+      --links unshaped --collectives all_reduce --candidates ddpkit --sizes $sizes "${reps[@]}" --no-ddp \
       > "$work/hosts-$build-$round.log" 2>&1
   done
-  echo "two hosts: round $round of $rounds done"
+  echo "across hosts: round $round of $rounds done"
 done
 "$tree_py" - "$work" "$rounds" "$base" "$tree" <<'PY'
 import json, statistics, sys
@@ -76,7 +89,7 @@ def times(path):
 runs = [(times(f"{work}/hosts-base-{i}/multihost.json"), times(f"{work}/hosts-tree-{i}/multihost.json"))
         for i in range(1, rounds + 1)]
 med = statistics.median
-print(f"\nddpkit all-reduce across two hosts, this tree ({tree}) against {base}: medians over {rounds} rounds")
+print(f"\nddpkit all-reduce across hosts, this tree ({tree}) against {base}: medians over {rounds} rounds")
 print(f"{'topology':>8}  {'floats':>8}  {'tree/base':>9}  {'rounds min-max':>14}  {'base/gloo':>9}  {'tree/gloo':>9}")
 for key in sorted(k for k in runs[0][0] if k[1] == "ddpkit"):
     topology, _, numel = key
