@@ -26,6 +26,10 @@ back-to-back calls; the figure is the median over repetitions of the slowest ran
   ddpkit_backend_method
                   the all-reduce as the "ddpkit" group's own method, group.allreduce([t], options).wait(),
                   without torch.distributed's Python function around it: what that function costs
+  ddpkit_torch_python
+                  ddpkit's all-reduce after the statements torch.distributed's all_reduce runs around a
+                  group's method (torch 2.13's: its checks and options), without their collective:
+                  what that Python costs where every call resumes from a wait (the backend's bound)
   gloo            torch.distributed's collective on a gloo group (the baseline)
 The size is the whole tensor: the all-reduce's, broadcast's and reduce's, the all-gather's output
 and the reduce-scatter's input (float32). The broadcast's and the reduce's root is the last rank.
@@ -101,6 +105,9 @@ def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torc
         options = dist.AllreduceOptions()
         options.asyncOp = False
         return lambda: groups["ddpkit"].allreduce([tensor], options).wait()
+    if candidate == "ddpkit_torch_python":
+        assert collective == "all_reduce", f"{candidate} is the all-reduce's"
+        return functools.partial(_torch_python_then_all_reduce, tensor, groups["gloo"])
     if candidate in ("gloo", "ddpkit_backend"):
         library, options = dist, {"group": groups["gloo" if candidate == "gloo" else "ddpkit"]}
     elif candidate in LINK_THREADS:
@@ -130,6 +137,23 @@ def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torc
         {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}.get(collective, collective),
     )
     return functools.partial(function, *arguments, **options)
+
+
+def _torch_python_then_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """The statements of torch.distributed's all_reduce (torch 2.13) before it calls the group's
+    method, on a tensor and group that take none of their branches, then ddpkit's all-reduce."""
+    c10d = dist.distributed_c10d
+    if torch.overrides.has_torch_function((tensor,)):
+        raise TypeError("a tensor subclass takes another path")
+    c10d._check_single_tensor(tensor, "tensor")
+    if c10d._rank_not_in_group(group) or tensor.is_complex():
+        raise ValueError("not a path this candidate times")
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    options.asyncOp = False
+    if group in c10d._world.pg_coalesce_state:
+        raise ValueError("not a path this candidate times")
+    ddpkit.all_reduce(tensor, group=group)
 
 
 def thread_cpu_ns() -> dict:

@@ -68,6 +68,19 @@ def test_the_timed_call_is_the_librarys_own_function(monkeypatch):
     assert (call.func, call.keywords) == (bench.ddpkit.reduce, {"group": groups["gloo"], "dst": 3})
 
 
+def test_the_torch_python_candidate_runs_torchs_statements_then_ddpkits_all_reduce(monkeypatch):
+    groups = {"gloo": object(), "ddpkit": object()}
+    monkeypatch.setattr(bench, "_groups", lambda: groups)
+    monkeypatch.setattr(bench.dist, "get_world_size", lambda: 4)
+    calls = []
+    monkeypatch.setattr(bench.ddpkit, "all_reduce", lambda tensor, group: calls.append((tensor, group)))
+    tensor = bench.torch.ones(3)
+    bench.user_call("ddpkit_torch_python", "all_reduce", tensor, None)()
+    assert len(calls) == 1 and calls[0][0] is tensor and calls[0][1] is groups["gloo"]
+    with pytest.raises(ValueError, match="not a path"):  # torch's function views a complex tensor as real
+        bench.user_call("ddpkit_torch_python", "all_reduce", bench.torch.ones(3, dtype=bench.torch.complex64), None)()
+
+
 def test_any_topology_and_its_link_figures():
     assert bench.ranks_per_host("4x2") == [2, 2, 2, 2]
     assert bench.ranks_per_host("8x1") == [1] * 8
