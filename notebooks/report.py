@@ -154,6 +154,14 @@ torchft's steady step with one replica group on each of 4 hosts at 1 Gbit/s. Eve
 this report's machine: its simulated hosts share its cores.
 """
 
+UNSHAPED = r"""
+The unshaped links once more, after the ring's reduce-scatter began receiving through a window of 1 MiB that stays
+in the cache ([docs/multihost.md](../docs/multihost.md#measured)), with the "ddpkit" backend's time split at small
+sizes: `ddpkit_backend_method` is the group's own method without torch.distributed's Python function around it, and
+`ddpkit_torch_python` is `ddpkit.all_reduce` after that function's own statements (its checks and options, without
+their collective).
+"""
+
 TORCH_STACK = r"""
 ## 8. torch's own stack on the ddpkit backend
 
@@ -242,6 +250,8 @@ def build() -> nbformat.NotebookNode:
         call(analysis.multihost_targets),
         markdown(CROSSING),
         call(analysis.multihost_hosts),
+        markdown(UNSHAPED),
+        call(analysis.multihost_unshaped),
         call(analysis.compression),
         call(analysis.fault_tolerance_hosts),
         markdown(TORCH_STACK),

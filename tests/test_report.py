@@ -93,8 +93,9 @@ def test_committed_notebook_executes_without_errors(tmp_path):
     ]
     assert not [c.id for c in notebook.cells if "execution" in c.metadata], "executing recorded timestamps"
     # every plot rendered: one per section, two in the all-reduce's, one more each for multihost.json,
-    # fault_tolerance.json, multihost_hosts.json and compression.json (its loss curves) where they exist
-    optional_plots = ("multihost", "fault_tolerance", "multihost_hosts", "compression")
+    # fault_tolerance.json, multihost_hosts.json, multihost_unshaped.json and compression.json (its loss curves)
+    # where they exist
+    optional_plots = ("multihost", "fault_tolerance", "multihost_hosts", "multihost_unshaped", "compression")
     assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 6 + sum(
         (RESULTS / f"{name}.json").exists() for name in optional_plots
     )
@@ -157,6 +158,7 @@ def test_the_report_reads_only_what_run_all_produces():
         "latency": 'bench_latency.py "${QUICK[@]}"',
         "fault_tolerance": 'bench_fault_tolerance.py "${QUICK[@]}"',
         "multihost_hosts": "--output multihost_hosts",
+        "multihost_unshaped": "--output multihost_unshaped",
         "compression": 'bench_compression.py "${QUICK[@]}"',
         "fault_tolerance_hosts": "--hosts 4 --link 1gbit",
     }

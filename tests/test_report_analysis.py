@@ -270,6 +270,7 @@ def test_allreduce_memory_draws_one_line_per_candidate_at_the_largest_size(shown
         (analysis.multihost, "No `multihost.json` in this results folder"),
         (analysis.torch_stack, "No `torch_stack.json` in this results folder"),
         (analysis.multihost_hosts, "No `multihost_hosts.json` in this results folder"),
+        (analysis.multihost_unshaped, "No `multihost_unshaped.json` in this results folder"),
         (analysis.compression, "No `compression.json` in this results folder"),
         (analysis.fault_tolerance_hosts, "No `fault_tolerance_hosts.json` in this results folder"),
     ],

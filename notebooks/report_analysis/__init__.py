@@ -23,7 +23,7 @@ from .allreduce import (
     collective_checks,
     latency,
 )
-from .crossing import compression, fault_tolerance_hosts, multihost_hosts
+from .crossing import compression, fault_tolerance_hosts, multihost_hosts, multihost_unshaped
 from .cuda import gpu
 from .data_parallel import ddp, training
 from .hosts import multihost, multihost_targets
@@ -59,6 +59,7 @@ __all__ = [
     "multihost",
     "multihost_targets",
     "multihost_hosts",
+    "multihost_unshaped",
     "compression",
     "fault_tolerance_hosts",
     "torch_stack",

@@ -28,6 +28,12 @@ def multihost_hosts(R: dict) -> None:
     multihost(R, "multihost_hosts")
 
 
+def multihost_unshaped(R: dict) -> None:
+    """The all-reduce across 2-8 hosts on unshaped links again, the receiving windows in, with the "ddpkit"
+    backend's time split (multihost_unshaped.json)."""
+    multihost(R, "multihost_unshaped")
+
+
 def compression(R: dict) -> None:
     """Fashion-MNIST across simulated hosts three ways, same seed: final accuracy against float32's and the loss
     curves; a sentence where the folder has no compression.json."""

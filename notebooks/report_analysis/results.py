@@ -18,7 +18,8 @@ EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backe
 # machine with a GPU, and the all-reduce grid on that machine's CPU cores (scripts/gpu_checks.sh grid);
 # torch_stack (bench_torch_stack.py); multihost (bench_multihost.py, which needs root); latency (bench_latency.py);
 # fault_tolerance (bench_fault_tolerance.py, which needs torchft); across three hosts or more, the compressed
-# crossing's training and torchft across hosts (multihost_hosts, compression, fault_tolerance_hosts: root).
+# crossing's training and torchft across hosts (multihost_hosts, multihost_unshaped, compression,
+# fault_tolerance_hosts: root).
 OPTIONAL = [
     "syncbn_cuda",
     "ddp_cuda",
@@ -28,6 +29,7 @@ OPTIONAL = [
     "latency",
     "fault_tolerance",
     "multihost_hosts",
+    "multihost_unshaped",
     "compression",
     "fault_tolerance_hosts",
 ]
