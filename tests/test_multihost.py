@@ -257,9 +257,10 @@ def case_on_each_thread(numels, windowed_numel):
             tensor = rank_input(rank, numel)
             ddpkit.all_reduce(tensor, group=group, cross_host_dtype=torch.bfloat16)
             results[("compressed", numel)] = tensor
-        tensor = rank_input(rank, windowed_numel, integer=True)
-        ddpkit.all_reduce(tensor, group=group)
-        results[("all_reduce", str(torch.float32), windowed_numel, "sum", "windowed")] = tensor
+        for dtype in (torch.float32, torch.int64):
+            tensor = rank_input(rank, windowed_numel, integer=True).to(dtype)
+            ddpkit.all_reduce(tensor, group=group)
+            results[("all_reduce", str(dtype), windowed_numel, "sum", "windowed")] = tensor
         scattered = torch.empty(windowed_numel)
         ddpkit.reduce_scatter_tensor(
             scattered, rank_input(rank, world_size * windowed_numel, integer=True), group=group

@@ -38,8 +38,9 @@ class LinkThread {
   // For the job: whether the caller asked it to stop, and the descriptor that turns readable then.
   bool stop_requested() const { return stop_.load(std::memory_order_acquire); }
   int stop_fd() const { return stop_fd_; }
-  // For the caller: wakes the job's poll on job_news_fd(); for the job: clear_job_news() empties it
-  // (before it looks at what the caller changed, so that no later news is lost).
+  // For the caller: wakes the job's poll on job_news_fd(), after it published what changed; for the
+  // job: clear_job_news() empties it (before it looks at what changed, so that no later news is
+  // lost).
   void tell_job() noexcept;
   int job_news_fd() const { return job_news_fd_; }
   void clear_job_news() noexcept;

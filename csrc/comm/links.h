@@ -54,10 +54,12 @@ class Links {
   // its way: ready means received, and, where the exchange also sends this peer a frame, sent as
   // far (frame data bytes), so that the caller may overwrite what it sent up to there.
   // With a `window` (Note [Receiving windows]), `data` holds only `window` bytes, used round and
-  // round: frame byte k lands at data[k % window], and the exchange receives at most `window` bytes
-  // past the last multiple of `step` it has passed to on_data, which must be done with the bytes up
-  // to there when it returns. A window needs on_data, a multiple of `step` of at least one step,
-  // and no frame sent to the same peer.
+  // round, and `capacity` bounds the frame: frame byte k lands at data[k % window]. The exchange
+  // receives at most `window` bytes past the largest multiple of `step` at or below the last count
+  // it passed to on_data; on_data must be done with the bytes up to that multiple when it returns
+  // (it may keep a partial element past it: `step` is a multiple of the element size). One report
+  // spans at most `window` bytes and may wrap round. A window needs on_data, a multiple of `step`
+  // of at least one step, and no frame sent to the same peer.
   struct Recv {
     int peer;
     void* data;

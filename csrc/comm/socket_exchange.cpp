@@ -103,8 +103,9 @@ class SocketLinks::Exchange {
   // thread, until the caller asks it to stop; on failure says why in `failure`. `news`: set when
   // the caller should look (a report waits for this send).
   Moved send_some(size_t i, Failure& failure, bool& news);
-  // Receives as much of frame `i` as its socket holds now, checking its header, or, on a thread,
-  // until the caller asks it to stop; on failure says why in `failure`. `news`: set when another
+  // Receives as much of frame `i` as its socket holds now (kFull once its window is), checking its
+  // header, or, on a thread, until the caller asks it to stop; on failure says why in `failure`.
+  // `news`: set when another
   // step of data (Recv::step) or the frame's end is in for the caller to report (a thread has told
   // the caller already).
   Moved receive_some(size_t i, Failure& failure, bool& news);
@@ -230,10 +231,11 @@ Moved SocketLinks::Exchange::receive_some(size_t i, Failure& failure, bool& news
   Moved result = Moved::kDone;
   while (done < recv_total(i, done)) {
     if (receiving_.thread != nullptr && receiving_.thread->stop_requested()) return Moved::kBlocked;
-    char* into = done < kHeaderBytes ? reinterpret_cast<char*>(&in.header) + done
-                                     : static_cast<char*>(recv.data) + (done - kHeaderBytes);
+    char* into = reinterpret_cast<char*>(&in.header) + done;
     int64_t want = (done < kHeaderBytes ? kHeaderBytes : recv_total(i, done)) - done;
-    if (recv.window > 0 && done >= kHeaderBytes) {
+    if (done >= kHeaderBytes && recv.window == 0) {
+      into = static_cast<char*>(recv.data) + (done - kHeaderBytes);
+    } else if (done >= kHeaderBytes) {
       // Up to the window's end, and no further past the reports' last whole step than it holds: the
       // part of an element a report ends with is still to be reduced.
       const int64_t data = done - kHeaderBytes;
@@ -324,12 +326,14 @@ void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
     const at::ThreadLocalStateGuard state(caller);  // prepare() runs tensor ops in the caller's modes
     const size_t count = sending ? sends_.size() : recvs_.size();
     std::vector<pollfd> waiting;
-    // The caller's reports make room in the windows (Note [Receiving windows]).
-    const bool for_room = !sending && windowed_;
+    // A full window waits for the caller's reports to make room (Note [Receiving windows]): their
+    // news is emptied before the room is read again, so that none after that read is lost.
+    bool full = false;
     while (!direction.thread->stop_requested()) {
-      if (for_room) direction.thread->clear_job_news();  // before the windows' room is read
+      if (full) direction.thread->clear_job_news();
       waiting.clear();
-      bool news = false, full = false;
+      bool news = false;
+      full = false;
       for (size_t i = 0; i < count; ++i) {
         if (sending ? sent(i) : received(i)) continue;
         const Moved result = sending ? send_some(i, direction.failure, news) : receive_some(i, direction.failure, news);
@@ -346,7 +350,7 @@ void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
       if (waiting.empty() && !full) return;                  // done: the thread tells the caller as its job returns
       if (news && sending) direction.thread->tell_caller();  // a receiving thread told at each step
       waiting.push_back({direction.thread->stop_fd(), POLLIN, 0});
-      if (for_room) waiting.push_back({direction.thread->job_news_fd(), POLLIN, 0});
+      if (full) waiting.push_back({direction.thread->job_news_fd(), POLLIN, 0});
       // No deadline here: the caller keeps the exchange's, and stops this job when it passes.
       if (::poll(waiting.data(), waiting.size(), -1) < 0 && errno != EINTR) {
         return fail(c10::str("poll failed: ", errno_text()));

@@ -80,8 +80,9 @@ void reduce_scatter_blocks(Links& links, uint64_t sequence, const at::Tensor& fl
   const ReduceOp sum_or_op = accumulating_op(op);
   const int64_t most = largest(blocks);
   // The compressed frames stay whole: each reduced part is encoded back into its place in `wired`.
+  // Two ranks receive from the peer they send to, whose reports wait for the send: no window.
   const int64_t window = kLinkWindowBytes / flat.element_size();
-  const bool windowed = !compressed && most > window;
+  const bool windowed = !compressed && most > window && n > 2;
   const at::Tensor incoming =
       compressed ? at::Tensor() : scratch.get(ScratchBuffers::kFromPeer, windowed ? window : most, flat.scalar_type());
   const at::Tensor decoded = compressed ? scratch.get(ScratchBuffers::kDecoded, most, at::kFloat) : at::Tensor();

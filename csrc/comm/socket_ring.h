@@ -23,7 +23,7 @@ namespace ddpkit::comm {
 //  - a part is what the receiver reduces at a time while the rest of its block arrives
 //    (kLinkPartBytes in links.h), so that receiving, reducing and the right neighbour's sending overlap.
 // The reduce-scatter takes N - 1 steps: at step s rank r sends block r - 1 - s and receives block
-// r - 2 - s (through a window, Note [Receiving windows], when it is larger than one), which it
+// r - 2 - s (through a window, Note [Receiving windows], where blocks exceed one), which it
 // reduces into its own copy, the incoming partial result first; after the last step rank r holds
 // block r reduced over every rank, in the one order the ring gives it (x_{b+1}, x_{b+2}, ...,
 // x_b), so every element is reduced in one place (Note [Reductions]). The
