@@ -28,8 +28,9 @@ inline constexpr int64_t kLinkPartBytes = 256 << 10;
 // the exchange receives no further ahead of the reports than the window holds, and the same lines
 // stay in the cache from the copy to the reduction, as gloo's ring receives into two segments of a
 // megabyte.
-// The window's size against the whole block, and against 2 and 8 parts, was decided on
-// bench_multihost.py's 3x1 and 4x1 points at 16M floats, interleaved in one run.
+// Its size, 4 parts against 2, 8 and 16 and against the whole block, was chosen on all-reduces of
+// 16M floats across 3 to 8 hosts, each choice timed interleaved in one run; compare_builds.sh
+// --hosts times the window against the build before it.
 inline constexpr int64_t kLinkWindowBytes = 4 * kLinkPartBytes;
 
 class Links {

@@ -105,9 +105,8 @@ class SocketLinks::Exchange {
   Moved send_some(size_t i, Failure& failure, bool& news);
   // Receives as much of frame `i` as its socket holds now (kFull once its window is), checking its
   // header, or, on a thread, until the caller asks it to stop; on failure says why in `failure`.
-  // `news`: set when another
-  // step of data (Recv::step) or the frame's end is in for the caller to report (a thread has told
-  // the caller already).
+  // `news`: set when another step of data (Recv::step) or the frame's end is in for the caller to
+  // report (a thread has told the caller already).
   Moved receive_some(size_t i, Failure& failure, bool& news);
   // Passes what is ready of frame `i` to its on_data (the caller's thread).
   void report(size_t i);
