@@ -6,8 +6,6 @@
 #include "comm/schedules.h"
 #include "comm/socket_ring.h"
 
-#include <algorithm>
-
 namespace ddpkit::comm {
 
 SocketPairChannel::SocketPairChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
@@ -17,30 +15,22 @@ SocketPairChannel::SocketPairChannel(int rank, std::vector<int> group_ranks, std
 }
 
 // A part is reduced once it is in and, where `sends` reads `mine`, once this rank's copy of it has
-// left; a block larger than kLinkWindowBytes arrives through a window (Note [Receiving windows]). A
-// peer that passed another size breaks the links (with checks off), and both ranks raise, naming
-// the sizes.
+// left. A peer that passed another size breaks the links (with checks off), and both ranks raise,
+// naming the sizes.
 void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<Links::Send> sends,
                                             Communicator& comm) {
   TORCH_INTERNAL_ASSERT(mine.is_contiguous());
   const int64_t element = mine.element_size();
   const int64_t bytes = mine.numel() * element;
   const ReduceOp sum_or_op = accumulating_op(op);
-  const int64_t window = std::min<int64_t>(mine.numel(), kLinkWindowBytes / element);
-  at::Tensor theirs = scratch_.get(ScratchBuffers::kFromPeer, window, mine.scalar_type());
+  at::Tensor theirs = scratch_.get(ScratchBuffers::kFromPeer, mine.numel(), mine.scalar_type());
   int64_t reduced = 0;  // elements
   auto reduce_ready = [&](int64_t ready_bytes) {
     const int64_t ready = ready_bytes / element;
-    for (int64_t upto; reduced < ready; reduced = upto) {  // in at most two pieces: the window wraps
-      const int64_t at = reduced % window;
-      upto = std::min(ready, reduced + window - at);
-      combine_(slice(mine, reduced, upto), theirs.narrow(0, at, upto - reduced), sum_or_op,
-               /*other_first=*/peer() == 0);
-    }
+    combine_(slice(mine, reduced, ready), slice(theirs, reduced, ready), sum_or_op, /*other_first=*/peer() == 0);
+    reduced = ready;
   };
-  const int64_t window_bytes = window < mine.numel() ? window * element : 0;
-  std::vector<Links::Recv> recvs{
-      {peer(), theirs.data_ptr(), bytes, 0, reduce_ready, kLinkPartBytes, bytes, window_bytes}};
+  std::vector<Links::Recv> recvs{{peer(), theirs.data_ptr(), bytes, 0, reduce_ready, kLinkPartBytes, bytes}};
   links().exchange(comm.sequence(), std::move(sends), recvs);
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }

@@ -20,17 +20,16 @@ namespace ddpkit::comm {
 inline constexpr int64_t kLinkPartBytes = 256 << 10;
 
 // Note [Receiving windows]
-// A ring step's reduce-scatter, and the swap between two hosts, reduce what arrives into the rank's
-// own block, so its frame only passes through the receiving buffer. Received whole, a block of
-// megabytes streams through memory: every line the kernel's copy out of the socket writes must be
-// fetched and later written back, and that copy is the largest single cost of a large step on a
-// host's CPUs (perf). So such a frame is received into a window of kLinkWindowBytes used round and
-// round (Links::Recv::window): the exchange receives no further ahead of the reports than the
-// window holds, and the same lines stay in the cache from the copy to the reduction, as gloo's ring
-// receives into two segments of a megabyte. Where the rank also sends that peer a frame (the swap),
-// its reports, and so the window's room, wait for that send too. The two windows cannot both stay
-// full: a rank whose window stays full has received more than it has sent, and each rank receives
-// no more than the other has sent.
+// A ring step's reduce-scatter reduces what arrives into the rank's own block, so its frame only
+// passes through the receiving buffer. Received whole, a block of megabytes streams through
+// memory: every line the kernel's copy out of the socket writes must be fetched and later written
+// back, and that copy is the largest single cost of a large step on a host's CPUs (perf). So such
+// a frame is received into a window of kLinkWindowBytes used round and round (Links::Recv::window):
+// the exchange receives no further ahead of the reports than the window holds, and the same lines
+// stay in the cache from the copy to the reduction, as gloo's ring receives into two segments of a
+// megabyte. The swap between two hosts keeps its frames whole: its reports wait for the frame it
+// sends the same peer, so a window there would tie its receiving to its own sending
+// (compare_builds.sh --hosts "2x1 2x2" timed it slower at 2x1 and 16M floats).
 // Its size, 4 parts against 2, 8 and 16 and against the whole block, was chosen on all-reduces of
 // 16M floats across 3 to 8 hosts, each choice timed interleaved in one run; compare_builds.sh
 // --hosts times the window against the build before it.
@@ -62,8 +61,8 @@ class Links {
   // receives at most `window` bytes past the largest multiple of `step` at or below the last count
   // it passed to on_data; on_data must be done with the bytes up to that multiple when it returns
   // (it may keep a partial element past it: `step` is a multiple of the element size). One report
-  // spans at most `window` bytes and may wrap round. A window needs on_data and a multiple of
-  // `step` of at least one step.
+  // spans at most `window` bytes and may wrap round. A window needs on_data, a multiple of `step`
+  // of at least one step, and no frame sent to the same peer.
   struct Recv {
     int peer;
     void* data;

@@ -108,8 +108,8 @@ class SocketLinks::Exchange {
   // `news`: set when another step of data (Recv::step) or the frame's end is in for the caller to
   // report (a thread has told the caller already).
   Moved receive_some(size_t i, Failure& failure, bool& news);
-  // Passes what is ready of frame `i` to its on_data (the caller's thread); whether it passed any.
-  bool report(size_t i);
+  // Passes what is ready of frame `i` to its on_data (the caller's thread).
+  void report(size_t i);
   // A thread's job: every frame of its direction, until done, failed or stopped.
   void move_on_thread(Direction& direction, bool sending, const at::ThreadLocalState& caller) noexcept;
   // Hands `direction` to `thread`; false, leaving it to the caller, when the thread cannot start.
@@ -162,7 +162,9 @@ SocketLinks::Exchange::Exchange(SocketLinks& links, uint64_t sequence, std::vect
     TORCH_INTERNAL_ASSERT(recv.peer != links_.rank_ && links_.fds_.at(recv.peer) >= 0 && !receiving[recv.peer]++);
     recv.received = 0;
     gated_ = gated_ || (recv.on_data && sending[recv.peer]);
-    TORCH_INTERNAL_ASSERT(recv.window == 0 || (recv.on_data && recv.step > 0 && recv.window % recv.step == 0));
+    // A window is emptied by reports alone: a report that waited for a send could wait forever.
+    TORCH_INTERNAL_ASSERT(recv.window == 0 ||
+                          (recv.on_data && recv.step > 0 && recv.window % recv.step == 0 && !sending[recv.peer]));
     windowed_ = windowed_ || recv.window > 0;
   }
 }
@@ -288,10 +290,10 @@ Moved SocketLinks::Exchange::receive_some(size_t i, Failure& failure, bool& news
   return result;
 }
 
-bool SocketLinks::Exchange::report(size_t i) {
+void SocketLinks::Exchange::report(size_t i) {
   Incoming& in = incoming_[i];
   Recv& recv = recvs_[i];
-  if (!recv.on_data) return false;
+  if (!recv.on_data) return;
   const int64_t done = in.done.load(std::memory_order_acquire);
   int64_t ready = std::max<int64_t>(0, done - kHeaderBytes);
   const int64_t total = done < kHeaderBytes ? -1 : static_cast<int64_t>(in.header.bytes);
@@ -310,9 +312,7 @@ bool SocketLinks::Exchange::report(size_t i) {
     in.reported.store(ready, std::memory_order_release);
     // Room in the window: a receiving thread that found it full waits for this.
     if (recv.window > 0 && receiving_.thread != nullptr) receiving_.thread->tell_job();
-    return true;
   }
-  return false;
 }
 
 void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
@@ -482,12 +482,9 @@ void SocketLinks::Exchange::run(LinkThread* sender, LinkThread* receiver) {
       if (result == Moved::kBlocked) waiting.push_back({links_.fds_[recvs_[i].peer], POLLIN, 0});
       full = full || result == Moved::kFull;
     }
-    bool reported = false;
-    for (size_t i = 0; i < recvs_.size(); ++i) reported = report(i) || reported;
-    // A full window has room again after a report; one whose reports wait for a send to the same
-    // peer waits for that send like any other (Note [Receiving windows]).
-    if (full && reported) continue;
-    if (waiting.empty() && !sending && !receiving && !full) break;
+    for (size_t i = 0; i < recvs_.size(); ++i) report(i);
+    if (full) continue;  // the reports just made room: receive again before waiting
+    if (waiting.empty() && !sending && !receiving) break;
     const size_t own = waiting.size();
     waking.clear();
     for (Direction* direction : {&sending_, &receiving_}) {
