@@ -243,9 +243,9 @@ def link_threads():
 
 
 def case_on_each_thread(numels, windowed_numel):
-    """case_every_collective and compressed sums on a group per DDPKIT_LINK_THREADS setting, a sum
+    """case_every_collective and compressed sums on a group per DDPKIT_LINK_THREADS setting, sums
     and a reduce-scatter whose ring steps receive through a window (Note [Receiving windows]) at
-    ``windowed_numel``, and the threads of the links each group started."""
+    ``windowed_numel`` (None: not), and the threads of the links each group started."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = {}
     for threads in THREADS:
@@ -257,15 +257,16 @@ def case_on_each_thread(numels, windowed_numel):
             tensor = rank_input(rank, numel)
             ddpkit.all_reduce(tensor, group=group, cross_host_dtype=torch.bfloat16)
             results[("compressed", numel)] = tensor
-        for dtype in (torch.float32, torch.int64):
-            tensor = rank_input(rank, windowed_numel, integer=True).to(dtype)
-            ddpkit.all_reduce(tensor, group=group)
-            results[("all_reduce", str(dtype), windowed_numel, "sum", "windowed")] = tensor
-        scattered = torch.empty(windowed_numel)
-        ddpkit.reduce_scatter_tensor(
-            scattered, rank_input(rank, world_size * windowed_numel, integer=True), group=group
-        )
-        results[("reduce_scatter", str(torch.float32), windowed_numel)] = scattered
+        if windowed_numel is not None:
+            for dtype in (torch.float32, torch.int64):
+                tensor = rank_input(rank, windowed_numel, integer=True).to(dtype)
+                ddpkit.all_reduce(tensor, group=group)
+                results[("all_reduce", str(dtype), windowed_numel, "sum", "windowed")] = tensor
+            scattered = torch.empty(windowed_numel)
+            ddpkit.reduce_scatter_tensor(
+                scattered, rank_input(rank, world_size * windowed_numel, integer=True), group=group
+            )
+            results[("reduce_scatter", str(torch.float32), windowed_numel)] = scattered
         results["started"] = {name: count - before[name] for name, count in link_threads().items()}
         out[threads] = results
     del os.environ["DDPKIT_LINK_THREADS"]
@@ -277,11 +278,12 @@ def case_on_each_thread(numels, windowed_numel):
 def test_the_links_threads_are_exact_and_give_the_callers_bits(ranks_per_host):
     # The ring (3x1, whose blocks of a third of 1,000,003 floats arrive through a window that wraps,
     # on the receiving thread too) and the swap (2x2, whose reductions wait for the frame sent to
-    # the same peer), exact, and bit for bit what the caller's thread alone gives, compressed sums
-    # included.
+    # the same peer, and whose frames stay whole), exact, and bit for bit what the caller's thread
+    # alone gives, compressed sums included.
+    windowed_numel = 1_000_003 if len(ranks_per_host) > 2 else None
     pool = HostPool(ranks_per_host, group_timeout=GROUP_TIMEOUT_S)
     try:
-        per_rank = pool.run(case_on_each_thread, [1001, 300_003], 1_000_003, timeout=300)
+        per_rank = pool.run(case_on_each_thread, [1001, 300_003], windowed_numel, timeout=300)
     finally:
         pool.close()
     started = {"caller": (0, 0), "send": (1, 0), "both": (1, 1)}
