@@ -28,12 +28,11 @@ namespace ddpkit::comm {
 // finalization, calls prepare_for_exit(): it waits, with the GIL released, for the completions
 // already running, and from then on a completion is kept unsettled (its future and callbacks are
 // never destroyed: the process is ending). The Work itself still completes, so a C++ wait() returns.
-// The same atexit call then frees the engines of groups already destroyed
-// (Engine::release_destroyed, in csrc/python.cpp), with the GIL still released: an engine holds its
-// group's backends, and a gloo backend's worker threads, left running into the finalization, may
-// drop a finished work's last reference to a tensor there and ask for the GIL to free its Python
-// object (torch's own race, pytorch/pytorch#190489; a core dump of docs/ddp.md's ddp_hooks.py,
-// which ends with destroy_process_group, showed it).
+// The same atexit call then frees the engines of destroyed groups (Engine::release_destroyed, in
+// csrc/python.cpp), with the GIL still released: a gloo backend an engine holds would otherwise keep
+// its worker threads into the finalization, where one may drop a tensor's last reference and ask
+// for the GIL (torch's race, pytorch/pytorch#190489; seen in a core dump of docs/ddp.md's
+// ddp_hooks.py).
 // A forked child gets a pool of its own (the parent's threads do not exist there).
 class CompletionPool {
  public:

@@ -133,8 +133,7 @@ class SocketLinks::Exchange {
   std::unique_ptr<Outgoing[]> outgoing_;
   std::unique_ptr<Incoming[]> incoming_;
   const Clock::time_point deadline_;
-  bool gated_ = false;     // an on_data waits for the frame sent to its peer
-  bool windowed_ = false;  // a frame is received into a window
+  bool gated_ = false;  // an on_data waits for the frame sent to its peer
   Direction sending_;
   Direction receiving_;
 };
@@ -165,7 +164,6 @@ SocketLinks::Exchange::Exchange(SocketLinks& links, uint64_t sequence, std::vect
     // A window is emptied by reports alone: a report that waited for a send could wait forever.
     TORCH_INTERNAL_ASSERT(recv.window == 0 ||
                           (recv.on_data && recv.step > 0 && recv.window % recv.step == 0 && !sending[recv.peer]));
-    windowed_ = windowed_ || recv.window > 0;
   }
 }
 
