@@ -22,6 +22,9 @@ back-to-back calls; the figure is the median over repetitions of the slowest ran
                   thread too (Note [Threads of the links]; DDPKIT_LINK_THREADS at the group's set-up,
                   a testing build's), whatever this machine's CPUs: what the threads gain where the
                   set-up starts them (ddpkit), and cost where it does not
+  ddpkit_kernel_buffers
+                  ddpkit's collective on a group whose links leave their send buffers to the kernel
+                  (DDPKIT_LINK_SEND_BUFFER=0 at the group's set-up): what Note [Send buffers] gains
   ddpkit_backend  torch.distributed's collective on a group of the "ddpkit" backend
   ddpkit_backend_method
                   the all-reduce as the "ddpkit" group's own method, group.allreduce([t], options).wait(),
@@ -75,21 +78,27 @@ def _groups():
     return _GROUPS
 
 
-# The candidates whose group's links are set up with DDPKIT_LINK_THREADS (Note [Threads of the links]).
+# The candidates whose group's links are set up with an environment variable of their own: the
+# threads' (Note [Threads of the links]) and the send buffers' (Note [Send buffers]).
 LINK_THREADS = ("ddpkit_links_caller", "ddpkit_links_send", "ddpkit_links_both")
+LINK_SETTINGS = {
+    **{candidate: ("DDPKIT_LINK_THREADS", candidate.rsplit("_", 1)[1]) for candidate in LINK_THREADS},
+    "ddpkit_kernel_buffers": ("DDPKIT_LINK_SEND_BUFFER", "0"),
+}
 
 
-def _threads_group(candidate: str) -> dist.ProcessGroup:
-    """A gloo group whose links ddpkit made with DDPKIT_LINK_THREADS=<candidate's last word>, made once
+def _links_group(candidate: str) -> dist.ProcessGroup:
+    """A gloo group whose links ddpkit set up with the candidate's variable (LINK_SETTINGS), made once
     (every rank asks for the candidates in the same order, so the groups match)."""
     groups = _groups()
     if candidate not in groups:
-        os.environ["DDPKIT_LINK_THREADS"] = candidate.rsplit("_", 1)[1]
+        name, value = LINK_SETTINGS[candidate]
+        os.environ[name] = value
         try:
             groups[candidate] = dist.new_group(backend="gloo")
             ddpkit.barrier(group=groups[candidate])  # the set-up, which reads it
         finally:
-            del os.environ["DDPKIT_LINK_THREADS"]
+            del os.environ[name]
     return groups[candidate]
 
 
@@ -110,8 +119,8 @@ def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torc
         return functools.partial(_torch_python_then_all_reduce, tensor, groups["gloo"])
     if candidate in ("gloo", "ddpkit_backend"):
         library, options = dist, {"group": groups["gloo" if candidate == "gloo" else "ddpkit"]}
-    elif candidate in LINK_THREADS:
-        library, options = ddpkit, {"group": _threads_group(candidate)}
+    elif candidate in LINK_SETTINGS:
+        library, options = ddpkit, {"group": _links_group(candidate)}
     else:
         library, options = ddpkit, {"group": groups["gloo"]}
         if candidate == "ddpkit_flat":

@@ -23,6 +23,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <utility>
 
@@ -131,9 +132,26 @@ std::string address_text(sockaddr_storage address) {
   return c10::str(host, ":", ntohs(port_of(address)));
 }
 
-void set_no_delay(int fd) {
+// DDPKIT_LINK_SEND_BUFFER's bytes, else kLinkSendBufferBytes (Note [Send buffers]).
+int link_send_buffer_bytes() {
+  const char* value = std::getenv("DDPKIT_LINK_SEND_BUFFER");
+  if (value == nullptr || *value == '\0') return kLinkSendBufferBytes;
+  char* end = nullptr;
+  errno = 0;
+  const long long bytes = std::strtoll(value, &end, 10);
+  TORCH_CHECK(*end == '\0' && errno == 0 && bytes >= 0 && bytes <= std::numeric_limits<int>::max() / 2,
+              "DDPKIT_LINK_SEND_BUFFER=", value, " is not a number of bytes (0: the kernel's own sizing)");
+  return static_cast<int>(bytes);
+}
+
+// A link's socket options: no Nagle delay (frames go out whole), and its send buffer.
+void set_link_options(int fd, int send_buffer_bytes) {
   const int one = 1;
   TORCH_CHECK(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)) == 0, "TCP_NODELAY: ", errno_text());
+  if (send_buffer_bytes > 0) {
+    TORCH_CHECK(::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &send_buffer_bytes, sizeof(send_buffer_bytes)) == 0,
+                "SO_SNDBUF: ", errno_text());
+  }
 }
 
 // What every rank tells the others at set-up: where it listens and the token a connector must name.
@@ -159,6 +177,7 @@ LinkListener LinkListener::open() {
   std::random_device random;
   listener.token_ = (static_cast<uint64_t>(random()) << 32) ^ random();
   try {
+    listener.send_buffer_bytes_ = link_send_buffer_bytes();
     sockaddr_storage& mine = listener.address_;
     mine = link_address();
     listener.fd_ = ::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -185,6 +204,7 @@ LinkListener::LinkListener(LinkListener&& other) noexcept
     : fd_(std::exchange(other.fd_, -1)),
       address_(other.address_),
       token_(other.token_),
+      send_buffer_bytes_(other.send_buffer_bytes_),
       error_(std::move(other.error_)) {}
 
 LinkListener::~LinkListener() {
@@ -265,7 +285,7 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
                   "getsockopt failed: ", errno_text());
       TORCH_CHECK(error == 0, "cannot connect to ", whom, ": ", std::strerror(error));
     }
-    set_no_delay(fd.get());
+    set_link_options(fd.get(), listener.send_buffer_bytes());
     const LinkHello hello{LinkHello::kMagic, records[peer].token, static_cast<uint64_t>(rank)};
     write_all(fd.get(), &hello, sizeof(hello), deadline, whom);
     Ack ack{};
@@ -300,7 +320,7 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
       ++refused;
       continue;
     }
-    set_no_delay(fd.get());
+    set_link_options(fd.get(), listener.send_buffer_bytes());
     const Ack ack{kAckMagic, static_cast<uint64_t>(rank)};
     write_all(fd.get(), &ack, sizeof(ack), deadline,
               c10::str("rank ", group_ranks[hello.rank], " (links across hosts)"));

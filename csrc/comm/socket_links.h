@@ -80,6 +80,21 @@ class LinkThread;
 // time each choice in the same run.
 inline constexpr int64_t kLinkThreadBytes = kLinkPartBytes;
 
+// Note [Send buffers]
+// Each link's socket asks for a send buffer of kLinkSendBufferBytes (the kernel books twice that)
+// instead of letting the kernel grow it to megabytes (tcp_wmem). With a grown buffer a sender runs
+// megabytes ahead of its receiver; where ranks share the CPUs' caches, as the simulated hosts do,
+// those bytes leave the cache before the receiver copies them out. A perf profile of a large ring
+// all-reduce had the kernel's receive copy, and its time with interrupts held off, grow with the
+// buffer, and the all-reduce was slower from 1M floats up at every host count: bench_multihost.py's
+// ddpkit_kernel_buffers candidate times the kernel's own sizing beside the small buffer in the same
+// run. Asked for 256 to 512 KiB, the all-reduce was equally fast; from 640 KiB on, as slow as with
+// a grown buffer; a receive buffer fixed as well undid the gain. The buffer bounds the bytes a link
+// has in flight: a link whose bandwidth times its round trip exceeds some hundreds of KiB (many
+// Gbit/s across a millisecond) wants more, which DDPKIT_LINK_SEND_BUFFER (bytes, read at the links'
+// set-up) asks for; 0 leaves the sizing to the kernel.
+inline constexpr int kLinkSendBufferBytes = 256 << 10;
+
 // What a large exchange moves on the links' threads (Note [Threads of the links]).
 struct LinkThreading {
   int64_t from_bytes = 0;  // exchanges that send this much or more, and receive; 0: none
@@ -107,6 +122,8 @@ class LinkListener {
   // Why it could not listen; "" when it listens.
   const std::string& error() const { return error_; }
   int fd() const { return fd_; }
+  // The send buffer each link asks for (Note [Send buffers]); 0: the kernel's own sizing.
+  int send_buffer_bytes() const { return send_buffer_bytes_; }
 
  private:
   LinkListener() = default;
@@ -114,6 +131,7 @@ class LinkListener {
   int fd_ = -1;
   sockaddr_storage address_{};
   uint64_t token_ = 0;
+  int send_buffer_bytes_ = kLinkSendBufferBytes;
   std::string error_;
 };
 

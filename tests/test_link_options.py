@@ -1,0 +1,86 @@
+"""The socket options of ddpkit's links across hosts (Note [Send buffers] in csrc/comm/socket_links.h).
+
+One machine split into hosts by DDPKIT_TEST_HOSTS: the links are the same TCP connections as between
+real hosts, and the kernel reports each socket's send buffer.
+"""
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit.testing import WorkerPool
+
+HOSTS = "a,b,c"
+NUMEL = 300_000  # past the check's round: the ring's frames cross the links
+
+
+def stream_send_buffers():
+    """The send buffer the kernel books for each of this process's TCP sockets."""
+    buffers = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        with sock:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                buffers.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF))
+    return buffers
+
+
+def case_sum_then_send_buffers(setting):
+    """Sets DDPKIT_LINK_SEND_BUFFER (None: unset) before the links' set-up, all-reduces across the
+    hosts, and returns the sum's correctness, the booked buffer the setting asks for (the kernel books
+    twice the request, capped at net.core.wmem_max) and the send buffers of this rank's TCP sockets."""
+    if setting is not None:
+        os.environ["DDPKIT_LINK_SEND_BUFFER"] = setting
+    tensor = torch.full((NUMEL,), float(dist.get_rank() + 1))
+    ddpkit.all_reduce(tensor)
+    size = dist.get_world_size()
+    exact = torch.equal(tensor, torch.full((NUMEL,), float(size * (size + 1) // 2)))
+    with open("/proc/sys/net/core/wmem_max") as f:
+        cap = int(f.read())
+    requested = 256 << 10 if setting is None else int(setting)
+    return exact, 2 * min(requested, cap), stream_send_buffers()
+
+
+def run_case(setting):
+    with WorkerPool(3, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": HOSTS}) as pool:
+        return pool.run(case_sum_then_send_buffers, setting, timeout=60)
+
+
+def test_each_link_asks_for_a_small_send_buffer_by_default():
+    # Each rank's two links (one to each other host) book the buffer the Note chooses; gloo's own
+    # sockets are left to the kernel.
+    for rank, (exact, booked, buffers) in enumerate(run_case(None)):
+        assert exact, f"rank {rank}"
+        assert buffers.count(booked) == 2, f"rank {rank}: send buffers {buffers}, expected two of {booked}"
+
+
+def test_ddpkit_link_send_buffer_sets_the_links_buffer():
+    for rank, (exact, booked, buffers) in enumerate(run_case("300000")):
+        assert exact, f"rank {rank}"
+        assert buffers.count(booked) == 2, f"rank {rank}: send buffers {buffers}, expected two of {booked}"
+
+
+def case_rank_1_asks_for_a_bad_buffer():
+    if dist.get_rank() == 1:
+        os.environ["DDPKIT_LINK_SEND_BUFFER"] = "lots"
+    try:
+        ddpkit.all_reduce(torch.ones(NUMEL))
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_a_send_buffer_that_is_not_a_number_raises_on_every_host():
+    with WorkerPool(3, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": HOSTS}) as pool:
+        outcomes = pool.run(case_rank_1_asks_for_a_bad_buffer, timeout=60)
+    assert "DDPKIT_LINK_SEND_BUFFER=lots is not a number of bytes" in (outcomes[1] or ""), outcomes[1]
+    for rank in (0, 2):
+        assert "rank 1 could not listen" in (outcomes[rank] or ""), f"rank {rank}: {outcomes[rank]}"
