@@ -49,9 +49,10 @@ if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null && command -v unshare >/dev/
   run $PY benchmarks/bench_multihost.py "${QUICK[@]}"  # simulated hosts: network and mount namespaces
   # three hosts and more: the ring across hosts and the compressed crossing (issue 49)
   run $PY benchmarks/bench_multihost.py "${QUICK[@]}" --topologies 2x1 3x1 4x1 4x2 8x1 --links unshaped 1gbit \
-    --collectives all_reduce --candidates ddpkit ddpkit_backend ddpkit_bf16 gloo --no-ddp --output multihost_hosts
+    --collectives all_reduce --candidates ddpkit ddpkit_kernel_buffers ddpkit_backend ddpkit_bf16 gloo --no-ddp \
+    --output multihost_hosts
   run $PY benchmarks/bench_multihost.py "${QUICK[@]}" --topologies 2x1 3x1 4x1 4x2 8x1 --links unshaped \
-    --collectives all_reduce --candidates ddpkit ddpkit_backend ddpkit_backend_method ddpkit_torch_python gloo \
+    --collectives all_reduce --candidates ddpkit ddpkit_kernel_buffers ddpkit_backend ddpkit_backend_method ddpkit_torch_python gloo \
     --sizes 1000 100000 1000000 16000000 --reps 25 --no-ddp --output multihost_unshaped
   run $PY benchmarks/bench_compression.py "${QUICK[@]}"
   run $PY benchmarks/bench_fault_tolerance.py "${QUICK[@]}" --hosts 4 --link 1gbit --steady-wrappers torchft-ddp

@@ -155,11 +155,14 @@ this report's machine: its simulated hosts share its cores.
 """
 
 UNSHAPED = r"""
-The unshaped links once more, after the ring's reduce-scatter began receiving through a window of 1 MiB that stays
-in the cache ([docs/multihost.md](../docs/multihost.md#measured)), with the "ddpkit" backend's time split at small
-sizes: `ddpkit_backend_method` is the group's own method without torch.distributed's Python function around it, and
-`ddpkit_torch_python` is `ddpkit.all_reduce` after that function's own statements (its checks and options, without
-their collective).
+The unshaped links once more, after two changes that keep the bytes crossing hosts in the cache
+([docs/multihost.md](../docs/multihost.md#measured)): the ring's reduce-scatter receives through a window of 1 MiB,
+and each of ddpkit's connections asks the kernel for a send buffer of 256 KiB instead of letting it grow to
+megabytes, so that a sender stays close behind its receiver. `ddpkit_kernel_buffers` is the same build's all-reduce
+on connections that leave their send buffers to the kernel, as gloo's do. The "ddpkit" backend's time is split at
+small sizes: `ddpkit_backend_method` is the group's own method without torch.distributed's Python function around
+it, and `ddpkit_torch_python` is `ddpkit.all_reduce` after that function's own statements (its checks and options,
+without their collective).
 """
 
 TORCH_STACK = r"""

@@ -31,7 +31,7 @@ CLASSES = {
     "multihost_hosts": {records.MultihostRecord},  # --collectives all_reduce --no-ddp
     "multihost_16core": {records.MultihostRecord},  # the GPU machine's 16 cores (also multihost_16core_3x1_4x2.json)
     "multihost_link_threads_2core": {records.MultihostRecord},
-    "multihost_unshaped": {records.MultihostRecord},  # a release build (compare_builds.sh's venv of e1772ac)
+    "multihost_unshaped": {records.MultihostRecord},  # a release build (compare_builds.sh's venv of 10bd288)
     "multihost_16core_link_threads": {records.MultihostRecord},  # scripts/gpu_checks.sh multihost, from 2026-11-28 on
     "latency": {records.LatencyRecord},
     "fault_tolerance": {records.FaultToleranceRecord},

@@ -29,8 +29,9 @@ def multihost_hosts(R: dict) -> None:
 
 
 def multihost_unshaped(R: dict) -> None:
-    """The all-reduce across 2-8 hosts on unshaped links again, the receiving windows in, with the "ddpkit"
-    backend's time split (multihost_unshaped.json)."""
+    """The all-reduce across 2-8 hosts on unshaped links again, with the receiving windows and the small
+    send buffers, the kernel's own buffers beside them, and the "ddpkit" backend's time split
+    (multihost_unshaped.json)."""
     multihost(R, "multihost_unshaped")
 
 
