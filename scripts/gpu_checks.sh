@@ -10,7 +10,8 @@
 #   bash scripts/gpu_checks.sh multihost   # bench_multihost.py on simulated hosts (network and mount namespaces,
 #                                          # root): 3x1, 4x1, 8x1 unshaped, ddpkit against gloo and against
 #                                          # ddpkit with its links' threads chosen otherwise (Note [Threads
-#                                          # of the links]) -> multihost_16core_link_threads.json;
+#                                          # of the links]) or on the kernel's send buffers (Note
+#                                          # [Send buffers]) -> multihost_16core_link_threads.json;
 #                                          # iproute2 from .tools/ where the machine has no `ip` (see below)
 #   bash scripts/gpu_checks.sh cpu-suites  # the CPU suites that exercise torch's APIs, on the CUDA torch
 # Several phases in one call: bash scripts/gpu_checks.sh build test bench profile multihost grid (about
@@ -121,14 +122,15 @@ for phase in "$@"; do
         echo "multihost: no network namespaces here: $(cat "$WORK/netns.log")"; continue
       fi
       ip netns del ddpkit-probe
-      # The defaults time Note [Threads of the links]'s choices against each other and gloo; the
+      # The defaults time Note [Threads of the links]'s choices against each other and gloo, and
+      # Note [Send buffers]'s against the kernel's own sizing (ddpkit_kernel_buffers); the
       # figures of 2026-11-28 (multihost_16core*.json) took MULTIHOST_TOPOLOGIES="4x1 4x2 8x1"
       # MULTIHOST_LINKS="unshaped 10gbit" MULTIHOST_CANDIDATES="ddpkit ddpkit_backend gloo"
       # MULTIHOST_SIZES="1000 100000 1000000 16000000" MULTIHOST_OUTPUT=multihost_16core.
       output=${MULTIHOST_OUTPUT:-multihost_16core_link_threads}
       timeout "$(limit 300)" $PY benchmarks/bench_multihost.py --topologies ${MULTIHOST_TOPOLOGIES:-3x1 4x1 8x1} \
         --links ${MULTIHOST_LINKS:-unshaped} --collectives all_reduce \
-        --candidates ${MULTIHOST_CANDIDATES:-ddpkit ddpkit_links_caller ddpkit_links_send ddpkit_links_both gloo} \
+        --candidates ${MULTIHOST_CANDIDATES:-ddpkit ddpkit_links_caller ddpkit_links_send ddpkit_links_both ddpkit_kernel_buffers gloo} \
         --sizes ${MULTIHOST_SIZES:-100000 1000000 16000000} --reps ${MULTIHOST_REPS:-5} --no-ddp --output "$output" \
         >"$WORK/multihost.log" 2>&1
       echo "multihost: rc=$?"; tail -30 "$WORK/multihost.log"
