@@ -25,6 +25,8 @@ back-to-back calls; the figure is the median over repetitions of the slowest ran
   ddpkit_kernel_buffers
                   ddpkit's collective on a group whose links leave their send buffers to the kernel
                   (DDPKIT_LINK_SEND_BUFFER=0 at the group's set-up): what Note [Send buffers] gains
+  ddpkit_send_buffer_<KiB>
+                  the same with a send buffer of <KiB> KiB asked for: the sizes against each other
   ddpkit_backend  torch.distributed's collective on a group of the "ddpkit" backend
   ddpkit_backend_method
                   the all-reduce as the "ddpkit" group's own method, group.allreduce([t], options).wait(),
@@ -78,21 +80,25 @@ def _groups():
     return _GROUPS
 
 
-# The candidates whose group's links are set up with an environment variable of their own: the
-# threads' (Note [Threads of the links]) and the send buffers' (Note [Send buffers]).
-LINK_THREADS = ("ddpkit_links_caller", "ddpkit_links_send", "ddpkit_links_both")
-LINK_SETTINGS = {
-    **{candidate: ("DDPKIT_LINK_THREADS", candidate.rsplit("_", 1)[1]) for candidate in LINK_THREADS},
-    "ddpkit_kernel_buffers": ("DDPKIT_LINK_SEND_BUFFER", "0"),
-}
+def link_setting(candidate: str) -> tuple[str, str] | None:
+    """The environment variable, and its value, that the candidate's group's links are set up with (the
+    threads', Note [Threads of the links]; the send buffer's, Note [Send buffers]); None for the others."""
+    if candidate in ("ddpkit_links_caller", "ddpkit_links_send", "ddpkit_links_both"):
+        return "DDPKIT_LINK_THREADS", candidate.rsplit("_", 1)[1]
+    if candidate == "ddpkit_kernel_buffers":
+        return "DDPKIT_LINK_SEND_BUFFER", "0"
+    prefix = "ddpkit_send_buffer_"
+    if candidate.startswith(prefix) and candidate[len(prefix) :].isdigit():
+        return "DDPKIT_LINK_SEND_BUFFER", str(int(candidate[len(prefix) :]) * 1024)
+    return None
 
 
 def _links_group(candidate: str) -> dist.ProcessGroup:
-    """A gloo group whose links ddpkit set up with the candidate's variable (LINK_SETTINGS), made once
+    """A gloo group whose links ddpkit set up with the candidate's variable (link_setting), made once
     (every rank asks for the candidates in the same order, so the groups match)."""
     groups = _groups()
     if candidate not in groups:
-        name, value = LINK_SETTINGS[candidate]
+        name, value = link_setting(candidate)
         os.environ[name] = value
         try:
             groups[candidate] = dist.new_group(backend="gloo")
@@ -119,7 +125,7 @@ def user_call(candidate: str, collective: str, tensor: torch.Tensor, block: torc
         return functools.partial(_torch_python_then_all_reduce, tensor, groups["gloo"])
     if candidate in ("gloo", "ddpkit_backend"):
         library, options = dist, {"group": groups["gloo" if candidate == "gloo" else "ddpkit"]}
-    elif candidate in LINK_SETTINGS:
+    elif link_setting(candidate) is not None:
         library, options = ddpkit, {"group": _links_group(candidate)}
     else:
         library, options = ddpkit, {"group": groups["gloo"]}

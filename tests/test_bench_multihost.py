@@ -81,6 +81,14 @@ def test_the_torch_python_candidate_runs_torchs_statements_then_ddpkits_all_redu
         bench.user_call("ddpkit_torch_python", "all_reduce", bench.torch.ones(3, dtype=bench.torch.complex64), None)()
 
 
+def test_the_links_candidates_name_the_variable_their_group_is_set_up_with():
+    assert bench.link_setting("ddpkit_links_both") == ("DDPKIT_LINK_THREADS", "both")
+    assert bench.link_setting("ddpkit_kernel_buffers") == ("DDPKIT_LINK_SEND_BUFFER", "0")
+    assert bench.link_setting("ddpkit_send_buffer_384") == ("DDPKIT_LINK_SEND_BUFFER", str(384 * 1024))
+    for other in ("ddpkit", "ddpkit_send_buffer_", "ddpkit_send_buffer_big", "ddpkit_star", "gloo"):
+        assert bench.link_setting(other) is None, other
+
+
 def test_any_topology_and_its_link_figures():
     assert bench.ranks_per_host("4x2") == [2, 2, 2, 2]
     assert bench.ranks_per_host("8x1") == [1] * 8

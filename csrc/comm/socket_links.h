@@ -88,12 +88,13 @@ inline constexpr int64_t kLinkThreadBytes = kLinkPartBytes;
 // all-reduce had the kernel's receive copy, and its time with interrupts held off, grow with the
 // buffer, and the all-reduce was slower from 1M floats up at every host count: bench_multihost.py's
 // ddpkit_kernel_buffers candidate times the kernel's own sizing beside the small buffer in the same
-// run. Sizes against each other, as groups of one run set up with their own size: asked for 256 to
-// 512 KiB, the all-reduce was equally fast; from 640 KiB on, as slow as with a grown buffer; a
-// receive buffer fixed as well undid the gain. The buffer bounds the bytes a link has in flight: a
-// link whose bandwidth times its round trip exceeds some hundreds of KiB (many Gbit/s across a
-// millisecond) wants more, which DDPKIT_LINK_SEND_BUFFER (bytes, read at the links' set-up) asks
-// for; 0 leaves the sizing to the kernel.
+// run, and its ddpkit_send_buffer_<KiB> candidates the sizes against each other. Asked for 256 to
+// 512 KiB, the all-reduce was about equally fast at 16M floats, and 256 KiB the fastest or level at
+// 1M; from 640 KiB on it was nearly as slow as with a grown buffer. A receive buffer fixed as well
+// undid the gain (a probe build). The buffer bounds the bytes a link has in flight: a link whose
+// bandwidth times its round trip exceeds some hundreds of KiB (many Gbit/s across a millisecond)
+// wants more, which DDPKIT_LINK_SEND_BUFFER (bytes, read at the links' set-up) asks for; 0 leaves
+// the sizing to the kernel.
 inline constexpr int kLinkSendBufferBytes = 256 << 10;
 
 // What a large exchange moves on the links' threads (Note [Threads of the links]).
