@@ -9,6 +9,7 @@
 #include "comm/ops.h"
 #include "ddp/bucket_assignment.h"
 #include "ddp/reducer.h"
+#include "sharding/shard_layout.h"
 #include "syncbn/syncbn.h"
 
 namespace {
@@ -25,6 +26,21 @@ std::vector<int64_t> assign_buckets_op(std::vector<int64_t> sizes_bytes, std::ve
     TORCH_CHECK(kind >= 0, "assign_buckets: kinds must be >= 0, got ", kind,
                 "; leave a parameter out with included[i] = False");
   return ddpkit::ddp::assign_buckets(sizes_bytes, kinds, keep, cap_bytes, first_cap_bytes);
+}
+
+std::vector<int64_t> shard_range_op(int64_t total, int64_t world_size, int64_t rank) {
+  const auto range = ddpkit::sharding::shard_range(total, world_size, rank);
+  return {range.begin, range.end};
+}
+
+// Each piece as four integers in a row (param, param_offset, length, shard_offset): a schema's lists hold
+// no tuples.
+std::vector<int64_t> shard_pieces_op(std::vector<int64_t> numels, int64_t world_size, int64_t rank) {
+  std::vector<int64_t> out;
+  for (const auto& piece : ddpkit::sharding::shard_pieces(numels, world_size, rank)) {
+    out.insert(out.end(), {piece.param, piece.param_offset, piece.length, piece.shard_offset});
+  }
+  return out;
 }
 
 }  // namespace
@@ -90,6 +106,11 @@ TORCH_LIBRARY(ddpkit, m) {
       .def("finalize", &ddpkit::ddp::Reducer::finalize)
       .def("buckets", &ddpkit::ddp::Reducer::buckets)
       .def("stats", &ddpkit::ddp::Reducer::stats);
+
+  // The shard layout of sharded data parallelism (csrc/sharding, Note [Shard layout]).
+  m.def("shard_size(int total, int world_size) -> int", &ddpkit::sharding::shard_size);
+  m.def("shard_range(int total, int world_size, int rank) -> int[]", &shard_range_op);
+  m.def("shard_pieces(int[] numels, int world_size, int rank) -> int[]", &shard_pieces_op);
 
   // SyncBatchNorm (csrc/syncbn). `group_name` None: this rank's batch alone, no communication.
   // Returns (output, mean, invstd, values per channel); see syncbn/syncbn.h.
