@@ -6,7 +6,7 @@
 # shows is `.venv/bin/python benchmarks/bench_training.py --full` (about 35 minutes on 2 cores).
 PY := .venv/bin/python
 
-.PHONY: setup main test
+.PHONY: setup main test report
 
 # `make setup` and `make test` install the test and report extras too (pytest, jupyter's kernel);
 # `make main` needs only matplotlib for its plot.
@@ -22,6 +22,12 @@ main:
 # and simulated hosts are made once): much of its time is waiting (process start-up, rendezvous, the
 # timeouts under test), which the other worker fills. Each worker keeps its own session pools, whose
 # ranks return a task's memory after it (ddpkit.testing), so two sets fit a small machine.
+# The report notebook in a browser: Jupyter Notebook (the jupyter extra, installed here the first time) opens
+# notebooks/report.ipynb, whose kernel starts in notebooks/ as every Jupyter front end's does.
+report:
+	bash scripts/setup.sh report,jupyter
+	.venv/bin/jupyter notebook notebooks/report.ipynb
+
 test: setup
 	@echo "== test: ruff's rules and format (pyproject.toml's [tool.ruff]), clang-format (.clang-format), then the whole suite in 2 workers (what CI runs)"
 	$(PY) -m ruff check .

@@ -3,8 +3,9 @@
     python -m notebooks.report                                   # benchmarks/results -> notebooks/report.ipynb
     python -m notebooks.report --results DIR --output PATH       # e.g. the --quick results of run_all.sh
 
-Run it from the repository's root, as a module: the analysis imports ``benchmarks.records`` as a package,
-and the notebook's kernel runs there too.
+Run it from the repository's root, as a module: the analysis imports ``benchmarks.records`` as a package.
+The notebook itself runs wherever its kernel starts: Jupyter's front ends start it in notebooks/, this
+script at the root, and its first cell finds the root from there (SETUP).
 
 The notebook reads ``<results>/*.json`` (schema: benchmarks/README.md), their records as the
 typed records of benchmarks/records.py (``r.median_s``), and torch's distributed test suite on
@@ -28,8 +29,14 @@ from notebooks import report_analysis as analysis
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
-# The kernel runs in the repository's root (see execute), where both packages are.
+# The analysis is the package notebooks.report_analysis, which imports benchmarks.records: both resolve from the
+# repository's root. A kernel started by Jupyter, JupyterLab or VS Code runs in the notebook's own folder,
+# execute() runs it at the root, so the first cell looks for the root upwards from wherever it runs.
 SETUP = """%matplotlib inline
+import sys
+from pathlib import Path
+ROOT = next(folder for folder in (Path.cwd(), *Path.cwd().parents) if (folder / "notebooks" / "report_analysis").is_dir())
+sys.path.insert(0, str(ROOT))
 from notebooks import report_analysis as analysis
 R = analysis.load_results(analysis.results_folder())"""
 
@@ -272,8 +279,11 @@ def build() -> nbformat.NotebookNode:
     return notebook
 
 
-def execute(notebook: nbformat.NotebookNode, results: Path, timeout: int = 300) -> nbformat.NotebookNode:
-    """Runs every cell in the repository's root (relative paths resolve there); raises on the first failing cell."""
+def execute(
+    notebook: nbformat.NotebookNode, results: Path, timeout: int = 300, kernel_folder: Path = REPO
+) -> nbformat.NotebookNode:
+    """Runs every cell with the kernel in ``kernel_folder`` (the repository's root, or notebooks/ as Jupyter's front
+    ends start it); raises on the first failing cell."""
     os.environ["DDPKIT_REPORT_RESULTS"] = str(results.resolve())
     # No timestamps in the cells' metadata: they would change the file at every run.
     NotebookClient(
@@ -281,7 +291,7 @@ def execute(notebook: nbformat.NotebookNode, results: Path, timeout: int = 300) 
         timeout=timeout,
         kernel_name="python3",
         record_timing=False,
-        resources={"metadata": {"path": str(REPO)}},
+        resources={"metadata": {"path": str(kernel_folder)}},
     ).execute()
     return notebook
 

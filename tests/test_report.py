@@ -81,13 +81,15 @@ def text_of(outputs) -> str:
     )
 
 
-def test_committed_notebook_executes_without_errors(tmp_path):
+# Jupyter, JupyterLab and VS Code start the kernel in the notebook's own folder; report.py at the root.
+@pytest.mark.parametrize("kernel_folder", [REPO / "notebooks", REPO], ids=["in_notebooks", "at_root"])
+def test_committed_notebook_executes_without_errors(tmp_path, kernel_folder):
     copy = tmp_path / "report.ipynb"
     shutil.copy(NOTEBOOK, copy)
     notebook = nbformat.read(copy, as_version=4)
     notebook.cells.insert(1, nbformat.v4.new_code_cell(LEGEND_CHECK))
     notebook.cells.append(nbformat.v4.new_code_cell("assert not UNLEGENDED, UNLEGENDED"))
-    outputs = outputs_of(report.execute(notebook, RESULTS, timeout=120))
+    outputs = outputs_of(report.execute(notebook, RESULTS, timeout=120, kernel_folder=kernel_folder))
     assert not [o for o in outputs if o.get("output_type") == "error"], [
         o.get("evalue") for o in outputs if o.get("output_type") == "error"
     ]
