@@ -23,10 +23,11 @@ main:
 # timeouts under test), which the other worker fills. Each worker keeps its own session pools, whose
 # ranks return a task's memory after it (ddpkit.testing), so two sets fit a small machine.
 # The report notebook in a browser: Jupyter Notebook (the jupyter extra, installed here the first time) opens
-# notebooks/report.ipynb, whose kernel starts in notebooks/ as every Jupyter front end's does.
+# notebooks/report.ipynb, whose kernel starts in notebooks/ as every Jupyter front end's does. Jupyter refuses
+# to serve as root unless told to (CI machines and containers run as root).
 report:
 	bash scripts/setup.sh report,jupyter
-	.venv/bin/jupyter notebook notebooks/report.ipynb
+	.venv/bin/jupyter notebook notebooks/report.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: setup
 	@echo "== test: ruff's rules and format (pyproject.toml's [tool.ruff]), clang-format (.clang-format), then the whole suite in 2 workers (what CI runs)"
