@@ -1,5 +1,6 @@
 """What more than one test module uses: inputs and their references, errors and bits as tests compare
-them, the "ddpkit" backend's comparison with gloo, the calls one rank rejects, ports, the training
+them, the "ddpkit" backend's comparison with gloo, the calls one rank rejects, every collective across
+hosts and its check, ports, the training
 script's small runs, CIFAR archives, the examples' commands, and the leak check.
 
 Test modules import from here, never from each other (a test module imported by another runs its
@@ -254,6 +255,125 @@ def call_each_then_all_reduce(calls, kinds):
         ddpkit.all_reduce(after)
         out[kind] = (error, after[0].item())
     return out
+
+
+# --- every collective across hosts, and a mismatch of one (test_multihost*.py) ------------------------
+
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
+
+
+def expected_hosts(ranks_per_host):
+    hosts, first = [], 0
+    for count in ranks_per_host:
+        hosts.append(tuple(range(first, first + count)))
+        first += count
+    return tuple(hosts)
+
+
+def case_every_collective(numels, group=None):
+    """Every collective, dtype and size; integer-valued inputs, so that every result is exact."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    on = {"group": group}
+    out = {"topology": ddpkit.comm.topology(group)}
+    for dtype in DTYPES:
+        ops = ("sum", "max", "min") + (("mean",) if dtype.is_floating_point else ())
+        sizes = numels if dtype == torch.float32 else numels[:3]
+        for numel in sizes:
+            for op in ops:
+                for algorithm in ("auto", "ring"):
+                    tensor = rank_input(rank, numel, integer=True).to(dtype)
+                    ddpkit.all_reduce(tensor, op=op, algorithm=algorithm, **on)
+                    out[("all_reduce", str(dtype), numel, op, algorithm)] = tensor
+            for root in (0, world_size - 1):
+                tensor = rank_input(rank, numel, integer=True).to(dtype)
+                ddpkit.broadcast(tensor, src=root, **on)
+                out[("broadcast", str(dtype), numel, root)] = tensor
+                tensor = rank_input(rank, numel, integer=True).to(dtype)
+                ddpkit.reduce(tensor, dst=root, **on)
+                out[("reduce", str(dtype), numel, root)] = tensor if rank == root else None
+            gathered = torch.empty(world_size * numel, dtype=dtype)
+            ddpkit.all_gather_into_tensor(gathered, rank_input(rank, numel, integer=True).to(dtype), **on)
+            out[("all_gather", str(dtype), numel)] = gathered
+            scattered = torch.empty(numel, dtype=dtype)
+            ddpkit.reduce_scatter_tensor(scattered, rank_input(rank, world_size * numel, integer=True).to(dtype), **on)
+            out[("reduce_scatter", str(dtype), numel)] = scattered
+    ddpkit.barrier(**on)
+    return out
+
+
+def reference_of(key, world_size):
+    kind, dtype_name, numel = key[0], key[1], key[2]
+    dtype = next(d for d in DTYPES if str(d) == dtype_name)
+    inputs = torch.stack([rank_input(r, numel, integer=True).to(dtype).double() for r in range(world_size)])
+    if kind == "all_reduce":
+        op = key[3]
+        reduced = {"sum": inputs.sum(0), "max": inputs.amax(0), "min": inputs.amin(0), "mean": inputs.mean(0)}[op]
+        return reduced.to(dtype)
+    if kind == "broadcast":
+        return inputs[key[3]].to(dtype)
+    if kind == "reduce":
+        return inputs.sum(0).to(dtype)
+    if kind == "all_gather":
+        return inputs.reshape(-1).to(dtype)
+    raise KeyError(kind)
+
+
+def check_every_collective(per_rank, ranks_per_host):
+    world_size = len(per_rank)
+    for rank, out in enumerate(per_rank):
+        assert out["topology"].hosts == expected_hosts(ranks_per_host), out["topology"]
+        for key, tensor in out.items():
+            if key == "topology" or tensor is None:
+                continue
+            if key[0] == "reduce_scatter":
+                numel, dtype = key[2], next(d for d in DTYPES if str(d) == key[1])
+                inputs = torch.stack(
+                    [rank_input(r, world_size * numel, integer=True).to(dtype).double() for r in range(world_size)]
+                )
+                expected = inputs.sum(0)[rank * numel : (rank + 1) * numel].to(dtype)
+            else:
+                expected = reference_of(key, world_size)
+            if key[0] == "all_reduce" and key[3] == "mean" and key[1] in (str(torch.float16), str(torch.bfloat16)):
+                torch.testing.assert_close(tensor, expected, rtol=1e-2, atol=1e-2, msg=str(key))
+            elif key[0] == "all_reduce" and key[3] == "mean":
+                torch.testing.assert_close(tensor, expected, rtol=1e-6, atol=1e-5, msg=str(key))
+            else:
+                assert torch.equal(tensor, expected), (rank, key)
+            if key[0] in ("all_reduce", "broadcast", "all_gather"):
+                assert torch.equal(tensor.view(-1).view(torch.uint8), per_rank[0][key].view(-1).view(torch.uint8)), (
+                    f"{key}: rank {rank}'s bits differ from rank 0's"
+                )
+
+
+def case_mismatch(culprit, collective="all_reduce"):
+    """Rank ``culprit`` calls ``collective`` with another size (another root for broadcast and
+    reduce; the broadcast's on the last host, so that the ranks disagree on the root's host): this
+    rank's error, or None, then the group's next all-reduce."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    odd = rank == culprit
+    try:
+        if collective == "all_reduce":
+            ddpkit.all_reduce(torch.ones(1000 + odd))
+        elif collective == "broadcast":
+            ddpkit.broadcast(torch.ones(10), src=world_size - 1 if odd else 0)
+        elif collective == "reduce":
+            ddpkit.reduce(torch.ones(10), dst=1 if odd else 0)
+        elif collective == "all_gather":
+            ddpkit.all_gather_into_tensor(torch.empty(world_size * (10 + odd)), torch.ones(10 + odd))
+        else:
+            ddpkit.reduce_scatter_tensor(torch.empty(10 + odd), torch.ones(world_size * (10 + odd)))
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    after = torch.full((10_000,), float(rank))
+    ddpkit.all_reduce(after)  # the group survives a detected mismatch
+    return error, after[0].item()
+
+
+def case_all_reduces(count=5, numel=1000):
+    for _ in range(count):
+        ddpkit.all_reduce(torch.ones(numel))
 
 
 # --- processes: ports, train.py, the examples --------------------------------------------------------

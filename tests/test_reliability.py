@@ -356,17 +356,17 @@ def test_killed_worker_resumes_from_checkpoint_and_ends_bitwise_equal(tmp_path):
 CRASHING_SAVE = textwrap.dedent("""
     import os, sys, torch
     from pathlib import Path
-    from ddpkit.training import train
+    from ddpkit.training import checkpoints
     path = Path(sys.argv[1])
-    train._save_atomically({"step": 1, "weights": torch.arange(10.0)}, path)
+    checkpoints.save_atomically({"step": 1, "weights": torch.arange(10.0)}, path)
 
     def crash_half_way(obj, handle, *args, **kwargs):
         handle.write(b"PK\\x03\\x04 half a checkpoint")
         handle.flush()
         os._exit(17)  # the process dies mid-save: no cleanup, no exception handling
 
-    train.torch.save = crash_half_way
-    train._save_atomically({"step": 2, "weights": torch.zeros(10)}, path)
+    checkpoints.torch.save = crash_half_way
+    checkpoints.save_atomically({"step": 2, "weights": torch.zeros(10)}, path)
 """)
 
 

@@ -16,8 +16,9 @@ from torch import nn
 from ddpkit.training.cli import parse_args
 from ddpkit.training.config import TrainConfig
 from ddpkit.training.data import FASHION_MNIST_ROOT, dataset_info, load_dataset, normalize
+from ddpkit.training.evaluation import evaluate
 from ddpkit.training.models import build_model
-from ddpkit.training.train import Trainer, evaluate
+from ddpkit.training.train import Trainer
 
 from helpers import TRAIN, free_port, needs_fashion_mnist, small_cli, write_cifar
 

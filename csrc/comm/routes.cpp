@@ -19,7 +19,7 @@ bool fits_one_round(int64_t bytes, const std::string& error, const Communicator&
 // a power of two), the all-gather and the reduce-scatter those of Note [All-gather and
 // reduce-scatter], 'halving_doubling' only on a power-of-two world size. 'direct' needs the
 // transport's direct collectives and 'hierarchical' a group spanning hosts, except on a group of one
-// rank, which moves nothing whatever it is asked to run (test_block_collectives.py's
+// rank, which moves nothing whatever it is asked to run (test_block_collective_errors.py's
 // test_an_algorithm_is_validated_alike_by_every_collective). An algorithm this rank cannot run sets
 // `error` (when it holds none yet), so that the rank rejects its arguments in the collective check
 // like any other bad argument and its peers learn it (Note [Collective checks]); the rank then takes

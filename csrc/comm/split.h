@@ -22,7 +22,7 @@ namespace ddpkit::comm {
 //    parts · length(), and each local rank's slice crosses hosts as a message of one size on every
 //    host. BalancedSplit there would need a direct reduce-scatter of unequal blocks, and would move
 //    elements to other reducing ranks, changing the bits of a sum over three or more ranks per
-//    host: kept, as a rule of its own. tests/test_multihost.py's
+//    host: kept, as a rule of its own. tests/test_multihost_one_machine.py's
 //    test_every_collective_with_test_hosts_is_exact_with_identical_bits runs it on sizes that no
 //    host's size divides (7, 1001), and tests/test_reductions.py pins both rules.
 // Steps sized by a buffer's capacity (the shared-memory slots') cut a vector in time, not among

@@ -104,7 +104,7 @@ class DistributedDataParallel(nn.Module):
             self._build_reducer(with_group=True)
             _check_same_model_on_every_rank(module, process_group)
             with torch.no_grad():
-                _broadcast_tensors(list(module.parameters()) + list(module.buffers()), process_group)
+                broadcast_tensors(list(module.parameters()) + list(module.buffers()), process_group)
 
     def _build_reducer(self, with_group: bool) -> None:
         """The native reducer; ``with_group=False`` where only a communication hook will reduce (the
@@ -160,7 +160,7 @@ class DistributedDataParallel(nn.Module):
                 # saved them (BatchNorm's running statistics), and a second forward before the backward
                 # must not make that backward raise "modified by an inplace operation".
                 with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
-                    _broadcast_tensors(buffers, self.process_group)
+                    broadcast_tensors(buffers, self.process_group)
         return self.module(*inputs, **kwargs)
 
     @contextlib.contextmanager
@@ -218,8 +218,11 @@ class GradientAccumulation:
         self.micro_step = int(state["micro_step"])
 
 
-def _broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Copies rank 0's values into ``tensors`` on every rank: one ddpkit broadcast per dtype and device."""
+def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> None:
+    """Copies rank 0's values into ``tensors`` on every rank of ``group`` (default: the world group): one
+    ddpkit broadcast per dtype and device. Collective. What the wrapper does to parameters and buffers
+    at construction and to buffers before a forward, for any list of tensors (a trainer gives every rank
+    rank 0's BatchNorm statistics before a distributed evaluation)."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)

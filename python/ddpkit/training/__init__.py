@@ -1,5 +1,6 @@
 """The training application built on ddpkit: datasets (``data``), models (``models``), the run's settings
-(``config``), its command line (``cli``) and the trainer (``train``).
+(``config``), its command line (``cli``) and the trainer (``train``), which sets up a rank's data
+(``run_data``) and model (``model_setup``), evaluates (``evaluation``) and checkpoints (``checkpoints``).
 
 The library (``ddpkit.comm``, ``ddpkit.syncbn``, ``ddpkit.ddp``, ``ddpkit.launch``) does not import
 this package; ``import ddpkit`` leaves it unloaded. The one entry point is ``main``, which

@@ -1,10 +1,14 @@
-"""The training run's settings (``TrainConfig``), and the error a mistake in them raises (``UsageError``)."""
+"""The training run's settings (``TrainConfig``, resolved by ``resolve_config``), and the error a mistake
+in them raises (``UsageError``; ``raise_if_any_rank_failed`` raises it on every rank)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch.distributed as dist
+
 from ..ddp import DEFAULT_ALGORITHM
+from .data import dataset_name
 
 
 def resolved_augment(augment: bool | None, dataset: str) -> bool:
@@ -82,3 +86,28 @@ RUN_DEFINING = (
     "limit_test",
     "max_steps",
 )
+
+
+def resolve_config(config: TrainConfig) -> TrainConfig:
+    """``config`` with its dataset's canonical name and ``augment`` resolved: before the checkpoint stores
+    it and resume compares it, so that an explicit --augment equal to the dataset's default is the same run."""
+    try:
+        config = dataclasses.replace(config, dataset=dataset_name(config.dataset))
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return dataclasses.replace(config, augment=resolved_augment(config.augment, config.dataset))
+
+
+def raise_if_any_rank_failed(error: str | None) -> None:
+    """Raises ``UsageError`` on every rank if any rank passes an error (the lowest such rank's)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+        if failed:
+            rank, message = failed[0]
+            if len(failed) < len(errors) or any(other != message for _, other in failed):
+                message += f" (on rank {rank})"  # not every rank's own problem
+            raise UsageError(message)
+    elif error is not None:
+        raise UsageError(error)

@@ -1,20 +1,18 @@
 """The trainer: one rank's training run, set up and run by named steps that read top to bottom (as
 nanoGPT's train.py does), and ``main``, the program (its command line: ``cli.py``).
 
-Set-up (``Trainer.__init__``): the run's settings (``resolve_config``), this rank's data
-(``load_data_on_every_rank``: with ``--download``, local rank 0 first), the model with the BatchNorm the
-run asks for (``batch_norm_of``, ``convert_batch_norm``), its data-parallel wrapper
-(``wrap_data_parallel``), the optimizer and the learning-rate schedule (``make_optimizer``,
-``make_scheduler``), and the checkpoint it continues (``read_checkpoint``, ``check_same_run``). Then
-``Trainer.run`` trains epoch by epoch (``Trainer.train_epoch``), evaluates after each on every rank
-together (``evaluate``), checkpoints, and writes the model and the metrics.
+Set-up (``Trainer.__init__``): the run's settings (``config.resolve_config``), this rank's data
+(``run_data.load_data_on_every_rank``: with ``--download``, local rank 0 first), the model with the
+BatchNorm the run asks for, its data-parallel wrapper, the optimizer and the learning-rate schedule
+(``model_setup``), and the checkpoint it continues (``checkpoints``). Then ``Trainer.run`` trains epoch
+by epoch (``Trainer.train_epoch``), evaluates after each on every rank together
+(``evaluation.evaluate``), checkpoints, and writes the model and the metrics.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -25,335 +23,32 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import comm
-from ..atomic import write_atomically
-from ..backend import Options
-from ..ddp import DistributedDataParallel, GradientAccumulation, _broadcast_tensors
+from ..ddp import DistributedDataParallel, GradientAccumulation, broadcast_tensors
 from ..launch import DistInfo
+from .checkpoints import check_same_run, read_checkpoint, save_atomically, write_json_atomically
 from .cli import init_from_args, parse_args
-from .config import RUN_DEFINING, TrainConfig, UsageError, resolved_augment
-from .data import ShardedBatches, dataset_info, dataset_name, load_dataset, normalize, random_crop_flip
+from .config import TrainConfig, UsageError, resolve_config
+from .data import dataset_info, normalize, random_crop_flip
+from .evaluation import evaluate
+from .model_setup import (
+    batch_norm_of,
+    check_batch_norm_has_samples,
+    convert_batch_norm,
+    count_total_steps,
+    make_optimizer,
+    make_scheduler,
+    wrap_data_parallel,
+)
 from .models import build_model
+from .run_data import load_data_on_every_rank
 
 
 def log(*parts) -> None:
     """Prints on rank 0 only."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*parts, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# The run's settings
-
-
-def resolve_config(config: TrainConfig) -> TrainConfig:
-    """``config`` with its dataset's canonical name and ``augment`` resolved: before the checkpoint stores
-    it and resume compares it, so that an explicit --augment equal to the dataset's default is the same run."""
-    try:
-        config = dataclasses.replace(config, dataset=dataset_name(config.dataset))
-    except ValueError as error:
-        raise UsageError(str(error)) from None
-    return dataclasses.replace(config, augment=resolved_augment(config.augment, config.dataset))
-
-
-def _raise_if_any_rank_failed(error: str | None) -> None:
-    """Raises ``UsageError`` on every rank if any rank passes an error (the lowest such rank's)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
-        if failed:
-            rank, message = failed[0]
-            if len(failed) < len(errors) or any(other != message for _, other in failed):
-                message += f" (on rank {rank})"  # not every rank's own problem
-            raise UsageError(message)
-    elif error is not None:
-        raise UsageError(error)
-
-
-# ----------------------------------------------------------------------------------------------
-# Data
-
-
-@dataclasses.dataclass
-class TrainingData:
-    """One rank's data: the training and test sets (images as stored, labels), the sampler of this
-    rank's training micro-batches, and the batch sizes they make."""
-
-    train_x: torch.Tensor
-    train_y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
-    sampler: ShardedBatches
-    micro_batch: int  # samples per rank and micro-batch
-    global_batch: int  # samples per optimizer step, over all ranks
-    steps_per_epoch: int  # optimizer steps
-
-
-def load_training_data(config: TrainConfig, rank: int, world_size: int) -> TrainingData:
-    """This rank's data and its batches; raises ``UsageError`` for batch sizes that do not fit, and what
-    ``load_dataset`` raises for a dataset that is missing or malformed."""
-    micro_batch = config.batch_size
-    if config.global_batch_size is not None:
-        per_step = world_size * config.accumulation_steps
-        if config.global_batch_size % per_step:
-            raise UsageError(
-                f"ddpkit: --global-batch-size {config.global_batch_size} is not divisible by "
-                f"world size x --accumulation-steps = {world_size} x "
-                f"{config.accumulation_steps} = {per_step}"
-            )
-        micro_batch = config.global_batch_size // per_step
-
-    train_x, train_y = load_dataset(config.dataset, config.data_root, train=True, download=config.download)
-    test_x, test_y = load_dataset(config.dataset, config.data_root, train=False, download=config.download)
-    if config.limit_train:
-        train_x, train_y = train_x[: config.limit_train], train_y[: config.limit_train]
-    if config.limit_test:
-        test_x, test_y = test_x[: config.limit_test], test_y[: config.limit_test]
-
-    try:
-        sampler = ShardedBatches(
-            len(train_x), micro_batch, rank, world_size, seed=config.seed, shuffle=True, drop_last=True
-        )
-    except ValueError as exc:
-        raise UsageError(f"{exc} (see --limit-train, --batch-size)") from None
-    steps_per_epoch = len(sampler) // config.accumulation_steps
-    if steps_per_epoch == 0:
-        raise UsageError(
-            f"ddpkit: an epoch has {len(sampler)} micro-batches per rank, fewer than "
-            f"--accumulation-steps {config.accumulation_steps}"
-        )
-    return TrainingData(
-        train_x,
-        train_y,
-        test_x,
-        test_y,
-        sampler,
-        micro_batch,
-        global_batch=micro_batch * world_size * config.accumulation_steps,
-        steps_per_epoch=steps_per_epoch,
-    )
-
-
-def load_data_on_every_rank(config: TrainConfig, info: DistInfo) -> TrainingData:
-    """``load_training_data`` on every rank; raises ``UsageError`` on every rank where any rank failed.
-
-    This rank's setup (options, data, shards) comes first, and every rank learns whether any failed
-    before the first collective, so that no rank is left waiting for one that has gone. With
-    --download, local rank 0 sets up first and the node's other ranks wait for it: torchvision writes
-    the archive straight to its final path, where they would find it half written."""
-    downloads_first = config.download and info.local_rank == 0
-    if config.download and not downloads_first:
-        _raise_if_any_rank_failed(None)  # matches the downloaders' check below
-    data, error = None, None
-    try:
-        data = load_training_data(config, info.rank, info.world_size)
-    except (OSError, ValueError) as exc:  # UsageError, or a missing, unreadable or malformed dataset
-        error = str(exc)
-    if downloads_first:
-        _raise_if_any_rank_failed(error)
-    _raise_if_any_rank_failed(error)
-    return data
-
-
-# ----------------------------------------------------------------------------------------------
-# The model, its BatchNorm and its data-parallel wrapper
-
-
-def batch_norm_of(config: TrainConfig, device: torch.device) -> tuple[str, list[str]]:
-    """What this run's BatchNorm layers will be (the model may have none): "ddpkit.SyncBatchNorm",
-    "torch.nn.SyncBatchNorm" or "BatchNorm" (plain, statistics of each rank's own batch); and the notes
-    the log shows about it."""
-    if config.impl == "ddpkit" and config.sync_bn:
-        return "ddpkit.SyncBatchNorm", []
-    if config.impl == "torch" and config.sync_bn and device.type == "cuda":
-        return "torch.nn.SyncBatchNorm", []
-    if config.impl == "torch" and config.sync_bn:
-        return "BatchNorm", ["torch.nn.SyncBatchNorm needs CUDA: the torch pipeline uses plain BatchNorm on CPU"]
-    return "BatchNorm", []
-
-
-def check_batch_norm_has_samples(
-    model: nn.Module, config: TrainConfig, batch_norm: str, micro_batch: int, world_size: int
-) -> None:
-    """Raises ``UsageError`` where ``model`` has BatchNorm1d and training would normalise over one sample.
-
-    The models' BatchNorm1d normalise [N, C] features over the samples alone (the 2d ones also over
-    H x W pixels), so one sample leaves training nothing to normalise over: torch's forward raises.
-    Every rank has the same settings, so every rank raises here, before the first collective."""
-    if not any(isinstance(module, nn.BatchNorm1d) for module in model.modules()):
-        return
-    samples = micro_batch * (world_size if batch_norm != "BatchNorm" else 1)
-    if samples == 1:
-        where = "each rank's micro-batch" if batch_norm == "BatchNorm" else "all ranks' micro-batches"
-        raise UsageError(
-            f"ddpkit: --model {config.model} has BatchNorm1d, which in training normalises over "
-            f"the samples of {where} ({batch_norm}), and 1 sample leaves nothing to "
-            "normalise over; use --batch-size 2 or more (or a --global-batch-size that gives it)"
-        )
-
-
-def convert_batch_norm(model: nn.Module, batch_norm: str) -> nn.Module:
-    """``model`` with its BatchNorm layers made ``batch_norm`` (``batch_norm_of``'s)."""
-    if batch_norm == "ddpkit.SyncBatchNorm":
-        from ..syncbn import convert_sync_batchnorm
-
-        return convert_sync_batchnorm(model)
-    if batch_norm == "torch.nn.SyncBatchNorm":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return model
-
-
-def wrap_data_parallel(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
-    """ddpkit's DistributedDataParallel (--impl ddpkit) or torch's (--impl torch) around ``model``, with
-    the communication hook of --comm-hook (COMM_HOOKS)."""
-    if config.impl == "ddpkit":
-        wrapped = DistributedDataParallel(model, grad_sync=config.grad_sync, algorithm=config.algorithm)
-    else:
-        wrapped = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    if config.comm_hook == "bf16_crossing":
-        # Collective: every rank makes the group.
-        crossing = dist.new_group(backend="ddpkit", pg_options=Options(cross_host_dtype=torch.bfloat16))
-        wrapped.register_comm_hook(crossing, default_hooks.allreduce_hook)
-    elif config.comm_hook == "bf16_compress":
-        wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    return wrapped
-
-
-# ----------------------------------------------------------------------------------------------
-# Optimizer and schedule
-
-
-def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    if config.optimizer == "sgd":
-        return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
-
-
-def count_total_steps(steps_per_epoch: int, config: TrainConfig) -> int:
-    """Optimizer steps of the whole run: every epoch's, or --max-steps where fewer."""
-    total_steps = steps_per_epoch * config.epochs
-    return min(total_steps, config.max_steps) if config.max_steps else total_steps
-
-
-def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_steps: int):
-    """The cosine schedule over ``total_steps`` optimizer steps, or None (--schedule constant)."""
-    if config.schedule != "cosine":
-        return None
-    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints
-
-
-def _save_atomically(obj, path: Path) -> None:
-    write_atomically(path, lambda handle: torch.save(obj, handle))
-
-
-def _write_json_atomically(obj, path: Path) -> None:
-    write_atomically(path, lambda handle: handle.write((json.dumps(obj, indent=1) + "\n").encode()))
-
-
-def read_checkpoint(path: Path | None, rank: int, world_size: int) -> dict | None:
-    """The checkpoint at ``path`` on every rank (rank 0 reads it and broadcasts it: nodes need not share a
-    file system), or None where there is none; raises ``UsageError`` on every rank for a file that is no
-    checkpoint of this many ranks. Collective."""
-    holder = [None]
-    if rank == 0 and path is not None and path.exists():
-        try:
-            holder[0] = torch.load(path, map_location="cpu", weights_only=False)
-            if not isinstance(holder[0], dict) or not {"config", "world_size", "model"} <= holder[0].keys():
-                raise ValueError("not a ddpkit training checkpoint")
-        except Exception as exc:  # whatever torch.load raises for a file that is no checkpoint
-            holder[0] = {
-                "error": f"ddpkit: checkpoint {path} cannot be resumed ({type(exc).__name__}: "
-                f"{exc}); use another --out or --no-resume"
-            }
-    dist.broadcast_object_list(holder, src=0)
-    state = holder[0]
-    if state is None:
-        return None
-    if "error" in state:
-        raise UsageError(state["error"])
-    if state["world_size"] != world_size:
-        raise UsageError(
-            f"ddpkit: checkpoint {path} was written by {state['world_size']} ranks, this run has "
-            f"{world_size}; use another --out or --no-resume"
-        )
-    return state
-
-
-def check_same_run(state: dict, config: TrainConfig, path: Path) -> bool:
-    """Raises ``UsageError`` unless checkpoint ``state`` belongs to the run ``config`` defines; whether
-    ``config`` extends the finished run with more epochs.
-
-    More epochs continue a run that has finished all of its own; anywhere else a different length
-    would change the learning-rate schedule under the run."""
-    saved = dict(state["config"])
-    saved["augment"] = resolved_augment(saved.get("augment"), saved["dataset"])  # older checkpoints kept None
-    extending = config.epochs > saved["epochs"] and state["epoch"] >= saved["epochs"] and not saved.get("max_steps")
-    changed = [
-        f"{name} {saved.get(name)!r} -> {getattr(config, name)!r}"
-        for name in RUN_DEFINING
-        if saved.get(name) != getattr(config, name) and not (name == "epochs" and extending)
-    ]
-    if changed:
-        raise UsageError(
-            f"ddpkit: checkpoint {path} belongs to a different run ({', '.join(changed)}); "
-            "resuming it would mix two runs: use another --out or --no-resume"
-        )
-    return extending
-
-
-# ----------------------------------------------------------------------------------------------
-# Distributed validation
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, transform, batch_size: int, device: torch.device
-) -> dict:
-    """Exact test loss and accuracy over all of ``images``, computed by all ranks together.
-
-    Rank 0 splits the indices 0..N-1 into world_size contiguous shards (sizes differing by at most
-    one, padded with -1 to a common length) and hands them out with ``ddpkit.scatter``;
-    each rank sums the loss and counts the correct predictions of its shard; ``ddpkit.all_reduce``
-    adds up the sums, and every rank divides them by N: every rank returns the same dict.
-    """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    count = len(images)
-    shard_length = math.ceil(count / world_size)
-    shard = torch.empty(shard_length, dtype=torch.int64)
-    chunks = None
-    if rank == 0:
-        chunks = torch.full((world_size, shard_length), -1, dtype=torch.int64)
-        for r, part in enumerate(torch.arange(count).tensor_split(world_size)):
-            chunks[r, : len(part)] = part
-    comm.scatter(shard, chunks, src=0)
-    mine = shard[shard >= 0]
-
-    was_training = model.training
-    model.eval()
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
-    for batch in mine.split(batch_size):
-        x = transform(images[batch]).to(device)
-        y = labels[batch].to(device)
-        logits = model(x)
-        totals[0] += float(loss_fn(logits, y))
-        totals[1] += int((logits.argmax(1) == y).sum())
-        totals[2] += len(batch)
-    model.train(was_training)
-    comm.all_reduce(totals, op="sum")
-    if int(totals[2]) != count:
-        raise RuntimeError(f"distributed evaluation covered {int(totals[2])} of {count} samples")
-    return {"loss": float(totals[0] / totals[2]), "accuracy": float(totals[1] / totals[2]), "samples": int(totals[2])}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,7 +137,7 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         if self.rank == 0 and self.out_dir:
-            _save_atomically(self.checkpoint_state(), self.out_dir / "checkpoint.pt")
+            save_atomically(self.checkpoint_state(), self.out_dir / "checkpoint.pt")
 
     def _resume(self) -> None:
         path = self.out_dir / "checkpoint.pt" if self.out_dir else None
@@ -608,7 +303,7 @@ class Trainer:
         so that the distributed evaluation scores the model that model.pt and the checkpoint hold."""
         if self.world_size > 1:
             with torch.no_grad():
-                _broadcast_tensors(list(self._module().buffers()), None)  # one broadcast per dtype
+                broadcast_tensors(list(self._module().buffers()))  # one broadcast per dtype
 
     def _progress_bar(self):
         if self.rank != 0 or self.config.progress is False:
@@ -696,8 +391,8 @@ class Trainer:
             self.train_epoch()
         summary = self.summary()
         if self.rank == 0 and self.out_dir:
-            _save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
-            _write_json_atomically(summary, self.out_dir / "metrics.json")
+            save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
+            write_json_atomically(summary, self.out_dir / "metrics.json")
             self._log(
                 f"wrote {self.out_dir / 'metrics.json'}, {self.out_dir / 'model.pt'} and "
                 f"{self.out_dir / 'checkpoint.pt'}"
@@ -715,9 +410,9 @@ class Trainer:
             if self.rank == 0 and self.out_dir and not (self.out_dir / name).exists()
         ]
         if "model.pt" in missing:
-            _save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
+            save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
         if "metrics.json" in missing:
-            _write_json_atomically(summary, self.out_dir / "metrics.json")
+            write_json_atomically(summary, self.out_dir / "metrics.json")
         if missing:
             self._log(
                 f"{self.resumed_from}: the run already finished at {finished}; wrote the missing "
