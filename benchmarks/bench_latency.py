@@ -8,7 +8,7 @@
 Two processes on one host (shared memory), float32 sums. Each stage adds one layer to the one before:
 
   C++ loops (``ddpkit.testing.time_engine_loop``, a testing build's: the loop itself runs in C++, no Python and no dispatcher
-  between calls; csrc/comm/ops.h):
+  between calls; csrc/comm/engine/ops.h):
     c++ lookup                 Engine::of(group name), the group's engine from its name
     c++ engine                 + an empty collective through the engine (numbering, ordering, transport)
     c++ all_reduce unchecked   + the all-reduce itself, Note [Collective checks] off

@@ -17,11 +17,11 @@
 #include <torch/csrc/jit/api/object.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "comm/wire_format.h"
+#include "comm/core/wire_format.h"
 #include "backend/backend.h"
-#include "comm/engine.h"
-#include "comm/exit.h"
-#include "comm/ops.h"
+#include "comm/engine/completion_pool.h"
+#include "comm/engine/engine.h"
+#include "comm/engine/ops.h"
 #include "ddp/reducer.h"
 #include "syncbn/syncbn.h"
 
@@ -185,8 +185,8 @@ PYBIND11_MODULE(_C, m) {
       "prepare_for_exit",
       [] {
         py::gil_scoped_release release;  // the completions it waits for run Python callbacks
-        ddpkit::comm::prepare_for_exit();
+        ddpkit::comm::CompletionPool::instance().prepare_for_exit();
         ddpkit::comm::Engine::release_destroyed();  // their gloo backends' threads too
       },
-      "Called by atexit (ddpkit/__init__.py): Note [Exit paths] in csrc/comm/completion_pool.h.");
+      "Called by atexit (ddpkit/__init__.py): Note [Exit paths] in csrc/comm/engine/completion_pool.h.");
 }

@@ -6,7 +6,7 @@
 
 #include <torch/custom_class.h>
 
-#include "comm/ops.h"
+#include "comm/engine/ops.h"
 #include "ddp/bucket_assignment.h"
 #include "ddp/reducer.h"
 #include "sharding/shard_layout.h"
@@ -49,7 +49,7 @@ TORCH_LIBRARY(ddpkit, m) {
   // Collectives from point-to-point messages (csrc/comm). `group_name` is a torch.distributed
   // group's .group_name; the tensor's device picks the group's backend.
   // `transport`: "auto" (shared memory when every rank is on this host and the tensor is on CPU,
-  // else the group's own send/recv), "shm" or "process_group"; see comm/engine.h. `wire`: how the
+  // else the group's own send/recv), "shm" or "process_group"; see comm/engine/engine.h. `wire`: how the
   // data crosses hosts, "exact", "bfloat16" or "float16" (Note [Compressed crossing]).
   m.def(
       "all_reduce_(Tensor(a!) tensor, str op, str algorithm, str group_name, str transport=\"auto\", "

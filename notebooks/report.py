@@ -93,7 +93,7 @@ backward sums and element pass; planar and channels-last). With two processes on
 is gloo (NCCL refuses two ranks on one device) for both implementations: torch's SyncBatchNorm
 gathers the statistics through gloo's staged collectives, ddpkit copies its one buffer per pass to
 the host and all-reduces it over shared memory (see "Device tensors on a host group" in
-`csrc/comm/engine.h`). At world
+`csrc/comm/engine/engine.h`). At world
 size 1 the baseline is torch's CUDA BatchNorm (cuDNN). Times by CUDA events, memory by
 `torch.cuda.max_memory_allocated`.
 """

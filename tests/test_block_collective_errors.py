@@ -1,5 +1,5 @@
 """all_gather_into_tensor and reduce_scatter_tensor refusing what they cannot run (Note [Collective
-checks] in csrc/comm/checks.h): mismatched calls raise on every rank, naming the difference; bad
+checks] in csrc/comm/checks/root_verdict.h): mismatched calls raise on every rank, naming the difference; bad
 arguments raise clearly; an algorithm one rank cannot run is reported on every rank, and every
 collective that takes an algorithm validates it alike. After each, the group stays usable. Their
 results: test_block_collectives.py.
@@ -15,7 +15,7 @@ from ddpkit.testing import WorkerPool
 from helpers import caught
 
 TRANSPORTS = ["shm", "process_group"]
-LARGE = 600_000  # float32 elements per block: 2.4 MB, ten 256 KiB slots (kSlotBytes in csrc/comm/shm_segment.cpp)
+LARGE = 600_000  # float32 elements per block: 2.4 MB, ten 256 KiB slots (kSlotBytes in csrc/comm/shm/segment.cpp)
 
 
 # --- cases that run on every rank ----------------------------------------------------------------

@@ -1,11 +1,11 @@
 """all_gather_into_tensor, reduce_scatter_tensor and barrier (Note [All-gather and reduce-scatter] in
-csrc/comm/algorithm.h, Note [Direct all-gather and reduce-scatter] in csrc/comm/shm_direct.h).
+csrc/comm/core/algorithm.h, Note [Direct all-gather and reduce-scatter] in csrc/comm/shm/direct.h).
 
 Every algorithm valid for each transport runs on the same integer-valued inputs and is compared
 exactly with a float64 reference built here from the same seeds (sums, maxima and minima of
 integers below 2^24 are exact in float32; a mean is the exact sum divided once, so one correctly
 rounded division); all-gathered outputs must have identical bits on every rank. Block sizes cover
-0, 1, n-1, odd and larger than a shared-memory slot (kSlotBytes in csrc/comm/shm_segment.cpp, 256 KiB), so
+0, 1, n-1, odd and larger than a shared-memory slot (kSlotBytes in csrc/comm/shm/segment.cpp, 256 KiB), so
 the direct paths take many steps. The barrier blocks. Mismatched and bad calls:
 test_block_collective_errors.py.
 """
@@ -25,7 +25,7 @@ from helpers import bits, rank_input
 TRANSPORTS = ["shm", "process_group"]
 BLOCK_ALGORITHMS = ("auto", "ring", "halving_doubling", "direct")
 REDUCE_OPS = ("sum", "mean", "max", "min")
-LARGE = 600_000  # float32 elements per block: 2.4 MB, ten 256 KiB slots (kSlotBytes in csrc/comm/shm_segment.cpp)
+LARGE = 600_000  # float32 elements per block: 2.4 MB, ten 256 KiB slots (kSlotBytes in csrc/comm/shm/segment.cpp)
 
 
 def algorithms_for(transport: str, world_size: int | None = None) -> list[str]:

@@ -1,7 +1,8 @@
-"""The shape issues 41 and 51 ask of the code, checked on every run: csrc/comm's includes form no cycle
-(scripts/check_includes.py), no source file in csrc, no Python file and no test module is over 800 lines,
+"""The shape issues 41, 51 and 61 ask of the code, checked on every run: csrc/comm's includes form no
+cycle, its folders include only folders below them and those their README allows, none holds more than 15
+modules (scripts/check_includes.py), no source file in csrc, no Python file and no test module is over 800 lines,
 no test module imports another (what several use lives in tests/helpers.py), and no release source
-carries a test hook (Note [Test seam] in csrc/comm/part_factory.h)."""
+carries a test hook (Note [Test seam] in csrc/comm/engine/part_factory.h)."""
 
 import ast
 import re
@@ -11,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_LINES_LIMIT = 800
+MODULES_PER_FOLDER_LIMIT = 15
 
 
 def test_comm_has_no_include_cycle():
@@ -19,6 +21,52 @@ def test_comm_has_no_include_cycle():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no include cycle" in result.stdout
+
+
+def run_check_includes(folder: Path | None = None) -> subprocess.CompletedProcess:
+    arguments = [] if folder is None else [str(folder)]
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_includes.py"), *arguments], capture_output=True, text=True
+    )
+
+
+def test_comm_is_in_folders_that_include_only_folders_below_them():
+    result = run_check_includes()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no folder includes one above it" in result.stdout
+    comm = ROOT / "csrc" / "comm"
+    assert not [p.name for p in comm.iterdir() if p.suffix in {".h", ".cpp"}], (
+        "every source of csrc/comm is in a folder"
+    )
+    modules = {}
+    for folder in (p for p in comm.iterdir() if p.is_dir()):
+        modules[folder.name] = len({p.stem for p in folder.iterdir() if p.suffix in {".h", ".cpp"}})
+        assert (folder / "README.md").exists(), folder
+    assert len(modules) >= 5 and max(modules.values()) <= MODULES_PER_FOLDER_LIMIT, modules
+
+
+def test_a_folder_including_one_above_it_is_found(tmp_path):
+    # No module cycle (a/x -> b/y, b/z -> a/x), but the folders include each other.
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "README.md").write_text(f"# {folder}/\n\nModules. It may include `a/` and `b/`.\n")
+    (tmp_path / "a" / "x.h").write_text('#include "comm/b/y.h"\n')
+    (tmp_path / "b" / "y.h").write_text("#pragma once\n")
+    (tmp_path / "b" / "z.cpp").write_text('#include "comm/a/x.h"\n')
+    result = run_check_includes(tmp_path)
+    assert result.returncode == 1
+    assert "folders include each other: a -> b -> a" in result.stdout, result.stdout
+
+
+def test_a_folder_including_one_its_readme_does_not_allow_is_found(tmp_path):
+    for folder, allows in (("a", "It includes no other folder."), ("b", "It may include `c/`.")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "README.md").write_text(f"# {folder}/\n\nModules. {allows}\n\nMore.\n")
+    (tmp_path / "a" / "x.h").write_text('#include "comm/b/y.h"\n')
+    (tmp_path / "b" / "y.h").write_text("#pragma once\n")
+    result = run_check_includes(tmp_path)
+    assert result.returncode == 1
+    assert "a/x includes b/y, which a/README.md does not allow" in result.stdout, result.stdout
 
 
 def test_a_cycle_is_found(tmp_path):

@@ -8,7 +8,7 @@ device, test_cuda_kernels_are_built fails if the extension was built without its
 Distributed cases use gloo for two ranks on the same GPU (NCCL refuses two ranks on one device).
 gloo's send/recv cannot carry CUDA pointers, so on a gloo group ddpkit's collectives copy CUDA
 tensors to the host, run there (over shared memory: both ranks share the host) and copy back
-(Note [Device tensors on a host group] in csrc/comm/engine.h); the collective tests below check
+(Note [Device tensors on a host group] in csrc/comm/engine/engine.h); the collective tests below check
 every collective that way.
 
 DDPKIT_TEST_CUDA_ON_CPU=1 runs the same cases with CPU tensors instead (the CUDA-only checks skip):

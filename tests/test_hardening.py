@@ -1,6 +1,6 @@
 """ddpkit under faults, bad input and a hostile local user: every case here failed before it was
-fixed (see Note [Shared-memory segment] in csrc/comm/shm_segment.h and Note [Collective checks] in
-csrc/comm/communicator.h).
+fixed (see Note [Shared-memory segment] in csrc/comm/shm/segment.h and Note [Collective checks] in
+csrc/comm/core/communicator.h).
 
 - A local user of another uid cannot feed a rank a segment, read or write one, whatever it writes
   into the store; data a rank reads from the segment is bounds-checked.

@@ -1,4 +1,4 @@
-"""The socket options of ddpkit's links across hosts (Note [Send buffers] in csrc/comm/socket_links.h).
+"""The socket options of ddpkit's links across hosts (Note [Send buffers] in csrc/comm/links/socket_links.h).
 
 One machine split into hosts by DDPKIT_TEST_HOSTS: the links are the same TCP connections as between
 real hosts, and the kernel reports each socket's send buffer.

@@ -123,7 +123,7 @@ def test_a_rank_killed_in_the_middle_of_a_ring_step_is_named_on_every_host(ranks
 
 
 def link_threads():
-    """This process's threads of the links, by name (link_thread.cpp names them)."""
+    """This process's threads of the links, by name (links/link_thread.cpp names them)."""
     names = []
     for task in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{task}/comm") as comm:

@@ -1,4 +1,4 @@
-"""The reduction family and the split rules, in one process (csrc/comm/reduce_kernel.h, split.h).
+"""The reduction family and the split rules, in one process (csrc/comm/reduction/reduce_kernel.h, reduction/split.h).
 
 Every loop of the family (the pairs that the message schedules combine, the sources loop of the
 shared-memory collectives, in place or not) must give the same bits for every op and dtype, and those

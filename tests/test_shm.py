@@ -1,4 +1,4 @@
-"""The shared-memory transport and the collective engine (csrc/comm/shm_segment.h, shm_direct.h, shm_channels.h, csrc/comm/engine.h).
+"""The shared-memory transport and the collective engine (csrc/comm/shm/segment.h, shm/direct.h, shm/channels.h, csrc/comm/engine/engine.h).
 
 Every collective runs over shared memory and over the process group's send/recv on the same inputs
 and is compared with a float64 reference (integer-valued inputs exactly) and across ranks (identical

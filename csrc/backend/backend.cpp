@@ -1,8 +1,8 @@
 #include "backend/backend.h"
 
-#include "comm/call_timeout.h"
-#include "comm/collectives.h"
-#include "comm/exit.h"
+#include "comm/collectives/collectives.h"
+#include "comm/core/call_timeout.h"
+#include "comm/core/fork_guard.h"
 
 #include <optional>
 

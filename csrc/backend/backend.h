@@ -3,8 +3,8 @@
 // collectives (dist.all_reduce, DistributedDataParallel, ZeroRedundancyOptimizer, ...) on ddpkit's
 // collective engine. Registered from Python on `import ddpkit` (python/ddpkit/backend.py).
 
-#include "comm/wire_format.h"
-#include "comm/engine.h"
+#include "comm/core/wire_format.h"
+#include "comm/engine/engine.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -65,7 +65,7 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
           c10::intrusive_ptr<c10d::Backend> gloo, c10::intrusive_ptr<c10d::Backend> gloo_p2p,
           comm::WireFormat cross_host = comm::WireFormat::kExact);
   // In a forked child, leaves the inner gloo backends undestroyed: their threads are the parent's
-  // (Note [Forked children] in comm/exit.cpp).
+  // (Note [Forked children] in comm/core/fork_guard.cpp).
   ~Backend() override;
 
   const std::string getBackendName() const override { return "ddpkit"; }

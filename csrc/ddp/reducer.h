@@ -1,8 +1,8 @@
 #pragma once
 // The gradient reducer behind ddpkit.DistributedDataParallel.
 
-#include "comm/collectives.h"
-#include "comm/engine.h"
+#include "comm/collectives/collectives.h"
+#include "comm/engine/engine.h"
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -111,7 +111,7 @@ class Reducer : public torch::CustomClassHolder {
   // index must hold parameters of one dtype and device. `group_name`: the registered group whose
   // engine runs the all-reduces; none for a reducer whose buckets only a communication hook will
   // reduce (register_comm_hook before the first synchronised backward). `algorithm`: an all-reduce
-  // algorithm name of collectives.h ("process_group" = the group's own). `mode`: "bucketed" |
+  // algorithm name of collectives/collectives.h ("process_group" = the group's own). `mode`: "bucketed" |
   // "per_parameter" | "gather_scatter". Registers one post hook per included parameter; the
   // destructor removes them.
   Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_param, std::optional<std::string> group_name,

@@ -1,7 +1,7 @@
 #include "syncbn/syncbn.h"
 
-#include "comm/collectives.h"
-#include "comm/engine.h"
+#include "comm/collectives/collectives.h"
+#include "comm/engine/engine.h"
 #include "syncbn/kernels.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -33,7 +33,7 @@ namespace ddpkit::syncbn {
 // input: float32, float64, float16 or bfloat16, any layout (channels_last is kept); weight, bias,
 // running_mean, running_var: [C] in the parameter dtype (the input's, or float32 for a
 // float16/bfloat16 input), or None. `algorithm`: a ddpkit all-reduce algorithm
-// (comm/collectives.h), parsed even where nothing is communicated.
+// (comm/collectives/collectives.h), parsed even where nothing is communicated.
 // Returns (output in input's dtype, shape and memory format; the statistics saved for the
 // backward, mean - K and invstd, [C] in the arithmetic dtype: Note [Saved statistics] in
 // syncbn/kernels.h; the number of values per channel the statistics are over).

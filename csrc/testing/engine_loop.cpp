@@ -1,8 +1,8 @@
 // A benchmark op of the testing build only (csrc/testing/faults.h says why), in an op library of its
 // own, ddpkit_testing: bench_latency.py times the engine's layers with it, in C++ loops.
 
-#include "comm/collectives.h"
-#include "comm/engine.h"
+#include "comm/collectives/collectives.h"
+#include "comm/engine/engine.h"
 
 #include <torch/library.h>
 

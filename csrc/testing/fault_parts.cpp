@@ -1,11 +1,11 @@
-// The testing build's PartFactory (Note [Test seam] in comm/part_factory.h): the release library's
+// The testing build's PartFactory (Note [Test seam] in comm/engine/part_factory.h): the release library's
 // parts, or decorators of their interfaces that inject the faults of faults.h.
 
-#include "comm/part_factory.h"
-#include "comm/setup_messages.h"
-#include "comm/shm_channels.h"
-#include "comm/socket_links.h"
-#include "comm/topology.h"
+#include "comm/engine/part_factory.h"
+#include "comm/links/socket_links.h"
+#include "comm/shm/channels.h"
+#include "comm/topology/setup_messages.h"
+#include "comm/topology/topology.h"
 #include "testing/faults.h"
 
 #include <c10/util/Exception.h>

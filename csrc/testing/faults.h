@@ -3,7 +3,7 @@
 // DDPKIT_TEST_FAULT=<fault>:<rank> makes that rank of the group (its rank in the group being set up)
 // fail at a point that no test could otherwise hit at the right moment. Read once per process. The
 // faults live in the parts a testing build's PartFactory makes (fault_parts.cpp, Note [Test seam] in
-// comm/part_factory.h), decorators of the interfaces the release library's parts implement:
+// comm/engine/part_factory.h), decorators of the interfaces the release library's parts implement:
 //  die_at_hello, die_at_offer, die_at_map, die_at_verdict: the rank SIGKILLs itself as it sends, over
 //    the transport that carries the group's set-up (Note [Shared-memory segment]), its hello; its
 //    offer of the host's segment (a leader, after creating it); its answer to its leader (after

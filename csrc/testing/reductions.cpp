@@ -3,8 +3,8 @@
 // so that tests/test_reductions.py pins them against torch for every op and dtype
 // (Note [One reduction family], Note [Splitting among ranks]).
 
-#include "comm/reduce_kernel.h"
-#include "comm/split.h"
+#include "comm/reduction/reduce_kernel.h"
+#include "comm/reduction/split.h"
 
 #include <torch/library.h>
 

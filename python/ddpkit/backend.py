@@ -28,7 +28,7 @@ class Options:
     ``cross_host_dtype``: torch.bfloat16 or torch.float16 sends the float32 sums and means of
     ``all_reduce`` and ``reduce_scatter_tensor`` across hosts in that dtype, half the bytes, so that
     torch DDP, FSDP2 and torchft on this backend get it; the steps inside a host keep full precision
-    (Note [Compressed crossing] in csrc/comm/wire_format.h). None, the default: exact."""
+    (Note [Compressed crossing] in csrc/comm/core/wire_format.h). None, the default: exact."""
 
     cross_host_dtype: torch.dtype | None = None
 

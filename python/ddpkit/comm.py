@@ -1,8 +1,8 @@
 """Collectives built from point-to-point messages, as thin wrappers over ``torch.ops.ddpkit``.
 
 Every function works in place (or returns a new tensor for ``gather``), takes the process group as
-``group`` (``None``: the default group) and runs the C++ algorithm of ``csrc/comm/collectives.h``
-with the GIL released, through the group's engine (Note [Collective engine], csrc/comm/engine.h).
+``group`` (``None``: the default group) and runs the C++ algorithm of ``csrc/comm/collectives/collectives.h``
+with the GIL released, through the group's engine (Note [Collective engine], csrc/comm/engine/engine.h).
 See Note [All-reduce algorithms] there for what each ``algorithm`` does.
 
 ``transport`` picks how the bytes move: ``"auto"`` (default) uses shared memory when every rank of
@@ -98,7 +98,7 @@ def _op_name(op: str | dist.ReduceOp) -> str:
         return str(op).rsplit(".", 1)[-1].lower()  # RedOpType.PRODUCT -> "product"
 
 
-# The wire formats of Note [Compressed crossing] (csrc/comm/wire_format.h) by the dtype that names them.
+# The wire formats of Note [Compressed crossing] (csrc/comm/core/wire_format.h) by the dtype that names them.
 _WIRE_FORMATS = {None: "exact", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -125,7 +125,7 @@ def all_reduce(
 
     ``cross_host_dtype`` (torch.bfloat16 or torch.float16) sends a float32 sum or mean across hosts in
     that dtype, half the bytes, while the steps inside a host keep full precision (Note [Compressed
-    crossing] in csrc/comm/wire_format.h: what is rounded where); every rank must pass the same."""
+    crossing] in csrc/comm/core/wire_format.h: what is rounded where); every rank must pass the same."""
     op, name = _op_name(op), group_name(group)
     wire = "exact" if cross_host_dtype is None else wire_format(cross_host_dtype)  # the common case, no call
     # Eager calls skip the dispatcher where it would do nothing (Note [Eager calls past the
@@ -291,7 +291,7 @@ class Topology(NamedTuple):
 
 
 def topology(group: dist.ProcessGroup | None = None) -> Topology:
-    """The hosts of ``group`` as its ranks see them (Note [Topology], csrc/comm/topology.h): learnt
+    """The hosts of ``group`` as its ranks see them (Note [Topology], csrc/comm/topology/topology.h): learnt
     from each rank's host identity over the group's own messages, so subgroups and meshes get their own.
 
     Collective: every rank of the group must call it at the same point.
@@ -306,7 +306,7 @@ def topology(group: dist.ProcessGroup | None = None) -> Topology:
 def set_collective_checks(enabled: bool) -> None:
     """Turns the header exchange that detects mismatched collectives on or off (on by default).
 
-    All ranks must use the same setting. See Note [Collective checks] in csrc/comm/communicator.h.
+    All ranks must use the same setting. See Note [Collective checks] in csrc/comm/core/communicator.h.
     """
     torch.ops.ddpkit.set_collective_checks(enabled)
 

@@ -1,0 +1,123 @@
+#pragma once
+// The steps of a hierarchical collective across hosts, behind one interface (Note [Steps across hosts]).
+
+#include "comm/core/scratch.h"
+#include "comm/core/transport.h"
+#include "comm/core/wire_format.h"
+#include "comm/links/links.h"
+#include "comm/reduction/reduce_op.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ddpkit::comm {
+
+class Communicator;
+
+// Note [Steps across hosts]
+// A hierarchical collective (Note [Hierarchical collectives] in hierarchy/one_round.h) crosses hosts among
+// the ranks of one local rank, one per host (or among the hosts' leaders), through the channel the
+// group set-up picked once for them; a collective asks the channel for a step, never how many hosts
+// there are:
+//  - SocketPairChannel, between two hosts: every step over the two ranks' socket link (Note [Socket
+//    links]), the receiver reducing parts as they arrive, in host order;
+//  - RingChannel, among three hosts or more: the all-reduce, all-gather and reduce-scatter on a ring
+//    over the socket links (Note [A ring across hosts] in links/ring.h), the broadcast and the reduce
+//    through ddpkit's schedules over the gloo subgroup's messages.
+// Every step is part of the caller's collective (its sequence number names its frames and tags),
+// takes contiguous tensors, and moves nothing when they are empty. A kMean is summed; the caller
+// divides once. Every rank ends with the same bits: each element is reduced in one place, or in the
+// same order everywhere (Note [Reductions]).
+class CrossHostChannel {
+ public:
+  // `rank`: this rank's index among `group_ranks` (the group's ranks the channel spans, in its order);
+  // `links`: their socket links, which also carry the collective check's round (Note [One round
+  // across hosts]).
+  CrossHostChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links)
+      : rank_(rank), group_ranks_(std::move(group_ranks)), links_(std::move(links)) {}
+  virtual ~CrossHostChannel() = default;
+
+  int rank() const { return rank_; }
+  int size() const { return static_cast<int>(group_ranks_.size()); }
+  const std::vector<int>& group_ranks() const { return group_ranks_; }
+  Links& links() const { return *links_; }
+
+  // In place, op over every rank's `block`.
+  virtual void all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) = 0;
+  // `flat` of rank `root` into every rank's (any dtype: bytes move).
+  virtual void broadcast(const at::Tensor& flat, int root, Communicator& comm) = 0;
+  // op over every rank's `flat` into rank `root`'s; the others keep partial results.
+  virtual void reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) = 0;
+  // `flat` holds size() blocks of `m` elements, this rank's at rank(): every rank's block into every
+  // rank's `flat` (any dtype).
+  virtual void all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) = 0;
+  // `run` holds size() blocks of `m` elements: op over every rank's block rank() into this rank's
+  // block rank(); the other blocks are left with partial results.
+  virtual void reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) = 0;
+
+  // A failure of this rank's own in a collective's data steps (`why`): breaks the links, so that a
+  // partner waiting for this rank's frames raises at once (Links::break_off).
+  void break_off(const std::string& why) noexcept { links_->break_off(why); }
+
+ private:
+  int rank_;
+  std::vector<int> group_ranks_;
+  std::shared_ptr<Links> links_;
+};
+
+// Between two hosts (Note [Steps across hosts]). `scratch`'s kFromPeer buffer receives the other
+// host's frames; it outlives the channel.
+class SocketPairChannel final : public CrossHostChannel {
+ public:
+  SocketPairChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links, ScratchBuffers& scratch);
+  void all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) override;
+  void broadcast(const at::Tensor& flat, int root, Communicator& comm) override;
+  void reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) override;
+  void all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) override;
+  void reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) override;
+
+ private:
+  // `sends` go to the other host while its frame of exactly `mine`'s size arrives and is reduced
+  // into `mine` part by part, in host order.
+  void receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<Links::Send> sends, Communicator& comm);
+  // receive_and_combine with a compressed wire format (Note [Compressed crossing]), `out` the tensor
+  // sent to the other host.
+  void swap_compressed(const at::Tensor& mine, const at::Tensor& out, ReduceOp op, Communicator& comm);
+  // Sends `outgoing` (undefined: nothing) while the other host's frame of exactly `incoming`'s size
+  // (undefined: none) arrives into it.
+  void move(const at::Tensor& outgoing, const at::Tensor& incoming, Communicator& comm);
+
+  int peer() const { return 1 - rank(); }
+
+  ScratchBuffers& scratch_;
+};
+
+// Among three hosts or more (Note [Steps across hosts]): `backend` is the gloo subgroup of the ranks
+// the channel spans, split from the group's; `scratch` receives the ring's frames and outlives the
+// channel.
+class RingChannel final : public CrossHostChannel {
+ public:
+  RingChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
+              c10::intrusive_ptr<c10d::Backend> backend, ScratchBuffers& scratch);
+  void all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) override;
+  void broadcast(const at::Tensor& flat, int root, Communicator& comm) override;
+  void reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) override;
+  void all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) override;
+  void reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) override;
+
+ private:
+  // A communicator for ddpkit's schedules on the subgroup, as part of `comm`'s collective (its
+  // sequence number, so its tags, and its call's name for errors).
+  Communicator subgroup(const Communicator& comm) const;
+
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  std::shared_ptr<Transport> messages_;  // point-to-point messages on `backend_`
+  ScratchBuffers& scratch_;
+};
+
+}  // namespace ddpkit::comm
