@@ -1,6 +1,7 @@
 """The shape issues 41, 51 and 61 ask of the code, checked on every run: csrc/comm's includes form no
 cycle, its folders include only folders below them and those their README allows, none holds more than 15
-modules (scripts/check_includes.py), no source file in csrc, no Python file and no test module is over 800 lines,
+modules (scripts/check_includes.py), every code name of its vocabulary (Note [Vocabulary]) is one the
+code uses, no source file in csrc, no Python file and no test module is over 800 lines,
 no test module imports another (what several use lives in tests/helpers.py), and no release source
 carries a test hook (Note [Test seam] in csrc/comm/engine/part_factory.h)."""
 
@@ -67,6 +68,24 @@ def test_a_folder_including_one_its_readme_does_not_allow_is_found(tmp_path):
     result = run_check_includes(tmp_path)
     assert result.returncode == 1
     assert "a/x includes b/y, which a/README.md does not allow" in result.stdout, result.stdout
+
+
+def test_the_vocabulary_names_what_the_code_uses():
+    """Note [Vocabulary] defines each noun of the comm layer by the type or name that stands for it:
+    every such name is one the code (not only a comment) uses."""
+    header = (ROOT / "csrc" / "comm" / "core" / "communicator.h").read_text()
+    note = re.search(r"// Note \[Vocabulary\]\n((?://.*\n)+)", header)
+    assert note, "Note [Vocabulary] in csrc/comm/core/communicator.h"
+    text = re.sub(r"Note\s+\[[^\]]*\]", "", note.group(1).replace("//", ""))
+    # Type names (CamelCase, X::y) and constants (kName) anywhere, and single capitalised words in brackets.
+    names = set(re.findall(r"\b(?:[A-Z][a-z]+[A-Z]\w*|k[A-Z]\w+|[A-Z]\w*::\w+)\b", text))
+    for bracket in re.findall(r"\(([^()]*)\)", " ".join(text.split())):
+        names.update(re.findall(r"(?<![\w'])[A-Z][a-z]+\b(?!::)", bracket))
+    code = "\n".join(
+        re.sub(r"//.*", "", p.read_text()) for p in (ROOT / "csrc").rglob("*") if p.suffix in {".h", ".cpp"}
+    )
+    unused = sorted(name for name in names if not re.search(rf"\b{re.escape(name.split('::')[-1])}\b", code))
+    assert len(names) >= 20 and not unused, (sorted(names), unused)
 
 
 def test_a_cycle_is_found(tmp_path):

@@ -75,7 +75,7 @@ Schedule all_reduce_schedule(Algorithm algorithm, const at::Tensor& flat, Reduce
 }  // namespace
 
 // Every entry point below: arguments checked into `error` (core/arguments.h), its route chosen once
-// (Note [Routes]), then the route run. Routes whose check rides with the data (kDirect, kOneRound)
+// (Note [Routes]), then the route run. Routes whose check rides with the data (kTransportCollective, kOneRound)
 // run whole; the others take the check (Communicator::begin), then move data.
 
 void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communicator& comm) {
@@ -87,7 +87,7 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
       {CollectiveKind::kAllReduce, algorithm, bytes_of(tensor, error), working_bytes_of(tensor, error), op}, comm,
       error);
   const CollectiveHeader header = make_header(CollectiveKind::kAllReduce, tensor, op, algorithm, -1);
-  if (route.route == Route::kDirect) {
+  if (route.route == Route::kTransportCollective) {
     // Note [Direct all-reduce]: the header check rides in the transport's first step, no messages.
     at::Tensor work = error.empty() ? working_copy(tensor) : at::Tensor();
     at::Tensor flat = work.defined() ? work.view(-1) : work;
@@ -107,10 +107,10 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   }
   at::Tensor work = working_copy(tensor);
   at::Tensor flat = work.view(-1);
-  if (route.route == Route::kHierarchical) {
+  if (route.route == Route::kHostSteps) {
     comm.settle_header();
     comm.hierarchy()->form->all_reduce(flat, op, comm);
-  } else if (route.route == Route::kProcessGroup) {
+  } else if (route.route == Route::kBackendCollective) {
     comm.settle_header();
     comm.process_group_all_reduce(work, op)->wait();
     finish_reduction_(work, op, n);
@@ -138,7 +138,7 @@ void broadcast_(at::Tensor& tensor, int src, Communicator& comm) {
     comm.settle_header();
     return;
   }
-  if (route.route == Route::kHierarchical) {
+  if (route.route == Route::kHostSteps) {
     comm.settle_header();
     // The tensor itself, whatever its dtype: a broadcast moves bytes, and a float32 working copy of a
     // float16/bfloat16 tensor would rewrite its NaNs' bits on every rank, the root's too.
@@ -168,7 +168,7 @@ void reduce_(at::Tensor& tensor, int dst, ReduceOp op, Communicator& comm) {
   }
   at::Tensor work = working_copy(tensor);
   at::Tensor flat = work.view(-1);
-  if (route.route == Route::kHierarchical) {
+  if (route.route == Route::kHostSteps) {
     comm.settle_header();
     comm.hierarchy()->form->reduce(flat, dst, op, comm);
   } else {
@@ -301,7 +301,7 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
   const int64_t bytes = bytes_of(input, error);
   const RouteChoice route = choose_route({CollectiveKind::kAllGather, algorithm, bytes, bytes}, comm, error);
   const CollectiveHeader header = make_header(CollectiveKind::kAllGather, input, std::nullopt, algorithm, -1);
-  if (route.route == Route::kDirect) {
+  if (route.route == Route::kTransportCollective) {
     const bool accepted = error.empty();  // a rank that rejected its arguments moves nothing
     comm.run_direct(header, error, [&](DirectCollectives& direct) {
       direct.all_gather(accepted ? output : at::Tensor(), accepted ? input : at::Tensor(), comm.what());
@@ -312,7 +312,7 @@ void all_gather_into_tensor_(at::Tensor& output, const at::Tensor& input, Algori
     return hierarchical_all_gather_in_one_round(output, input, header, *comm.hierarchy(), comm);
   }
   comm.begin(header, error);
-  if (route.route == Route::kHierarchical) {
+  if (route.route == Route::kHostSteps) {
     comm.settle_header();
     if (input.numel() > 0) comm.hierarchy()->form->all_gather(output, input, comm);
     return;
@@ -347,7 +347,7 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
   // float16/bfloat16 are reduced in float32, like every reduction (collectives/collectives.h).
   const bool narrow_float =
       error.empty() && (output.scalar_type() == at::kHalf || output.scalar_type() == at::kBFloat16);
-  if (route.route == Route::kDirect) {
+  if (route.route == Route::kTransportCollective) {
     const bool accepted = error.empty();  // a rank that rejected its arguments moves nothing
     const at::Tensor work_in = !accepted ? at::Tensor() : narrow_float ? input.to(at::kFloat) : input;
     at::Tensor work_out = !accepted      ? at::Tensor()
@@ -366,7 +366,7 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
     return;
   }
   comm.begin(header, error);
-  if (route.route == Route::kHierarchical) {
+  if (route.route == Route::kHostSteps) {
     comm.settle_header();
     if (output.numel() > 0) comm.hierarchy()->form->reduce_scatter(output, input, op, comm);
     return;
@@ -446,7 +446,7 @@ void barrier(Communicator& comm) {
     comm.begin(header);
     return;
   }
-  if (route.route == Route::kDirect) {
+  if (route.route == Route::kTransportCollective) {
     comm.run_direct(header, {}, [&](DirectCollectives& direct) { direct.barrier(comm.what()); });
     return;
   }

@@ -70,10 +70,10 @@ RouteChoice route_all_reduce(const RouteQuery& query, const Communicator& comm, 
   }
   if (n == 1) return {Route::kSchedule, algorithm};
   switch (algorithm) {
-    case Algorithm::kDirect: return {Route::kDirect, algorithm};
+    case Algorithm::kDirect: return {Route::kTransportCollective, algorithm};
     case Algorithm::kHierarchical:
-      return {fits_one_round(query.working_bytes, error, comm) ? Route::kOneRound : Route::kHierarchical, algorithm};
-    case Algorithm::kProcessGroup: return {Route::kProcessGroup, algorithm};
+      return {fits_one_round(query.working_bytes, error, comm) ? Route::kOneRound : Route::kHostSteps, algorithm};
+    case Algorithm::kProcessGroup: return {Route::kBackendCollective, algorithm};
     default: return {Route::kSchedule, algorithm};
   }
 }
@@ -82,10 +82,10 @@ RouteChoice route_all_reduce(const RouteQuery& query, const Communicator& comm, 
 RouteChoice route_blocks(const RouteQuery& query, const Communicator& comm, std::string& error) {
   Algorithm algorithm = validate_algorithm(query.kind, query.algorithm, comm, error);
   if (algorithm == Algorithm::kAuto) algorithm = automatic_block_algorithm(comm);
-  if (comm.size() > 1 && algorithm == Algorithm::kDirect) return {Route::kDirect, algorithm};
+  if (comm.size() > 1 && algorithm == Algorithm::kDirect) return {Route::kTransportCollective, algorithm};
   if (comm.size() > 1 && algorithm == Algorithm::kHierarchical) {
     const int64_t bytes = query.kind == CollectiveKind::kAllGather ? query.bytes : query.working_bytes;
-    return {fits_one_round(bytes, error, comm) ? Route::kOneRound : Route::kHierarchical, algorithm};
+    return {fits_one_round(bytes, error, comm) ? Route::kOneRound : Route::kHostSteps, algorithm};
   }
   return {Route::kSchedule, algorithm};
 }
@@ -95,7 +95,7 @@ RouteChoice route_blocks(const RouteQuery& query, const Communicator& comm, std:
 RouteChoice route_across_hosts_or_flat(int64_t one_round_bytes, const Communicator& comm, const std::string& error) {
   if (comm.hierarchy() == nullptr || comm.size() == 1) return {Route::kSchedule, Algorithm::kAuto};
   const bool one_round = fits_one_round(one_round_bytes, error, comm);
-  return {one_round ? Route::kOneRound : Route::kHierarchical, Algorithm::kHierarchical};
+  return {one_round ? Route::kOneRound : Route::kHostSteps, Algorithm::kHierarchical};
 }
 
 }  // namespace
@@ -112,7 +112,7 @@ RouteChoice choose_route(const RouteQuery& query, const Communicator& comm, std:
       // With checks on, a check that carries data (the round across equal hosts) is a barrier in
       // itself (Note [One round across hosts]); so is one step of the direct collectives, checked or not.
       if (n > 1 && is_checked() && comm.ride_along_bytes() > 0) return {Route::kOneRound, Algorithm::kHierarchical};
-      if (comm.has_direct()) return {Route::kDirect, Algorithm::kDirect};
+      if (comm.has_direct()) return {Route::kTransportCollective, Algorithm::kDirect};
       return {Route::kSchedule, Algorithm::kAuto};
     case CollectiveKind::kGather:
     case CollectiveKind::kScatter:

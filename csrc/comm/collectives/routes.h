@@ -21,12 +21,15 @@ namespace ddpkit::comm {
 // asked-for algorithm (validated in one place: Note [Algorithms a rank can run] in collectives/routes.cpp), it
 // cannot serve takes the route kAuto would take, so that it meets its peers' first step, with
 // `error` naming why, and raises there with them (Note [Collective checks]).
+// A route is the path a call takes, in words of its own; the algorithm its caller picked maps onto it
+// (Note [Vocabulary]): 'direct' to kTransportCollective, 'hierarchical' to kOneRound or kHostSteps,
+// 'process_group' to kBackendCollective, the schedules of Note [All-reduce algorithms] to kSchedule.
 enum class Route {
-  kDirect,        // the transport's direct collectives; the check rides in their first step (run_direct)
-  kOneRound,      // across equal hosts, the data riding in the check's round (Note [One round across hosts])
-  kHierarchical,  // the check, then shared memory inside each host and the steps across hosts
-  kProcessGroup,  // the check (skipped where asked for by name: the baseline), then the group's own all-reduce
-  kSchedule,      // the check, then a flat message schedule (Note [All-reduce algorithms]) on the transport
+  kTransportCollective,  // the transport's direct collectives; the check rides in their first step (run_direct)
+  kOneRound,             // across equal hosts, the data riding in the check's round (Note [One round across hosts])
+  kHostSteps,            // the check, then the steps inside each host and across them (Note [Hierarchical collectives])
+  kBackendCollective,    // the check (skipped where asked for by name: the baseline), then the backend's own all-reduce
+  kSchedule,             // the check, then a flat message schedule (Note [All-reduce algorithms]) on the transport
 };
 
 // What a collective asks choose_route() about.

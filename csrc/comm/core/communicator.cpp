@@ -14,10 +14,6 @@ namespace ddpkit::comm {
 namespace {
 
 std::atomic<bool> checked{true};
-std::atomic<int64_t> collective_count{0};
-std::atomic<int64_t> message_count{0};
-std::atomic<int64_t> byte_count{0};
-std::atomic<int64_t> peak_buffered{0};
 
 // The setting a collective run by the engine's thread was issued under (ScopedChecks); -1: none.
 thread_local int issued_checked = -1;
@@ -29,28 +25,6 @@ bool is_checked() { return issued_checked >= 0 ? issued_checked == 1 : checked.l
 
 ScopedChecks::ScopedChecks(bool checked) : previous_(issued_checked) { issued_checked = checked ? 1 : 0; }
 ScopedChecks::~ScopedChecks() { issued_checked = previous_; }
-
-CommCounters counters() {
-  return CommCounters{collective_count.load(), message_count.load(), byte_count.load(), peak_buffered.load()};
-}
-
-void reset_counters() {
-  collective_count.store(0);
-  message_count.store(0);
-  byte_count.store(0);
-  peak_buffered.store(0);
-}
-
-void note_message_sent(int64_t bytes) {
-  message_count.fetch_add(1, std::memory_order_relaxed);
-  byte_count.fetch_add(bytes, std::memory_order_relaxed);
-}
-
-void note_buffered_bytes(int64_t bytes) {
-  int64_t peak = peak_buffered.load(std::memory_order_relaxed);
-  while (bytes > peak && !peak_buffered.compare_exchange_weak(peak, bytes, std::memory_order_relaxed)) {
-  }
-}
 
 Communicator::Communicator(int rank, int size, c10::DeviceType device_type, c10::intrusive_ptr<c10d::Backend> backend,
                            std::shared_ptr<Transport> transport, uint64_t sequence, std::string_view group,
@@ -68,8 +42,6 @@ Communicator::Communicator(int rank, int size, c10::DeviceType device_type, c10:
 }
 
 std::string Communicator::where() const { return c10::str("rank ", rank_, " of ", size_, " in group '", group_, "'"); }
-
-void Communicator::note_collective() { collective_count.fetch_add(1, std::memory_order_relaxed); }
 
 int Communicator::tag(int round) const {
   // Gloo wants a non-negative int32: 23 bits of sequence, 8 of round. Rounds past 253 wrap (the
@@ -127,8 +99,7 @@ void Communicator::settle_header() {
 Message Communicator::isend(const at::Tensor& tensor, int dst, int round) {
   TORCH_INTERNAL_ASSERT(tensor.is_contiguous());
   if (counted_) {
-    message_count.fetch_add(1, std::memory_order_relaxed);
-    byte_count.fetch_add(tensor.numel() * tensor.element_size(), std::memory_order_relaxed);
+    note_message_sent(tensor.numel() * tensor.element_size());
   }
   try {
     return Message{transport_->send(tensor, dst, tag(round)), dst, true};

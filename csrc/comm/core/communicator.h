@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include "comm/core/collective_check.h"
+#include "comm/core/counters.h"
 #include "comm/core/header.h"
 #include "comm/core/transport.h"
 #include "comm/core/wire_format.h"
@@ -17,6 +18,63 @@
 #include <vector>
 
 namespace ddpkit::comm {
+
+// Note [Vocabulary]
+// The comm layer's nouns, each in one sense only (gloo's allreduce.cc says its chunk and segment once:
+// this is that paragraph for the whole layer). Each names the type or name it stands for.
+// A call:
+//  collective      one call every rank of a group makes alike (all_reduce, broadcast, ...), numbered in
+//                  program order by its engine (Note [Tags]); its kind is a CollectiveKind.
+//  header          what a rank believes its collective is: kind, elements, dtype, op, algorithm, root
+//                  (CollectiveHeader).
+//  check           the comparison of every rank's header before any payload moves (CollectiveCheck, Note
+//                  [Collective checks]); a verdict is the root's answer to it (RootVerdictCheck).
+//  algorithm       what a caller picks by name: a schedule ('ring', 'star', ...), the transport's own
+//                  collectives ('direct'), the hierarchy ('hierarchical'), the backend's own all-reduce
+//                  ('process_group') or 'auto' (Algorithm, kAlgorithmNames). Never a path the layer chose.
+//  route           the path a call takes, chosen once per call from its algorithm and what its
+//                  communicator can do (Route, Note [Routes]): Route::kTransportCollective, Route::kOneRound,
+//                  Route::kHostSteps, Route::kBackendCollective or Route::kSchedule.
+//  schedule        a collective as rounds of point-to-point messages on one Communicator, which knows
+//                  nothing of hosts (schedules/schedules.h); a round is one exchange of a schedule's messages.
+//  step            one stage every rank taking part in a collective takes alike: a step of the direct
+//                  collectives (one use of the shared-memory slots), a step inside a host or across hosts
+//                  of a hierarchical collective, a ring step.
+// What carries it:
+//  engine          a group's one entry point, which numbers its collectives and runs them one at a time
+//                  (Engine, Note [Collective engine]).
+//  backend         the process group's c10d::Backend (gloo, NCCL): its send/recv and its own collectives.
+//  transport       how one collective's messages move, asked for what it can do, never what it is
+//                  (Transport, TransportKind): the backend's send/recv (SendRecvTransport, named
+//                  "process_group") or the host's shared memory (ShmTransport, "shm").
+//  direct collectives  the collectives a transport runs itself, without messages (DirectCollectives).
+//  lane            what a collective runs on, chosen once per device and transport: a backend, a
+//                  transport, a check and whether the hierarchy is offered (GroupState::Lane, Note [Lanes]).
+//  communicator    one collective's view of its lane: rank, size, sequence number, messages (Communicator).
+//  message         one tagged point-to-point send or receive of a contiguous tensor (Message).
+// Across hosts:
+//  host            the ranks that share a kernel and a /dev/shm (Topology, Note [Topology]); a rank's
+//                  local rank is its index among its host's ranks, a host's leader its lowest rank.
+//  hierarchy       what a group spanning hosts holds for its collectives across them (Hierarchy).
+//  form            the data steps of a hierarchical collective, chosen once for the shape of the hosts:
+//                  equal or unequal (HierarchicalForm: EqualHostsForm, UnequalHostsForm).
+//  steps across hosts  the steps of a cross subgroup (CrossHostSteps): the swap between two hosts
+//                  (SwapSteps), the ring among more (RingSteps).
+//  cross subgroup  the ranks that cross hosts together, one per host (Hierarchy::cross): the ranks of one
+//                  local rank, or the hosts' leaders; each is the others' partner, and its center the one
+//                  that answers the check's one round (Note [One round across hosts]).
+//  links           the TCP connections of a cross subgroup (Links, SocketLinks, Note [Socket links]).
+//  frame           one message over the links: a sequence number and bytes (Links::Send, Links::Recv); a
+//                  part is what the receiver reduces at a time (kLinkPartBytes), a window the buffer a
+//                  large frame lands in round and round (kLinkWindowBytes, Note [Receiving windows]).
+//  exchange        one call that moves a collective's frames to and from its peers at once
+//                  (Links::exchange).
+//  wire format     what the bytes that cross hosts carry: exact, or rounded to bfloat16 or float16
+//                  (WireFormat, Note [Compressed crossing]).
+// Splitting a vector (Note [Splitting among ranks]): a block is one rank's contiguous share of a vector
+// (the all-gather's, the reduce-scatter's, a ring step's); a run is consecutive blocks.
+// Inside a host's segment, the words of Note [Shared-memory vocabulary] (shm/layout.h): segment, slot,
+// step, chunk, slice, channel.
 
 // Note [Tags]
 // Every ddpkit collective takes the next sequence number of its process group when it is *issued*
@@ -103,22 +161,6 @@ class ScopedChecks {
  private:
   int previous_;
 };
-
-// Per-process counters of what ddpkit sent, for tests and benchmarks.
-struct CommCounters {
-  int64_t collectives = 0;
-  int64_t messages_sent = 0;
-  int64_t bytes_sent = 0;
-  // The most bytes of not-yet-received messages held outside shared memory at any one time by one
-  // transport of this process (Note [Shared-memory messages]).
-  int64_t peak_buffered_bytes = 0;
-};
-CommCounters counters();
-void reset_counters();
-// Counts one message of `bytes` sent outside a Communicator (Note [Socket links]).
-void note_message_sent(int64_t bytes);
-// Records that a transport now holds `bytes` of early messages on the heap (for peak_buffered_bytes).
-void note_buffered_bytes(int64_t bytes);
 
 // One posted point-to-point message: its work and the peer at the other end (for error messages).
 struct Message {
@@ -247,8 +289,6 @@ class Communicator {
 
  private:
   int tag(int round) const;
-  // Counts the collective (counters()); begin() and run_direct() do it, once per collective.
-  void note_collective();
   // An unchecked collective's start: raises `local_error` if there is one. Nobody learns of this
   // rank's rejection, so its peers wait for it; over shared memory its next collective would take
   // their current one's step: the check stops that memory first.

@@ -19,9 +19,9 @@ namespace ddpkit::comm {
 
 // Which transport a collective asks for (Note [Collective engine] in engine/engine.h).
 enum class TransportKind : int64_t {
-  kAuto = 0,          // shared memory when every rank is on this host and the tensor is on CPU
-  kShm = 1,           // shared memory, or an error when the ranks are not all on this host
-  kProcessGroup = 2,  // the group's own send/recv (gloo, NCCL)
+  kAuto = 0,      // shared memory when every rank is on this host and the tensor is on CPU
+  kShm = 1,       // shared memory, or an error when the ranks are not all on this host
+  kSendRecv = 2,  // the backend's own send/recv (gloo, NCCL): named "process_group"
 };
 // One name per TransportKind, in enum order (what the Python API and DDPKIT_TRANSPORT accept, and
 // what Transport::name() returns).
@@ -111,11 +111,11 @@ class Transport {
 
 // The process group's own send/recv for `device` tensors: across hosts, CUDA tensors (NCCL), and
 // wherever only the point-to-point calls of torch.distributed may carry the data.
-class ProcessGroupTransport final : public Transport {
+class SendRecvTransport final : public Transport {
  public:
-  ProcessGroupTransport(c10::intrusive_ptr<c10d::Backend> backend, c10::DeviceType device)
+  SendRecvTransport(c10::intrusive_ptr<c10d::Backend> backend, c10::DeviceType device)
       : backend_(std::move(backend)), posts_ahead_(device == c10::kCPU || !backend_->supportsCoalescing()) {}
-  std::string_view name() const override { return transport_name(TransportKind::kProcessGroup); }
+  std::string_view name() const override { return transport_name(TransportKind::kSendRecv); }
   c10::intrusive_ptr<c10d::Work> send(const at::Tensor& tensor, int dst, int tag) override {
     std::vector<at::Tensor> tensors{tensor};
     return backend_->send(tensors, dst, tag);

@@ -1,7 +1,7 @@
 #include "comm/engine/collective_queue.h"
 
 #include "comm/core/communicator.h"
-#include "comm/shm/wait.h"
+#include "comm/core/spin_budget.h"
 
 #include <exception>
 

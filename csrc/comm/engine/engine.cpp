@@ -30,7 +30,7 @@ c10::intrusive_ptr<CollectiveWork> Engine::submit(c10::DeviceType device, Transp
 
 Topology Engine::topology() {
   Topology result;
-  run(c10::kCPU, TransportKind::kProcessGroup, "topology", [&](Communicator& comm) {
+  run(c10::kCPU, TransportKind::kSendRecv, "topology", [&](Communicator& comm) {
     state_.set_up("topology", comm.sequence());
     result = state_.topology();
   });

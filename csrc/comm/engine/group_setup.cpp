@@ -39,13 +39,13 @@ c10::intrusive_ptr<c10d::Backend> split_backend(const c10::intrusive_ptr<c10d::B
   return cross;
 }
 
-// The channel across hosts among the group's ranks `cross` (this rank among them; Note [Steps across
+// The steps across hosts among the group's ranks `cross` (this rank among them; Note [Steps across
 // hosts]), over a subgroup split from `cpu`, with the socket links between every pair of them.
-std::unique_ptr<CrossHostChannel> connect_across_hosts(const std::vector<int>& cross, Hierarchy& hierarchy,
-                                                       const c10::intrusive_ptr<c10d::Backend>& cpu, int size,
-                                                       const c10::intrusive_ptr<c10d::Store>& store,
-                                                       const Discovery& discovery, std::chrono::milliseconds timeout,
-                                                       int rank) {
+std::unique_ptr<CrossHostSteps> connect_across_hosts(const std::vector<int>& cross, Hierarchy& hierarchy,
+                                                     const c10::intrusive_ptr<c10d::Backend>& cpu, int size,
+                                                     const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const Discovery& discovery, std::chrono::milliseconds timeout,
+                                                     int rank) {
   const uint64_t nonce = discovery.nonce;
   const int index = hierarchy.topology.uniform() ? hierarchy.topology.local_rank() : 0;
   c10::intrusive_ptr<c10d::Backend> subgroup = split_backend(cpu, size, cross, store, nonce, index);
@@ -57,8 +57,8 @@ std::unique_ptr<CrossHostChannel> connect_across_hosts(const std::vector<int>& c
   std::shared_ptr<Links> links = part_factory().links(*subgroup, cross_rank, cross, timeout, threading);
   // The capability table of Note [Steps across hosts]: two hosts swap over their link, more run a
   // ring over their links.
-  if (cross.size() == 2) return std::make_unique<SocketPairChannel>(cross_rank, cross, links, hierarchy.scratch);
-  return std::make_unique<RingChannel>(cross_rank, cross, links, subgroup, hierarchy.scratch);
+  if (cross.size() == 2) return std::make_unique<SwapSteps>(cross_rank, cross, links, hierarchy.scratch);
+  return std::make_unique<RingSteps>(cross_rank, cross, links, subgroup, hierarchy.scratch);
 }
 
 }  // namespace

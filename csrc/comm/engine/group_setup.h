@@ -22,7 +22,7 @@ namespace ddpkit::comm {
 // A group's set-up is one unit, run over the group's own messages as part of one collective, alike
 // on every rank: discovery of the group's topology (Note [Topology]), then this host's segment given
 // that topology (Note [Shared-memory segment]); where the group spans hosts and its backend can be
-// split, the subgroup of the ranks this rank crosses hosts with, their socket links and the channel
+// split, the subgroup of the ranks this rank crosses hosts with, their socket links and the steps
 // across hosts (Note [Steps across hosts]); the collective checks all of it calls for (Note [Check
 // seam]); and last the whole group's agreement that every rank set its part up, so that either
 // every rank goes on, or every rank raises and the next collective sets up again.

@@ -30,7 +30,7 @@ c10::intrusive_ptr<c10d::Backend> GroupState::backend(c10::DeviceType device) {
 
 void GroupState::set_up(std::string_view what, uint64_t sequence) {
   if (set_up_) return;
-  const Lane& cpu = device_lane(c10::kCPU).process_group;
+  const Lane& cpu = device_lane(c10::kCPU).send_recv;
   std::chrono::milliseconds timeout{300000};
   try {
     timeout = cpu.backend->getBackendOptions()->timeout;
@@ -56,8 +56,8 @@ const GroupState::DeviceLane& GroupState::device_lane(c10::DeviceType device) {
   if (made.carrier == device) {
     made.check = std::make_unique<RootVerdictCheck>();
     c10::intrusive_ptr<c10d::Backend> device_backend = backend(device);
-    made.process_group = Lane{device, device_backend, std::make_shared<ProcessGroupTransport>(device_backend, device),
-                              made.check.get(), nullptr};
+    made.send_recv = Lane{device, device_backend, std::make_shared<SendRecvTransport>(device_backend, device),
+                          made.check.get(), nullptr};
   }
   return device_lanes_.emplace(static_cast<int>(device), std::move(made)).first->second;
 }
@@ -67,11 +67,11 @@ const GroupState::Lane& GroupState::lane(c10::DeviceType device, TransportKind r
   if (requested == TransportKind::kAuto) requested = forced_by_environment();
   const DeviceLane* own = &device_lane(device);
   if (own->carrier != device) own = &device_lane(own->carrier);
-  if (requested == TransportKind::kProcessGroup || group_.size == 1) return own->process_group;
+  if (requested == TransportKind::kSendRecv || group_.size == 1) return own->send_recv;
   if (own->carrier != c10::kCPU) {
     TORCH_CHECK(requested != TransportKind::kShm, "ddpkit: transport 'shm' carries CPU tensors only, got a ",
                 c10::DeviceTypeName(device, /*lower_case=*/true), " tensor");
-    return own->process_group;
+    return own->send_recv;
   }
   set_up(what, sequence);
   if (setup_.topology.single_host()) {
@@ -81,7 +81,7 @@ const GroupState::Lane& GroupState::lane(c10::DeviceType device, TransportKind r
   TORCH_CHECK(requested != TransportKind::kShm,
               "ddpkit: transport 'shm' needs every rank of the group on this host; use transport='auto' or "
               "'process_group'");
-  return hierarchy_lane_.transport ? hierarchy_lane_ : own->process_group;
+  return hierarchy_lane_.transport ? hierarchy_lane_ : own->send_recv;
 }
 
 bool GroupState::stages_through_host(c10::DeviceType device) {

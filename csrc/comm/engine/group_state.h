@@ -91,7 +91,7 @@ class GroupState {
   // A device's own lane over its process group, made at the device's first collective.
   struct DeviceLane {
     c10::DeviceType carrier;  // the device whose lanes carry its collectives (Note [Device tensors on a host group])
-    Lane process_group;
+    Lane send_recv;           // over the backend's send/recv
     std::unique_ptr<RootVerdictCheck> check;
   };
   // `device`'s own lane (and its carrier), made the first time.

@@ -1,6 +1,7 @@
 #include "comm/engine/ops.h"
 
 #include "comm/collectives/collectives.h"
+#include "comm/core/counters.h"
 #include "comm/core/wire_format.h"
 #include "comm/engine/engine.h"
 
@@ -163,7 +164,7 @@ std::vector<int64_t> topology_op(const std::string& group_name) {
 }
 
 std::string resolved_transport_op(const std::string& group_name, std::string_view transport) {
-  TransportKind resolved = TransportKind::kProcessGroup;
+  TransportKind resolved = TransportKind::kSendRecv;
   // Resolving may set up the segment, which is collective: it runs in the group's order.
   run_collective(group_name, c10::kCPU, transport, CollectiveKind::kBarrier, {},
                  [&](Communicator& comm) { resolved = parse_transport(comm.transport_name()); });

@@ -8,17 +8,16 @@
 
 namespace ddpkit::comm {
 
-SocketPairChannel::SocketPairChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
-                                     ScratchBuffers& scratch)
-    : CrossHostChannel(rank, std::move(group_ranks), std::move(links)), scratch_(scratch) {
+SwapSteps::SwapSteps(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links, ScratchBuffers& scratch)
+    : CrossHostSteps(rank, std::move(group_ranks), std::move(links)), scratch_(scratch) {
   TORCH_INTERNAL_ASSERT(size() == 2, "a socket pair spans two hosts");
 }
 
 // A part is reduced once it is in and, where `sends` reads `mine`, once this rank's copy of it has
 // left. A peer that passed another size breaks the links (with checks off), and both ranks raise,
 // naming the sizes.
-void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<Links::Send> sends,
-                                            Communicator& comm) {
+void SwapSteps::receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<Links::Send> sends,
+                                    Communicator& comm) {
   TORCH_INTERNAL_ASSERT(mine.is_contiguous());
   const int64_t element = mine.element_size();
   const int64_t bytes = mine.numel() * element;
@@ -39,8 +38,7 @@ void SocketPairChannel::receive_and_combine(const at::Tensor& mine, ReduceOp op,
 // format, the frames carry the rounded blocks, and both hosts add the two decoded blocks in host
 // order: each element ends with the same bits wherever it is computed. `out` (mine itself, or the
 // peer's block of a reduce-scatter's run) goes to the peer while its frame for `mine` arrives.
-void SocketPairChannel::swap_compressed(const at::Tensor& mine, const at::Tensor& out, ReduceOp op,
-                                        Communicator& comm) {
+void SwapSteps::swap_compressed(const at::Tensor& mine, const at::Tensor& out, ReduceOp op, Communicator& comm) {
   TORCH_INTERNAL_ASSERT(out.numel() == mine.numel() && out.is_contiguous() && mine.is_contiguous());
   const at::ScalarType wire = wire_dtype(comm.wire_format());
   const at::Tensor outgoing = scratch_.get(ScratchBuffers::kWire, out.numel(), wire);
@@ -68,7 +66,7 @@ void SocketPairChannel::swap_compressed(const at::Tensor& mine, const at::Tensor
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }
 
-void SocketPairChannel::move(const at::Tensor& outgoing, const at::Tensor& incoming, Communicator& comm) {
+void SwapSteps::move(const at::Tensor& outgoing, const at::Tensor& incoming, Communicator& comm) {
   std::vector<Links::Send> sends;
   if (outgoing.defined()) sends.push_back({peer(), outgoing.data_ptr(), static_cast<int64_t>(outgoing.nbytes())});
   std::vector<Links::Recv> recvs;
@@ -82,19 +80,19 @@ void SocketPairChannel::move(const at::Tensor& outgoing, const at::Tensor& incom
 // A swap: each host sends the other its block whole, both ways at once, then both reduce the two in
 // host order (each link carries the block once each way, as a ring's reduce-scatter and all-gather
 // together would).
-void SocketPairChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
+void SwapSteps::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
   if (block.numel() == 0) return;
   if (compresses(comm.wire_format(), block, op)) return swap_compressed(block, block, op, comm);
   receive_and_combine(block, op, {{peer(), block.data_ptr(), block.numel() * block.element_size()}}, comm);
 }
 
-void SocketPairChannel::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
+void SwapSteps::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
   if (flat.numel() == 0) return;
   const bool sender = rank() == root;
   move(sender ? flat : at::Tensor(), sender ? at::Tensor() : flat, comm);
 }
 
-void SocketPairChannel::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) {
+void SwapSteps::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) {
   if (flat.numel() == 0) return;
   if (rank() == root) {
     receive_and_combine(flat, op, {}, comm);
@@ -103,13 +101,13 @@ void SocketPairChannel::reduce(const at::Tensor& flat, int root, ReduceOp op, Co
   }
 }
 
-void SocketPairChannel::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
+void SwapSteps::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
   if (m == 0) return;
   move(flat.narrow(0, rank() * m, m), flat.narrow(0, peer() * m, m), comm);
 }
 
 // Each host sends the other its block of the run, and reduces its own.
-void SocketPairChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
+void SwapSteps::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
   if (m == 0) return;
   const at::Tensor theirs = slice(run, peer() * m, (peer() + 1) * m);
   const at::Tensor mine = slice(run, rank() * m, (rank() + 1) * m);
@@ -117,40 +115,40 @@ void SocketPairChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceO
   receive_and_combine(mine, op, {{peer(), theirs.data_ptr(), static_cast<int64_t>(theirs.nbytes())}}, comm);
 }
 
-RingChannel::RingChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
-                         c10::intrusive_ptr<c10d::Backend> backend, ScratchBuffers& scratch)
-    : CrossHostChannel(rank, std::move(group_ranks), std::move(links)),
+RingSteps::RingSteps(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
+                     c10::intrusive_ptr<c10d::Backend> backend, ScratchBuffers& scratch)
+    : CrossHostSteps(rank, std::move(group_ranks), std::move(links)),
       backend_(std::move(backend)),
-      messages_(std::make_shared<ProcessGroupTransport>(backend_, c10::kCPU)),
+      messages_(std::make_shared<SendRecvTransport>(backend_, c10::kCPU)),
       scratch_(scratch) {}
 
-Communicator RingChannel::subgroup(const Communicator& comm) const {
+Communicator RingSteps::subgroup(const Communicator& comm) const {
   return Communicator(rank(), size(), c10::kCPU, backend_, messages_, comm.sequence(), comm.group(), comm.what());
 }
 
-void RingChannel::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
+void RingSteps::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
   ring_all_reduce(links(), comm.sequence(), block, op, comm.wire_format(), scratch_);
 }
 
-void RingChannel::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
+void RingSteps::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
   if (flat.numel() == 0) return;
   Communicator cross = subgroup(comm);
   Schedule schedule = broadcast_schedule(flat, size(), rank(), root);
   run_schedule(cross, schedule);
 }
 
-void RingChannel::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) {
+void RingSteps::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) {
   if (flat.numel() == 0) return;
   Communicator cross = subgroup(comm);
   Schedule schedule = reduce_schedule(flat, op, size(), rank(), root);
   run_schedule(cross, schedule);
 }
 
-void RingChannel::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
+void RingSteps::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
   ring_all_gather(links(), comm.sequence(), flat, m);
 }
 
-void RingChannel::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
+void RingSteps::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
   ring_reduce_scatter(links(), comm.sequence(), run, m, op, comm.wire_format(), scratch_);
 }
 

@@ -21,26 +21,26 @@ class Communicator;
 
 // Note [Steps across hosts]
 // A hierarchical collective (Note [Hierarchical collectives] in hierarchy/one_round.h) crosses hosts among
-// the ranks of one local rank, one per host (or among the hosts' leaders), through the channel the
-// group set-up picked once for them; a collective asks the channel for a step, never how many hosts
+// the ranks of one local rank, one per host (or among the hosts' leaders), through the CrossHostSteps the
+// group set-up picked once for them; a collective asks them for a step, never how many hosts
 // there are:
-//  - SocketPairChannel, between two hosts: every step over the two ranks' socket link (Note [Socket
+//  - SwapSteps, between two hosts: every step over the two ranks' socket link (Note [Socket
 //    links]), the receiver reducing parts as they arrive, in host order;
-//  - RingChannel, among three hosts or more: the all-reduce, all-gather and reduce-scatter on a ring
+//  - RingSteps, among three hosts or more: the all-reduce, all-gather and reduce-scatter on a ring
 //    over the socket links (Note [A ring across hosts] in links/ring.h), the broadcast and the reduce
 //    through ddpkit's schedules over the gloo subgroup's messages.
 // Every step is part of the caller's collective (its sequence number names its frames and tags),
 // takes contiguous tensors, and moves nothing when they are empty. A kMean is summed; the caller
 // divides once. Every rank ends with the same bits: each element is reduced in one place, or in the
 // same order everywhere (Note [Reductions]).
-class CrossHostChannel {
+class CrossHostSteps {
  public:
-  // `rank`: this rank's index among `group_ranks` (the group's ranks the channel spans, in its order);
+  // `rank`: this rank's index among `group_ranks` (the group's ranks the steps span, in its order);
   // `links`: their socket links, which also carry the collective check's round (Note [One round
   // across hosts]).
-  CrossHostChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links)
+  CrossHostSteps(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links)
       : rank_(rank), group_ranks_(std::move(group_ranks)), links_(std::move(links)) {}
-  virtual ~CrossHostChannel() = default;
+  virtual ~CrossHostSteps() = default;
 
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(group_ranks_.size()); }
@@ -71,10 +71,10 @@ class CrossHostChannel {
 };
 
 // Between two hosts (Note [Steps across hosts]). `scratch`'s kFromPeer buffer receives the other
-// host's frames; it outlives the channel.
-class SocketPairChannel final : public CrossHostChannel {
+// host's frames; it outlives the steps.
+class SwapSteps final : public CrossHostSteps {
  public:
-  SocketPairChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links, ScratchBuffers& scratch);
+  SwapSteps(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links, ScratchBuffers& scratch);
   void all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) override;
   void broadcast(const at::Tensor& flat, int root, Communicator& comm) override;
   void reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) override;
@@ -98,12 +98,12 @@ class SocketPairChannel final : public CrossHostChannel {
 };
 
 // Among three hosts or more (Note [Steps across hosts]): `backend` is the gloo subgroup of the ranks
-// the channel spans, split from the group's; `scratch` receives the ring's frames and outlives the
-// channel.
-class RingChannel final : public CrossHostChannel {
+// the steps span, split from the group's; `scratch` receives the ring's frames and outlives the
+// steps.
+class RingSteps final : public CrossHostSteps {
  public:
-  RingChannel(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
-              c10::intrusive_ptr<c10d::Backend> backend, ScratchBuffers& scratch);
+  RingSteps(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links,
+            c10::intrusive_ptr<c10d::Backend> backend, ScratchBuffers& scratch);
   void all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) override;
   void broadcast(const at::Tensor& flat, int root, Communicator& comm) override;
   void reduce(const at::Tensor& flat, int root, ReduceOp op, Communicator& comm) override;

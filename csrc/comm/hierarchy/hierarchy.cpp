@@ -6,7 +6,7 @@ namespace ddpkit::comm {
 namespace {
 
 // "rank 2" or "ranks 2, 4": the ranks this one crosses hosts with, for errors.
-std::string cross_ranks_text(const CrossHostChannel& cross) {
+std::string cross_ranks_text(const CrossHostSteps& cross) {
   std::string ranks;
   for (int j = 0; j < cross.size(); ++j) {
     if (j != cross.rank()) ranks += c10::str(ranks.empty() ? "" : ", ", cross.group_ranks()[j]);

@@ -52,7 +52,7 @@ struct Hierarchy {
   // The steps across hosts (Note [Steps across hosts]) among the ranks this rank crosses hosts with:
   // the ranks of its local rank on every host (every host holding the same number of ranks), or the
   // hosts' leaders; null on the other ranks.
-  std::unique_ptr<CrossHostChannel> cross;
+  std::unique_ptr<CrossHostSteps> cross;
   // The data steps, in the form the set-up chose for the hosts' shape.
   std::unique_ptr<HierarchicalForm> form;
 

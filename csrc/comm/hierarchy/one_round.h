@@ -31,8 +31,8 @@ namespace ddpkit::comm {
 // or in the same order in both, so every rank ends with the same bits.
 // Between two hosts every step across hosts moves over the socket links: the all-reduce's swap, the
 // broadcast's and the reduce's one frame, the all-gather's and the reduce-scatter's swap of blocks;
-// the receiver reduces as parts arrive, in host order. The forms ask the channel across hosts for
-// each step, never how many hosts there are: the group set-up picked the channel that does it so
+// the receiver reduces as parts arrive, in host order. The forms ask the steps across hosts for
+// each one, never how many hosts there are: the group set-up picked the CrossHostSteps that do it so
 // (Note [Steps across hosts] in hierarchy/cross_host_steps.h). The forms' Notes name the schedules among three hosts
 // or more. With equal hosts and checks on, the barrier is the check alone: a step of every host's
 // shared memory, then a round across hosts that completes only once every host's step has. The

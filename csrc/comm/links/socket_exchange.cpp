@@ -4,7 +4,7 @@
 #include "comm/links/socket_links.h"
 
 #include "comm/core/call_timeout.h"
-#include "comm/core/communicator.h"
+#include "comm/core/counters.h"
 #include "comm/links/link_thread.h"
 #include "comm/links/socket_io.h"
 

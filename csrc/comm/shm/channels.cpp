@@ -1,6 +1,6 @@
 #include "comm/shm/channels.h"
 
-#include "comm/core/communicator.h"
+#include "comm/core/counters.h"
 
 #include <algorithm>
 #include <cstring>

@@ -2,14 +2,6 @@
 
 namespace ddpkit::comm {
 
-namespace {
-thread_local std::chrono::microseconds spin_budget_of_this_thread = shm_detail::kCallerSpinMicros;
-}  // namespace
-
-std::chrono::microseconds shm_detail::spin_budget() { return spin_budget_of_this_thread; }
-
-void spin_briefly_on_this_thread() { spin_budget_of_this_thread = shm_detail::kSpinMicros; }
-
 void SegmentWaits::peer_exited() const {
   exits_.fetch_add(1, std::memory_order_seq_cst);
   memory_.wake_all_sleepers();

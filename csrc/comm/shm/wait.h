@@ -1,6 +1,7 @@
 #pragma once
 // How a rank waits on a word of its host's segment (Note [Waiting on shared memory]).
 
+#include "comm/core/spin_budget.h"
 #include "comm/shm/layout.h"
 #include "comm/shm/liveness.h"
 
@@ -21,7 +22,7 @@ namespace ddpkit::comm {
 // batch-norm statistics it brings to the same all-reduce, then costs no futex wake-up, which takes
 // far longer than the spin: bench_latency.py's small all-reduce is what it keeps fast); a thread that
 // runs collectives in the background (the engine's, for DDP buckets) spins only kSpinMicros, since
-// the core it holds is the one its process computes on (spin_briefly_on_this_thread). Spinning is
+// the core it holds is the one its process computes on (spin_briefly_on_this_thread, core/spin_budget.h). Spinning is
 // skipped (cpus_for_each_rank) when the group has more ranks on this kernel than it has CPUs, where
 // a spinning rank only takes the core from the peer it waits for (the
 // collapse of busy-polling MPI on oversubscribed hosts); ranks count whether or not they share this
@@ -43,19 +44,10 @@ namespace ddpkit::comm {
 
 namespace shm_detail {
 
-constexpr auto kSpinMicros = std::chrono::microseconds(30);
-constexpr auto kCallerSpinMicros = std::chrono::microseconds(1000);
 // How long one futex sleep lasts at most, and the default liveness period.
 constexpr int kSleepMillis = 50;
-// How long a wait on this thread spins before it sleeps: kCallerSpinMicros unless
-// spin_briefly_on_this_thread() was called on it.
-std::chrono::microseconds spin_budget();
 
 }  // namespace shm_detail
-
-// Waits on this thread spin only briefly from now on (Note [Waiting on shared memory]): for a thread
-// that runs collectives while its process computes on another (the engine's).
-void spin_briefly_on_this_thread();
 
 // A liveness period that never comes: the waits rely on the peer watch alone.
 constexpr auto kNoLivenessPoll = std::chrono::milliseconds::max();
@@ -108,9 +100,9 @@ void SegmentWaits::wait_for(Signal& signal, Ready ready, const WaitContext& cont
   // Note [Waiting on shared memory]
   if (spin_) {
     const auto start = std::chrono::steady_clock::now();
-    const auto spin_until = start + shm_detail::spin_budget();
+    const auto spin_until = start + spin_budget();
     // A peer on this very CPU runs only when this thread gives the CPU up: yield from the start.
-    const auto yield_from = awaits_a_rank_on_this_cpu(context) ? start : start + shm_detail::kSpinMicros;
+    const auto yield_from = awaits_a_rank_on_this_cpu(context) ? start : start + kSpinMicros;
     for (int i = 1;; ++i) {
       shm_detail::cpu_relax();
       if (ready()) return;
