@@ -29,10 +29,10 @@ inline constexpr int64_t kLinkPartBytes = 256 << 10;
 // stay in the cache from the copy to the reduction, as gloo's ring receives into two segments of a
 // megabyte. The swap between two hosts keeps its frames whole: its reports wait for the frame it
 // sends the same peer, so a window there would tie its receiving to its own sending
-// (compare_builds.sh --hosts "2x1 2x2" timed it slower at 2x1 and 16M floats).
-// Its size, 4 parts against 2, 8 and 16 and against the whole block, was chosen on all-reduces of
-// 16M floats across 3 to 8 hosts, each choice timed interleaved in one run; compare_builds.sh
-// --hosts times the window against the build before it.
+// (compare_builds.sh --hosts "2x1 2x2" timed it slower at two hosts of one rank and the largest size).
+// Its size was chosen against windows of fewer and of more parts and against the whole block, on the
+// largest all-reduces across three hosts or more (bench_multihost.py), each choice timed interleaved
+// in one run; compare_builds.sh --hosts times the window against the build before it.
 inline constexpr int64_t kLinkWindowBytes = 4 * kLinkPartBytes;
 
 class Links {

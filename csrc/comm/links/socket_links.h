@@ -63,21 +63,21 @@ class LinkThread;
 // A frame's bytes cost CPU on both hosts: the kernel copies them out of the sender and into the
 // receiver, and on the simulated hosts the sending CPU also carries them through the bridge to the
 // receiver's socket. With one thread doing a ring step's sending, receiving and reducing, that
-// thread is the step's bound wherever a rank has cores to spare (bench_multihost.py's 16M points on
-// the GPU machines' 16 cores: the rank's thread busy nearly all the step, against gloo, whose pairs
-// hand their I/O to a device thread). So an exchange that sends LinkThreading::from_bytes or more
+// thread is the step's bound wherever a rank has cores to spare (bench_multihost.py's largest points
+// on a machine with more cores than ranks: the rank's thread busy nearly all the step, against gloo,
+// whose pairs hand their I/O to a device thread). So an exchange that sends LinkThreading::from_bytes or more
 // (one part, kLinkPartBytes, by default) and also receives hands its sends to the links' sending
 // thread, and, where the set-up says so, its receives to their receiving thread (LinkThread, in
 // links/link_thread.h); the caller's thread moves what is left, reports data to on_data (so reductions
 // and decodings stay the caller's) and keeps the exchange's deadline and every way of giving up,
 // stopping the threads' jobs first, so that the frames' progress is its own again (Note [News of a
 // failure]). A smaller exchange stays on the caller's thread, where waking a thread would cost
-// about what it overlaps. The group's set-up (cpus_for_each_rank in topology/topology.h) gives each rank on
-// a kernel with 3 CPUs per rank both threads, with 2 the sending one (the busiest thread's CPU per
-// call that bench_multihost.py reports shows how the work splits between them), and with fewer
-// none: this repository's 2-core CI, whose simulated hosts share its two CPUs, where the threads
-// would share the rank's CPU and only add switches. bench_multihost.py's ddpkit_links_* candidates
-// time each choice in the same run.
+// about what it overlaps. The group's set-up (cpus_for_each_rank in topology/topology.h) gives each
+// rank on a kernel with 3 CPUs per rank both threads, with 2 the sending one (the busiest thread's
+// CPU per call that bench_multihost.py reports shows how the work splits between them), and with
+// fewer none: simulated hosts sharing a small machine's CPUs, as this repository's CI runs them,
+// where the threads would share the rank's CPU and only add switches. bench_multihost.py's
+// ddpkit_links_* candidates time each choice in the same run.
 inline constexpr int64_t kLinkThreadBytes = kLinkPartBytes;
 
 // Note [Send buffers]
@@ -86,15 +86,15 @@ inline constexpr int64_t kLinkThreadBytes = kLinkPartBytes;
 // megabytes ahead of its receiver; where ranks share the CPUs' caches, as the simulated hosts do,
 // those bytes leave the cache before the receiver copies them out. A perf profile of a large ring
 // all-reduce had the kernel's receive copy, and its time with interrupts held off, grow with the
-// buffer, and the all-reduce was slower from 1M floats up at every host count: bench_multihost.py's
+// buffer, and the large all-reduces were slower at every host count: bench_multihost.py's
 // ddpkit_kernel_buffers candidate times the kernel's own sizing beside the small buffer in the same
-// run, and its ddpkit_send_buffer_<KiB> candidates the sizes against each other. Asked for 256 to
-// 512 KiB, the all-reduce was about equally fast at 16M floats, and 256 KiB the fastest or level at
-// 1M; from 640 KiB on it was nearly as slow as with a grown buffer. A receive buffer fixed as well
-// undid the gain (a probe build). The buffer bounds the bytes a link has in flight: a link whose
-// bandwidth times its round trip exceeds some hundreds of KiB (many Gbit/s across a millisecond)
-// wants more, which DDPKIT_LINK_SEND_BUFFER (bytes, read at the links' set-up) asks for; 0 leaves
-// the sizing to the kernel.
+// run, and its ddpkit_send_buffer_<KiB> candidates the sizes against each other. Of those sizes,
+// kLinkSendBufferBytes, the smallest, was as fast as any at the largest all-reduces and the fastest
+// or level at the middle ones; the larger the buffer beyond a few times it, the closer to a grown
+// buffer's time. A receive buffer fixed as well undid the gain (a probe build). The
+// buffer bounds the bytes a link has in flight: a link whose bandwidth times its round trip exceeds
+// the buffer wants more, which DDPKIT_LINK_SEND_BUFFER (bytes, read at the links' set-up) asks for;
+// 0 leaves the sizing to the kernel.
 inline constexpr int kLinkSendBufferBytes = 256 << 10;
 
 // What a large exchange moves on the links' threads (Note [Threads of the links]).

@@ -24,15 +24,15 @@ namespace ddpkit::comm {
 //     the peers reduce. Per rank: (n-1)/n of the chunk copied in, one reduce pass over 1/n of it
 //     from n sources, (n-1)/n copied out. At n=2 that is 4 chunk-sized memory passes per rank
 //     against the whole-chunk path's 5; it costs a second barrier per chunk, which only matters
-//     for small chunks: the whole path is kept up to n·bytes = 128 KiB where ranks sleep in their
+//     for small chunks: the whole path is kept up to n·bytes = kDirectWholeBytes where ranks sleep in their
 //     waits (more ranks than CPUs: each barrier is a futex wake-up, which small calls feel most),
-//     while the sliced path is the faster one for large vectors at every n (bench_allreduce.py at
-//     n = 2 to 4 on 2 cores, DDPKIT_SHM_WHOLE_BYTES in a testing build moving the threshold). Two
+//     while the sliced path is the faster one for large vectors at every n (bench_allreduce.py with
+//     more ranks than cores, DDPKIT_SHM_WHOLE_BYTES in a testing build moving the threshold). Two
 //     ranks that spin pass a barrier far faster, and there the sliced path wins from a few KiB on
 //     (the two paths as two groups of the same processes, interleaved: a probe, not a committed
-//     benchmark). Ranks that spin keep the whole path only up to 2 KiB, at any n: the 16-core grid
-//     decided it against MPICH at n=4 (scripts/gpu_checks.sh's grid times both thresholds side by
-//     side at n = 4, 8 and 16: allreduce_whole_16core.json).
+//     benchmark). Ranks that spin keep it only up to kDirectWholeBytesSpinning, at any n: the
+//     grid on a machine with cores for every rank decided it against MPICH (scripts/gpu_checks.sh's
+//     grid times both thresholds side by side: allreduce_whole_16core.json).
 // Each step alternates between the rank's two slots; a rank writes slot s again only two steps
 // later, after passing the next step's barrier, i.e. after every peer has finished reading it.
 // Every rank takes the same number of steps per collective (the numel is checked on the first), so
