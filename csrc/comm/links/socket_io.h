@@ -1,11 +1,16 @@
 #pragma once
-// The blocking reads and writes, frame header and magic words that the socket links' set-up
-// (links/socket_links.cpp) and their exchange of frames (links/socket_exchange.cpp) share: internal to the links.
+// What the socket links' set-up (links/socket_setup.h) and their exchange of frames
+// (links/socket_exchange.cpp, links/outgoing_frames.h, links/incoming_frames.h) share, internal to the
+// links: the descriptor that closes itself, the blocking reads and writes, the frame header and magic
+// words, and how a move of frames ends.
+
+#include <unistd.h>
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 namespace ddpkit::comm::socket_io {
 
@@ -20,6 +25,53 @@ struct FrameHeader {
   uint64_t sequence;
   uint64_t bytes;
 };
+inline constexpr auto kHeaderBytes = static_cast<int64_t>(sizeof(FrameHeader));
+
+// A descriptor closed when it goes out of scope, unless released: a link's socket is one from its
+// set-up to the links' end.
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& other) noexcept : fd_(other.release()) {}
+  Fd& operator=(Fd&& other) noexcept {
+    if (this != &other) {
+      reset();
+      fd_ = other.release();
+    }
+    return *this;
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+};
+
+// Why an exchange gives up: `peer` failed (-1: this rank's own failure), and, with `failed_rank`
+// (a rank of the caller's group; -1: none), the rank every other peer is told failed (Note [News
+// of a failure]).
+struct Failure {
+  int peer = -1;
+  std::string why;
+  int64_t failed_rank = -1;
+};
+
+// How a move of one frame ended for now. kFull: the frame's window is full (Note [Receiving
+// windows]) until the caller reports more of it.
+enum class Moved { kDone, kBlocked, kFailed, kFull };
+
+// Whether data growing from `from` to `to` bytes passed a multiple of `step` (any growth, for no
+// step): receiving thread and caller count steps alike, so that the thread's news is a report's.
+inline bool passed_a_step(int64_t from, int64_t to, int64_t step) {
+  return step > 0 ? to / step > from / step : to > from;
+}
 
 std::string errno_text();
 

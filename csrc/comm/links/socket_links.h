@@ -2,6 +2,7 @@
 // ddpkit's own TCP connections between the ranks that cross hosts together (Note [Socket links]).
 
 #include "comm/links/links.h"
+#include "comm/links/socket_io.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -33,7 +34,8 @@ class LinkThread;
 //    listen says so there, and every rank raises. Each rank connects to every lower rank and
 //    introduces itself with that rank's token; an acceptor closes any connection that does not name
 //    its token and a rank it still expects, and answers the others, so every link is known good when
-//    set-up returns.
+//    set-up returns. The three steps (announce, connect_to_lower_ranks, accept_higher_ranks in
+//    links/socket_setup.h) share one LinkSetUp, which owns every descriptor until the links take it.
 //  - Messages are frames: a magic word, the collective's sequence number and the length, then the
 //    bytes. A receive names its smallest and largest size; a frame outside them, another sequence
 //    number or another magic breaks the links rather than be misread.
@@ -176,13 +178,13 @@ class SocketLinks final : public Links {
  private:
   class Exchange;  // one exchange() (links/socket_exchange.cpp)
 
-  SocketLinks(int rank, std::vector<int> fds, std::vector<int> group_ranks, std::chrono::milliseconds timeout,
+  SocketLinks(int rank, std::vector<socket_io::Fd> fds, std::vector<int> group_ranks, std::chrono::milliseconds timeout,
               int refused, LinkThreading threading);
   [[noreturn]] void fail(int peer, const std::string& why, const std::vector<int>& cut_off);
 
   int rank_;
-  std::vector<int> fds_;          // by peer; -1 for this rank
-  std::vector<int> group_ranks_;  // by peer
+  std::vector<socket_io::Fd> fds_;  // by peer, owned to the links' end; none for this rank
+  std::vector<int> group_ranks_;    // by peer
   std::chrono::milliseconds timeout_;
   int refused_;
   int failed_peer_ = -1;
