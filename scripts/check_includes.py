@@ -148,7 +148,8 @@ def main() -> int:
     for folder in topological_order(folders):
         modules = [m for m in topological_order(graph) if folder_of(m) == folder]
         print(
-            f"{folder_floor[folder]:>2} {folder}/: {len(modules)} modules, includes {', '.join(sorted(folders[folder])) or '-'}"
+            f"{folder_floor[folder]:>2} {folder}/: {len(modules)} module{'' if len(modules) == 1 else 's'}, "
+            f"includes {', '.join(sorted(folders[folder])) or '-'}"
         )
         for module in modules:
             print(f"    {module_floor[module]:>2} {module:<28} includes {', '.join(sorted(graph[module])) or '-'}")
