@@ -9,6 +9,7 @@
 #include "comm/engine/ops.h"
 #include "ddp/bucket_assignment.h"
 #include "ddp/reducer.h"
+#include "fsdp/fully_sharded.h"
 #include "sharding/shard_layout.h"
 #include "syncbn/syncbn.h"
 
@@ -111,6 +112,27 @@ TORCH_LIBRARY(ddpkit, m) {
   m.def("shard_size(int total, int world_size) -> int", &ddpkit::sharding::shard_size);
   m.def("shard_range(int total, int world_size, int rank) -> int[]", &shard_range_op);
   m.def("shard_pieces(int[] numels, int world_size, int rank) -> int[]", &shard_pieces_op);
+
+  // ZeRO-3 (csrc/fsdp): the native state of ddpkit.FullyShardedDataParallel (fully_sharded.h).
+  m.class_<ddpkit::fsdp::FullyShardedState>("FullyShardedState")
+      .def(torch::init<std::string, std::optional<at::ScalarType>, std::string>(), "See csrc/fsdp/fully_sharded.h",
+           {torch::arg("group_name"), torch::arg("compute_dtype"), torch::arg("wire") = "exact"})
+      .def("add_unit", &ddpkit::fsdp::FullyShardedState::add_unit)
+      .def("master_views", &ddpkit::fsdp::FullyShardedState::master_views)
+      .def("compute_views", &ddpkit::fsdp::FullyShardedState::compute_views)
+      .def("master", &ddpkit::fsdp::FullyShardedState::master)
+      .def("layout", &ddpkit::fsdp::FullyShardedState::layout)
+      .def("pieces", &ddpkit::fsdp::FullyShardedState::pieces)
+      .def("attach", &ddpkit::fsdp::FullyShardedState::attach)
+      .def("begin_forward", &ddpkit::fsdp::FullyShardedState::begin_forward)
+      .def("pre_forward", &ddpkit::fsdp::FullyShardedState::pre_forward)
+      .def("post_forward", &ddpkit::fsdp::FullyShardedState::post_forward)
+      .def("end_forward", &ddpkit::fsdp::FullyShardedState::end_forward)
+      .def("pre_backward", &ddpkit::fsdp::FullyShardedState::pre_backward)
+      .def("set_sync", &ddpkit::fsdp::FullyShardedState::set_sync)
+      .def("sync_enabled", &ddpkit::fsdp::FullyShardedState::sync_enabled)
+      .def("finalize", &ddpkit::fsdp::FullyShardedState::finalize)
+      .def("stats", &ddpkit::fsdp::FullyShardedState::stats);
 
   // SyncBatchNorm (csrc/syncbn). `group_name` None: this rank's batch alone, no communication.
   // Returns (output, mean, invstd, values per channel); see syncbn/syncbn.h.

@@ -34,6 +34,7 @@ from .comm import (
     set_collective_checks,
 )
 from .ddp import DistributedDataParallel, GradientAccumulation
+from .fsdp import FullyShardedDataParallel
 from .launch import init_distributed
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
 from .workers import spawn
@@ -49,6 +50,7 @@ except PackageNotFoundError:  # the package imported from a source tree that pip
 
 __all__ = [
     "DistributedDataParallel",
+    "FullyShardedDataParallel",
     "GradientAccumulation",
     "Options",
     "SyncBatchNorm",

@@ -233,8 +233,11 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: dist.ProcessGroup | No
             tensor.copy_(value)
 
 
-def _check_same_model_on_every_rank(module: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Raises on every rank, naming the first difference, when ranks built different models."""
+def _check_same_model_on_every_rank(
+    module: nn.Module, group: dist.ProcessGroup | None, owner: str = "ddpkit.DistributedDataParallel"
+) -> None:
+    """Raises on every rank, naming the first difference, when ranks built different models (``owner``: the
+    class whose construction checks)."""
     signature = [
         ("parameter", name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in module.named_parameters()
     ]
@@ -247,13 +250,13 @@ def _check_same_model_on_every_rank(module: nn.Module, group: dist.ProcessGroup 
             continue
         if len(theirs) != len(reference):
             raise ValueError(
-                f"ddpkit.DistributedDataParallel: rank {rank} has {len(theirs)} parameters and buffers, "
+                f"{owner}: rank {rank} has {len(theirs)} parameters and buffers, "
                 f"rank 0 has {len(reference)}; every rank must build the same model"
             )
         for mine, other in zip(reference, theirs):
             if mine != other:
                 raise ValueError(
-                    f"ddpkit.DistributedDataParallel: rank {rank}'s {other[0]} '{other[1]}' has shape {other[2]}, "
+                    f"{owner}: rank {rank}'s {other[0]} '{other[1]}' has shape {other[2]}, "
                     f"dtype {other[3]}, requires_grad={other[4]}; rank 0's '{mine[1]}' has shape {mine[2]}, "
                     f"dtype {mine[3]}, requires_grad={mine[4]}"
                 )

@@ -1,0 +1,121 @@
+#include "fsdp/unit_buffers.h"
+
+#include "comm/collectives/collectives.h"
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/CPUAllocator.h>
+
+namespace ddpkit::fsdp {
+
+UnitBuffers::UnitBuffers(const std::vector<at::Tensor>& params, bool sharded, int rank, int world_size,
+                         at::ScalarType compute_dtype)
+    : sharded_(sharded), rank_(rank), world_size_(world_size), compute_dtype_(compute_dtype) {
+  TORCH_CHECK(!params.empty(), "UnitBuffers: a unit without parameters");
+  const at::ScalarType dtype = params.front().scalar_type();
+  for (const auto& p : params) {
+    TORCH_CHECK(p.scalar_type() == dtype && at::isFloatingType(dtype),
+                "ddpkit.FullyShardedDataParallel: a unit's parameters must share one floating dtype, got ", dtype,
+                " and ", p.scalar_type());
+    TORCH_CHECK(p.device().is_cpu(), "ddpkit.FullyShardedDataParallel: CPU parameters only, got one on ", p.device());
+    offsets_.push_back(total_);
+    numels_.push_back(p.numel());
+    shapes_.push_back(p.sizes().vec());
+    total_ += p.numel();
+  }
+  shard_ = sharded_ ? sharding::shard_size(total_, world_size_) : total_;
+  if (sharded_) pieces_ = sharding::shard_pieces(numels_, world_size_, rank_);
+  const int64_t padded = sharded_ ? world_size_ * shard_ : total_;
+  at::AutoDispatchBelowADInplaceOrView guard;
+  packed_ = at::zeros({padded}, params.front().options());
+  for (size_t i = 0; i < params.size(); ++i) {
+    packed_.narrow(0, offsets_[i], numels_[i]).copy_(params[i].detach().reshape({-1}));
+  }
+}
+
+void UnitBuffers::adopt() {
+  TORCH_INTERNAL_ASSERT(packed_.defined(), "adopt() once");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  master_ = sharded_ ? packed_.narrow(0, rank_ * shard_, shard_).clone() : packed_;
+  packed_ = at::Tensor();
+  if (compute_is_master()) {
+    compute_ = master_;
+  } else {
+    compute_ = at::empty({sharded_ ? world_size_ * shard_ : total_}, master_.options().dtype(compute_dtype_));
+  }
+  compute_bytes_ = compute_.numel() * static_cast<int64_t>(compute_.element_size());
+  compute_views_ = shaped_views(compute_);
+  release_compute();  // the views exist; their memory comes with the first gather
+}
+
+std::vector<at::Tensor> UnitBuffers::shaped_views(const at::Tensor& flat) const {
+  std::vector<at::Tensor> views;
+  for (size_t i = 0; i < numels_.size(); ++i) views.push_back(flat.narrow(0, offsets_[i], numels_[i]).view(shapes_[i]));
+  return views;
+}
+
+std::vector<at::Tensor> UnitBuffers::master_views() const {
+  if (!sharded_) return shaped_views(master_);
+  std::vector<at::Tensor> views;
+  views.assign(numels_.size(), master_.narrow(0, 0, 0));
+  for (const auto& piece : pieces_) views[piece.param] = master_.narrow(0, piece.shard_offset, piece.length);
+  return views;
+}
+
+bool UnitBuffers::compute_allocated() const { return compute_.storage().nbytes() > 0 || compute_bytes_ == 0; }
+
+void UnitBuffers::allocate_compute() {
+  if (compute_allocated()) return;
+  c10::StorageImpl* storage = compute_.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(c10::GetCPUAllocator()->allocate(compute_bytes_));
+  storage->set_nbytes(compute_bytes_);
+}
+
+void UnitBuffers::release_compute() {
+  if (compute_is_master()) return;
+  c10::StorageImpl* storage = compute_.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, compute_.device()));
+  storage->set_nbytes(0);
+}
+
+void UnitBuffers::fill_compute_locally() {
+  if (compute_is_master()) return;
+  TORCH_INTERNAL_ASSERT(compute_allocated(), "allocate_compute() before a gather");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  if (sharded_) {
+    // Same dtype: the all-gather reads the master itself (all_gather), nothing to copy here.
+    if (compute_dtype_ != master_.scalar_type()) compute_.narrow(0, rank_ * shard_, shard_).copy_(master_);
+  } else {
+    compute_.copy_(master_);
+  }
+}
+
+void UnitBuffers::all_gather(comm::Communicator& comm) {
+  TORCH_INTERNAL_ASSERT(sharded_ && compute_allocated(), "all_gather of a sharded unit's allocated buffer");
+  at::Tensor output = compute_;
+  // In place (the input is this rank's block of the output) once cast; else straight from the master.
+  const at::Tensor input =
+      compute_dtype_ == master_.scalar_type() ? master_ : compute_.narrow(0, rank_ * shard_, shard_);
+  comm::all_gather_into_tensor_(output, input, comm::Algorithm::kAuto, comm);
+}
+
+at::Tensor UnitBuffers::new_gradient() const {
+  return at::zeros({compute_.numel()}, compute_.options().dtype(compute_dtype_));
+}
+
+at::Tensor UnitBuffers::reduction_input(const at::Tensor& gradient, const at::Tensor& scale) const {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  if (gradient.scalar_type() == master_.scalar_type()) return gradient.mul_(scale);
+  return gradient.to(master_.scalar_type()).mul_(scale);
+}
+
+at::Tensor UnitBuffers::new_reduced() const { return at::empty({shard_}, master_.options()); }
+
+std::vector<at::Tensor> UnitBuffers::gradient_views(const at::Tensor& reduced) const {
+  if (!sharded_) return shaped_views(reduced);
+  std::vector<at::Tensor> views;
+  views.assign(numels_.size(), reduced.narrow(0, 0, 0));
+  for (const auto& piece : pieces_) views[piece.param] = reduced.narrow(0, piece.shard_offset, piece.length);
+  return views;
+}
+
+}  // namespace ddpkit::fsdp

@@ -1,0 +1,283 @@
+"""ddpkit.FullyShardedDataParallel (ZeRO-3) against ddpkit's DistributedDataParallel, bit for bit, on real groups:
+world sizes 2 to 8 as subgroups of one pool of 8 ranks, and two simulated hosts of two ranks."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ddpkit
+from ddpkit.testing import WorkerPool
+
+from helpers import caught, needs_hosts
+
+STEPS = 3
+FEATURES = 13
+# Biases and the norm (at most 62 elements) stay whole; every weight is sharded.
+THRESHOLD = 64
+
+
+class EverythingNet(nn.Module):
+    """Units of sizes no world size from 2 to 8 divides, a weight tied between two units (owned by the root),
+    a frozen weight and a frozen bias, a norm and biases below the persistence threshold."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, 31, bias=False)
+        self.hidden = nn.Linear(31, 31)
+        self.norm = nn.LayerNorm(31)
+        self.frozen = nn.Linear(31, 17)
+        self.frozen.weight.requires_grad_(False)
+        self.head = nn.Linear(17, FEATURES)
+        self.head.bias.requires_grad_(False)
+        self.reembed = nn.Linear(FEATURES, 31, bias=False)
+        self.reembed.weight = self.embed.weight
+        self.final = nn.Linear(31, 5)
+
+    def forward(self, x):
+        h = self.norm(self.hidden(torch.tanh(self.embed(x))))
+        y = self.head(torch.relu(self.frozen(h)))
+        return self.final(torch.tanh(self.reembed(y)))
+
+
+def make_model():
+    torch.manual_seed(dist.get_rank())  # rank 0's values win (both wrappers broadcast them)
+    return EverythingNet()
+
+
+def make_optimizer(named_parameters):
+    """Two parameter groups by name: weights with weight decay, the rest without."""
+    weights = [p for name, p in named_parameters if name.endswith("weight") and "norm" not in name]
+    others = [p for name, p in named_parameters if not (name.endswith("weight") and "norm" not in name)]
+    return torch.optim.AdamW(
+        [{"params": weights, "weight_decay": 0.1}, {"params": others, "lr": 5e-3, "weight_decay": 0.0}], lr=1e-2
+    )
+
+
+def batch(rank, step):
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(6, FEATURES, generator=generator), torch.randn(6, 5, generator=generator)
+
+
+def loss_of(output, target):
+    return ((output.float() - target) ** 2).mean()
+
+
+_GROUPS = {}
+
+
+def first_ranks(world_size):
+    """The group of ranks 0..world_size-1 of the pool (None: the world), made once (every rank asks for the
+    same sizes in the same order, so every rank makes the same groups)."""
+    if world_size == dist.get_world_size():
+        return None
+    if world_size not in _GROUPS:
+        _GROUPS[world_size] = dist.new_group(list(range(world_size)))
+    return _GROUPS[world_size]
+
+
+def names_without_prefix(state):
+    return {key.removeprefix("module."): value for key, value in state.items()}
+
+
+def train(wrap, group, steps=STEPS, micro_batches=1):
+    """State dict and optimizer state after ``steps`` AdamW steps of ``wrap(model)``; inside no_sync all but the
+    last of ``micro_batches`` backwards."""
+    rank = dist.get_rank(group)
+    model = wrap(make_model())
+    named = [(name.removeprefix("module."), p) for name, p in model.named_parameters()]
+    optimizer = make_optimizer(named)
+    for step in range(steps):
+        for micro in range(micro_batches):
+            x, y = batch(rank, step * micro_batches + micro)
+            synced = micro == micro_batches - 1
+            with model.no_sync() if not synced else torch.enable_grad():
+                loss_of(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return names_without_prefix(model.state_dict()), model
+
+
+def bits(state):
+    return {key: value.view(torch.int32) if value.dtype == torch.float32 else value for key, value in state.items()}
+
+
+def case_matches_ddp(world_size, micro_batches=1):
+    """FSDP's and DDP's states after the same training, on the group of the first ``world_size`` ranks."""
+    group = first_ranks(world_size)
+    if dist.get_rank() >= world_size:
+        return None
+    ddp_state, _ = train(
+        lambda m: ddpkit.DistributedDataParallel(m, process_group=group), group, micro_batches=micro_batches
+    )
+    fsdp_state, fsdp = train(
+        lambda m: ddpkit.FullyShardedDataParallel(m, process_group=group, persistence_threshold=THRESHOLD),
+        group,
+        micro_batches=micro_batches,
+    )
+    return bits(ddp_state), bits(fsdp_state), fsdp.sharding_stats()
+
+
+def assert_same_bits_as_ddp(results, world_size):
+    reference = results[0][0]
+    for rank, result in enumerate(results[:world_size]):
+        ddp_state, fsdp_state, stats = result
+        assert fsdp_state.keys() == ddp_state.keys()
+        for key in ddp_state:
+            assert torch.equal(ddp_state[key], reference[key]), (world_size, rank, key, "DDP's ranks differ")
+            assert torch.equal(fsdp_state[key], ddp_state[key]), (world_size, rank, key)
+        assert stats["synced_backwards"] == STEPS and stats["gathered_ahead"] > 0, stats
+
+
+@pytest.fixture(scope="module")
+def eight():
+    worker_pool = WorkerPool(8, timeout=180.0, group_timeout=30.0)
+    yield worker_pool
+    worker_pool.close()
+
+
+def test_matches_ddp_bit_for_bit_at_world_sizes_2_to_8(eight):
+    for world_size in range(2, 9):
+        assert_same_bits_as_ddp(eight.run(case_matches_ddp, world_size, timeout=120), world_size)
+
+
+def test_no_sync_accumulates_as_ddp_does(eight):
+    assert_same_bits_as_ddp(eight.run(case_matches_ddp, 2, 2, timeout=120), 2)
+
+
+@needs_hosts
+def test_matches_ddp_bit_for_bit_on_two_hosts(hosts):
+    """Two simulated hosts of two ranks: reduce-scatters and all-gathers run hierarchically."""
+    assert_same_bits_as_ddp(hosts("2x2").run(case_matches_ddp, 4, timeout=300), 4)
+
+
+# --- compute_dtype against a reference that casts by hand ----------------------------------------
+
+
+def train_by_hand(group, dtype):
+    """compute_dtype's contract by hand: a float32 master, a copy cast to ``dtype`` computes forward and
+    backward, its gradients are converted to float32, scaled by 1/N as DDP scales them and summed over the ranks."""
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    master = make_model()
+    ddpkit.ddp.broadcast_tensors(list(master.state_dict().values()), group)
+    optimizer = make_optimizer(list(master.named_parameters()))
+    scale = torch.scalar_tensor(1.0 / world_size, dtype=torch.float64)
+    for step in range(STEPS):
+        compute = copy.deepcopy(master).to(dtype)
+        x, y = batch(rank, step)
+        loss_of(compute(x.to(dtype)), y).backward()
+        for p, c in zip(master.parameters(), compute.parameters()):
+            if p.requires_grad:
+                p.grad = c.grad.float().mul_(scale)
+                ddpkit.all_reduce(p.grad, group=group)
+        optimizer.step()
+        optimizer.zero_grad()
+    return master.state_dict()
+
+
+def case_compute_dtype(world_size, dtype):
+    group = first_ranks(world_size)
+    if dist.get_rank() >= world_size:
+        return None
+    wrap = lambda m: ddpkit.FullyShardedDataParallel(  # noqa: E731
+        m, compute_dtype=dtype, process_group=group, persistence_threshold=THRESHOLD
+    )
+    fsdp_state, _ = train(wrap, group)
+    return bits(train_by_hand(group, dtype)), bits(fsdp_state)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compute_dtype_matches_casting_by_hand(eight, dtype):
+    for world_size in (2,):
+        for rank, result in enumerate(eight.run(case_compute_dtype, world_size, dtype, timeout=120)[:world_size]):
+            expected, actual = result
+            for key in expected:
+                assert torch.equal(actual[key], expected[key]), (world_size, rank, key)
+
+
+# --- state dicts ----------------------------------------------------------------------------------
+
+
+def case_checkpoint(world_size, saved):
+    """Trains on the first ``world_size`` ranks; returns the full model and optimizer states, and those after
+    loading ``saved`` (taken at another world size) into a fresh wrapper and optimizer."""
+    group = first_ranks(world_size)
+    if dist.get_rank() >= world_size:
+        return None
+    state, model = train(
+        lambda m: ddpkit.FullyShardedDataParallel(m, process_group=group, persistence_threshold=THRESHOLD), group
+    )
+    named = [(name.removeprefix("module."), p) for name, p in model.named_parameters()]
+    optimizer = make_optimizer(named)
+    loss_of(model(batch(0, 0)[0]), batch(0, 0)[1]).backward()
+    optimizer.step()
+    trained = (model.state_dict(), model.optim_state_dict(optimizer))
+    if saved is None:
+        return trained
+    model.load_state_dict(saved[0])
+    model.load_optim_state_dict(optimizer, saved[1])
+    return trained, (model.state_dict(), model.optim_state_dict(optimizer))
+
+
+def assert_same_states(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same_states(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same_states(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def test_full_state_dicts_load_at_another_world_size(eight):
+    saved = eight.run(case_checkpoint, 4, None, timeout=120)[0]
+    model_state, optim_state = saved
+    assert tuple(model_state["hidden.weight"].shape) == (31, 31) and "reembed.weight" in model_state
+    assert tuple(optim_state["state"]["hidden.weight"]["exp_avg"].shape) == (31, 31)
+    for result in eight.run(case_checkpoint, 3, saved, timeout=120)[:3]:
+        _, loaded = result
+        assert_same_states(loaded, saved)
+
+
+# --- errors and lifetimes -------------------------------------------------------------------------
+
+
+def case_mismatched_model():
+    torch.manual_seed(0)
+    model = EverythingNet() if dist.get_rank() == 0 else nn.Sequential(nn.Linear(FEATURES, 32))
+    return caught(ddpkit.FullyShardedDataParallel, model)
+
+
+def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(pool):
+    for error in pool(2).run(case_mismatched_model):
+        assert error is not None and "FullyShardedDataParallel: rank 1 has" in error, error
+
+
+def case_buffers_released():
+    """Where the compute buffers stand after a training step and after an evaluation forward."""
+    model = ddpkit.FullyShardedDataParallel(make_model(), persistence_threshold=THRESHOLD)
+    sharded = [p for u in model._units if u.index is not None for p in u.compute[0].values() if p.numel() > THRESHOLD]
+    x, y = batch(dist.get_rank(), 0)
+    loss_of(model(x), y).backward()
+    after_backward = [p.untyped_storage().nbytes() for p in sharded]
+    with torch.no_grad():
+        model(x)
+    after_eval = [p.untyped_storage().nbytes() for p in sharded]
+    shards = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return after_backward, after_eval, shards, model.sharding_stats()
+
+
+def test_gathered_units_are_released_after_backward_and_after_an_evaluation_forward(pool):
+    for rank, (after_backward, after_eval, shards, stats) in enumerate(pool(2).run(case_buffers_released)):
+        assert set(after_backward) == {0} and set(after_eval) == {0}, (after_backward, after_eval)
+        # 31x31 = 961 elements over two ranks: 481 on rank 0, 480 on rank 1; the norm stays whole.
+        assert shards["module.hidden.weight"] == ((481,) if rank == 0 else (480,)), shards
+        assert shards["module.norm.weight"] == (31,)
+        assert stats["peak_gathered_units"] <= 3, stats
