@@ -44,6 +44,7 @@ FullyShardedState::~FullyShardedState() {
       }
     }
   }
+  cache_->close();
 }
 
 FullyShardedState::Unit& FullyShardedState::unit(int64_t u) {
@@ -64,7 +65,7 @@ int64_t FullyShardedState::add_unit(std::vector<at::Tensor> params, bool sharded
   Unit unit;
   unit.keep = keep;
   unit.buffers = std::make_unique<UnitBuffers>(params, sharded, engine_->rank(), world_size_,
-                                               compute_dtype_.value_or(dtype));
+                                               compute_dtype_.value_or(dtype), cache_);
   at::Tensor packed = unit.buffers->packed();
   engine_->run(c10::kCPU, comm::TransportKind::kAuto, "broadcast",
                [&](comm::Communicator& comm) { comm::broadcast_(packed, 0, comm); });
@@ -462,6 +463,7 @@ c10::Dict<std::string, int64_t> FullyShardedState::stats() const {
   out.insert("reductions", reductions_);
   out.insert("synced_backwards", synced_backwards_);
   out.insert("peak_gathered_units", peak_gathered_);
+  out.insert("cached_bytes", cache_->cached_bytes());
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include "comm/engine/collective_work.h"
 #include "comm/engine/engine.h"
 #include "comm/core/wire_format.h"
+#include "fsdp/block_cache.h"
 #include "fsdp/unit_buffers.h"
 
 #include <ATen/ATen.h>
@@ -118,7 +119,8 @@ class FullyShardedState : public torch::CustomClassHolder {
   void finalize();
 
   // Counters since construction: "gathers" (all-gathers queued), "gathered_ahead" (of those, queued
-  // before their unit asked), "reductions", "synced_backwards", "peak_gathered_units".
+  // before their unit asked), "reductions", "synced_backwards", "peak_gathered_units", "cached_bytes"
+  // (Note [Block cache]).
   c10::Dict<std::string, int64_t> stats() const;
 
  private:
@@ -161,6 +163,7 @@ class FullyShardedState : public torch::CustomClassHolder {
   comm::WireFormat wire_;
   int world_size_ = 1;
   at::Tensor scale_;  // 1/world_size as a float64 scalar tensor: DDP's (Note [Gradients of a unit])
+  std::shared_ptr<BlockCache> cache_ = std::make_shared<BlockCache>();
   std::vector<Unit> units_;
   std::vector<std::pair<NodePtr, uintptr_t>> hooks_;
   int64_t replicated_ = -1;

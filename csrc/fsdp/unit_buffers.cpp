@@ -3,13 +3,16 @@
 #include "comm/collectives/collectives.h"
 
 #include <ATen/core/LegacyTypeDispatch.h>
-#include <c10/core/CPUAllocator.h>
 
 namespace ddpkit::fsdp {
 
 UnitBuffers::UnitBuffers(const std::vector<at::Tensor>& params, bool sharded, int rank, int world_size,
-                         at::ScalarType compute_dtype)
-    : sharded_(sharded), rank_(rank), world_size_(world_size), compute_dtype_(compute_dtype) {
+                         at::ScalarType compute_dtype, std::shared_ptr<BlockCache> cache)
+    : sharded_(sharded),
+      rank_(rank),
+      world_size_(world_size),
+      compute_dtype_(compute_dtype),
+      cache_(std::move(cache)) {
   TORCH_CHECK(!params.empty(), "UnitBuffers: a unit without parameters");
   const at::ScalarType dtype = params.front().scalar_type();
   for (const auto& p : params) {
@@ -66,7 +69,7 @@ bool UnitBuffers::compute_allocated() const { return compute_.storage().nbytes()
 void UnitBuffers::allocate_compute() {
   if (compute_allocated()) return;
   c10::StorageImpl* storage = compute_.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(c10::GetCPUAllocator()->allocate(compute_bytes_));
+  storage->set_data_ptr_noswap(cache_->allocate(compute_bytes_));
   storage->set_nbytes(compute_bytes_);
 }
 
@@ -99,16 +102,17 @@ void UnitBuffers::all_gather(comm::Communicator& comm) {
 }
 
 at::Tensor UnitBuffers::new_gradient() const {
-  return at::zeros({compute_.numel()}, compute_.options().dtype(compute_dtype_));
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return cache_->empty(compute_.numel(), compute_.options()).zero_();
 }
 
 at::Tensor UnitBuffers::reduction_input(const at::Tensor& gradient, const at::Tensor& scale) const {
   at::AutoDispatchBelowADInplaceOrView guard;
   if (gradient.scalar_type() == master_.scalar_type()) return gradient.mul_(scale);
-  return gradient.to(master_.scalar_type()).mul_(scale);
+  return cache_->empty(gradient.numel(), master_.options()).copy_(gradient).mul_(scale);
 }
 
-at::Tensor UnitBuffers::new_reduced() const { return at::empty({shard_}, master_.options()); }
+at::Tensor UnitBuffers::new_reduced() const { return cache_->empty(shard_, master_.options()); }
 
 std::vector<at::Tensor> UnitBuffers::gradient_views(const at::Tensor& reduced) const {
   if (!sharded_) return shaped_views(reduced);

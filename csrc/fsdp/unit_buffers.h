@@ -4,11 +4,13 @@
 // arithmetic of its gradient reduction (Note [Unit buffers]).
 
 #include "comm/core/communicator.h"
+#include "fsdp/block_cache.h"
 #include "sharding/shard_layout.h"
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace ddpkit::fsdp {
@@ -40,9 +42,10 @@ class UnitBuffers {
  public:
   // `params`: the unit's parameters, one floating dtype, their values the master's (after the
   // caller made them equal on every rank). `sharded`: split over the `world_size` ranks, else whole
-  // on each. `compute_dtype`: the dtype of the compute buffer (the parameters' own for none).
+  // on each. `compute_dtype`: the dtype of the compute buffer (the parameters' own for none). The
+  // compute buffer, gradients and reduced shards take their memory from `cache` (Note [Block cache]).
   UnitBuffers(const std::vector<at::Tensor>& params, bool sharded, int rank, int world_size,
-              at::ScalarType compute_dtype);
+              at::ScalarType compute_dtype, std::shared_ptr<BlockCache> cache);
 
   // The parameters back to back, padded to N·S elements (T replicated), in the master dtype: what
   // the caller broadcasts from rank 0 before adopt() takes this rank's part of it.
@@ -94,6 +97,7 @@ class UnitBuffers {
   const int rank_;
   const int world_size_;
   const at::ScalarType compute_dtype_;
+  const std::shared_ptr<BlockCache> cache_;
   std::vector<int64_t> numels_;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<int64_t> offsets_;  // each parameter's first element in the flat buffer
