@@ -24,7 +24,7 @@ FullyShardedState::FullyShardedState(std::string group_name, std::optional<at::S
                                      std::string wire)
     : engine_(comm::Engine::of(group_name)), compute_dtype_(compute_dtype), wire_(comm::parse_wire_format(wire)) {
   world_size_ = engine_->size();
-  scale_ = at::scalar_tensor(1.0 / world_size_, at::TensorOptions().dtype(at::kDouble));
+  scale_ = 1.0 / world_size_;
   if (compute_dtype_) {
     TORCH_CHECK(at::isFloatingType(*compute_dtype_), kWho, ": compute_dtype must be a floating dtype, got ",
                 *compute_dtype_);
@@ -199,11 +199,7 @@ void FullyShardedState::begin_forward(bool graph) {
     forward_order_.clear();
     std::fill(in_forward_order_.begin(), in_forward_order_.end(), false);
   }
-  if (replicated_ < 0) return;
-  Unit& replicated = units_[replicated_];
-  gather(static_cast<size_t>(replicated_), false);
-  // Its gradients start from zeros in their slots, as pre_backward points a sharded unit's.
-  if (graph && replicated.trainable > 0) point_gradients_at_slots(replicated);
+  if (replicated_ >= 0) gather(static_cast<size_t>(replicated_), false);
 }
 
 void FullyShardedState::pre_forward(int64_t u) {
@@ -284,19 +280,20 @@ void FullyShardedState::start_backward() {
   torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
 }
 
-void FullyShardedState::ensure_gradient(Unit& target) {
-  if (target.gradient.defined()) return;
-  target.gradient = target.buffers->new_gradient();
-  target.slots = target.buffers->shaped_views(target.gradient);
-}
-
-void FullyShardedState::point_gradients_at_slots(Unit& target) {
-  ensure_gradient(target);
-  for (size_t i = 0; i < target.compute_params.size(); ++i) {
-    if (!target.compute_params[i].requires_grad()) continue;
-    at::Tensor& grad = target.compute_params[i].mutable_grad();
-    if (!grad.defined() || !same_memory(grad, target.slots[i])) grad = target.slots[i];
+void FullyShardedState::write_gradient(Unit& target, size_t i) {
+  UnitBuffers& buffers = *target.buffers;
+  if (!target.input.defined()) {
+    target.input = buffers.new_reduction_input();
+    target.written.assign(buffers.parameters(), false);
   }
+  at::Tensor& grad = target.compute_params[i].mutable_grad();
+  if (grad.defined()) {
+    buffers.scale_into(target.input, i, grad, scale_);
+    grad = at::Tensor();
+  } else {
+    buffers.zero_into(target.input, i);
+  }
+  target.written[i] = true;
 }
 
 void FullyShardedState::pre_backward(int64_t u) {
@@ -305,7 +302,6 @@ void FullyShardedState::pre_backward(int64_t u) {
   if (!in_backward_) start_backward();
   const size_t index = static_cast<size_t>(u);
   wait_gathered(index);
-  if (target.trainable > 0 && !target.ready) point_gradients_at_slots(target);
   prefetch_after(index, backward_order_);
 }
 
@@ -313,15 +309,7 @@ void FullyShardedState::mark_ready(size_t u, size_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!in_backward_) start_backward();
   Unit& target = units_[u];
-  ensure_gradient(target);
-  at::Tensor& grad = target.compute_params[i].mutable_grad();
-  if (grad.defined() && !same_memory(grad, target.slots[i])) {
-    // Not the slot pre_backward gave it (no pre_backward ran for this unit, or a backward with
-    // create_graph made a new gradient): what it holds is the whole accumulated gradient.
-    at::AutoDispatchBelowADInplaceOrView guard;
-    target.slots[i].copy_(grad.detach());
-    grad = target.slots[i];
-  }
+  if (syncing_) write_gradient(target, i);
   if (++target.arrived < target.trainable) return;
   // Every gradient of the unit is in: nothing needs its gathered parameters any more.
   if (!target.keep) release(u);
@@ -338,14 +326,13 @@ void FullyShardedState::launch_ready_reductions() {
 
 void FullyShardedState::launch_reduction(size_t u) {
   Unit& target = units_[u];
-  ensure_gradient(target);  // a unit none of whose gradients arrived reduces zeros
   UnitBuffers& buffers = *target.buffers;
-  const at::Tensor input = buffers.reduction_input(target.gradient, scale_);
-  target.gradient = at::Tensor();
-  target.slots.clear();
-  for (auto& param : target.compute_params) {
-    if (param.requires_grad()) param.mutable_grad() = at::Tensor();
+  // Parameters whose gradient did not arrive: what no_sync() accumulated, else zeros.
+  for (size_t i = 0; i < buffers.parameters(); ++i) {
+    if (target.written.empty() || !target.written[i]) write_gradient(target, i);
   }
+  const at::Tensor input = std::move(target.input);
+  target.written.clear();
   const comm::WireFormat wire = wire_;
   ++reductions_;
   if (buffers.sharded()) {
@@ -426,8 +413,8 @@ void FullyShardedState::abandon_backward() {
   for (auto& target : units_) {
     auto work = std::move(target.reduce_work);
     target.reduced = at::Tensor();
-    target.gradient = at::Tensor();
-    target.slots.clear();
+    target.input = at::Tensor();
+    target.written.clear();
     for (auto& param : target.compute_params) {
       if (param.requires_grad()) param.mutable_grad() = at::Tensor();
     }

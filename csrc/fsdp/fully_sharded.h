@@ -53,20 +53,23 @@ namespace ddpkit::fsdp {
 // forward ran them. At most two units are gathered at a time in either pass, plus the kept ones.
 //
 // Note [Gradients of a unit]
-// Autograd accumulates each compute parameter's gradient into its view of the unit's gradient buffer
-// (zeroed when pre_backward makes it, so the first backward adds to zeros, as DDP's buckets do), and
-// a post hook on its AccumulateGrad node counts it in (as the DDP reducer's, Note [Overlap]). When a
-// unit's last trainable parameter has arrived, its reduction is ready: UnitBuffers::reduction_input
-// (the master dtype, times 1/N), then a reduce-scatter into a shard-sized buffer (a sum: the
-// average), or an all-reduce in place for the replicated unit. Reductions are queued strictly in one
-// order: the reverse of the order the forward ran the units, then units the forward did not run,
-// then the replicated unit; a unit ready early waits for those before it. A unit none of whose
-// gradients arrived is reduced at the end of backward with zeros, so that every rank issues every
-// reduction and an unused parameter ends with a zero gradient, as with DDP. The end of backward then
-// sets each master view's gradient to its view of the reduced buffer, or adds to the gradient it
-// already has (accumulation across synchronised backwards, as torch's FSDP adds its reduced shards).
-// Inside no_sync() nothing is reduced: the unit keeps its gradient buffer, which the next backward
-// accumulates into, and the first synchronised backward reduces the sum, as DDP reduces its buckets.
+// Autograd leaves each compute parameter's gradient in its .grad (a new tensor it hands over, or the
+// sum with what earlier backwards left there), and a post hook on its AccumulateGrad node counts it in
+// (as the DDP reducer's, Note [Overlap]) and writes it at once into the unit's reduction input, scaled
+// (UnitBuffers::scale_into: one pass, the bits DDP's bucket holds), dropping the compute gradient.
+// DDP accumulates into a zeroed bucket and then scales it in place, three passes over the gradient;
+// here the gradient is read once. When a unit's last trainable parameter has arrived, its compute
+// buffer is released and its reduction is ready: a reduce-scatter of the input into a shard-sized
+// buffer (a sum: the average), or an all-reduce in place for the replicated unit. Reductions are
+// queued strictly in one order: the reverse of the order the forward ran the units, then units the
+// forward did not run, then the replicated unit; a unit ready early waits for those before it. A
+// parameter whose gradient never arrived (unused, frozen) contributes zeros at the end of backward,
+// so that every rank issues every reduction and an unused parameter ends with a zero gradient, as
+// with DDP. The end of backward then sets each master view's gradient to its view of the reduced
+// buffer, or adds to the gradient it already has (accumulation across synchronised backwards, as
+// torch's FSDP adds its reduced shards). Inside no_sync() nothing is written or reduced: autograd
+// accumulates into the compute parameters' gradients (a unit's whole gradient, as torch's FSDP keeps
+// it), and the first synchronised backward writes and reduces the sum, as DDP reduces its buckets.
 //
 // Note [Persistent parameters]
 // Parameters of at most the persistence threshold's elements (norms, biases: DeepSpeed's
@@ -133,8 +136,8 @@ class FullyShardedState : public torch::CustomClassHolder {
     int64_t trainable = 0;  // compute parameters that require grad
     Gathered gathered = Gathered::kNo;
     c10::intrusive_ptr<c10d::Work> gather_work;
-    at::Tensor gradient;                 // the compute dtype's gradient buffer, while accumulating
-    std::vector<at::Tensor> slots;       // per parameter, its view of `gradient`
+    at::Tensor input;                    // the reduction's input while it is written
+    std::vector<bool> written;           // per parameter, its region of `input` is
     int64_t arrived = 0;                 // trainable gradients in this backward
     bool ready = false;                  // its reduction may be queued
     c10::intrusive_ptr<c10d::Work> reduce_work;
@@ -149,8 +152,7 @@ class FullyShardedState : public torch::CustomClassHolder {
   void release(size_t u);             // waits out a gather in flight first
   void prefetch_after(size_t u, const std::vector<size_t>& order);
   void start_backward();
-  void ensure_gradient(Unit& unit);
-  void point_gradients_at_slots(Unit& unit);  // the compute parameters' gradients become their slots
+  void write_gradient(Unit& unit, size_t i);  // into the reduction input; drops the compute gradient
   void mark_ready(size_t u, size_t i);  // the AccumulateGrad post hook
   void launch_ready_reductions();
   void launch_reduction(size_t u);
@@ -162,7 +164,7 @@ class FullyShardedState : public torch::CustomClassHolder {
   std::optional<at::ScalarType> compute_dtype_;
   comm::WireFormat wire_;
   int world_size_ = 1;
-  at::Tensor scale_;  // 1/world_size as a float64 scalar tensor: DDP's (Note [Gradients of a unit])
+  double scale_ = 1.0;  // 1/world_size, as DDP scales gradients (Note [Gradients of a unit])
   std::shared_ptr<BlockCache> cache_ = std::make_shared<BlockCache>();
   std::vector<Unit> units_;
   std::vector<std::pair<NodePtr, uintptr_t>> hooks_;

@@ -2,6 +2,8 @@
 
 #include "comm/collectives/collectives.h"
 
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 
 namespace ddpkit::fsdp {
@@ -101,15 +103,35 @@ void UnitBuffers::all_gather(comm::Communicator& comm) {
   comm::all_gather_into_tensor_(output, input, comm::Algorithm::kAuto, comm);
 }
 
-at::Tensor UnitBuffers::new_gradient() const {
+at::Tensor UnitBuffers::new_reduction_input() const {
+  const int64_t padded = sharded_ ? world_size_ * shard_ : total_;
+  at::Tensor input = cache_->empty(padded, master_.options());
   at::AutoDispatchBelowADInplaceOrView guard;
-  return cache_->empty(compute_.numel(), compute_.options()).zero_();
+  input.narrow(0, total_, padded - total_).zero_();
+  return input;
 }
 
-at::Tensor UnitBuffers::reduction_input(const at::Tensor& gradient, const at::Tensor& scale) const {
+void UnitBuffers::scale_into(const at::Tensor& input, size_t i, const at::Tensor& gradient, double scale) const {
+  TORCH_CHECK(gradient.numel() == numels_[i], "ddpkit.FullyShardedDataParallel: a gradient of ", gradient.numel(),
+              " elements for a parameter of ", numels_[i]);
+  const at::Tensor source = gradient.detach().contiguous();
+  AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "scale_into", [&] {
+    using Master = scalar_t;
+    Master* out = input.data_ptr<Master>() + offsets_[i];
+    // ATen's mul by a float64 scalar tensor multiplies by the scalar cast to the tensor's dtype.
+    const Master factor = static_cast<Master>(scale);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, source.scalar_type(), "scale_into", [&] {
+      const scalar_t* in = source.const_data_ptr<scalar_t>();
+      at::parallel_for(0, numels_[i], at::internal::GRAIN_SIZE, [&](int64_t begin, int64_t end) {
+        for (int64_t k = begin; k < end; ++k) out[k] = (static_cast<Master>(in[k]) + Master(0)) * factor;
+      });
+    });
+  });
+}
+
+void UnitBuffers::zero_into(const at::Tensor& input, size_t i) const {
   at::AutoDispatchBelowADInplaceOrView guard;
-  if (gradient.scalar_type() == master_.scalar_type()) return gradient.mul_(scale);
-  return cache_->empty(gradient.numel(), master_.options()).copy_(gradient).mul_(scale);
+  input.narrow(0, offsets_[i], numels_[i]).zero_();
 }
 
 at::Tensor UnitBuffers::new_reduced() const { return cache_->empty(shard_, master_.options()); }

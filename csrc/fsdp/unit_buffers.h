@@ -30,11 +30,11 @@ namespace ddpkit::fsdp {
 //    and allocated again for the next gather (release_compute/allocate_compute); the views over it
 //    that autograd saves (compute_views) stay the same tensors, so a graph built on them reads
 //    whatever the latest gather put there;
-//  - the gradient, in the compute dtype, which autograd accumulates into through compute_views-shaped
-//    views (Note [Gradients of a unit] in fully_sharded.h), then reduction_input turns into what the
-//    collective reduces: the master dtype, scaled by 1/N as DDP scales each gradient (a float64
-//    scalar tensor, so the product is rounded as DDP's is), a sum over ranks (reduce-scatter, or
-//    all-reduce for a replicated unit) then giving the average.
+//  - the reduction's input, N·S elements (T replicated) in the master dtype, into which each
+//    parameter's gradient is written as it arrives, scaled by 1/N as DDP scales each gradient
+//    (scale_into: the same bits as DDP's bucket), so that a sum over ranks (a reduce-scatter, or an
+//    all-reduce for a replicated unit) gives the average (Note [Gradients of a unit] in
+//    fully_sharded.h).
 // Every write into the compute buffer bypasses autograd's version counters (c10's
 // AutoDispatchBelowADInplaceOrView): a gather before backward refills memory that tensors saved
 // during forward view, with the same values, and must not read as an in-place change of them.
@@ -79,13 +79,18 @@ class UnitBuffers {
   // part filled first by fill_compute_locally).
   void all_gather(comm::Communicator& comm);
 
-  // A zeroed gradient buffer of the compute buffer's size and dtype.
-  at::Tensor new_gradient() const;
+  // A buffer of the compute buffer's size in the master dtype, for the reduction's input: each
+  // parameter's region is written by scale_into or zero_into, the padding is zero.
+  at::Tensor new_reduction_input() const;
+  // Parameter i's region of `input` <- (gradient + 0) * scale, in the master dtype, in one pass: what
+  // DDP's bucket holds for it (the gradient accumulated into a zeroed slot, then multiplied in place
+  // by 1/N as a float64 scalar tensor; the + 0 is that accumulation's, which turns -0 into +0).
+  // `gradient`: the compute parameter's, any floating dtype, its shape.
+  void scale_into(const at::Tensor& input, size_t i, const at::Tensor& gradient, double scale) const;
+  void zero_into(const at::Tensor& input, size_t i) const;
   // Per parameter, its view of `flat` (a buffer of the compute buffer's size) in its shape.
   std::vector<at::Tensor> shaped_views(const at::Tensor& flat) const;
-  // The gradient `gradient` (new_gradient's) as the collective reduces it: in the master dtype,
-  // multiplied by `scale` (1/N as a float64 scalar tensor). In place when the dtypes agree.
-  at::Tensor reduction_input(const at::Tensor& gradient, const at::Tensor& scale) const;
+  size_t parameters() const { return numels_.size(); }
   // A buffer for this rank's reduced shard (sharded units; replicated ones reduce in place).
   at::Tensor new_reduced() const;
   // Per parameter, the view of `reduced` (new_reduced's, or the reduction input of a replicated
