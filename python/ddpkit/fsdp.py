@@ -195,9 +195,12 @@ class FullyShardedDataParallel(nn.Module):
         # id(param) -> its piece on this rank: (first element in the parameter, length, first element in the shard)
         self._pieces: dict[int, tuple[int, int, int]] = {}
         self._sharded: list[tuple[int, list[nn.Parameter]]] = []  # (native index, parameters)
+        self._unit_of: dict[int, tuple[int, int]] = {}  # id(param) -> (its sharded unit's index in _sharded, position)
         for unit in self._units:
             if unit.params:
                 unit.index = self._add(unit.params, sharded=True, keep=unit is root, compute_of=compute_of)
+                for position, param in enumerate(unit.params):
+                    self._unit_of[id(param)] = (len(self._sharded), position)
                 self._sharded.append((unit.index, unit.params))
         self._persistent = persistent
         if persistent:
@@ -444,4 +447,85 @@ class FullyShardedDataParallel(nn.Module):
             if missing:
                 raise KeyError(f"{WHO}.load_optim_state_dict: parameters {missing} are not in this optimizer")
             groups.append({**group, "params": [index_of[n] for n in group["params"]]})
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    # --- torch.distributed.checkpoint -------------------------------------------------------------
+
+    def _as_sharded_tensor(self, param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's piece of ``param``, or a state of it) as a ShardedTensor over the flattened
+        parameter: every rank's piece in its global metadata (the shard layout is pure, so no round is needed)."""
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+        from .sharding import shard_pieces
+
+        unit, position = self._unit_of[id(param)]
+        numels = [self._shape_of[id(p)].numel() for p in self._sharded[unit][1]]
+        pieces = []
+        for rank in range(self.world_size):
+            for piece in shard_pieces(numels, self.world_size, rank):
+                if piece.param == position:
+                    pieces.append(ShardMetadata([piece.param_offset], [piece.length], f"rank:{rank}/cpu"))
+        mine = [p for p in pieces if p.placement.rank() == self.rank]
+        metadata = ShardedTensorMetadata(pieces, torch.Size([numels[position]]), TensorProperties(dtype=local.dtype))
+        shards = [Shard(local, mine[0])] if mine else []
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, metadata, process_group=self.process_group
+        )
+
+    def sharded_state_dict(self) -> dict:
+        """A state dict for ``torch.distributed.checkpoint`` under the unwrapped module's names: each sharded
+        parameter a ShardedTensor over its flattened elements whose local shard is this rank's piece itself,
+        the rest (persistent parameters, buffers) the tensors themselves, so ``dcp.save`` writes every piece
+        once and ``dcp.load`` into it loads in place, at any world size::
+
+            dcp.save(model.sharded_state_dict(), checkpoint_id=path)
+            dcp.load(model.sharded_state_dict(), checkpoint_id=path)
+        """
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            out[key] = self._as_sharded_tensor(value, value.detach()) if id(value) in self._pieces else value.detach()
+        return out
+
+    def sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """``optim_state_dict``'s layout with each per-element state a ShardedTensor over its parameter's
+        flattened elements (this rank's piece its local shard), for ``torch.distributed.checkpoint``; load
+        what dcp.load filled with ``load_sharded_optim_state_dict``. An optimizer that never stepped gets its
+        state first (torch's own DCP helper: a step with zero gradients and learning rates). No communication."""
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        _init_optim_state(optimizer)
+        names = self._names()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        own = optimizer.state_dict()
+        state = {}
+        for i, param in enumerate(params):
+            if i not in own["state"]:
+                continue
+            state[names[id(param)]] = {
+                key: self._as_sharded_tensor(param, value) if self._is_piece_state(param, value) else value
+                for key, value in own["state"][i].items()
+            }
+        groups = [
+            {**own_group, "params": [names[id(p)] for p in group["params"]]}
+            for group, own_group in zip(optimizer.param_groups, own["param_groups"])
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_sharded_optim_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        """Loads ``sharded_optim_state_dict``'s layout (after ``dcp.load`` filled it) into ``optimizer``."""
+        names = self._names()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        index_of = {names[id(p)]: i for i, p in enumerate(params)}
+        state = {}
+        for name, values in state_dict["state"].items():
+            converted = {}
+            for key, value in values.items():
+                if hasattr(value, "local_shards"):  # a ShardedTensor: this rank's piece, or none
+                    shards = value.local_shards()
+                    value = shards[0].tensor if shards else torch.empty(0, dtype=value.dtype)
+                converted[key] = value
+            state[index_of[name]] = converted
+        groups = [{**group, "params": [index_of[n] for n in group["params"]]} for group in state_dict["param_groups"]]
         optimizer.load_state_dict({"state": state, "param_groups": groups})
