@@ -354,6 +354,38 @@ def test_matches_single_process_training_across_hosts(hosts):
         assert_states_close(state, expected)
 
 
+def case_fully_sharded_as_ddp(name, steps):
+    """ddpkit.FullyShardedDataParallel (ZeRO-3) against this DDP with AdamW: the same bits on every rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shard = GLOBAL_BATCH // world_size
+    states = []
+    for wrap in (
+        ddpkit.DistributedDataParallel,
+        lambda m: ddpkit.FullyShardedDataParallel(m, persistence_threshold=16),
+    ):
+        model = wrap(make_model(name, seed=rank))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for step in range(steps):
+            x, y = global_batch(step)
+            loss_fn(model(x[rank * shard : (rank + 1) * shard]), y[rank * shard : (rank + 1) * shard]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        states.append({k.removeprefix("module."): v.view(torch.int32) for k, v in model.state_dict().items()})
+    return states
+
+
+@needs_hosts
+def test_fully_sharded_has_ddps_bits_across_hosts(hosts):
+    """ZeRO-3 across two simulated hosts of two ranks (tests/test_fsdp.py has the rest): its hierarchical
+    reduce-scatters give the bits of DDP's hierarchical all-reduces."""
+    results = hosts("2x2").run(case_fully_sharded_as_ddp, "tied", STEPS, timeout=300)
+    for ddp_state, fsdp_state in results:
+        assert ddp_state.keys() == fsdp_state.keys()
+        assert all(torch.equal(ddp_state[k], fsdp_state[k]) for k in ddp_state), [
+            k for k in ddp_state if not torch.equal(ddp_state[k], fsdp_state[k])
+        ]
+
+
 def case_backward_messages():
     """Messages sent by one backward's buckets (algorithm "auto"), and the group's transport."""
     ddp = ddpkit.DistributedDataParallel(make_model("tied", seed=0), bucket_cap_mb=0.002)

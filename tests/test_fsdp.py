@@ -1,5 +1,6 @@
 """ddpkit.FullyShardedDataParallel (ZeRO-3) against ddpkit's DistributedDataParallel, bit for bit, on real groups:
-world sizes 2 to 8 as subgroups of one pool of 8 ranks, and two simulated hosts of two ranks."""
+world sizes 2 to 8 as subgroups of one pool of 8 ranks (two simulated hosts of two ranks: tests/test_ddp.py, on its
+pool of them)."""
 
 import copy
 
@@ -11,7 +12,7 @@ from torch import nn
 import ddpkit
 from ddpkit.testing import WorkerPool
 
-from helpers import caught, needs_hosts
+from helpers import caught
 
 STEPS = 3
 FEATURES = 13
@@ -97,10 +98,10 @@ def train(wrap, group, steps=STEPS, micro_batches=1):
                 loss_of(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return names_without_prefix(model.state_dict()), model
+    return names_without_prefix(model.state_dict()), model, optimizer
 
 
-def bits(state):
+def state_bits(state):
     return {key: value.view(torch.int32) if value.dtype == torch.float32 else value for key, value in state.items()}
 
 
@@ -109,15 +110,15 @@ def case_matches_ddp(world_size, micro_batches=1):
     group = first_ranks(world_size)
     if dist.get_rank() >= world_size:
         return None
-    ddp_state, _ = train(
+    ddp_state, *_ = train(
         lambda m: ddpkit.DistributedDataParallel(m, process_group=group), group, micro_batches=micro_batches
     )
-    fsdp_state, fsdp = train(
+    fsdp_state, fsdp, _ = train(
         lambda m: ddpkit.FullyShardedDataParallel(m, process_group=group, persistence_threshold=THRESHOLD),
         group,
         micro_batches=micro_batches,
     )
-    return bits(ddp_state), bits(fsdp_state), fsdp.sharding_stats()
+    return state_bits(ddp_state), state_bits(fsdp_state), fsdp.sharding_stats()
 
 
 def assert_same_bits_as_ddp(results, world_size):
@@ -147,18 +148,13 @@ def test_no_sync_accumulates_as_ddp_does(eight):
     assert_same_bits_as_ddp(eight.run(case_matches_ddp, 2, 2, timeout=120), 2)
 
 
-@needs_hosts
-def test_matches_ddp_bit_for_bit_on_two_hosts(hosts):
-    """Two simulated hosts of two ranks: reduce-scatters and all-gathers run hierarchically."""
-    assert_same_bits_as_ddp(hosts("2x2").run(case_matches_ddp, 4, timeout=300), 4)
-
-
 # --- compute_dtype against a reference that casts by hand ----------------------------------------
 
 
 def train_by_hand(group, dtype):
     """compute_dtype's contract by hand: a float32 master, a copy cast to ``dtype`` computes forward and
-    backward, its gradients are converted to float32, scaled by 1/N as DDP scales them and summed over the ranks."""
+    backward, its gradients are converted to float32, added to zero and scaled by 1/N as DDP's zeroed buckets
+    make them, and summed over the ranks."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     master = make_model()
     ddpkit.ddp.broadcast_tensors(list(master.state_dict().values()), group)
@@ -170,7 +166,7 @@ def train_by_hand(group, dtype):
         loss_of(compute(x.to(dtype)), y).backward()
         for p, c in zip(master.parameters(), compute.parameters()):
             if p.requires_grad:
-                p.grad = c.grad.float().mul_(scale)
+                p.grad = c.grad.float().add_(0.0).mul_(scale)
                 ddpkit.all_reduce(p.grad, group=group)
         optimizer.step()
         optimizer.zero_grad()
@@ -184,8 +180,8 @@ def case_compute_dtype(world_size, dtype):
     wrap = lambda m: ddpkit.FullyShardedDataParallel(  # noqa: E731
         m, compute_dtype=dtype, process_group=group, persistence_threshold=THRESHOLD
     )
-    fsdp_state, _ = train(wrap, group)
-    return bits(train_by_hand(group, dtype)), bits(fsdp_state)
+    fsdp_state, *_ = train(wrap, group)
+    return state_bits(train_by_hand(group, dtype)), state_bits(fsdp_state)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -206,13 +202,9 @@ def case_checkpoint(world_size, saved):
     group = first_ranks(world_size)
     if dist.get_rank() >= world_size:
         return None
-    state, model = train(
+    _, model, optimizer = train(
         lambda m: ddpkit.FullyShardedDataParallel(m, process_group=group, persistence_threshold=THRESHOLD), group
     )
-    named = [(name.removeprefix("module."), p) for name, p in model.named_parameters()]
-    optimizer = make_optimizer(named)
-    loss_of(model(batch(0, 0)[0]), batch(0, 0)[1]).backward()
-    optimizer.step()
     trained = (model.state_dict(), model.optim_state_dict(optimizer))
     if saved is None:
         return trained
@@ -281,3 +273,30 @@ def test_gathered_units_are_released_after_backward_and_after_an_evaluation_forw
         assert shards["module.hidden.weight"] == ((481,) if rank == 0 else (480,)), shards
         assert shards["module.norm.weight"] == (31,)
         assert stats["peak_gathered_units"] <= 3, stats
+
+
+def case_dcp(world_size, path, save):
+    """Saves (``save``) or loads a torch.distributed.checkpoint of the model and optimizer through the sharded
+    state dicts on the first ``world_size`` ranks; returns the full states after it."""
+    import torch.distributed.checkpoint as dcp
+
+    group = first_ranks(world_size)
+    if dist.get_rank() >= world_size:
+        return None
+    wrap = lambda m: ddpkit.FullyShardedDataParallel(  # noqa: E731
+        m, process_group=group, persistence_threshold=THRESHOLD
+    )
+    _, model, optimizer = train(wrap, group, steps=1 if save else 0)
+    sharded = {"model": model.sharded_state_dict(), "optim": model.sharded_optim_state_dict(optimizer)}
+    if save:
+        dcp.save(sharded, checkpoint_id=path, process_group=group)
+    else:
+        dcp.load(sharded, checkpoint_id=path, process_group=group)
+        model.load_sharded_optim_state_dict(optimizer, sharded["optim"])
+    return model.state_dict(), model.optim_state_dict(optimizer)
+
+
+def test_sharded_state_dicts_checkpoint_through_dcp_at_another_world_size(eight, tmp_path):
+    saved = eight.run(case_dcp, 4, str(tmp_path), True, timeout=120)[0]
+    for loaded in eight.run(case_dcp, 3, str(tmp_path), False, timeout=120)[:3]:
+        assert_same_states(loaded, saved)
