@@ -160,13 +160,18 @@ void FullyShardedState::wait_gathered(size_t u) {
 
 void FullyShardedState::release(size_t u) {
   Unit& target = units_[u];
-  if (target.gathered == Gathered::kInFlight) {
-    auto work = std::move(target.gather_work);
-    target.gathered = Gathered::kNo;
-    target.buffers->release_compute();  // after the wait below: the engine's thread writes into it until then
-    work->wait();
-  }
+  const Gathered was = target.gathered;
   target.gathered = Gathered::kNo;
+  if (was == Gathered::kInFlight) {
+    // The engine's thread writes into the buffer until the gather has run.
+    auto work = std::move(target.gather_work);
+    try {
+      work->wait();
+    } catch (...) {
+      target.buffers->release_compute();
+      throw;
+    }
+  }
   target.buffers->release_compute();
 }
 
@@ -207,7 +212,7 @@ void FullyShardedState::pre_forward(int64_t u) {
   unit(u);
   const size_t index = static_cast<size_t>(u);
   wait_gathered(index);
-  if (graph_ && !in_forward_order_[index]) {
+  if (graph_ && !in_backward_ && !in_forward_order_[index]) {
     in_forward_order_[index] = true;
     forward_order_.push_back(index);
   }
@@ -226,6 +231,9 @@ void FullyShardedState::pre_forward(int64_t u) {
 void FullyShardedState::post_forward(int64_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   const Unit& target = unit(u);
+  // A forward run again inside backward (activation checkpointing) computes what this unit's backward,
+  // under way, needs: the unit stays gathered until its gradients are in.
+  if (in_backward_) return;
   if (graph_) {
     if (target.keep) return;
     // The forward's last unit: its backward comes first (the previous forward's last, or the last

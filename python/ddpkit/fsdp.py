@@ -280,8 +280,13 @@ class FullyShardedDataParallel(nn.Module):
         root.use_compute()
         try:
             output = self.module(*inputs, **kwargs)
-        finally:
-            root.use_masters()
+        except BaseException:
+            # A unit's forward that raised never ran its post-hook: every module gets its masters back (the
+            # gathered units are released by the next forward).
+            for unit in self._units:
+                unit.use_masters()
+            raise
+        root.use_masters()
         if root.index is not None:
             self._state.post_forward(root.index)
             if graph:
