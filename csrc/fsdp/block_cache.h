@@ -25,9 +25,7 @@ namespace ddpkit::fsdp {
 class BlockCache final : public c10::Allocator, public std::enable_shared_from_this<BlockCache> {
  public:
   at::DataPtr allocate(size_t bytes) override;
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
   // A 1-D tensor of `numel` elements of `options` (CPU) over a block of this cache.
   at::Tensor empty(int64_t numel, const at::TensorOptions& options);
   // Frees the cached blocks; from now on released blocks are freed, not cached.

@@ -358,8 +358,7 @@ void FullyShardedState::launch_reduction(size_t u) {
     target.reduce_work = engine_->submit(c10::kCPU, comm::TransportKind::kAuto, "all_reduce",
                                          [flat, wire](comm::Communicator& comm) mutable {
                                            comm.set_wire_format(wire);
-                                           comm::all_reduce_(flat, comm::ReduceOp::kSum, comm::Algorithm::kAuto,
-                                                             comm);
+                                           comm::all_reduce_(flat, comm::ReduceOp::kSum, comm::Algorithm::kAuto, comm);
                                          });
   }
 }

@@ -136,12 +136,12 @@ class FullyShardedState : public torch::CustomClassHolder {
     int64_t trainable = 0;  // compute parameters that require grad
     Gathered gathered = Gathered::kNo;
     c10::intrusive_ptr<c10d::Work> gather_work;
-    at::Tensor input;                    // the reduction's input while it is written
-    std::vector<bool> written;           // per parameter, its region of `input` is
-    int64_t arrived = 0;                 // trainable gradients in this backward
-    bool ready = false;                  // its reduction may be queued
+    at::Tensor input;           // the reduction's input while it is written
+    std::vector<bool> written;  // per parameter, its region of `input` is
+    int64_t arrived = 0;        // trainable gradients in this backward
+    bool ready = false;         // its reduction may be queued
     c10::intrusive_ptr<c10d::Work> reduce_work;
-    at::Tensor reduced;                  // where the reduction's result lands
+    at::Tensor reduced;  // where the reduction's result lands
   };
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
@@ -153,7 +153,7 @@ class FullyShardedState : public torch::CustomClassHolder {
   void prefetch_after(size_t u, const std::vector<size_t>& order);
   void start_backward();
   void write_gradient(Unit& unit, size_t i);  // into the reduction input; drops the compute gradient
-  void mark_ready(size_t u, size_t i);  // the AccumulateGrad post hook
+  void mark_ready(size_t u, size_t i);        // the AccumulateGrad post hook
   void launch_ready_reductions();
   void launch_reduction(size_t u);
   void finish_backward();
@@ -177,9 +177,9 @@ class FullyShardedState : public torch::CustomClassHolder {
   std::vector<size_t> previous_order_;  // the previous graph-building forward's
   std::vector<bool> in_forward_order_;
   bool in_backward_ = false;
-  bool syncing_ = false;                  // this backward reduces (sync was enabled when it started)
-  std::vector<size_t> backward_order_;    // reverse of forward_order_
-  std::vector<size_t> reduction_order_;   // Note [Gradients of a unit]
+  bool syncing_ = false;                 // this backward reduces (sync was enabled when it started)
+  std::vector<size_t> backward_order_;   // reverse of forward_order_
+  std::vector<size_t> reduction_order_;  // Note [Gradients of a unit]
   size_t next_reduction_ = 0;
 
   int64_t gathers_ = 0;

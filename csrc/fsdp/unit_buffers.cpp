@@ -10,11 +10,7 @@ namespace ddpkit::fsdp {
 
 UnitBuffers::UnitBuffers(const std::vector<at::Tensor>& params, bool sharded, int rank, int world_size,
                          at::ScalarType compute_dtype, std::shared_ptr<BlockCache> cache)
-    : sharded_(sharded),
-      rank_(rank),
-      world_size_(world_size),
-      compute_dtype_(compute_dtype),
-      cache_(std::move(cache)) {
+    : sharded_(sharded), rank_(rank), world_size_(world_size), compute_dtype_(compute_dtype), cache_(std::move(cache)) {
   TORCH_CHECK(!params.empty(), "UnitBuffers: a unit without parameters");
   const at::ScalarType dtype = params.front().scalar_type();
   for (const auto& p : params) {
