@@ -11,6 +11,7 @@
 #include "ddp/reducer.h"
 #include "fsdp/fully_sharded.h"
 #include "sharding/shard_layout.h"
+#include "sharding/sharded_parameters.h"
 #include "syncbn/syncbn.h"
 
 namespace {
@@ -89,6 +90,7 @@ TORCH_LIBRARY(ddpkit, m) {
 
   // Gradient bucketing DDP (csrc/ddp): the pure bucket assignment and the reducer.
   m.def("grad_sync_modes() -> str[]", &ddpkit::ddp::grad_sync_modes);
+  m.def("gradient_sharding_modes() -> str[]", &ddpkit::ddp::gradient_sharding_modes);
   // Bucket index per parameter, -1 where included[i] is False (Note [Bucket assignment]).
   m.def(
       "assign_buckets(int[] sizes_bytes, int[] kinds, int cap_bytes, int first_cap_bytes, bool[]? included=None) "
@@ -96,22 +98,37 @@ TORCH_LIBRARY(ddpkit, m) {
       &assign_buckets_op);
   m.class_<ddpkit::ddp::Reducer>("Reducer")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::optional<std::string>, std::string,
-                       std::string, bool>(),
+                       std::string, bool, std::string>(),
            "See csrc/ddp/reducer.h",
            {torch::arg("parameters"), torch::arg("bucket_of_param"), torch::arg("group_name"),
             torch::arg("algorithm") = "auto", torch::arg("grad_sync") = "bucketed",
-            torch::arg("gradient_as_bucket_view") = true})
+            torch::arg("gradient_as_bucket_view") = true, torch::arg("shard") = "none"})
       .def("prepare_for_forward", &ddpkit::ddp::Reducer::prepare_for_forward)
       .def("set_sync", &ddpkit::ddp::Reducer::set_sync)
       .def("sync_enabled", &ddpkit::ddp::Reducer::sync_enabled)
       .def("finalize", &ddpkit::ddp::Reducer::finalize)
       .def("buckets", &ddpkit::ddp::Reducer::buckets)
+      .def("gradient_shards", &ddpkit::ddp::Reducer::gradient_shards)
       .def("stats", &ddpkit::ddp::Reducer::stats);
 
   // The shard layout of sharded data parallelism (csrc/sharding, Note [Shard layout]).
   m.def("shard_size(int total, int world_size) -> int", &ddpkit::sharding::shard_size);
   m.def("shard_range(int total, int world_size, int rank) -> int[]", &shard_range_op);
   m.def("shard_pieces(int[] numels, int world_size, int rank) -> int[]", &shard_pieces_op);
+  m.class_<ddpkit::sharding::ShardedParameters>("ShardedParameters")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::string>(),
+           "See csrc/sharding/sharded_parameters.h",
+           {torch::arg("parameters"), torch::arg("bucket_of_param"), torch::arg("group_name")})
+      .def("buffers", &ddpkit::sharding::ShardedParameters::buffers)
+      .def("shards", &ddpkit::sharding::ShardedParameters::shards)
+      .def("pieces", &ddpkit::sharding::ShardedParameters::pieces)
+      .def("offsets", &ddpkit::sharding::ShardedParameters::offsets)
+      .def("gather", &ddpkit::sharding::ShardedParameters::gather)
+      .def("wait", &ddpkit::sharding::ShardedParameters::wait)
+      .def("wait_all", &ddpkit::sharding::ShardedParameters::wait_all)
+      .def("pending", &ddpkit::sharding::ShardedParameters::pending)
+      .def("world_size", &ddpkit::sharding::ShardedParameters::world_size)
+      .def("rank", &ddpkit::sharding::ShardedParameters::rank);
 
   // ZeRO-3 (csrc/fsdp): the native state of ddpkit.FullyShardedDataParallel (fully_sharded.h).
   m.class_<ddpkit::fsdp::FullyShardedState>("FullyShardedState")

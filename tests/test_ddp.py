@@ -9,7 +9,7 @@ import ddpkit
 from ddpkit.ddp import assign_buckets
 from ddpkit.testing import WorkerPool
 
-from helpers import BufferNet, FailingBackward, UnusedBranchNet, needs_hosts
+from helpers import BufferNet, FailingBackward, UnusedBranchNet, bits, needs_hosts
 
 GLOBAL_BATCH = 16
 FEATURES = 12
@@ -384,6 +384,35 @@ def test_fully_sharded_has_ddps_bits_across_hosts(hosts):
         assert all(torch.equal(ddp_state[k], fsdp_state[k]) for k in ddp_state), [
             k for k in ddp_state if not torch.equal(ddp_state[k], fsdp_state[k])
         ]
+
+
+def case_sharded_optimizer_as_ddp(name, steps):
+    """ZeRO-1 and ZeRO-2 (ddpkit.ShardedOptimizer on this DDP) against the DDP with AdamW: the same bits."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    shard = GLOBAL_BATCH // world_size
+    states = []
+    for shard_gradients in (None, False, True):
+        ddp = ddpkit.DistributedDataParallel(make_model(name, seed=0), bucket_cap_mb=0.001, first_bucket_cap_mb=0.001)
+        if shard_gradients is None:
+            optimizer = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+        else:
+            optimizer = ddpkit.ShardedOptimizer(
+                ddp.parameters(), torch.optim.AdamW, shard_gradients=shard_gradients, lr=0.01
+            )
+        for step in range(steps):
+            x, y = global_batch(step)
+            loss_fn(ddp(x[rank * shard : (rank + 1) * shard]), y[rank * shard : (rank + 1) * shard]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        states.append({k: v.detach().clone() for k, v in ddp.module.state_dict().items()})
+    return [all(torch.equal(bits(states[0][k]), bits(v)) for k, v in state.items()) for state in states[1:]]
+
+
+@needs_hosts
+def test_sharded_optimizer_has_ddps_bits_across_hosts(hosts):
+    """ZeRO-1 and -2 across two simulated hosts (real namespaces; tests/test_sharded_optimizer.py has the rest):
+    hierarchical reduce-scatters and all-gathers give the bits of the hierarchical all-reduce."""
+    assert hosts("2x2").run(case_sharded_optimizer_as_ddp, "frozen", STEPS, timeout=300) == [[True, True]] * 4
 
 
 def case_backward_messages():

@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <unordered_map>
 
 namespace ddpkit::ddp {
@@ -35,6 +36,17 @@ std::vector<int64_t> assign_buckets(const std::vector<int64_t>& sizes_bytes, con
     if (it->second.bytes >= it->second.cap) open.erase(it);
   }
   return bucket_of;
+}
+
+std::vector<std::vector<size_t>> bucket_slots(const std::vector<int64_t>& bucket_of_param) {
+  int64_t bucket_count = 0;
+  for (int64_t b : bucket_of_param) bucket_count = std::max(bucket_count, b + 1);
+  std::vector<std::vector<size_t>> slots(static_cast<size_t>(bucket_count));
+  for (size_t i = bucket_of_param.size(); i-- > 0;) {
+    if (bucket_of_param[i] >= 0) slots[bucket_of_param[i]].push_back(i);
+  }
+  for (size_t b = 0; b < slots.size(); ++b) TORCH_CHECK(!slots[b].empty(), "bucket ", b, " has no parameters");
+  return slots;
 }
 
 }  // namespace ddpkit::ddp

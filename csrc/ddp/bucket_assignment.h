@@ -23,4 +23,9 @@ namespace ddpkit::ddp {
 std::vector<int64_t> assign_buckets(const std::vector<int64_t>& sizes_bytes, const std::vector<int64_t>& kinds,
                                     const std::vector<bool>& included, int64_t cap_bytes, int64_t first_cap_bytes);
 
+// The parameters of each bucket in slot order (last parameter first, as assign_buckets visited them),
+// from assign_buckets()' result: what lays a bucket out as a flat buffer, for the reducer's gradients
+// and ShardedParameters' parameters alike. Fails where a bucket index below the largest has no parameter.
+std::vector<std::vector<size_t>> bucket_slots(const std::vector<int64_t>& bucket_of_param);
+
 }  // namespace ddpkit::ddp

@@ -1,7 +1,11 @@
 #include "ddp/reducer.h"
 
+#include "ddp/bucket_assignment.h"
+#include "sharding/shard_layout.h"
+
 #include <torch/csrc/autograd/engine.h>
 
+#include <algorithm>
 #include <chrono>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -12,6 +16,8 @@ namespace {
 
 constexpr SyncMode kModes[] = {SyncMode::kBucketed, SyncMode::kPerParameter, SyncMode::kGatherScatter};
 constexpr std::string_view kModeNames[] = {"bucketed", "per_parameter", "gather_scatter"};
+constexpr Sharding kShardings[] = {Sharding::kNone, Sharding::kOptimizer, Sharding::kGradients};
+constexpr std::string_view kShardingNames[] = {"none", "optimizer", "gradients"};
 
 SyncMode parse_mode(const std::string& mode) {
   for (size_t i = 0; i < std::size(kModes); ++i) {
@@ -19,6 +25,14 @@ SyncMode parse_mode(const std::string& mode) {
   }
   TORCH_CHECK(false, "ddpkit.DistributedDataParallel: unknown grad_sync '", mode, "'; expected one of ",
               c10::Join(", ", grad_sync_modes()));
+}
+
+Sharding parse_sharding(const std::string& shard) {
+  for (size_t i = 0; i < std::size(kShardings); ++i) {
+    if (shard == kShardingNames[i]) return kShardings[i];
+  }
+  TORCH_CHECK(false, "ddpkit.DistributedDataParallel: unknown gradient sharding '", shard, "'; expected one of ",
+              c10::Join(", ", gradient_sharding_modes()));
 }
 
 bool same_memory(const at::Tensor& a, const at::Tensor& b) {
@@ -29,17 +43,33 @@ bool same_memory(const at::Tensor& a, const at::Tensor& b) {
 
 std::vector<std::string> grad_sync_modes() { return {std::begin(kModeNames), std::end(kModeNames)}; }
 
+std::vector<std::string> gradient_sharding_modes() { return {std::begin(kShardingNames), std::end(kShardingNames)}; }
+
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_param,
                  std::optional<std::string> group_name, std::string algorithm, std::string mode,
-                 bool gradient_as_bucket_view)
+                 bool gradient_as_bucket_view, std::string shard)
     : params_(std::move(params)),
       algorithm_(comm::parse_algorithm(algorithm)),
       mode_(parse_mode(mode)),
-      gradient_as_bucket_view_(gradient_as_bucket_view) {
+      gradient_as_bucket_view_(gradient_as_bucket_view),
+      sharding_(parse_sharding(shard)) {
   TORCH_CHECK(params_.size() == bucket_of_param.size(), "Reducer: one bucket index per parameter expected");
+  if (sharding_ != Sharding::kNone) {  // Note [Sharded gradients]
+    TORCH_CHECK(group_name, "ddpkit.DistributedDataParallel: sharded gradients need a process group");
+    TORCH_CHECK(mode_ == SyncMode::kBucketed, "ddpkit.DistributedDataParallel: sharded gradients take grad_sync='",
+                kModeNames[0], "', got '", mode, "'");
+    static constexpr comm::Algorithm kReduceScatters[] = {comm::Algorithm::kAuto, comm::Algorithm::kRing,
+                                                          comm::Algorithm::kHalvingDoubling, comm::Algorithm::kDirect,
+                                                          comm::Algorithm::kHierarchical};
+    TORCH_CHECK(
+        std::find(std::begin(kReduceScatters), std::end(kReduceScatters), algorithm_) != std::end(kReduceScatters),
+        "ddpkit.DistributedDataParallel: sharded gradients are reduce-scattered, which algorithm '", algorithm,
+        "' does not do (auto, ring, halving_doubling, direct and hierarchical do)");
+  }
   if (group_name) {
     engine_ = comm::Engine::of(*group_name);
     world_size_ = engine_->size();
+    rank_ = engine_->rank();
   }
   scale_ = at::scalar_tensor(1.0 / world_size_, at::TensorOptions().dtype(at::kDouble));
   slots_.resize(params_.size());
@@ -65,37 +95,85 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_
 
 void Reducer::build_buckets(const std::vector<int64_t>& bucket_of_param) {
   // Slots in the order assign_buckets() visited them: last parameter first (Note [Bucket assignment]).
-  int64_t bucket_count = 0;
-  for (int64_t b : bucket_of_param) bucket_count = std::max(bucket_count, b + 1);
-  buckets_.resize(static_cast<size_t>(bucket_count));
-  for (size_t i = params_.size(); i-- > 0;) {
-    if (bucket_of_param[i] >= 0) buckets_[bucket_of_param[i]].params.push_back(i);
-  }
+  const auto slots = bucket_slots(bucket_of_param);
+  buckets_.resize(slots.size());
   for (size_t b = 0; b < buckets_.size(); ++b) {
     auto& bucket = buckets_[b];
-    TORCH_CHECK(!bucket.params.empty(), "Reducer: bucket ", b, " has no parameters");
+    bucket.params = slots[b];
     const at::Tensor& first = params_[bucket.params.front()];
-    int64_t numel = 0;
     for (size_t i : bucket.params) {
       TORCH_CHECK(params_[i].scalar_type() == first.scalar_type() && params_[i].device() == first.device(),
                   "Reducer: bucket ", b, " mixes dtypes or devices");
-      numel += params_[i].numel();
-    }
-    bucket.flat = at::zeros({numel}, first.options());
-    int64_t offset = 0;
-    for (size_t i : bucket.params) {
-      bucket.offsets.push_back(static_cast<size_t>(offset));
+      bucket.offsets.push_back(static_cast<size_t>(bucket.numel));
       bucket.lengths.push_back(static_cast<size_t>(params_[i].numel()));
-      Slot& slot = slots_[i];
-      slot.bucket = static_cast<int64_t>(b);
-      slot.view = bucket.flat.narrow(0, offset, params_[i].numel()).view(params_[i].sizes());
-      offset += params_[i].numel();
+      slots_[i].bucket = static_cast<int64_t>(b);
+      bucket.numel += params_[i].numel();
+    }
+    // Note [Sharded gradients]: padded to N·S, this rank's block of S is its shard.
+    const int64_t shard = sharding::shard_size(bucket.numel, world_size_);
+    const int64_t padded = sharding_ == Sharding::kNone ? bucket.numel : world_size_ * shard;
+    if (sharding_ == Sharding::kGradients) {
+      bucket.grad_shard = at::zeros({shard}, first.options());
+      transfer_bytes_ = std::max(transfer_bytes_, padded * static_cast<int64_t>(first.element_size()));
+      continue;  // its slots are laid out in a transfer buffer when its first gradient arrives
+    }
+    bucket.flat = at::zeros({padded}, first.options());
+    if (sharding_ == Sharding::kOptimizer) bucket.grad_shard = bucket.flat.narrow(0, rank_ * shard, shard);
+    lay_out_slots(b);
+    for (size_t i : bucket.params) {
       at::Tensor& grad = params_[i].mutable_grad();
       if (gradient_as_bucket_view_ && grad.defined()) {  // Note [Gradient as bucket view]
-        slot.view.copy_(grad);
-        grad = slot.view;
+        slots_[i].view.copy_(grad);
+        grad = slots_[i].view;
       }
     }
+  }
+}
+
+void Reducer::lay_out_slots(size_t index) {
+  Bucket& bucket = buckets_[index];
+  for (size_t k = 0; k < bucket.params.size(); ++k) {
+    const at::Tensor& param = params_[bucket.params[k]];
+    slots_[bucket.params[k]].view =
+        bucket.flat.narrow(0, static_cast<int64_t>(bucket.offsets[k]), param.numel()).view(param.sizes());
+  }
+}
+
+void Reducer::take_transfer_buffer(size_t index) {
+  // Note [Sharded gradients]: a buffer whose reduce-scatter has finished is free again.
+  if (transfer_pool_.empty()) {
+    for (auto& other : buckets_) {
+      if (other.transfer.defined() && other.work && other.work->isCompleted()) give_back_transfer_buffer(other);
+    }
+  }
+  Bucket& bucket = buckets_[index];
+  const at::Tensor& first = params_[bucket.params.front()];
+  auto usable = std::find_if(transfer_pool_.begin(), transfer_pool_.end(),
+                             [&](const at::Tensor& buffer) { return buffer.device() == first.device(); });
+  if (usable == transfer_pool_.end()) {
+    bucket.transfer = at::empty({transfer_bytes_}, first.options().dtype(at::kByte));
+    ++transfer_buffers_;
+  } else {
+    bucket.transfer = std::move(*usable);
+    transfer_pool_.erase(usable);
+  }
+  const int64_t padded = world_size_ * bucket.grad_shard.numel();
+  bucket.flat =
+      bucket.transfer.narrow(0, 0, padded * static_cast<int64_t>(first.element_size())).view(first.scalar_type());
+  bucket.flat.narrow(0, bucket.numel, padded - bucket.numel).zero_();  // the padding (Note [Shard layout])
+  lay_out_slots(index);
+}
+
+void Reducer::give_back_transfer_buffer(Bucket& bucket) {
+  transfer_pool_.push_back(std::move(bucket.transfer));
+  bucket.transfer = at::Tensor();
+  bucket.flat = at::Tensor();
+  for (size_t i : bucket.params) slots_[i].view = at::Tensor();
+}
+
+void Reducer::give_back_transfer_buffers() {
+  for (auto& bucket : buckets_) {
+    if (bucket.transfer.defined()) give_back_transfer_buffer(bucket);
   }
 }
 
@@ -117,7 +195,7 @@ Reducer::~Reducer() {
 void Reducer::prepare_for_forward() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (in_backward_) abandon_unfinished_backward();
-  if (mode_ != SyncMode::kBucketed || !gradient_as_bucket_view_) return;
+  if (mode_ != SyncMode::kBucketed || !gradient_as_bucket_view_ || sharding_ == Sharding::kGradients) return;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!slots_[i].included || !params_[i].requires_grad()) continue;  // Note [Frozen after wrapping]
     at::Tensor& grad = params_[i].mutable_grad();
@@ -145,6 +223,7 @@ void Reducer::abandon_unfinished_backward() {
     }
   }
   in_backward_ = false;
+  give_back_transfer_buffers();
   TORCH_WARN(
       "ddpkit.DistributedDataParallel: the previous backward raised before its gradients were "
       "synchronised, so they hold this rank's own, unaveraged values: zero them before the next "
@@ -160,6 +239,10 @@ void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) 
               "ddpkit.DistributedDataParallel: a communication hook takes grad_sync='bucketed', got '",
               kModeNames[static_cast<size_t>(mode_)], "'");
   TORCH_CHECK(!in_backward_, "ddpkit.DistributedDataParallel: register_comm_hook during backward");
+  TORCH_CHECK(sharding_ == Sharding::kNone,
+              "ddpkit.DistributedDataParallel: a communication hook replaces each bucket's all-reduce, and with "
+              "a ShardedOptimizer the buckets are reduce-scattered instead (Note [Sharded gradients]): use one or "
+              "the other");
   comm_hook_ = std::move(hook);
 }
 
@@ -201,6 +284,9 @@ void Reducer::start_iteration() {
 
 void Reducer::copy_into_slot(size_t index) {
   Slot& slot = slots_[index];
+  if (sharding_ == Sharding::kGradients && !buckets_[slot.bucket].flat.defined()) {
+    take_transfer_buffer(static_cast<size_t>(slot.bucket));
+  }
   at::Tensor& grad = params_[index].mutable_grad();
   if (!params_[index].requires_grad()) {  // Note [Frozen after wrapping]: it contributes zeros
     if (grad.defined() && same_memory(grad, slot.view)) grad = grad.clone();
@@ -217,7 +303,11 @@ void Reducer::copy_into_slot(size_t index) {
     } else {
       at::mul_out(slot.view, grad.detach(), scale_);
     }
-    if (gradient_as_bucket_view_) grad = slot.view;
+    if (sharding_ == Sharding::kGradients) {
+      grad = at::Tensor();  // Note [Sharded gradients]: the bucket is the gradient's last stop here
+    } else if (gradient_as_bucket_view_) {
+      grad = slot.view;
+    }
   }
 }
 
@@ -246,6 +336,14 @@ void Reducer::launch(size_t index) {
   // Note [Overlap]: queued on the group's engine, which runs it while backward goes on.
   at::Tensor flat = bucket.flat;
   const comm::Algorithm algorithm = algorithm_;
+  if (sharding_ != Sharding::kNone) {  // Note [Sharded gradients]
+    at::Tensor shard = bucket.grad_shard;
+    bucket.work = engine_->submit(flat.device().type(), comm::TransportKind::kAuto, "reduce_scatter",
+                                  [flat, shard, algorithm](comm::Communicator& comm) mutable {
+                                    comm::reduce_scatter_tensor_(shard, flat, comm::ReduceOp::kSum, algorithm, comm);
+                                  });
+    return;
+  }
   bucket.work = engine_->submit(flat.device().type(), comm::TransportKind::kAuto, "all_reduce",
                                 [flat, algorithm](comm::Communicator& comm) mutable {
                                   comm::all_reduce_(flat, comm::ReduceOp::kSum, algorithm, comm);
@@ -294,11 +392,16 @@ void Reducer::finish_bucketed() {
       if (!failure) failure = std::current_exception();
     }
   }
+  give_back_transfer_buffers();
   if (failure) std::rethrow_exception(failure);
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& slot = slots_[i];
     if (!slot.included || !params_[i].requires_grad()) continue;  // Note [Frozen after wrapping]
     at::Tensor& grad = params_[i].mutable_grad();
+    if (sharding_ != Sharding::kNone) {  // Note [Sharded gradients]: only the shards hold averages
+      grad = at::Tensor();
+      continue;
+    }
     if (gradient_as_bucket_view_ || !grad.defined()) {
       if (!grad.defined() || !same_memory(grad, slot.view)) {
         grad = gradient_as_bucket_view_ ? slot.view : slot.view.clone();
@@ -345,7 +448,17 @@ void Reducer::finish_per_parameter() {
 
 std::vector<at::Tensor> Reducer::buckets() const {
   std::vector<at::Tensor> out;
-  for (const auto& bucket : buckets_) out.push_back(bucket.flat);
+  for (const auto& bucket : buckets_) {
+    if (bucket.flat.defined()) out.push_back(bucket.flat);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> Reducer::gradient_shards() const {
+  std::vector<at::Tensor> out;
+  for (const auto& bucket : buckets_) {
+    if (bucket.grad_shard.defined()) out.push_back(bucket.grad_shard);
+  }
   return out;
 }
 
@@ -358,6 +471,8 @@ c10::Dict<std::string, int64_t> Reducer::stats() const {
   out.insert("buckets", static_cast<int64_t>(buckets_.size()));
   out.insert("wait_us", wait_us_);
   out.insert("last_wait_us", last_wait_us_);
+  out.insert("transfer_buffers", transfer_buffers_);
+  out.insert("transfer_bytes", transfer_buffers_ * transfer_bytes_);
   return out;
 }
 

@@ -31,6 +31,17 @@ enum class SyncMode {
 // enum's order; ddpkit.ddp.GRAD_SYNC_MODES reads this list (op ddpkit::grad_sync_modes).
 std::vector<std::string> grad_sync_modes();
 
+// What a synchronised backward leaves of the averaged gradients (Note [Sharded gradients]).
+enum class Sharding {
+  kNone,       // every averaged gradient, in param.grad, on every rank (all-reduced): DDP
+  kOptimizer,  // ZeRO-1: this rank's shard of each bucket, in place in the full, persistent bucket
+  kGradients   // ZeRO-2: this rank's shard of each bucket only; the buckets are transfer buffers
+};
+
+// The names Python passes as `shard` ("none", "optimizer", "gradients"), in the enum's order;
+// ddpkit.ddp.GRADIENT_SHARDING reads this list (op ddpkit::gradient_sharding_modes).
+std::vector<std::string> gradient_sharding_modes();
+
 // Note [Overlap]
 // A post hook on each parameter's AccumulateGrad node runs right after the parameter's gradient
 // has been accumulated. In kBucketed mode it copies the gradient, scaled by 1/world_size, into
@@ -104,6 +115,31 @@ std::vector<std::string> grad_sync_modes();
 // so that no hook's callback still writes into a bucket the next backward refills. The hook never
 // calls back into this reducer (its lock is held).
 
+// Note [Sharded gradients]
+// With a ddpkit.ShardedOptimizer (ZeRO-1 and -2; the coupling is Note [Sharded optimizer and reducer]
+// in python/ddpkit/sharded_optimizer.py) each bucket is laid out as Note [Shard layout] says (padded
+// to N·S elements, the padding zero) and reduce-scattered instead of all-reduced: the same gradients
+// enter it, scaled by 1/N as without sharding, and each rank receives the sum of its own shard only,
+// its gradient shard (gradient_shards()[b]), with which the optimizer steps the same elements of the
+// parameters (Note [Sharded parameters] in sharding/sharded_parameters.h). A reduce-scatter sends
+// half of what an all-reduce sends and the parameters' all-gather after the step the other half, so a
+// step sends what DDP's does. The reduce-scatter sums every element in the order the all-reduce does
+// (Note [Reductions]), so a shard holds DDP's bits (tests/test_sharded_optimizer.py).
+//  - kOptimizer (ZeRO-1): the buckets stay as without sharding, full-size and kept (with
+//    gradient_as_bucket_view param.grad views them and no_sync() accumulates there); the
+//    reduce-scatter writes this rank's block of the bucket in place: that block is its gradient shard.
+//  - kGradients (ZeRO-2): a bucket is only a transfer buffer, taken from a pool when its first gradient
+//    arrives and given back once its reduce-scatter has finished, and the hook drops each gradient
+//    once it is in the bucket, so a rank keeps only its gradient shards (buffers of their own) from
+//    one step to the next: 4/N bytes per float32 parameter, plus the pool (as many buckets as are in
+//    flight at once). Under no_sync() gradients accumulate in param.grad, as autograd leaves them.
+// Either way, after a synchronised backward param.grad is None for every parameter the reducer
+// synchronises (a frozen one's is left alone, Note [Frozen after wrapping]): the averaged gradient
+// exists only as shards, each on its owner. Unused parameters, frozen ones and a backward that raised
+// keep their rules. A communication hook replaces an all-reduce by another reduction of the whole
+// bucket, which a reduce-scatter is not: the two are refused together, as are grad_sync modes
+// other than "bucketed".
+
 class Reducer : public torch::CustomClassHolder {
  public:
   // `params`: the parameters in registration order (shared parameters once); `bucket_of_param[i]`
@@ -111,11 +147,13 @@ class Reducer : public torch::CustomClassHolder {
   // index must hold parameters of one dtype and device. `group_name`: the registered group whose
   // engine runs the all-reduces; none for a reducer whose buckets only a communication hook will
   // reduce (register_comm_hook before the first synchronised backward). `algorithm`: an all-reduce
-  // algorithm name of collectives/collectives.h ("process_group" = the group's own). `mode`: "bucketed" |
-  // "per_parameter" | "gather_scatter". Registers one post hook per included parameter; the
+  // algorithm name of collectives/collectives.h ("process_group" = the group's own); with `shard` other
+  // than "none", one that also reduce-scatters (Note [All-gather and reduce-scatter]). `mode`: "bucketed" |
+  // "per_parameter" | "gather_scatter". `shard`: "none" | "optimizer" | "gradients" (Note [Sharded
+  // gradients]; needs a group and "bucketed"). Registers one post hook per included parameter; the
   // destructor removes them.
   Reducer(std::vector<at::Tensor> params, std::vector<int64_t> bucket_of_param, std::optional<std::string> group_name,
-          std::string algorithm, std::string mode, bool gradient_as_bucket_view);
+          std::string algorithm, std::string mode, bool gradient_as_bucket_view, std::string shard);
   ~Reducer() override;
 
   Reducer(const Reducer&) = delete;
@@ -137,19 +175,30 @@ class Reducer : public torch::CustomClassHolder {
   // backward); a no-op otherwise. Blocks until every bucket has arrived.
   void finalize();
 
-  // The flat bucket tensors, in launch order (for tests and memory accounting).
+  // The flat bucket tensors, in launch order (for tests and memory accounting); with kGradients
+  // those that hold a transfer buffer now (none outside backward).
   std::vector<at::Tensor> buckets() const;
+
+  // With sharding: this rank's gradient shard of each bucket (S elements, Note [Sharded gradients]),
+  // in bucket order; the same tensors for the reducer's life. Empty without.
+  std::vector<at::Tensor> gradient_shards() const;
 
   // Counters since construction: "synced_backwards", "collectives" (gradient all-reduces issued, or
   // communication hook calls),
   // "launched_during_backward" (buckets launched before backward ended), "buckets", "wait_us" (time
   // the end of backward spent waiting for communication, i.e. the part not overlapped) and
-  // "last_wait_us" (the same for the latest synchronised backward).
+  // "last_wait_us" (the same for the latest synchronised backward), "transfer_buffers" and
+  // "transfer_bytes" (kGradients: the pool's buffers and their bytes, Note [Sharded gradients]).
   c10::Dict<std::string, int64_t> stats() const;
 
  private:
   struct Bucket {
-    at::Tensor flat;                      // one dtype and device, numel = sum of its parameters' numels
+    // One dtype and device; numel = sum of its parameters' numels, padded to N·S with sharding
+    // (kGradients: a region of a transfer buffer while it holds one, else undefined).
+    at::Tensor flat;
+    int64_t numel = 0;                    // the parameters' elements (T)
+    at::Tensor transfer;                  // kGradients: the pool's buffer `flat` lies in, while held
+    at::Tensor grad_shard;                // with sharding: this rank's S elements of the reduced bucket
     std::vector<size_t> params;           // indices into params_, in slot order
     std::vector<size_t> offsets;          // each slot's first element in `flat` (c10d::GradBucket's)
     std::vector<size_t> lengths;          // each slot's numel
@@ -166,8 +215,12 @@ class Reducer : public torch::CustomClassHolder {
   };
 
   void build_buckets(const std::vector<int64_t>& bucket_of_param);
-  void mark_ready(size_t index);  // the AccumulateGrad post hook
-  void start_iteration();         // first hook of a synchronised backward
+  void lay_out_slots(size_t index);                // the slots' views of bucket `index`'s flat
+  void take_transfer_buffer(size_t index);         // kGradients: a pool buffer for bucket `index`
+  void give_back_transfer_buffer(Bucket& bucket);  // kGradients: once its reduce-scatter has finished
+  void give_back_transfer_buffers();               // kGradients: every bucket's, once all have
+  void mark_ready(size_t index);                   // the AccumulateGrad post hook
+  void start_iteration();                          // first hook of a synchronised backward
   void copy_into_slot(size_t index);
   void launch_ready_buckets();
   void launch(size_t index);
@@ -187,7 +240,13 @@ class Reducer : public torch::CustomClassHolder {
   comm::Algorithm algorithm_;
   SyncMode mode_;
   bool gradient_as_bucket_view_;
+  Sharding sharding_;
   int world_size_ = 1;
+  int rank_ = 0;
+  // kGradients: the free transfer buffers (bytes, each large enough for any bucket), and how many were made.
+  std::vector<at::Tensor> transfer_pool_;
+  int64_t transfer_bytes_ = 0;
+  int64_t transfer_buffers_ = 0;
   // 1/world_size as a float64 CPU tensor: ATen multiplies a float16/bfloat16 gradient by it in
   // float32, where a scale of the gradient's own dtype, or a Scalar (mul_.Scalar rounds it to that
   // dtype), is 1/3 rounded to 0.333984 in bfloat16: every gradient 0.2% too large.

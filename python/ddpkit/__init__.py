@@ -1,9 +1,10 @@
 """ddpkit: data-parallel training for PyTorch, built from point-to-point messages.
 
 Importing ddpkit loads its C++ extension, which registers the ``torch.ops.ddpkit`` custom ops and
-the ``"ddpkit"`` torch.distributed backend. The library is ``comm``, ``syncbn``, ``ddp``, ``backend``
-and ``launch``, with ``workers`` (``spawn``: run a function on N fresh processes that share a process
-group; ``WorkerPool``: keep them for many calls). ``ddpkit.testing`` is the multi-process harness of the
+the ``"ddpkit"`` torch.distributed backend. The library is ``comm``, ``syncbn``, ``ddp``, ``sharding``
+(the shard layout) and ``sharded_optimizer`` (ZeRO-1/2), ``backend`` and ``launch``, with ``workers``
+(``spawn``: run a function on N fresh processes that share a process group; ``WorkerPool``: keep them for
+many calls). ``ddpkit.testing`` is the multi-process harness of the
 tests and benchmarks (simulated hosts, engine timing), and ``ddpkit.training`` the training application
 (datasets, models, trainer): the library imports neither.
 ``ddpkit.__version__`` is the installed distribution's version (pyproject.toml's).
@@ -36,6 +37,7 @@ from .comm import (
 from .ddp import DistributedDataParallel, GradientAccumulation
 from .fsdp import FullyShardedDataParallel
 from .launch import init_distributed
+from .sharded_optimizer import ShardedOptimizer
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm, sync_batch_norm
 from .workers import spawn
 
@@ -53,6 +55,7 @@ __all__ = [
     "FullyShardedDataParallel",
     "GradientAccumulation",
     "Options",
+    "ShardedOptimizer",
     "SyncBatchNorm",
     "all_gather_into_tensor",
     "all_reduce",

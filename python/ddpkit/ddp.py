@@ -15,17 +15,21 @@ torch DDP's does): torch's hooks (compression, PowerSGD) and torchft's fault-tol
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _C, comm
 
 GRAD_SYNC_MODES = tuple(torch.ops.ddpkit.grad_sync_modes())  # from C++: csrc/ddp/reducer.h
+# What a synchronised backward leaves of the gradients (Note [Sharded gradients] in csrc/ddp/reducer.h).
+GRADIENT_SHARDING = tuple(torch.ops.ddpkit.gradient_sharding_modes())
 DEFAULT_ALGORITHM = "auto"
 
 
@@ -35,6 +39,26 @@ def assign_buckets(
     """Bucket index per parameter, -1 where ``included[i]`` is False (default: all included); parameters of
     different ``kinds`` (small integers: dtype and device) never share a bucket. See Note [Bucket assignment]."""
     return torch.ops.ddpkit.assign_buckets(sizes_bytes, kinds, cap_bytes, first_cap_bytes, included)
+
+
+# Each parameter a ddpkit DDP synchronises -> a weak reference to that DDP: how a ShardedOptimizer built on
+# the parameters finds the reducer to shard (Note [Sharded optimizer and reducer]).
+_SYNCHRONISED_BY: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def synchronising_ddp(params: Iterable[torch.Tensor]) -> DistributedDataParallel | None:
+    """The live ddpkit DistributedDataParallel that synchronises any of ``params`` (None: none does); raises
+    where two different ones do."""
+    found = None
+    for param in params:
+        ref = _SYNCHRONISED_BY.get(param)
+        ddp = ref() if ref is not None else None
+        if ddp is None:
+            continue
+        if found is not None and ddp is not found:
+            raise ValueError("ddpkit: these parameters are synchronised by two different DistributedDataParallel")
+        found = ddp
+    return found
 
 
 class DistributedDataParallel(nn.Module):
@@ -84,6 +108,9 @@ class DistributedDataParallel(nn.Module):
         self.algorithm = algorithm
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._reducer = None
+        self._reducer_generation = 0  # bumped whenever the reducer is rebuilt (_shard_gradients)
+        self.gradient_sharding = "none"  # GRADIENT_SHARDING: a ShardedOptimizer sets it
+        self._has_comm_hook = False
         self.world_size: int | None = None
         if not init_sync and broadcast_buffers:
             raise ValueError(
@@ -100,6 +127,10 @@ class DistributedDataParallel(nn.Module):
             int(first_bucket_cap_mb * 2**20),
             included=[p.requires_grad for p in parameters],
         )
+        myself = weakref.ref(self)
+        for param, bucket in zip(parameters, self._bucket_of):
+            if bucket >= 0:
+                _SYNCHRONISED_BY[param] = myself
         if init_sync:
             self._build_reducer(with_group=True)
             _check_same_model_on_every_rank(module, process_group)
@@ -120,7 +151,26 @@ class DistributedDataParallel(nn.Module):
             algorithm=self.algorithm,
             grad_sync=self.grad_sync,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
+            shard=self.gradient_sharding,
         )
+        self._reducer_generation += 1
+
+    def _shard_gradients(self, sharding: str):
+        """Rebuilds the reducer to reduce-scatter its buckets (Note [Sharded gradients]); returns it. Called by
+        ddpkit.ShardedOptimizer (Note [Sharded optimizer and reducer]), outside backward."""
+        if sharding not in GRADIENT_SHARDING:
+            raise ValueError(f"gradient sharding must be one of {GRADIENT_SHARDING}, got {sharding!r}")
+        if self._has_comm_hook:
+            raise ValueError(
+                "ddpkit.DistributedDataParallel: a communication hook replaces each bucket's all-reduce, and a "
+                "ShardedOptimizer makes the buckets reduce-scattered instead: use one or the other"
+            )
+        if self.world_size is None:
+            raise ValueError("ddpkit.DistributedDataParallel: a ShardedOptimizer needs a DDP built with init_sync=True")
+        self.gradient_sharding = sharding
+        self._reducer = None  # the old reducer's hooks go with it, before the new one registers its own
+        self._build_reducer(with_group=True)
+        return self._reducer
 
     def _native_reducer(self):
         if self._reducer is None:
@@ -148,6 +198,7 @@ class DistributedDataParallel(nn.Module):
         if self._reducer is None:  # init_sync=False: the hook may be all that communicates
             self._build_reducer(with_group=False)
         _C.register_comm_hook(self._reducer, state, hook)
+        self._has_comm_hook = True
 
     def forward(self, *inputs, **kwargs):
         reducer = self._native_reducer()
