@@ -2,7 +2,8 @@
 # Both set everything up first (scripts/setup.sh is idempotent: the first time it installs torch and
 # builds the extension, later it only rebuilds what changed).
 # `make main` trains ddpkit's and torch's pipelines side by side on Fashion-MNIST, short (3 epochs on
-# 30000 samples), into runs/main/ (training.json, training.png); the full-length comparison the report
+# 30000 samples), into runs/main/ (training.json, training.png); `make main MAIN_ARGS="--shard gradients"`
+# adds ddpkit's pipeline with ZeRO-2 (bench_training.py's --shard); the full-length comparison the report
 # shows is `.venv/bin/python benchmarks/bench_training.py --full` (about 35 minutes on 2 cores).
 PY := .venv/bin/python
 
@@ -16,7 +17,7 @@ setup:
 main:
 	bash scripts/setup.sh plot
 	@echo "== main: ddpkit's and torch's training pipelines side by side (benchmarks/bench_training.py)"
-	$(PY) benchmarks/bench_training.py
+	$(PY) benchmarks/bench_training.py $(MAIN_ARGS)
 
 # The suite runs in two pytest-xdist workers, a test file each at a time (--dist loadfile: a file's pools
 # and simulated hosts are made once): much of its time is waiting (process start-up, rendezvous, the

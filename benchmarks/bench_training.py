@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from ddpkit.launch import DistInfo  # noqa: E402
 from ddpkit.testing import WorkerPool  # noqa: E402
+from ddpkit.training.config import SHARD_MODES  # noqa: E402
 from ddpkit.training.data import dataset_name  # noqa: E402
 from ddpkit.training.train import TrainConfig, Trainer  # noqa: E402
 from records import TrainingRecord, load_records  # noqa: E402
@@ -118,13 +119,22 @@ def finish() -> dict:
     }
 
 
-def pipelines(backend: str) -> dict[str, tuple[str, bool]]:
-    """The pipelines to compare, name -> (impl, sync_bn). "ddpkit" and "torch" are the like-for-like pair:
-    torch synchronizes BatchNorm only on CUDA (nccl), so elsewhere both run plain BatchNorm and ddpkit's
-    SyncBatchNorm is a row of its own."""
+def pipelines(backend: str, shards: list[str] = ()) -> dict[str, tuple[str, bool, str]]:
+    """The pipelines to compare, name -> (impl, sync_bn, shard). "ddpkit" and "torch" are the like-for-like
+    pair: torch synchronizes BatchNorm only on CUDA (nccl), so elsewhere both run plain BatchNorm and ddpkit's
+    SyncBatchNorm is a row of its own. Each of ``shards`` (--shard: train.py's) adds "ddpkit_shard_<it>",
+    the "ddpkit" pipeline with that sharding."""
     if backend == "nccl":
-        return {"ddpkit": ("ddpkit", True), "torch": ("torch", True)}
-    return {"ddpkit": ("ddpkit", False), "torch": ("torch", False), "ddpkit_sync_bn": ("ddpkit", True)}
+        chosen = {"ddpkit": ("ddpkit", True, "none"), "torch": ("torch", True, "none")}
+    else:
+        chosen = {
+            "ddpkit": ("ddpkit", False, "none"),
+            "torch": ("torch", False, "none"),
+            "ddpkit_sync_bn": ("ddpkit", True, "none"),
+        }
+    for shard in shards:
+        chosen[f"ddpkit_shard_{shard}"] = ("ddpkit", chosen["ddpkit"][1], shard)
+    return chosen
 
 
 # The settings of the runs (per rank and micro-batch: --batch-size).
@@ -166,6 +176,13 @@ def main() -> None:
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--data-root")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--shard",
+        nargs="+",
+        default=[],
+        choices=[mode for mode in SHARD_MODES if mode != "none"],
+        help="add the ddpkit pipeline with train.py's --shard of each (ZeRO-1: optimizer, ZeRO-2: gradients)",
+    )
     parser.add_argument("--output", default="training", help="results name: <results-dir>/<output>.json and .png")
     parser.add_argument(
         "--results-dir",
@@ -209,7 +226,7 @@ def main() -> None:
     )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
 
-    candidates = pipelines(backend)
+    candidates = pipelines(backend, args.shard)
     configs = {
         name: TrainConfig(
             dataset=args.dataset,
@@ -217,6 +234,7 @@ def main() -> None:
             model=args.model,
             impl=impl,
             sync_bn=sync_bn,
+            shard=shard,
             epochs=epochs,
             batch_size=args.batch_size,
             accumulation_steps=args.accumulation_steps,
@@ -230,7 +248,7 @@ def main() -> None:
             progress=args.progress,
             log_every=10**9,
         )
-        for name, (impl, sync_bn) in candidates.items()
+        for name, (impl, sync_bn, shard) in candidates.items()
     }
     width = max(map(len, configs))
     print(
@@ -284,6 +302,7 @@ def main() -> None:
             TrainingRecord(
                 candidate=name,
                 impl=config.impl,
+                shard=config.shard if config.shard != "none" else None,
                 sync_bn=batch_norm != "BatchNorm",
                 batch_norm=batch_norm,
                 world_size=args.world_size,
@@ -315,6 +334,8 @@ def main() -> None:
     summary = {"batch_norm": by_name["ddpkit"].batch_norm, **compare("ddpkit"), "machine_load": machine_load}
     if "ddpkit_sync_bn" in by_name:
         summary["ddpkit_sync_bn_vs_torch"] = compare("ddpkit_sync_bn")
+    for shard in args.shard:
+        summary[f"ddpkit_shard_{shard}_vs_torch"] = compare(f"ddpkit_shard_{shard}")
     path = common.write_results(
         args.output,
         backend=backend,
@@ -328,7 +349,13 @@ def main() -> None:
             "world_size": args.world_size,
             "threads_per_process": pools["ddpkit"].threads,
             "candidates": {
-                r.candidate: {"impl": r.impl, "sync_bn": r.sync_bn, "batch_norm": r.batch_norm} for r in records
+                r.candidate: {
+                    "impl": r.impl,
+                    "sync_bn": r.sync_bn,
+                    "batch_norm": r.batch_norm,
+                    "shard": r.shard or "none",
+                }
+                for r in records
             },
             "headline": "ddpkit against torch, both with the same BatchNorm",
             "block_steps": args.block_steps,

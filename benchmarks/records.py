@@ -241,6 +241,7 @@ class TrainingRecord(Record):
 
     candidate: str
     impl: str
+    shard: str | None = optional()  # train.py's --shard where not "none" (bench_training.py --shard)
     sync_bn: bool
     batch_norm: str | None = optional()
     world_size: int
@@ -267,9 +268,10 @@ class TrainingRecord(Record):
     @property
     def label(self) -> str:
         """The pipeline in words, e.g. "ddpkit DDP, plain BatchNorm" or "torch DDP, torch.nn.SyncBatchNorm"."""
+        sharded = f" + ShardedOptimizer ({self.shard})" if self.shard else ""
         if not self.synchronized:
-            return f"{self.impl} DDP, plain BatchNorm"
-        return f"{self.impl} DDP, {self.batch_norm or ('ddpkit.SyncBatchNorm' if self.impl == 'ddpkit' else 'torch.nn.SyncBatchNorm')}"
+            return f"{self.impl} DDP{sharded}, plain BatchNorm"
+        return f"{self.impl} DDP{sharded}, {self.batch_norm or ('ddpkit.SyncBatchNorm' if self.impl == 'ddpkit' else 'torch.nn.SyncBatchNorm')}"
 
     @property
     def epoch_times_s(self) -> list[float]:

@@ -16,9 +16,11 @@ import bench_training  # noqa: E402
 
 def test_the_headline_pair_runs_the_same_batch_norm():
     cpu = bench_training.pipelines("gloo")
-    assert cpu["ddpkit"] == ("ddpkit", False) and cpu["torch"] == ("torch", False)  # plain BatchNorm both
-    assert cpu["ddpkit_sync_bn"] == ("ddpkit", True)  # ddpkit's SyncBatchNorm: a row of its own
-    assert bench_training.pipelines("nccl") == {"ddpkit": ("ddpkit", True), "torch": ("torch", True)}
+    assert cpu["ddpkit"] == ("ddpkit", False, "none") and cpu["torch"] == ("torch", False, "none")  # plain both
+    assert cpu["ddpkit_sync_bn"] == ("ddpkit", True, "none")  # ddpkit's SyncBatchNorm: a row of its own
+    assert bench_training.pipelines("nccl") == {"ddpkit": ("ddpkit", True, "none"), "torch": ("torch", True, "none")}
+    # --shard adds the ddpkit pipeline with the sharding, on its BatchNorm
+    assert bench_training.pipelines("gloo", ["gradients"])["ddpkit_shard_gradients"] == ("ddpkit", False, "gradients")
 
 
 def test_blocks_cut_every_epoch_and_never_cross_its_end():
@@ -66,7 +68,12 @@ def test_a_tiny_run_records_what_ran_and_plots_it(tmp_path):
         "torch": ("torch", False, "BatchNorm"),
         "ddpkit_sync_bn": ("ddpkit", True, "ddpkit.SyncBatchNorm"),
     }
-    assert document["settings"]["candidates"]["torch"] == {"impl": "torch", "sync_bn": False, "batch_norm": "BatchNorm"}
+    assert document["settings"]["candidates"]["torch"] == {
+        "impl": "torch",
+        "sync_bn": False,
+        "batch_norm": "BatchNorm",
+        "shard": "none",
+    }
     assert document["summary"]["batch_norm"] == "BatchNorm" and "ddpkit_sync_bn_vs_torch" in document["summary"]
     assert "headline, like for like: ddpkit DDP, plain BatchNorm against torch DDP, plain BatchNorm" in result.stdout
     spread = document["summary"]["time_ratio"]

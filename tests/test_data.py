@@ -619,11 +619,27 @@ def test_sharding_state_after_set_epoch_starts_at_zero():
     assert batches.state_dict()["position"] == 0
 
 
+def test_sharding_resumes_at_another_world_size_with_the_same_samples_per_batch():
+    """Batch i of every rank holds the same positions of the permutation at any world size with the same
+    samples per batch over all ranks: a run resumed at 1 rank x 8 continues 2 ranks x 4 with the same samples."""
+    two = [ShardedBatches(50, 4, rank, 2, seed=3, drop_last=True) for rank in range(2)]
+    batches = [list(sampler) for sampler in two]
+    stopped = ShardedBatches(50, 4, 0, 2, seed=3, drop_last=True)
+    iterator = iter(stopped)
+    next(iterator), next(iterator)
+    one = ShardedBatches(50, 8, 0, 1, seed=3, drop_last=True)
+    one.load_state_dict(stopped.state_dict())
+    rest = list(one)
+    assert len(rest) == len(batches[0]) - 2
+    for i, batch in enumerate(rest, start=2):
+        assert sorted(batch.tolist()) == sorted(batches[0][i].tolist() + batches[1][i].tolist())
+
+
 def test_sharding_rejects_mismatched_checkpoint_and_bad_arguments():
     checkpoint = ShardedBatches(30, 4, 0, 2, seed=0).state_dict()
     with pytest.raises(ValueError, match="checkpoint has seed=0, this run 1"):
         ShardedBatches(30, 4, 0, 2, seed=1).load_state_dict(checkpoint)
-    with pytest.raises(ValueError, match="checkpoint has world_size=2, this run 3"):
+    with pytest.raises(ValueError, match="hold 4 samples on each of 2 ranks, this run's 4 on each of 3"):
         ShardedBatches(30, 4, 0, 3, seed=0).load_state_dict(checkpoint)
     with pytest.raises(ValueError, match="position 99"):
         ShardedBatches(30, 4, 0, 2, seed=0).load_state_dict({**checkpoint, "position": 99})

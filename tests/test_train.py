@@ -129,6 +129,35 @@ def test_resumed_run_equals_uninterrupted_run(pool, tmp_path):
     assert all("belongs to a different run (lr 0.05 -> 0.1)" in error for error in errors), errors
 
 
+def case_resume_and_run(config: TrainConfig):
+    """The optimizer's consolidated state right after resuming, then the finished run's summary."""
+    trainer = make_trainer(config)
+    state = trainer.optimizer.state_dict()
+    return trainer.step, state, trainer.run()
+
+
+@needs_fashion_mnist
+def test_sharded_runs_have_ddps_bits_and_resume_at_another_world_size(pool, tmp_path):
+    """--shard optimizer and gradients (ZeRO-1/2) train with the bits of --shard none; a sharded run stopped
+    at 2 ranks resumes at 4 from its consolidated checkpoint (the same samples per step: a fixed global batch)."""
+    base = dict(max_steps=6, limit_test=64, global_batch_size=64, accumulation_steps=1, optimizer="adamw", lr=0.01)
+    states = {}
+    for shard in ("none", "optimizer", "gradients"):
+        config = small_config(tmp_path / shard, shard=shard, **base)
+        states[shard] = pool(2).run(case_train, config, timeout=300)[0][1]
+    for shard in ("optimizer", "gradients"):
+        assert all(torch.equal(states[shard][k], v) for k, v in states["none"].items()), shard
+    moved = small_config(tmp_path / "moved", shard="gradients", checkpoint_every=3, **base)
+    pool(2).run(case_train, moved, until_step=3, timeout=300)
+    saved = torch.load(tmp_path / "moved" / "checkpoint.pt", weights_only=False)["optimizer"]
+    for step, state, summary in pool(4).run(case_resume_and_run, moved, timeout=300):
+        assert step == 3 and [record["step"] for record in summary["history"]["steps"]] == [1, 2, 3, 4, 5, 6]
+        assert state["param_groups"] == saved["param_groups"]
+        assert all(
+            torch.equal(state["state"][i][k], v) for i, entries in saved["state"].items() for k, v in entries.items()
+        )
+
+
 def case_pause_within_an_epoch(config: TrainConfig, until_step: int):
     trainer = make_trainer(config)
     paused = trainer.train_epoch(until_step=until_step)

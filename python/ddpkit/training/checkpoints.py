@@ -22,10 +22,10 @@ def write_json_atomically(obj, path: Path) -> None:
     write_atomically(path, lambda handle: handle.write((json.dumps(obj, indent=1) + "\n").encode()))
 
 
-def read_checkpoint(path: Path | None, rank: int, world_size: int) -> dict | None:
+def read_checkpoint(path: Path | None, rank: int, world_size: int, any_world_size: bool = False) -> dict | None:
     """The checkpoint at ``path`` on every rank (rank 0 reads it and broadcasts it: nodes need not share a
     file system), or None where there is none; raises ``UsageError`` on every rank for a file that is no
-    checkpoint of this many ranks. Collective."""
+    checkpoint of this many ranks (of any number with ``any_world_size``). Collective."""
     holder = [None]
     if rank == 0 and path is not None and path.exists():
         try:
@@ -43,10 +43,11 @@ def read_checkpoint(path: Path | None, rank: int, world_size: int) -> dict | Non
         return None
     if "error" in state:
         raise UsageError(state["error"])
-    if state["world_size"] != world_size:
+    if state["world_size"] != world_size and not any_world_size:
         raise UsageError(
             f"ddpkit: checkpoint {path} was written by {state['world_size']} ranks, this run has "
-            f"{world_size}; use another --out or --no-resume"
+            f"{world_size}; use another --out or --no-resume (a run with --global-batch-size resumes at any "
+            "world size)"
         )
     return state
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from .. import comm
 from ..ddp import GRAD_SYNC_MODES
 from ..launch import DEFAULT_GROUP_TIMEOUT_S, DistInfo, init_distributed
-from .config import COMM_HOOKS, TrainConfig
+from .config import COMM_HOOKS, SHARD_MODES, TrainConfig
 from .data import DATA_ROOT, DATASETS, FASHION_MNIST_ROOT, dataset_name
 from .models import MODELS
 
@@ -226,6 +226,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
         default=defaults.comm_hook,
         help="a communication hook on the DDP: bf16_crossing sends the gradients' bytes across hosts in "
         "bfloat16 (ddpkit.Options), bf16_compress is torch's bf16_compress_hook (every step, in bfloat16)",
+    )
+    parser.add_argument(
+        "--shard",
+        choices=SHARD_MODES,
+        default=defaults.shard,
+        help="what the ranks shard (docs/sharding.md): optimizer = ZeRO-1, gradients = ZeRO-2 "
+        "(ddpkit.ShardedOptimizer; the bits of none, less memory)",
     )
     parser.add_argument(
         "--epochs",

@@ -27,6 +27,10 @@ class UsageError(ValueError):
 # bfloat16 before an all-reduce of bfloat16, inside hosts too.
 COMM_HOOKS = ("none", "bf16_crossing", "bf16_compress")
 
+# What a run shards across its ranks (--shard; docs/sharding.md): "optimizer" (ZeRO-1) and "gradients" (ZeRO-2)
+# train with ddpkit.ShardedOptimizer on the DDP, with the bits of "none".
+SHARD_MODES = ("none", "optimizer", "gradients")
+
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -39,6 +43,7 @@ class TrainConfig:
     grad_sync: str = "bucketed"
     algorithm: str = DEFAULT_ALGORITHM
     comm_hook: str = "none"  # COMM_HOOKS
+    shard: str = "none"  # SHARD_MODES
     epochs: int = 10
     batch_size: int = 64  # per rank and micro-batch
     global_batch_size: int | None = None  # per optimizer step; overrides batch_size
@@ -90,12 +95,32 @@ RUN_DEFINING = (
 
 def resolve_config(config: TrainConfig) -> TrainConfig:
     """``config`` with its dataset's canonical name and ``augment`` resolved: before the checkpoint stores
-    it and resume compares it, so that an explicit --augment equal to the dataset's default is the same run."""
+    it and resume compares it, so that an explicit --augment equal to the dataset's default is the same run.
+    Raises ``UsageError`` (on every rank alike) for settings that do not go together."""
     try:
         config = dataclasses.replace(config, dataset=dataset_name(config.dataset))
     except ValueError as error:
         raise UsageError(str(error)) from None
+    check_shard(config)
     return dataclasses.replace(config, augment=resolved_augment(config.augment, config.dataset))
+
+
+def check_shard(config: TrainConfig) -> None:
+    """--shard gradients reduce-scatters in ddpkit's reducer: --impl ddpkit, bucketed, no communication hook;
+    --shard optimizer also runs beside torch's DDP (ZeRO-1 with one more all-gather)."""
+    if config.shard not in SHARD_MODES:
+        raise UsageError(f"ddpkit: --shard must be one of {', '.join(SHARD_MODES)}, got {config.shard!r}")
+    if config.shard == "none":
+        return
+    if config.shard == "gradients" and config.impl != "ddpkit":
+        raise UsageError("ddpkit: --shard gradients shards the gradients in ddpkit's DDP: it needs --impl ddpkit")
+    if config.impl == "ddpkit" and config.grad_sync != "bucketed":
+        raise UsageError(f"ddpkit: --shard {config.shard} reduce-scatters buckets: it needs --grad-sync bucketed")
+    if config.impl == "ddpkit" and config.comm_hook != "none":
+        raise UsageError(
+            f"ddpkit: --shard {config.shard} reduce-scatters the buckets a communication hook would all-reduce: "
+            "use one or the other"
+        )
 
 
 def raise_if_any_rank_failed(error: str | None) -> None:

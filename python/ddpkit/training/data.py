@@ -607,13 +607,21 @@ class ShardedBatches:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restores ``state_dict()``'s position; the order-determining settings must be the same."""
-        for key in ("num_samples", "batch_size", "world_size", "seed", "shuffle", "drop_last"):
+        """Restores ``state_dict()``'s position; the order-determining settings must be the same. The world
+        size may differ where the ranks' batches together hold as many samples (``batch_size x world_size``):
+        batch i of every rank then holds positions [i * batch_size * world_size, (i + 1) * ...) of the
+        epoch's permutation, the same samples at any world size."""
+        for key in ("num_samples", "seed", "shuffle", "drop_last"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"ddpkit: cannot resume ShardedBatches: the checkpoint has {key}={state[key]!r}, "
                     f"this run {getattr(self, key)!r}"
                 )
+        if state["batch_size"] * state["world_size"] != self.batch_size * self.world_size:
+            raise ValueError(
+                f"ddpkit: cannot resume ShardedBatches: the checkpoint's batches hold {state['batch_size']} samples "
+                f"on each of {state['world_size']} ranks, this run's {self.batch_size} on each of {self.world_size}"
+            )
         if not 0 <= state["position"] <= self._num_batches:
             raise ValueError(f"ddpkit: checkpoint position {state['position']} is not in [0, {self._num_batches}]")
         self.epoch, self._position, self._restored = state["epoch"], state["position"], True

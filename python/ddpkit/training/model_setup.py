@@ -11,6 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..backend import Options
 from ..ddp import DistributedDataParallel
+from ..sharded_optimizer import ShardedOptimizer
 from .config import TrainConfig, UsageError
 
 
@@ -77,10 +78,17 @@ def wrap_data_parallel(model: nn.Module, config: TrainConfig, device: torch.devi
 
 
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """SGD or AdamW (--optimizer); with --shard, ddpkit.ShardedOptimizer around it, built after the DDP so
+    that it shards that DDP's gradients too (ZeRO-2)."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     if config.optimizer == "sgd":
-        return torch.optim.SGD(parameters, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
-    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+        optimizer_class, options = torch.optim.SGD, dict(momentum=config.momentum)
+    else:
+        optimizer_class, options = torch.optim.AdamW, {}
+    options.update(lr=config.lr, weight_decay=config.weight_decay)
+    if config.shard in ("optimizer", "gradients"):
+        return ShardedOptimizer(parameters, optimizer_class, shard_gradients=config.shard == "gradients", **options)
+    return optimizer_class(parameters, **options)
 
 
 def count_total_steps(steps_per_epoch: int, config: TrainConfig) -> int:

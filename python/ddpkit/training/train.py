@@ -136,12 +136,20 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
-        if self.rank == 0 and self.out_dir:
-            save_atomically(self.checkpoint_state(), self.out_dir / "checkpoint.pt")
+        if not self.out_dir:
+            return
+        # On every rank: a ShardedOptimizer's state_dict() consolidates its shards (a collective).
+        state = self.checkpoint_state()
+        if self.rank == 0:
+            save_atomically(state, self.out_dir / "checkpoint.pt")
 
     def _resume(self) -> None:
         path = self.out_dir / "checkpoint.pt" if self.out_dir else None
-        state = read_checkpoint(path, self.rank, self.world_size)
+        # With a fixed global batch, every optimizer step takes the same samples at any world size
+        # (ShardedBatches), and the optimizer's state dict is whole (a ShardedOptimizer's consolidated one).
+        state = read_checkpoint(
+            path, self.rank, self.world_size, any_world_size=self.config.global_batch_size is not None
+        )
         if state is None:
             return
         extending = check_same_run(state, self.config, path)
