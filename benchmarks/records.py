@@ -374,6 +374,39 @@ class TorchStackRecord(Record):
     peak_rss_increase_bytes: int | None = optional()  # over the RSS before the model was built
 
 
+# -- bench_sharding.py: sharding.json ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardingRecord(Record):
+    """One candidate of bench_sharding.py (sharding_candidates.CANDIDATES) at one world size and model: step
+    time, model state, peak RSS (phases one_host and hosts), or ddpkit's bytes sent per step (phase bytes)."""
+
+    kind: str = _kind("sharding")
+    phase: str  # one_host, bytes, hosts
+    candidate: str  # ddpkit_ddp, zero1, zero2, torch_zero_ddpkit, fsdp2_ddpkit, fsdp2_gloo, torch_ddp_gloo, ...
+    world_size: int
+    topology: str | None = optional()  # hosts: "2x2"
+    model: str  # "25M" (six Linear 2048x2048), "100M" (six 4096x4096)
+    params: int
+    batch_per_rank: int
+    median_step_s: float | None = optional()  # the slowest rank's, median over repetitions
+    p25_step_s: float | None = optional()
+    p75_step_s: float | None = optional()
+    reps: int | None = optional()
+    steps_per_rep: int | None = optional()
+    model_state_bytes: int | None = optional()  # parameters, gradients, optimizer state (largest rank)
+    model_state_bytes_per_param: float | None = optional()
+    expected_bytes_per_param: float | None = optional()  # the ZeRO paper's, where the issue sets a bar
+    transfer_bytes: int | None = optional()  # ZeRO-2's pool of gradient transfer buffers
+    peak_rss_bytes: int | None = optional()  # VmHWM of the candidate alone in its processes (largest rank)
+    peak_rss_increase_bytes: int | None = optional()  # over the RSS when it was built
+    bytes_sent_per_step: float | None = optional()  # ddpkit's counters, largest rank (hosts: what crosses)
+    bytes_sent_per_param: float | None = optional()
+    algorithm: str | None = optional()  # phase bytes: ddpkit DDP's all-reduce algorithm
+    max_param_diff_vs_ddp: float | None = optional()  # after the warm-up, against ddpkit DDP's parameters
+
+
 # -- bench_latency.py: latency.json ------------------------------------------------------------------------
 
 
@@ -458,6 +491,7 @@ BY_KIND: dict[str, type[Record]] = {
     "multihost_ddp": MultihostDdpRecord,
     "multihost_collective": MultihostCollectiveRecord,
     "torch_stack": TorchStackRecord,
+    "sharding": ShardingRecord,
     "latency": LatencyRecord,
     "fault_tolerance": FaultToleranceRecord,
     "compression_training": CompressionRecord,
