@@ -31,7 +31,10 @@ namespace ddpkit::comm {
 //    comes from a rank reduced earlier (std::max), so a NaN on a later rank is dropped there.
 //  - Sums are combined in an order every rank agrees on (each schedule computes every element in
 //    one place, or, in recursive doubling, with the lower rank's operand first), since a + b and
-//    b + a differ in the payload of a NaN.
+//    b + a differ in the payload of a NaN. The shared-memory collectives (shm/direct.h) sum every
+//    element in rank order, whichever rank's slice it falls in, so that an all-reduce, which slices
+//    by chunk, and a reduce-scatter, which slices by block, give every element the same bits: what
+//    makes ZeRO-2's gradient shards DDP's (Note [Sharded gradients] in ddp/reducer.h).
 //
 // Note [One reduction family]
 // As NCCL's reduction/reduce_kernel.h: one functor per way of combining two elements (FuncSum, FuncMax,

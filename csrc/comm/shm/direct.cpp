@@ -80,13 +80,13 @@ void ShmDirect::all_reduce(const at::Tensor& flat, ReduceOp op, std::string_view
       reduce_sources(dtype, op, chunk, sources, 0, count);
       continue;
     }
-    // This rank's slice, reduced by this rank alone (so every rank gets the same bits), in place in
-    // its tensor, which comes first among the sources (`out` may only alias the first), and copied
-    // block by block from L1 into its slot for the peers.
+    // This rank's slice, reduced by this rank alone (so every rank gets the same bits) from the ranks'
+    // data in rank order, this rank's own read from its tensor (Note [Reductions]: the order of the
+    // whole-chunk path and of the reduce-scatter, so that an element's bits never depend on which
+    // rank's slice it falls in), into its slot for the peers and, block by block from L1, its tensor.
     sources[seg_.rank()] = chunk;
-    std::rotate(sources.begin(), sources.begin() + seg_.rank(), sources.begin() + seg_.rank() + 1);
-    reduce_sources(dtype, op, chunk + start * element, sources, start, length, mine + start * element);
-    std::rotate(sources.begin(), sources.begin() + 1, sources.begin() + seg_.rank() + 1);
+    reduce_sources(dtype, op, mine + start * element, sources, start, length, chunk + start * element);
+    sources[seg_.rank()] = mine;
     memory_.control(seg_.rank()).reduced.post(target);
     WaitContext reductions = context;
     reductions.awaited = WaitContext::Awaited::kReduced;
@@ -137,6 +137,7 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
   const int64_t block = rejected ? 0 : output.numel();  // elements per rank
   const char* const in = block == 0 ? nullptr : static_cast<const char*>(input.data_ptr());
   char* const out = block == 0 ? nullptr : static_cast<char*>(output.data_ptr());
+  const bool in_place = out != nullptr && out == in + seg_.rank() * block * element;
   // Each step carries a piece of every block: n pieces of `piece` elements per slot, cache-line aligned.
   const int64_t piece = std::max<int64_t>(
       1, (memory_.slot_bytes() / seg_.size()) / static_cast<int64_t>(kLine) * static_cast<int64_t>(kLine) / element);
@@ -156,13 +157,19 @@ void ShmDirect::reduce_scatter(const at::Tensor& output, const at::Tensor& input
     arrive_and_wait(target, context);
     if (c == 0) verify_headers(check, set, what);
     if (count <= 0) continue;
-    // This rank's own piece first: the output may be that very piece (in place), and reduce_sources
-    // lets `out` alias only its first source.
-    sources[0] = in + (seg_.rank() * block + begin) * element;
-    for (int peer = 0, next = 1; peer < seg_.size(); ++peer) {
-      if (peer != seg_.rank()) sources[next++] = memory_.slot(peer, set) + seg_.rank() * piece * element;
+    // The ranks' pieces in rank order, this rank's own from its input (Note [Reductions]: the direct
+    // all-reduce's order). reduce_sources lets `out` alias only its first source: an output that is
+    // this rank's own block of the input (in place) on a rank other than 0 is reduced into this rank's
+    // unused piece of its slot, and copied out block by block from L1.
+    for (int peer = 0; peer < seg_.size(); ++peer) {
+      sources[peer] = peer == seg_.rank() ? in + (seg_.rank() * block + begin) * element
+                                          : memory_.slot(peer, set) + seg_.rank() * piece * element;
     }
-    reduce_sources(dtype, op, out + begin * element, sources, 0, count);
+    if (in_place && seg_.rank() > 0) {
+      reduce_sources(dtype, op, mine + seg_.rank() * piece * element, sources, 0, count, out + begin * element);
+    } else {
+      reduce_sources(dtype, op, out + begin * element, sources, 0, count);
+    }
   }
 }
 

@@ -18,8 +18,8 @@ namespace ddpkit::comm {
 //     `arrived`; it waits for every peer's `arrived` (with the check: compares all headers);
 //  2. small chunks (n·bytes <= kDirectWholeBytes): every rank reduces the whole chunk from all
 //     slots straight into its tensor, in rank order: one barrier, identical bits everywhere;
-//     larger ones: rank r reduces its 1/n slice r from its own tensor and the peers' slots into its
-//     tensor, writing each finished block also into its slot's slice r, posts `reduced`, and copies
+//     larger ones: rank r reduces its 1/n slice r from its own tensor and the peers' slots, in rank
+//     order, into its slot's slice r, writing each finished block also into its tensor, posts `reduced`, and copies
 //     every slice j from rank j's slot once j has posted it. Step 1 then copies in only the slices
 //     the peers reduce. Per rank: (n-1)/n of the chunk copied in, one reduce pass over 1/n of it
 //     from n sources, (n-1)/n copied out. At n=2 that is 4 chunk-sized memory passes per rank
@@ -46,7 +46,7 @@ namespace ddpkit::comm {
 //    publishes up to a slot of its input and copies every peer's out: one copy in, n-1 copies out.
 //  reduce_scatter: `input` holds n blocks of `output.numel()` elements (float32/float64/int32/int64);
 //    `output` (not overlapping `input`, or exactly its block `rank`) receives op over the ranks'
-//    block `rank`, this rank's own piece first. Per step each rank publishes a 1/n-slot piece of
+//    block `rank`, summed in rank order. Per step each rank publishes a 1/n-slot piece of
 //    every peer's block and reduces its own block's piece straight from the peers' slots and its
 //    own input.
 // The broadcast: per step the root publishes a slot of its tensor, every other rank copies it out.
