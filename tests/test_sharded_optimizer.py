@@ -92,13 +92,17 @@ def case_alone_equals_a_plain_optimizer(steps):
 
 
 def build(model, group, stage):
-    """``stage``: "ddp" (ddpkit DDP + AdamW, the reference), "zero1" or "zero2" (DDP + ShardedOptimizer)."""
+    """``stage``: "ddp" (ddpkit DDP + AdamW, the reference), "zero1" or "zero2" (DDP + ShardedOptimizer; ZeRO-2
+    lets its parameters' all-gathers run into the next forward, which train() reads them through)."""
     ddp = ddpkit.DistributedDataParallel(
         model, process_group=group, bucket_cap_mb=BUCKET_MB, first_bucket_cap_mb=BUCKET_MB
     )
     if stage == "ddp":
         return ddp, torch.optim.AdamW(param_groups(ddp), lr=0.01)
-    return ddp, ddpkit.ShardedOptimizer(param_groups(ddp), torch.optim.AdamW, shard_gradients=stage == "zero2", lr=0.01)
+    zero2 = stage == "zero2"
+    return ddp, ddpkit.ShardedOptimizer(
+        param_groups(ddp), torch.optim.AdamW, shard_gradients=zero2, overlap_gather=zero2, lr=0.01
+    )
 
 
 def state_of(model):
@@ -195,6 +199,27 @@ def same_nested(a, b):
     return a == b
 
 
+def case_clipping(steps):
+    """ShardedOptimizer.clip_grad_norm_ against torch.nn.utils.clip_grad_norm_ on DDP's gradients: the same
+    norm and parameters, up to the order the squares are summed in."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for stage in ("ddp", "zero1", "zero2"):
+        ddp, optimizer = build(make_model(), None, stage)
+        norms = []
+        for step in range(steps):
+            x, y = batch(step, rank, world_size)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            if stage == "ddp":
+                norms.append(float(torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)))
+            else:
+                norms.append(float(optimizer.clip_grad_norm_(0.05)))
+            optimizer.step()
+            optimizer.zero_grad()
+        out[stage] = norms, state_of(ddp)
+    return out
+
+
 def case_bad_input():
     """Each error names what is wrong, on every rank; the ranks stay usable after it."""
     rank = dist.get_rank()
@@ -260,6 +285,16 @@ def test_checkpoints_consolidated_and_sharded(pool):
     assert all(same_as_plain and round_trip for same_as_plain, round_trip, _, _ in results)
     assert "rank 0's of a world of 2; this optimizer is rank 0 of 1" in results[0][2]
     assert results[0][3]
+
+
+def test_clipping_the_sharded_gradients_clips_as_torch_does(pool):
+    for out in pool(2).run(case_clipping, 3):
+        norms, expected = out["ddp"]
+        assert min(norms) > 0.05  # it clipped
+        for stage in ("zero1", "zero2"):
+            torch.testing.assert_close(torch.tensor(out[stage][0]), torch.tensor(norms), rtol=1e-5, atol=0)
+            for name, value in expected.items():
+                torch.testing.assert_close(out[stage][1][name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_input_raises_on_every_rank(pool):

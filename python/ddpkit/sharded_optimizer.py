@@ -37,13 +37,15 @@ sharded; its pieces get no gradient while it is frozen, so it is not stepped (th
 gradient alone, Note [Frozen after wrapping]).
 
 Note [Gathering during the forward]
-``step()`` queues the all-gathers and returns. Under a ddpkit DDP a forward pre-hook on every module that
-holds parameters waits for their buckets' all-gathers, so the gathers of later layers travel while the
-first layers compute (the gathers run last bucket first: the first parameters of the model). Everything
-else that reads parameters waits first: the next ``step()``, ``state_dict()``, the module's own
-``state_dict()``, ``wait_for_parameters()``. Without a DDP there are no modules to hook, and ``step()``
-waits before it returns. A module that computes with another module's parameter before that module's
-forward runs would read it early: ``overlap_gather=False`` makes every ``step()`` wait.
+With ``overlap_gather=True`` (under a ddpkit DDP), ``step()`` queues the all-gathers and returns, and a
+forward pre-hook on every module that holds parameters waits for their buckets' all-gathers, so the
+gathers of later layers travel while the first layers compute (the gathers run last bucket first: the
+first parameters of the model). What else reads parameters waits first: the next ``step()``, the
+optimizer's and the module's ``state_dict()``, ``wait_for_parameters()``; but code that reads a parameter
+directly (``p.data``, a module computing with another module's parameter before that module's forward)
+would read it half gathered. So it is off by default, as Megatron's ``overlap_param_gather``: ``step()``
+returns with every parameter gathered. Without a DDP there are no modules to hook, and ``step()`` always
+waits.
 """
 
 from __future__ import annotations
@@ -125,8 +127,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             (ZeRO-2, default) or the full gradient buckets (ZeRO-1). Without one, gradients are not
             sharded whatever this says.
         bucket_cap_mb: without a DDP, the size of the buffers parameters are gathered in.
-        overlap_gather: under a ddpkit DDP, let the parameters' all-gathers run into the next forward
-            (Note [Gathering during the forward]); False: ``step()`` returns with them gathered.
+        overlap_gather: under a ddpkit DDP, let the parameters' all-gathers run into the next forward,
+            each module waiting for its own (Note [Gathering during the forward]: code that reads
+            parameters elsewhere calls ``wait_for_parameters()`` first). Default: ``step()`` returns with
+            every parameter gathered.
         **defaults: the optimizer's hyperparameters (``lr=...``).
 
     ``optim`` is this rank's inner optimizer (over its pieces); ``param_groups`` are the wrapper's, with every
@@ -144,7 +148,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         process_group: dist.ProcessGroup | None = None,
         shard_gradients: bool = True,
         bucket_cap_mb: float = 25.0,
-        overlap_gather: bool = True,
+        overlap_gather: bool = False,
         **defaults: Any,
     ):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -301,6 +305,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not self._overlap:
             self.wait_for_parameters()
         return loss
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> Tensor:
+        """Scales the gradients the next ``step()`` uses so that their 2-norm over all parameters (all ranks'
+        shards together) is at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` does for a plain
+        optimizer's (whose ``param.grad`` a sharded one leaves None); returns the norm before clipping.
+        A collective: every rank calls it, after backward and before ``step()``."""
+        self.wait_for_parameters()
+        squares = torch.zeros((), dtype=torch.float64)
+        gradients = []
+        for sharded_set in self._sets:
+            _attach_gradients(sharded_set)
+            gradients += [piece.tensor.grad for piece in sharded_set.pieces if piece.tensor.grad is not None]
+        replicated = [
+            p.grad for g in self.param_groups for p in g["params"] if not self._is_sharded(p) and p.grad is not None
+        ]
+        for grad in gradients + (replicated if self.rank == 0 else []):  # a replicated one counted once
+            squares += grad.detach().double().square().sum()
+        comm.all_reduce(squares, group=self.process_group)
+        norm = squares.sqrt().float()
+        scale = max_norm / (float(norm) + 1e-6)
+        if scale < 1:
+            for grad in gradients + replicated:
+                grad.mul_(scale)
+        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
