@@ -44,6 +44,7 @@ run $PY benchmarks/bench_ddp.py "${QUICK[@]}"
 run $PY benchmarks/bench_backend.py "${QUICK[@]}"
 run $PY benchmarks/bench_training.py "${TRAINING[@]}" --no-progress
 run $PY benchmarks/bench_torch_stack.py "${QUICK[@]}"
+run $PY benchmarks/bench_sharding.py "${QUICK[@]}"
 run $PY benchmarks/bench_fault_tolerance.py "${QUICK[@]}"  # torchft on gloo and on ddpkit
 if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null && command -v unshare >/dev/null; then
   run $PY benchmarks/bench_multihost.py "${QUICK[@]}"  # simulated hosts: network and mount namespaces

@@ -193,6 +193,20 @@ processes, the peak resident memory's increase over what the processes held befo
 over ranks. Command: `.venv/bin/python benchmarks/bench_torch_stack.py`.
 """
 
+SHARDING = r"""
+## 8b. Sharded data parallelism: ZeRO-1 and ZeRO-2
+
+`ddpkit.ShardedOptimizer` on ddpkit's DistributedDataParallel shards AdamW's state (ZeRO-1) and, by default, the
+averaged gradients too (ZeRO-2) over the processes: each updates a balanced, contiguous slice of every gradient
+bucket, which the reducer reduce-scatters instead of all-reducing, and the parameters are all-gathered after the
+step, so a step sends what DDP's does and gives DDP's bits ([docs/sharding.md](../docs/sharding.md)). Against it:
+ddpkit's DDP, torch's `ZeroRedundancyOptimizer` on ddpkit's DDP, torch's FSDP2 on the ddpkit backend and on gloo,
+and torch's DDP on gloo, each training the same MLP with AdamW at one thread per process. Targets: at 2 processes
+and the 25M model, ZeRO-1 ≤ 0.85× and ZeRO-2 ≤ 0.8× ddpkit DDP's step, ZeRO-1 ≤ 0.9× torch's
+ZeroRedundancyOptimizer's; model state within 5% of the ZeRO paper's bytes per parameter; bytes sent equal to
+DDP's. Command: `.venv/bin/python benchmarks/bench_sharding.py`.
+"""
+
 FAULT_TOLERANCE = r"""
 ## 9. Training that survives a lost replica: torchft
 
@@ -219,6 +233,7 @@ From the repository, after `make main` (which sets up `.venv`):
 | the ddpkit torch.distributed backend | `.venv/bin/python benchmarks/bench_backend.py` |
 | across simulated hosts (root: the hosts are namespaces) | `sudo .venv/bin/python benchmarks/bench_multihost.py` |
 | FSDP2, DDP communication hooks, tensor parallelism on the ddpkit backend | `.venv/bin/python benchmarks/bench_torch_stack.py` |
+| ZeRO-1/2 against DDP, torch's ZeroRedundancyOptimizer and FSDP2 (root: 2x2 simulated hosts) | `.venv/bin/python benchmarks/bench_sharding.py` |
 | torchft on gloo and on ddpkit, the torchrun restart baseline | `.venv/bin/python benchmarks/bench_fault_tolerance.py` |
 | torch's distributed test suite on gloo and on ddpkit | `.venv/bin/python scripts/run_torch_suite.py` (writes `docs/torch_suite.json`, `docs/torch_suite.md`) |
 | training comparison | `.venv/bin/python benchmarks/bench_training.py --full` (`make main`: the short run) |
@@ -267,6 +282,8 @@ def build() -> nbformat.NotebookNode:
         markdown(TORCH_STACK),
         call(analysis.torch_stack),
         call(analysis.torch_suite, ""),
+        markdown(SHARDING),
+        call(analysis.sharding),
         markdown(FAULT_TOLERANCE),
         call(analysis.fault_tolerance),
         markdown(COMMANDS),

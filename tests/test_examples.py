@@ -30,6 +30,7 @@ def test_there_are_the_examples():
         "fault_tolerance",
         "lightning_ddpkit",
         "pipelining_gpipe",
+        "sharded_optimizer",
         "syncbn",
         "torch_ddp_on_ddpkit",
     ]

@@ -141,6 +141,7 @@ def test_the_optional_results_missing_are_a_sentence_each_and_one_commit_is_stat
     assert "No `torch_stack.json` in this results folder" in text
     assert "No `latency.json` in this results folder" in text
     assert "No `fault_tolerance.json` in this results folder" in text
+    assert "No `sharding.json` in this results folder" in text
 
 
 def test_the_report_reads_only_what_run_all_produces():
@@ -163,6 +164,7 @@ def test_the_report_reads_only_what_run_all_produces():
         "multihost_unshaped": "--output multihost_unshaped",
         "compression": 'bench_compression.py "${QUICK[@]}"',
         "fault_tolerance_hosts": "--hosts 4 --link 1gbit",
+        "sharding": 'bench_sharding.py "${QUICK[@]}"',
     }
     assert set(analysis.EXPECTED + analysis.OPTIONAL) == scripts.keys()
     assert all(command in run_all for command in scripts.values())

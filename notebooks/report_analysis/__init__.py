@@ -11,7 +11,7 @@ it on its own.
 The modules, by concern: ``results`` (reading the results, their commits), ``formatting`` (units, HTML tables),
 ``output`` (where tables, sentences and figures go), then one module per part of the report: ``overview`` (0),
 ``allreduce`` (1), ``syncbn`` (2), ``data_parallel`` (3 and 4), ``cuda`` (5), ``torch_backend`` (6, 8 and
-torch's test suite), ``hosts`` (7), ``crossing`` (7b), ``recovery`` (9).
+torch's test suite), ``hosts`` (7), ``crossing`` (7b), ``sharding`` (8b), ``recovery`` (9).
 """
 
 from .allreduce import (
@@ -30,6 +30,7 @@ from .hosts import multihost, multihost_targets
 from .overview import infrastructure, provenance
 from .recovery import fault_tolerance
 from .results import EXPECTED, OPTIONAL, SUITE, load_results, results_folder
+from .sharding import sharding
 from .syncbn import syncbn_local, syncbn_plot, syncbn_table
 from .torch_backend import backend, torch_stack, torch_suite
 
@@ -64,5 +65,6 @@ __all__ = [
     "fault_tolerance_hosts",
     "torch_stack",
     "torch_suite",
+    "sharding",
     "fault_tolerance",
 ]
