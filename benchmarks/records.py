@@ -480,6 +480,22 @@ class CompressionRecord(Record):
     accuracy_minus_fp32_points: float  # final test accuracy against the "none" run's, in points
 
 
+# -- bench_import.py: import_torch.json ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImportTimeRecord(Record):
+    """``import torch`` in fresh interpreters, with torch's backend autoload on (ddpkit's entry point runs) or off."""
+
+    kind: str = _kind("import_time")
+    candidate: str  # "autoload" or "no_autoload" (TORCH_DEVICE_BACKEND_AUTOLOAD=0)
+    median_s: float
+    p25_s: float
+    p75_s: float
+    reps: int
+    extension_loaded: bool  # whether ddpkit's C++ extension was loaded once the import returned
+
+
 # A record with a "kind" is of the class of its kind; a record without one, of the class of its file.
 BY_KIND: dict[str, type[Record]] = {
     "time": AllreduceTimeRecord,
@@ -495,6 +511,7 @@ BY_KIND: dict[str, type[Record]] = {
     "latency": LatencyRecord,
     "fault_tolerance": FaultToleranceRecord,
     "compression_training": CompressionRecord,
+    "import_time": ImportTimeRecord,
 }
 BY_BENCHMARK: dict[str, type[Record]] = {"syncbn": SyncBatchNormRecord, "ddp": DdpRecord, "training": TrainingRecord}
 

@@ -37,6 +37,7 @@ CLASSES = {
     "fault_tolerance": {records.FaultToleranceRecord},
     "compression": {records.CompressionRecord},
     "fault_tolerance_hosts": {records.FaultToleranceRecord},
+    "import_torch": {records.ImportTimeRecord},
 }
 
 
