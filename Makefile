@@ -9,10 +9,10 @@ PY := .venv/bin/python
 
 .PHONY: setup main test report
 
-# `make setup` and `make test` install the test and report extras too (pytest, jupyter's kernel);
-# `make main` needs only matplotlib for its plot.
+# `make setup` and `make test` install the test, report and ray extras too (pytest, jupyter's kernel,
+# Ray Train); `make main` needs only matplotlib for its plot.
 setup:
-	bash scripts/setup.sh test,report
+	bash scripts/setup.sh test,report,ray
 
 main:
 	bash scripts/setup.sh plot

@@ -14,9 +14,10 @@ from helpers import EXAMPLES, documented_commands, free_port
 REPO = Path(__file__).resolve().parent.parent
 # The framework guides' examples need their framework, which the test extras install (make setup does).
 NEEDS = {"lightning_ddpkit": "lightning", "accelerate_ddpkit": "accelerate"}
-# Examples of several launches (a lighthouse and one torchrun per replica group), each run as documented by
-# its own test: fault_tolerance by tests/test_torchft.py.
-SEVERAL_LAUNCHES = {"fault_tolerance"}
+# Examples run as documented by a test of their own: fault_tolerance (a lighthouse and one torchrun per
+# replica group) by tests/test_torchft.py, ray_train_ddpkit (plain python: Ray starts the workers) by
+# tests/test_ray_train.py.
+OWN_TEST = {"fault_tolerance", "ray_train_ddpkit"}
 
 
 def test_there_are_the_examples():
@@ -30,13 +31,14 @@ def test_there_are_the_examples():
         "fault_tolerance",
         "lightning_ddpkit",
         "pipelining_gpipe",
+        "ray_train_ddpkit",
         "sharded_optimizer",
         "syncbn",
         "torch_ddp_on_ddpkit",
     ]
 
 
-@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.stem not in SEVERAL_LAUNCHES], ids=lambda path: path.stem)
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.stem not in OWN_TEST], ids=lambda path: path.stem)
 def test_example_runs_as_documented(path):
     needed = NEEDS.get(path.stem)
     if needed and importlib.util.find_spec(needed) is None:

@@ -53,7 +53,7 @@ def test_make_main_installs_only_what_it_runs():
     assert dry_run("main") == ["bash scripts/setup.sh plot"]
     assert PYPROJECT["project"]["optional-dependencies"]["plot"] == ["matplotlib"]
     # CI runs `make test` on a fresh clone: it still gets everything the suite needs.
-    assert dry_run("test") == ["bash scripts/setup.sh test,report"]
+    assert dry_run("test") == ["bash scripts/setup.sh test,report,ray"]
 
 
 def test_importing_ddpkit_leaves_dynamo_for_torch_compile_to_import():
