@@ -7,11 +7,16 @@ cd "$(dirname "$0")/.."
 # The extras of pyproject.toml to install beside ddpkit: `make main` asks for the plot alone.
 extras=${1:-test,report}
 
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 if [ ! -d /usr/share/datasets/fashion-mnist ]; then
   echo "== apt: Fashion-MNIST (dataset-fashion-mnist, 30 MB)"
-  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
+fi
+if [[ ",$extras," == *",test,"* ]] && ! command -v mpirun >/dev/null; then
+  echo "== apt: MPICH's mpirun (mpich, for tests/test_launchers.py; about 30 s)"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends mpich >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -5,17 +5,21 @@ with one launcher's variables and nothing else, as srun and mpirun start them.""
 import json
 import os
 import random
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddpkit.launch import SLURM_PORT_BASE, SLURM_PORT_SPAN, DistInfo, Launch, expand_slurm_nodelist
 from ddpkit.launch import launch_from_environment as read
+from ddpkit.testing import HostPool
 
-from helpers import communicate_all, free_port
+from helpers import HOSTS_GROUP_TIMEOUT_S, REPO, communicate_all, free_port, needs_fashion_mnist, needs_hosts
 
 WORKER = Path(__file__).resolve().parent / "launcher_worker.py"
 # Every variable a launcher sets: the tasks this module starts get only those their phase names.
@@ -241,3 +245,151 @@ def test_launchers_variables_alone_form_one_group_on_one_host():
     for task in range(4):  # never a group of one: every task raises at once
         assert "does not resolve" in tasks[task][3]["error"] and "nosuchnode1.invalid" in tasks[task][3]["error"]
         assert tasks[task][3]["seconds"] < 30
+
+
+# --- across 2 simulated hosts -----------------------------------------------------------------------------
+
+
+def on_two_hosts(tmp_path: Path, phases_per_task: list[list[dict]], timeout: float = 120) -> list[list[dict]]:
+    """Tasks 0-1 on simulated host 0 and 2-3 on host 1 (HostPool's network: its namespaces and bridge), each
+    host with its own /dev/shm, hostname (node1, node2) and /etc/hosts naming both; each task's results."""
+    pool = HostPool([2, 2])
+    names = tmp_path / "hosts"
+    names.write_text(f"127.0.0.1 localhost\n{HostPool.SUBNET}.1 node1\n{HostPool.SUBNET}.2 node2\n")
+    launchers = []
+    try:
+        pool._make_network()  # the hosts alone: these tasks are not the pool's ranks
+        for host in range(2):
+            tasks = " ".join(
+                f"{shlex.quote(sys.executable)} {WORKER} {shlex.quote(json.dumps(phases_per_task[task]))} "
+                f"> {tmp_path}/task{task}.out 2> {tmp_path}/task{task}.err &"
+                for task in (2 * host, 2 * host + 1)
+            )
+            script = (
+                f"mount -t tmpfs tmpfs /dev/shm && mount --bind {names} /etc/hosts && hostname node{host + 1} && "
+                f"{tasks} wait"
+            )
+            launchers.append(
+                subprocess.Popen(
+                    pool._on_host(host, script),
+                    env={**bare_environment(), "GLOO_SOCKET_IFNAME": "dkh"},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
+        communicate_all(launchers, timeout)
+    finally:
+        pool.kill()
+    results = []
+    for task in range(4):
+        out = (tmp_path / f"task{task}.out").read_text()
+        results.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+        assert len(results[-1]) == len(phases_per_task[task]), (tmp_path / f"task{task}.err").read_text()
+    return results
+
+
+@needs_hosts
+def test_launchers_variables_alone_form_one_group_across_two_hosts(tmp_path):
+    """srun of 4 tasks (2 per node, "ddpkit" backend: shared memory inside a host, its ring across), Open MPI's
+    mpirun of 4 with MASTER_ADDR, then srun of 2 (one per node) whose node list names node 2 first, where
+    nobody listens: both tasks raise once the timeout has passed."""
+    job_id = str(random.randrange(10**6, 10**7))
+    slurm = [
+        {
+            "SLURM_PROCID": str(task),
+            "SLURM_NTASKS": "4",
+            "SLURM_LOCALID": str(task % 2),
+            "SLURM_NODEID": str(task // 2),
+            "SLURM_NNODES": "2",
+            "SLURM_JOB_ID": job_id,
+            "SLURM_JOB_NODELIST": "node[1-2]",
+        }
+        for task in range(4)
+    ]
+    ompi = [
+        {
+            "OMPI_COMM_WORLD_RANK": str(task),
+            "OMPI_COMM_WORLD_SIZE": "4",
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(task % 2),
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_ADDR": "node1",
+            "MASTER_PORT": "29411",
+        }
+        for task in range(4)
+    ]
+    # rank 0 on node 1, rank 1 on node 2 (tasks 0 and 2); the list names node 2 first
+    reversed_list = {
+        task: {**slurm[0], "SLURM_PROCID": str(task // 2), "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "node[2,1]"}
+        for task in (0, 2)
+    }
+    timeout = 5.0
+    slurm_phase, ompi_phase = group(slurm, "ddpkit", HOSTS_GROUP_TIMEOUT_S), group(ompi, "gloo", HOSTS_GROUP_TIMEOUT_S)
+    nowhere = {task: group([env], timeout=timeout) for task, env in reversed_list.items()}
+    tasks = on_two_hosts(tmp_path, [[slurm_phase[t], ompi_phase[t], *nowhere.get(t, [])] for t in range(4)])
+    fields = ("launcher", "rank", "world_size", "local_rank", "sum")
+    assert [tuple(t[0][k] for k in fields) for t in tasks] == [("slurm", r, 4, r % 2, 10.0) for r in range(4)]
+    assert [tuple(t[1][k] for k in fields) for t in tasks] == [("openmpi", r, 4, r % 2, 10.0) for r in range(4)]
+    for task in reversed_list:
+        error, seconds = tasks[task][2]["error"], tasks[task][2]["seconds"]
+        assert "could not meet the others at node2:" in error and "the first host of SLURM_JOB_NODELIST" in error
+        assert timeout <= seconds < 4 * timeout, seconds
+
+
+# --- a real mpirun (MPICH's Hydra) against torchrun ----------------------------------------------------------
+
+TRAIN_ONE_SHORT_EPOCH = [
+    "train.py",
+    "--dataset",
+    "fashion_mnist",
+    "--limit-train",
+    "512",
+    "--limit-test",
+    "128",
+    "--global-batch-size",
+    "128",
+    "--epochs",
+    "1",
+    "--no-progress",
+]
+
+
+@needs_fashion_mnist
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="apt-get install mpich (scripts/setup.sh does)")
+def test_mpirun_trains_as_torchrun_does(tmp_path):
+    """train.py for one short epoch under MPICH's mpirun and under torchrun, with 2 and 4 processes: the same
+    model, bit for bit, and the same losses. All four jobs run at once."""
+    jobs = {}
+    for n in (2, 4):
+        jobs["torchrun", n] = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
+        jobs["torchrun", n] += ["--master_port", str(free_port())]
+        jobs["mpirun", n] = ["mpirun", "-n", str(n), "-genv", "MASTER_PORT", str(free_port()), sys.executable]
+    processes = {
+        (launcher, n): subprocess.Popen(
+            [*argv, *TRAIN_ONE_SHORT_EPOCH, "--out", str(tmp_path / f"{launcher}{n}")],
+            cwd=REPO,
+            env=bare_environment(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for (launcher, n), argv in jobs.items()
+    }
+    outputs = dict(zip(processes, communicate_all(list(processes.values()), timeout=240)))
+    for job, process in processes.items():
+        assert process.returncode == 0, f"{job}: {outputs[job][0][-4000:]}"
+    for n in (2, 4):
+        runs = {launcher: tmp_path / f"{launcher}{n}" for launcher in ("torchrun", "mpirun")}
+        metrics = {launcher: json.loads((run / "metrics.json").read_text()) for launcher, run in runs.items()}
+        assert metrics["mpirun"]["world_size"] == metrics["torchrun"]["world_size"] == n
+        losses = {
+            launcher: ([s["local_loss"] for s in m["history"]["steps"]], m["final_test_loss"], m["final_test_accuracy"])
+            for launcher, m in metrics.items()
+        }
+        assert losses["mpirun"] == losses["torchrun"]
+        models = {launcher: torch.load(run / "model.pt") for launcher, run in runs.items()}
+        assert models["mpirun"].keys() == models["torchrun"].keys()
+        assert all(torch.equal(models["mpirun"][k], models["torchrun"][k]) for k in models["torchrun"])
+        assert sum("test loss" in line for line in outputs["mpirun", n][0].splitlines()) == 1  # rank 0 logs
