@@ -38,9 +38,9 @@ ddpkit.scatter(out, rows, src=0)  # row r of rank 0's rows into rank r's out
 assert torch.equal(out, x)
 
 blocks = torch.empty(world_size * 3)
-ddpkit.all_gather_into_tensor(blocks, x)  # block r is rank r's x, on every rank
+ddpkit.all_gather_single(blocks, x)  # block r is rank r's x, on every rank
 mine = torch.empty(3)
-ddpkit.reduce_scatter_tensor(mine, blocks)  # the sum over ranks of block `rank` of their inputs
+ddpkit.reduce_scatter_single(mine, blocks)  # the sum over ranks of block `rank` of their inputs
 assert torch.equal(blocks.view(world_size, 3)[rank], x) and torch.equal(mine, world_size * x)
 ddpkit.barrier()
 

@@ -171,12 +171,14 @@ def case_every_op():
 
         out[("all_gather", dtype)] = both(gather_list)
 
-        def gather_flat(g):
-            flat = torch.empty(n * 2, 3, dtype=dtype)
-            dist.all_gather_into_tensor(flat, x, group=g)
-            return flat
+        for name in ("all_gather_single", "all_gather_into_tensor"):  # torch 2.13's name, and the deprecated one
 
-        out[("all_gather_into_tensor", dtype)] = ours, theirs = both(gather_flat)
+            def gather_flat(g):
+                flat = torch.empty(n * 2, 3, dtype=dtype)
+                quiet(getattr(dist, name), flat, x, group=g)
+                return flat
+
+            out[(name, dtype)] = ours, theirs = both(gather_flat)
         stacked = torch.empty(n, 2, 3, dtype=dtype)  # torch's other output shape (gloo takes only the flat one)
         dist.all_gather_into_tensor(stacked, x)
         out[("all_gather_into_tensor", "stacked", dtype)] = (stacked.view(n * 2, 3), theirs)
@@ -196,12 +198,14 @@ def case_every_op():
             out[("reduce_scatter", str(op), dtype)] = both(rs_list)
             x = values(rank, (n * 3, 2), dtype, salt=28, low=-3, high=4)
 
-            def rs_tensor(g):
-                t = torch.empty(3, 2, dtype=dtype)
-                quiet(dist.reduce_scatter_tensor, t, x.clone(), op=op, group=g)
-                return t
+            for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # torch 2.13's name, the deprecated one
 
-            out[("reduce_scatter_tensor", str(op), dtype)] = both(rs_tensor)
+                def rs_tensor(g):
+                    t = torch.empty(3, 2, dtype=dtype)
+                    quiet(getattr(dist, name), t, x.clone(), op=op, group=g)
+                    return t
+
+                out[(name, str(op), dtype)] = both(rs_tensor)
 
             def rs_tensor_stacked(g):  # the input as [n, *output.shape], which the docs allow
                 t = torch.empty(3, 2, dtype=dtype)

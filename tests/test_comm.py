@@ -501,3 +501,9 @@ print(names)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_torch_2_13_names_and_the_old_ones_as_aliases():
+    assert ddpkit.all_gather_single is ddpkit.all_gather_into_tensor
+    assert ddpkit.reduce_scatter_single is ddpkit.reduce_scatter_tensor
+    assert {"all_gather_single", "reduce_scatter_single", "all_gather_into_tensor"} <= set(ddpkit.__all__)

@@ -22,6 +22,7 @@ from .backend import Options
 from .backend import register as _register_backend
 from .comm import (
     all_gather_into_tensor,
+    all_gather_single,
     all_reduce,
     barrier,
     broadcast,
@@ -29,6 +30,7 @@ from .comm import (
     comm_counters,
     gather,
     reduce,
+    reduce_scatter_single,
     reduce_scatter_tensor,
     reset_comm_counters,
     scatter,
@@ -58,6 +60,7 @@ __all__ = [
     "ShardedOptimizer",
     "SyncBatchNorm",
     "all_gather_into_tensor",
+    "all_gather_single",
     "all_reduce",
     "barrier",
     "broadcast",
@@ -67,6 +70,7 @@ __all__ = [
     "gather",
     "init_distributed",
     "reduce",
+    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "reset_comm_counters",
     "scatter",

@@ -1,6 +1,7 @@
 """The "ddpkit" torch.distributed backend: ``init_process_group(backend="ddpkit")``.
 
-Importing ddpkit registers it, so any torch program, torch's own ``DistributedDataParallel`` and
+Importing ddpkit registers it, and so does importing torch (torch's backend autoload entry point,
+python/_ddpkit_autoload, which loads ddpkit when a group is first created on it), so any torch program, torch's own ``DistributedDataParallel`` and
 ``ZeroRedundancyOptimizer`` included, runs its CPU collectives on ddpkit's engine: shared memory
 between the ranks of one host, ddpkit's message schedules over gloo across hosts, and ddpkit's
 collective checks. What it implements and what it hands to gloo: Note [The ddpkit backend] in
@@ -26,7 +27,7 @@ class Options:
     """The "ddpkit" backend's options, passed as ``pg_options`` to ``init_process_group`` or ``new_group``.
 
     ``cross_host_dtype``: torch.bfloat16 or torch.float16 sends the float32 sums and means of
-    ``all_reduce`` and ``reduce_scatter_tensor`` across hosts in that dtype, half the bytes, so that
+    ``all_reduce`` and ``reduce_scatter_single`` across hosts in that dtype, half the bytes, so that
     torch DDP, FSDP2 and torchft on this backend get it; the steps inside a host keep full precision
     (Note [Compressed crossing] in csrc/comm/core/wire_format.h). None, the default: exact."""
 

@@ -239,7 +239,7 @@ def scatter(
 
 
 @_eagerly_under_compile
-def all_gather_into_tensor(
+def all_gather_single(
     output: Tensor,
     input: Tensor,
     group: dist.ProcessGroup | None = None,
@@ -251,7 +251,7 @@ def all_gather_into_tensor(
 
 
 @_eagerly_under_compile
-def reduce_scatter_tensor(
+def reduce_scatter_single(
     output: Tensor,
     input: Tensor,
     op: str | dist.ReduceOp = "sum",
@@ -265,6 +265,12 @@ def reduce_scatter_tensor(
     return torch.ops.ddpkit.reduce_scatter_tensor_.default(
         output, input, _op_name(op), algorithm, group_name(group), transport, wire_format(cross_host_dtype)
     )
+
+
+# torch 2.13 renamed torch.distributed's all_gather_into_tensor and reduce_scatter_tensor to these names and
+# deprecated the old ones; ddpkit's old names stay, as aliases.
+all_gather_into_tensor = all_gather_single
+reduce_scatter_tensor = reduce_scatter_single
 
 
 @_eagerly_under_compile
