@@ -422,6 +422,18 @@ def small_cli(out_dir):
     ]
 
 
+def documented_mpirun() -> list[str]:
+    """docs/clusters.md's one-host mpirun command, the one of its mpirun commands that runs here, as argv:
+    tests/test_launchers.py runs it (with 2 and 4 processes, against torchrun), tests/test_readme.py does not."""
+    lines = [
+        line
+        for line in (REPO / "docs" / "clusters.md").read_text().splitlines()
+        if line.startswith("mpirun -n 2 .venv/bin/python train.py ")
+    ]
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0])
+
+
 def documented_commands(path: Path) -> list[list[str]]:
     """The torchrun lines of the example's docstring, as argv (environment assignments first, if any):
     one for most examples, one per launch for those of several (fault_tolerance)."""

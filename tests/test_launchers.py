@@ -19,7 +19,15 @@ from ddpkit.launch import SLURM_PORT_BASE, SLURM_PORT_SPAN, DistInfo, Launch, ex
 from ddpkit.launch import launch_from_environment as read
 from ddpkit.testing import HostPool
 
-from helpers import HOSTS_GROUP_TIMEOUT_S, REPO, communicate_all, free_port, needs_fashion_mnist, needs_hosts
+from helpers import (
+    HOSTS_GROUP_TIMEOUT_S,
+    REPO,
+    communicate_all,
+    documented_mpirun,
+    free_port,
+    needs_fashion_mnist,
+    needs_hosts,
+)
 
 WORKER = Path(__file__).resolve().parent / "launcher_worker.py"
 # Every variable a launcher sets: the tasks this module starts get only those their phase names.
@@ -339,27 +347,20 @@ def test_launchers_variables_alone_form_one_group_across_two_hosts(tmp_path):
 
 # --- a real mpirun (MPICH's Hydra) against torchrun ----------------------------------------------------------
 
-TRAIN_ONE_SHORT_EPOCH = [
-    "train.py",
-    "--dataset",
-    "fashion_mnist",
-    "--limit-train",
-    "512",
-    "--limit-test",
-    "128",
-    "--global-batch-size",
-    "128",
-    "--epochs",
-    "1",
-    "--no-progress",
-]
+
+def one_short_epoch() -> list[str]:
+    """docs/clusters.md's one-host mpirun command's train.py and options, without its --out."""
+    argv = documented_mpirun()
+    argv = argv[argv.index("train.py") :]
+    out = argv.index("--out")
+    return argv[:out] + argv[out + 2 :]
 
 
 @needs_fashion_mnist
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="apt-get install mpich (scripts/setup.sh does)")
 def test_mpirun_trains_as_torchrun_does(tmp_path):
-    """train.py for one short epoch under MPICH's mpirun and under torchrun, with 2 and 4 processes: the same
-    model, bit for bit, and the same losses. All four jobs run at once."""
+    """train.py for one short epoch (docs/clusters.md's command) under MPICH's mpirun and under torchrun, with
+    2 and 4 processes: the same model, bit for bit, and the same losses. All four jobs run at once."""
     jobs = {}
     for n in (2, 4):
         jobs["torchrun", n] = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
@@ -367,7 +368,7 @@ def test_mpirun_trains_as_torchrun_does(tmp_path):
         jobs["mpirun", n] = ["mpirun", "-n", str(n), "-genv", "MASTER_PORT", str(free_port()), sys.executable]
     processes = {
         (launcher, n): subprocess.Popen(
-            [*argv, *TRAIN_ONE_SHORT_EPOCH, "--out", str(tmp_path / f"{launcher}{n}")],
+            [*argv, *one_short_epoch(), "--out", str(tmp_path / f"{launcher}{n}")],
             cwd=REPO,
             env=bare_environment(),
             stdout=subprocess.PIPE,

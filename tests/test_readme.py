@@ -8,11 +8,13 @@ script exists, and the trainer accepts its options.
 The markers are HTML comments on the line right above a block's fence (GitHub does not show them):
 
 - ``<!-- not run: REASON -->`` above a bash block: checked, not run. Keep these few, each with its reason.
+  A cluster launcher's command (``srun``, ``mpirun``) is checked as the program it launches.
 - ``<!-- file: PATH -->`` above a Python block: the block is PATH's whole text, and PATH's own test runs
   it (the examples': tests/test_examples.py).
 
 A Python block whose first line is ``# Save as NAME.py and run: COMMAND`` runs as that line says; any
-other Python block runs as a script in one process.
+other Python block runs as a script in one process. A YAML block is a Kubernetes manifest: it must parse,
+and the trainer must accept its containers' options.
 
 Besides: every relative link leads to a file and heading that exist, and every figure of the README's
 results table is the one its benchmarks/results/ file holds.
@@ -32,15 +34,16 @@ import pytest
 
 from ddpkit.training.cli import parse_args
 
-from helpers import EXAMPLES, documented_commands, free_port
+from helpers import EXAMPLES, documented_commands, documented_mpirun, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 README = (REPO / "README.md").read_text()
-LANGUAGES = {"python", "bash", "text"}
+LANGUAGES = {"python", "bash", "text", "yaml"}
 SAVE_AS = re.compile(r"# Save as (?P<name>\w+\.py) and run: (?P<command>.+)")
 # Each one hides commands from the suite: raising this needs a reason that a reviewer accepts.
-MOST_NOT_RUN = 10
+# docs/clusters.md's three need a SLURM cluster or several hosts (its one-host mpirun runs).
+MOST_NOT_RUN = 13
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,13 @@ def test_each_command_runs_from_the_repository_as_written(block, argv):
     if program.startswith("~/ddpkit-env/") or program == "python3":  # installing into an environment of one's own
         assert block.marker == "not run"
         return
+    # docs/clusters.md: a launcher's options, then the program it launches, which is checked as any other.
+    # The one-host mpirun runs in tests/test_launchers.py, against torchrun.
+    run_elsewhere = program == "mpirun" and block.marker != "not run"
+    if run_elsewhere:
+        assert argv == documented_mpirun(), f"{block.name}: mark it, or make it the one tests/test_launchers.py runs"
+    if program in ("srun", "mpirun"):
+        argv = argv[next(i for i, arg in enumerate(argv) if arg.startswith(".venv/bin/")) :]
     if program == "sudo":  # root for the simulated hosts
         argv = argv[1:]
     while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):  # the command's environment
@@ -190,12 +200,29 @@ def test_each_command_runs_from_the_repository_as_written(block, argv):
         assert scripts and (REPO / scripts[0]).is_file(), argv
     if scripts and scripts[0] == "train.py" and "--help" not in argv:
         parse_args(argv[argv.index("train.py") + 1 :])  # exits (and fails the test) on an option it does not know
-    if block.marker == "not run":
+    if block.marker == "not run" or run_elsewhere:
         return
     if argv[0] == ".venv/bin/torchrun" and tuple(["torchrun", *argv[1:]]) in example_commands():
         return  # an example's own command: tests/test_examples.py runs it
     result = run(argv, cwd=REPO)
     assert result.returncode == 0, f"{' '.join(argv)}\n{result.stdout}{result.stderr}"
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if b.language == "yaml"], ids=lambda block: block.name)
+def test_manifest_parses_and_runs_the_trainer_through_torchrun(block):
+    yaml = pytest.importorskip("yaml")  # PyYAML: Ray's (make setup installs it)
+    documents = {document["kind"]: document for document in yaml.safe_load_all(block.text)}
+    job, service = documents["Job"], documents["Service"]
+    pods = job["spec"]["template"]["spec"]
+    assert pods["subdomain"] == service["metadata"]["name"] == service["spec"]["selector"]["job-name"]
+    for container in pods["containers"]:
+        argv = container["command"]
+        assert argv[0] == ".venv/bin/torchrun" and argv[argv.index("--rdzv_backend") + 1] == "c10d", argv
+        # the endpoint is the indexed job's first pod, under the headless service
+        endpoint = f"{job['metadata']['name']}-0.{pods['subdomain']}:"
+        assert argv[argv.index("--rdzv_endpoint") + 1].startswith(endpoint), argv
+        assert argv[argv.index("--nnodes") + 1] == str(job["spec"]["completions"]) == str(job["spec"]["parallelism"])
+        parse_args(argv[argv.index("train.py") + 1 :])
 
 
 def test_training_commands_do_not_resume_each_others_runs():
