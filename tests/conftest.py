@@ -10,6 +10,11 @@ from ddpkit.testing import HostPool, WorkerPool
 
 from helpers import HOSTS_GROUP_TIMEOUT_S, TOPOLOGIES, shm_names
 
+# torchft's Rust side logs at INFO to stderr from its own threads (the lighthouse's quorum ticks), also between
+# tests, where pytest captures nothing: its lines landed among pytest's progress. It reads RUST_LOG when
+# torchft is imported; warnings and errors still show.
+os.environ.setdefault("RUST_LOG", "warn")
+
 # Processes of this session (this pytest and everything it started), seen so far: what a leftover
 # must come from to count as this session's, so that another job on the host never fails the suite.
 _SESSION_PIDS: set = set()
