@@ -15,7 +15,7 @@ namespace ddpkit::comm {
 // n ranks, a vector of N elements, α the latency of one message round, β the time per byte.
 //  kRing              reduce-scatter then all-gather around the ring, n chunks:
 //                     2(n-1) rounds, 2(n-1)/n·N bytes sent per rank. Bandwidth-optimal.
-//  kButterfly         direct exchange: rank i owns chunk i, receives it from every peer,
+//  kButterfly         pairwise: rank i owns chunk i, receives it from every peer,
 //                     reduces it and sends it back to every peer: 2 rounds of n-1 concurrent
 //                     messages each, 2(n-1)/n·N bytes per rank.
 //  kStar              linear reduce to rank 0 and linear broadcast back (the naive one):

@@ -1,5 +1,5 @@
 #pragma once
-// The argument checks of ddpkit's collectives, and the working forms of their tensors. A check
+// The argument checks of ddpkit's collectives, and the working copies of their tensors. A check
 // returns the reason a rank rejects its arguments, or "": a rejection is carried into the
 // collective check (Note [Collective checks]) rather than thrown, so that every rank raises.
 
@@ -21,7 +21,7 @@ inline at::Tensor slice(const at::Tensor& flat, int64_t begin, int64_t end) {
 }
 
 // True when `part` is exactly block `rank` of `whole` (contiguous, the same dtype): the in-place
-// forms of all_gather_into_tensor_ and reduce_scatter_tensor_ (collectives/collectives.h), as torch's backends.
+// calls of all_gather_into_tensor_ and reduce_scatter_tensor_ (collectives/collectives.h), as torch's backends.
 bool is_own_block(const at::Tensor& whole, const at::Tensor& part, int rank);
 
 // Every reason below starts "ddpkit.<what>: ", `what` being the call the collective serves

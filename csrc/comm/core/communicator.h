@@ -28,7 +28,9 @@ namespace ddpkit::comm {
 //  header          what a rank believes its collective is: kind, elements, dtype, op, algorithm, root
 //                  (CollectiveHeader).
 //  check           the comparison of every rank's header before any payload moves (CollectiveCheck, Note
-//                  [Collective checks]); a verdict is the root's answer to it (RootVerdictCheck).
+//                  [Collective checks]); a verdict is the root's answer to it (RootVerdictCheck). An
+//                  argument check is one rank's own validation of its arguments (core/arguments.h),
+//                  whose rejection the check carries to every rank.
 //  algorithm       what a caller picks by name: a schedule ('ring', 'star', ...), the transport's own
 //                  collectives ('direct'), the hierarchy ('hierarchical'), the backend's own all-reduce
 //                  ('process_group') or 'auto' (Algorithm, kAlgorithmNames). Never a path the layer chose.
@@ -36,7 +38,8 @@ namespace ddpkit::comm {
 //                  communicator can do (Route, Note [Routes]): Route::kTransportCollective, Route::kOneRound,
 //                  Route::kHostSteps, Route::kBackendCollective or Route::kSchedule.
 //  schedule        a collective as rounds of point-to-point messages on one Communicator, which knows
-//                  nothing of hosts (schedules/schedules.h); a round is one exchange of a schedule's messages.
+//                  nothing of hosts (schedules/schedules.h); a round is the messages every rank sends and
+//                  receives before the next (a schedule's rounds, the check's one round across hosts).
 //  step            one stage every rank taking part in a collective takes alike: a step of the direct
 //                  collectives (one use of the shared-memory slots), a step inside a host or across hosts
 //                  of a hierarchical collective, a ring step.
@@ -58,15 +61,16 @@ namespace ddpkit::comm {
 //  hierarchy       what a group spanning hosts holds for its collectives across them (Hierarchy).
 //  form            the data steps of a hierarchical collective, chosen once for the shape of the hosts:
 //                  equal or unequal (HierarchicalForm: EqualHostsForm, UnequalHostsForm).
-//  steps across hosts  the steps of a cross subgroup (CrossHostSteps): the swap between two hosts
-//                  (SwapSteps), the ring among more (RingSteps).
-//  cross subgroup  the ranks that cross hosts together, one per host (Hierarchy::cross): the ranks of one
-//                  local rank, or the hosts' leaders; each is the others' partner, and its center the one
-//                  that answers the check's one round (Note [One round across hosts]).
+//  cross subgroup  the ranks that cross hosts together, one per host: the ranks of one local rank, or
+//                  the hosts' leaders; each is the others' partner, and its center the one that answers
+//                  the check's one round (Note [One round across hosts]).
+//  steps across hosts  the steps of a cross subgroup (CrossHostSteps, Hierarchy::cross): the swap between
+//                  two hosts (SwapSteps), the ring among more (RingSteps).
 //  links           the TCP connections of a cross subgroup (Links, SocketLinks, Note [Socket links]).
-//  frame           one message over the links: a sequence number and bytes (Links::Send, Links::Recv); a
-//                  part is what the receiver reduces at a time (kLinkPartBytes), a window the buffer a
-//                  large frame lands in round and round (kLinkWindowBytes, Note [Receiving windows]).
+//  frame           what the links carry, one at a time per peer and direction: a collective's sequence
+//                  number and its bytes (Links::Send, Links::Recv); a part is what the receiver reduces at
+//                  a time (kLinkPartBytes), a window the buffer a large frame lands in round and round
+//                  (kLinkWindowBytes, Note [Receiving windows]).
 //  exchange        one call that moves a collective's frames to and from its peers at once
 //                  (Links::exchange).
 //  wire format     what the bytes that cross hosts carry: exact, or rounded to bfloat16 or float16
@@ -103,8 +107,8 @@ namespace ddpkit::comm {
 // the receives posted meanwhile (Note [Pre-posted receives]) are aborted safely, leaving the group
 // usable. A rank that rejects its own arguments still sends a header marked "rejected" (reject() in
 // collectives/collectives.h), and a root that loses a peer while collecting headers still tells the others, so
-// they fail at once instead of at the timeout. Two one-way messages per rank, rather than an exchange
-// with every peer: on an oversubscribed CPU the number of messages and of busy threads is what
+// they fail at once instead of at the timeout. Two one-way messages per rank, rather than messages to
+// and from every peer: on an oversubscribed CPU the number of messages and of busy threads is what
 // costs (Note [Choosing an algorithm]). See set_checked().
 // On shared memory no message is needed: every direct collective (the all-reduce, the all-gather, the
 // reduce-scatter, the barrier) carries each rank's header in the slot of its first step and every
@@ -120,7 +124,7 @@ namespace ddpkit::comm {
 // Headers are the plain struct CollectiveHeader (core/header.h), compared field by field by name. Every
 // error of the check names the call each rank's communicator serves (Communicator::what(): "ddpkit.
 // all_gather: ranks called mismatched collectives: ..."), never the kind of collective its header
-// carries, which several calls share (all_gather, its coalesced forms and all_gather_into_tensor are
+// carries, which several calls share (all_gather, its coalesced variants and all_gather_into_tensor are
 // all kAllGather); the header's kind is named only where the ranks' kinds differ.
 // These are the implementations of one interface, CollectiveCheck, that the engine picks per group
 // and transport (Note [Check seam] in core/collective_check.h).
@@ -178,7 +182,7 @@ class Communicator {
   // (the group's own collectives), `transport` carries the collective (its messages, and its direct
   // collectives where it has them), `sequence` is the collective's number (Note [Tags]), `group` the
   // group's name for errors, `what` the name of the call the collective serves, as its caller knows
-  // it ("all_gather" for torch's list form, which the check compares as an all_gather_into_tensor):
+  // it ("all_gather" for torch's list variant, which the check compares as an all_gather_into_tensor):
   // every error of the collective starts with it, the collective check's included (Note [Collective
   // checks]). Both must outlive the communicator.
   // `check` (owned by the engine, outliving the communicator) is the group's collective check for

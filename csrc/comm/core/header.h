@@ -22,7 +22,7 @@ enum class CollectiveKind : int64_t {
   kAllToAll = 9,
 };
 // One name per CollectiveKind, in enum order from kAllReduce (as the Python API spells them). A kind
-// serves several calls (all_gather and its coalesced forms run as kAllGather): errors name the call
+// serves several calls (all_gather and its coalesced variants run as kAllGather): errors name the call
 // (Communicator::what()), and a kind's name appears in them only where the ranks' kinds differ.
 inline constexpr std::array<std::string_view, 9> kCollectiveNames = {
     "all_reduce", "broadcast", "reduce", "gather", "scatter", "all_gather_into_tensor", "reduce_scatter_tensor",
