@@ -262,8 +262,9 @@ def summarize(records: list[ShardingRecord]) -> dict:
     sent = {(r.phase, r.world_size, r.candidate): r for r in records if r.bytes_sent_per_step is not None}
     for (phase, n, name), r in sorted(sent.items()):
         base = sent.get((phase, n, "ddpkit_ddp"))
+        where = f"{r.topology} hosts (what crosses them)" if r.topology else f"n={n} over messages"
         if base and name != "ddpkit_ddp":
-            summary[f"{name}/ddpkit_ddp bytes sent per step n={n}"] = r.bytes_sent_per_step / base.bytes_sent_per_step
+            summary[f"{name}/ddpkit_ddp bytes sent per step {where}"] = r.bytes_sent_per_step / base.bytes_sent_per_step
     return summary
 
 
