@@ -149,7 +149,13 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("gloo"), py::arg("gloo_p2p"),
            py::arg("cross_host_wire") = "exact",
-           "See Note [The ddpkit backend] in csrc/backend/backend.h; made by ddpkit.backend's creator.");
+           "See Note [The ddpkit backend] in csrc/backend/backend.h; made by ddpkit.backend's creator.")
+      .def_property_readonly(
+          "cross_host_wire",
+          [](const ddpkit::backend::Backend& backend) {
+            return std::string(ddpkit::comm::wire_format_name(backend.cross_host_wire()));
+          },
+          "The wire format of the group's sums and means across hosts (Note [Compressed crossing]).");
   // A plain CPython function (METH_FASTCALL), not pybind11's (Note [Eager calls past the dispatcher]).
   static PyMethodDef all_reduce_eager_def = {
       "all_reduce_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(all_reduce_eager)), METH_FASTCALL,

@@ -304,3 +304,18 @@ def test_sharded_state_dicts_checkpoint_through_dcp_at_another_world_size(eight,
     saved = eight.run(case_dcp, 4, str(tmp_path), True, timeout=120)[0]
     for loaded in eight.run(case_dcp, 3, str(tmp_path), False, timeout=120)[:3]:
         assert_same_states(loaded, saved)
+
+
+def case_cross_host_wire():
+    """The wire format FSDP's reductions cross hosts with: the group's ddpkit.Options, or the argument's."""
+    compressing = dist.new_group(backend="ddpkit", pg_options=ddpkit.Options(cross_host_dtype=torch.bfloat16))
+    wrap = ddpkit.FullyShardedDataParallel
+    return [
+        wrap(make_model(), process_group=compressing).cross_host_wire,
+        wrap(make_model()).cross_host_wire,
+        wrap(make_model(), cross_host_dtype=torch.float16).cross_host_wire,
+    ]
+
+
+def test_reductions_cross_hosts_as_the_group_asks(pool):
+    assert pool(2).run(case_cross_host_wire, timeout=60) == [["bfloat16", "exact", "float16"]] * 2

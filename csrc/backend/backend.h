@@ -69,6 +69,9 @@ class Backend final : public c10d::Backend, public comm::EngineBackend {
   ~Backend() override;
 
   const std::string getBackendName() const override { return "ddpkit"; }
+  // How this group's sums and means cross hosts (ddpkit.Options' cross_host_dtype): what ddpkit's own
+  // wrappers on the group (FullyShardedDataParallel) reduce across hosts with by default.
+  comm::WireFormat cross_host_wire() const { return cross_host_; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
   // The group's engine, made on first use (the group's name is known by then).
   std::shared_ptr<comm::Engine> engine() override;

@@ -101,6 +101,17 @@ def _policy(units: UnitPolicy | None, threshold: int) -> Callable[[nn.Module], b
     return lambda module: isinstance(module, types)
 
 
+def _group_wire(group: dist.ProcessGroup | None) -> str:
+    """The wire format a "ddpkit" group's ``ddpkit.Options(cross_host_dtype=...)`` asked for ("exact" for
+    any other group)."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return "exact"
+    return getattr(backend, "cross_host_wire", "exact")
+
+
 class FullyShardedDataParallel(nn.Module):
     """Trains ``module`` with its parameters, gradients and optimizer state sharded over the ranks (ZeRO-3).
 
@@ -146,8 +157,12 @@ class FullyShardedDataParallel(nn.Module):
         _check_same_model_on_every_rank(module, process_group, owner=WHO)
         with torch.no_grad():
             broadcast_tensors(list(module.buffers()), process_group)
+        # How gradient reductions cross hosts: a name of ddpkit.comm.WIRE_FORMATS.
+        self.cross_host_wire = (
+            _group_wire(process_group) if cross_host_dtype is None else comm.wire_format(cross_host_dtype)
+        )
         self._state = torch.classes.ddpkit.FullyShardedState(
-            comm.group_name(process_group), compute_dtype, comm.wire_format(cross_host_dtype)
+            comm.group_name(process_group), compute_dtype, self.cross_host_wire
         )
         self._build_units(_policy(units, persistence_threshold), persistence_threshold)
 
