@@ -12,7 +12,7 @@ from torch import nn
 import ddpkit
 from ddpkit.testing import WorkerPool
 
-from helpers import caught
+from helpers import caught, run_on_a_fresh_pool
 
 STEPS = 3
 FEATURES = 13
@@ -319,3 +319,72 @@ def case_cross_host_wire():
 
 def test_reductions_cross_hosts_as_the_group_asks(pool):
     assert pool(2).run(case_cross_host_wire, timeout=60) == [["bfloat16", "exact", "float16"]] * 2
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(FEATURES, 40)
+        self.norm = nn.LayerNorm(40)
+        self.down = nn.Linear(40, FEATURES)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.norm(self.up(x))))
+
+
+class CheckpointedBlocks(nn.Module):
+    """Two blocks run under activation checkpointing (their forward runs again inside backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(FEATURES, 5)
+
+    def forward(self, x, fail=False):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            if fail:
+                raise ValueError("a forward that raised")
+        return self.head(x)
+
+
+def case_blocks_as_ddp():
+    """Units of a class (each Block), under activation checkpointing, after a forward that raised: DDP's bits."""
+    rank = dist.get_rank()
+    states = []
+    for fully_sharded in (False, True):
+        torch.manual_seed(rank)
+        if fully_sharded:
+            model = ddpkit.FullyShardedDataParallel(CheckpointedBlocks(), units={Block}, persistence_threshold=40)
+            assert len(model._units) == 3, [type(u.module).__name__ for u in model._units]
+            assert caught(model, batch(rank, 0)[0], fail=True) == "ValueError: a forward that raised"
+            assert all(p.dim() == 1 for _, p in model.named_parameters()), "masters registered again"
+        else:
+            model = ddpkit.DistributedDataParallel(CheckpointedBlocks())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        for step in range(2):
+            x, y = batch(rank, step)
+            loss_of(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        states.append(state_bits(names_without_prefix(model.state_dict())))
+    return all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_units_of_a_class_under_activation_checkpointing_after_a_forward_that_raised(pool):
+    assert pool(2).run(case_blocks_as_ddp, timeout=60) == [True, True]
+
+
+def case_another_unit_on_one_rank():
+    """Rank 1 runs the model without its hidden layer: the gathers no longer pair up."""
+    model = ddpkit.FullyShardedDataParallel(make_model(), persistence_threshold=THRESHOLD)
+    if dist.get_rank() == 1:
+        model.module.hidden = nn.Identity()
+    x, y = batch(dist.get_rank(), 0)
+    return caught(lambda: loss_of(model(x), y).backward())
+
+
+def test_a_forward_that_runs_other_units_on_one_rank_raises_on_every_rank():
+    for error in run_on_a_fresh_pool(case_another_unit_on_one_rank):
+        assert error is not None and "FullyShardedDataParallel: the" in error, error
+        assert "every rank must run the same units in the same order" in error, error

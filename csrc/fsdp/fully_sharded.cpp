@@ -12,10 +12,6 @@
 namespace ddpkit::fsdp {
 namespace {
 
-bool same_memory(const at::Tensor& a, const at::Tensor& b) {
-  return a.data_ptr() == b.data_ptr() && a.sizes() == b.sizes() && a.strides() == b.strides();
-}
-
 constexpr const char* kWho = "ddpkit.FullyShardedDataParallel";
 
 }  // namespace
@@ -151,9 +147,11 @@ void FullyShardedState::wait_gathered(size_t u) {
     target.gathered = Gathered::kYes;
     try {
       work->wait();
-    } catch (...) {
+    } catch (const std::exception& e) {
       target.gathered = Gathered::kNo;  // gathered again by the next use
-      throw;
+      target.buffers->release_compute();
+      TORCH_CHECK(false, kWho, ": the all-gather of unit ", u,
+                  " failed (every rank must run the same units in the same order): ", e.what());
     }
   }
 }
@@ -306,7 +304,7 @@ void FullyShardedState::write_gradient(Unit& target, size_t i) {
 
 void FullyShardedState::pre_backward(int64_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
-  Unit& target = unit(u);
+  unit(u);  // checks the index
   if (!in_backward_) start_backward();
   const size_t index = static_cast<size_t>(u);
   wait_gathered(index);
@@ -387,8 +385,13 @@ void FullyShardedState::finish_backward() {
       if (!work) continue;
       try {
         work->wait();
-      } catch (...) {
-        if (!failure) failure = std::current_exception();
+      } catch (const std::exception& e) {
+        // A plain runtime_error: the autograd engine rethrows it to Python with its message alone.
+        if (!failure) {
+          failure = std::make_exception_ptr(std::runtime_error(
+              c10::str(kWho, ": the gradient reduction of unit ", u,
+                       " failed (every rank must run the same units in the same order): ", e.what())));
+        }
         continue;
       }
       const std::vector<at::Tensor> views = target.buffers->gradient_views(reduced);

@@ -231,7 +231,9 @@ class FullyShardedDataParallel(nn.Module):
             unit.masters = [m for _, m in by_module.values()]
         for unit in self._units[1:]:
             unit.module.register_forward_pre_hook(self._hook_pre_forward(unit))
-            unit.module.register_forward_hook(self._hook_post_forward(unit))
+            # always_call: also after a forward that raised, and after a recomputation that activation
+            # checkpointing stops early (torch.utils.checkpoint's early stop raises inside the forward).
+            unit.module.register_forward_hook(self._hook_post_forward(unit), always_call=True)
 
     def _add(self, params: list[nn.Parameter], sharded: bool, keep: bool, compute_of: dict) -> int:
         """One native unit over ``params``: their data become views of its master, and a compute parameter
@@ -295,13 +297,8 @@ class FullyShardedDataParallel(nn.Module):
         root.use_compute()
         try:
             output = self.module(*inputs, **kwargs)
-        except BaseException:
-            # A unit's forward that raised never ran its post-hook: every module gets its masters back (the
-            # gathered units are released by the next forward).
-            for unit in self._units:
-                unit.use_masters()
-            raise
-        root.use_masters()
+        finally:
+            root.use_masters()
         if root.index is not None:
             self._state.post_forward(root.index)
             if graph:
