@@ -139,8 +139,9 @@ def eight():
     worker_pool.close()
 
 
-# Where every element's sum is in rank order whatever its layout (Note [Rank order] in csrc/comm/shm_direct.h).
-WORLD_SIZES = (2,)
+# Shared memory sums every element in rank order whatever its layout (Note [Reductions] in
+# csrc/comm/reduction/reduce_kernel.h): a reduce-scatter of any unit equals DDP's all-reduce at every world size.
+WORLD_SIZES = tuple(range(2, 9))
 
 
 def test_matches_ddp_bit_for_bit_at_every_world_size(eight):
