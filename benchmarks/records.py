@@ -405,6 +405,8 @@ class ShardingRecord(Record):
     bytes_sent_per_param: float | None = optional()
     algorithm: str | None = optional()  # phase bytes: ddpkit DDP's all-reduce algorithm
     max_param_diff_vs_ddp: float | None = optional()  # after the warm-up, against ddpkit DDP's parameters
+    # ZeRO-3, phase bytes: ddpkit's bytes over one forward without a graph (every unit all-gathered once)
+    gather_bytes_per_forward: float | None = optional()
 
 
 # -- bench_latency.py: latency.json ------------------------------------------------------------------------

@@ -59,6 +59,10 @@ class Built:
     group: dist.ProcessGroup
     extra_state: Callable[[], list[torch.Tensor]] = field(default=lambda: [])  # e.g. ddpkit's buckets
     transfer_bytes: Callable[[], int] = field(default=lambda: 0)
+    # Every parameter whole, flattened in parameters() order, where the module's parameters are not (ZeRO-3's
+    # are this rank's pieces): a collective.
+    whole_parameters: Callable[[], torch.Tensor] | None = None
+    param_count: int | None = None  # the model's parameters, where module.parameters() are pieces
 
     def step(self, x: torch.Tensor) -> None:
         self.model(x).square().mean().backward()
@@ -136,6 +140,27 @@ def torch_ddp_gloo(width: int, layers: int, algorithm: str = "auto") -> Built:
     return Built(model, model.module, torch.optim.AdamW(model.parameters(), lr=LR), group)
 
 
+def _zero3(width: int, layers: int, compute_dtype: torch.dtype | None) -> Built:
+    """ddpkit.FullyShardedDataParallel, each Linear a unit (its default), the biases whole (persistent)."""
+    module = mlp(width, layers)
+    count = sum(p.numel() for p in module.parameters())
+    model = ddpkit.FullyShardedDataParallel(module, compute_dtype=compute_dtype)
+    built = Built(model, model.module, torch.optim.AdamW(model.parameters(), lr=LR), dist.group.WORLD)
+    built.param_count = count
+    # Its buffers between uses (Note [Block cache]), as FSDP2's all-gather buffers: reported, not model state.
+    built.transfer_bytes = lambda: int(model.sharding_stats()["cached_bytes"])
+    built.whole_parameters = lambda: torch.cat([value.flatten() for value in model.state_dict().values()])
+    return built
+
+
+def zero3(width: int, layers: int, algorithm: str = "auto") -> Built:
+    return _zero3(width, layers, None)
+
+
+def zero3_bf16(width: int, layers: int, algorithm: str = "auto") -> Built:
+    return _zero3(width, layers, torch.bfloat16)
+
+
 # name -> builder(width, layers, algorithm): algorithm is ddpkit DDP's (the bytes phase asks for "ring").
 CANDIDATES: dict[str, Callable[..., Built]] = {
     "ddpkit_ddp": ddpkit_ddp,
@@ -145,9 +170,11 @@ CANDIDATES: dict[str, Callable[..., Built]] = {
     "fsdp2_ddpkit": fsdp2_ddpkit,
     "fsdp2_gloo": fsdp2_gloo,
     "torch_ddp_gloo": torch_ddp_gloo,
+    "zero3": zero3,
+    "zero3_bf16": zero3_bf16,
 }
 # Those whose collectives ddpkit runs, so that its counters see their bytes (bench_sharding's bytes phase).
-ON_DDPKIT = ("ddpkit_ddp", "zero1", "zero2", "torch_zero_ddpkit", "fsdp2_ddpkit")
+ON_DDPKIT = ("ddpkit_ddp", "zero1", "zero2", "torch_zero_ddpkit", "fsdp2_ddpkit", "zero3", "zero3_bf16")
 # The model state each should hold, in bytes per float32 parameter with AdamW at n ranks (the ZeRO paper's
 # accounting, docs/sharding.md); the issue's bar is within 5% of it.
 STATE_BYTES_PER_PARAM: dict[str, Callable[[int], float]] = {
@@ -156,6 +183,8 @@ STATE_BYTES_PER_PARAM: dict[str, Callable[[int], float]] = {
     "zero2": lambda n: 4 + 12 / n,
     "fsdp2_ddpkit": lambda n: 16 / n,
     "fsdp2_gloo": lambda n: 16 / n,
+    "zero3": lambda n: 16 / n,
+    "zero3_bf16": lambda n: 16 / n,
 }
 
 
@@ -192,7 +221,9 @@ def model_state_bytes(built: Built) -> int:
 
 
 def full_parameters(built: Built) -> torch.Tensor:
-    """Every parameter whole, flattened (a collective for DTensors: every rank calls it)."""
+    """Every parameter whole, flattened (a collective for DTensors and ZeRO-3: every rank calls it)."""
+    if built.whole_parameters is not None:
+        return built.whole_parameters()
     parts = []
     for param in built.module.parameters():
         value = param.detach()
