@@ -232,7 +232,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, argparse.Nam
         choices=SHARD_MODES,
         default=defaults.shard,
         help="what the ranks shard (docs/sharding.md): optimizer = ZeRO-1, gradients = ZeRO-2 "
-        "(ddpkit.ShardedOptimizer; the bits of none, less memory)",
+        "(ddpkit.ShardedOptimizer), parameters = ZeRO-3 (ddpkit.FullyShardedDataParallel); the bits of none, "
+        "less memory",
     )
     parser.add_argument(
         "--epochs",

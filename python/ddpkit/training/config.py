@@ -28,8 +28,9 @@ class UsageError(ValueError):
 COMM_HOOKS = ("none", "bf16_crossing", "bf16_compress")
 
 # What a run shards across its ranks (--shard; docs/sharding.md): "optimizer" (ZeRO-1) and "gradients" (ZeRO-2)
-# train with ddpkit.ShardedOptimizer on the DDP, with the bits of "none".
-SHARD_MODES = ("none", "optimizer", "gradients")
+# train with ddpkit.ShardedOptimizer on the DDP, "parameters" (ZeRO-3) with ddpkit.FullyShardedDataParallel
+# instead of the DDP; all with the bits of "none".
+SHARD_MODES = ("none", "optimizer", "gradients", "parameters")
 
 
 @dataclasses.dataclass
@@ -111,6 +112,23 @@ def check_shard(config: TrainConfig) -> None:
     if config.shard not in SHARD_MODES:
         raise UsageError(f"ddpkit: --shard must be one of {', '.join(SHARD_MODES)}, got {config.shard!r}")
     if config.shard == "none":
+        return
+    if config.shard == "parameters":
+        defaults = TrainConfig()
+        if config.impl != "ddpkit":
+            raise UsageError(
+                "ddpkit: --shard parameters trains with ddpkit.FullyShardedDataParallel: it needs --impl ddpkit"
+            )
+        ignored = [
+            f"--{name.replace('_', '-')} {getattr(config, name)}"
+            for name in ("grad_sync", "algorithm", "comm_hook")
+            if getattr(config, name) != getattr(defaults, name)
+        ]
+        if ignored:
+            raise UsageError(
+                f"ddpkit: {', '.join(ignored)} configure the DDP, which --shard parameters replaces by "
+                "ddpkit.FullyShardedDataParallel: drop them"
+            )
         return
     if config.shard == "gradients" and config.impl != "ddpkit":
         raise UsageError("ddpkit: --shard gradients shards the gradients in ddpkit's DDP: it needs --impl ddpkit")

@@ -33,13 +33,15 @@ def evaluate(
         for r, part in enumerate(torch.arange(count).tensor_split(world_size)):
             chunks[r, : len(part)] = part
     comm.scatter(shard, chunks, src=0)
-    mine = shard[shard >= 0]
 
     was_training = model.training
     model.eval()
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, samples
-    for batch in mine.split(batch_size):
+    # Every rank runs the same number of forwards, the last ones of a shorter shard over fewer samples or
+    # none: a forward may be a collective (ddpkit.FullyShardedDataParallel gathers each layer).
+    for chunk in shard.split(batch_size):
+        batch = chunk[chunk >= 0]
         x = transform(images[batch]).to(device)
         y = labels[batch].to(device)
         logits = model(x)

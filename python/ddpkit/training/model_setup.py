@@ -11,6 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..backend import Options
 from ..ddp import DistributedDataParallel
+from ..fsdp import FullyShardedDataParallel
 from ..sharded_optimizer import ShardedOptimizer
 from .config import TrainConfig, UsageError
 
@@ -61,7 +62,10 @@ def convert_batch_norm(model: nn.Module, batch_norm: str) -> nn.Module:
 
 def wrap_data_parallel(model: nn.Module, config: TrainConfig, device: torch.device) -> nn.Module:
     """ddpkit's DistributedDataParallel (--impl ddpkit) or torch's (--impl torch) around ``model``, with
-    the communication hook of --comm-hook (COMM_HOOKS)."""
+    the communication hook of --comm-hook (COMM_HOOKS); ddpkit's FullyShardedDataParallel with --shard
+    parameters."""
+    if config.shard == "parameters":
+        return FullyShardedDataParallel(model)
     if config.impl == "ddpkit":
         wrapped = DistributedDataParallel(model, grad_sync=config.grad_sync, algorithm=config.algorithm)
     else:

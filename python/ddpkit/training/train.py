@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import comm
 from ..ddp import DistributedDataParallel, GradientAccumulation, broadcast_tensors
+from ..fsdp import FullyShardedDataParallel
 from ..launch import DistInfo
 from .checkpoints import check_same_run, read_checkpoint, save_atomically, write_json_atomically
 from .cli import init_from_args, parse_args
@@ -121,12 +122,25 @@ class Trainer:
     def _module(self) -> nn.Module:
         return self.model.module
 
+    def _fully_sharded(self) -> bool:
+        return isinstance(self.model, FullyShardedDataParallel)
+
+    def _model_state(self) -> dict:
+        """The unwrapped model's state dict, every tensor whole: a collective under --shard parameters (the
+        wrapper gathers its shards), so every rank calls it."""
+        return self.model.state_dict() if self._fully_sharded() else self._module().state_dict()
+
+    def _optimizer_state(self) -> dict:
+        """The optimizer's state dict, consolidated (a collective with a ShardedOptimizer or under --shard
+        parameters, whose state is keyed by parameter name: FullyShardedDataParallel.optim_state_dict)."""
+        return self.model.optim_state_dict(self.optimizer) if self._fully_sharded() else self.optimizer.state_dict()
+
     def checkpoint_state(self) -> dict:
         return {
             "config": dataclasses.asdict(self.config),
             "world_size": self.world_size,
-            "model": self._module().state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": self._model_state(),
+            "optimizer": self._optimizer_state(),
             "scheduler": self.scheduler.state_dict() if self.scheduler else None,
             "sampler": self.data.sampler.state_dict(),
             "accumulate": self.accumulate.state_dict(),
@@ -138,7 +152,8 @@ class Trainer:
     def save_checkpoint(self) -> None:
         if not self.out_dir:
             return
-        # On every rank: a ShardedOptimizer's state_dict() consolidates its shards (a collective).
+        # On every rank: a ShardedOptimizer's state_dict() and FullyShardedDataParallel's state dicts
+        # consolidate their shards (collectives).
         state = self.checkpoint_state()
         if self.rank == 0:
             save_atomically(state, self.out_dir / "checkpoint.pt")
@@ -153,8 +168,12 @@ class Trainer:
         if state is None:
             return
         extending = check_same_run(state, self.config, path)
-        self._module().load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self._fully_sharded():  # whole tensors: each rank takes its pieces, at any world size
+            self.model.load_state_dict(state["model"])
+            self.model.load_optim_state_dict(self.optimizer, state["optimizer"])
+        else:
+            self._module().load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler and state["scheduler"]:
             self.scheduler.load_state_dict(state["scheduler"])
         self.data.sampler.load_state_dict(state["sampler"])
@@ -279,7 +298,7 @@ class Trainer:
         """The evaluation at an epoch's end (or at the run's last step), its record, and the checkpoint."""
         self._take_rank_0_buffers()
         result = evaluate(
-            self._module(),
+            self.model if self._fully_sharded() else self._module(),
             self.data.test_x,
             self.data.test_y,
             self._eval_transform,
@@ -398,8 +417,9 @@ class Trainer:
         while not self.done():
             self.train_epoch()
         summary = self.summary()
+        model_state = self._model_state() if self.out_dir else None  # on every rank: a collective when sharded
         if self.rank == 0 and self.out_dir:
-            save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
+            save_atomically(model_state, self.out_dir / "model.pt")
             write_json_atomically(summary, self.out_dir / "metrics.json")
             self._log(
                 f"wrote {self.out_dir / 'metrics.json'}, {self.out_dir / 'model.pt'} and "
@@ -417,8 +437,9 @@ class Trainer:
             for name in ("model.pt", "metrics.json")
             if self.rank == 0 and self.out_dir and not (self.out_dir / name).exists()
         ]
+        model_state = self._model_state() if self.out_dir else None  # on every rank: a collective when sharded
         if "model.pt" in missing:
-            save_atomically(self._module().state_dict(), self.out_dir / "model.pt")
+            save_atomically(model_state, self.out_dir / "model.pt")
         if "metrics.json" in missing:
             write_json_atomically(summary, self.out_dir / "metrics.json")
         if missing:
