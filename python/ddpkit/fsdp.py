@@ -321,6 +321,31 @@ class FullyShardedDataParallel(nn.Module):
         """Waits for the gradient reductions; they finish inside backward, so normally a no-op."""
         self._state.finalize()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients of ``parameters()`` as ``torch.nn.utils.clip_grad_norm_`` clips whole gradients:
+        the norm is over every rank's pieces (and the persistent parameters once), a collective; returns it.
+        ``torch.nn.utils.clip_grad_norm_`` on ``parameters()`` would see this rank's pieces alone, and each rank
+        would clip by another norm."""
+        norm_type = float(norm_type)
+        sharded = [p.grad for _, params in self._sharded for p in params if p.grad is not None]
+        whole = [p.grad for p in self._persistent if p.grad is not None]
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64) for g in sharded]
+        local = torch.stack(norms) if norms else torch.zeros(1, dtype=torch.float64)
+        whole_norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float64) for g in whole]
+        persistent = torch.stack(whole_norms) if whole_norms else torch.zeros(1, dtype=torch.float64)
+        if norm_type == float("inf"):
+            total = local.max().reshape(1)
+            comm.all_reduce(total, op="max", group=self.process_group)
+            total = torch.maximum(total[0], persistent.max())
+        else:
+            total = local.pow(norm_type).sum().reshape(1)
+            comm.all_reduce(total, group=self.process_group)
+            total = (total[0] + persistent.pow(norm_type).sum()).pow(1.0 / norm_type)
+        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in sharded + whole:
+            grad.detach().mul_(coefficient.to(grad.dtype))
+        return total.to(torch.float32)
+
     def sharding_stats(self) -> dict:
         """Counters of the native state: gathers (and those queued ahead), reductions, synced backwards."""
         return dict(self._state.stats())
