@@ -29,6 +29,7 @@ def test_there_are_the_examples():
         "ddp_accumulation",
         "elastic_restart",
         "fault_tolerance",
+        "fully_sharded",
         "lightning_ddpkit",
         "pipelining_gpipe",
         "ray_train_ddpkit",
