@@ -34,6 +34,12 @@ ddpkit with its all-reduces crossing hosts in bfloat16 (ProcessGroupDdpkit(cross
 [Compressed crossing]), interleaved:
 
     sudo .venv/bin/python benchmarks/bench_fault_tolerance.py --hosts 4 --link 1gbit --steady-wrappers torchft-ddp
+
+A delayed link ("1gbit-10ms": the hosts behind a router that holds each packet half the round trip, as
+bench_multihost.py's) writes where --name says:
+
+    sudo .venv/bin/python benchmarks/bench_fault_tolerance.py --hosts 2 --link 1gbit-10ms --steady-wrappers torchft-ddp \
+        --name fault_tolerance_hosts_delayed
 """
 
 from __future__ import annotations
@@ -98,13 +104,12 @@ def steady_state(pg: str, wrapper: str, steps: int, heartbeat_ms: int) -> dict:
 
 def steady_across_hosts(candidate: str, wrapper: str, steps: int, hosts: int, link: str, heartbeat_ms: int) -> dict:
     """steady_state with one replica group per simulated host; `candidate` a HOSTS_CANDIDATES key."""
-    from ddpkit.testing import torchft_hosts
+    from ddpkit.testing import parse_link, torchft_hosts
 
     pg, cross_host_dtype = HOSTS_CANDIDATES[candidate]
     with tempfile.TemporaryDirectory() as folder:
-        rate = None if link == "unshaped" else link
         with torchft_hosts(
-            Path(folder), hosts, lambda replica: replica, rate=rate, heartbeat_ms=heartbeat_ms
+            Path(folder), hosts, lambda replica: replica, heartbeat_ms=heartbeat_ms, **parse_link(link)
         ) as on_host:
             arguments = ["--pg", pg, "--wrapper", wrapper, "--model", "mlp8x1024", "--steps", str(steps)]
             groups = ft_replica.ReplicaGroups(
@@ -159,7 +164,7 @@ def main_across_hosts(args) -> None:
         }
         gloo = medians["torchft-gloo"]
         summary[wrapper] = {"median_step_s": medians, "over_gloo": {c: m / gloo for c, m in medians.items()}}
-    output = Path(args.output) if args.output else results_dir(args.quick) / "fault_tolerance_hosts.json"
+    output = Path(args.output) if args.output else results_dir(args.quick) / f"{args.name}.json"
     settings = {
         "hosts": args.hosts,
         "link": args.link,
@@ -170,7 +175,7 @@ def main_across_hosts(args) -> None:
         "replicas": "one replica group of one rank per simulated host (ddpkit.testing.torchft_hosts)",
     }
     path = write_results(
-        "fault_tolerance_hosts",
+        args.name,
         backend="gloo",
         device_type="cpu",
         settings=settings,
@@ -354,7 +359,12 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true", help="skip the torchrun --max-restarts baseline")
     parser.add_argument("--quick", action="store_true", help="smoke run: one repeat of shorter runs")
     parser.add_argument("--hosts", type=int, help="the steady step across this many simulated hosts instead")
-    parser.add_argument("--link", default="1gbit", help='--hosts: the links\' tbf rate, or "unshaped"')
+    parser.add_argument(
+        "--link",
+        default="1gbit",
+        help='--hosts: the links\' tbf rate ("1gbit"), "unshaped", or a rate and a round trip ("1gbit-10ms")',
+    )
+    parser.add_argument("--name", default="fault_tolerance_hosts", help="--hosts: the results file, without .json")
     parser.add_argument(
         "--output",
         help="a path whose folder gets fault_tolerance.json (default: benchmarks/results/, its quick/ with --quick)",

@@ -7,7 +7,15 @@
 
 Each host is a network and a mount namespace of this machine (ddpkit.testing.HostPool: a private
 /dev/shm and hostname, a veth link to a bridge, a launcher of its own), so it needs root. Links run
-unshaped and shaped with tc's tbf (no netem in this kernel: bandwidth only). Per (hosts, link,
+unshaped ("unshaped"), shaped with tc's tbf ("1gbit"), or shaped and delayed ("1gbit-10ms": a rate
+and a round trip; the hosts then sit behind a router that holds each packet half the round trip,
+since this kernel has no netem; "unshaped-10ms" delays only):
+
+    sudo .venv/bin/python benchmarks/bench_multihost.py --topologies 2x1 4x1 2x2 --links 1gbit-10ms 10gbit-1ms \
+        --collectives all_reduce --candidates ddpkit ddpkit_kernel_buffers ddpkit_backend ddpkit_bf16 gloo \
+        --sizes 1000000 16000000 --no-ddp --output multihost_delayed
+
+Per (hosts, link,
 collective, size) every candidate runs in the same repetitions, interleaved (common.interleave); per
 repetition each candidate first synchronises through itself, then every rank times a batch of
 back-to-back calls; the figure is the median over repetitions of the slowest rank. Candidates:
@@ -60,7 +68,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 import ddpkit  # noqa: E402
-from ddpkit.testing import HostPool  # noqa: E402
+from ddpkit.testing import HostPool, parse_link  # noqa: E402
 from peers import timing  # noqa: E402
 from records import MultihostCollectiveRecord, MultihostDdpRecord, MultihostRecord  # noqa: E402
 
@@ -294,10 +302,12 @@ RATE_UNITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
 
 
 def link_bits_per_s(link: str):
+    """The rate of a link named as --links takes it ("1gbit", "1gbit-10ms"); None where unshaped."""
+    rate = parse_link(link)["rate"]
     for unit, scale in RATE_UNITS.items():
-        if link.endswith(unit):
-            return float(link[: -len(unit)]) * scale
-    return None  # unshaped
+        if rate is not None and rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    return None
 
 
 def link_figures(hosts: int, numel: int, seconds: float, link: str) -> dict:
@@ -351,7 +361,7 @@ def main() -> None:
         args.topologies, args.links, args.sizes, args.other_sizes = ["2x2"], ["unshaped"], [1000, 100_000], [1000]
         args.reps, args.other_reps, args.ddp_reps = 3, 3, 2
     candidates = list(dict.fromkeys(args.candidates + ["gloo"]))
-    reason = HostPool.unavailable()
+    reason = HostPool.unavailable(delayed=any(parse_link(link)["round_trip_ms"] for link in args.links))
     if reason:
         sys.exit(f"bench_multihost: {reason}")
     cases = importlib.import_module("bench_multihost")  # what the ranks can unpickle by name
@@ -359,9 +369,7 @@ def main() -> None:
     for topology in args.topologies:
         hosts, _ = parse_topology(topology)
         for link in args.links:
-            pool = HostPool(
-                ranks_per_host(topology), group_timeout=600, timeout=3600, rate=None if link == "unshaped" else link
-            )
+            pool = HostPool(ranks_per_host(topology), group_timeout=600, timeout=3600, **parse_link(link))
             try:
                 for collective in args.collectives:
                     names = candidates if collective == "all_reduce" else [c for c in candidates if c in CANDIDATES]
@@ -463,7 +471,9 @@ def main() -> None:
             "ddp_candidates": [] if args.no_ddp else list(DDP_CANDIDATES),
             "dtype": "float32",
             "threads_per_process": 1,
-            "hosts": "network + mount namespaces, veth to a bridge, tc tbf shaping (ddpkit.testing.HostPool)",
+            "hosts": "network + mount namespaces, veth to a bridge, tc tbf shaping; a delayed link (RATE-RTTms): "
+            "each host behind a router that holds every packet half the round trip (ddpkit_tun_delay) "
+            "(ddpkit.testing.HostPool)",
             "timing": "per repetition: one call of the candidate to synchronise, then a batch of back-to-back "
             "calls of the library's own function timed on every rank; slowest rank per repetition, "
             "median over interleaved repetitions",

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from ddpkit.testing import parse_link
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -101,3 +103,14 @@ def test_any_topology_and_its_link_figures():
     assert figures["link_fraction"] == pytest.approx(0.96)
     assert bench.link_figures(2, 1000, 1e-3, "unshaped")["link_fraction"] is None
     assert bench.link_bits_per_s("10gbit") == 1e10
+    assert bench.link_bits_per_s("1gbit-10ms") == 1e9
+    assert bench.link_bits_per_s("unshaped-10ms") is None
+
+
+def test_a_delayed_link_is_a_rate_and_a_round_trip():
+    assert parse_link("1gbit-10ms") == {"rate": "1gbit", "round_trip_ms": 10.0}
+    assert parse_link("unshaped-2.5ms") == {"rate": None, "round_trip_ms": 2.5}
+    assert parse_link("10gbit") == {"rate": "10gbit", "round_trip_ms": None}
+    assert parse_link("unshaped") == {"rate": None, "round_trip_ms": None}
+    with pytest.raises(ValueError, match="round trip is in ms"):
+        parse_link("1gbit-10s")

@@ -6,12 +6,16 @@ real hosts, and the kernel reports each socket's send buffer.
 
 import os
 import socket
+import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.testing import WorkerPool
+from ddpkit.testing import HostPool, WorkerPool
+
+from helpers import HOSTS_GROUP_TIMEOUT_S
 
 HOSTS = "a,b,c"
 NUMEL = 300_000  # past the check's round: the ring's frames cross the links
@@ -84,3 +88,37 @@ def test_a_send_buffer_that_is_not_a_number_raises_on_every_host():
     assert "DDPKIT_LINK_SEND_BUFFER=lots is not a number of bytes" in (outcomes[1] or ""), outcomes[1]
     for rank in (0, 2):
         assert "rank 1 could not listen" in (outcomes[rank] or ""), f"rank {rank}: {outcomes[rank]}"
+
+
+# --- a delayed path: simulated hosts behind a router that holds every packet (HostPool's round_trip_ms) ----
+
+ROUND_TRIP_MS = 4.0
+needs_delayed_hosts = pytest.mark.skipif(
+    HostPool.unavailable(delayed=True) is not None, reason=str(HostPool.unavailable(delayed=True))
+)
+
+
+@pytest.fixture(scope="module")
+def delayed():
+    """Three simulated hosts of one rank, every packet between two of them delayed ROUND_TRIP_MS / 2."""
+    pool = HostPool([1, 1, 1], group_timeout=HOSTS_GROUP_TIMEOUT_S, round_trip_ms=ROUND_TRIP_MS)
+    yield pool
+    pool.close()
+
+
+def case_fastest_small_all_reduce(calls):
+    tensor = torch.ones(1)
+    fastest = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        fastest = min(fastest, time.perf_counter() - start)
+    return fastest
+
+
+@needs_delayed_hosts
+def test_a_delayed_pool_takes_at_least_its_round_trip(delayed):
+    # gloo's all-reduce of one float across three hosts needs a round trip at least: a bound the
+    # delay sets, which no load on this machine can undercut.
+    for rank, fastest in enumerate(delayed.run(case_fastest_small_all_reduce, 5)):
+        assert fastest >= ROUND_TRIP_MS / 1e3, f"rank {rank}: {fastest * 1e3:.2f} ms"

@@ -36,7 +36,15 @@ import torch.distributed as dist
 
 from .workers import RemoteTraceback, WorkerFailure, WorkerPool, _die_with_parent, _worker_main
 
-__all__ = ["HostPool", "RemoteTraceback", "WorkerFailure", "WorkerPool", "is_testing_build", "time_engine_loop"]
+__all__ = [
+    "HostPool",
+    "RemoteTraceback",
+    "WorkerFailure",
+    "WorkerPool",
+    "is_testing_build",
+    "parse_link",
+    "time_engine_loop",
+]
 
 
 def is_testing_build() -> bool:
@@ -65,17 +73,22 @@ def time_engine_loop(numel: int, iterations: int, stage: str, group: dist.Proces
 
 class HostPool(WorkerPool):
     """A WorkerPool whose ranks run on simulated hosts: ``ranks_per_host[h]`` ranks on host h, numbered
-    host by host. Each host is a network namespace joined to the others through a bridge (a veth link
-    each, named ``dkh`` inside, shaped with tc's tbf to ``rate`` such as "1gbit" when given) and a
-    mount and UTS namespace with a private /dev/shm and hostname, and runs a launcher of its own
-    (``python -m ddpkit.testing host``) that starts its ranks, with GLOO_SOCKET_IFNAME set to its link
-    and host 0 holding the store. ``run`` is WorkerPool's. After ``close()``, ``leftovers[h]`` lists
+    host by host. Each host is a network namespace with one veth link, named ``dkh`` inside and shaped
+    with tc's tbf to ``rate`` such as "1gbit" when given, and a mount and UTS namespace with a private
+    /dev/shm and hostname, and runs a launcher of its own (``python -m ddpkit.testing host``) that
+    starts its ranks, with GLOO_SOCKET_IFNAME set to its link and host 0 holding the store. The links
+    meet in a bridge; with ``round_trip_ms``, a wide-area link: each host on a subnet of its own behind
+    a router namespace that holds every packet between two hosts for half the round trip on its way
+    (ddpkit_tun_delay, a testing build's program: this kernel has no netem), the router's port to each
+    host shaped to ``rate`` too. ``run`` is WorkerPool's. After ``close()``, ``leftovers[h]`` lists
     what host h's /dev/shm held once its ranks had exited. Needs root and iproute2:
     ``HostPool.unavailable()`` says why it cannot run here, or returns None.
     """
 
     SUBNET = "10.213.0"
+    ROUTED_PREFIX = "10.214"  # host h of a delayed pool: 10.214.(h+1).2, its router port .1
     STORE_PORT = 29533
+    ROUTED_MTU = 9000  # fewer packets for the delayer to carry
 
     def __init__(
         self,
@@ -86,26 +99,40 @@ class HostPool(WorkerPool):
         threads: int = 1,
         env: dict | None = None,
         rate: str | None = None,
+        round_trip_ms: float | None = None,
     ):
         super().__init__(
             sum(ranks_per_host), backend=backend, timeout=timeout, group_timeout=group_timeout, threads=threads, env=env
         )
         self.ranks_per_host = list(ranks_per_host)
         self.rate = rate
+        self.round_trip_ms = round_trip_ms
         self.leftovers: dict = {}
         self._prefix = f"dk{os.getpid() % 100000}{secrets.token_hex(2)}"
         self._namespaces: list = []
         self._launchers: list = []
+        self._delayer = None
         self._tmp = None
 
     @staticmethod
-    def unavailable() -> str | None:
+    def unavailable(delayed: bool = False) -> str | None:
+        """Why simulated hosts (with ``delayed``, behind a delaying router) cannot run here, or None."""
         if os.geteuid() != 0:
             return "simulated hosts need root (network and mount namespaces)"
-        for tool in ("ip", "unshare"):
+        for tool in ("ip", "unshare") + (("tc",) if delayed else ()):
             if shutil.which(tool) is None:
                 return f"simulated hosts need {tool} (iproute2, util-linux)"
+        if delayed and not delayer_path().is_file():
+            return "delayed links need a testing build of ddpkit (its ddpkit_tun_delay program; scripts/setup.sh)"
+        if delayed and not os.path.exists("/dev/net/tun"):
+            return "delayed links need /dev/net/tun"
         return None
+
+    def host_address(self, host: int) -> str:
+        """The address of host ``host``'s link, where its ranks listen and host 0 keeps the store."""
+        if self.round_trip_ms is None:
+            return f"{self.SUBNET}.{host + 1}"
+        return f"{self.ROUTED_PREFIX}.{host + 1}.2"
 
     def _host_namespace(self, host: int) -> str:
         return f"{self._prefix}h{host}"
@@ -130,7 +157,19 @@ class HostPool(WorkerPool):
         if done.returncode != 0:
             raise RuntimeError(f"ddpkit.testing.HostPool: {shlex.join(command)} failed: {done.stderr.strip()}")
 
+    def _tc(self, namespace: str, device: str, rate: str) -> None:
+        # tbf's queue holds 50 ms at the rate, and a round trip more where the path is delayed.
+        latency = 50 + (self.round_trip_ms or 0)
+        command = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf"]
+        command += ["rate", rate, "burst", "1mbit", "latency", f"{latency:g}ms"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"ddpkit.testing.HostPool: {shlex.join(command)} failed: {done.stderr.strip()}")
+
     def _make_network(self) -> None:
+        if self.round_trip_ms is not None:
+            self._make_routed_network()
+            return
         switch = f"{self._prefix}sw"
         subprocess.run(["ip", "netns", "add", switch], check=True, capture_output=True)
         self._namespaces.append(switch)
@@ -151,34 +190,71 @@ class HostPool(WorkerPool):
             self._ip("link", "set", outer, "master", "dkbr", namespace=switch)
             self._ip("link", "set", outer, "up", namespace=switch)
             if self.rate:
-                subprocess.run(
-                    [
-                        "ip",
-                        "netns",
-                        "exec",
-                        namespace,
-                        "tc",
-                        "qdisc",
-                        "add",
-                        "dev",
-                        "dkh",
-                        "root",
-                        "tbf",
-                        "rate",
-                        self.rate,
-                        "burst",
-                        "1mbit",
-                        "latency",
-                        "50ms",
-                    ],
-                    check=True,
-                    capture_output=True,
-                )
+                self._tc(namespace, "dkh", self.rate)
+
+    def set_round_trip(self, round_trip_ms: float) -> None:
+        """Delays every packet between two hosts from now on by half ``round_trip_ms`` (a pool made
+        with a round trip): a path that grows longer after the links were made."""
+        assert self._delayer is not None, "HostPool.set_round_trip: the pool was made without a round trip"
+        self._delayer.stdin.write(f"{round(round_trip_ms * 500)}\n")
+        self._delayer.stdin.flush()
+        answer = self._delayer.stdout.readline().strip()
+        if answer != "ok":
+            raise RuntimeError(f"ddpkit.testing.HostPool: ddpkit_tun_delay answered {answer!r}")
+        self.round_trip_ms = round_trip_ms
+
+    def _make_routed_network(self) -> None:
+        """Each host on a subnet of its own, its link to a port of a router namespace whose policy
+        routes send every packet that enters from a host through a TUN device, where ddpkit_tun_delay
+        holds it half the round trip before the main table forwards it to its host."""
+        router = f"{self._prefix}rt"
+        subprocess.run(["ip", "netns", "add", router], check=True, capture_output=True)
+        self._namespaces.append(router)
+        sysctls = ["net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0"]
+        subprocess.run(["ip", "netns", "exec", router, "sysctl", "-qw", *sysctls], check=True, capture_output=True)
+        self._delayer = subprocess.Popen(
+            ["ip", "netns", "exec", router, str(delayer_path()), "dkwan", str(round(self.round_trip_ms * 500))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        if self._delayer.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"ddpkit.testing.HostPool: ddpkit_tun_delay failed: {self._delayer.stderr.read()}")
+        self._ip("link", "set", "dkwan", "mtu", str(self.ROUTED_MTU), "up", namespace=router)
+        self._ip("route", "add", "default", "dev", "dkwan", "table", "100", namespace=router)
+        for host in range(len(self.ranks_per_host)):
+            namespace = self._host_namespace(host)
+            subprocess.run(["ip", "netns", "add", namespace], check=True, capture_output=True)
+            self._namespaces.append(namespace)
+            outer, inner, port = f"{self._prefix}o{host}", f"{self._prefix}i{host}", f"dkr{host}"
+            self._ip("link", "add", inner, "mtu", str(self.ROUTED_MTU), "type", "veth", "peer", "name", outer)
+            self._ip("link", "set", inner, "netns", namespace)
+            self._ip("link", "set", outer, "netns", router)
+            self._ip("link", "set", inner, "name", "dkh", namespace=namespace)
+            self._ip("link", "set", outer, "name", port, namespace=router)
+            subnet = f"{self.ROUTED_PREFIX}.{host + 1}"
+            self._ip("addr", "add", f"{subnet}.2/24", "dev", "dkh", namespace=namespace)
+            self._ip("link", "set", "dkh", "up", namespace=namespace)
+            self._ip("link", "set", "lo", "up", namespace=namespace)
+            self._ip("route", "add", "default", "via", f"{subnet}.1", namespace=namespace)
+            self._ip("addr", "add", f"{subnet}.1/24", "dev", port, namespace=router)
+            subprocess.run(
+                ["ip", "netns", "exec", router, "sysctl", "-qw", f"net.ipv4.conf.{port}.rp_filter=0"],
+                check=True,
+                capture_output=True,
+            )
+            self._ip("link", "set", port, "up", namespace=router)
+            self._ip("rule", "add", "iif", port, "lookup", "100", namespace=router)
+            if self.rate:
+                self._tc(namespace, "dkh", self.rate)
+                self._tc(router, port, self.rate)
 
     def start(self) -> None:
         if self._conns:
             return
-        reason = self.unavailable()
+        reason = self.unavailable(delayed=self.round_trip_ms is not None)
         if reason:
             raise RuntimeError(f"ddpkit.testing.HostPool: {reason}")
         self._tmp = tempfile.mkdtemp(prefix="ddpkit-hosts-")
@@ -194,7 +270,7 @@ class HostPool(WorkerPool):
                     "authkey": authkey.hex(),
                     "ranks": list(range(first, first + count)),
                     "world_size": self.world_size,
-                    "master_addr": f"{self.SUBNET}.1",
+                    "master_addr": self.host_address(0),
                     "port": self.STORE_PORT,
                     "store_host": host == 0,
                     "backend": self.backend,
@@ -281,6 +357,13 @@ class HostPool(WorkerPool):
         for conn in self._conns:
             conn.close()
         self._conns, self._launchers = [], []
+        if self._delayer is not None:
+            try:
+                os.killpg(self._delayer.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._delayer.communicate()
+            self._delayer = None
         for namespace in reversed(self._namespaces):
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
         self._namespaces = []
@@ -304,19 +387,25 @@ server.shutdown()
 
 @contextlib.contextmanager
 def torchft_hosts(
-    folder: Path, hosts: int, host_of, rate: str | None = None, heartbeat_ms: int = 700, join_ms: int = 400
+    folder: Path,
+    hosts: int,
+    host_of,
+    rate: str | None = None,
+    heartbeat_ms: int = 700,
+    join_ms: int = 400,
+    round_trip_ms: float | None = None,
 ):
-    """`hosts` simulated hosts (HostPool's network and namespaces, links shaped to `rate` where given)
-    for torchft replica groups, a lighthouse on host 0 (heartbeat and join timeouts in ms: the tests'
-    settings by default). Yields the `launch` of benchmarks/ft_replica.py's ReplicaGroups that runs
-    replica r on host `host_of(r)`, with a private /dev/shm and hostname there, its store at that
-    host's address and TORCHFT_LIGHTHOUSE set."""
-    pool = HostPool([1] * hosts, rate=rate)
+    """`hosts` simulated hosts (HostPool's network and namespaces, links shaped to `rate` and delayed
+    by `round_trip_ms` where given) for torchft replica groups, a lighthouse on host 0 (heartbeat and
+    join timeouts in ms: the tests' settings by default). Yields the `launch` of
+    benchmarks/ft_replica.py's ReplicaGroups that runs replica r on host `host_of(r)`, with a private
+    /dev/shm and hostname there, its store at that host's address and TORCHFT_LIGHTHOUSE set."""
+    pool = HostPool([1] * hosts, rate=rate, round_trip_ms=round_trip_ms)
     lighthouse = None
     try:
         pool._make_network()
         namespaces = [pool._host_namespace(h) for h in range(hosts)]
-        address = [f"{HostPool.SUBNET}.{h + 1}" for h in range(hosts)]
+        address = [pool.host_address(h) for h in range(hosts)]
         lighthouse = subprocess.Popen(
             [
                 "ip",
@@ -362,6 +451,28 @@ def torchft_hosts(
             os.killpg(lighthouse.pid, signal.SIGKILL)
             lighthouse.wait()
         pool.kill()
+
+
+def delayer_path() -> Path:
+    """ddpkit_tun_delay, the delayed links' program, which a testing build installs beside the library;
+    DDPKIT_TUN_DELAY names another (a testing build's, for benchmarks of a release build)."""
+    if os.environ.get("DDPKIT_TUN_DELAY"):
+        return Path(os.environ["DDPKIT_TUN_DELAY"])
+    from . import _C
+
+    return Path(_C.__file__).parent / "ddpkit_tun_delay"
+
+
+def parse_link(link: str) -> dict:
+    """HostPool's link settings for a link named as the benchmarks take them: "unshaped", a tc rate
+    such as "1gbit", or a rate and a round trip such as "1gbit-10ms" ("unshaped-10ms": delayed only)."""
+    rate, _, delay = link.partition("-")
+    settings = {"rate": None if rate == "unshaped" else rate, "round_trip_ms": None}
+    if delay:
+        if not delay.endswith("ms"):
+            raise ValueError(f"a link's round trip is in ms, such as 1gbit-10ms, got {link!r}")
+        settings["round_trip_ms"] = float(delay[:-2])
+    return settings
 
 
 class _PlainConnection:
