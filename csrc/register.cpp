@@ -76,6 +76,9 @@ TORCH_LIBRARY(ddpkit, m) {
   m.def("collective_checks_enabled() -> bool", &ddpkit::comm::collective_checks_enabled_op);
   m.def("comm_counters() -> int[]", &ddpkit::comm::comm_counters_op);
   m.def("reset_comm_counters() -> ()", &ddpkit::comm::reset_comm_counters_op);
+  m.def("link_paths() -> int[]", &ddpkit::comm::link_paths_op);
+  m.def("send_buffer_choices() -> str[]", &ddpkit::comm::send_buffer_choices_op);
+  m.def("choose_send_buffer(int round_trip_us, int bits_per_s) -> str", &ddpkit::comm::choose_send_buffer_op);
   m.def(
       "choose_algorithm(int bytes, int world_size, bool shared_memory=False, bool hierarchical=False, "
       "str op=\"sum\") -> str",

@@ -1,10 +1,13 @@
-"""The socket options of ddpkit's links across hosts (Note [Send buffers] in csrc/comm/links/socket_links.h).
+"""The send buffers of ddpkit's links across hosts (Note [Send buffers] in csrc/comm/links/send_buffers.h).
 
-One machine split into hosts by DDPKIT_TEST_HOSTS: the links are the same TCP connections as between
-real hosts, and the kernel reports each socket's send buffer.
+First one machine split into hosts by DDPKIT_TEST_HOSTS: the links are the same TCP connections as
+between real hosts, over a round trip of microseconds, and the kernel reports each socket's send
+buffer. Then three simulated hosts behind a router that delays every packet (HostPool's
+round_trip_ms): a long path, a short one that grows longer, and a rank that dies across it.
 """
 
 import os
+import signal
 import socket
 import time
 
@@ -13,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.testing import HostPool, WorkerPool
+from ddpkit.testing import HostPool, WorkerFailure, WorkerPool
 
 from helpers import HOSTS_GROUP_TIMEOUT_S
 
 HOSTS = "a,b,c"
 NUMEL = 300_000  # past the check's round: the ring's frames cross the links
+SMALL_BUFFER = 256 << 10  # kLinkSendBufferBytes
 
 
 def stream_send_buffers():
@@ -37,20 +41,24 @@ def stream_send_buffers():
     return buffers
 
 
+def booked(requested):
+    """What the kernel books for a send buffer of `requested` bytes: twice it, capped at net.core.wmem_max."""
+    with open("/proc/sys/net/core/wmem_max") as f:
+        return 2 * min(requested, int(f.read()))
+
+
 def case_sum_then_send_buffers(setting):
     """Sets DDPKIT_LINK_SEND_BUFFER (None: unset) before the links' set-up, all-reduces across the
-    hosts, and returns the sum's correctness, the booked buffer the setting asks for (the kernel books
-    twice the request, capped at net.core.wmem_max) and the send buffers of this rank's TCP sockets."""
+    hosts, and returns the sum's correctness, the booked buffer the setting asks for, the send
+    buffers of this rank's TCP sockets and what its links say they chose."""
     if setting is not None:
         os.environ["DDPKIT_LINK_SEND_BUFFER"] = setting
     tensor = torch.full((NUMEL,), float(dist.get_rank() + 1))
     ddpkit.all_reduce(tensor)
     size = dist.get_world_size()
     exact = torch.equal(tensor, torch.full((NUMEL,), float(size * (size + 1) // 2)))
-    with open("/proc/sys/net/core/wmem_max") as f:
-        cap = int(f.read())
-    requested = 256 << 10 if setting is None else int(setting)
-    return exact, 2 * min(requested, cap), stream_send_buffers()
+    requested = SMALL_BUFFER if setting is None else int(setting)
+    return exact, booked(requested), stream_send_buffers(), ddpkit.comm_counters()["links"]
 
 
 def run_case(setting):
@@ -58,18 +66,24 @@ def run_case(setting):
         return pool.run(case_sum_then_send_buffers, setting, timeout=60)
 
 
-def test_each_link_asks_for_a_small_send_buffer_by_default():
-    # Each rank's two links (one to each other host) book the buffer the Note chooses; gloo's own
-    # sockets are left to the kernel.
-    for rank, (exact, booked, buffers) in enumerate(run_case(None)):
+def test_each_link_over_a_short_path_asks_for_the_small_send_buffer():
+    # Each rank's two links (one to each other host) book the small buffer; gloo's own sockets are
+    # left to the kernel.
+    for rank, (exact, expected, buffers, links) in enumerate(run_case(None)):
         assert exact, f"rank {rank}"
-        assert buffers.count(booked) == 2, f"rank {rank}: send buffers {buffers}, expected two of {booked}"
+        assert buffers.count(expected) == 2, f"rank {rank}: send buffers {buffers}, expected two of {expected}"
+        assert sorted(link["peer"] for link in links) == [r for r in range(3) if r != rank], links
+        for link in links:
+            assert link["choice"] == "short path" and link["grown"] == 0, f"rank {rank}: {link}"
+            assert link["requested_bytes"] == SMALL_BUFFER and link["send_buffer_bytes"] == expected, link
 
 
-def test_ddpkit_link_send_buffer_sets_the_links_buffer():
-    for rank, (exact, booked, buffers) in enumerate(run_case("300000")):
+def test_ddpkit_link_send_buffer_sets_every_links_buffer():
+    for rank, (exact, expected, buffers, links) in enumerate(run_case("300000")):
         assert exact, f"rank {rank}"
-        assert buffers.count(booked) == 2, f"rank {rank}: send buffers {buffers}, expected two of {booked}"
+        assert buffers.count(expected) == 2, f"rank {rank}: send buffers {buffers}, expected two of {expected}"
+        for link in links:
+            assert link["choice"] == "DDPKIT_LINK_SEND_BUFFER" and link["requested_bytes"] == 300000, link
 
 
 def case_rank_1_asks_for_a_bad_buffer():
@@ -90,9 +104,20 @@ def test_a_send_buffer_that_is_not_a_number_raises_on_every_host():
         assert "rank 1 could not listen" in (outcomes[rank] or ""), f"rank {rank}: {outcomes[rank]}"
 
 
+def test_the_set_up_keeps_the_small_buffer_only_where_it_holds_the_path():
+    # 10 Gbit/s: the small buffer holds about 200 us of it; 100 Gbit/s across 50 us wants more.
+    assert ddpkit.comm.choose_send_buffer(100, 10**10) == "short path"
+    assert ddpkit.comm.choose_send_buffer(1000, 10**10) == "long path"
+    assert ddpkit.comm.choose_send_buffer(10_000, 10**9) == "long path"
+    assert ddpkit.comm.choose_send_buffer(50, 10**11) == "long path"
+    with pytest.raises(RuntimeError, match="the rate > 0"):
+        ddpkit.comm.choose_send_buffer(100, 0)
+
+
 # --- a delayed path: simulated hosts behind a router that holds every packet (HostPool's round_trip_ms) ----
 
 ROUND_TRIP_MS = 4.0
+GROWN_ROUND_TRIP_MS = 20.0
 needs_delayed_hosts = pytest.mark.skipif(
     HostPool.unavailable(delayed=True) is not None, reason=str(HostPool.unavailable(delayed=True))
 )
@@ -100,7 +125,8 @@ needs_delayed_hosts = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def delayed():
-    """Three simulated hosts of one rank, every packet between two of them delayed ROUND_TRIP_MS / 2."""
+    """Three simulated hosts of one rank, every packet between two of them delayed ROUND_TRIP_MS / 2.
+    The tests below share it in order; the last kills a rank."""
     pool = HostPool([1, 1, 1], group_timeout=HOSTS_GROUP_TIMEOUT_S, round_trip_ms=ROUND_TRIP_MS)
     yield pool
     pool.close()
@@ -122,3 +148,104 @@ def test_a_delayed_pool_takes_at_least_its_round_trip(delayed):
     # delay sets, which no load on this machine can undercut.
     for rank, fastest in enumerate(delayed.run(case_fastest_small_all_reduce, 5)):
         assert fastest >= ROUND_TRIP_MS / 1e3, f"rank {rank}: {fastest * 1e3:.2f} ms"
+
+
+def exact_all_reduces(numel, times, group=None, until=None):
+    """`times` all-reduces of `numel` floats across the hosts (fewer where `until()` comes true
+    first); whether every sum was exact."""
+    size = dist.get_world_size(group)
+    exact = True
+    for _ in range(times):
+        tensor = torch.arange(numel, dtype=torch.float32) + dist.get_rank(group)
+        ddpkit.all_reduce(tensor, group=group)
+        exact &= torch.equal(tensor, torch.arange(numel, dtype=torch.float32) * size + size * (size - 1) // 2)
+        if until is not None and until():
+            break
+    return exact
+
+
+def case_links_of_a_new_group(numel, times):
+    """Links made now, for a new group of every rank (kept for the next case), after `times` all-reduces
+    of `numel` floats on it: whether they were exact, and what the new links chose."""
+    global GROUP
+    before = len(ddpkit.comm_counters()["links"])
+    GROUP = dist.new_group(backend="gloo")
+    exact = exact_all_reduces(numel, times, GROUP)
+    return exact, ddpkit.comm_counters()["links"][before:]
+
+
+@needs_delayed_hosts
+def test_links_across_a_long_path_leave_their_buffer_to_the_kernel_and_stay_exact(delayed):
+    # The kernel grows the buffer of the link each rank sends its ring steps on past the small one;
+    # the link it only receives on sends too little to grow.
+    for rank, (exact, links) in enumerate(delayed.run(case_links_of_a_new_group, 1_000_000, 2)):
+        assert exact, f"rank {rank}"
+        assert len(links) == 2, links
+        for link in links:
+            assert link["choice"] == "long path" and link["requested_bytes"] == 0, f"rank {rank}: {link}"
+            assert link["round_trip_us"] >= ROUND_TRIP_MS * 1e3, f"rank {rank}: {link}"
+        assert max(link["send_buffer_bytes"] for link in links) > booked(SMALL_BUFFER), f"rank {rank}: {links}"
+
+
+def case_a_short_path_that_grows_longer(numel, times):
+    """The last case's group's links after up to `times` all-reduces of `numel` floats, stopping once
+    a link of this rank has grown: whether they were exact, and what the links chose."""
+
+    def links():
+        return ddpkit.comm_counters()["links"][-2:]  # the last group's, made last
+
+    exact = exact_all_reduces(numel, times, GROUP, until=lambda: any(link["grown"] for link in links()))
+    return exact, links()
+
+
+def set_min_rtt_window(seconds):
+    """TCP's smallest round trip forgets samples older than this (net.ipv4.tcp_min_rtt_wlen, this
+    host's network namespace): a path that grows longer shows after it, not after five minutes."""
+    with open("/proc/sys/net/ipv4/tcp_min_rtt_wlen", "w") as f:
+        f.write(str(seconds))
+
+
+@needs_delayed_hosts
+def test_a_short_path_keeps_the_small_buffer_and_grows_it_once_the_path_is_long(delayed):
+    # Undelayed (through the same router), the links of a new group keep the small buffer, also
+    # through large all-reduces; once the path's round trip grows, large all-reduces find the buffer
+    # holding each rank's sending link back, and it grows. The sums stay exact throughout.
+    delayed.run(set_min_rtt_window, 1)
+    delayed.set_round_trip(0)
+    try:
+        for rank, (exact, links) in enumerate(delayed.run(case_links_of_a_new_group, 1_000_000, 2)):
+            assert exact, f"rank {rank}"
+            for link in links:
+                assert link["choice"] == "short path" and link["grown"] == 0, f"rank {rank}: {link}"
+                assert link["send_buffer_bytes"] == booked(SMALL_BUFFER), f"rank {rank}: {link}"
+        delayed.set_round_trip(GROWN_ROUND_TRIP_MS)
+        time.sleep(1.2)  # past the window: the smallest round trip is now the long path's
+        for rank, (exact, links) in enumerate(delayed.run(case_a_short_path_that_grows_longer, 1_000_000, 6)):
+            assert exact, f"rank {rank}"
+            grown = [link for link in links if link["grown"]]
+            assert grown, f"rank {rank}: {links}"
+            for link in grown:
+                assert link["choice"] == "grown" and link["requested_bytes"] >= 2 * SMALL_BUFFER, link
+                assert link["send_buffer_bytes"] > booked(SMALL_BUFFER), link
+    finally:
+        delayed.set_round_trip(ROUND_TRIP_MS)
+
+
+def case_rank_1_dies_in_large_all_reduces():
+    for iteration in range(1000):
+        if dist.get_rank() == 1 and iteration == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ddpkit.all_reduce(torch.ones(1_000_000))
+
+
+@needs_delayed_hosts
+def test_a_rank_that_dies_across_a_delayed_path_is_named_on_every_host(delayed):
+    outcomes = delayed.run(
+        case_rank_1_dies_in_large_all_reduces, return_exceptions=True, timeout=4 * HOSTS_GROUP_TIMEOUT_S
+    )
+    assert isinstance(outcomes[1], WorkerFailure)
+    for rank in (0, 2):
+        assert isinstance(outcomes[rank], RuntimeError), f"rank {rank}: {outcomes[rank]!r}"
+        assert "rank 1" in str(outcomes[rank]) and "timed out" not in str(outcomes[rank]).lower(), (
+            f"rank {rank}: {outcomes[rank]}"
+        )

@@ -322,14 +322,40 @@ def collective_checks_enabled() -> bool:
 
 
 def comm_counters() -> dict:
-    """What this process's ddpkit collectives did since the last reset."""
+    """What this process's ddpkit collectives did since the last reset; and under "links", what every
+    live link across hosts of this process chose for its send buffer and why (Note [Send buffers] in
+    csrc/comm/links/send_buffers.h), which a reset leaves alone: one dict per link, in the order the
+    links were made, with the group's ``peer`` rank at its other end, the ``round_trip_us`` TCP had
+    measured at its set-up, the ``interface_bits_per_s`` it leaves by (or the rate assumed where the
+    interface tells none), the ``choice`` ("short path", "long path", "grown" or
+    "DDPKIT_LINK_SEND_BUFFER"), the ``requested_bytes`` it asked for (0: the kernel's sizing), the
+    ``send_buffer_bytes`` the kernel books now, and how many times it has ``grown``."""
     collectives, messages, nbytes, peak_buffered = torch.ops.ddpkit.comm_counters()
     return {
         "collectives": collectives,
         "messages_sent": messages,
         "bytes_sent": nbytes,
         "peak_buffered_bytes": peak_buffered,
+        "links": _link_paths(),
     }
+
+
+def _link_paths() -> list[dict]:
+    flat, choices = torch.ops.ddpkit.link_paths(), torch.ops.ddpkit.send_buffer_choices()
+    fields = ("peer", "round_trip_us", "interface_bits_per_s", "requested_bytes", "send_buffer_bytes", "grown")
+    links = []
+    for at in range(0, len(flat), len(fields) + 1):
+        link = dict(zip(fields, flat[at : at + len(fields)]))
+        link["choice"] = choices[flat[at + len(fields)]]
+        links.append(link)
+    return links
+
+
+def choose_send_buffer(round_trip_us: int, bits_per_s: int) -> str:
+    """What a link across hosts chooses at its set-up for a path of ``round_trip_us`` across an
+    interface of ``bits_per_s``: "short path" (the small send buffer holds rate x round trip) or "long
+    path" (the kernel sizes it); Note [Send buffers]."""
+    return torch.ops.ddpkit.choose_send_buffer(round_trip_us, bits_per_s)
 
 
 def reset_comm_counters() -> None:

@@ -4,6 +4,7 @@
 #include "comm/core/counters.h"
 #include "comm/core/wire_format.h"
 #include "comm/engine/engine.h"
+#include "comm/links/send_buffers.h"
 
 #include <algorithm>
 #include <array>
@@ -136,6 +137,21 @@ std::vector<int64_t> comm_counters_op() {
 
 void reset_comm_counters_op() { reset_counters(); }
 
+std::vector<int64_t> link_paths_op() {
+  std::vector<int64_t> flat;
+  for (const LinkPath& path : live_link_paths()) {
+    flat.insert(flat.end(), {path.peer_rank, path.round_trip_us, path.bits_per_s, path.requested_bytes,
+                             path.booked_bytes, path.grown, static_cast<int64_t>(path.choice)});
+  }
+  return flat;
+}
+
+std::string choose_send_buffer_op(int64_t round_trip_us, int64_t bits_per_s) {
+  TORCH_CHECK(round_trip_us >= 0 && bits_per_s > 0, "ddpkit.comm.choose_send_buffer: a round trip of ", round_trip_us,
+              " us and a rate of ", bits_per_s, " bit/s: the round trip must be >= 0 and the rate > 0");
+  return std::string(kSendBufferChoiceNames[static_cast<size_t>(choose_send_buffer(round_trip_us, bits_per_s))]);
+}
+
 std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory, bool hierarchical,
                                 std::string_view op) {
   TORCH_CHECK(world_size >= 1, "ddpkit.choose_algorithm: world_size must be >= 1, got ", world_size);
@@ -157,6 +173,7 @@ std::vector<std::string> transports_op() { return names_of(kTransportNames); }
 std::vector<std::string> reduce_ops_op() { return names_of(kReduceOpNames); }
 std::vector<std::string> collectives_op() { return names_of(kCollectiveNames); }
 std::vector<std::string> wire_formats_op() { return names_of(kWireFormatNames); }
+std::vector<std::string> send_buffer_choices_op() { return names_of(kSendBufferChoiceNames); }
 
 std::vector<int64_t> topology_op(const std::string& group_name) {
   const Topology topology = Engine::of(group_name)->topology();

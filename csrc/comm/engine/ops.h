@@ -38,6 +38,14 @@ bool collective_checks_enabled_op();
 // [collectives, messages sent, bytes sent, peak buffered bytes] since the last reset, for this process.
 std::vector<int64_t> comm_counters_op();
 void reset_comm_counters_op();
+// Every live link across hosts of this process (Note [Send buffers]), kLinkPathFields numbers each
+// in that order; the choice is an index of kSendBufferChoiceNames (send_buffer_choices_op).
+inline constexpr int kLinkPathFields = 7;  // peer, round trip (us), rate (bit/s), asked, booked, grown, choice
+std::vector<int64_t> link_paths_op();
+std::vector<std::string> send_buffer_choices_op();
+// The set-up's choice for a path of `round_trip_us` across an interface of `bits_per_s` (a name of
+// kSendBufferChoiceNames): what the links decide, for the tests.
+std::string choose_send_buffer_op(int64_t round_trip_us, int64_t bits_per_s);
 // The names of kWireFormatNames, in enum order (Note [Compressed crossing]).
 std::vector<std::string> wire_formats_op();
 std::string choose_algorithm_op(int64_t bytes, int64_t world_size, bool shared_memory, bool hierarchical,

@@ -324,7 +324,9 @@ void SocketLinks::exchange(uint64_t sequence, std::vector<Send> sends, std::vect
   const bool large = threading_.from_bytes > 0 && sent_bytes >= threading_.from_bytes && !recvs.empty();
   LinkThread* sender = large ? thread(send_thread_, "ddpkit-send") : nullptr;
   LinkThread* receiver = large && threading_.receives ? thread(receive_thread_, "ddpkit-recv") : nullptr;
+  send_buffers_.before_exchange(sends);
   Exchange(*this, sequence, std::move(sends), recvs).run(sender, receiver);
+  send_buffers_.after_exchange();
 }
 
 }  // namespace ddpkit::comm

@@ -15,10 +15,11 @@ namespace ddpkit::comm {
 using namespace socket_io;
 
 SocketLinks::SocketLinks(int rank, std::vector<Fd> fds, std::vector<int> group_ranks, std::chrono::milliseconds timeout,
-                         int refused, LinkThreading threading)
+                         int refused, LinkThreading threading, std::optional<int> send_buffer_setting)
     : rank_(rank),
       fds_(std::move(fds)),
       group_ranks_(std::move(group_ranks)),
+      send_buffers_(fds_, group_ranks_, send_buffer_setting),
       timeout_(timeout),
       refused_(refused),
       threading_(threading) {}

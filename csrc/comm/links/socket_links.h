@@ -2,6 +2,7 @@
 // ddpkit's own TCP connections between the ranks that cross hosts together (Note [Socket links]).
 
 #include "comm/links/links.h"
+#include "comm/links/send_buffers.h"
 #include "comm/links/socket_io.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -82,23 +84,6 @@ class LinkThread;
 // ddpkit_links_* candidates time each choice in the same run.
 inline constexpr int64_t kLinkThreadBytes = kLinkPartBytes;
 
-// Note [Send buffers]
-// Each link's socket asks for a send buffer of kLinkSendBufferBytes (the kernel books twice that)
-// instead of letting the kernel grow it to megabytes (tcp_wmem). With a grown buffer a sender runs
-// megabytes ahead of its receiver; where ranks share the CPUs' caches, as the simulated hosts do,
-// those bytes leave the cache before the receiver copies them out. A perf profile of a large ring
-// all-reduce had the kernel's receive copy, and its time with interrupts held off, grow with the
-// buffer, and the large all-reduces were slower at every host count: bench_multihost.py's
-// ddpkit_kernel_buffers candidate times the kernel's own sizing beside the small buffer in the same
-// run, and its ddpkit_send_buffer_<KiB> candidates the sizes against each other. Of those sizes,
-// kLinkSendBufferBytes, the smallest, was as fast as any at the largest all-reduces and the fastest
-// or level at the middle ones; the larger the buffer beyond a few times it, the closer to a grown
-// buffer's time. A receive buffer fixed as well undid the gain (a probe build). The
-// buffer bounds the bytes a link has in flight: a link whose bandwidth times its round trip exceeds
-// the buffer wants more, which DDPKIT_LINK_SEND_BUFFER (bytes, read at the links' set-up) asks for;
-// 0 leaves the sizing to the kernel.
-inline constexpr int kLinkSendBufferBytes = 256 << 10;
-
 // What a large exchange moves on the links' threads (Note [Threads of the links]).
 struct LinkThreading {
   int64_t from_bytes = 0;  // exchanges that send this much or more, and receive; 0: none
@@ -126,8 +111,8 @@ class LinkListener {
   // Why it could not listen; "" when it listens.
   const std::string& error() const { return error_; }
   int fd() const { return fd_; }
-  // The send buffer each link asks for (Note [Send buffers]); 0: the kernel's own sizing.
-  int send_buffer_bytes() const { return send_buffer_bytes_; }
+  // DDPKIT_LINK_SEND_BUFFER's bytes where it is set (Note [Send buffers]): every link's send buffer.
+  std::optional<int> send_buffer_setting() const { return send_buffer_setting_; }
 
  private:
   LinkListener() = default;
@@ -135,7 +120,7 @@ class LinkListener {
   int fd_ = -1;
   sockaddr_storage address_{};
   uint64_t token_ = 0;
-  int send_buffer_bytes_ = kLinkSendBufferBytes;
+  std::optional<int> send_buffer_setting_;
   std::string error_;
 };
 
@@ -179,12 +164,13 @@ class SocketLinks final : public Links {
   class Exchange;  // one exchange() (links/socket_exchange.cpp)
 
   SocketLinks(int rank, std::vector<socket_io::Fd> fds, std::vector<int> group_ranks, std::chrono::milliseconds timeout,
-              int refused, LinkThreading threading);
+              int refused, LinkThreading threading, std::optional<int> send_buffer_setting);
   [[noreturn]] void fail(int peer, const std::string& why, const std::vector<int>& cut_off);
 
   int rank_;
   std::vector<socket_io::Fd> fds_;  // by peer, owned to the links' end; none for this rank
   std::vector<int> group_ranks_;    // by peer
+  SendBuffers send_buffers_;        // Note [Send buffers]; gone before the descriptors close
   std::chrono::milliseconds timeout_;
   int refused_;
   int failed_peer_ = -1;

@@ -17,7 +17,6 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <random>
 #include <string>
 #include <utility>
@@ -103,26 +102,11 @@ std::string address_text(sockaddr_storage address) {
   return c10::str(host, ":", ntohs(port_of(address)));
 }
 
-// DDPKIT_LINK_SEND_BUFFER's bytes, else kLinkSendBufferBytes (Note [Send buffers]).
-int link_send_buffer_bytes() {
-  const char* value = std::getenv("DDPKIT_LINK_SEND_BUFFER");
-  if (value == nullptr || *value == '\0') return kLinkSendBufferBytes;
-  char* end = nullptr;
-  errno = 0;
-  const long long bytes = std::strtoll(value, &end, 10);
-  TORCH_CHECK(*end == '\0' && errno == 0 && bytes >= 0 && bytes <= std::numeric_limits<int>::max() / 2,
-              "DDPKIT_LINK_SEND_BUFFER=", value, " is not a number of bytes (0: the kernel's own sizing)");
-  return static_cast<int>(bytes);
-}
-
-// A link's socket options: no Nagle delay (frames go out whole), and its send buffer.
-void set_link_options(int fd, int send_buffer_bytes) {
+// A link's socket options: no Nagle delay (frames go out whole). Its send buffer waits for its
+// round trip (SendBuffers, Note [Send buffers]).
+void set_link_options(int fd) {
   const int one = 1;
   TORCH_CHECK(::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)) == 0, "TCP_NODELAY: ", errno_text());
-  if (send_buffer_bytes > 0) {
-    TORCH_CHECK(::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &send_buffer_bytes, sizeof(send_buffer_bytes)) == 0,
-                "SO_SNDBUF: ", errno_text());
-  }
 }
 
 // What every rank tells the others at set-up: where it listens and the token a connector must name.
@@ -148,7 +132,7 @@ LinkListener LinkListener::open() {
   std::random_device random;
   listener.token_ = (static_cast<uint64_t>(random()) << 32) ^ random();
   try {
-    listener.send_buffer_bytes_ = link_send_buffer_bytes();
+    listener.send_buffer_setting_ = link_send_buffer_setting();
     sockaddr_storage& mine = listener.address_;
     mine = link_address();
     listener.fd_ = ::socket(mine.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -175,7 +159,7 @@ LinkListener::LinkListener(LinkListener&& other) noexcept
     : fd_(std::exchange(other.fd_, -1)),
       address_(other.address_),
       token_(other.token_),
-      send_buffer_bytes_(other.send_buffer_bytes_),
+      send_buffer_setting_(other.send_buffer_setting_),
       error_(std::move(other.error_)) {}
 
 LinkListener::~LinkListener() {
@@ -247,7 +231,7 @@ void connect_to_lower_ranks(LinkSetUp& setup) {
                   "getsockopt failed: ", errno_text());
       TORCH_CHECK(error == 0, "cannot connect to ", whom, ": ", std::strerror(error));
     }
-    set_link_options(fd.get(), setup.listener.send_buffer_bytes());
+    set_link_options(fd.get());
     const LinkHello hello{LinkHello::kMagic, setup.tokens[peer], static_cast<uint64_t>(setup.rank)};
     write_all(fd.get(), &hello, sizeof(hello), setup.deadline, whom);
     Ack ack{};
@@ -285,7 +269,7 @@ void accept_higher_ranks(LinkSetUp& setup) {
       ++setup.refused;
       continue;
     }
-    set_link_options(fd.get(), setup.listener.send_buffer_bytes());
+    set_link_options(fd.get());
     const Ack ack{kAckMagic, static_cast<uint64_t>(rank)};
     write_all(fd.get(), &ack, sizeof(ack), setup.deadline,
               c10::str("rank ", setup.group_ranks[hello.rank], " (links across hosts)"));
@@ -309,8 +293,9 @@ std::unique_ptr<SocketLinks> SocketLinks::connect(c10d::Backend& backend, int ra
     const int flags = ::fcntl(fd, F_GETFL);
     TORCH_CHECK(flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_NONBLOCK) == 0, "fcntl failed: ", errno_text());
   }
-  return std::unique_ptr<SocketLinks>(
-      new SocketLinks(rank, std::move(setup.links), std::move(setup.group_ranks), timeout, setup.refused, threading));
+  return std::unique_ptr<SocketLinks>(new SocketLinks(rank, std::move(setup.links), std::move(setup.group_ranks),
+                                                      timeout, setup.refused, threading,
+                                                      setup.listener.send_buffer_setting()));
 }
 
 }  // namespace ddpkit::comm
