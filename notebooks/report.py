@@ -172,6 +172,19 @@ it, and `ddpkit_torch_python` is `ddpkit.all_reduce` after that function's own s
 without their collective).
 """
 
+DELAYED = r"""
+### 7c. Long, fat links
+
+The same all-reduce across links with a round trip of milliseconds, as between regions or clusters: each simulated
+host on a subnet of its own behind a router namespace that holds every packet half the round trip
+(`ddpkit_tun_delay`, a testing build's program; this kernel has no netem), links shaped with tbf. Each of ddpkit's
+connections chooses its send buffer from the path it measures at its set-up: the small buffer that wins on the
+unshaped links above only where it holds the path's bandwidth times its round trip, the kernel's own sizing elsewhere
+([docs/multihost.md](../docs/multihost.md#wide-area-links)). `ddpkit_send_buffer_256` is the same build with every
+connection's buffer fixed at 256 KiB, as before this choice; `ddpkit_kernel_buffers` with every buffer left to the
+kernel. Then torchft's steady step with one replica group on each of 4 hosts across such links.
+"""
+
 TORCH_STACK = r"""
 ## 8. torch's own stack on the ddpkit backend
 
@@ -279,6 +292,9 @@ def build() -> nbformat.NotebookNode:
         call(analysis.multihost_unshaped),
         call(analysis.compression),
         call(analysis.fault_tolerance_hosts),
+        markdown(DELAYED),
+        call(analysis.multihost_delayed),
+        call(analysis.fault_tolerance_hosts_delayed),
         markdown(TORCH_STACK),
         call(analysis.torch_stack),
         call(analysis.torch_suite, ""),

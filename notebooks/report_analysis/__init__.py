@@ -23,7 +23,14 @@ from .allreduce import (
     collective_checks,
     latency,
 )
-from .crossing import compression, fault_tolerance_hosts, multihost_hosts, multihost_unshaped
+from .crossing import (
+    compression,
+    fault_tolerance_hosts,
+    fault_tolerance_hosts_delayed,
+    multihost_delayed,
+    multihost_hosts,
+    multihost_unshaped,
+)
 from .cuda import gpu
 from .data_parallel import ddp, training
 from .hosts import multihost, multihost_targets
@@ -63,6 +70,8 @@ __all__ = [
     "multihost_unshaped",
     "compression",
     "fault_tolerance_hosts",
+    "fault_tolerance_hosts_delayed",
+    "multihost_delayed",
     "torch_stack",
     "torch_suite",
     "sharding",

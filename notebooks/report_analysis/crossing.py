@@ -1,5 +1,6 @@
 """7b. The compressed crossing: training with gradients that cross hosts in bfloat16 (compression.json), and
-torchft's replica groups across hosts (fault_tolerance_hosts.json)."""
+torchft's replica groups across hosts (fault_tolerance_hosts.json). 7c. Long, fat links: the same across delayed
+links (multihost_delayed.json, fault_tolerance_hosts_delayed.json)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import matplotlib.pyplot as plt
 from IPython.display import Markdown
 
 from .formatting import ratio, step_time
-from .hosts import multihost
+from .hosts import link_label, multihost
 from .output import command, display, table
 
 COMM_HOOKS = {
@@ -33,6 +34,12 @@ def multihost_unshaped(R: dict) -> None:
     send buffers, the kernel's own buffers beside them, and the "ddpkit" backend's time split
     (multihost_unshaped.json)."""
     multihost(R, "multihost_unshaped")
+
+
+def multihost_delayed(R: dict) -> None:
+    """The all-reduce across delayed links (multihost_delayed.json): each link's send buffer chosen from its path
+    against the small fixed buffer and the kernel's sizing, gloo beside."""
+    multihost(R, "multihost_delayed")
 
 
 def compression(R: dict) -> None:
@@ -79,16 +86,28 @@ def compression(R: dict) -> None:
     )
 
 
-def fault_tolerance_hosts(R: dict) -> None:
+# torchft across hosts: the result's name -> its command and targets.
+FAULT_TOLERANCE_HOSTS = {
+    "fault_tolerance_hosts": (
+        "`sudo .venv/bin/python benchmarks/bench_fault_tolerance.py --hosts 4 --link 1gbit`",
+        "ddpkit no slower than gloo uncompressed, ≤ 0.7× with the bfloat16 crossing",
+    ),
+    "fault_tolerance_hosts_delayed": (
+        "`sudo .venv/bin/python benchmarks/bench_fault_tolerance.py --hosts 4 --link 1gbit-10ms "
+        "--name fault_tolerance_hosts_delayed`",
+        "ddpkit no slower than gloo uncompressed, ≤ 0.6× with the bfloat16 crossing",
+    ),
+}
+
+
+def fault_tolerance_hosts(R: dict, name: str = "fault_tolerance_hosts") -> None:
     """torchft's steady step with one replica group per simulated host: gloo, ddpkit, ddpkit with the bfloat16
-    crossing; a sentence where the folder has no fault_tolerance_hosts.json."""
-    if "fault_tolerance_hosts" not in R:
-        return _missing(
-            "fault_tolerance_hosts",
-            "`sudo .venv/bin/python benchmarks/bench_fault_tolerance.py --hosts 4 --link 1gbit`",
-        )
-    command(R, "fault_tolerance_hosts")
-    document = R["fault_tolerance_hosts"]
+    crossing; a sentence where the folder has no such result (`name`: FAULT_TOLERANCE_HOSTS's)."""
+    how, targets = FAULT_TOLERANCE_HOSTS[name]
+    if name not in R:
+        return _missing(name, how)
+    command(R, name)
+    document = R[name]
     settings = document["settings"]
     rows = []
     for wrapper, figures in document["summary"].items():
@@ -108,8 +127,13 @@ def fault_tolerance_hosts(R: dict) -> None:
     )
     display(
         Markdown(
-            f"{settings['hosts']} replica groups of one rank, one per simulated host, links at {settings['link']}; "
-            f"the 8.4M-parameter MLP, median over {settings['repeats']} interleaved runs of each candidate's "
-            "median step. Bars: ddpkit no slower than gloo uncompressed, ≤ 0.7× with the bfloat16 crossing."
+            f"{settings['hosts']} replica groups of one rank, one per simulated host, links at "
+            f"{link_label(settings['link'])}; the 8.4M-parameter MLP, median over {settings['repeats']} interleaved "
+            f"runs of each candidate's median step. Targets: {targets}."
         )
     )
+
+
+def fault_tolerance_hosts_delayed(R: dict) -> None:
+    """torchft's steady step across delayed links (fault_tolerance_hosts_delayed.json)."""
+    fault_tolerance_hosts(R, "fault_tolerance_hosts_delayed")

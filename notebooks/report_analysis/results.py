@@ -18,8 +18,9 @@ EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backe
 # machine with a GPU, and the all-reduce grid on that machine's CPU cores (scripts/gpu_checks.sh grid);
 # torch_stack (bench_torch_stack.py); multihost (bench_multihost.py, which needs root); latency (bench_latency.py);
 # fault_tolerance (bench_fault_tolerance.py, which needs torchft); across three hosts or more, the compressed
-# crossing's training and torchft across hosts (multihost_hosts, multihost_unshaped, compression,
-# fault_tolerance_hosts: root); sharding (bench_sharding.py, whose 2x2 hosts need root).
+# crossing's training and torchft across hosts, also across delayed links (multihost_hosts, multihost_unshaped,
+# compression, fault_tolerance_hosts, multihost_delayed, fault_tolerance_hosts_delayed: root); sharding
+# (bench_sharding.py, whose 2x2 hosts need root).
 OPTIONAL = [
     "syncbn_cuda",
     "ddp_cuda",
@@ -33,6 +34,8 @@ OPTIONAL = [
     "compression",
     "fault_tolerance_hosts",
     "sharding",
+    "multihost_delayed",
+    "fault_tolerance_hosts_delayed",
 ]
 # Read from the repository, not from the results folder: torch's own distributed test suite on gloo and on
 # "ddpkit", written by scripts/run_torch_suite.py (run_all.sh does not run it); a sentence in its place when absent.
