@@ -8,15 +8,18 @@ cd "$(dirname "$0")/.."
 extras=${1:-test,report}
 
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+apt_packages=()
 if [ ! -d /usr/share/datasets/fashion-mnist ]; then
   echo "== apt: Fashion-MNIST (dataset-fashion-mnist, 30 MB)"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null
+  apt_packages+=(dataset-fashion-mnist)
 fi
 if [[ ",$extras," == *",test,"* ]] && ! command -v mpirun >/dev/null; then
-  echo "== apt: MPICH's mpirun (mpich, for tests/test_launchers.py; about 30 s)"
+  echo "== apt: MPICH's mpirun (mpich, for tests/test_launchers.py)"
+  apt_packages+=(mpich)
+fi
+if [ ${#apt_packages[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends mpich >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${apt_packages[@]}" >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then
@@ -52,7 +55,40 @@ else
 fi
 logged "$INSTALLS" $PIP install --progress-bar off "scikit-build-core>=0.11" ninja
 
-echo "== build: ddpkit's C++ extension and its Python dependencies (the first time about 2 minutes on 2 cores)"
+# The Python packages ddpkit and the extras need go in while the extension compiles: pip would install
+# them only after the build (the compiler keeps both cores busy; unpacking wheels mostly waits on the
+# disk). Their own pip, into build/deps.log, is waited for below.
+deps_log=build/deps.log
+# The names from pyproject.toml, one a line: ddpkit's dependencies but torch (installed above), then the extras'.
+mapfile -t deps < <(.venv/bin/python - "$extras" <<'PY'
+import sys
+try:
+    import tomllib
+except ImportError:  # Python 3.10: pip's own copy of tomli
+    from pip._vendor import tomli as tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+names = [d for d in project["dependencies"] if not d.startswith("torch")]
+for extra in filter(None, sys.argv[1].split(",")):
+    names += project["optional-dependencies"][extra]
+print("\n".join(names))
+PY
+)
+(
+  set -e
+  $PIP install --progress-bar off "${deps[@]}"
+  if [[ ",$extras," == *",test,"* ]] && ! .venv/bin/python -c "import torchft" 2>/dev/null; then
+    # torchft (docs/fault_tolerance.md, tests/test_torchft.py) declares a dependency on a torch build
+    # that pip would replace the CPU torch with, which the test extra cannot prevent: it goes in
+    # without its dependencies, and the few it needs at import beside torch go in by name.
+    $PIP install --progress-bar off --no-deps "torchft==0.2.0"
+    $PIP install --progress-bar off opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp
+  fi
+) > "$deps_log" 2>&1 &
+deps_pid=$!
+trap 'kill "$deps_pid" 2>/dev/null || true' EXIT  # a failed build leaves no pip behind
+echo "== pip: ddpkit's Python dependencies and the extras ($extras) in the background, into $deps_log"
+
+echo "== build: ddpkit's C++ extension (the first time about 3 minutes on 2 cores)"
 # A testing build (DDPKIT_TESTING): the test suite arms the fault points it carries, and the
 # benchmarks time the engine with its timing op (csrc/testing/). `pip install .` builds without them.
 # pip shows a build's output only with -v. Its compiler steps, "[3/41] Building CXX object
@@ -61,17 +97,11 @@ logged "$INSTALLS
         s#^ *(\[[0-9]+/[0-9]+\]) Building CXX object CMakeFiles/([^/]*)\.dir/(.*)\.o\$#  \1 \3 (\2)#p
         s#^ *(\[[0-9]+/[0-9]+\]) Linking CXX .*\$#  \1 linking#p
         s#^.*(ddpkit: CUDA kernels .*)\$#  \1#p" \
-  $PIP install -v --progress-bar off --no-build-isolation -C cmake.define.DDPKIT_TESTING=ON -e ".[$extras]"
-if [[ ",$extras," == *",test,"* ]]; then
-  # torchft (docs/fault_tolerance.md, tests/test_torchft.py) declares a dependency on a torch build that pip
-  # would replace the CPU torch with, which the test extra cannot prevent: it goes in without its
-  # dependencies, and the few it needs at import beside torch go in by name.
-  if .venv/bin/python -c "import torchft" 2>/dev/null; then
-    echo "== pip: torchft is installed"
-  else
-    echo "== pip: torchft 0.2.0 (without its dependencies) and OpenTelemetry"
-    logged "$INSTALLS" $PIP install --progress-bar off --no-deps "torchft==0.2.0"
-    logged "$INSTALLS" $PIP install --progress-bar off opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp
-  fi
+  $PIP install -v --progress-bar off --no-build-isolation --no-deps -C cmake.define.DDPKIT_TESTING=ON -e .
+if ! wait "$deps_pid"; then
+  tail -n 40 "$deps_log"
+  echo "setup: installing the Python dependencies failed; the whole log is $deps_log" >&2
+  exit 1
 fi
+sed -n -E "$INSTALLS" "$deps_log"
 .venv/bin/python -c "import ddpkit, torch; print(f'ddpkit {ddpkit.__version__} ready: torch {torch.__version__}')"
