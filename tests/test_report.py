@@ -165,6 +165,8 @@ def test_the_report_reads_only_what_run_all_produces():
         "compression": 'bench_compression.py "${QUICK[@]}"',
         "fault_tolerance_hosts": "--hosts 4 --link 1gbit",
         "sharding": 'bench_sharding.py "${QUICK[@]}"',
+        "multihost_delayed": "--output multihost_delayed",
+        "fault_tolerance_hosts_delayed": "--name fault_tolerance_hosts_delayed",
     }
     assert set(analysis.EXPECTED + analysis.OPTIONAL) == scripts.keys()
     assert all(command in run_all for command in scripts.values())
