@@ -36,7 +36,7 @@ def test_expected_output_format():
 
 # Repeated launches where ranks can race (2 and more); each launch costs several seconds of start-up
 # (torchrun and every rank import torch), so the suite keeps them few.
-@pytest.mark.parametrize("world_size,launches", [(1, 1), (2, 2), (4, 1), (8, 1)])
+@pytest.mark.parametrize("world_size,launches", [(1, 1), (2, 2), (8, 1)])  # 4 ranks: a hundred iterations below
 def test_torchrun_output_is_deterministic(world_size, launches):
     expected = expected_output(world_size)
     for _ in range(launches):
