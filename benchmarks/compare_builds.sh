@@ -74,7 +74,9 @@ for round in $(seq 1 "$rounds"); do
   for build in base tree; do
     py=$tree_py; [ $build = base ] && py=$base_py
     # shellcheck disable=SC2086  # the topologies and sizes are lists
-    DDPKIT_RESULTS_DIR="$work/hosts-$build-$round" $py benchmarks/bench_multihost.py --topologies $topologies \
+    # Each build runs its own bench_multihost.py (the same timing either way): HostPool's arguments
+    # grow (delayed links), and a base older than that cannot run this tree's.
+    DDPKIT_RESULTS_DIR="$work/hosts-$build-$round" $py "${py%/venv/bin/python}/src/benchmarks/bench_multihost.py" --topologies $topologies \
       --links unshaped --collectives all_reduce --candidates ddpkit --sizes $sizes "${reps[@]}" --no-ddp \
       > "$work/hosts-$build-$round.log" 2>&1
   done
