@@ -10,9 +10,10 @@
 // the packets read from then on, answered by "ok" (a test's link that grows longer after its
 // connections were made); it ends when stdin closes, or with its parent.
 //
-// Why native: a Python delayer (../shared/tools/tun_delay.py) could not carry four hosts' links at
-// 1 Gbit/s on the 2-core CI machine (docs/multihost.md, "Delayed links", says how that was timed).
-// Two choices keep this one cheap: the device takes the kernel's segmentation offloads, so a read
+// Why native: the router carries every host's links at once, on the CPUs the hosts share, so each
+// packet must cost it little; a Python delayer (../shared/tools/tun_delay.py) pays the interpreter per
+// packet. bench_multihost.py's "of link" column for gloo at 4x1 on 1gbit-10ms says whether this one
+// keeps up (docs/multihost.md, "Wide-area links"). Two choices keep it cheap: the device takes the kernel's segmentation offloads, so a read
 // or a write moves a TCP burst of up to 64 KiB rather than one MTU-sized packet; and since every
 // packet waits the same time, the held packets are a FIFO in one ring of bytes, read into in place.
 // It asks for a real-time priority (SCHED_FIFO) where it may: a router forwards whatever the hosts'
