@@ -32,6 +32,7 @@ CLASSES = {
     "multihost_16core": {records.MultihostRecord},  # the GPU machine's 16 cores (also multihost_16core_3x1_4x2.json)
     "multihost_link_threads_2core": {records.MultihostRecord},
     "multihost_unshaped": {records.MultihostRecord},  # a release build (compare_builds.sh's venv of 10bd288)
+    "multihost_delayed": {records.MultihostRecord},  # --links 1gbit-10ms (issue 65)
     "multihost_16core_link_threads": {records.MultihostRecord},  # scripts/gpu_checks.sh multihost, from 2026-11-28 on
     "latency": {records.LatencyRecord},
     "fault_tolerance": {records.FaultToleranceRecord},
