@@ -267,6 +267,37 @@ def test_a_model_that_differs_across_ranks_is_refused_on_every_rank(pool):
         assert error is not None and "FullyShardedDataParallel: rank 1 has" in error, error
 
 
+def case_non_elementwise_optimizer():
+    """LBFGS and Adafactor built on the wrapper's pieces: refused at their first step, before it changes anything;
+    AdamW then steps."""
+    model = ddpkit.FullyShardedDataParallel(make_model(), persistence_threshold=THRESHOLD)
+    x, y = batch(dist.get_rank(), 0)
+    before = model.state_dict()
+    errors = []
+    for optimizer_class in (torch.optim.LBFGS, torch.optim.Adafactor):
+        optimizer = optimizer_class(model.parameters())
+
+        def closure():
+            optimizer.zero_grad()
+            loss = loss_of(model(x), y)
+            loss.backward()
+            return loss
+
+        errors.append(caught(optimizer.step, closure))
+    unchanged = all(torch.equal(value, before[name]) for name, value in model.state_dict().items())
+    adamw = torch.optim.AdamW(model.parameters())
+    loss_of(model(x), y).backward()
+    return errors, unchanged, caught(adamw.step)
+
+
+def test_a_non_elementwise_optimizer_is_refused_on_every_rank_at_its_first_step(pool):
+    for errors, unchanged, adamw in pool(2).run(case_non_elementwise_optimizer, timeout=60):
+        for error, name in zip(errors, ("LBFGS", "Adafactor")):
+            assert error is not None and "FullyShardedDataParallel: torch.optim" in error, error
+            assert f"{name} does not update each element on its own" in error, error
+        assert unchanged and adamw is None
+
+
 def case_buffers_released():
     """Where the compute buffers stand after a training step and after an evaluation forward."""
     model = ddpkit.FullyShardedDataParallel(make_model(), persistence_threshold=THRESHOLD)

@@ -23,16 +23,20 @@ float32. The native part, what is gathered when and how gradients are reduced, i
 from __future__ import annotations
 
 import contextlib
+import inspect
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from . import comm
 from .ddp import _check_same_model_on_every_rank, broadcast_tensors
+from .sharded_optimizer import _check_elementwise
 
 WHO = "ddpkit.FullyShardedDataParallel"
 # Parameters of at most this many elements stay whole on every rank (DeepSpeed's
@@ -41,6 +45,26 @@ DEFAULT_PERSISTENCE_THRESHOLD = 100_000
 COMPUTE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 UnitPolicy = Callable[[nn.Module], bool] | Iterable[type]
+
+
+# The optimizers found elementwise at their first step (those that step no sharded parameter too).
+_checked_optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_step_check: Any = None  # the handle of the step pre-hook below, registered by the first wrapper
+
+
+def _check_optimizer_before_its_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """torch.optim's global step pre-hook: an optimizer that steps pieces of sharded parameters must update each
+    element on its own (the probe ShardedOptimizer runs at construction), checked at its first step, before it
+    changes anything; every rank builds the same optimizer, so every rank raises alike."""
+    if optimizer in _checked_optimizers:
+        return
+    if any(getattr(p, "_ddpkit_sharded_piece", False) for group in optimizer.param_groups for p in group["params"]):
+        accepted = inspect.signature(type(optimizer)).parameters
+        defaults = optimizer.defaults
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+            defaults = {k: v for k, v in defaults.items() if k in accepted}  # AdamW's defaults hold one it refuses
+        _check_elementwise(type(optimizer), defaults, WHO, "it cannot step the pieces of sharded parameters")
+    _checked_optimizers[optimizer] = True
 
 
 class _Unit:
@@ -165,6 +189,9 @@ class FullyShardedDataParallel(nn.Module):
             comm.group_name(process_group), compute_dtype, self.cross_host_wire
         )
         self._build_units(_policy(units, persistence_threshold), persistence_threshold)
+        global _step_check
+        if _step_check is None:
+            _step_check = register_optimizer_step_pre_hook(_check_optimizer_before_its_first_step)
 
     # --- construction -----------------------------------------------------------------------------
 
@@ -252,6 +279,7 @@ class FullyShardedDataParallel(nn.Module):
             pieces = self._state.pieces(index)
             for param in params:
                 self._pieces[id(param)] = (0, 0, 0)
+                param._ddpkit_sharded_piece = True  # its optimizer must be elementwise (checked at its first step)
             for i in range(0, len(pieces), 4):
                 self._pieces[id(params[pieces[i]])] = (pieces[i + 1], pieces[i + 2], pieces[i + 3])
         self._state.attach(index, computes, list(params))

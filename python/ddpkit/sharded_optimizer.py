@@ -434,9 +434,15 @@ def _attach_gradients(sharded_set: _ShardedSet) -> None:
         piece.tensor.grad = None if grad is None else grad.reshape(-1).narrow(0, piece.offset, piece.length)
 
 
-def _check_elementwise(optimizer_class: type, defaults: dict) -> None:
+def _check_elementwise(
+    optimizer_class: type,
+    defaults: dict,
+    who: str = "ddpkit.ShardedOptimizer",
+    consequence: str = "its state cannot be sharded",
+) -> None:
     """Refuses, on every rank alike, an optimizer whose step on pieces of a parameter differs from its step
-    on the whole parameter (LBFGS, factored or matrix-shaped state), since its state cannot be sharded."""
+    on the whole parameter (LBFGS, factored or matrix-shaped state), since its state cannot be sharded
+    (``who`` and ``consequence`` word the error for ShardedOptimizer or FullyShardedDataParallel)."""
     name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
     generator = torch.Generator().manual_seed(0)
     start = torch.randn(4, 6, generator=generator)
@@ -467,8 +473,8 @@ def _check_elementwise(optimizer_class: type, defaults: dict) -> None:
         reason = f"a step on pieces of a parameter failed: {type(exc).__name__}: {exc}"
     if reason is not None:
         raise ValueError(
-            f"ddpkit.ShardedOptimizer: {name} does not update each element on its own ({reason}), so its "
-            "state cannot be sharded; use an elementwise optimizer (SGD, Adam, AdamW, ...)"
+            f"{who}: {name} does not update each element on its own ({reason}), so {consequence}; use an "
+            "elementwise optimizer (SGD, Adam, AdamW, ...)"
         )
 
 
