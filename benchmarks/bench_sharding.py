@@ -4,6 +4,8 @@
     python benchmarks/bench_sharding.py                                   # everything below (about 45 minutes)
     python benchmarks/bench_sharding.py --quick                           # a smoke run: small model, few reps
     python benchmarks/bench_sharding.py --phases one_host --models 25M --world-sizes 2
+    python benchmarks/bench_sharding.py --candidates ddpkit_ddp zero3 zero3_bf16 fsdp2_ddpkit fsdp2_gloo \
+        --output sharding_zero3                                           # ZeRO-3 and its baselines alone
 
 The candidates (sharding_candidates.py: ``CANDIDATES``) each train the same MLP (``--models``: 25M = six Linear
 2048x2048, 100M = six 4096x4096) with AdamW, batch ``--batch`` per rank, one thread per rank, on a pool
@@ -27,7 +29,8 @@ candidates). Phases:
   * ``hosts``: the one_host measurements with bytes on 2x2 simulated hosts (network namespaces of this
     machine: root), the 25M model; the bytes are what crosses hosts (inside a host ddpkit uses shared memory).
 
-Results: benchmarks/results/sharding.json (``--quick``: results/quick/). ``summary`` holds the issue's bars:
+Results: benchmarks/results/sharding.json, or ``--output``'s name (``--quick``: results/quick/); the report
+reads ZeRO-1/2 from sharding.json and ZeRO-3 from sharding_zero3.json (benchmarks/run_all.sh writes both). ``summary`` holds the issue's bars:
 model state per parameter against the ZeRO paper's (within 5%), bytes per step against DDP's, and the step
 time ratios (ZeRO-1 <= 0.85x and ZeRO-2 <= 0.8x ddpkit DDP, ZeRO-1 <= 0.9x torch's ZeroRedundancyOptimizer,
 ZeRO-3 <= 1.0x ddpkit DDP, <= 0.75x FSDP2 on ddpkit and <= 0.45x FSDP2 on gloo, at 2 ranks and the 25M model;
@@ -351,6 +354,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output", default="sharding", help="results/<output>.json")
     args = parser.parse_args()
     unknown = sorted(set(args.candidates) - set(candidates.CANDIDATES))
     if unknown:
@@ -372,7 +376,7 @@ def main() -> None:
         "optimizer": f"torch.optim.AdamW(lr={candidates.LR})",
     }
     path = common.write_results(
-        "sharding",
+        args.output,
         backend="ddpkit",
         device_type="cpu",
         settings=settings,

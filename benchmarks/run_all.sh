@@ -44,7 +44,11 @@ run $PY benchmarks/bench_ddp.py "${QUICK[@]}"
 run $PY benchmarks/bench_backend.py "${QUICK[@]}"
 run $PY benchmarks/bench_training.py "${TRAINING[@]}" --no-progress
 run $PY benchmarks/bench_torch_stack.py "${QUICK[@]}"
-run $PY benchmarks/bench_sharding.py "${QUICK[@]}"
+# ZeRO-1/2 (sharding.json) and ZeRO-3 (sharding_zero3.json), each beside the baselines its targets name
+run $PY benchmarks/bench_sharding.py "${QUICK[@]}" \
+  --candidates ddpkit_ddp zero1 zero2 torch_zero_ddpkit fsdp2_ddpkit fsdp2_gloo torch_ddp_gloo
+run $PY benchmarks/bench_sharding.py "${QUICK[@]}" \
+  --candidates ddpkit_ddp zero3 zero3_bf16 fsdp2_ddpkit fsdp2_gloo --output sharding_zero3
 run $PY benchmarks/bench_fault_tolerance.py "${QUICK[@]}"  # torchft on gloo and on ddpkit
 if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null && command -v unshare >/dev/null; then
   run $PY benchmarks/bench_multihost.py "${QUICK[@]}"  # simulated hosts: network and mount namespaces

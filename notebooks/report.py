@@ -207,17 +207,23 @@ over ranks. Command: `.venv/bin/python benchmarks/bench_torch_stack.py`.
 """
 
 SHARDING = r"""
-## 8b. Sharded data parallelism: ZeRO-1 and ZeRO-2
+## 8b. Sharded data parallelism: ZeRO-1, ZeRO-2 and ZeRO-3
 
 `ddpkit.ShardedOptimizer` on ddpkit's DistributedDataParallel shards AdamW's state (ZeRO-1) and, by default, the
 averaged gradients too (ZeRO-2) over the processes: each updates a balanced, contiguous slice of every gradient
 bucket, which the reducer reduce-scatters instead of all-reducing, and the parameters are all-gathered after the
-step, so a step sends what DDP's does and gives DDP's bits ([docs/sharding.md](../docs/sharding.md)). Against it:
-ddpkit's DDP, torch's `ZeroRedundancyOptimizer` on ddpkit's DDP, torch's FSDP2 on the ddpkit backend and on gloo,
-and torch's DDP on gloo, each training the same MLP with AdamW at one thread per process. Targets: at 2 processes
-and the 25M model, ZeRO-1 ≤ 0.85× and ZeRO-2 ≤ 0.8× ddpkit DDP's step, ZeRO-1 ≤ 0.9× torch's
-ZeroRedundancyOptimizer's; model state within 5% of the ZeRO paper's bytes per parameter; bytes sent equal to
-DDP's. Command: `.venv/bin/python benchmarks/bench_sharding.py`.
+step, so a step sends what DDP's does and gives DDP's bits. `ddpkit.FullyShardedDataParallel` (ZeRO-3) shards the
+parameters too: each layer is all-gathered before its forward and again before its backward, its gradients
+reduce-scattered as its backward ends, in float32 or with bfloat16 compute
+([docs/sharding.md](../docs/sharding.md)). Against them: ddpkit's DDP, torch's `ZeroRedundancyOptimizer` on
+ddpkit's DDP, torch's FSDP2 on the ddpkit backend and on gloo, and torch's DDP on gloo, each training the same MLP
+with AdamW at one thread per process. Targets: at 2 processes and the 25M model, ZeRO-1 ≤ 0.85× and ZeRO-2 ≤ 0.8×
+ddpkit DDP's step, ZeRO-1 ≤ 0.9× torch's ZeroRedundancyOptimizer's, ZeRO-3 ≤ 1.0× ddpkit DDP's, ≤ 0.75× FSDP2's
+on ddpkit and ≤ 0.45× FSDP2's on gloo; model state within 5% of the ZeRO paper's bytes per parameter; bytes sent
+equal to DDP's for ZeRO-1/2, at most 1.5× for ZeRO-3, whose parameter all-gathers carry half the bytes with
+bfloat16 compute; ZeRO-3's peak memory ≤ 0.7× DDP's at 2 processes and the 100M model. ZeRO-1/2 come from
+`sharding.json`, ZeRO-3 from `sharding_zero3.json` (each with the baselines measured beside it). Commands:
+`.venv/bin/python benchmarks/bench_sharding.py`, with `--candidates` and `--output` as each table's first line says.
 """
 
 FAULT_TOLERANCE = r"""
@@ -246,7 +252,7 @@ From the repository, after `make main` (which sets up `.venv`):
 | the ddpkit torch.distributed backend | `.venv/bin/python benchmarks/bench_backend.py` |
 | across simulated hosts (root: the hosts are namespaces) | `sudo .venv/bin/python benchmarks/bench_multihost.py` |
 | FSDP2, DDP communication hooks, tensor parallelism on the ddpkit backend | `.venv/bin/python benchmarks/bench_torch_stack.py` |
-| ZeRO-1/2 against DDP, torch's ZeroRedundancyOptimizer and FSDP2 (root: 2x2 simulated hosts) | `.venv/bin/python benchmarks/bench_sharding.py` |
+| ZeRO-1/2/3 against DDP, torch's ZeroRedundancyOptimizer and FSDP2 (root: 2x2 simulated hosts) | `.venv/bin/python benchmarks/bench_sharding.py` (ZeRO-3: `--candidates ddpkit_ddp zero3 zero3_bf16 fsdp2_ddpkit fsdp2_gloo --output sharding_zero3`) |
 | torchft on gloo and on ddpkit, the torchrun restart baseline | `.venv/bin/python benchmarks/bench_fault_tolerance.py` |
 | torch's distributed test suite on gloo and on ddpkit | `.venv/bin/python scripts/run_torch_suite.py` (writes `docs/torch_suite.json`, `docs/torch_suite.md`) |
 | training comparison | `.venv/bin/python benchmarks/bench_training.py --full` (`make main`: the short run) |

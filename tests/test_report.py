@@ -142,6 +142,7 @@ def test_the_optional_results_missing_are_a_sentence_each_and_one_commit_is_stat
     assert "No `latency.json` in this results folder" in text
     assert "No `fault_tolerance.json` in this results folder" in text
     assert "No `sharding.json` in this results folder" in text
+    assert "No `sharding_zero3.json` in this results folder" in text
 
 
 def test_the_report_reads_only_what_run_all_produces():
@@ -167,6 +168,7 @@ def test_the_report_reads_only_what_run_all_produces():
         "sharding": 'bench_sharding.py "${QUICK[@]}"',
         "multihost_delayed": "--output multihost_delayed",
         "fault_tolerance_hosts_delayed": "--name fault_tolerance_hosts_delayed",
+        "sharding_zero3": "--output sharding_zero3",
     }
     assert set(analysis.EXPECTED + analysis.OPTIONAL) == scripts.keys()
     assert all(command in run_all for command in scripts.values())

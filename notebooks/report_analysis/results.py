@@ -19,8 +19,8 @@ EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backe
 # torch_stack (bench_torch_stack.py); multihost (bench_multihost.py, which needs root); latency (bench_latency.py);
 # fault_tolerance (bench_fault_tolerance.py, which needs torchft); across three hosts or more, the compressed
 # crossing's training and torchft across hosts, also across delayed links (multihost_hosts, multihost_unshaped,
-# compression, fault_tolerance_hosts, multihost_delayed, fault_tolerance_hosts_delayed: root); sharding
-# (bench_sharding.py, whose 2x2 hosts need root).
+# compression, fault_tolerance_hosts, multihost_delayed, fault_tolerance_hosts_delayed: root); sharding and
+# sharding_zero3 (bench_sharding.py: ZeRO-1/2 and ZeRO-3, whose 2x2 hosts need root).
 OPTIONAL = [
     "syncbn_cuda",
     "ddp_cuda",
@@ -34,6 +34,7 @@ OPTIONAL = [
     "compression",
     "fault_tolerance_hosts",
     "sharding",
+    "sharding_zero3",
     "multihost_delayed",
     "fault_tolerance_hosts_delayed",
 ]
