@@ -18,8 +18,9 @@ candidates). Phases:
     over ``--reps`` repetitions is reported, with its quartiles), counts its model state after one more
     backward (sharding_candidates.model_state_bytes), reads this process's peak RSS (VmHWM, reset before the
     candidate was built, so it is the candidate's alone: ``peak_rss_bytes``, and its increase over the RSS at
-    the reset), then drops the candidate. After the warm-up its parameters must match ddpkit DDP's (max
-    |difference| recorded; ZeRO's are bitwise equal: tests/test_sharded_optimizer.py).
+    the reset), compares its parameters with ddpkit DDP's after the same steps (max |difference| recorded;
+    ZeRO's are bitwise equal: tests/test_sharded_optimizer.py, tests/test_fsdp.py; read after the peak RSS,
+    since ZeRO-3's whole parameters are gathered for it), then drops the candidate.
   * ``bytes``: ddpkit's own counters (``ddpkit.comm_counters()["bytes_sent"]``) over one step of each
     candidate whose collectives ddpkit runs, in a pool whose collectives go over messages
     (DDPKIT_TRANSPORT=process_group: shared memory sends none), ddpkit's DDP all-reducing with the ring so
@@ -106,12 +107,6 @@ def measure(name: str, model: str, batch: int, warmup: int, steps: int, algorith
     for x in data[:warmup]:
         built.step(x)
     built.finish()
-    parameters = candidates.full_parameters(built)
-    if name == "ddpkit_ddp":
-        _reference[model] = parameters
-    reference = _reference.get(model)
-    difference = float((parameters - reference).abs().max()) if reference is not None else None
-    del parameters
     dist.barrier(group=built.group)
     ddpkit.reset_comm_counters()
     start = time.perf_counter()
@@ -125,6 +120,14 @@ def measure(name: str, model: str, batch: int, warmup: int, steps: int, algorith
     built.optimizer.step()
     built.optimizer.zero_grad()
     built.finish()
+    peak_rss = _status_kib("VmHWM") * 1024
+    # After the peak is read: whole parameters are no part of a candidate's training (ZeRO-3 gathers them here).
+    parameters = candidates.full_parameters(built)
+    if name == "ddpkit_ddp":
+        _reference[model] = parameters
+    reference = _reference.get(model)
+    difference = float((parameters - reference).abs().max()) if reference is not None else None
+    del parameters
     result = {
         "seconds": seconds,
         "state": state,
@@ -132,7 +135,7 @@ def measure(name: str, model: str, batch: int, warmup: int, steps: int, algorith
         "params": _param_count(built),
         "difference": difference,
         "bytes_sent": bytes_sent,
-        "peak_rss": _status_kib("VmHWM") * 1024,
+        "peak_rss": peak_rss,
         "baseline_rss": baseline,
     }
     del built
