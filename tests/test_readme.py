@@ -335,3 +335,54 @@ def results_commit() -> str:
     }
     assert len(commits) == 1, f"the README's results come from several commits: {commits}"
     return commits.pop()[:7]
+
+
+def sharding_zero3_rows() -> dict[str, list[str]]:
+    """docs/sharding.md's ZeRO-3 figures, each row's cells as benchmarks/results/sharding_zero3.json gives them."""
+    document = json.loads((REPO / "benchmarks" / "results" / "sharding_zero3.json").read_text())
+    timed = {
+        (r.get("topology"), r["world_size"], r["model"], r["candidate"]): r
+        for r in document["records"]
+        if r.get("median_step_s") is not None
+    }
+    sent = {(r["world_size"], r["candidate"]): r for r in document["records"] if r["phase"] == "bytes"}
+    rows = {}
+    for topology, n, model, _ in sorted({k for k in timed if k[3] == "zero3"}, key=str):
+        where = f"{topology} hosts" if topology else f"{n} ranks"
+        of = {
+            c: timed.get((topology, n, model, c))
+            for c in ("zero3", "zero3_bf16", "ddpkit_ddp", "fsdp2_ddpkit", "fsdp2_gloo")
+        }
+        zero3, ddp = of["zero3"], of["ddpkit_ddp"]
+        cells = [f"{zero3['median_step_s'] * 1e3:.0f} ms"]
+        cells += [
+            f"{zero3['median_step_s'] / of[c]['median_step_s']:.2f}"
+            for c in ("ddpkit_ddp", "fsdp2_ddpkit", "fsdp2_gloo")
+        ]
+        cells.append(f"{of['zero3_bf16']['median_step_s'] / ddp['median_step_s']:.2f}")
+        cells.append(f"{zero3['model_state_bytes_per_param']:.2f} ({zero3['expected_bytes_per_param']:g})")
+        cells.append(f"{zero3['peak_rss_bytes'] / ddp['peak_rss_bytes']:.2f}")
+        cells.append(f"{zero3['peak_rss_increase_bytes'] / ddp['peak_rss_increase_bytes']:.2f}")
+        rows[f"{where}, {model}"] = cells
+    for n in sorted({n for n, _ in sent}):
+        rows[f"bytes sent per step, {n} ranks"] = [
+            f"{sent[(n, c)]['bytes_sent_per_step'] / sent[(n, 'ddpkit_ddp')]['bytes_sent_per_step']:.2f}"
+            for c in ("zero3", "zero3_bf16")
+        ] + [
+            f"{sent[(n, 'zero3_bf16')]['gather_bytes_per_forward'] / sent[(n, 'zero3')]['gather_bytes_per_forward']:.3f}"
+        ]
+    return rows
+
+
+def test_the_sharding_page_shows_the_committed_zero3_results():
+    """docs/sharding.md's ZeRO-3 table is the committed sharding_zero3.json's, rounded as shown: after a new
+    benchmark run this fails, showing the row to update."""
+    page = (REPO / "docs" / "sharding.md").read_text()
+    table = [line for line in page.splitlines() if line.startswith("| ")]
+    for label, figures in sharding_zero3_rows().items():
+        rows = [row for row in table if row.startswith(f"| {label} |")]
+        assert len(rows) == 1, f"docs/sharding.md's ZeRO-3 table has no row '{label}'"
+        cells = [cell.strip() for cell in rows[0].strip("|").split("|")][1:]
+        assert cells == figures, rows[0]
+    commit = json.loads((REPO / "benchmarks" / "results" / "sharding_zero3.json").read_text())["environment"]
+    assert f"commit `{commit['git_commit'][:7]}`" in page, "docs/sharding.md names the commit of its ZeRO-3 results"
