@@ -95,9 +95,16 @@ def test_committed_notebook_executes_without_errors(tmp_path, kernel_folder):
     ]
     assert not [c.id for c in notebook.cells if "execution" in c.metadata], "executing recorded timestamps"
     # every plot rendered: one per section, two in the all-reduce's, one more each for multihost.json,
-    # fault_tolerance.json, multihost_hosts.json, multihost_unshaped.json and compression.json (its loss curves)
-    # where they exist
-    optional_plots = ("multihost", "fault_tolerance", "multihost_hosts", "multihost_unshaped", "compression")
+    # fault_tolerance.json, multihost_hosts.json, multihost_unshaped.json, compression.json (its loss curves) and
+    # multihost_delayed.json where they exist
+    optional_plots = (
+        "multihost",
+        "fault_tolerance",
+        "multihost_hosts",
+        "multihost_unshaped",
+        "compression",
+        "multihost_delayed",
+    )
     assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 6 + sum(
         (RESULTS / f"{name}.json").exists() for name in optional_plots
     )
