@@ -21,9 +21,10 @@ main:
 
 # The suite runs in two pytest-xdist workers, a test file each at a time (--dist loadfile: a file's pools
 # and simulated hosts are made once): much of its time is waiting (process start-up, rendezvous, the
-# timeouts under test), which the other worker fills. The longest files go first (Note [Longest files first]
-# in tests/conftest.py). Each worker keeps its own session pools, whose ranks return a task's memory after
-# it (ddpkit.testing), so two sets fit a small machine.
+# timeouts under test), which the other worker fills. Each worker keeps its own session pools, whose ranks
+# return a task's memory after it (ddpkit.testing), so two sets fit a small machine. xdist's own order
+# (files with the most tests first) mixes the long multi-process files with quick ones; the longest
+# first was slower here, both workers then running many ranks each on the two cores at once.
 # The report notebook in a browser: Jupyter Notebook (the jupyter extra, installed here the first time) opens
 # notebooks/report.ipynb, whose kernel starts in notebooks/ as every Jupyter front end's does. Jupyter refuses
 # to serve as root unless told to (CI machines and containers run as root).
@@ -36,4 +37,4 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' | xargs .venv/bin/clang-format --dry-run --Werror
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30

@@ -15,44 +15,6 @@ from helpers import HOSTS_GROUP_TIMEOUT_S, TOPOLOGIES, shm_names
 # torchft is imported; warnings and errors still show.
 os.environ.setdefault("RUST_LOG", "warn")
 
-# Note [Longest files first]: `make test` runs the files in two xdist workers, a file at a time each
-# (--dist loadfile), handing the next file to whichever worker frees first. xdist's default order puts
-# the files with the most tests first, which left the longest single-test files (torch's suite, Ray,
-# the checkpoint resume) for the end, with one worker idle while the other ran them. These files, the
-# longest in CI's --durations (heaviest first), go first instead (with --no-loadscope-reorder); the rest
-# follow in their own order. A file missing here costs only balance, never a result.
-LONGEST_FILES_FIRST = [
-    "test_multihost.py",
-    "test_train.py",
-    "test_torchft.py",
-    "test_examples.py",
-    "test_reliability.py",
-    "test_report.py",
-    "test_hardening.py",
-    "test_block_collectives.py",
-    "test_comm.py",
-    "test_backend_torch_ddp.py",
-    "test_sequential_print.py",
-    "test_cli.py",
-    "test_multihost_one_machine.py",
-    "test_torchft_local_sgd.py",
-    "test_launchers.py",
-    "test_ray_train.py",
-    "test_syncbn.py",
-    "test_ddp.py",
-    "test_torch_stack.py",
-    "test_shm.py",
-    "test_torch_suite.py",
-    "test_backend_ops.py",
-    "test_fsdp.py",
-]
-
-
-def pytest_collection_modifyitems(config, items):
-    place = {name: index for index, name in enumerate(LONGEST_FILES_FIRST)}
-    items.sort(key=lambda item: place.get(item.path.name, len(place)))  # stable: a file's own order stays
-
-
 # Processes of this session (this pytest and everything it started), seen so far: what a leftover
 # must come from to count as this session's, so that another job on the host never fails the suite.
 _SESSION_PIDS: set = set()
