@@ -51,9 +51,7 @@ if .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')
   echo "== pip: torch 2.13.0 is installed"
 else
   echo "== pip: torch 2.13.0 (CPU; the first time this downloads about 200 MB)"
-  # unfiltered: pip's own progress bar shows the download. --no-compile here and below: Python compiles
-  # a module the first time it is imported, and most of these packages' modules never are.
-  $PIP install --no-compile "torch==2.13.0"
+  $PIP install "torch==2.13.0"  # unfiltered: pip's own progress bar shows the download
 fi
 logged "$INSTALLS" $PIP install --progress-bar off "scikit-build-core>=0.11" ninja
 
@@ -77,13 +75,13 @@ PY
 )
 (
   set -e
-  $PIP install --progress-bar off --no-compile "${deps[@]}"
+  $PIP install --progress-bar off "${deps[@]}"
   if [[ ",$extras," == *",test,"* ]] && ! .venv/bin/python -c "import torchft" 2>/dev/null; then
     # torchft (docs/fault_tolerance.md, tests/test_torchft.py) declares a dependency on a torch build
     # that pip would replace the CPU torch with, which the test extra cannot prevent: it goes in
     # without its dependencies, and the few it needs at import beside torch go in by name.
-    $PIP install --progress-bar off --no-compile --no-deps "torchft==0.2.0"
-    $PIP install --progress-bar off --no-compile opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp
+    $PIP install --progress-bar off --no-deps "torchft==0.2.0"
+    $PIP install --progress-bar off opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp
   fi
 ) > "$deps_log" 2>&1 &
 deps_pid=$!
