@@ -39,6 +39,8 @@ CLASSES = {
     "compression": {records.CompressionRecord},
     "fault_tolerance_hosts": {records.FaultToleranceRecord},
     "import_torch": {records.ImportTimeRecord},
+    "sharding": {records.ShardingRecord},  # ZeRO-1/2 and their baselines (issue 60)
+    "sharding_zero3": {records.ShardingRecord},
 }
 
 
