@@ -7,7 +7,7 @@
 # shows is `.venv/bin/python benchmarks/bench_training.py --full` (about 35 minutes on 2 cores).
 PY := .venv/bin/python
 
-.PHONY: setup main test report
+.PHONY: setup main test test-full report
 
 # `make setup` and `make test` install the test, report and ray extras too (pytest, jupyter's kernel,
 # Ray Train); `make main` needs only matplotlib for its plot.
@@ -32,9 +32,15 @@ report:
 	bash scripts/setup.sh report,jupyter
 	.venv/bin/jupyter notebook notebooks/report.ipynb $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# `make test` (what CI runs) leaves out the tests marked slow (pyproject.toml's markers): further
+# variants of what an unmarked test already checks. `make test-full` runs every test.
 test: setup
-	@echo "== test: ruff's rules and format (pyproject.toml's [tool.ruff]), clang-format (.clang-format), then the whole suite in 2 workers (what CI runs)"
+	@echo "== test: ruff's rules and format (pyproject.toml's [tool.ruff]), clang-format (.clang-format), then the suite but its slow variants in 2 workers (what CI runs)"
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh' | xargs .venv/bin/clang-format --dry-run --Werror
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=30
+
+test-full: setup
+	@echo "== test-full: the whole suite, its slow variants too, in 2 workers"
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30
