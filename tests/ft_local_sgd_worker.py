@@ -22,6 +22,7 @@ keeps every average the survivors commit in the records.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -138,7 +139,9 @@ def main() -> None:
         healed_from.append([flat(part) for part in parts])
 
     def state_dict() -> dict:
-        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        # A copy as of the quorum: torchft's HTTP transport serves CPU tensors as they are when the healing
+        # peer reads them, and with --delay this replica takes a local step before its commit ends serving.
+        return copy.deepcopy({"model": model.state_dict(), "optim": optimizer.state_dict()})
 
     class RecordingManager(Manager):
         """torchft's Manager, remembering what its last should_commit decided, and for which step."""
