@@ -241,6 +241,7 @@ def main() -> None:
     def state_dict() -> dict:
         return {"model": model.state_dict(), "optim": optimizer.state_dict()}
 
+    held_until_released()
     manager = Manager(
         pg=pg,
         load_state_dict=load_state_dict,
@@ -350,6 +351,15 @@ def main() -> None:
 # --- the harness: replica groups as their own processes, and the replay -----------------------------
 
 
+def held_until_released() -> None:
+    """A spare (ReplicaGroups.spare) waits here until the harness releases it: a worker calls it once
+    its start-up is done (imports, and its model and optimizer: torch's optimizers import torch._dynamo,
+    seconds), before its manager joins the lighthouse."""
+    gate = os.environ.get("FT_RELEASE")
+    while gate and not Path(gate).exists():
+        time.sleep(0.01)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -361,7 +371,8 @@ class ReplicaGroups:
     takes its whole process group), started as ``python ft_replica.py ARGS`` against ``lighthouse``.
     Each incarnation of replica r logs to ``folder/r{r}.jsonl`` (appended) and writes its output to
     ``folder/r{r}.{incarnation}.out``. ``script`` is another worker that keeps this one's protocol
-    (its environment, the start gate, the stop file, one JSON line per iteration)."""
+    (its environment, the start gate, the stop file, a spare's release (held_until_released), one
+    JSON line per iteration)."""
 
     def __init__(
         self,
@@ -379,8 +390,10 @@ class ReplicaGroups:
         # (replica, argv, env) -> (argv, env) as started: a simulated host's namespaces, say.
         self.launch = launch or (lambda replica, argv, env: (argv, env))
         self.processes: dict = {}
+        self.spares: dict = {}  # replica -> (its next incarnation's process, held; the file that releases it)
         self.incarnations = {r: 0 for r in range(count)}
         self.stop_file = self.folder / "stop"
+        self.env["FT_STOP_FILE"] = str(self.stop_file)
 
     def stop_at(self, step: int) -> None:
         """Every replica ends once its manager reaches `step` (the same last step for all)."""
@@ -389,6 +402,24 @@ class ReplicaGroups:
         os.replace(partial, self.stop_file)
 
     def start(self, replica: int) -> subprocess.Popen:
+        self.processes[replica] = self._launch(replica, {})
+        return self.processes[replica]
+
+    def spare(self, replica: int) -> None:
+        """Starts `replica`'s next incarnation now, held after its imports and before it joins (its
+        manager) until `release`: a restart whose start-up overlaps the run (a test's; a benchmark that
+        times the start-up restarts with `start`)."""
+        gate = self.folder / f"release.{replica}.{self.incarnations[replica] + 1}"
+        self.spares[replica] = (self._launch(replica, {"FT_RELEASE": str(gate)}), gate)
+
+    def release(self, replica: int) -> subprocess.Popen:
+        """The spare of `replica` goes on: it joins as the replica's next incarnation."""
+        process, gate = self.spares.pop(replica)
+        self.processes[replica] = process
+        gate.touch()
+        return process
+
+    def _launch(self, replica: int, extra_env: dict) -> subprocess.Popen:
         self.incarnations[replica] += 1
         env = {
             **os.environ,
@@ -401,6 +432,7 @@ class ReplicaGroups:
             "TORCHFT_LIGHTHOUSE": self.lighthouse,
             "OMP_NUM_THREADS": "1",
             **self.env,
+            **extra_env,
         }
         env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         out = open(self.folder / f"r{replica}.{self.incarnations[replica]}.out", "w")
@@ -419,16 +451,17 @@ class ReplicaGroups:
         )
         process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
-        self.processes[replica] = process
         return process
 
-    def start_all(self, timeout: float = 300) -> None:
-        """Starts every replica and lets them train together once all have their manager."""
+    def start_all(self, timeout: float = 300, spares: tuple = ()) -> None:
+        """Starts every replica and lets them train together once all have their manager; and a spare
+        of each replica in `spares` (`spare`), whose start-up then overlaps theirs."""
         gate = self.folder / "gate"
         self.env["FT_START_GATE"] = str(gate)
-        self.env["FT_STOP_FILE"] = str(self.stop_file)
         for replica in range(self.count):
             self.start(replica)
+        for replica in spares:
+            self.spare(replica)
         self.wait_until(
             lambda: all((self.folder / f"gate.{r}.0").exists() for r in range(self.count)),
             timeout,
@@ -463,7 +496,8 @@ class ReplicaGroups:
     def wait_until(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
-            for replica, process in self.processes.items():
+            running = [*self.processes.items(), *((r, process) for r, (process, _) in self.spares.items())]
+            for replica, process in running:
                 if process.poll() not in (None, 0, -signal.SIGKILL):
                     raise RuntimeError(
                         f"replica {replica} failed (exit status {process.returncode}) while "
@@ -493,7 +527,7 @@ class ReplicaGroups:
                 raise RuntimeError(f"replica {replica} exited with {process.returncode}:\n{self.output(replica)}")
 
     def close(self) -> None:
-        for process in self.processes.values():
+        for process in [*self.processes.values(), *(process for process, _ in self.spares.values())]:
             if process.poll() is None:
                 try:
                     os.killpg(process.pid, signal.SIGKILL)

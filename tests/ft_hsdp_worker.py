@@ -200,6 +200,7 @@ def train(args: argparse.Namespace, others: list) -> None:
                     )
 
     pg = ProcessGroupDdpkit(timeout=timeout)
+    ft_replica.held_until_released()
     manager = Manager(
         pg=pg,
         load_state_dict=load_state_dict,

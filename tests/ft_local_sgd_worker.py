@@ -174,6 +174,7 @@ def main() -> None:
             return super().allreduce(tensors, opts)
 
     pg = DyingGroup(timeout=timeout)
+    ft_replica.held_until_released()
     # use_async_quorum=False: DiLoCo requires it, and torchtitan uses it for both algorithms (a
     # joining replica heals at the synchronisation's quorum, before it averages).
     manager = RecordingManager(

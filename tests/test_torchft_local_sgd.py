@@ -67,8 +67,9 @@ def kill_and_rejoin(
 ) -> tuple:
     """Trains `count` replicas with `algorithm`; replica `victim` SIGKILLs itself in the round of step
     `die_step` (`where`: its local steps or its synchronisation); once the others have committed steps
-    without it, a replacement starts; once it has committed a step with all of them, all stop a few
-    steps on. Returns the harness and the last step."""
+    without it, a replacement starts (a spare started with the others, held before it joins until
+    then); once it has committed a step with all of them, all stop a few steps on. Returns the harness
+    and the last step."""
     groups = ft_replica.ReplicaGroups(
         tmp_path,
         lighthouse,
@@ -92,7 +93,7 @@ def kill_and_rejoin(
     )
     survivors = [r for r in range(count) if r != victim]
     try:
-        groups.start_all()
+        groups.start_all(spares=(victim,))
         groups.wait_until(lambda: groups.processes[victim].poll() is not None, 120, "the victim's death")
         assert groups.processes[victim].returncode == -signal.SIGKILL, groups.output(victim)
         groups.wait_until(
@@ -100,7 +101,7 @@ def kill_and_rejoin(
             120,
             "steps committed without the killed replica",
         )
-        groups.start(victim)
+        groups.release(victim)
         groups.wait_until(
             lambda: any(r["incarnation"] == 2 and r["participants"] == count for r in groups.committed(victim)),
             120,
