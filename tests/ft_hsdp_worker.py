@@ -281,6 +281,7 @@ def train(args: argparse.Namespace, others: list) -> None:
     log.close()
     join_ranks(others, args.timeout * 3)
     del store
+    ft_replica.exit_without_finalizing()
 
 
 if __name__ == "__main__":

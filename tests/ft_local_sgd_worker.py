@@ -277,6 +277,7 @@ def main() -> None:
     pg.shutdown()
     del store
     log.close()
+    ft_replica.exit_without_finalizing()
 
 
 if __name__ == "__main__":
