@@ -2,8 +2,7 @@
 
 ``WorkerPool`` (``ddpkit.workers``'s, re-exported with its errors) keeps N worker processes with a live
 process group and runs functions on all of them. ``HostPool`` is a WorkerPool whose ranks run on
-simulated hosts: network and mount namespaces of this machine, each with a launcher of its own
-(``python -m ddpkit.testing host``). ``time_engine_loop`` times the engine's layers in C++ loops; it
+simulated hosts: network and mount namespaces of this machine, each with a launcher of its own. ``time_engine_loop`` times the engine's layers in C++ loops; it
 needs a testing build (below). ``import ddpkit`` does not load this module.
 
 A testing build (``scripts/setup.sh``, the CMake option DDPKIT_TESTING) also carries the fault
@@ -14,8 +13,8 @@ points the tests arm with DDPKIT_TEST_FAULT and the host split of DDPKIT_TEST_HO
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
-import json
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -29,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -75,8 +75,9 @@ class HostPool(WorkerPool):
     """A WorkerPool whose ranks run on simulated hosts: ``ranks_per_host[h]`` ranks on host h, numbered
     host by host. Each host is a network namespace with one veth link, named ``dkh`` inside and shaped
     with tc's tbf to ``rate`` such as "1gbit" when given, and a mount and UTS namespace with a private
-    /dev/shm and hostname, and runs a launcher of its own (``python -m ddpkit.testing host``) that
-    starts its ranks, with GLOO_SOCKET_IFNAME set to its link and host 0 holding the store. The links
+    /dev/shm and hostname, and runs a launcher of its own (a child of the pools' forkserver that moves
+    into its host, Note [Entering a simulated host]) that forks its ranks, with GLOO_SOCKET_IFNAME set
+    to its link and host 0 holding the store. The links
     meet in a bridge; with ``round_trip_ms``, a wide-area link: each host on a subnet of its own behind
     a router namespace that holds every packet between two hosts for half the round trip on its way
     (ddpkit_tun_delay, a testing build's program: this kernel has no netem), the router's port to each
@@ -263,6 +264,8 @@ class HostPool(WorkerPool):
         listener = multiprocessing.connection.Listener(address, family="AF_UNIX", authkey=authkey)
         try:
             self._make_network()
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["torch", "ddpkit"])  # WorkerPool's: one forkserver serves both
             first = 0
             for host, count in enumerate(self.ranks_per_host):
                 spec = {
@@ -278,21 +281,18 @@ class HostPool(WorkerPool):
                     "threads": self.threads,
                     "env": {**self.env, "GLOO_SOCKET_IFNAME": "dkh"},
                     "sys_path": sys.path,
+                    "namespace": self._host_namespace(host),
+                    "hostname": f"ddpkit-host{host}",
+                    "log": os.path.join(self._tmp, f"host{host}.log"),
                 }
                 first += count
-                script = (
-                    f"mount -t tmpfs tmpfs /dev/shm && hostname ddpkit-host{host} && exec "
-                    f"{shlex.quote(sys.executable)} -m ddpkit.testing host {shlex.quote(json.dumps(spec))}"
+                report, child_report = ctx.Pipe(duplex=False)
+                launcher = ctx.Process(
+                    target=_host_main, args=(spec, child_report), daemon=True, name=f"ddpkit-host{host}"
                 )
-                self._launchers.append(
-                    subprocess.Popen(
-                        self._on_host(host, script),
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE,
-                        text=True,
-                        start_new_session=True,
-                    )
-                )
+                launcher.start()
+                child_report.close()
+                self._launchers.append((launcher, report))
             conns: dict = {}
             accepting = threading.Thread(target=lambda: conns.update(self._accept(listener)), daemon=True)
             accepting.start()
@@ -329,31 +329,37 @@ class HostPool(WorkerPool):
 
     def _launcher_output(self) -> str:
         text = []
-        for launcher in self._launchers:
-            if launcher.poll() is not None:
-                out, err = launcher.communicate()
-                text.append((err or "")[-2000:])
-        return " | ".join(t for t in text if t) or "nothing"
+        for host, (launcher, report) in enumerate(self._launchers):
+            if launcher.is_alive():
+                continue
+            try:
+                kind, value = report.recv() if report.poll() else (None, None)
+            except (EOFError, OSError):
+                kind, value = None, None
+            log = Path(self._tmp, f"host{host}.log")
+            said = (log.read_text(errors="replace") if log.is_file() else "") + (value if kind == "error" else "")
+            text.append(f"host {host} (exit code {launcher.exitcode}): {said[-2000:]}")
+        return " | ".join(text) or "nothing"
 
     def close(self) -> None:
         self._ask_workers_to_exit()
-        for host, launcher in enumerate(self._launchers):
+        for host, (_, report) in enumerate(self._launchers):
             try:
-                out, _ = launcher.communicate(timeout=30)
-                lines = [line for line in out.splitlines() if line.startswith("{")]
-                self.leftovers[host] = json.loads(lines[-1])["dev_shm"] if lines else None
-            except subprocess.TimeoutExpired:
-                pass
+                kind, value = report.recv() if report.poll(30) else (None, None)
+            except (EOFError, OSError):
+                kind, value = None, None
+            self.leftovers[host] = value if kind == "dev_shm" else None
         self.kill()
 
     def kill(self) -> None:
-        for launcher in self._launchers:
-            if launcher.poll() is None:
+        for launcher, report in self._launchers:
+            if launcher.is_alive():
                 try:
-                    os.killpg(launcher.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            launcher.wait()
+                    os.killpg(launcher.pid, signal.SIGKILL)  # its session: the launcher and its ranks
+                except ProcessLookupError:  # not yet its own session, so no ranks yet
+                    launcher.kill()
+            launcher.join()
+            report.close()
         for conn in self._conns:
             conn.close()
         self._conns, self._launchers = [], []
@@ -499,30 +505,83 @@ class _PlainConnection:
         self._conn.close()
 
 
-def _host_main(spec: dict) -> None:
-    """One simulated host's launcher: its ranks, and the store on host 0; then what /dev/shm holds."""
+# Note [Entering a simulated host]
+# A simulated host's launcher is a child of the forkserver that WorkerPool's ranks come from, with torch
+# and ddpkit already imported, and forks its ranks: no process of a pool imports torch again (three
+# seconds of CPU each on this machine, more than most multi-host tests' own work). It enters its host as
+# `ip netns exec NS unshare -m -u sh -c 'mount -t tmpfs tmpfs /dev/shm && hostname NAME'` would: setns
+# into the network namespace, then a mount and a UTS namespace of its own (unshare needs a process of
+# one thread, which a forkserver's child is), its mounts private, a tmpfs on /dev/shm and the hostname;
+# its ranks share all three. It calls setsid, so that HostPool.kill ends the launcher and its ranks at
+# once. tests/test_multihost.py runs every pool this way.
+
+_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000  # <sched.h>
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000  # <sys/mount.h>
+
+
+def _enter_host(namespace: str, hostname: str) -> None:
+    """Moves this process, of one thread, onto the simulated host of network namespace ``namespace``
+    with a private /dev/shm and ``hostname`` (Note [Entering a simulated host])."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            number = ctypes.get_errno()
+            raise OSError(number, f"ddpkit.testing.HostPool: {what}: {os.strerror(number)}")
+
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        check(libc.setns(fd, _CLONE_NEWNET), f"setns into {namespace}")
+    finally:
+        os.close(fd)
+    check(libc.unshare(_CLONE_NEWNS | _CLONE_NEWUTS), "unshare")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "making / private")
+    check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, None), "mounting a tmpfs on /dev/shm")
+    name = hostname.encode()
+    check(libc.sethostname(name, len(name)), "sethostname")
+
+
+def _host_main(spec: dict, report) -> None:
+    """One simulated host's launcher: its ranks, and the store on host 0; then it reports what /dev/shm
+    holds, or why it failed."""
+    os.setsid()
     _die_with_parent()
     sys.path[:] = spec["sys_path"]
-    store = None
-    if spec["store_host"]:
-        store = dist.TCPStore(
-            spec["master_addr"],
-            spec["port"],
-            spec["world_size"],
-            is_master=True,
-            timeout=datetime.timedelta(seconds=spec["group_timeout"]),
-            wait_for_workers=False,
-        )
-    ctx = mp.get_context("spawn")
-    ranks = []
-    for local_rank, rank in enumerate(spec["ranks"]):
-        process = ctx.Process(target=_host_rank_main, args=(spec, rank, local_rank), daemon=True)
-        process.start()
-        ranks.append(process)
-    for process in ranks:
-        process.join()
-    del store
-    print(json.dumps({"dev_shm": sorted(os.listdir("/dev/shm"))}), flush=True)
+    with open(spec["log"], "ab", buffering=0) as log:  # what the host and its ranks print, as a host's console
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        _enter_host(spec["namespace"], spec["hostname"])
+        ranks = []
+        for local_rank, rank in enumerate(spec["ranks"]):
+            pid = os.fork()
+            if pid == 0:
+                report.close()
+                code = 1
+                try:
+                    _host_rank_main(spec, rank, local_rank)
+                    code = 0
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    os._exit(code)
+            ranks.append(pid)
+        store = None
+        if spec["store_host"]:  # after the forks: the store's thread stays in this process
+            store = dist.TCPStore(
+                spec["master_addr"],
+                spec["port"],
+                spec["world_size"],
+                is_master=True,
+                timeout=datetime.timedelta(seconds=spec["group_timeout"]),
+                wait_for_workers=False,
+            )
+        for pid in ranks:
+            os.waitpid(pid, 0)
+        del store
+        report.send(("dev_shm", sorted(os.listdir("/dev/shm"))))
+    except BaseException:
+        report.send(("error", traceback.format_exc()))
 
 
 def _host_rank_main(spec: dict, rank: int, local_rank: int) -> None:
@@ -542,10 +601,3 @@ def _host_rank_main(spec: dict, rank: int, local_rank: int) -> None:
         master_addr=spec["master_addr"],
         local=(local_rank, len(spec["ranks"])),
     )
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "host":
-        _host_main(json.loads(sys.argv[2]))
-    else:
-        sys.exit("usage: python -m ddpkit.testing host SPEC (HostPool starts it)")
