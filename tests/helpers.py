@@ -302,17 +302,21 @@ def case_every_collective(numels, group=None):
     return out
 
 
-def reference_of(key, world_size):
+def reference_of(key, world_size, inputs=None):
+    """The expected result of case_every_collective's ``key`` (the whole reduced tensor for a reduce-scatter),
+    from ``inputs``, the ranks' inputs stacked in float64, when given."""
     kind, dtype_name, numel = key[0], key[1], key[2]
     dtype = next(d for d in DTYPES if str(d) == dtype_name)
-    inputs = torch.stack([rank_input(r, numel, integer=True).to(dtype).double() for r in range(world_size)])
+    if inputs is None:
+        width = world_size * numel if kind == "reduce_scatter" else numel
+        inputs = torch.stack([rank_input(r, width, integer=True).to(dtype).double() for r in range(world_size)])
     if kind == "all_reduce":
         op = key[3]
-        reduced = {"sum": inputs.sum(0), "max": inputs.amax(0), "min": inputs.amin(0), "mean": inputs.mean(0)}[op]
+        reduced = {"sum": inputs.sum, "max": inputs.amax, "min": inputs.amin, "mean": inputs.mean}[op](0)
         return reduced.to(dtype)
     if kind == "broadcast":
         return inputs[key[3]].to(dtype)
-    if kind == "reduce":
+    if kind in ("reduce", "reduce_scatter"):
         return inputs.sum(0).to(dtype)
     if kind == "all_gather":
         return inputs.reshape(-1).to(dtype)
@@ -320,20 +324,28 @@ def reference_of(key, world_size):
 
 
 def check_every_collective(per_rank, ranks_per_host):
+    """Every rank's results of case_every_collective exact, and alike where every rank holds the whole
+    result. Key by key: each key's reference is computed once for all ranks, from the ranks' inputs
+    generated once for the keys of one dtype and size (the check costs the parent little beside the ranks)."""
     world_size = len(per_rank)
     for rank, out in enumerate(per_rank):
         assert out["topology"].hosts == expected_hosts(ranks_per_host), out["topology"]
-        for key, tensor in out.items():
-            if key == "topology" or tensor is None:
+        assert out.keys() == per_rank[0].keys(), f"rank {rank}'s results differ from rank 0's in their keys"
+    inputs = {}  # only the last dtype and width's
+    for key in per_rank[0]:
+        if key == "topology":
+            continue
+        numel, dtype = key[2], next(d for d in DTYPES if str(d) == key[1])
+        width = world_size * numel if key[0] == "reduce_scatter" else numel
+        if (dtype, width) not in inputs:
+            stacked = [rank_input(r, width, integer=True).to(dtype).double() for r in range(world_size)]
+            inputs = {(dtype, width): torch.stack(stacked)}
+        reference = reference_of(key, world_size, inputs[dtype, width])
+        for rank, out in enumerate(per_rank):
+            tensor = out[key]
+            if tensor is None:
                 continue
-            if key[0] == "reduce_scatter":
-                numel, dtype = key[2], next(d for d in DTYPES if str(d) == key[1])
-                inputs = torch.stack(
-                    [rank_input(r, world_size * numel, integer=True).to(dtype).double() for r in range(world_size)]
-                )
-                expected = inputs.sum(0)[rank * numel : (rank + 1) * numel].to(dtype)
-            else:
-                expected = reference_of(key, world_size)
+            expected = reference[rank * numel : (rank + 1) * numel] if key[0] == "reduce_scatter" else reference
             if key[0] == "all_reduce" and key[3] == "mean" and key[1] in (str(torch.float16), str(torch.bfloat16)):
                 torch.testing.assert_close(tensor, expected, rtol=1e-2, atol=1e-2, msg=str(key))
             elif key[0] == "all_reduce" and key[3] == "mean":

@@ -358,14 +358,14 @@ def one_short_epoch() -> list[str]:
 
 @needs_fashion_mnist
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="apt-get install mpich (scripts/setup.sh does)")
-def test_mpirun_trains_as_torchrun_does(tmp_path):
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: the same path, for make test-full
+def test_mpirun_trains_as_torchrun_does(tmp_path, n):
     """train.py for one short epoch (docs/clusters.md's command) under MPICH's mpirun and under torchrun, with
-    2 and 4 processes: the same model, bit for bit, and the same losses. All four jobs run at once."""
+    n processes: the same model, bit for bit, and the same losses. Both jobs run at once."""
     jobs = {}
-    for n in (2, 4):
-        jobs["torchrun", n] = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
-        jobs["torchrun", n] += ["--master_port", str(free_port())]
-        jobs["mpirun", n] = ["mpirun", "-n", str(n), "-genv", "MASTER_PORT", str(free_port()), sys.executable]
+    jobs["torchrun", n] = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n)]
+    jobs["torchrun", n] += ["--master_port", str(free_port())]
+    jobs["mpirun", n] = ["mpirun", "-n", str(n), "-genv", "MASTER_PORT", str(free_port()), sys.executable]
     processes = {
         (launcher, n): subprocess.Popen(
             [*argv, *one_short_epoch(), "--out", str(tmp_path / f"{launcher}{n}")],
@@ -381,16 +381,15 @@ def test_mpirun_trains_as_torchrun_does(tmp_path):
     outputs = dict(zip(processes, communicate_all(list(processes.values()), timeout=240)))
     for job, process in processes.items():
         assert process.returncode == 0, f"{job}: {outputs[job][0][-4000:]}"
-    for n in (2, 4):
-        runs = {launcher: tmp_path / f"{launcher}{n}" for launcher in ("torchrun", "mpirun")}
-        metrics = {launcher: json.loads((run / "metrics.json").read_text()) for launcher, run in runs.items()}
-        assert metrics["mpirun"]["world_size"] == metrics["torchrun"]["world_size"] == n
-        losses = {
-            launcher: ([s["local_loss"] for s in m["history"]["steps"]], m["final_test_loss"], m["final_test_accuracy"])
-            for launcher, m in metrics.items()
-        }
-        assert losses["mpirun"] == losses["torchrun"]
-        models = {launcher: torch.load(run / "model.pt") for launcher, run in runs.items()}
-        assert models["mpirun"].keys() == models["torchrun"].keys()
-        assert all(torch.equal(models["mpirun"][k], models["torchrun"][k]) for k in models["torchrun"])
-        assert sum("test loss" in line for line in outputs["mpirun", n][0].splitlines()) == 1  # rank 0 logs
+    runs = {launcher: tmp_path / f"{launcher}{n}" for launcher in ("torchrun", "mpirun")}
+    metrics = {launcher: json.loads((run / "metrics.json").read_text()) for launcher, run in runs.items()}
+    assert metrics["mpirun"]["world_size"] == metrics["torchrun"]["world_size"] == n
+    losses = {
+        launcher: ([s["local_loss"] for s in m["history"]["steps"]], m["final_test_loss"], m["final_test_accuracy"])
+        for launcher, m in metrics.items()
+    }
+    assert losses["mpirun"] == losses["torchrun"]
+    models = {launcher: torch.load(run / "model.pt") for launcher, run in runs.items()}
+    assert models["mpirun"].keys() == models["torchrun"].keys()
+    assert all(torch.equal(models["mpirun"][k], models["torchrun"][k]) for k in models["torchrun"])
+    assert sum("test loss" in line for line in outputs["mpirun", n][0].splitlines()) == 1  # rank 0 logs
