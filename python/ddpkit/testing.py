@@ -2,8 +2,9 @@
 
 ``WorkerPool`` (``ddpkit.workers``'s, re-exported with its errors) keeps N worker processes with a live
 process group and runs functions on all of them. ``HostPool`` is a WorkerPool whose ranks run on
-simulated hosts: network and mount namespaces of this machine, each with a launcher of its own. ``time_engine_loop`` times the engine's layers in C++ loops; it
-needs a testing build (below). ``import ddpkit`` does not load this module.
+simulated hosts: network and mount namespaces of this machine, each with a launcher of its own.
+``time_engine_loop`` times the engine's layers in C++ loops; it needs a testing build (below).
+``import ddpkit`` does not load this module.
 
 A testing build (``scripts/setup.sh``, the CMake option DDPKIT_TESTING) also carries the fault
 points the tests arm with DDPKIT_TEST_FAULT and the host split of DDPKIT_TEST_HOSTS
@@ -75,9 +76,8 @@ class HostPool(WorkerPool):
     """A WorkerPool whose ranks run on simulated hosts: ``ranks_per_host[h]`` ranks on host h, numbered
     host by host. Each host is a network namespace with one veth link, named ``dkh`` inside and shaped
     with tc's tbf to ``rate`` such as "1gbit" when given, and a mount and UTS namespace with a private
-    /dev/shm and hostname, and runs a launcher of its own (a child of the pools' forkserver that moves
-    into its host, Note [Entering a simulated host]) that forks its ranks, with GLOO_SOCKET_IFNAME set
-    to its link and host 0 holding the store. The links
+    /dev/shm and hostname, and runs a launcher of its own (Note [Entering a simulated host]) that
+    forks its ranks, with GLOO_SOCKET_IFNAME set to its link and host 0 holding the store. The links
     meet in a bridge; with ``round_trip_ms``, a wide-area link: each host on a subnet of its own behind
     a router namespace that holds every packet between two hosts for half the round trip on its way
     (ddpkit_tun_delay, a testing build's program: this kernel has no netem), the router's port to each
@@ -507,13 +507,14 @@ class _PlainConnection:
 
 # Note [Entering a simulated host]
 # A simulated host's launcher is a child of the forkserver that WorkerPool's ranks come from, with torch
-# and ddpkit already imported, and forks its ranks: no process of a pool imports torch again (three
-# seconds of CPU each on this machine, more than most multi-host tests' own work). It enters its host as
+# and ddpkit already imported, and forks its ranks: no process of a pool imports torch again (an import
+# costs more CPU than most of tests/test_multihost.py's cases, and a pool's start and close made up
+# most of their time when each host was `python -m` of its own). It enters its host as
 # `ip netns exec NS unshare -m -u sh -c 'mount -t tmpfs tmpfs /dev/shm && hostname NAME'` would: setns
 # into the network namespace, then a mount and a UTS namespace of its own (unshare needs a process of
 # one thread, which a forkserver's child is), its mounts private, a tmpfs on /dev/shm and the hostname;
 # its ranks share all three. It calls setsid, so that HostPool.kill ends the launcher and its ranks at
-# once. tests/test_multihost.py runs every pool this way.
+# once; its ranks die with it (PR_SET_PDEATHSIG), and it dies with the forkserver.
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWNET = 0x00020000, 0x04000000, 0x40000000  # <sched.h>
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000  # <sys/mount.h>
