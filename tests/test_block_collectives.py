@@ -306,8 +306,12 @@ def barrier_timings(transport, group_ranks):
 # --- tests ---------------------------------------------------------------------------------------
 
 
+# 3 and 4 ranks are slow: 5 ranks take the same paths for a world that is not a power of two (uneven too), 8 for
+# one that is (halving_doubling with more rounds).
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize(
+    "world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow), 5, 8]
+)
 def test_every_block_collective_matches_the_reference(pool, world_size, transport):
     numels = block_numels(world_size)
     results = pool(world_size).run(case_every_block_collective, transport, numels)
