@@ -2,7 +2,6 @@
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import nbformat
@@ -81,15 +80,13 @@ def text_of(outputs) -> str:
     )
 
 
-# Jupyter, JupyterLab and VS Code start the kernel in the notebook's own folder; report.py at the root.
-@pytest.mark.parametrize("kernel_folder", [REPO / "notebooks", REPO], ids=["in_notebooks", "at_root"])
-def test_committed_notebook_executes_without_errors(tmp_path, kernel_folder):
-    copy = tmp_path / "report.ipynb"
-    shutil.copy(NOTEBOOK, copy)
-    notebook = nbformat.read(copy, as_version=4)
+def execute_checked(kernel_folder, results):
+    """The committed notebook as run with the kernel in ``kernel_folder`` on ``results``: no error, every figure
+    shown has a legend entry for each of its lines, every plot rendered, no timestamps recorded. Its outputs."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
     notebook.cells.insert(1, nbformat.v4.new_code_cell(LEGEND_CHECK))
     notebook.cells.append(nbformat.v4.new_code_cell("assert not UNLEGENDED, UNLEGENDED"))
-    outputs = outputs_of(report.execute(notebook, RESULTS, timeout=120, kernel_folder=kernel_folder))
+    outputs = outputs_of(report.execute(notebook, results, timeout=120, kernel_folder=kernel_folder))
     assert not [o for o in outputs if o.get("output_type") == "error"], [
         o.get("evalue") for o in outputs if o.get("output_type") == "error"
     ]
@@ -108,6 +105,13 @@ def test_committed_notebook_executes_without_errors(tmp_path, kernel_folder):
     assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 6 + sum(
         (RESULTS / f"{name}.json").exists() for name in optional_plots
     )
+    return outputs
+
+
+# Jupyter, JupyterLab and VS Code start the kernel in the notebook's own folder (the next test runs it there);
+# report.py at the root.
+def test_committed_notebook_executes_without_errors():
+    execute_checked(REPO, RESULTS)
 
 
 def results_copy(tmp_path, commits: dict, names=None):
@@ -125,10 +129,10 @@ def results_copy(tmp_path, commits: dict, names=None):
 
 
 def test_the_report_warns_about_results_of_other_commits(tmp_path):
-    notebook = report.execute(
-        report.build(), results_copy(tmp_path / "mixed", {"ddp": "c0ffee-dirty", "backend": "badbeef"}), timeout=120
-    )
-    text = text_of(outputs_of(notebook))
+    """The committed notebook with the kernel in notebooks/ (as Jupyter's front ends start it), on the committed
+    results with other commits recorded: it runs as at the root, and warns."""
+    results = results_copy(tmp_path / "mixed", {"ddp": "c0ffee-dirty", "backend": "badbeef"})
+    text = text_of(execute_checked(REPO / "notebooks", results))
     assert text.count("These results were measured at commit `c0ffee`") == 1
     assert "`ddp.json`: the tree it was measured from had uncommitted changes" in text
     assert "`backend.json`: it was measured at commit `badbeef`, not at `c0ffee`" in text
