@@ -33,10 +33,13 @@ The suite gates many tests on the backend's name. So that "ddpkit" runs every te
 from __future__ import annotations
 
 import atexit
+import multiprocessing.connection
 import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 
 os.environ.setdefault("BACKEND", "ddpkit")
 os.environ.setdefault("WORLD_SIZE", "2")
@@ -49,7 +52,7 @@ if "INIT_METHOD" not in os.environ:
 
 import torch  # noqa: E402
 import torch.multiprocessing  # noqa: E402
-from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
+from torch.testing._internal.common_distributed import DistTestCases, get_timeout  # noqa: E402
 
 import ddpkit  # noqa: E402,F401  (registers the "ddpkit" backend here and so in every forked rank)
 
@@ -100,11 +103,39 @@ if BACKEND == PLUGIN and not isinstance(BACKEND, GlooAlike):  # pragma: no cover
 
 
 class TestDistBackendWithFork(_suite.TestDistBackend, _suite.DistributedTest._DistTestBase):
-    """torch's ``TestDistBackendWithSpawn``, with forked ranks."""
+    """torch's ``TestDistBackendWithSpawn``, with forked ranks, which meet at a barrier and are joined without
+    polling.
+
+    torch's barrier between the ranks (``distributed_test.Barrier``: files in a folder, looked at every 0.1 s)
+    runs twice a test at least, and its join looks at the ranks every 0.1 s: a fixed wait in every test. Here the
+    ranks share a semaphore barrier made before they are forked (a class attribute: each rank's test object is a
+    new one), with torch's barrier's timeout and error, and the join first waits on the ranks' sentinels."""
+
+    _ranks_barrier = None
 
     def setUp(self):
         super().setUp()
+        type(self)._ranks_barrier = torch.multiprocessing.get_context("fork").Barrier(int(self.world_size))
         self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+    def _barrier(self, wait_for=None, timeout=10):
+        if wait_for not in (None, int(self.world_size)):
+            return super()._barrier(wait_for=wait_for, timeout=timeout)
+        try:
+            self._ranks_barrier.wait(timeout)
+        except threading.BrokenBarrierError:
+            raise RuntimeError("barrier timeout") from None
+
+    def _join_processes(self, fn) -> None:
+        # Until every rank has exited, or one has exited with the code on which torch's join stops the others.
+        deadline = time.monotonic() + get_timeout(self.id())
+        running = list(self.processes)
+        while running and time.monotonic() < deadline:
+            multiprocessing.connection.wait([p.sentinel for p in running], deadline - time.monotonic())
+            running = [p for p in running if p.exitcode is None]
+            if any(p.exitcode == self.TEST_ERROR_EXIT_CODE for p in self.processes):
+                break
+        super()._join_processes(fn)
 
 
 def test_names() -> list[str]:
