@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from ddpkit.training.cli import parse_args
 from ddpkit.training.data import FASHION_MNIST_ROOT
@@ -91,43 +92,12 @@ def run_outside_the_repository(command, cwd, timeout=240):
     )
 
 
-@needs_fashion_mnist
-def test_torchrun_trains_the_installed_module_outside_the_repository(tmp_path):
-    result = run_outside_the_repository(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "ddpkit.training",
-            *TINY,
-            "--epochs",
-            "1",
-        ],
-        cwd=tmp_path,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    out = Path("runs/latest")  # the default, under the directory it ran in
-    assert (
-        "process group: backend gloo, world size 2, device cpu; ddpkit's collectives over shared memory"
-        in result.stdout
-    ), output
-    assert "with ddpkit.DistributedDataParallel and ddpkit.SyncBatchNorm" in result.stdout, output
-    assert (
-        result.stdout.strip().splitlines()[-1]
-        == f"wrote {out / 'metrics.json'}, {out / 'model.pt'} and {out / 'checkpoint.pt'}"
-    ), output
-    for name in ("metrics.json", "model.pt", "checkpoint.pt"):
-        assert stat.S_IMODE((tmp_path / out / name).stat().st_mode) == 0o644, name
-
-
 @pytest.fixture(scope="module")
-def short_torch_run(tmp_path_factory):
-    """A run as a newcomer types it: no --dataset, no --no-progress, --max-steps shorter than --epochs, its
-    output piped (not a terminal)."""
+def newcomer_run(tmp_path_factory):
+    """torchrun of the installed module outside the repository, as a newcomer types it: no --dataset, no
+    --impl, no --out, no --no-progress, --max-steps shorter than --epochs, its output piped (not a terminal).
+    Returns the finished process and the directory it ran in."""
+    cwd = tmp_path_factory.mktemp("newcomer")
     result = run_outside_the_repository(
         [
             sys.executable,
@@ -137,8 +107,6 @@ def short_torch_run(tmp_path_factory):
             "2",
             "-m",
             "ddpkit.training",
-            "--impl",
-            "torch",
             "--limit-train",
             "256",
             "--limit-test",
@@ -150,35 +118,66 @@ def short_torch_run(tmp_path_factory):
             "--max-steps",
             "2",
         ],
-        cwd=tmp_path_factory.mktemp("short"),
+        cwd=cwd,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    return result
+    return result, cwd
 
 
 @needs_fashion_mnist
-def test_the_default_dataset_is_the_installed_one(short_torch_run):
-    assert "training net on fashion_mnist with" in short_torch_run.stdout, short_torch_run.stdout
+def test_torchrun_trains_the_installed_module_outside_the_repository(newcomer_run):
+    result, cwd = newcomer_run
+    output = result.stdout + result.stderr
+    out = Path("runs/latest")  # the default, under the directory it ran in
+    assert (
+        "process group: backend gloo, world size 2, device cpu; ddpkit's collectives over shared memory"
+        in result.stdout
+    ), output
+    assert "with ddpkit.DistributedDataParallel and ddpkit.SyncBatchNorm" in result.stdout, output
+    assert (
+        result.stdout.strip().splitlines()[-1]
+        == f"wrote {out / 'metrics.json'}, {out / 'model.pt'} and {out / 'checkpoint.pt'}"
+    ), output
+    for name in ("metrics.json", "model.pt", "checkpoint.pt"):
+        assert stat.S_IMODE((cwd / out / name).stat().st_mode) == 0o644, name
 
 
 @needs_fashion_mnist
-def test_the_header_says_how_many_epochs_max_steps_leaves(short_torch_run):
-    assert "2 optimizer steps in 1 epoch (--max-steps 2 of --epochs 10; 4 steps an epoch)" in short_torch_run.stdout, (
-        short_torch_run.stdout
+def test_the_default_dataset_is_the_installed_one(newcomer_run):
+    assert "training net on fashion_mnist with" in newcomer_run[0].stdout, newcomer_run[0].stdout
+
+
+@needs_fashion_mnist
+def test_the_header_says_how_many_epochs_max_steps_leaves(newcomer_run):
+    assert "2 optimizer steps in 1 epoch (--max-steps 2 of --epochs 10; 4 steps an epoch)" in newcomer_run[0].stdout, (
+        newcomer_run[0].stdout
     )
 
 
-@needs_fashion_mnist
-def test_the_torch_header_names_torchs_ddp_path(short_torch_run):
-    assert (
-        "process group: backend gloo, world size 2, device cpu; torch's DDP all-reduces gradients through the "
-        "process group (gloo); evaluation and loss logs use ddpkit's collectives over shared memory"
-    ) in short_torch_run.stdout, short_torch_run.stdout
+def case_header(argv: list[str]) -> str:
+    from ddpkit.launch import DistInfo
+    from ddpkit.training.train import Trainer
+
+    config, _ = parse_args(argv)
+    return Trainer(config, DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo")).header()
 
 
 @needs_fashion_mnist
-def test_no_progress_bar_into_a_pipe(short_torch_run):
-    assert "\r" not in short_torch_run.stderr and "step/s" not in short_torch_run.stderr, short_torch_run.stderr
+def test_the_torch_header_names_torchs_ddp_path(pool, tmp_path):
+    """--impl torch's header (the run that prints it is the newcomer's above, with ddpkit's DDP)."""
+    argv = ["--impl", "torch", *TINY, "--out", str(tmp_path / "run")]
+    for header in pool(2).run(case_header, argv, timeout=300):
+        assert "with torch.nn.parallel.DistributedDataParallel and BatchNorm" in header, header
+        assert (
+            "process group: backend gloo, world size 2, device cpu; torch's DDP all-reduces gradients through the "
+            "process group (gloo); evaluation and loss logs use ddpkit's collectives over shared memory"
+        ) in header, header
+
+
+@needs_fashion_mnist
+def test_no_progress_bar_into_a_pipe(newcomer_run):
+    stderr = newcomer_run[0].stderr
+    assert "\r" not in stderr and "step/s" not in stderr, stderr
 
 
 def test_parse_args_default_dataset_and_progress():
@@ -210,10 +209,26 @@ def test_a_finished_run_says_so_and_more_epochs_continue_it(tmp_path):
     epochs = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]["epochs"]
     assert [e["epoch"] for e in epochs] == [0, 1]
 
-    # Mid-run, a different length would change the schedule under the run: still refused.
-    fresh = run_outside_the_repository([*command, "--out", "other", "--epochs", "2", "--max-steps", "3"], cwd=tmp_path)
-    assert fresh.returncode == 0, fresh.stdout + fresh.stderr
-    refused = run_outside_the_repository([*command, "--out", "other", "--epochs", "3"], cwd=tmp_path)
-    assert (
-        refused.returncode == 1 and "belongs to a different run (epochs 2 -> 3, max_steps 3 -> None)" in refused.stderr
-    ), refused.stderr
+
+def case_run_then_refused(argv: list[str], longer: list[str]) -> str:
+    """Runs ``argv`` on this rank, then returns the error of running it again with ``longer`` instead."""
+    from ddpkit.launch import DistInfo
+    from ddpkit.training.config import UsageError
+    from ddpkit.training.train import Trainer
+
+    info = DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo")
+    Trainer(parse_args(argv)[0], info).run()
+    try:
+        Trainer(parse_args(longer)[0], info)
+    except UsageError as error:
+        return str(error)
+    return "not refused"
+
+
+@needs_fashion_mnist
+def test_a_run_stopped_by_max_steps_refuses_more_epochs(pool, tmp_path):
+    """Mid-run, a different length would change the schedule under the run: refused (how the program reports
+    a refused checkpoint: tests/test_train.py::test_checkpoint_of_another_run_is_one_line)."""
+    argv = [*TINY, "--out", str(tmp_path / "other")]
+    error = pool(1).run(case_run_then_refused, [*argv, "--epochs", "2", "--max-steps", "3"], [*argv, "--epochs", "3"])
+    assert "belongs to a different run (epochs 2 -> 3, max_steps 3 -> None)" in error[0], error

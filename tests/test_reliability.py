@@ -280,6 +280,33 @@ def test_dead_worker_under_torchrun_stops_the_whole_job(tmp_path):
 # --- restart without loss --------------------------------------------------------------------------
 
 
+def training_options(out: Path) -> list[str]:
+    """train.py's options for the restart test: 16 optimizer steps an epoch, 2 epochs, a checkpoint every 4."""
+    return [
+        "--dataset",
+        "fashion_mnist",
+        "--model",
+        "net",
+        "--limit-train",
+        "2048",
+        "--limit-test",
+        "512",
+        "--batch-size",
+        "32",
+        "--accumulation-steps",
+        "2",
+        "--epochs",
+        "2",
+        "--checkpoint-every",
+        "4",
+        "--no-progress",
+        "--timeout",
+        str(GROUP_TIMEOUT_S),
+        "--out",
+        str(out),
+    ]
+
+
 def training_command(out: Path, max_restarts: int) -> list[str]:
     return [
         sys.executable,
@@ -291,28 +318,24 @@ def training_command(out: Path, max_restarts: int) -> list[str]:
         "--max-restarts",
         str(max_restarts),
         str(TRAIN),
-        "--dataset",
-        "fashion_mnist",
-        "--model",
-        "net",
-        "--limit-train",
-        "4096",
-        "--limit-test",
-        "512",
-        "--batch-size",
-        "32",
-        "--accumulation-steps",
-        "2",
-        "--epochs",
-        "2",
-        "--checkpoint-every",
-        "5",
-        "--no-progress",
-        "--timeout",
-        str(GROUP_TIMEOUT_S),
-        "--out",
-        str(out),
+        *training_options(out),
     ]
+
+
+def case_train_as_torchrun_does(argv: list[str]) -> None:
+    """train.py's run of ``argv`` on this pool's ranks, each on one thread as torchrun starts its workers
+    (OMP_NUM_THREADS=1): the same bits as the launched program."""
+    from ddpkit.launch import DistInfo
+    from ddpkit.training.cli import parse_args
+    from ddpkit.training.train import Trainer
+
+    config, _ = parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        Trainer(config, DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo")).run()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def checkpoint_step(path: Path) -> int:
@@ -323,20 +346,22 @@ def checkpoint_step(path: Path) -> int:
 
 
 @needs_fashion_mnist
-def test_killed_worker_resumes_from_checkpoint_and_ends_bitwise_equal(tmp_path):
-    uninterrupted = subprocess.run(
-        training_command(tmp_path / "uninterrupted", 0), capture_output=True, text=True, timeout=600
-    )
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+def test_killed_worker_resumes_from_checkpoint_and_ends_bitwise_equal(pool, tmp_path):
+    """torchrun restarts the job after a worker is killed mid-training, the new workers resume from the last
+    checkpoint, and the run ends with the bits of an uninterrupted run of the same options. That run trains
+    on the session's pool, one thread a rank as torchrun's workers have: what needs torchrun here is the
+    restart."""
+    pool(2).run(case_train_as_torchrun_does, training_options(tmp_path / "uninterrupted"), timeout=300)
 
     out = tmp_path / "restarted"
     launcher = subprocess.Popen(training_command(out, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while checkpoint_step(out / "checkpoint.pt") < 10:
+        # The first checkpoint (step 4 of 32) leaves the kill most of the run's time to land in.
+        while checkpoint_step(out / "checkpoint.pt") < 4:
             assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "no checkpoint at step 10"
-            time.sleep(0.05)
+            assert time.monotonic() < deadline, "no checkpoint at step 4"
+            time.sleep(0.02)
         os.kill(children_of(launcher.pid)[1], signal.SIGKILL)
         stdout, stderr = launcher.communicate(timeout=600)
     finally:

@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.training.cli import parse_args
-from ddpkit.training.config import TrainConfig
+from ddpkit.training.config import TrainConfig, UsageError
 from ddpkit.training.data import FASHION_MNIST_ROOT, dataset_info, load_dataset, normalize
 from ddpkit.training.evaluation import evaluate
 from ddpkit.training.models import build_model
-from ddpkit.training.train import Trainer
+from ddpkit.training.train import Trainer, main
 
 from helpers import TRAIN, free_port, needs_fashion_mnist, small_cli, write_cifar
 
@@ -494,24 +494,10 @@ def test_invalid_cli_values_are_argparse_errors(capsys, argv, message):
 
 
 def test_missing_cifar_names_the_expected_path(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(TRAIN),
-            "--dataset",
-            "cifar10",
-            "--data-root",
-            str(tmp_path),
-            "--no-progress",
-            "--out",
-            str(tmp_path / "out"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode != 0
-    assert str(tmp_path / "cifar-10-batches-py") in result.stderr or str(tmp_path) in result.stderr, result.stderr
+    """The loader's error names where it looked (the program's one line of it, for CIFAR-100:
+    test_missing_dataset_is_one_line)."""
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "cifar-10-batches-py"))):
+        load_dataset("cifar10", root=tmp_path)
 
 
 # --- user errors from the command line: one line, no traceback, non-zero exit -------------------
@@ -548,8 +534,18 @@ def assert_one_line_error(result, status, expected):
         (["--epochs", "0"], "--epochs: must be >= 1"),
     ],
 )
-def test_bad_options_are_one_line(argv, expected):
-    assert_one_line_error(run_cli(*argv), 2, expected)
+def test_bad_options_are_one_line(capsys, argv, expected):
+    """The program's own main, in this process: each is refused while parsing, before any process group
+    (the program in a process of its own: the next test)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and not dist.is_initialized()
+    assert_one_line_error(subprocess.CompletedProcess(argv, 2, captured.out, captured.err), 2, expected)
+
+
+def test_a_bad_option_is_one_line_from_the_program():
+    assert_one_line_error(run_cli("--dataset", "mnist"), 2, "--dataset: invalid choice: 'mnist'")
 
 
 def test_torchrun_variables_without_master_are_one_line(tmp_path):
@@ -564,25 +560,32 @@ def test_torchrun_variables_without_master_are_one_line(tmp_path):
     assert_one_line_error(result, 2, "RANK/WORLD_SIZE are set but MASTER_ADDR, MASTER_PORT is not")
 
 
+def case_usage_error(argv: list[str]) -> str | None:
+    """The UsageError of setting up train.py's run of ``argv`` on this rank, if any."""
+    try:
+        make_trainer(parse_args(argv)[0])
+    except UsageError as error:
+        return str(error)
+    return None
+
+
+ONE_SAMPLE = ["--dataset", "fashion_mnist", "--limit-train", "64", "--batch-size", "1", "--max-steps", "1"]
+ONE_SAMPLE_ERROR = "--model net has BatchNorm1d, which in training normalises over the samples of"
+
+
 @needs_fashion_mnist
 @pytest.mark.parametrize("batch_norm", [["--no-sync-bn"], ["--impl", "torch"], []])
-def test_one_sample_for_batch_norm_1d_is_one_line(tmp_path, batch_norm):
+def test_one_sample_for_batch_norm_1d_is_refused(pool, tmp_path, batch_norm):
     """Plain BatchNorm with a micro-batch of 1, or synchronized over one rank: the first forward would raise."""
-    result = run_cli(
-        "--dataset",
-        "fashion_mnist",
-        "--limit-train",
-        "64",
-        "--batch-size",
-        "1",
-        "--max-steps",
-        "1",
-        "--no-progress",
-        "--out",
-        str(tmp_path / "out"),
-        *batch_norm,
-    )
-    assert_one_line_error(result, 1, "--model net has BatchNorm1d, which in training normalises over the samples of")
+    error = pool(1).run(case_usage_error, [*ONE_SAMPLE, "--out", str(tmp_path / "out"), *batch_norm], timeout=300)[0]
+    assert error and ONE_SAMPLE_ERROR in error and "use --batch-size 2 or more" in error, error
+
+
+@needs_fashion_mnist
+def test_one_sample_for_batch_norm_1d_is_one_line(tmp_path):
+    """The program's report of the error above (ddpkit's SyncBatchNorm over one rank, the default)."""
+    result = run_cli(*ONE_SAMPLE, "--no-progress", "--out", str(tmp_path / "out"))
+    assert_one_line_error(result, 1, ONE_SAMPLE_ERROR)
     assert "use --batch-size 2 or more" in result.stderr
 
 
@@ -618,10 +621,10 @@ def test_too_few_samples_is_one_line(tmp_path):
 
 
 @needs_fashion_mnist
-def test_checkpoint_of_another_run_is_one_line(tmp_path):
+def test_checkpoint_of_another_run_is_one_line(pool, tmp_path):
     out = str(tmp_path / "run")
-    first = run_cli(*small_cli(tmp_path / "run"), "--max-steps", "2", timeout=240)
-    assert first.returncode == 0, first.stdout + first.stderr
+    # The run whose checkpoint the program meets: train.py's run of the same options, on a rank of the pool.
+    pool(1).run(case_train, parse_args([*small_cli(tmp_path / "run"), "--max-steps", "2"])[0], timeout=300)
     result = run_cli(*small_cli(tmp_path / "run"), "--max-steps", "2", "--lr", "0.1")
     assert_one_line_error(result, 1, f"checkpoint {out}/checkpoint.pt belongs to a different run (lr 0.05 -> 0.1)")
     (tmp_path / "run" / "checkpoint.pt").write_bytes(b"not a checkpoint")
