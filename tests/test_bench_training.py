@@ -9,6 +9,8 @@ import pytest
 
 from ddpkit.training.data import FASHION_MNIST_ROOT
 
+from helpers import uncompressed_fashion_mnist
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 import bench_training  # noqa: E402
@@ -46,22 +48,24 @@ def test_a_tiny_run_records_what_ran_and_plots_it(tmp_path):
             "--quick",
             "--epochs",
             "1",
+            "--data-root",
+            str(uncompressed_fashion_mnist(tmp_path / "fashion_mnist")),
             "--limit-train",
-            "1024",
+            "512",  # 4 optimizer steps, each a block of its own
             "--limit-test",
-            "200",
+            "100",
             "--block-steps",
             "1",
             "--no-progress",
             "--results-dir",
-            str(tmp_path),
+            str(tmp_path / "results"),
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    document = json.loads((tmp_path / "training.json").read_text())
+    document = json.loads((tmp_path / "results" / "training.json").read_text())
     ran = {r["candidate"]: (r["impl"], r["sync_bn"], r["batch_norm"]) for r in document["records"]}
     assert ran == {
         "ddpkit": ("ddpkit", False, "BatchNorm"),
@@ -81,4 +85,4 @@ def test_a_tiny_run_records_what_ran_and_plots_it(tmp_path):
     assert f"training time {spread['median']:.3f}x (95% CI" in result.stdout, result.stdout
     assert "the machine was " in result.stdout and "loaded" in document["summary"]["machine_load"]
     assert all(len(r["block_times_s"]) == len(r["block_steps"]) > 1 for r in document["records"])
-    assert (tmp_path / "training.png").stat().st_size > 0
+    assert (tmp_path / "results" / "training.png").stat().st_size > 0

@@ -93,24 +93,30 @@ def test_local_rank_picks_a_gpu_per_process_without_a_launcher(monkeypatch):
     assert _local_rank(5) == 2
 
 
-def test_the_library_imports_without_the_training_application():
-    # A fresh interpreter: this test process has imported the application already.
+@pytest.fixture(scope="module")
+def fresh_imports() -> list[str]:
+    """What a fresh interpreter has loaded (this test process has imported everything already): the
+    ddpkit.testing modules after ``import ddpkit``, then the ddpkit.training modules after importing the
+    library's launcher and test harness too."""
     code = (
-        "import sys, ddpkit, ddpkit.launch, ddpkit.testing\n"
-        "loaded = sorted(m for m in sys.modules if m.startswith('ddpkit.training'))\n"
-        "print(','.join(loaded))\n"
+        "import sys, ddpkit\n"
+        "print(','.join(sorted(m for m in sys.modules if m.startswith('ddpkit.testing'))))\n"
+        "import ddpkit.launch, ddpkit.testing\n"
+        "print(','.join(sorted(m for m in sys.modules if m.startswith('ddpkit.training'))))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == ""
+    return out.stdout.split("\n")[:2]
 
 
-def test_spawn_is_the_public_workers_and_import_ddpkit_leaves_the_test_harness_unloaded():
+def test_the_library_imports_without_the_training_application(fresh_imports):
+    assert fresh_imports[1] == ""
+
+
+def test_spawn_is_the_public_workers_and_import_ddpkit_leaves_the_test_harness_unloaded(fresh_imports):
     import ddpkit.workers
 
     assert ddpkit.spawn is ddpkit.workers.spawn and "spawn" in ddpkit.__all__
-    code = "import sys, ddpkit\nprint(','.join(sorted(m for m in sys.modules if m.startswith('ddpkit.testing'))))\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == ""
+    assert fresh_imports[0] == ""
 
 
 def test_one_training_entry_point():

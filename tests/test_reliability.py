@@ -22,6 +22,8 @@ import ddpkit
 from ddpkit.testing import WorkerFailure, WorkerPool
 from ddpkit.training.data import FASHION_MNIST_ROOT
 
+from helpers import uncompressed_fashion_mnist
+
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train.py"
 GROUP_TIMEOUT_S = 20
@@ -227,6 +229,8 @@ def test_dead_worker_under_torchrun_stops_the_whole_job(tmp_path):
         str(TRAIN),
         "--dataset",
         "fashion_mnist",
+        "--data-root",
+        str(uncompressed_fashion_mnist(tmp_path / "fashion_mnist")),
         "--limit-train",
         "6000",
         "--batch-size",
@@ -273,18 +277,22 @@ def test_dead_worker_under_torchrun_stops_the_whole_job(tmp_path):
     messages = re.findall(r"RuntimeError: (ddpkit\.\w+ \(rank ([02]) of 3[^)]*\): .*)", stderr)
     assert {rank for _, rank in messages} == {"0", "2"}, stderr[-4000:]
     assert all("rank 1 (pid" in message and "died" in message for message, _ in messages), messages
-    time.sleep(1)
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert processes_mentioning(str(out)) == [], "processes of the failed job are still running"
 
 
 # --- restart without loss --------------------------------------------------------------------------
 
 
-def training_options(out: Path) -> list[str]:
+def training_options(out: Path, data_root: Path) -> list[str]:
     """train.py's options for the restart test: 16 optimizer steps an epoch, 2 epochs, a checkpoint every 4."""
     return [
         "--dataset",
         "fashion_mnist",
+        "--data-root",
+        str(data_root),
         "--model",
         "net",
         "--limit-train",
@@ -307,7 +315,7 @@ def training_options(out: Path) -> list[str]:
     ]
 
 
-def training_command(out: Path, max_restarts: int) -> list[str]:
+def training_command(out: Path, data_root: Path, max_restarts: int) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -318,7 +326,7 @@ def training_command(out: Path, max_restarts: int) -> list[str]:
         "--max-restarts",
         str(max_restarts),
         str(TRAIN),
-        *training_options(out),
+        *training_options(out, data_root),
     ]
 
 
@@ -351,10 +359,13 @@ def test_killed_worker_resumes_from_checkpoint_and_ends_bitwise_equal(pool, tmp_
     checkpoint, and the run ends with the bits of an uninterrupted run of the same options. That run trains
     on the session's pool, one thread a rank as torchrun's workers have: what needs torchrun here is the
     restart."""
-    pool(2).run(case_train_as_torchrun_does, training_options(tmp_path / "uninterrupted"), timeout=300)
+    data_root = uncompressed_fashion_mnist(tmp_path / "fashion_mnist")
+    pool(2).run(case_train_as_torchrun_does, training_options(tmp_path / "uninterrupted", data_root), timeout=300)
 
     out = tmp_path / "restarted"
-    launcher = subprocess.Popen(training_command(out, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(
+        training_command(out, data_root, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 300
         # The first checkpoint (step 4 of 32) leaves the kill most of the run's time to land in.
