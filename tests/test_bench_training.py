@@ -51,7 +51,9 @@ def test_a_tiny_run_records_what_ran_and_plots_it(tmp_path):
             "--data-root",
             str(uncompressed_fashion_mnist(tmp_path / "fashion_mnist")),
             "--limit-train",
-            "512",  # 4 optimizer steps, each a block of its own
+            "512",
+            "--accumulation-steps",
+            "1",  # 8 optimizer steps, each a block of its own: 7 pairs, enough for an interval
             "--limit-test",
             "100",
             "--block-steps",

@@ -672,10 +672,12 @@ def launch_two_ranks(tmp_path, per_rank_argv):
 
 
 @needs_fashion_mnist
-@pytest.mark.parametrize("missing_on", [(0, 1), (1,)])
+@pytest.mark.parametrize("missing_on", [pytest.param((0, 1), marks=pytest.mark.slow), (1,)])
 def test_distributed_user_error_is_one_line_from_rank_0(tmp_path, missing_on):
     """Every rank stops with a non-zero status and only rank 0 speaks, also when only another rank
-    lacks the dataset (it tells the others before any of them waits for it)."""
+    lacks the dataset (it tells the others before any of them waits for it). Slow: (0, 1), every rank
+    without it, which test_torchrun_user_error_is_reported_once_and_no_rank_prints_a_traceback checks
+    under torchrun; (1,) is the harder case."""
     roots = [str(tmp_path / "nowhere") if rank in missing_on else FASHION_MNIST_ROOT for rank in (0, 1)]
     outcomes = launch_two_ranks(tmp_path, [["--dataset", "fashion-mnist", "--data-root", root] for root in roots])
     (status0, out0, err0), (status1, out1, err1) = outcomes
