@@ -52,8 +52,8 @@ def test_a_tiny_run_records_what_ran_and_plots_it(tmp_path):
             str(uncompressed_fashion_mnist(tmp_path / "fashion_mnist")),
             "--limit-train",
             "512",
-            "--accumulation-steps",
-            "1",  # 8 optimizer steps, each a block of its own: 7 pairs, enough for an interval
+            "--batch-size",
+            "16",  # 8 optimizer steps, each a block of its own: 7 pairs, enough for an interval
             "--limit-test",
             "100",
             "--block-steps",
