@@ -462,9 +462,10 @@ class ReplicaGroups:
         out.close()
         return process
 
-    def start_all(self, timeout: float = 300, spares: tuple = ()) -> None:
-        """Starts every replica and lets them train together once all have their manager; and a spare
-        of each replica in `spares` (`spare`), whose start-up then overlaps theirs."""
+    def start_all(self, timeout: float = 300, spares: tuple = (), ranks: int = 1) -> None:
+        """Starts every replica and lets them train together once all have their manager (each of its
+        `ranks` ranks has one); and a spare of each replica in `spares` (`spare`), whose start-up then
+        overlaps theirs."""
         gate = self.folder / "gate"
         self.env["FT_START_GATE"] = str(gate)
         for replica in range(self.count):
@@ -472,7 +473,7 @@ class ReplicaGroups:
         for replica in spares:
             self.spare(replica)
         self.wait_until(
-            lambda: all((self.folder / f"gate.{r}.0").exists() for r in range(self.count)),
+            lambda: all((self.folder / f"gate.{r}.{k}").exists() for r in range(self.count) for k in range(ranks)),
             timeout,
             "every replica's manager",
         )

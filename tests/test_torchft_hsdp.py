@@ -44,15 +44,15 @@ def test_hsdp_kill_and_rejoin_across_simulated_hosts(tmp_path):
         groups = ft_replica.ReplicaGroups(
             tmp_path,
             "unused",
-            ["--ranks", str(RANKS), "--steps", str(STEPS), "--compute", "0.2", "--die", str(victim), str(die_step)],
+            ["--ranks", str(RANKS), "--steps", str(STEPS), "--compute", "0.05", "--die", str(victim), str(die_step)],
             count,
             launch=on_host,
             script=Path(worker.__file__),
         )
         survivors = [r for r in range(count) if r != victim]
         try:
-            # The replacement group: its imports beside the others', held until the death.
-            groups.start_all(spares=(victim,))
+            # The replacement group: its start-up beside the others', held until the death.
+            groups.start_all(spares=(victim,), ranks=RANKS)
             groups.wait_until(lambda: groups.processes[victim].poll() is not None, 180, "the victim group's death")
             assert groups.processes[victim].returncode == -signal.SIGKILL, groups.output(victim)
             groups.wait_until(
