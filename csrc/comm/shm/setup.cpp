@@ -91,7 +91,7 @@ void offer_to_host(HostSetUp& host) {
   } close_at_exit{fd};  // the mapping keeps the memory; the descriptor is only for the host's open
   Offer offer{};
   if (!settings_ok || error_number != 0) {
-    const Failure failure = settings_ok ? kCreateFailed : kBadSettings;
+    const setup_messages::Failure failure = settings_ok ? kCreateFailed : kBadSettings;
     host.failed = {failure, error_number, host.group_rank()};
     offer.status = kFailed;
     offer.failure = failure;
