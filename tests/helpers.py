@@ -448,7 +448,8 @@ def small_cli(out_dir):
 
 def documented_mpirun() -> list[str]:
     """docs/clusters.md's one-host mpirun command, the one of its mpirun commands that runs here, as argv:
-    tests/test_launchers.py runs it (with 2 and 4 processes, against torchrun), tests/test_readme.py does not."""
+    tests/test_launchers.py runs it (with 2 processes, and 4 in make test-full, against torchrun),
+    tests/test_readme.py does not."""
     lines = [
         line
         for line in (REPO / "docs" / "clusters.md").read_text().splitlines()
