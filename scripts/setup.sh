@@ -88,7 +88,7 @@ deps_pid=$!
 trap 'kill "$deps_pid" 2>/dev/null || true' EXIT  # a failed build leaves no pip behind
 echo "== pip: ddpkit's Python dependencies and the extras ($extras) in the background, into $deps_log"
 
-echo "== build: ddpkit's C++ extension (the first time about 3 minutes on 2 cores)"
+echo "== build: ddpkit's C++ extension (the first time about 2 minutes on 2 cores)"
 # A testing build (DDPKIT_TESTING): the test suite arms the fault points it carries, and the
 # benchmarks time the engine with its timing op (csrc/testing/). `pip install .` builds without them.
 # pip shows a build's output only with -v. Its compiler steps, "[3/41] Building CXX object
