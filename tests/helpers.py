@@ -426,6 +426,14 @@ def uncompressed_fashion_mnist(directory: Path) -> Path:
     return directory
 
 
+def make_trainer(config):
+    """train.py's Trainer of ``config`` on this pool rank's process group, as the program makes it."""
+    from ddpkit.launch import DistInfo
+    from ddpkit.training.train import Trainer
+
+    return Trainer(config, DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo"))
+
+
 def small_cli(out_dir):
     return [
         "--dataset",

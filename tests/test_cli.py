@@ -9,14 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from ddpkit.training.cli import parse_args
-from ddpkit.training.data import FASHION_MNIST_ROOT
 
-needs_fashion_mnist = pytest.mark.skipif(
-    not Path(FASHION_MNIST_ROOT).is_dir(), reason="apt-get install dataset-fashion-mnist (scripts/setup.sh does)"
-)
+from helpers import make_trainer, needs_fashion_mnist
+
 TINY = [
     "--dataset",
     "fashion_mnist",
@@ -155,11 +152,7 @@ def test_the_header_says_how_many_epochs_max_steps_leaves(newcomer_run):
 
 
 def case_header(argv: list[str]) -> str:
-    from ddpkit.launch import DistInfo
-    from ddpkit.training.train import Trainer
-
-    config, _ = parse_args(argv)
-    return Trainer(config, DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo")).header()
+    return make_trainer(parse_args(argv)[0]).header()
 
 
 @needs_fashion_mnist
@@ -212,14 +205,11 @@ def test_a_finished_run_says_so_and_more_epochs_continue_it(tmp_path):
 
 def case_run_then_refused(argv: list[str], longer: list[str]) -> str:
     """Runs ``argv`` on this rank, then returns the error of running it again with ``longer`` instead."""
-    from ddpkit.launch import DistInfo
     from ddpkit.training.config import UsageError
-    from ddpkit.training.train import Trainer
 
-    info = DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo")
-    Trainer(parse_args(argv)[0], info).run()
+    make_trainer(parse_args(argv)[0]).run()
     try:
-        Trainer(parse_args(longer)[0], info)
+        make_trainer(parse_args(longer)[0])
     except UsageError as error:
         return str(error)
     return "not refused"

@@ -22,7 +22,7 @@ import ddpkit
 from ddpkit.testing import WorkerFailure, WorkerPool
 from ddpkit.training.data import FASHION_MNIST_ROOT
 
-from helpers import uncompressed_fashion_mnist
+from helpers import make_trainer, uncompressed_fashion_mnist
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "train.py"
@@ -333,15 +333,12 @@ def training_command(out: Path, data_root: Path, max_restarts: int) -> list[str]
 def case_train_as_torchrun_does(argv: list[str]) -> None:
     """train.py's run of ``argv`` on this pool's ranks, each on one thread as torchrun starts its workers
     (OMP_NUM_THREADS=1): the same bits as the launched program."""
-    from ddpkit.launch import DistInfo
     from ddpkit.training.cli import parse_args
-    from ddpkit.training.train import Trainer
 
-    config, _ = parse_args(argv)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        Trainer(config, DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo")).run()
+        make_trainer(parse_args(argv)[0]).run()
     finally:
         torch.set_num_threads(threads)
 

@@ -18,9 +18,17 @@ from ddpkit.training.config import TrainConfig, UsageError
 from ddpkit.training.data import FASHION_MNIST_ROOT, dataset_info, load_dataset, normalize
 from ddpkit.training.evaluation import evaluate
 from ddpkit.training.models import build_model
-from ddpkit.training.train import Trainer, main
+from ddpkit.training.train import main
 
-from helpers import TRAIN, free_port, needs_fashion_mnist, small_cli, uncompressed_fashion_mnist, write_cifar
+from helpers import (
+    TRAIN,
+    free_port,
+    make_trainer,
+    needs_fashion_mnist,
+    small_cli,
+    uncompressed_fashion_mnist,
+    write_cifar,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,12 +60,6 @@ def small_config(out_dir, **overrides) -> TrainConfig:
     )
     settings.update(overrides)
     return TrainConfig(**settings)
-
-
-def make_trainer(config: TrainConfig) -> Trainer:
-    from ddpkit.launch import DistInfo
-
-    return Trainer(config, DistInfo(dist.get_rank(), dist.get_world_size(), dist.get_rank(), "gloo"))
 
 
 def case_train(config: TrainConfig, until_step=None):
