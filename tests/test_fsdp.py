@@ -253,6 +253,37 @@ def test_full_state_dicts_load_at_another_world_size(pool):
         assert_same_states(loaded, saved)
 
 
+def case_snapshots():
+    """Full state dicts taken after a step, then after two more steps, one of them after loading the optimizer's
+    dict back (Note [Full state dicts are snapshots])."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(FEATURES, 31), nn.BatchNorm1d(31), nn.Tanh(), nn.Linear(31, 5))
+    model = ddpkit.FullyShardedDataParallel(module, persistence_threshold=THRESHOLD)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(index):
+        x, y = batch(dist.get_rank(), index)
+        loss_of(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(0)
+    taken = (model.state_dict(), model.optim_state_dict(optimizer))
+    copies = copy.deepcopy(taken)
+    step(1)
+    model.load_optim_state_dict(optimizer, taken[1])
+    step(2)
+    return taken, copies
+
+
+def test_full_state_dicts_are_snapshots_that_training_on_leaves_alone(pool):
+    """The persistent parameters' moments, every "step" and the buffers included: once they were the live
+    tensors, and a resumed train.py --shard parameters run read after training on seemed to have loaded others."""
+    for taken, copies in pool(2).run(case_snapshots, timeout=60):
+        assert "0.bias" in taken[1]["state"] and "1.running_mean" in taken[0]  # persistent, and a buffer
+        assert_same_states(taken, copies)
+
+
 # --- errors and lifetimes -------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ float32. The native part, what is gathered when and how gradients are reduced, i
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -401,11 +402,14 @@ class FullyShardedDataParallel(nn.Module):
 
     def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
         """The unwrapped module's state dict with every parameter whole (a collective: every rank calls it and
-        gets it)."""
+        gets it). A snapshot (Note [Full state dicts are snapshots]): its parameters are copies, and so are its
+        buffers unless ``keep_vars``."""
         full = self._full_tensors()
         out = {} if destination is None else destination
         for key, value in self.module.state_dict(keep_vars=True).items():
-            out[prefix + key] = full[id(value)] if id(value) in full else (value if keep_vars else value.detach())
+            out[prefix + key] = (
+                full[id(value)] if id(value) in full else (value if keep_vars else value.detach().clone())
+            )
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -441,11 +445,22 @@ class FullyShardedDataParallel(nn.Module):
             and value.numel() == self._pieces[id(param)][1]
         )
 
+    # Note [Full state dicts are snapshots]
+    # state_dict() and optim_state_dict() hand out copies of every tensor, and load_optim_state_dict() keeps
+    # copies of what it loads, where torch's Module.state_dict() and Optimizer.state_dict() share the live
+    # tensors. The sharded parameters' whole tensors and states are new tensors (gathered) anyway; sharing the
+    # rest (the persistent parameters' states, every "step", the buffers) would let the next steps change a
+    # dict taken earlier in those entries only, which ones depending on the persistence threshold. The
+    # copies cost the persistent parameters' size, which the threshold keeps small. Tests: tests/test_fsdp.py's
+    # test_full_state_dicts_are_snapshots_that_training_on_leaves_alone, and tests/test_train.py's
+    # test_a_sharded_run_resumes_at_another_world_size (a consolidated state read after training on).
+
     def optim_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """The state dict of ``optimizer`` (built on ``parameters()``) with every per-element state whole and
         parameters named as in the unwrapped module, as torch's ``get_optimizer_state_dict(model, optimizer,
         options=StateDictOptions(full_state_dict=True))`` gives: ``load_optim_state_dict`` loads it at any world
-        size. A collective (an all-gather per sharded unit and state)."""
+        size. A snapshot (Note [Full state dicts are snapshots]). A collective (an all-gather per sharded unit
+        and state)."""
         names = self._names()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         own = optimizer.state_dict()
@@ -454,7 +469,9 @@ class FullyShardedDataParallel(nn.Module):
         for param in params:
             if state_of[id(param)] is not None:
                 out_state[names[id(param)]] = {
-                    key: value for key, value in state_of[id(param)].items() if not self._is_piece_state(param, value)
+                    key: copy.deepcopy(value)
+                    for key, value in state_of[id(param)].items()
+                    if not self._is_piece_state(param, value)
                 }
         # Every rank gathers the same states of each unit: their names are agreed first (one round).
         keys = []
@@ -491,7 +508,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_optim_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
         """Loads ``optim_state_dict``'s output (saved at any world size) into ``optimizer``, built on
-        ``parameters()`` with the same parameter groups: each rank takes its pieces. No communication."""
+        ``parameters()`` with the same parameter groups: each rank takes copies of its pieces and of the rest
+        (Note [Full state dicts are snapshots]). No communication."""
         names = self._names()
         params = [p for group in optimizer.param_groups for p in group["params"]]
         index_of = {names[id(p)]: i for i, p in enumerate(params)}
@@ -509,6 +527,8 @@ class FullyShardedDataParallel(nn.Module):
                 ):
                     first, length, _ = self._pieces[id(param)]
                     value = value.reshape(-1)[first : first + length].clone()
+                else:
+                    value = copy.deepcopy(value)
                 converted[key] = value
             state[index_of[name]] = converted
         groups = []
