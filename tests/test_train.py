@@ -163,20 +163,7 @@ def test_sharded_runs_have_ddps_bits(pool, tmp_path):
 
 
 @needs_fashion_mnist
-@pytest.mark.parametrize(
-    "shard",
-    [
-        "gradients",
-        pytest.param(
-            "parameters",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="a known defect (issue 60's closing note): --shard parameters resumed at 4 ranks from a "
-                "2-rank checkpoint holds Adam moments that differ from the saved ones",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
 def test_a_sharded_run_resumes_at_another_world_size(pool, tmp_path, shard):
     """A sharded run stopped at 2 ranks resumes at 4 from its consolidated checkpoint (the same samples per step: a
     fixed global batch), with the optimizer state it saved."""
