@@ -55,7 +55,8 @@ def consolidated_state_dict(optimizer: ShardedOptimizer) -> dict[str, Any]:
     for group_params in optimizer.param_groups:
         for param in group_params["params"]:
             if not optimizer._is_sharded(param) and param in optimizer.optim.state:
-                state[optimizer._index[id(param)]] = dict(optimizer.optim.state[param])
+                # a copy, as the gathered entries are (Note [Full state dicts are snapshots] in fsdp.py)
+                state[optimizer._index[id(param)]] = copy.deepcopy(dict(optimizer.optim.state[param]))
     whole: dict[int, dict] = {}  # param index -> the entries that are not piece-shaped (from its first piece)
     keys: dict[tuple[int, int], dict[str, str]] = {}  # (set, bucket) -> piece-shaped key -> dtype
     for s, sharded_set in enumerate(optimizer._sets):
