@@ -6,6 +6,8 @@ buffer. Then three simulated hosts behind a router that delays every packet (Hos
 round_trip_ms): a long path, a short one that grows longer, and a rank that dies across it.
 """
 
+import datetime
+import importlib.util
 import os
 import signal
 import socket
@@ -148,6 +150,46 @@ def test_a_delayed_pool_takes_at_least_its_round_trip(delayed):
     # delay sets, which no load on this machine can undercut.
     for rank, fastest in enumerate(delayed.run(case_fastest_small_all_reduce, 5)):
         assert fastest >= ROUND_TRIP_MS / 1e3, f"rank {rank}: {fastest * 1e3:.2f} ms"
+
+
+def case_small_messages_and_a_torchft_quorum(store_prefix):
+    """Collectives whose messages each fit one segment longer than an Ethernet frame (the check's
+    round of ddpkit.all_reduce, gloo's ring), and, where torchft is installed, a quorum's
+    ProcessGroupDdpkit as torchft's manager configures it (on the pool's store) all-reducing a small
+    and a large vector: whether every sum was exact and what the group reported."""
+    size = dist.get_world_size()
+    outcomes = {}
+    for name, numel, reduce in (("ddpkit, one round", 1024, ddpkit.all_reduce), ("gloo", 4096, dist.all_reduce)):
+        tensor = torch.full((numel,), float(dist.get_rank() + 1))
+        reduce(tensor)
+        outcomes[name] = torch.equal(tensor, torch.full((numel,), float(size * (size + 1) // 2)))
+    if importlib.util.find_spec("torchft") is None:
+        return outcomes
+    from ddpkit.torchft import ProcessGroupDdpkit
+
+    pg = ProcessGroupDdpkit(timeout=datetime.timedelta(seconds=HOSTS_GROUP_TIMEOUT_S))
+    store = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}/{store_prefix}"
+    pg.configure(store, f"replica_{dist.get_rank()}", dist.get_rank(), size)
+    try:
+        for numel in (1024, NUMEL):
+            tensor = torch.full((numel,), float(dist.get_rank() + 1))
+            pg.allreduce([tensor], dist.AllreduceOptions()).wait()
+            outcomes[f"torchft, {numel}"] = torch.equal(tensor, torch.full((numel,), float(size * (size + 1) // 2)))
+        outcomes["torchft errored"] = pg.errored()
+    finally:
+        pg.shutdown()
+    return outcomes
+
+
+@needs_delayed_hosts
+def test_small_messages_and_torchft_quorums_cross_a_delayed_path(delayed):
+    # A message of a few KiB leaves a host as one segment longer than 1500 bytes: every link of the
+    # path must carry the routed MTU, or it is lost on every retransmission (torchft's quorums on
+    # ProcessGroupDdpkit never committed a step across delayed links, their first bucket's all-reduce
+    # riding the check's round). Bulk transfers pass either way, as offload bursts.
+    for rank, outcomes in enumerate(delayed.run(case_small_messages_and_a_torchft_quorum, "small-messages")):
+        assert outcomes.pop("torchft errored", None) is None, f"rank {rank}: {outcomes}"
+        assert outcomes and all(outcomes.values()), f"rank {rank}: {outcomes}"
 
 
 def exact_all_reduces(numel, times, group=None, until=None):

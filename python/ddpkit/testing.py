@@ -230,7 +230,12 @@ class HostPool(WorkerPool):
             subprocess.run(["ip", "netns", "add", namespace], check=True, capture_output=True)
             self._namespaces.append(namespace)
             outer, inner, port = f"{self._prefix}o{host}", f"{self._prefix}i{host}", f"dkr{host}"
-            self._ip("link", "add", inner, "mtu", str(self.ROUTED_MTU), "type", "veth", "peer", "name", outer)
+            # Both ends at the routed MTU: a veth drops an arriving packet longer than its own MTU
+            # unless it is a segmentation-offload burst, so a lone segment between the two MTUs (a
+            # small collective's message) would be lost on every retransmission while bulk transfers
+            # passed.
+            mtu = str(self.ROUTED_MTU)
+            self._ip("link", "add", inner, "mtu", mtu, "type", "veth", "peer", "name", outer, "mtu", mtu)
             self._ip("link", "set", inner, "netns", namespace)
             self._ip("link", "set", outer, "netns", router)
             self._ip("link", "set", inner, "name", "dkh", namespace=namespace)
