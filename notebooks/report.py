@@ -182,7 +182,7 @@ connections chooses its send buffer from the path it measures at its set-up: the
 unshaped links above only where it holds the path's bandwidth times its round trip, the kernel's own sizing elsewhere
 ([docs/multihost.md](../docs/multihost.md#wide-area-links)). `ddpkit_send_buffer_256` is the same build with every
 connection's buffer fixed at 256 KiB, as before this choice; `ddpkit_kernel_buffers` with every buffer left to the
-kernel. Then torchft's steady step with one replica group on each of 4 hosts across such links.
+kernel. Then torchft's steady step with one replica group on each of 2 hosts across such links.
 """
 
 TORCH_STACK = r"""

@@ -38,6 +38,8 @@ CLASSES = {
     "fault_tolerance": {records.FaultToleranceRecord},
     "compression": {records.CompressionRecord},
     "fault_tolerance_hosts": {records.FaultToleranceRecord},
+    "fault_tolerance_hosts_delayed": {records.FaultToleranceRecord},  # --link 1gbit-10ms (issue 65)
+    "fault_tolerance_hosts_delayed_4x1": {records.FaultToleranceRecord},
     "import_torch": {records.ImportTimeRecord},
     "sharding": {records.ShardingRecord},  # ZeRO-1/2 and their baselines (issue 60)
     "sharding_zero3": {records.ShardingRecord},

@@ -93,8 +93,8 @@ FAULT_TOLERANCE_HOSTS = {
         "ddpkit no slower than gloo uncompressed, ≤ 0.7× with the bfloat16 crossing",
     ),
     "fault_tolerance_hosts_delayed": (
-        "`sudo .venv/bin/python benchmarks/bench_fault_tolerance.py --hosts 4 --link 1gbit-10ms "
-        "--name fault_tolerance_hosts_delayed`",
+        "`sudo .venv/bin/python benchmarks/bench_fault_tolerance.py --hosts 2 --link 1gbit-10ms "
+        "--steady-wrappers torchft-ddp --name fault_tolerance_hosts_delayed`",
         "ddpkit no slower than gloo uncompressed, ≤ 0.6× with the bfloat16 crossing",
     ),
 }
