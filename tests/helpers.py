@@ -1,6 +1,6 @@
 """What more than one test module uses: inputs and their references, errors and bits as tests compare
 them, the "ddpkit" backend's comparison with gloo, the calls one rank rejects, every collective across
-hosts and its check, ports, the training
+hosts and its check, ports, programs forked from an interpreter that imported torch, the training
 script's small runs, Fashion-MNIST uncompressed, CIFAR archives, the examples' commands, and the leak check.
 
 Test modules import from here, never from each other (a test module imported by another runs its
