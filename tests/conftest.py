@@ -8,7 +8,7 @@ import pytest
 
 from ddpkit.testing import HostPool, WorkerPool
 
-from helpers import HOSTS_GROUP_TIMEOUT_S, TOPOLOGIES, shm_names
+from helpers import HOSTS_GROUP_TIMEOUT_S, TOPOLOGIES, ProgramForker, shm_names
 
 # torchft's Rust side logs at INFO to stderr from its own threads (the lighthouse's quorum ticks), also between
 # tests, where pytest captures nothing: its lines landed among pytest's progress. It reads RUST_LOG when
@@ -110,6 +110,14 @@ def pools():
     yield get
     for worker_pool in made.values():
         worker_pool.close()
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """A ProgramForker for the module: ``programs.run(argv, ...)`` runs a program as a fresh interpreter would."""
+    forker = ProgramForker(tmp_path_factory.mktemp("programs"))
+    yield forker
+    forker.close()
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 groups. The worker of tests/test_torchft_hsdp.py, started by benchmarks/ft_replica.py's
 ReplicaGroups (its environment, start gate, stop file, incarnations and records).
 
-The process the harness starts is the replica group's rank 0: it starts the other ``--ranks`` - 1 ranks
-of this script, in its own process group (one SIGKILL of that group takes the whole replica group, as a
+The process the harness starts is the replica group's rank 0: once it has imported what they run, it
+forks the other ``--ranks`` - 1 ranks (no rank imports torch again), in its own process group (one SIGKILL of that group takes the whole replica group, as a
 host that dies does), and holds the group's store at MASTER_ADDR:MASTER_PORT. Each rank:
 
 - joins the replica group's process group on the "ddpkit" backend (shared memory inside the host)
@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,28 +48,8 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def start_ranks(args: argparse.Namespace, argv: list) -> list:
-    """Rank 0, the process the harness starts, starts the others in its own process group."""
-    return [
-        subprocess.Popen(
-            [sys.executable, __file__, *argv, "--rank", str(rank)],
-            env={
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(args.ranks),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(args.ranks),
-            },
-        )
-        for rank in range(1, args.ranks)
-    ]
-
-
 if __name__ == "__main__":
-    # Before torch is imported here: the other ranks import it meanwhile (a replica group's start-up,
-    # and a replacement's, is mostly imports).
     ARGS = parse_args()
-    OTHERS = start_ranks(ARGS, sys.argv[1:]) if ARGS.rank == 0 else []
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -138,21 +117,39 @@ def replay(members: dict, steps: int, ranks: int) -> dict:
     }
 
 
+def fork_ranks(args: argparse.Namespace) -> list:
+    """Rank 0, the process the harness starts, forks the others (after the imports: a replica group's
+    start-up, and a replacement's, is mostly imports); the pids of those, or [] in a forked rank, which
+    leaves with ``args.rank`` and its environment set as its rank's."""
+    others = []
+    for rank in range(1, args.ranks):
+        pid = os.fork()
+        if pid == 0:
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank))
+            os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks)
+            args.rank = rank
+            return []
+        others.append(pid)
+    return others
+
+
 def join_ranks(ranks: list, timeout: float) -> None:
     """Rank 0's end: the other ranks' exit; one that failed fails the group."""
     deadline = time.monotonic() + timeout
-    for process in ranks:
-        try:
-            status = process.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    for rank, pid in enumerate(ranks, start=1):
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
             status = "still running"
+        else:
+            status = os.waitstatus_to_exitcode(done[1])
         if status != 0:
-            raise RuntimeError(f"rank {process.args[-1]} of the replica group ended with {status}")
+            raise RuntimeError(f"rank {rank} of the replica group ended with {status}")
 
 
-def train(args: argparse.Namespace, others: list) -> None:
+def train(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor
@@ -162,6 +159,8 @@ def train(args: argparse.Namespace, others: list) -> None:
 
     import ddpkit  # noqa: F401  (the "ddpkit" backend)
     from ddpkit.torchft import ProcessGroupDdpkit
+
+    others = fork_ranks(args) if args.rank == 0 else []
 
     replica, rank, ranks = int(os.environ["REPLICA_GROUP_ID"]), args.rank, args.ranks
     incarnation = int(os.environ.get("FT_INCARNATION", "1"))
@@ -285,4 +284,4 @@ def train(args: argparse.Namespace, others: list) -> None:
 
 
 if __name__ == "__main__":
-    train(ARGS, OTHERS)
+    train(ARGS)

@@ -51,16 +51,24 @@ def inputs_of(world_size: int, numel: int) -> torch.Tensor:
     return torch.stack([rank_input(r, numel, integer=True).double() for r in range(world_size)])
 
 
+@functools.cache
 def gathered_reference(world_size: int, numel: int) -> torch.Tensor:
     return inputs_of(world_size, numel).reshape(-1).float()
 
 
+@functools.cache
+def reduced_reference(world_size: int, numel: int, op: str) -> torch.Tensor:
+    """op over the ranks of every rank's input (world_size * numel elements): every block's reference at once,
+    computed once for every rank, algorithm and call of a test."""
+    inputs = inputs_of(world_size, world_size * numel)
+    if op == "mean":
+        return inputs.sum(0).float() / world_size  # exact float32 sum, divided once
+    return {"sum": inputs.sum(0), "max": inputs.amax(0), "min": inputs.amin(0)}[op].float()
+
+
 def scattered_reference(world_size: int, numel: int, rank: int, op: str) -> torch.Tensor:
     """op over the ranks of block `rank` of every rank's input (world_size * numel elements)."""
-    blocks = inputs_of(world_size, world_size * numel)[:, rank * numel : (rank + 1) * numel]
-    if op == "mean":
-        return blocks.sum(0).float() / world_size  # exact float32 sum, divided once
-    return {"sum": blocks.sum(0), "max": blocks.amax(0), "min": blocks.amin(0)}[op].float()
+    return reduced_reference(world_size, numel, op)[rank * numel : (rank + 1) * numel]
 
 
 # --- cases that run on every rank ----------------------------------------------------------------
@@ -69,9 +77,12 @@ def scattered_reference(world_size: int, numel: int, rank: int, op: str) -> torc
 def case_every_block_collective(transport, numels):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out, inputs_changed = {}, []
+    # each size's inputs made once (a clone per call): generating them cost the ranks more than the collectives
+    gather_sources = {numel: rank_input(rank, numel, integer=True) for numel in numels}
+    scatter_sources = {numel: rank_input(rank, world_size * numel, integer=True) for numel in numels}
     for algorithm in algorithms_for(transport):
         for numel in numels:
-            source = rank_input(rank, numel, integer=True)
+            source = gather_sources[numel].clone()
             output = torch.full((world_size * numel,), float("nan"))
             returned = ddpkit.all_gather_into_tensor(output, source, algorithm=algorithm, transport=transport)
             assert returned is output or returned.data_ptr() == output.data_ptr(), "all_gather must fill `output`"
@@ -83,8 +94,8 @@ def case_every_block_collective(transport, numels):
             ddpkit.all_gather_into_tensor(output, own, algorithm=algorithm, transport=transport)
             out[("all_gather_in_place", algorithm, numel)] = output
             for op in REDUCE_OPS:
-                source = rank_input(rank, world_size * numel, integer=True)
-                before = source.clone()
+                source = scatter_sources[numel].clone()
+                before = scatter_sources[numel]
                 output = torch.full((numel,), float("nan"))
                 returned = ddpkit.reduce_scatter_tensor(output, source, op=op, algorithm=algorithm, transport=transport)
                 assert returned is output or returned.data_ptr() == output.data_ptr(), (
@@ -322,13 +333,13 @@ def test_every_block_collective_matches_the_reference(pool, world_size, transpor
             if key[0].startswith("all_gather"):
                 _, algorithm, numel = key
                 assert tensor.shape == (world_size * numel,) and tensor.dtype == torch.float32
-                assert torch.equal(tensor, gathered_reference(world_size, numel)), (rank, key)
-                assert torch.equal(bits(tensor), bits(results[0][0][key])), f"{key}: rank {rank} differs from rank 0"
+                # the reference's bits on every rank: equal values, and identical bits on all ranks
+                assert torch.equal(bits(tensor), bits(gathered_reference(world_size, numel))), (rank, key)
             else:
                 _, algorithm, numel, op = key
                 assert tensor.shape == (numel,) and tensor.dtype == torch.float32
                 expected = scattered_reference(world_size, numel, rank, op)
-                torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=f"rank {rank} {key}")
+                assert torch.equal(tensor, expected), f"rank {rank} {key}: {tensor} != {expected}"
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

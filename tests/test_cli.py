@@ -180,20 +180,27 @@ def test_parse_args_default_dataset_and_progress():
 
 
 @needs_fashion_mnist
-def test_a_finished_run_says_so_and_more_epochs_continue_it(tmp_path):
-    command = [sys.executable, "-m", "ddpkit.training", *TINY, "--out", "run"]
-    first = run_outside_the_repository([*command, "--epochs", "1"], cwd=tmp_path)
+def test_a_finished_run_says_so_and_more_epochs_continue_it(programs, tmp_path):
+    """Three runs of ``python -m ddpkit.training`` outside the repository, forked from the module's interpreter that
+    imported torch and ddpkit (tests/helpers.py's ProgramForker; the newcomer's torchrun starts fresh ones)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def run_here(argv, cwd):
+        return programs.run(["-m", "ddpkit.training", *argv], cwd=cwd, env=env, umask=0o022, timeout=240)
+
+    command = [*TINY, "--out", "run"]
+    first = run_here([*command, "--epochs", "1"], cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     metrics = (tmp_path / "run" / "metrics.json").read_bytes()
 
-    again = run_outside_the_repository([*command, "--epochs", "1"], cwd=tmp_path)
+    again = run_here([*command, "--epochs", "1"], cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.strip() == (
         "run/checkpoint.pt: the run already finished at epoch 1; nothing to do (pass --epochs 2 (or more) to continue)"
     ), again.stdout + again.stderr
     assert (tmp_path / "run" / "metrics.json").read_bytes() == metrics  # nothing rewritten
 
-    longer = run_outside_the_repository([*command, "--epochs", "2"], cwd=tmp_path)
+    longer = run_here([*command, "--epochs", "2"], cwd=tmp_path)
     assert longer.returncode == 0, longer.stdout + longer.stderr
     assert (
         "continuing run/checkpoint.pt, finished at epoch 1, to epoch 2: the cosine schedule now spans 2 "

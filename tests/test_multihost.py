@@ -143,9 +143,11 @@ def link_threads():
 def case_on_each_thread(numels, windowed_numel):
     """case_every_collective and compressed sums on a group per DDPKIT_LINK_THREADS setting, sums
     and a reduce-scatter whose ring steps receive through a window (Note [Receiving windows]) at
-    ``windowed_numel`` (None: not), and the threads of the links each group started."""
+    ``windowed_numel`` (None: not): the caller's thread's results, the keys whose bits each other
+    setting gives differently (compared here: the results of one setting travel to the parent, not
+    three), and the threads of the links each group started."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    out = {}
+    callers, differ, started = None, {}, {}
     for threads in THREADS:
         os.environ["DDPKIT_LINK_THREADS"] = threads
         before = link_threads()
@@ -165,10 +167,20 @@ def case_on_each_thread(numels, windowed_numel):
                 scattered, rank_input(rank, world_size * windowed_numel, integer=True), group=group
             )
             results[("reduce_scatter", str(torch.float32), windowed_numel)] = scattered
-        results["started"] = {name: count - before[name] for name, count in link_threads().items()}
-        out[threads] = results
+        started[threads] = {name: count - before[name] for name, count in link_threads().items()}
+        if callers is None:
+            callers = results
+        differ[threads] = [
+            key
+            for key, tensor in callers.items()
+            if isinstance(tensor, torch.Tensor)
+            and not (
+                isinstance(results.get(key), torch.Tensor)
+                and torch.equal(results[key].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8))
+            )
+        ]
     del os.environ["DDPKIT_LINK_THREADS"]
-    return out
+    return callers, differ, started
 
 
 @needs_hosts
@@ -184,17 +196,17 @@ def test_the_links_threads_are_exact_and_give_the_callers_bits(ranks_per_host):
         per_rank = pool.run(case_on_each_thread, [1001, 300_003], windowed_numel, timeout=300)
     finally:
         pool.close()
-    started = {"caller": (0, 0), "send": (1, 0), "both": (1, 1)}
-    for rank, out in enumerate(per_rank):
+    expected_started = {"caller": (0, 0), "send": (1, 0), "both": (1, 1)}
+    for rank, (_, differ, started) in enumerate(per_rank):
         for threads in THREADS:
-            count = out[threads].pop("started")
-            assert (count["ddpkit-send"], count["ddpkit-recv"]) == started[threads], (rank, threads, count)
-            for key, tensor in out["caller"].items():
-                if isinstance(tensor, torch.Tensor):
-                    theirs = out[threads][key].view(-1).view(torch.uint8)
-                    assert torch.equal(theirs, tensor.view(-1).view(torch.uint8)), (rank, threads, key)
+            count = started[threads]
+            assert (count["ddpkit-send"], count["ddpkit-recv"]) == expected_started[threads], (rank, threads, count)
+            assert differ[threads] == [], (
+                f"rank {rank}: {threads} gives other bits than the caller's thread for {differ[threads]}"
+            )
+    # every setting's bits are the caller's: its results, exact, are every setting's
     check_every_collective(
-        [{key: value for key, value in out["both"].items() if key[0] != "compressed"} for out in per_rank],
+        [{key: value for key, value in callers.items() if key[0] != "compressed"} for callers, _, _ in per_rank],
         ranks_per_host,
     )
 

@@ -496,33 +496,30 @@ def case_debug_mode(mismatch, ddp):
 
 def debug_runs(level, tmp_path, **runs):
     """{backend: per-rank ``case_debug_mode(mismatch, ddp)``} for ``backend=(mismatch, ddp)``, each backend in a
-    pool of a fresh process (the processes side by side) whose environment has ``TORCH_DISTRIBUTED_DEBUG``
-    from the start: torch reads it once, when torch.distributed is imported, so a pool's workers (forked
-    from a server that imported torch) would never see it through ``WorkerPool(env=...)``."""
+    pool of one fresh process (its pools one after the other, from its one forkserver) whose environment has
+    ``TORCH_DISTRIBUTED_DEBUG`` from the start: torch reads it once, when torch.distributed is imported, so a
+    pool's workers (forked from a server that imported torch) would never see it through ``WorkerPool(env=...)``."""
     env = dict(os.environ, TORCH_DISTRIBUTED_DEBUG=level, PYTHONWARNINGS="ignore")
-    processes = {}
-    for backend, (mismatch, ddp) in runs.items():
-        output = tmp_path / f"{backend}_{level}.pt"
-        command = [sys.executable, __file__, "debug", backend, str(int(mismatch)), str(int(ddp)), str(output)]
-        processes[backend] = (
-            subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-            output,
-        )
+    output = tmp_path / f"{level}.pt"
+    spec = ",".join(f"{backend}:{int(mismatch)}{int(ddp)}" for backend, (mismatch, ddp) in runs.items())
+    command = [sys.executable, __file__, "debug", spec, str(output)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for backend, (process, _output) in processes.items():
-            log, _ = process.communicate(timeout=150)
-            assert process.returncode == 0, f"{backend} at {level}:\n{log[-4000:]}"
+        log, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, f"{spec} at {level}:\n{log[-4000:]}"
     finally:
-        for process, _ in processes.values():
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return {backend: torch.load(output) for backend, (_, output) in processes.items()}
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return torch.load(output)
 
 
-def _debug_main(backend, mismatch, ddp, output):
-    with WorkerPool(2, backend=backend, timeout=60.0, group_timeout=30.0) as pool:
-        results = pool.run(case_debug_mode, mismatch, ddp, timeout=60.0)
+def _debug_main(spec, output):
+    results = {}
+    for run in spec.split(","):
+        backend, flags = run.split(":")
+        with WorkerPool(2, backend=backend, timeout=60.0, group_timeout=30.0) as pool:
+            results[backend] = pool.run(case_debug_mode, flags[0] == "1", flags[1] == "1", timeout=60.0)
     torch.save(results, output)
 
 
@@ -559,5 +556,5 @@ def test_torch_distributed_debug_detail_matches_gloo_and_catches_a_mismatch(pool
         assert_close(result["ddp"], reference[rank]["params"], f"rank {rank} DDP under DETAIL")
 
 
-if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "debug":
-    _debug_main(sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", sys.argv[5])
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "debug":
+    _debug_main(sys.argv[2], sys.argv[3])

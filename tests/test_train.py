@@ -502,8 +502,10 @@ def test_missing_cifar_names_the_expected_path(tmp_path):
 # --- user errors from the command line: one line, no traceback, non-zero exit -------------------
 
 
-def run_cli(*argv, timeout=120):
-    return subprocess.run([sys.executable, str(TRAIN), *argv], capture_output=True, text=True, timeout=timeout)
+def run_cli(programs, *argv, env=None):
+    """train.py ``argv`` as its own program (forked from the module's interpreter that imported torch and ddpkit:
+    tests/helpers.py's ProgramForker; fresh interpreters run it in the launch tests above and below)."""
+    return programs.run([TRAIN, *argv], env=env)
 
 
 def assert_one_line_error(result, status, expected):
@@ -543,19 +545,13 @@ def test_bad_options_are_one_line(capsys, argv, expected):
     assert_one_line_error(subprocess.CompletedProcess(argv, 2, captured.out, captured.err), 2, expected)
 
 
-def test_a_bad_option_is_one_line_from_the_program():
-    assert_one_line_error(run_cli("--dataset", "mnist"), 2, "--dataset: invalid choice: 'mnist'")
+def test_a_bad_option_is_one_line_from_the_program(programs):
+    assert_one_line_error(run_cli(programs, "--dataset", "mnist"), 2, "--dataset: invalid choice: 'mnist'")
 
 
-def test_torchrun_variables_without_master_are_one_line(tmp_path):
+def test_torchrun_variables_without_master_are_one_line(programs, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run(
-        [sys.executable, str(TRAIN), "--out", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**env, "RANK": "0", "WORLD_SIZE": "1"},
-    )
+    result = run_cli(programs, "--out", str(tmp_path / "out"), env={**env, "RANK": "0", "WORLD_SIZE": "1"})
     assert_one_line_error(result, 2, "RANK/WORLD_SIZE are set but MASTER_ADDR, MASTER_PORT is not")
 
 
@@ -581,24 +577,25 @@ def test_one_sample_for_batch_norm_1d_is_refused(pool, tmp_path, batch_norm):
 
 
 @needs_fashion_mnist
-def test_one_sample_for_batch_norm_1d_is_one_line(tmp_path):
+def test_one_sample_for_batch_norm_1d_is_one_line(programs, tmp_path):
     """The program's report of the error above (ddpkit's SyncBatchNorm over one rank, the default)."""
-    result = run_cli(*ONE_SAMPLE, "--no-progress", "--out", str(tmp_path / "out"))
+    result = run_cli(programs, *ONE_SAMPLE, "--no-progress", "--out", str(tmp_path / "out"))
     assert_one_line_error(result, 1, ONE_SAMPLE_ERROR)
     assert "use --batch-size 2 or more" in result.stderr
 
 
-def test_missing_dataset_is_one_line(tmp_path):
+def test_missing_dataset_is_one_line(programs, tmp_path):
     result = run_cli(
-        "--dataset", "fashion-mnist", "--data-root", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")
+        programs, "--dataset", "fashion-mnist", "--data-root", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")
     )
     assert_one_line_error(result, 1, f"Fashion-MNIST not found: directory {tmp_path / 'nowhere'} does not exist")
-    result = run_cli("--dataset", "CIFAR-100", "--data-root", str(tmp_path), "--out", str(tmp_path / "out"))
+    result = run_cli(programs, "--dataset", "CIFAR-100", "--data-root", str(tmp_path), "--out", str(tmp_path / "out"))
     assert_one_line_error(result, 1, f"CIFAR-100 not found: expected the directory {tmp_path / 'cifar-100-python'}")
 
 
-def test_global_batch_that_does_not_divide_is_one_line(tmp_path):
+def test_global_batch_that_does_not_divide_is_one_line(programs, tmp_path):
     result = run_cli(
+        programs,
         "--dataset",
         "fashion_mnist",
         "--global-batch-size",
@@ -612,22 +609,30 @@ def test_global_batch_that_does_not_divide_is_one_line(tmp_path):
 
 
 @needs_fashion_mnist
-def test_too_few_samples_is_one_line(tmp_path):
+def test_too_few_samples_is_one_line(programs, tmp_path):
     result = run_cli(
-        "--dataset", "fashion_mnist", "--limit-train", "10", "--batch-size", "32", "--out", str(tmp_path / "out")
+        programs,
+        "--dataset",
+        "fashion_mnist",
+        "--limit-train",
+        "10",
+        "--batch-size",
+        "32",
+        "--out",
+        str(tmp_path / "out"),
     )
     assert_one_line_error(result, 1, "10 samples over 1 ranks do not fill one batch of 32")
 
 
 @needs_fashion_mnist
-def test_checkpoint_of_another_run_is_one_line(pool, tmp_path):
+def test_checkpoint_of_another_run_is_one_line(pool, programs, tmp_path):
     out = str(tmp_path / "run")
     # The run whose checkpoint the program meets: train.py's run of the same options, on a rank of the pool.
     pool(1).run(case_train, parse_args([*small_cli(tmp_path / "run"), "--max-steps", "2"])[0], timeout=300)
-    result = run_cli(*small_cli(tmp_path / "run"), "--max-steps", "2", "--lr", "0.1")
+    result = run_cli(programs, *small_cli(tmp_path / "run"), "--max-steps", "2", "--lr", "0.1")
     assert_one_line_error(result, 1, f"checkpoint {out}/checkpoint.pt belongs to a different run (lr 0.05 -> 0.1)")
     (tmp_path / "run" / "checkpoint.pt").write_bytes(b"not a checkpoint")
-    result = run_cli(*small_cli(tmp_path / "run"), "--max-steps", "2")
+    result = run_cli(programs, *small_cli(tmp_path / "run"), "--max-steps", "2")
     assert_one_line_error(result, 1, f"checkpoint {out}/checkpoint.pt cannot be resumed")
 
 
