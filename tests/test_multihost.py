@@ -8,6 +8,7 @@ DDPKIT_TEST_HOSTS (test_multihost_one_machine.py), which needs nothing. See Note
 [Hierarchical collectives] in csrc/comm/.
 """
 
+import functools
 import os
 import signal
 import time
@@ -271,6 +272,12 @@ def swap_input(rank, numel, dtype):
     return tensor
 
 
+@functools.cache
+def swap_inputs(world_size, numel, dtype):
+    """Every rank's swap_input, made once for all of a test's references (which never change them)."""
+    return [swap_input(rank, numel, dtype) for rank in range(world_size)]
+
+
 def swapped_reference(op, inputs):
     """Note [Reductions]'s result of `op` over `inputs`, in float64 for the sum and the mean."""
     if op in ("max", "min"):
@@ -303,7 +310,7 @@ def test_two_hosts_swap_large_blocks_with_every_op_and_identical_bits(hosts, nam
         dtype = getattr(torch, dtype_name.split(".")[-1])
         what = f"{collective} {dtype_name} {op}"
         if collective == "all_reduce":
-            expected = swapped_reference(op, [swap_input(r, numel, dtype) for r in range(world_size)])
+            expected = swapped_reference(op, swap_inputs(world_size, numel, dtype))
             assert_reduced_as_the_note_says(tensor, expected, op, what)
             for rank in range(1, world_size):
                 theirs = per_rank[rank][(collective, dtype_name, op)]
@@ -311,7 +318,7 @@ def test_two_hosts_swap_large_blocks_with_every_op_and_identical_bits(hosts, nam
                     f"{what}: rank {rank}'s bits differ from rank 0's"
                 )
         elif collective == "reduce_scatter":
-            expected = swapped_reference(op, [swap_input(r, world_size * numel, dtype) for r in range(world_size)])
+            expected = swapped_reference(op, swap_inputs(world_size, world_size * numel, dtype))
             for rank in range(world_size):
                 assert_reduced_as_the_note_says(
                     per_rank[rank][(collective, dtype_name, op)],
@@ -320,7 +327,7 @@ def test_two_hosts_swap_large_blocks_with_every_op_and_identical_bits(hosts, nam
                     f"{what} rank {rank}",
                 )
         else:
-            expected = swapped_reference(op, [swap_input(r, numel, dtype) for r in range(world_size)])
+            expected = swapped_reference(op, swap_inputs(world_size, numel, dtype))
             assert_reduced_as_the_note_says(per_rank[-1][(collective, dtype_name, op)], expected, op, what)
 
 
