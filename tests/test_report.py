@@ -109,7 +109,10 @@ def execute_checked(kernel_folder, results):
 
 
 # Jupyter, JupyterLab and VS Code start the kernel in the notebook's own folder (the next test runs it there);
-# report.py at the root.
+# report.py at the root. Slow (make test-full): test_the_report_warns_about_results_of_other_commits executes the
+# same notebook on the same results (but two commits recorded) with the same checks, its kernel in notebooks/,
+# where the first cell looks one folder further up for the root than here.
+@pytest.mark.slow
 def test_committed_notebook_executes_without_errors():
     execute_checked(REPO, RESULTS)
 
