@@ -258,7 +258,7 @@ def case_compiled_collectives():
         ddpkit.barrier()
         return gathered.sum() + part.sum()
 
-    compiled = torch.compile(step)
+    compiled = torch.compile(step, backend="aot_eager")
     results = []
     for size in (6, 8):
         x = torch.arange(size, dtype=torch.float32) * (rank + 1)
@@ -271,7 +271,10 @@ def case_compiled_collectives():
 
 def test_torch_compile_of_collectives_matches_eager():
     """torch.compile of a function calling ddpkit's collectives compiles and gives eager's result:
-    each collective runs eagerly at a graph break (Note [Collectives under torch.compile])."""
+    each collective runs eagerly at a graph break (Note [Collectives under torch.compile]). The backend is
+    "aot_eager": Dynamo, which breaks the graph at each collective, then AOTAutograd, which could not
+    functionalize one, without Inductor's C++ code generation for the arithmetic between them (seconds per
+    graph on every rank; test_torch_compile_matches_eager compiles with Inductor around ddpkit's ops)."""
     from ddpkit.testing import WorkerPool
 
     with WorkerPool(2, timeout=120.0) as pool:
