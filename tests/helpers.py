@@ -417,16 +417,20 @@ def communicate_all(processes: list, timeout: float) -> list[tuple[str, str]]:
 
 
 # The interpreter ProgramForker starts: it imports torch and ddpkit once, then forks each program asked of it
-# (one JSON line on stdin: argv, cwd, env, umask and the files for stdout and stderr) and answers with its exit
-# status. The child runs the script or module as `python ARGV` does, as __main__ with sys.argv and sys.path[0]
-# set, and ends as a script ends: an uncaught exception prints its traceback and exits 1, sys.exit's code is the
-# status, and the interpreter finalizes (atexit's handlers run).
+# (one JSON line on stdin: argv, cwd, env, umask and the files for stdout and stderr) and answers with its pid;
+# asked {"wait": pid}, it answers with that program's exit status once it has ended. The child runs the script or
+# module as `python ARGV` does, as __main__ with sys.argv and sys.path[0] set, and ends as a script ends: an
+# uncaught exception prints its traceback and exits 1, sys.exit's code is the status, and the interpreter
+# finalizes (atexit's handlers run).
 _FORKER = textwrap.dedent(r"""
     import json, os, runpy, sys
     import torch, ddpkit
 
     for line in sys.stdin:
         request = json.loads(line)
+        if "wait" in request:
+            print(json.dumps(os.waitstatus_to_exitcode(os.waitpid(request["wait"], 0)[1])), flush=True)
+            continue
         pid = os.fork()
         if pid == 0:
             os.chdir(request["cwd"])
@@ -444,7 +448,7 @@ _FORKER = textwrap.dedent(r"""
                 sys.argv, sys.path[0] = request["argv"], os.path.dirname(os.path.abspath(request["argv"][0]))
                 runpy.run_path(sys.argv[0], run_name="__main__")
             sys.exit(0)  # the script's end
-        print(json.dumps(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])), flush=True)
+        print(json.dumps(pid), flush=True)
 """)
 
 
@@ -455,41 +459,60 @@ class ProgramForker:
     tests of what a program does; a launcher under test starts fresh interpreters."""
 
     def __init__(self, folder: Path):
-        self.folder, self.runs = folder, 0
+        self.folder, self.runs, self.process = folder, 0, None
         (folder / "forker.py").write_text(_FORKER)
-        self.process = subprocess.Popen(
-            [sys.executable, str(folder / "forker.py")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=open(folder / "forker.err", "w"),  # noqa: SIM115 - the process holds it
-            text=True,
-            start_new_session=True,
-        )
 
-    def run(self, argv: list[str], cwd=None, env=None, umask=None, timeout=120) -> subprocess.CompletedProcess:
-        """``argv`` (a script's path or ``-m MODULE``, then its arguments) run to its end in ``cwd`` with ``env``
-        (by default this process's) and ``umask`` (by default this process's)."""
+    def _ask(self, request: dict, timeout: float):
+        if self.process is None or self.process.poll() is not None:  # the first request, or after a timeout
+            self.close()
+            self.process = subprocess.Popen(
+                [sys.executable, str(self.folder / "forker.py")],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=open(self.folder / "forker.err", "w"),  # noqa: SIM115 - the process holds it
+                text=True,
+                start_new_session=True,
+            )
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline() if ready else ""
+        if not line:  # every program still running goes with the forker's session
+            self.close()
+            raise TimeoutError(f"{request}: no answer within {timeout} s ({(self.folder / 'forker.err').read_text()})")
+        return json.loads(line)
+
+    def start(self, argv: list, cwd=None, env=None, umask=None) -> tuple:
+        """Starts ``argv`` (a script's path or ``-m MODULE``, then its arguments) in ``cwd`` with ``env`` and
+        ``umask`` (by default this process's); the handle that wait takes."""
         self.runs += 1
         out, err = (self.folder / f"{self.runs}.{name}" for name in ("out", "err"))
         if umask is None:
             umask = os.umask(0)
             os.umask(umask)
         request = {"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()), "env": dict(env or os.environ)}
-        self.process.stdin.write(json.dumps({**request, "umask": umask, "out": str(out), "err": str(err)}) + "\n")
-        self.process.stdin.flush()
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-        line = self.process.stdout.readline() if ready else ""
-        if not line:
-            self.close()
-            raise TimeoutError(f"{argv}: no end within {timeout} s ({(self.folder / 'forker.err').read_text()})")
-        return subprocess.CompletedProcess(argv, json.loads(line), out.read_text(), err.read_text())
+        pid = self._ask({**request, "umask": umask, "out": str(out), "err": str(err)}, timeout=60)
+        return argv, pid, out, err
+
+    def wait(self, started: tuple, timeout=120) -> subprocess.CompletedProcess:
+        """The started program's exit status and output once it has ended (within ``timeout`` seconds, or it is
+        killed, with every other program running, and TimeoutError raised)."""
+        argv, pid, out, err = started
+        status = self._ask({"wait": pid}, timeout)
+        return subprocess.CompletedProcess(argv, status, out.read_text(), err.read_text())
+
+    def run(self, argv: list, cwd=None, env=None, umask=None, timeout=120) -> subprocess.CompletedProcess:
+        return self.wait(self.start(argv, cwd, env, umask), timeout)
 
     def close(self):
+        if self.process is None:
+            return
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         self.process.stdin.close()
         self.process.stdout.close()
+        self.process = None
 
 
 def free_port():

@@ -199,24 +199,15 @@ def mpich(size: int, port: int) -> list[dict]:
     ]
 
 
-def run_tasks(phases_per_task: list[list[dict]], timeout: float = 120) -> list[list[dict]]:
-    """Each task's phases (tests/launcher_worker.py) on a process of its own; each task's results."""
-    processes = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), json.dumps(phases)],
-            env=bare_environment(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for phases in phases_per_task
-    ]
-    outputs = communicate_all(processes, timeout)
+def run_tasks(programs, phases_per_task: list[list[dict]], timeout: float = 120) -> list[list[dict]]:
+    """Each task's phases (tests/launcher_worker.py) on a process of its own, forked from the module's interpreter
+    that imported torch and ddpkit (tests/helpers.py's ProgramForker); each task's results."""
+    started = [programs.start([WORKER, json.dumps(phases)], env=bare_environment()) for phases in phases_per_task]
     results = []
-    for process, (out, err) in zip(processes, outputs):
-        assert process.returncode == 0, err
-        results.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    for task in started:
+        finished = programs.wait(task, timeout)
+        assert finished.returncode == 0, finished.stderr
+        results.append([json.loads(line) for line in finished.stdout.splitlines() if line.startswith("{")])
     return results
 
 
@@ -224,7 +215,7 @@ def group(environments: list[dict], backend: str = "gloo", timeout: float = 30.0
     return [{"env": env, "backend": backend, "timeout": timeout} for env in environments]
 
 
-def test_launchers_variables_alone_form_one_group_on_one_host():
+def test_launchers_variables_alone_form_one_group_on_one_host(programs):
     """4 processes, each given one launcher's variables and nothing else, phase after phase: srun of 4 tasks
     (on the "ddpkit" backend), then srun of 2 beside Open MPI's mpirun of 2, then MPICH's of 2 beside a job
     whose variables say 2 tasks and no address, then srun of 4 whose node list names no host that resolves."""
@@ -239,7 +230,7 @@ def test_launchers_variables_alone_form_one_group_on_one_host():
         group(pmi) + group(nowhere),
         group(unresolved),
     ]
-    tasks = run_tasks([[phase[task] for phase in phases] for task in range(4)])
+    tasks = run_tasks(programs, [[phase[task] for phase in phases] for task in range(4)])
     formed = {  # per phase, the (launcher, rank, size, local rank, sum) of each task
         phase: [tuple(t[phase].get(k) for k in ("launcher", "rank", "world_size", "local_rank", "sum")) for t in tasks]
         for phase in range(3)
