@@ -441,32 +441,16 @@ def test_two_torchrun_launchers_as_two_nodes(tmp_path, backend):
 
 
 @needs_fashion_mnist
-def test_explicit_launch_without_torchrun(tmp_path):
+def test_explicit_launch_without_torchrun(programs, tmp_path):
+    """Two ranks started by hand with --master-addr, --master-port, --world-size and --rank (each train.py as its own
+    program, forked from the module's interpreter that imported torch: tests/helpers.py's ProgramForker)."""
     port = str(free_port())
-    ranks = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(TRAIN),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-                "--world-size",
-                "2",
-                "--rank",
-                str(rank),
-                *small_cli(tmp_path / "run"),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [process.communicate(timeout=240)[0] for process in ranks]
-    assert [process.returncode for process in ranks] == [0, 0], outputs
-    assert "test loss" in outputs[0] and "test loss" not in outputs[1]
+    options = ["--master-addr", "127.0.0.1", "--master-port", port, "--world-size", "2", *small_cli(tmp_path / "run")]
+    ranks = [programs.start([TRAIN, *options, "--rank", str(rank)]) for rank in (0, 1)]
+    outputs = [programs.wait(rank, timeout=240) for rank in ranks]
+    assert [output.returncode for output in outputs] == [0, 0], outputs
+    assert "test loss" in outputs[0].stdout + outputs[0].stderr
+    assert "test loss" not in outputs[1].stdout + outputs[1].stderr
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["world_size"] == 2
 
 
@@ -504,7 +488,7 @@ def test_missing_cifar_names_the_expected_path(tmp_path):
 
 def run_cli(programs, *argv, env=None):
     """train.py ``argv`` as its own program (forked from the module's interpreter that imported torch and ddpkit:
-    tests/helpers.py's ProgramForker; fresh interpreters run it in the launch tests above and below)."""
+    tests/helpers.py's ProgramForker; torchrun starts fresh interpreters of it in the tests that launch it)."""
     return programs.run([TRAIN, *argv], env=env)
 
 
@@ -636,44 +620,26 @@ def test_checkpoint_of_another_run_is_one_line(pool, programs, tmp_path):
     assert_one_line_error(result, 1, f"checkpoint {out}/checkpoint.pt cannot be resumed")
 
 
-def launch_two_ranks(tmp_path, per_rank_argv):
+def launch_two_ranks(programs, tmp_path, per_rank_argv):
+    """train.py on 2 ranks started by hand, each its own program (tests/helpers.py's ProgramForker): each rank's
+    exit status, stdout and stderr."""
     port = str(free_port())
-    ranks = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(TRAIN),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                port,
-                "--world-size",
-                "2",
-                "--rank",
-                str(rank),
-                "--out",
-                str(tmp_path / "out"),
-                *per_rank_argv[rank],
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [process.communicate(timeout=240) for process in ranks]
-    return [(process.returncode, out, err) for process, (out, err) in zip(ranks, outputs)]
+    options = ["--master-addr", "127.0.0.1", "--master-port", port, "--world-size", "2", "--out", str(tmp_path / "out")]
+    ranks = [programs.start([TRAIN, *options, "--rank", str(rank), *per_rank_argv[rank]]) for rank in (0, 1)]
+    return [(result.returncode, result.stdout, result.stderr) for result in (programs.wait(r, 240) for r in ranks)]
 
 
 @needs_fashion_mnist
 @pytest.mark.parametrize("missing_on", [pytest.param((0, 1), marks=pytest.mark.slow), (1,)])
-def test_distributed_user_error_is_one_line_from_rank_0(tmp_path, missing_on):
+def test_distributed_user_error_is_one_line_from_rank_0(programs, tmp_path, missing_on):
     """Every rank stops with a non-zero status and only rank 0 speaks, also when only another rank
     lacks the dataset (it tells the others before any of them waits for it). Slow: (0, 1), every rank
     without it, which test_torchrun_user_error_is_reported_once_and_no_rank_prints_a_traceback checks
     under torchrun; (1,) is the harder case."""
     roots = [str(tmp_path / "nowhere") if rank in missing_on else FASHION_MNIST_ROOT for rank in (0, 1)]
-    outcomes = launch_two_ranks(tmp_path, [["--dataset", "fashion-mnist", "--data-root", root] for root in roots])
+    outcomes = launch_two_ranks(
+        programs, tmp_path, [["--dataset", "fashion-mnist", "--data-root", root] for root in roots]
+    )
     (status0, out0, err0), (status1, out1, err1) = outcomes
     assert (status0, status1) == (1, 1), outcomes
     assert "Traceback" not in out0 + err0 + out1 + err1, outcomes
