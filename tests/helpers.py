@@ -418,7 +418,8 @@ def communicate_all(processes: list, timeout: float) -> list[tuple[str, str]]:
 
 # The interpreter ProgramForker starts: it imports torch and ddpkit once, then forks each program asked of it
 # (one JSON line on stdin: argv, cwd, env, umask and the files for stdout and stderr) and answers with its pid;
-# asked {"wait": pid}, it answers with that program's exit status once it has ended. The child runs the script or
+# asked {"wait": pid}, it answers with that program's exit status once it has ended; at the end of its input it
+# waits for every program still running (so a file of requests runs them side by side). The child runs the script or
 # module as `python ARGV` does, as __main__ with sys.argv and sys.path[0] set, and ends as a script ends: an
 # uncaught exception prints its traceback and exits 1, sys.exit's code is the status, and the interpreter
 # finalizes (atexit's handlers run).
@@ -449,6 +450,11 @@ _FORKER = textwrap.dedent(r"""
                 runpy.run_path(sys.argv[0], run_name="__main__")
             sys.exit(0)  # the script's end
         print(json.dumps(pid), flush=True)
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            break
 """)
 
 
@@ -460,7 +466,7 @@ class ProgramForker:
 
     def __init__(self, folder: Path):
         self.folder, self.runs, self.process = folder, 0, None
-        (folder / "forker.py").write_text(_FORKER)
+        self.write_script(folder / "forker.py")
 
     def _ask(self, request: dict, timeout: float):
         if self.process is None or self.process.poll() is not None:  # the first request, or after a timeout
@@ -487,12 +493,29 @@ class ProgramForker:
         ``umask`` (by default this process's); the handle that wait takes."""
         self.runs += 1
         out, err = (self.folder / f"{self.runs}.{name}" for name in ("out", "err"))
+        pid = self._ask(self.request(argv, out, err, cwd, env, umask), timeout=60)
+        return argv, pid, out, err
+
+    @staticmethod
+    def request(argv: list, out: Path, err: Path, cwd=None, env=None, umask=None) -> dict:
+        """The forker's request to run ``argv`` (see start), its stdout and stderr written to ``out`` and ``err``."""
         if umask is None:
             umask = os.umask(0)
             os.umask(umask)
-        request = {"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()), "env": dict(env or os.environ)}
-        pid = self._ask({**request, "umask": umask, "out": str(out), "err": str(err)}, timeout=60)
-        return argv, pid, out, err
+        return {
+            "argv": [str(a) for a in argv],
+            "cwd": str(cwd or os.getcwd()),
+            "env": dict(env or os.environ),
+            "umask": umask,
+            "out": str(out),
+            "err": str(err),
+        }
+
+    @staticmethod
+    def write_script(path: Path) -> Path:
+        """The forker's program at ``path``: ``python PATH < REQUESTS`` runs a file of requests side by side."""
+        path.write_text(_FORKER)
+        return path
 
     def wait(self, started: tuple, timeout=120) -> subprocess.CompletedProcess:
         """The started program's exit status and output once it has ended (within ``timeout`` seconds, or it is

@@ -22,6 +22,7 @@ from ddpkit.testing import HostPool
 from helpers import (
     HOSTS_GROUP_TIMEOUT_S,
     REPO,
+    ProgramForker,
     communicate_all,
     documented_mpirun,
     free_port,
@@ -258,20 +259,33 @@ def on_two_hosts(tmp_path: Path, phases_per_task: list[list[dict]], timeout: flo
     launchers = []
     try:
         pool._make_network()  # the hosts alone: these tasks are not the pool's ranks
+        forker = ProgramForker.write_script(tmp_path / "forker.py")
+        env = {**bare_environment(), "GLOO_SOCKET_IFNAME": "dkh"}
         for host in range(2):
-            tasks = " ".join(
-                f"{shlex.quote(sys.executable)} {WORKER} {shlex.quote(json.dumps(phases_per_task[task]))} "
-                f"> {tmp_path}/task{task}.out 2> {tmp_path}/task{task}.err &"
-                for task in (2 * host, 2 * host + 1)
+            # The host's two tasks forked from one interpreter that imported torch and ddpkit (ProgramForker's).
+            requests = tmp_path / f"host{host}.requests"
+            requests.write_text(
+                "".join(
+                    json.dumps(
+                        ProgramForker.request(
+                            [WORKER, json.dumps(phases_per_task[task])],
+                            tmp_path / f"task{task}.out",
+                            tmp_path / f"task{task}.err",
+                            env=env,
+                        )
+                    )
+                    + "\n"
+                    for task in (2 * host, 2 * host + 1)
+                )
             )
             script = (
                 f"mount -t tmpfs tmpfs /dev/shm && mount --bind {names} /etc/hosts && hostname node{host + 1} && "
-                f"{tasks} wait"
+                f"{shlex.quote(sys.executable)} {forker} < {requests} > /dev/null"
             )
             launchers.append(
                 subprocess.Popen(
                     pool._on_host(host, script),
-                    env={**bare_environment(), "GLOO_SOCKET_IFNAME": "dkh"},
+                    env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
