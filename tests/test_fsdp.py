@@ -21,8 +21,11 @@ THRESHOLD = 64
 
 
 class EverythingNet(nn.Module):
-    """Units of sizes no world size from 2 to 8 divides, a weight tied between two units (owned by the root),
-    a frozen weight and a frozen bias, a norm and biases below the persistence threshold."""
+    """Units of sizes no world size from 2 to 8 divides but final's (5 divides it), a weight tied between two
+    units (owned by the root), a frozen weight and a frozen bias, a norm and biases below the persistence
+    threshold."""
+
+    TRAINED_UNITS = (403, 961, 221, 155)  # elements of the sharded units that reduce gradients: embed first
 
     def __init__(self):
         super().__init__()
@@ -43,9 +46,25 @@ class EverythingNet(nn.Module):
         return self.final(torch.tanh(self.reembed(y)))
 
 
-def make_model():
+class EvenNet(nn.Module):
+    """Units of one weight each, of 208, 256 and 80 elements (2, 4 and 8 ranks divide each): their gradients are
+    their reductions' inputs, scaled in place (Note [Gradients of a unit]); the biases stay whole."""
+
+    TRAINED_UNITS = (208, 256, 80)
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(FEATURES, 16)
+        self.hidden = nn.Linear(16, 16)
+        self.final = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.final(torch.relu(self.hidden(torch.tanh(self.embed(x)))))
+
+
+def make_model(net=EverythingNet):
     torch.manual_seed(dist.get_rank())  # rank 0's values win (both wrappers broadcast them)
-    return EverythingNet()
+    return net()
 
 
 def make_optimizer(named_parameters):
@@ -90,11 +109,11 @@ def names_without_prefix(state):
     return {key.removeprefix("module."): value for key, value in state.items()}
 
 
-def train(wrap, group, steps=STEPS, micro_batches=1):
+def train(wrap, group, steps=STEPS, micro_batches=1, net=EverythingNet):
     """State dict and optimizer state after ``steps`` AdamW steps of ``wrap(model)``; inside no_sync all but the
     last of ``micro_batches`` backwards."""
     rank = dist.get_rank(group)
-    model = wrap(make_model())
+    model = wrap(make_model(net))
     named = [(name.removeprefix("module."), p) for name, p in model.named_parameters()]
     optimizer = make_optimizer(named)
     for step in range(steps):
@@ -112,23 +131,24 @@ def state_bits(state):
     return {key: value.view(torch.int32) if value.dtype == torch.float32 else value for key, value in state.items()}
 
 
-def case_matches_ddp(world_size, hosts=None, micro_batches=1):
+def case_matches_ddp(world_size, hosts=None, micro_batches=1, net=EverythingNet):
     """FSDP's and DDP's states after the same training, on the group of the first ``world_size`` ranks."""
     group = first_ranks(world_size, hosts)
     if dist.get_rank() >= world_size:
         return None
     ddp_state, *_ = train(
-        lambda m: ddpkit.DistributedDataParallel(m, process_group=group), group, micro_batches=micro_batches
+        lambda m: ddpkit.DistributedDataParallel(m, process_group=group), group, micro_batches=micro_batches, net=net
     )
     fsdp_state, fsdp, _ = train(
         lambda m: ddpkit.FullyShardedDataParallel(m, process_group=group, persistence_threshold=THRESHOLD),
         group,
         micro_batches=micro_batches,
+        net=net,
     )
     return state_bits(ddp_state), state_bits(fsdp_state), fsdp.sharding_stats()
 
 
-def assert_same_bits_as_ddp(results, world_size, exact=True):
+def assert_same_bits_as_ddp(results, world_size, exact=True, net=EverythingNet):
     reference = results[0][1]
     for rank, result in enumerate(results[:world_size]):
         ddp_state, fsdp_state, stats = result
@@ -141,6 +161,9 @@ def assert_same_bits_as_ddp(results, world_size, exact=True):
                 ours, ddps = fsdp_state[key].view(torch.float32), ddp_state[key].view(torch.float32)
                 assert (ours - ddps).abs().max() <= 1e-5 * max(1.0, ddps.abs().max()), (world_size, rank, key)
         assert stats["synced_backwards"] == STEPS and stats["gathered_ahead"] > 0, stats
+        # A unit of one weight that the world size divides reduces its gradient in place, others copy it
+        in_place = sum(size % world_size == 0 for size in net.TRAINED_UNITS)
+        assert stats["reduced_in_place"] == in_place * STEPS, stats
 
 
 def test_matches_ddp_bit_for_bit_at_world_sizes_2_to_8_and_on_two_hosts(pool):
@@ -161,6 +184,14 @@ def test_every_rank_has_the_same_bits_across_three_hosts(pool):
 
 def test_no_sync_accumulates_as_ddp_does(pool):
     assert_same_bits_as_ddp(pool(8).run(case_matches_ddp, 3, None, 2, timeout=120), 3)
+
+
+def test_gradients_reduced_in_place_match_ddp_bit_for_bit(pool):
+    """A unit of one weight that the world size divides reduces autograd's gradient itself, scaled in place
+    (no input buffer beside it: bench_sharding.py's peak RSS), with DDP's bits, also after no_sync."""
+    for world_size, micro_batches in ((2, 1), (4, 2)):
+        results = pool(8).run(case_matches_ddp, world_size, None, micro_batches, EvenNet, timeout=120)
+        assert_same_bits_as_ddp(results, world_size, net=EvenNet)
 
 
 # --- compute_dtype against a reference that casts by hand ----------------------------------------

@@ -288,11 +288,20 @@ void FullyShardedState::start_backward() {
 
 void FullyShardedState::write_gradient(Unit& target, size_t i) {
   UnitBuffers& buffers = *target.buffers;
+  at::Tensor& grad = target.compute_params[i].mutable_grad();
+  if (!target.input.defined() && grad.defined() && buffers.can_reduce_in_place(grad)) {
+    // Note [Gradients of a unit]: the gradient is the input, scaled in place.
+    buffers.scale_into(grad, i, grad, scale_);
+    target.input = std::move(grad);
+    grad = at::Tensor();
+    target.written.assign(1, true);
+    ++reduced_in_place_;
+    return;
+  }
   if (!target.input.defined()) {
     target.input = buffers.new_reduction_input();
     target.written.assign(buffers.parameters(), false);
   }
-  at::Tensor& grad = target.compute_params[i].mutable_grad();
   if (grad.defined()) {
     buffers.scale_into(target.input, i, grad, scale_);
     grad = at::Tensor();
@@ -461,6 +470,7 @@ c10::Dict<std::string, int64_t> FullyShardedState::stats() const {
   out.insert("synced_backwards", synced_backwards_);
   out.insert("peak_gathered_units", peak_gathered_);
   out.insert("cached_bytes", cache_->cached_bytes());
+  out.insert("reduced_in_place", reduced_in_place_);
   return out;
 }
 

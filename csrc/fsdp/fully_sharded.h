@@ -58,7 +58,12 @@ namespace ddpkit::fsdp {
 // (as the DDP reducer's, Note [Overlap]) and writes it at once into the unit's reduction input, scaled
 // (UnitBuffers::scale_into: one pass, the bits DDP's bucket holds), dropping the compute gradient.
 // DDP accumulates into a zeroed bucket and then scales it in place, three passes over the gradient;
-// here the gradient is read once. When a unit's last trainable parameter has arrived, its compute
+// here the gradient is read once. A unit of one parameter whose gradient fills its input exactly (no
+// padding, the master dtype, held by nothing else: UnitBuffers::can_reduce_in_place; each layer's
+// weight under the default policy in float32) is not copied at all: the gradient is scaled in place
+// and is the input, so a backward holds no input buffer beside autograd's gradient and caches none
+// between steps, which lowers ZeRO-3's peak memory by a unit's gradient (bench_sharding.py's peak
+// RSS; the bits are scale_into's). When a unit's last trainable parameter has arrived, its compute
 // buffer is released and its reduction is ready: a reduce-scatter of the input into a shard-sized
 // buffer (a sum: the average), or an all-reduce in place for the replicated unit. Reductions are
 // queued strictly in one order: the reverse of the order the forward ran the units, then units the
@@ -123,7 +128,8 @@ class FullyShardedState : public torch::CustomClassHolder {
 
   // Counters since construction: "gathers" (all-gathers queued), "gathered_ahead" (of those, queued
   // before their unit asked), "reductions", "synced_backwards", "peak_gathered_units", "cached_bytes"
-  // (Note [Block cache]).
+  // (Note [Block cache]), "reduced_in_place" (reductions whose input was the gradient itself: Note
+  // [Gradients of a unit]).
   c10::Dict<std::string, int64_t> stats() const;
 
  private:
@@ -185,6 +191,7 @@ class FullyShardedState : public torch::CustomClassHolder {
   int64_t gathers_ = 0;
   int64_t gathered_ahead_ = 0;
   int64_t reductions_ = 0;
+  int64_t reduced_in_place_ = 0;
   int64_t synced_backwards_ = 0;
   int64_t peak_gathered_ = 0;
 };

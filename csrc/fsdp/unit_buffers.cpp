@@ -125,6 +125,13 @@ void UnitBuffers::scale_into(const at::Tensor& input, size_t i, const at::Tensor
   });
 }
 
+bool UnitBuffers::can_reduce_in_place(const at::Tensor& gradient) const {
+  const int64_t padded = sharded_ ? world_size_ * shard_ : total_;
+  return numels_.size() == 1 && padded == total_ && gradient.layout() == at::kStrided &&
+         gradient.scalar_type() == master_.scalar_type() && gradient.numel() == total_ && gradient.is_contiguous() &&
+         gradient.use_count() <= 2;
+}
+
 void UnitBuffers::zero_into(const at::Tensor& input, size_t i) const {
   at::AutoDispatchBelowADInplaceOrView guard;
   input.narrow(0, offsets_[i], numels_[i]).zero_();

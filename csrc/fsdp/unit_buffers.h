@@ -87,6 +87,13 @@ class UnitBuffers {
   // by 1/N as a float64 scalar tensor; the + 0 is that accumulation's, which turns -0 into +0).
   // `gradient`: the compute parameter's, any floating dtype, its shape.
   void scale_into(const at::Tensor& input, size_t i, const at::Tensor& gradient, double scale) const;
+  // Whether `gradient`, the compute gradient autograd handed over for the unit's only parameter, can
+  // be the reduction's input itself, scaled in place (Note [Gradients of a unit] in fully_sharded.h):
+  // the unit has one parameter and no padding, the gradient is in the master dtype, contiguous, and
+  // no one else holds it (autograd's post-hook inputs are the one other reference that torch's
+  // AccumulateGrad expects when it hands a gradient over). A .grad is its parameter's to change in
+  // place, as torch's clip_grad_norm_ and GradScaler.unscale_ scale it.
+  bool can_reduce_in_place(const at::Tensor& gradient) const;
   void zero_into(const at::Tensor& input, size_t i) const;
   // Per parameter, its view of `flat` (a buffer of the compute buffer's size) in its shape.
   std::vector<at::Tensor> shaped_views(const at::Tensor& flat) const;
