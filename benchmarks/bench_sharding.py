@@ -20,7 +20,9 @@ candidates). Phases:
     candidate was built, so it is the candidate's alone: ``peak_rss_bytes``, and its increase over the RSS at
     the reset), compares its parameters with ddpkit DDP's after the same steps (max |difference| recorded;
     ZeRO's are bitwise equal: tests/test_sharded_optimizer.py, tests/test_fsdp.py; read after the peak RSS,
-    since ZeRO-3's whole parameters are gathered for it), then drops the candidate.
+    since ZeRO-3's whole parameters are gathered for it), then drops the candidate. DDP's parameters wait for
+    that comparison in a file (``reference_dir``), not in the ranks' memory, where they would add the
+    model's size to every candidate's peak RSS alike.
   * ``bytes``: ddpkit's own counters (``ddpkit.comm_counters()["bytes_sent"]``) over one step of each
     candidate whose collectives ddpkit runs, in a pool whose collectives go over messages
     (DDPKIT_TRANSPORT=process_group: shared memory sends none), ddpkit's DDP all-reducing with the ring so
@@ -48,6 +50,7 @@ import importlib
 import re
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,8 +81,6 @@ STATE_TOLERANCE = 0.05
 
 # --- on every rank ---------------------------------------------------------------------------------------
 
-_reference: dict = {}  # model name -> ddpkit DDP's parameters after the warm-up (this rank's copy)
-
 
 def _status_kib(field: str) -> int:
     return int(re.search(rf"{field}:\s+(\d+)", Path("/proc/self/status").read_text()).group(1))
@@ -98,8 +99,11 @@ def _batches(width: int, batch: int, count: int) -> list[torch.Tensor]:
     return [torch.randn(batch, width, generator=torch.Generator().manual_seed(1000 * s + rank)) for s in range(count)]
 
 
-def measure(name: str, model: str, batch: int, warmup: int, steps: int, algorithm: str = "auto") -> dict:
-    """One repetition of candidate ``name``: build, warm up, time, count; this rank's figures."""
+def measure(
+    name: str, model: str, batch: int, warmup: int, steps: int, reference_dir: str, algorithm: str = "auto"
+) -> dict:
+    """One repetition of candidate ``name``: build, warm up, time, count; this rank's figures. ddpkit DDP's
+    parameters are saved in ``reference_dir`` (one per rank) and the others compared with them."""
     width, layers = MODELS[model]
     baseline = _reset_peak_rss()
     data = _batches(width, batch, warmup + steps + 1)
@@ -123,10 +127,12 @@ def measure(name: str, model: str, batch: int, warmup: int, steps: int, algorith
     peak_rss = _status_kib("VmHWM") * 1024
     # After the peak is read: whole parameters are no part of a candidate's training (ZeRO-3 gathers them here).
     parameters = candidates.full_parameters(built)
+    reference_path = Path(reference_dir) / f"{model}-rank{dist.get_rank()}.pt"
     if name == "ddpkit_ddp":
-        _reference[model] = parameters
-    reference = _reference.get(model)
-    difference = float((parameters - reference).abs().max()) if reference is not None else None
+        torch.save(parameters, reference_path)
+    difference = None
+    if reference_path.exists():
+        difference = float((parameters - torch.load(reference_path, mmap=True)).abs().max())
     del parameters
     result = {
         "seconds": seconds,
@@ -180,11 +186,17 @@ def _time_and_state(pool, names, model, args, phase, topology=None) -> list[Shar
     """The one_host (or hosts) phase for one model on one pool: interleaved repetitions of every candidate."""
     n = pool.world_size
 
+    # DDP's parameters for the comparison, this pool's and model's alone (the ranks see this machine's files)
+    reference_dir = tempfile.TemporaryDirectory(prefix="bench_sharding-")
+
     def measure_one(name: str) -> list[dict]:
         cases = importlib.import_module("bench_sharding")  # what the ranks can unpickle by name (hosts too)
-        return pool.run(cases.measure, name, model, args.batch, args.warmup, args.steps, timeout=3600)
+        return pool.run(
+            cases.measure, name, model, args.batch, args.warmup, args.steps, reference_dir.name, timeout=3600
+        )
 
-    per_rep = common.interleave(names, args.reps, measure_one)
+    with reference_dir:
+        per_rep = common.interleave(names, args.reps, measure_one)
     records = []
     for name in names:
         slowest = [max(rank["seconds"] for rank in rep) for rep in per_rep[name]]
