@@ -49,6 +49,9 @@ run $PY benchmarks/bench_sharding.py "${QUICK[@]}" \
   --candidates ddpkit_ddp zero1 zero2 torch_zero_ddpkit fsdp2_ddpkit fsdp2_gloo torch_ddp_gloo
 run $PY benchmarks/bench_sharding.py "${QUICK[@]}" \
   --candidates ddpkit_ddp zero3 zero3_bf16 fsdp2_ddpkit fsdp2_gloo --output sharding_zero3
+# ZeRO-3's peak memory against DDP's at the 100M model (sharding_memory.json)
+run $PY benchmarks/bench_sharding.py "${QUICK[@]}" --candidates ddpkit_ddp zero3 zero3_bf16 --models 100M \
+  --phases one_host bytes --reps 3 --steps 3 --warmup 1 --output sharding_memory
 run $PY benchmarks/bench_fault_tolerance.py "${QUICK[@]}"  # torchft on gloo and on ddpkit
 if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null && command -v unshare >/dev/null; then
   run $PY benchmarks/bench_multihost.py "${QUICK[@]}"  # simulated hosts: network and mount namespaces

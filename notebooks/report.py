@@ -222,7 +222,10 @@ ddpkit DDP's step, ZeRO-1 ≤ 0.9× torch's ZeroRedundancyOptimizer's, ZeRO-3 �
 on ddpkit and ≤ 0.45× FSDP2's on gloo; model state within 5% of the ZeRO paper's bytes per parameter; bytes sent
 equal to DDP's for ZeRO-1/2, at most 1.5× for ZeRO-3, whose parameter all-gathers carry half the bytes with
 bfloat16 compute; ZeRO-3's peak memory ≤ 0.7× DDP's at 2 processes and the 100M model. ZeRO-1/2 come from
-`sharding.json`, ZeRO-3 from `sharding_zero3.json` (each with the baselines measured beside it). Commands:
+`sharding.json`, ZeRO-3 from `sharding_zero3.json` (each with the baselines measured beside it), ZeRO-3's peak
+memory from `sharding_memory.json`, measured after ZeRO-3 stopped copying each layer's gradient and the benchmark
+stopped keeping DDP's parameters in the processes it measures (in `sharding_zero3.json` they are part of every
+peak). Commands:
 `.venv/bin/python benchmarks/bench_sharding.py`, with `--candidates` and `--output` as each table's first line says.
 """
 
@@ -252,7 +255,7 @@ From the repository, after `make main` (which sets up `.venv`):
 | the ddpkit torch.distributed backend | `.venv/bin/python benchmarks/bench_backend.py` |
 | across simulated hosts (root: the hosts are namespaces) | `sudo .venv/bin/python benchmarks/bench_multihost.py` |
 | FSDP2, DDP communication hooks, tensor parallelism on the ddpkit backend | `.venv/bin/python benchmarks/bench_torch_stack.py` |
-| ZeRO-1/2/3 against DDP, torch's ZeroRedundancyOptimizer and FSDP2 (root: 2x2 simulated hosts) | `.venv/bin/python benchmarks/bench_sharding.py` (ZeRO-3: `--candidates ddpkit_ddp zero3 zero3_bf16 fsdp2_ddpkit fsdp2_gloo --output sharding_zero3`) |
+| ZeRO-1/2/3 against DDP, torch's ZeroRedundancyOptimizer and FSDP2 (root: 2x2 simulated hosts) | `.venv/bin/python benchmarks/bench_sharding.py` (ZeRO-3: `--candidates ddpkit_ddp zero3 zero3_bf16 fsdp2_ddpkit fsdp2_gloo --output sharding_zero3`; its peak memory: `--candidates ddpkit_ddp zero3 zero3_bf16 --models 100M --phases one_host bytes --reps 3 --steps 3 --warmup 1 --output sharding_memory`) |
 | torchft on gloo and on ddpkit, the torchrun restart baseline | `.venv/bin/python benchmarks/bench_fault_tolerance.py` |
 | torch's distributed test suite on gloo and on ddpkit | `.venv/bin/python scripts/run_torch_suite.py` (writes `docs/torch_suite.json`, `docs/torch_suite.md`) |
 | training comparison | `.venv/bin/python benchmarks/bench_training.py --full` (`make main`: the short run) |

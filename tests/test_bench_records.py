@@ -43,6 +43,7 @@ CLASSES = {
     "import_torch": {records.ImportTimeRecord},
     "sharding": {records.ShardingRecord},  # ZeRO-1/2 and their baselines (issue 60)
     "sharding_zero3": {records.ShardingRecord},
+    "sharding_memory": {records.ShardingRecord},  # ZeRO-3's peak memory, the 100M model
 }
 
 

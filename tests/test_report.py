@@ -183,6 +183,7 @@ def test_the_report_reads_only_what_run_all_produces():
         "multihost_delayed": "--output multihost_delayed",
         "fault_tolerance_hosts_delayed": "--name fault_tolerance_hosts_delayed",
         "sharding_zero3": "--output sharding_zero3",
+        "sharding_memory": "--output sharding_memory",
     }
     assert set(analysis.EXPECTED + analysis.OPTIONAL) == scripts.keys()
     assert all(command in run_all for command in scripts.values())

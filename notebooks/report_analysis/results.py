@@ -20,7 +20,8 @@ EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backe
 # fault_tolerance (bench_fault_tolerance.py, which needs torchft); across three hosts or more, the compressed
 # crossing's training and torchft across hosts, also across delayed links (multihost_hosts, multihost_unshaped,
 # compression, fault_tolerance_hosts, multihost_delayed, fault_tolerance_hosts_delayed: root); sharding and
-# sharding_zero3 (bench_sharding.py: ZeRO-1/2 and ZeRO-3, whose 2x2 hosts need root).
+# sharding_zero3 (bench_sharding.py: ZeRO-1/2 and ZeRO-3, whose 2x2 hosts need root), and sharding_memory
+# (ZeRO-3's peak memory at the 100M model).
 OPTIONAL = [
     "syncbn_cuda",
     "ddp_cuda",
@@ -35,6 +36,7 @@ OPTIONAL = [
     "fault_tolerance_hosts",
     "sharding",
     "sharding_zero3",
+    "sharding_memory",
     "multihost_delayed",
     "fault_tolerance_hosts_delayed",
 ]

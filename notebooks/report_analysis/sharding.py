@@ -1,6 +1,6 @@
 """8b. Sharded data parallelism: ZeRO-1/2 (ddpkit.ShardedOptimizer on ddpkit's DDP, sharding.json) and ZeRO-3
-(ddpkit.FullyShardedDataParallel, sharding_zero3.json) against ddpkit's DDP and torch's ways
-(benchmarks/bench_sharding.py)."""
+(ddpkit.FullyShardedDataParallel, sharding_zero3.json; its peak memory at the 100M model, sharding_memory.json)
+against ddpkit's DDP and torch's ways (benchmarks/bench_sharding.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,11 @@ NAMES = {
     "torch_ddp_gloo": "torch DDP on gloo",
 }
 # The results files, and the stages the report takes from each.
-FILES = {"sharding": "ZeRO-1 and ZeRO-2", "sharding_zero3": "ZeRO-3"}
+FILES = {
+    "sharding": "ZeRO-1 and ZeRO-2",
+    "sharding_zero3": "ZeRO-3",
+    "sharding_memory": "ZeRO-3's peak memory, the 100M model",
+}
 
 
 def _where(r) -> str:
@@ -42,7 +46,8 @@ def _where(r) -> str:
 
 
 def sharding(R: dict) -> None:
-    """For each of sharding.json (ZeRO-1/2) and sharding_zero3.json (ZeRO-3): the command, step time, model
+    """For each of sharding.json (ZeRO-1/2), sharding_zero3.json (ZeRO-3) and sharding_memory.json (ZeRO-3's
+    peak memory): the command, step time, model
     state, peak memory and bytes sent of every candidate it measured (tables), then each target in words; a
     sentence for a file the folder does not hold."""
     for name, stages in FILES.items():
