@@ -33,7 +33,8 @@ candidates). Phases:
     machine: root), the 25M model; the bytes are what crosses hosts (inside a host ddpkit uses shared memory).
 
 Results: benchmarks/results/sharding.json, or ``--output``'s name (``--quick``: results/quick/); the report
-reads ZeRO-1/2 from sharding.json and ZeRO-3 from sharding_zero3.json (benchmarks/run_all.sh writes both). ``summary`` holds the issue's bars:
+reads ZeRO-1/2 from sharding.json, ZeRO-3 from sharding_zero3.json and ZeRO-3's peak memory at the 100M model
+from sharding_memory.json (benchmarks/run_all.sh writes all three). ``summary`` holds the issue's bars:
 model state per parameter against the ZeRO paper's (within 5%), bytes per step against DDP's, and the step
 time ratios (ZeRO-1 <= 0.85x and ZeRO-2 <= 0.8x ddpkit DDP, ZeRO-1 <= 0.9x torch's ZeroRedundancyOptimizer,
 ZeRO-3 <= 1.0x ddpkit DDP, <= 0.75x FSDP2 on ddpkit and <= 0.45x FSDP2 on gloo, at 2 ranks and the 25M model;
