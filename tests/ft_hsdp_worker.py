@@ -3,8 +3,9 @@ groups. The worker of tests/test_torchft_hsdp.py, started by benchmarks/ft_repli
 ReplicaGroups (its environment, start gate, stop file, incarnations and records).
 
 The process the harness starts is the replica group's rank 0: once it has imported what they run, it
-forks the other ``--ranks`` - 1 ranks (no rank imports torch again), in its own process group (one SIGKILL of that group takes the whole replica group, as a
-host that dies does), and holds the group's store at MASTER_ADDR:MASTER_PORT. Each rank:
+forks the other ``--ranks`` - 1 ranks (no rank imports torch again), in its own process group (one
+SIGKILL of that group takes the whole replica group, as a host that dies does), and holds the group's
+store at MASTER_ADDR:MASTER_PORT. Each rank:
 
 - joins the replica group's process group on the "ddpkit" backend (shared memory inside the host)
   and shards the model over it with FSDP2 (``fully_shard`` on a one-dimensional device mesh);
@@ -125,8 +126,9 @@ def fork_ranks(args: argparse.Namespace) -> list:
     for rank in range(1, args.ranks):
         pid = os.fork()
         if pid == 0:
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank))
-            os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks)
+            os.environ.update(
+                RANK=str(rank), WORLD_SIZE=str(args.ranks), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(args.ranks)
+            )
             args.rank = rank
             return []
         others.append(pid)

@@ -4,12 +4,12 @@ an active exception", SIGABRT). Each job is 2 ranks that run a script and end on
 interpreter that imported torch and ddpkit; those of the last two tests: fresh interpreters). A child
 forked from a rank neither hangs nor crashes on its parent's group, and leaves it working."""
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -93,67 +93,29 @@ def run_clean_job(tmp_path, name: str, text: str) -> list:
     return [out for out, _ in outputs]
 
 
-# Forks each job's ranks from one interpreter that has imported torch and ddpkit (and made no group), as the
-# pools' forkserver does: a rank then runs the job as a script runs and ends as one (its interpreter finalizing,
-# atexit's handlers run), without the seconds a fresh interpreter takes to import torch, twelve times over.
-# Prints {"<how> <rank>": [exit status, or None if still running at the deadline]} once every rank is done.
-FORKING_LAUNCHER = textwrap.dedent(r"""
-    import json, os, runpy, signal, sys, time
-    import torch, torch.distributed, ddpkit
-
-    script, folder, jobs, deadline = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), time.monotonic() + 120
-    children = {}
-    for how, port in jobs.items():
-        for rank in range(2):
-            pid = os.fork()
-            if pid == 0:
-                os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                error = os.open(os.path.join(folder, f"{how}.{rank}.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-                os.dup2(error, 2)
-                os.close(error)
-                sys.argv = [script, how]
-                runpy.run_path(script, run_name="__main__")
-                sys.exit(0)  # the script's end
-            children[pid] = f"{how} {rank}"
-    statuses = dict.fromkeys(children.values())
-    while children and time.monotonic() < deadline:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            time.sleep(0.05)
-            continue
-        statuses[children.pop(pid)] = os.waitstatus_to_exitcode(status)
-    for pid in children:
-        os.kill(pid, signal.SIGKILL)
-    print(json.dumps(statuses), flush=True)
-""")
-
-
-def test_every_ending_is_clean(tmp_path):
-    # Written once, before any rank starts: rewriting it per job let a starting rank read it empty and
-    # exit 0 without a word, its peer left waiting (seen in CI).
-    script, launcher = tmp_path / "job.py", tmp_path / "launcher.py"
+def test_every_ending_is_clean(tmp_path, programs):
+    # Each rank forked from programs' interpreter (torch and ddpkit imported, no group made), as the pools'
+    # forkserver does: it runs the job as a script runs and ends as one (its interpreter finalizing, atexit's
+    # handlers run), without the seconds a fresh interpreter takes to import torch, twelve times over.
+    # The script is written once, before any rank starts: rewriting it per job let a starting rank read it
+    # empty and exit 0 without a word, its peer left waiting (seen in CI).
+    script = tmp_path / "job.py"
     script.write_text(JOB)
-    launcher.write_text(FORKING_LAUNCHER)
-    ports = {how: free_port() for how in ENDINGS}
-    process = subprocess.Popen(
-        [sys.executable, str(launcher), str(script), str(tmp_path), json.dumps(ports)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    [(out, err)] = communicate_all([process], timeout=180)
-    assert process.returncode == 0, err[-3000:]
-    statuses = json.loads(out.strip().splitlines()[-1])
-    failures = []
+    started = {}
     for how in ENDINGS:
+        job = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
         for rank in range(2):
-            status, errors = statuses[f"{how} {rank}"], (tmp_path / f"{how}.{rank}.err").read_text()
-            if status is None:
-                failures.append(f"{how}, rank {rank}: still running (a hang at exit)")
-            elif status not in ENDINGS[how] or "terminate called" in errors or "Fatal Python" in errors:
-                failures.append(f"{how}, rank {rank}: exit status {status}\n{errors[-2000:]}")
+            started[how, rank] = programs.start([script, how], env={**os.environ, **job, "RANK": str(rank)})
+    deadline = time.monotonic() + 120
+    failures = []
+    for (how, rank), program in started.items():
+        try:
+            ended = programs.wait(program, timeout=max(1.0, deadline - time.monotonic()))
+        except TimeoutError:  # every rank still running is killed with it
+            failures.append(f"{how}, rank {rank}: still running (a hang at exit)")
+            break
+        if ended.returncode not in ENDINGS[how] or "terminate called" in ended.stderr or "Fatal Python" in ended.stderr:
+            failures.append(f"{how}, rank {rank}: exit status {ended.returncode}\n{ended.stderr[-2000:]}")
     assert not failures, "\n".join(failures)
 
 

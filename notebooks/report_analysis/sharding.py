@@ -47,9 +47,8 @@ def _where(r) -> str:
 
 def sharding(R: dict) -> None:
     """For each of sharding.json (ZeRO-1/2), sharding_zero3.json (ZeRO-3) and sharding_memory.json (ZeRO-3's
-    peak memory): the command, step time, model
-    state, peak memory and bytes sent of every candidate it measured (tables), then each target in words; a
-    sentence for a file the folder does not hold."""
+    peak memory): the command, step time, model state, peak memory and bytes sent of every candidate it
+    measured (tables), then each target in words; a sentence for a file the folder does not hold."""
     for name, stages in FILES.items():
         display(Markdown(f"### {stages}"))
         if name not in R:
