@@ -315,3 +315,83 @@ def test_a_rank_dying_in_a_large_all_reduce_is_reported_on_the_other_host_at_onc
         assert isinstance(outcomes[rank], RuntimeError), f"rank {rank}: {outcomes[rank]!r}"
         assert "timed out" not in str(outcomes[rank]).lower(), f"rank {rank}: {outcomes[rank]}"
     assert "rank 2" in str(outcomes[0]) or "rank 1" in str(outcomes[0]), str(outcomes[0])
+
+
+# --- the check in front of the swap between two hosts of one rank -------------------------------------
+
+IN_FRONT = 300_001  # larger than the check's round carries: the all-reduce crosses in the swap
+
+
+def _reduce_scatter(numel):
+    output = torch.empty(numel)
+    ddpkit.reduce_scatter_tensor(output, torch.ones(2 * numel))
+    return output
+
+
+# Rank 0's call and rank 1's, disagreeing: each pair meets the other call's frame in front of a swap,
+# in the center's round (small calls, a broadcast: rank 0 is the center), or crossing alone.
+DISAGREEING_CALLS = {
+    "sizes": (lambda t: ddpkit.all_reduce(t), lambda t: ddpkit.all_reduce(torch.ones(IN_FRONT + 1))),
+    "ops": (lambda t: ddpkit.all_reduce(t), lambda t: ddpkit.all_reduce(t, op="max")),
+    "small_at_the_center": (lambda t: ddpkit.all_reduce(torch.ones(1000)), lambda t: ddpkit.all_reduce(t)),
+    "small_at_the_partner": (lambda t: ddpkit.all_reduce(t), lambda t: ddpkit.all_reduce(torch.ones(1000))),
+    "broadcast_at_the_center": (
+        lambda t: ddpkit.broadcast(torch.ones(IN_FRONT), src=0),
+        lambda t: ddpkit.all_reduce(t),
+    ),
+    "broadcast_at_the_partner": (
+        lambda t: ddpkit.all_reduce(t),
+        lambda t: ddpkit.broadcast(torch.ones(IN_FRONT), src=0),
+    ),
+    "empty": (lambda t: ddpkit.all_reduce(t), lambda t: ddpkit.all_reduce(torch.ones(0))),
+    "rejected": (lambda t: ddpkit.all_reduce(t), lambda t: ddpkit.all_reduce(torch.ones(IN_FRONT).long(), op="mean")),
+    "reduce_scatter": (lambda t: ddpkit.all_reduce(t), lambda t: _reduce_scatter(IN_FRONT)),
+    "crossing": (
+        lambda t: ddpkit.all_reduce(t, cross_host_dtype=torch.bfloat16),
+        lambda t: ddpkit.all_reduce(t),
+    ),
+}
+
+
+def case_check_in_front(kinds):
+    """Per kind: this rank's call of DISAGREEING_CALLS[kind] on a tensor of rank + 1 (its error, and
+    whether the tensor still holds its values), then agreeing calls that cross in the swap with the
+    check in front (a sum, a bfloat16 crossing, a reduce-scatter): the stream stayed in step."""
+    rank = dist.get_rank()
+    out = {"topology": ddpkit.comm.topology()}
+    for kind in kinds:
+        tensor = torch.full((IN_FRONT,), float(rank + 1))
+        try:
+            DISAGREEING_CALLS[kind][rank](tensor)
+            error = None
+        except RuntimeError as exc:
+            error = str(exc)
+        untouched = bool((tensor == rank + 1).all())
+        total = torch.full((IN_FRONT,), float(rank + 1))
+        ddpkit.all_reduce(total)
+        crossed = torch.full((IN_FRONT,), float(rank + 1))
+        ddpkit.all_reduce(crossed, op="mean", cross_host_dtype=torch.bfloat16)
+        out[kind] = (
+            error,
+            untouched,
+            total.unique().tolist(),
+            crossed.unique().tolist(),
+            _reduce_scatter(IN_FRONT).unique().tolist(),
+        )
+    return out
+
+
+def test_the_check_in_front_of_a_swap_raises_alike_and_leaves_the_stream_in_step():
+    # Note [A check in front of the swap]: between two hosts of one rank each, both ranks raise on every
+    # disagreement, whichever way the other call checks (in front of its own swap, in the center's
+    # round, alone), nothing of the other's data is reduced into a tensor, and every later call
+    # agrees (a frame left half read would put every later one out of step).
+    with WorkerPool(2, timeout=120, group_timeout=60, env={"DDPKIT_TEST_HOSTS": "a,b"}) as pool:
+        per_rank = pool.run(case_check_in_front, sorted(DISAGREEING_CALLS))
+    for rank, out in enumerate(per_rank):
+        assert len(out.pop("topology").hosts) == 2
+        for kind, (error, untouched, total, crossed, scattered) in out.items():
+            assert error is not None and "timed out" not in error, f"rank {rank}, {kind}: {error}"
+            assert kind == "rejected" or "mismatched collectives" in error, f"rank {rank}, {kind}: {error}"
+            assert untouched, f"rank {rank}, {kind}: the tensor changed"
+            assert (total, crossed, scattered) == ([3.0], [1.5], [2.0]), f"rank {rank}, {kind}"

@@ -2,6 +2,7 @@
 
 #include "comm/core/communicator.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace ddpkit::comm {
@@ -97,14 +98,124 @@ void verify_hosts(const HostCheck& check, const std::string& error, WordsOf word
   }
 }
 
-// Each rank's check words as bytes, the start of its message in a round across hosts.
+// Each rank's check words as bytes, the start of every frame of a check (Note [A check in front of
+// the swap]).
 constexpr int64_t kCheckBytes = kCheckWords * static_cast<int64_t>(sizeof(int64_t));
-// The center's reply starts with its status and, after a failure, the group's rank that failed.
+// The center's answer: its own words, then kAnswerMark, its status and, after a failure, the group's
+// rank that failed, then every partner's words, then the reply's payload.
+constexpr int64_t kAnswerMark = 0x64646b616e737772;  // "ddkanswr"
 constexpr int64_t kReplyOk = 0;
 constexpr int64_t kReplyPartnerFailed = 1;
-constexpr int64_t kReplyPrefixBytes = 2 * static_cast<int64_t>(sizeof(int64_t));
+constexpr int64_t kAnswerPrefixBytes = kCheckBytes + 3 * static_cast<int64_t>(sizeof(int64_t));
+// The words in front of a swap's frame, padded with zeros to a multiple of 64 bytes past where an
+// answer's mark would be: a swap's frame never carries the mark.
+constexpr int64_t kFrontBytes = (kCheckBytes + static_cast<int64_t>(sizeof(int64_t)) + 63) / 64 * 64;
+
+// An answer's prefix after the center's words, or null where `frame` (`received` bytes) is not an
+// answer (the center runs a swap with its check in front).
+const int64_t* answer_prefix(const at::Tensor& frame, int64_t received) {
+  if (received < kAnswerPrefixBytes) return nullptr;
+  const auto* prefix = reinterpret_cast<const int64_t*>(static_cast<const char*>(frame.data_ptr()) + kCheckBytes);
+  return prefix[0] == kAnswerMark ? prefix + 1 : nullptr;
+}
+
+// Runs `verify`, raising its error as a CheckVerdict: the links are in step.
+template <class Verify>
+void as_verdict(Verify verify) {
+  try {
+    verify();
+  } catch (const CheckVerdict&) {
+    throw;
+  } catch (const c10::Error& e) {
+    throw CheckVerdict(e);
+  }
+}
 
 }  // namespace
+
+struct CrossHostCheck::Front {
+  HostCheck check;
+  std::string error;  // this rank's own rejection
+  at::Tensor words;   // kFrontBytes: check.words, then zeros
+  bool pending = false;
+};
+
+CrossHostCheck::CrossHostCheck(const Hierarchy& h) : h_(h) {}
+CrossHostCheck::~CrossHostCheck() = default;
+
+bool CrossHostCheck::rides_in_front_of_swap() const {
+  return h_.cross != nullptr && h_.cross->size() == 2 && h_.host() == nullptr;
+}
+
+void CrossHostCheck::start_in_front_of_swap(Communicator& comm, const CollectiveHeader& header,
+                                            const std::string& local_error) {
+  TORCH_INTERNAL_ASSERT(rides_in_front_of_swap());
+  if (!front_) {
+    front_ = std::make_unique<Front>();
+    front_->words = at::zeros({kFrontBytes}, at::kByte);
+  }
+  front_->check = check_host(header, local_error, h_, comm);
+  front_->error = local_error;
+  std::memcpy(front_->words.data_ptr(), front_->check.words.data_ptr(), kCheckBytes);
+  front_->pending = true;
+  // A rank that rejected its arguments runs no swap: its words cross now, and it raises with its peer.
+  if (!local_error.empty()) cross_alone(comm);
+}
+
+CheckInFront* CrossHostCheck::in_front() { return front_ && front_->pending ? this : nullptr; }
+
+void CrossHostCheck::settle(Communicator& comm) {
+  if (front_ && front_->pending) cross_alone(comm);
+}
+
+const at::Tensor& CrossHostCheck::words() const { return front_->words; }
+
+int64_t CrossHostCheck::minimum() const { return kCheckBytes; }
+
+void CrossHostCheck::verify_front(Communicator& comm, const void* theirs) const {
+  const int self = h_.cross->rank();
+  at::Tensor partner = at::empty({kCheckWords}, at::kLong);  // aligned, whatever the frame's offset
+  std::memcpy(partner.data_ptr(), theirs, kCheckBytes);
+  auto words_of = [&](int j) -> const int64_t* {
+    return j == self ? front_->check.words.data_ptr<int64_t>() : partner.data_ptr<int64_t>();
+  };
+  verify_hosts(front_->check, front_->error, words_of, h_, comm);
+}
+
+bool CrossHostCheck::agree(Communicator& comm, const void* frame) {
+  try {
+    verify_front(comm, frame);
+  } catch (const c10::Error&) {
+    return false;
+  }
+  return true;
+}
+
+void CrossHostCheck::conclude(Communicator& comm, const void* frame, int64_t received, int64_t expected) {
+  front_->pending = false;
+  as_verdict([&] {
+    verify_front(comm, frame);
+    TORCH_CHECK(received == expected, "ddpkit.", comm.what(), " (", comm.where(), "): rank ",
+                h_.cross->group_ranks()[1 - h_.cross->rank()], " sent a frame of ", received, " bytes where ", expected,
+                " were expected");
+  });
+}
+
+void CrossHostCheck::cross_alone(Communicator& comm) {
+  front_->pending = false;
+  const int other = 1 - h_.cross->rank();
+  at::Tensor frame = at::empty({kFrontBytes}, at::kByte);  // the partner's words; data after them are dropped
+  std::vector<Links::Recv> recvs{{other, frame.data_ptr(), frame.numel()}};
+  recvs[0].minimum = kCheckBytes;
+  recvs[0].drain = true;
+  on_hosts(h_, OnFailure::kKeepLinks, [&] {
+    across_hosts(h_, comm, [&] {
+      h_.cross->links().exchange(comm.sequence(), {{other, front_->words.data_ptr(), kFrontBytes}}, recvs);
+    });
+  });
+  front_->pending = true;  // conclude() completes it
+  conclude(comm, frame.data_ptr(), recvs[0].received, kFrontBytes);
+}
 
 void CrossHostCheck::reject_unchecked(std::string_view what) {
   if (DirectCollectives* host = h_.host()) host->reject_unchecked(what);
@@ -113,7 +224,8 @@ void CrossHostCheck::reject_unchecked(std::string_view what) {
 at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& header, const std::string& error,
                                  const RideAlong* ride) {
   const Hierarchy& h = h_;
-  constexpr int center = 0;  // the same for every collective: ranks that disagree on it still meet
+  if (front_) front_->pending = false;  // a check in front that a failure left behind
+  constexpr int center = 0;             // the same for every collective: ranks that disagree on it still meet
   HostCheck check = check_host(header, error, h, comm);
   const bool host_agrees = check.host_error.empty() && check.words.data_ptr<int64_t>()[kHeaderWords] < 0;
   at::Tensor payload = at::empty({0}, at::kByte);
@@ -133,24 +245,36 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
   auto words_of = [&](int j) { return static_cast<const int64_t*>(words.data_ptr<int64_t>()) + j * kCheckWords; };
   std::memcpy(words.data_ptr<int64_t>() + h.cross->rank() * kCheckWords, check.words.data_ptr(), kCheckBytes);
   at::Tensor reply;
+  bool answered_alone = false;  // the center's frame was a swap's, not an answer
   Links& links = h.cross->links();
   on_hosts(h, OnFailure::kKeepLinks, [&] {
     across_hosts(h, comm, [&] {
       if (h.cross->rank() != center) {
-        at::Tensor answer = at::empty({kReplyPrefixBytes + partners * (kCheckBytes + kOneRoundMaxBytes)}, at::kByte);
+        at::Tensor answer = at::empty({kAnswerPrefixBytes + partners * (kCheckBytes + kOneRoundMaxBytes)}, at::kByte);
         std::vector<Links::Recv> recvs{{center, answer.data_ptr(), answer.numel()}};
-        recvs[0].minimum = kReplyPrefixBytes;
+        recvs[0].minimum = kCheckBytes;
+        recvs[0].drain = true;
         links.exchange(comm.sequence(),
                        {{center, check.words.data_ptr(), kCheckBytes, payload.data_ptr(), payload.numel()}}, recvs);
-        const auto* prefix = static_cast<const int64_t*>(answer.data_ptr());
+        const int64_t* prefix = answer_prefix(answer, recvs[0].received);
+        if (prefix == nullptr) {
+          // The center runs a swap with its check in front (Note [A check in front of the swap]): its
+          // words alone say how the two calls differ.
+          std::fill_n(words.data_ptr<int64_t>(), partners * kCheckWords, int64_t{0});
+          std::memcpy(words.data_ptr<int64_t>() + center * kCheckWords, answer.data_ptr(), kCheckBytes);
+          std::memcpy(words.data_ptr<int64_t>() + h.cross->rank() * kCheckWords, check.words.data_ptr(), kCheckBytes);
+          answered_alone = true;
+          return;
+        }
         TORCH_CHECK(prefix[0] == kReplyOk, "rank ", prefix[1], " failed or died during the check (rank ",
                     h.cross->group_ranks()[center], " reported it)");
-        TORCH_CHECK(recvs[0].received >= kReplyPrefixBytes + partners * kCheckBytes, "rank ",
-                    h.cross->group_ranks()[center], " sent a short answer");
-        std::memcpy(words.data_ptr(), static_cast<const char*>(answer.data_ptr()) + kReplyPrefixBytes,
+        TORCH_CHECK(
+            recvs[0].received >= kAnswerPrefixBytes + partners * kCheckBytes && recvs[0].received <= answer.numel(),
+            "rank ", h.cross->group_ranks()[center], " sent an answer of ", recvs[0].received, " bytes");
+        std::memcpy(words.data_ptr(), static_cast<const char*>(answer.data_ptr()) + kAnswerPrefixBytes,
                     partners * kCheckBytes);
-        reply = answer.narrow(0, kReplyPrefixBytes + partners * kCheckBytes,
-                              recvs[0].received - kReplyPrefixBytes - partners * kCheckBytes);
+        reply = answer.narrow(0, kAnswerPrefixBytes + partners * kCheckBytes,
+                              recvs[0].received - kAnswerPrefixBytes - partners * kCheckBytes);
         return;
       }
       std::vector<at::Tensor> payloads(partners);
@@ -160,6 +284,7 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
         payloads[j] = at::empty({kCheckBytes + kOneRoundMaxBytes}, at::kByte);
         recvs.push_back({j, payloads[j].data_ptr(), payloads[j].numel()});
         recvs.back().minimum = kCheckBytes;
+        recvs.back().drain = true;  // a partner's swap with its check in front: its words tell
       }
       try {
         links.exchange(comm.sequence(), {}, recvs);
@@ -167,17 +292,22 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
         // Best effort: the partners still waiting learn at once which rank failed, not at the timeout.
         // The links are broken from here on, so this goes to each partner over its own socket.
         const int failed = links.failed_peer();
-        const int64_t failure[2] = {kReplyPartnerFailed, failed >= 0 ? h.cross->group_ranks()[failed] : -1};
+        at::Tensor failure = at::empty({kAnswerPrefixBytes}, at::kByte);
+        std::memcpy(failure.data_ptr(), check.words.data_ptr(), kCheckBytes);
+        const int64_t status[3] = {kAnswerMark, kReplyPartnerFailed, failed >= 0 ? h.cross->group_ranks()[failed] : -1};
+        std::memcpy(static_cast<char*>(failure.data_ptr()) + kCheckBytes, status, sizeof(status));
         for (int j = 0; j < partners; ++j) {
           if (j == center || j == failed) continue;
-          links.send_last_words(comm.sequence(), j, failure, sizeof(failure));
+          links.send_last_words(comm.sequence(), j, failure.data_ptr(), failure.numel());
         }
         links.shut_down();
         throw;
       }
       for (const Links::Recv& recv : recvs) {
         std::memcpy(words.data_ptr<int64_t>() + recv.peer * kCheckWords, payloads[recv.peer].data_ptr(), kCheckBytes);
-        payloads[recv.peer] = payloads[recv.peer].narrow(0, kCheckBytes, recv.received - kCheckBytes);
+        // A drained frame (a swap's) never agrees: its payload is never read.
+        const int64_t kept = std::min(recv.received, recv.capacity);
+        payloads[recv.peer] = payloads[recv.peer].narrow(0, kCheckBytes, kept - kCheckBytes);
       }
       payloads[center] = payload;
       bool agree = true;
@@ -189,12 +319,13 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
       const at::Tensor out = agree && ride != nullptr ? ride->reply(payloads) : at::empty({0}, at::kByte);
       TORCH_INTERNAL_ASSERT(out.scalar_type() == at::kByte && out.numel() <= partners * kOneRoundMaxBytes &&
                             out.is_contiguous());
-      const int64_t prefix[2] = {kReplyOk, -1};
+      const int64_t status[3] = {kAnswerMark, kReplyOk, -1};
       reply = out;
       std::vector<Links::Send> sends;
-      at::Tensor head = at::empty({kReplyPrefixBytes + partners * kCheckBytes}, at::kByte);
-      std::memcpy(head.data_ptr(), prefix, kReplyPrefixBytes);
-      std::memcpy(static_cast<char*>(head.data_ptr()) + kReplyPrefixBytes, words.data_ptr(), partners * kCheckBytes);
+      at::Tensor head = at::empty({kAnswerPrefixBytes + partners * kCheckBytes}, at::kByte);
+      std::memcpy(head.data_ptr(), check.words.data_ptr(), kCheckBytes);
+      std::memcpy(static_cast<char*>(head.data_ptr()) + kCheckBytes, status, sizeof(status));
+      std::memcpy(static_cast<char*>(head.data_ptr()) + kAnswerPrefixBytes, words.data_ptr(), partners * kCheckBytes);
       for (int j = 0; j < partners; ++j) {
         if (j != center) sends.push_back({j, head.data_ptr(), head.numel(), out.data_ptr(), out.numel()});
       }
@@ -202,6 +333,13 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
       links.exchange(comm.sequence(), std::move(sends), none);
     });
   });
+  if (answered_alone) {
+    verify_hosts(
+        check, error,
+        [&](int j) -> const int64_t* { return j == center || j == h.cross->rank() ? words_of(j) : nullptr; }, h, comm);
+    TORCH_CHECK(false, "ddpkit.", comm.what(), " (", comm.where(), "): rank ", h.cross->group_ranks()[center],
+                " answered the check with a frame of another collective");
+  }
   verify_hosts(check, error, words_of, h, comm);
   return reply;
 }

@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -32,23 +33,62 @@ namespace ddpkit::comm {
 // still meet in this round, and raise, instead of overflowing a receive. A center that loses a partner tells the
 // others which rank failed.
 
+// Note [A check in front of the swap]
+// Between two hosts of one rank each, a collective whose data cross in a swap (the all-reduce and the
+// reduce-scatter, Note [Steps across hosts] in hierarchy/cross_host_steps.h) does not wait a round trip
+// for its check: each rank sends its words at the front of the swap's frame, its data right behind
+// them, and judges its partner's words as soon as they are in, before it uses any of the data after
+// them. Both ranks hold both words, so both reach the same verdict without an answer, and the data
+// cross hosts once, check included, on a path of any length. Every other collective takes the round
+// through the center (the small ones riding in it). Every frame of a check (a swap's front, a message
+// to the center, the center's answer) starts with its sender's words and is received drained
+// (Links::Recv::drain), so that a rank in front of a swap and one in the center's round, or two calls
+// of different sizes, still read each other's words, raise alike and leave the stream in step: the
+// group stays usable. The center's answer carries a mark after its words, so that a partner in the
+// round tells it from a swap's frame. What a one-way check gives up: a rank that refuses its partner's
+// frame itself (not of this collective, or cut short) breaks the links, and its partner, which may
+// have had this rank's frame whole, finishes its collective and learns of it at the next one, which
+// raises at once. bench_multihost.py's delayed two-host points time it;
+// tests/test_multihost.py's check-in-front tests pin the verdicts and the stream.
+
 // Up to this many bytes of payload ride in the one round of the check across hosts.
 constexpr int64_t kOneRoundMaxBytes = 64 * 1024;
 
 // The check across equal hosts (Note [One round across hosts]): this rank's step of its host's shared
 // memory, then the round through cross rank 0 as the center, complete when start() returns. Data up
 // to kOneRoundMaxBytes may ride along (Note [Check seam]).
-class CrossHostCheck final : public CollectiveCheck {
+// Between two hosts of one rank each it may ride in front of a swap's frames instead (Note [A check
+// in front of the swap]).
+class CrossHostCheck final : public CollectiveCheck, private CheckInFront {
  public:
   // `h` (equal hosts, this rank crossing them with its partners) outlives the check.
-  explicit CrossHostCheck(const Hierarchy& h) : h_(h) {}
+  explicit CrossHostCheck(const Hierarchy& h);
+  ~CrossHostCheck() override;
   int64_t ride_along_bytes() const override { return kOneRoundMaxBytes; }
   at::Tensor start(Communicator& comm, const CollectiveHeader& header, const std::string& local_error,
                    const RideAlong* ride) override;
+  bool rides_in_front_of_swap() const override;
+  void start_in_front_of_swap(Communicator& comm, const CollectiveHeader& header,
+                              const std::string& local_error) override;
+  CheckInFront* in_front() override;
+  void settle(Communicator& comm) override;
   void reject_unchecked(std::string_view what) override;
 
  private:
+  // CheckInFront, for the swap that carries this check.
+  const at::Tensor& words() const override;
+  int64_t minimum() const override;
+  bool agree(Communicator& comm, const void* frame) override;
+  void conclude(Communicator& comm, const void* frame, int64_t received, int64_t expected) override;
+
+  // Raises (a c10::Error) unless the partner's words at `theirs` agree with this rank's in front.
+  void verify_front(Communicator& comm, const void* theirs) const;
+  // The words in front crossing alone, both ways (no swap carried them), then the verdict.
+  void cross_alone(Communicator& comm);
+
+  struct Front;  // the check in front of a swap, from its start to its verdict
   const Hierarchy& h_;
+  std::unique_ptr<Front> front_;
 };
 
 }  // namespace ddpkit::comm

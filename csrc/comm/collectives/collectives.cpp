@@ -98,8 +98,15 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   if (route.route == Route::kOneRound) {
     return hierarchical_all_reduce_in_one_round(tensor, op, header, *comm.hierarchy(), comm);
   }
-  // The group's own all-reduce asked for by name is the unchecked baseline (Note [Choosing an algorithm]).
-  comm.begin(header, error, /*exchange_header=*/algorithm != Algorithm::kProcessGroup);
+  // Between two hosts of one rank each, the check rides in front of the swap's frames (Note [A check
+  // in front of the swap] in checks/cross_host_check.h).
+  const bool check_in_front = route.route == Route::kHostSteps && comm.check_rides_in_front_of_swap();
+  if (check_in_front) {
+    comm.begin_in_front_of_swap(header, error);
+  } else {
+    // The group's own all-reduce asked for by name is the unchecked baseline (Note [Choosing an algorithm]).
+    comm.begin(header, error, /*exchange_header=*/algorithm != Algorithm::kProcessGroup);
+  }
   const int n = comm.size();
   if (tensor.numel() == 0 || n == 1) {
     comm.settle_header();
@@ -108,7 +115,7 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   at::Tensor work = working_copy(tensor);
   at::Tensor flat = work.view(-1);
   if (route.route == Route::kHostSteps) {
-    comm.settle_header();
+    if (!check_in_front) comm.settle_header();
     comm.hierarchy()->form->all_reduce(flat, op, comm);
   } else if (route.route == Route::kBackendCollective) {
     comm.settle_header();
@@ -363,6 +370,14 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
     const at::Tensor whole = input.reshape(-1).to(working_dtype(input), false, /*copy=*/true);
     hierarchical_all_reduce_in_one_round(whole, op, header, *comm.hierarchy(), comm);
     output.view(-1).copy_(whole.narrow(0, r * output.numel(), output.numel()));
+    return;
+  }
+  if (route.route == Route::kHostSteps && comm.check_rides_in_front_of_swap()) {
+    // The check rides in front of the swap's frames (Note [A check in front of the swap] in
+    // checks/cross_host_check.h), or crosses alone where the output is empty.
+    comm.begin_in_front_of_swap(header, error);
+    if (output.numel() > 0) comm.hierarchy()->form->reduce_scatter(output, input, op, comm);
+    comm.settle_header();
     return;
   }
   comm.begin(header, error);

@@ -6,6 +6,8 @@
 #include "comm/reduction/reduce_kernel.h"
 #include "comm/schedules/schedules.h"
 
+#include <algorithm>
+
 namespace ddpkit::comm {
 
 SwapSteps::SwapSteps(int rank, std::vector<int> group_ranks, std::shared_ptr<Links> links, ScratchBuffers& scratch)
@@ -15,22 +17,44 @@ SwapSteps::SwapSteps(int rank, std::vector<int> group_ranks, std::shared_ptr<Lin
 
 // A part is reduced once it is in and, where `sends` reads `mine`, once this rank's copy of it has
 // left. A peer that passed another size breaks the links (with checks off), and both ranks raise,
-// naming the sizes.
+// naming the sizes. With the check in front (Note [A check in front of the swap] in
+// checks/cross_host_check.h), the one frame sent carries the words first, and nothing of the peer's is
+// reduced unless its words agree.
 void SwapSteps::receive_and_combine(const at::Tensor& mine, ReduceOp op, std::vector<Links::Send> sends,
                                     Communicator& comm) {
   TORCH_INTERNAL_ASSERT(mine.is_contiguous());
   const int64_t element = mine.element_size();
   const int64_t bytes = mine.numel() * element;
   const ReduceOp sum_or_op = accumulating_op(op);
-  at::Tensor theirs = scratch_.get(ScratchBuffers::kFromPeer, mine.numel(), mine.scalar_type());
+  CheckInFront* check = comm.check_in_front();
+  const int64_t front = check != nullptr ? check->words().numel() : 0;
+  if (check != nullptr) {
+    TORCH_INTERNAL_ASSERT(sends.size() == 1 && sends[0].second_bytes == 0 && !sends[0].prepare);
+    sends[0].second = sends[0].first;
+    sends[0].second_bytes = sends[0].first_bytes;
+    sends[0].first = check->words().data_ptr();
+    sends[0].first_bytes = front;
+  }
+  const at::Tensor frame = scratch_.get(ScratchBuffers::kFromPeer, front + bytes, at::kByte);
+  const at::Tensor theirs = frame.narrow(0, front, bytes).view(mine.scalar_type());
+  bool agreed = check == nullptr;
+  bool judged = agreed;
   int64_t reduced = 0;  // elements
   auto reduce_ready = [&](int64_t ready_bytes) {
-    const int64_t ready = ready_bytes / element;
+    if (!judged) {
+      agreed = check->agree(comm, frame.data_ptr());
+      judged = true;
+    }
+    if (!agreed) return;
+    const int64_t ready = std::max<int64_t>(0, ready_bytes - front) / element;
     combine_(slice(mine, reduced, ready), slice(theirs, reduced, ready), sum_or_op, /*other_first=*/peer() == 0);
     reduced = ready;
   };
-  std::vector<Links::Recv> recvs{{peer(), theirs.data_ptr(), bytes, 0, reduce_ready, kLinkPartBytes, bytes}};
+  std::vector<Links::Recv> recvs{
+      {peer(), frame.data_ptr(), front + bytes, 0, reduce_ready, kLinkPartBytes, check ? check->minimum() : bytes}};
+  recvs[0].drain = check != nullptr;
   links().exchange(comm.sequence(), std::move(sends), recvs);
+  if (check != nullptr) check->conclude(comm, frame.data_ptr(), recvs[0].received, front + bytes);
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }
 
@@ -41,16 +65,29 @@ void SwapSteps::receive_and_combine(const at::Tensor& mine, ReduceOp op, std::ve
 void SwapSteps::swap_compressed(const at::Tensor& mine, const at::Tensor& out, ReduceOp op, Communicator& comm) {
   TORCH_INTERNAL_ASSERT(out.numel() == mine.numel() && out.is_contiguous() && mine.is_contiguous());
   const at::ScalarType wire = wire_dtype(comm.wire_format());
-  const at::Tensor outgoing = scratch_.get(ScratchBuffers::kWire, out.numel(), wire);
-  const at::Tensor incoming = scratch_.get(ScratchBuffers::kFromPeer, mine.numel(), wire);
+  // With the check in front, both frames start with the words (receive_and_combine).
+  CheckInFront* check = comm.check_in_front();
+  const int64_t front = check != nullptr ? check->words().numel() : 0;
+  const int64_t bytes = mine.numel() * static_cast<int64_t>(c10::elementSize(wire));
+  const at::Tensor sent = scratch_.get(ScratchBuffers::kWire, front + bytes, at::kByte);
+  const at::Tensor frame = scratch_.get(ScratchBuffers::kFromPeer, front + bytes, at::kByte);
+  if (check != nullptr) sent.narrow(0, 0, front).copy_(check->words());
+  const at::Tensor outgoing = sent.narrow(0, front, bytes).view(wire);
+  const at::Tensor incoming = frame.narrow(0, front, bytes).view(wire);
   const at::Tensor decoded = scratch_.get(ScratchBuffers::kDecoded, mine.numel(), mine.scalar_type());
   const int64_t element = incoming.element_size();
-  const auto bytes = static_cast<int64_t>(incoming.nbytes());
+  bool agreed = check == nullptr;
+  bool judged = agreed;
   int64_t reduced = 0;  // elements
   // Part by part as the peer's arrives, so that rounding this host's own part overlaps the transfer:
   // this host's contribution rounded as the peer's is, then the two added in host order.
   auto reduce_ready = [&](int64_t ready_bytes) {
-    const int64_t ready = ready_bytes / element;
+    if (!judged) {
+      agreed = check->agree(comm, frame.data_ptr());
+      judged = true;
+    }
+    if (!agreed) return;
+    const int64_t ready = std::max<int64_t>(0, ready_bytes - front) / element;
     const at::Tensor own = slice(mine, reduced, ready);
     // Where `out` is `mine`, its parts up to `ready` are encoded: the exchange reports data ready
     // only as far as it has sent this peer's frame (Links::Recv).
@@ -59,10 +96,16 @@ void SwapSteps::swap_compressed(const at::Tensor& mine, const at::Tensor& out, R
     combine_(own, theirs, accumulating_op(op), /*other_first=*/peer() == 0);
     reduced = ready;
   };
-  std::vector<Links::Send> sends{
-      {peer(), outgoing.data_ptr(), bytes, nullptr, 0, encode_as_sent(outgoing, out), kLinkPartBytes}};
-  std::vector<Links::Recv> recvs{{peer(), incoming.data_ptr(), bytes, 0, reduce_ready, kLinkPartBytes, bytes}};
+  auto encode = encode_as_sent(outgoing, out);
+  auto prepare = [encode = std::move(encode), front](int64_t frame_bytes) {
+    if (frame_bytes > front) encode(frame_bytes - front);
+  };
+  std::vector<Links::Send> sends{{peer(), sent.data_ptr(), front + bytes, nullptr, 0, prepare, kLinkPartBytes}};
+  std::vector<Links::Recv> recvs{
+      {peer(), frame.data_ptr(), front + bytes, 0, reduce_ready, kLinkPartBytes, check ? check->minimum() : bytes}};
+  recvs[0].drain = check != nullptr;
   links().exchange(comm.sequence(), std::move(sends), recvs);
+  if (check != nullptr) check->conclude(comm, frame.data_ptr(), recvs[0].received, front + bytes);
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }
 

@@ -25,6 +25,8 @@ void across_hosts(const Hierarchy& h, Communicator& comm, c10::function_ref<void
   TORCH_INTERNAL_ASSERT(h.cross != nullptr, "a step across hosts on a rank that crosses none");
   try {
     step();
+  } catch (const CheckVerdict&) {
+    throw;  // the check's own error, already naming the call
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "ddpkit.", comm.what(), " (", comm.where(), "): the step across hosts, with ",
                 cross_ranks_text(*h.cross), ", failed: ", without_backtrace(e));
@@ -34,6 +36,8 @@ void across_hosts(const Hierarchy& h, Communicator& comm, c10::function_ref<void
 void on_hosts(const Hierarchy& h, OnFailure on_failure, c10::function_ref<void()> steps) {
   try {
     steps();
+  } catch (const CheckVerdict&) {
+    throw;  // the links are in step (Note [A check in front of the swap] in checks/cross_host_check.h)
   } catch (const std::exception& e) {
     if (DirectCollectives* host = h.host()) host->abandon(without_backtrace(e));
     if (on_failure == OnFailure::kCutLinks && h.cross) h.cross->break_off(without_backtrace(e));

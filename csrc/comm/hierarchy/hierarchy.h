@@ -63,7 +63,8 @@ struct Hierarchy {
 // An exception's message without the C++ backtrace a c10::Error carries.
 std::string without_backtrace(const std::exception& e);
 
-// Runs `step` among the ranks `h.cross` spans (this rank crosses hosts); its failure raises naming them.
+// Runs `step` among the ranks `h.cross` spans (this rank crosses hosts); its failure raises naming them
+// (a CheckVerdict passes unchanged).
 void across_hosts(const Hierarchy& h, Communicator& comm, c10::function_ref<void()> step);
 
 // What a failure inside on_hosts' steps leaves of the links across hosts.
@@ -78,7 +79,8 @@ enum class OnFailure {
 // another host waiting for this rank's frame raises at once instead of at the group's timeout (this
 // rank is alive, so its connections would stay open). Among three hosts or more the broadcast and the
 // reduce cross on the gloo subgroup's messages, which nothing here can interrupt: there those partners
-// wait for the timeout.
+// wait for the timeout. A CheckVerdict passes unchanged and stops nothing: the check's error leaves
+// the links in step.
 void on_hosts(const Hierarchy& h, OnFailure on_failure, c10::function_ref<void()> steps);
 
 }  // namespace ddpkit::comm

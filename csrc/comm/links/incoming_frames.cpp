@@ -29,8 +29,14 @@ Moved IncomingFrames::receive_some(size_t i, LinkThread* thread, Failure& failur
     if (thread != nullptr && thread->stop_requested()) return Moved::kBlocked;
     char* into = reinterpret_cast<char*>(&in.header) + done;
     int64_t want = (done < kHeaderBytes ? kHeaderBytes : total(i, done)) - done;
-    if (done >= kHeaderBytes && recv.window == 0) {
+    if (done >= kHeaderBytes && recv.window == 0 && done - kHeaderBytes >= recv.capacity) {
+      // A drained frame's bytes past the capacity (Links::Recv::drain).
+      thread_local char dropped[64 << 10];
+      into = dropped;
+      want = std::min<int64_t>(want, sizeof(dropped));
+    } else if (done >= kHeaderBytes && recv.window == 0) {
       into = static_cast<char*>(recv.data) + (done - kHeaderBytes);
+      want = std::min(want, recv.capacity - (done - kHeaderBytes));
     } else if (done >= kHeaderBytes) {
       // Up to the window's end, and no further past the reports' last whole step than it holds: the
       // part of an element a report ends with is still to be reduced.
@@ -68,7 +74,8 @@ Moved IncomingFrames::receive_some(size_t i, LinkThread* thread, Failure& failur
         return Moved::kFailed;
       }
       if (header.magic != kFrameMagic || header.sequence != sequence_ ||
-          header.bytes > static_cast<uint64_t>(recv.capacity) || header.bytes < static_cast<uint64_t>(recv.minimum)) {
+          (header.bytes > static_cast<uint64_t>(recv.capacity) && !recv.drain) ||
+          header.bytes < static_cast<uint64_t>(recv.minimum)) {
         failure = {peer, c10::str("rank ", ranks_[peer], " sent a frame of collective ", header.sequence, " with ",
                                   header.bytes, " bytes where collective ", sequence_, " expected ", recv.minimum,
                                   " to ", recv.capacity)};
@@ -76,8 +83,8 @@ Moved IncomingFrames::receive_some(size_t i, LinkThread* thread, Failure& failur
       }
     }
     in.done.store(done, std::memory_order_release);
-    const int64_t data = std::max<int64_t>(0, done - kHeaderBytes);
-    const bool whole = done >= kHeaderBytes && data == static_cast<int64_t>(in.header.bytes);
+    const bool whole = done >= kHeaderBytes && done - kHeaderBytes == static_cast<int64_t>(in.header.bytes);
+    const int64_t data = std::min(std::max<int64_t>(0, done - kHeaderBytes), recv.capacity);
     if (recv.on_data && data > in.told && (whole || passed_a_step(in.told, data, recv.step))) {
       in.told = data;
       // On a thread, tell the caller at once, so that it reduces this step while the next arrives.
@@ -93,8 +100,8 @@ bool IncomingFrames::report(size_t i, int64_t sent) {
   Links::Recv& recv = recvs_[i];
   if (!recv.on_data) return false;
   const int64_t done = in.done.load(std::memory_order_acquire);
-  const int64_t ready = std::min(std::max<int64_t>(0, done - kHeaderBytes), sent);
-  const int64_t whole = done < kHeaderBytes ? -1 : static_cast<int64_t>(in.header.bytes);
+  const int64_t ready = std::min({std::max<int64_t>(0, done - kHeaderBytes), sent, recv.capacity});
+  const int64_t whole = done < kHeaderBytes ? -1 : std::min(static_cast<int64_t>(in.header.bytes), recv.capacity);
   const int64_t reported = in.reported.load(std::memory_order_relaxed);  // this thread is its one writer
   if (ready <= reported || (ready != whole && !passed_a_step(reported, ready, recv.step))) return false;
   recv.on_data(ready);

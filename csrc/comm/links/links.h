@@ -72,6 +72,12 @@ class Links {
     int64_t step = 0;
     int64_t minimum = 0;  // a shorter frame breaks the links, as a longer one than `capacity` does
     int64_t window = 0;   // 0: `data` holds the whole frame
+    // A longer frame than `capacity` is received whole, its first `capacity` bytes into `data` and the
+    // rest dropped, instead of breaking the links: `received` then says its length, and on_data hears
+    // of `capacity` bytes at most. For the check's frames, which may meet another collective's frame
+    // and must still leave the stream in step (Note [A check in front of the swap] in
+    // checks/cross_host_check.h). No window.
+    bool drain = false;
   };
 
   virtual ~Links() = default;

@@ -51,8 +51,8 @@ bool reports_wait_for_sends(const std::vector<Links::Send>& sends, const std::ve
     TORCH_INTERNAL_ASSERT(recv.peer != rank && fds.at(recv.peer).get() >= 0 && !receiving[recv.peer]++);
     wait = wait || (recv.on_data && sending[recv.peer]);
     // A window is emptied by reports alone: a report that waited for a send could wait forever.
-    TORCH_INTERNAL_ASSERT(recv.window == 0 ||
-                          (recv.on_data && recv.step > 0 && recv.window % recv.step == 0 && !sending[recv.peer]));
+    TORCH_INTERNAL_ASSERT(recv.window == 0 || (recv.on_data && recv.step > 0 && recv.window % recv.step == 0 &&
+                                               !sending[recv.peer] && !recv.drain));
   }
   return wait;
 }
