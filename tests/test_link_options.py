@@ -20,7 +20,7 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit.testing import HostPool, WorkerFailure, WorkerPool
 
-from helpers import HOSTS_GROUP_TIMEOUT_S
+from helpers import HOSTS_GROUP_TIMEOUT_S, case_every_collective, check_every_collective
 
 HOSTS = "a,b,c"
 NUMEL = 300_000  # past the check's round: the ring's frames cross the links
@@ -271,6 +271,51 @@ def test_a_short_path_keeps_the_small_buffer_and_grows_it_once_the_path_is_long(
                 assert link["send_buffer_bytes"] > booked(SMALL_BUFFER), link
     finally:
         delayed.set_round_trip(ROUND_TRIP_MS)
+
+
+# Rank 1's call against the others', each disagreeing: in front of the first of two shots against
+# in front of its own (another size), against the check's round among every partner (a small call, a
+# broadcast), and crossing alone (an empty one).
+DISAGREEING_ON_LONG_PATHS = {
+    "sizes": lambda t: ddpkit.all_reduce(torch.ones(NUMEL + 1)),
+    "small": lambda t: ddpkit.all_reduce(torch.ones(1000)),
+    "broadcast": lambda t: ddpkit.broadcast(t, src=1),
+    "empty": lambda t: ddpkit.all_reduce(torch.ones(0)),
+}
+
+
+def case_long_paths(numels, kinds):
+    """Every collective across the long paths (case_every_collective), then per kind of
+    DISAGREEING_ON_LONG_PATHS: this rank's error, whether its tensor kept its values, and the sum of
+    the group's next all-reduce."""
+    rank = dist.get_rank()
+    out = {"every": case_every_collective(numels)}
+    for kind in kinds:
+        tensor = torch.full((NUMEL,), float(rank + 1))
+        try:
+            DISAGREEING_ON_LONG_PATHS[kind](tensor) if rank == 1 else ddpkit.all_reduce(tensor)
+            error = None
+        except RuntimeError as exc:
+            error = str(exc)
+        untouched = bool((tensor == rank + 1).all())
+        after = torch.full((NUMEL,), float(rank + 1))
+        ddpkit.all_reduce(after)
+        out[kind] = (error, untouched, after.unique().tolist())
+    return out
+
+
+@needs_delayed_hosts
+def test_collectives_across_long_paths_take_two_shots_exactly_and_raise_alike(delayed):
+    # Note [Two shots across hosts] and Note [A check in front of the swap] among three hosts: every
+    # collective exact with the same bits on every rank; a disagreement raises on every rank, whichever
+    # way each call checks, moves nothing into a tensor, and leaves the stream in step.
+    per_rank = delayed.run(case_long_paths, [0, 1, 1001, 300_003], sorted(DISAGREEING_ON_LONG_PATHS), timeout=300)
+    check_every_collective([out.pop("every") for out in per_rank], [1, 1, 1])
+    for rank, out in enumerate(per_rank):
+        for kind, (error, untouched, after) in out.items():
+            assert error is not None and "mismatched collectives" in error, f"rank {rank}, {kind}: {error}"
+            assert untouched, f"rank {rank}, {kind}: the tensor changed"
+            assert after == [6.0], f"rank {rank}, {kind}: {after}"
 
 
 def case_rank_1_dies_in_large_all_reduces():

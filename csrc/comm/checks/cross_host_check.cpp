@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace ddpkit::comm {
 namespace {
@@ -135,30 +136,44 @@ void as_verdict(Verify verify) {
 
 struct CrossHostCheck::Front {
   HostCheck check;
-  std::string error;  // this rank's own rejection
-  at::Tensor words;   // kFrontBytes: check.words, then zeros
+  std::string error;    // this rank's own rejection
+  at::Tensor words;     // kFrontBytes: check.words, then zeros
+  at::Tensor partners;  // kLong, each partner's kCheckWords as agree() recorded them
+  std::vector<char> recorded;
+  int missing = 0;  // partners whose words are not recorded yet
   bool pending = false;
 };
 
 CrossHostCheck::CrossHostCheck(const Hierarchy& h) : h_(h) {}
 CrossHostCheck::~CrossHostCheck() = default;
 
-bool CrossHostCheck::rides_in_front_of_swap() const {
-  return h_.cross != nullptr && h_.cross->size() == 2 && h_.host() == nullptr;
+bool CrossHostCheck::all_to_all() const { return h_.cross->size() > 2 && h_.long_paths; }
+
+bool CrossHostCheck::rides_in_front_of_steps() const {
+  return h_.cross != nullptr && h_.host() == nullptr && (h_.cross->size() == 2 || all_to_all());
 }
 
-void CrossHostCheck::start_in_front_of_swap(Communicator& comm, const CollectiveHeader& header,
-                                            const std::string& local_error) {
-  TORCH_INTERNAL_ASSERT(rides_in_front_of_swap());
+void CrossHostCheck::begin_front(Communicator& comm, const CollectiveHeader& header, const std::string& local_error) {
+  const int partners = h_.cross->size();
   if (!front_) {
     front_ = std::make_unique<Front>();
     front_->words = at::zeros({kFrontBytes}, at::kByte);
   }
-  front_->check = check_host(header, local_error, h_, comm);
-  front_->error = local_error;
-  std::memcpy(front_->words.data_ptr(), front_->check.words.data_ptr(), kCheckBytes);
-  front_->pending = true;
-  // A rank that rejected its arguments runs no swap: its words cross now, and it raises with its peer.
+  Front& front = *front_;
+  front.check = check_host(header, local_error, h_, comm);
+  front.error = local_error;
+  std::memcpy(front.words.data_ptr(), front.check.words.data_ptr(), kCheckBytes);
+  front.partners = at::zeros({partners * kCheckWords}, at::kLong);
+  front.recorded.assign(partners, 0);
+  front.missing = partners - 1;
+  front.pending = true;
+}
+
+void CrossHostCheck::start_in_front_of_steps(Communicator& comm, const CollectiveHeader& header,
+                                             const std::string& local_error) {
+  TORCH_INTERNAL_ASSERT(rides_in_front_of_steps());
+  begin_front(comm, header, local_error);
+  // A rank that rejected its arguments runs no steps: its words cross now, and it raises with its partners.
   if (!local_error.empty()) cross_alone(comm);
 }
 
@@ -172,49 +187,101 @@ const at::Tensor& CrossHostCheck::words() const { return front_->words; }
 
 int64_t CrossHostCheck::minimum() const { return kCheckBytes; }
 
-void CrossHostCheck::verify_front(Communicator& comm, const void* theirs) const {
+void CrossHostCheck::verify_front(Communicator& comm) const {
+  const Front& front = *front_;
   const int self = h_.cross->rank();
-  at::Tensor partner = at::empty({kCheckWords}, at::kLong);  // aligned, whatever the frame's offset
-  std::memcpy(partner.data_ptr(), theirs, kCheckBytes);
   auto words_of = [&](int j) -> const int64_t* {
-    return j == self ? front_->check.words.data_ptr<int64_t>() : partner.data_ptr<int64_t>();
+    if (j == self) return front.check.words.data_ptr<int64_t>();
+    return front.recorded[j] ? front.partners.data_ptr<int64_t>() + j * kCheckWords : nullptr;
   };
-  verify_hosts(front_->check, front_->error, words_of, h_, comm);
+  verify_hosts(front.check, front.error, words_of, h_, comm);
 }
 
-bool CrossHostCheck::agree(Communicator& comm, const void* frame) {
+bool CrossHostCheck::agree(Communicator& comm, int peer, const void* frame) {
+  Front& front = *front_;
+  if (!front.recorded[peer]) {
+    std::memcpy(front.partners.data_ptr<int64_t>() + peer * kCheckWords, frame, kCheckBytes);
+    front.recorded[peer] = 1;
+    --front.missing;
+  }
+  if (front.missing > 0) return false;
   try {
-    verify_front(comm, frame);
+    verify_front(comm);
   } catch (const c10::Error&) {
     return false;
   }
   return true;
 }
 
-void CrossHostCheck::conclude(Communicator& comm, const void* frame, int64_t received, int64_t expected) {
+void CrossHostCheck::conclude(Communicator& comm, bool whole) {
   front_->pending = false;
+  TORCH_INTERNAL_ASSERT(front_->missing == 0, "a check in front concluded before every partner's words were in");
   as_verdict([&] {
-    verify_front(comm, frame);
-    TORCH_CHECK(received == expected, "ddpkit.", comm.what(), " (", comm.where(), "): rank ",
-                h_.cross->group_ranks()[1 - h_.cross->rank()], " sent a frame of ", received, " bytes where ", expected,
-                " were expected");
+    verify_front(comm);
+    TORCH_CHECK(whole, "ddpkit.", comm.what(), " (", comm.where(),
+                "): a frame across hosts did not hold the bytes its words promised");
   });
 }
 
-void CrossHostCheck::cross_alone(Communicator& comm) {
-  front_->pending = false;
-  const int other = 1 - h_.cross->rank();
-  at::Tensor frame = at::empty({kFrontBytes}, at::kByte);  // the partner's words; data after them are dropped
-  std::vector<Links::Recv> recvs{{other, frame.data_ptr(), frame.numel()}};
-  recvs[0].minimum = kCheckBytes;
-  recvs[0].drain = true;
+std::vector<at::Tensor> CrossHostCheck::exchange_words(Communicator& comm, const at::Tensor& payload) {
+  const int partners = h_.cross->size();
+  const int self = h_.cross->rank();
+  at::Tensor sent = at::empty({kFrontBytes + payload.numel()}, at::kByte);
+  sent.narrow(0, 0, kFrontBytes).copy_(front_->words);
+  if (payload.numel() > 0) sent.narrow(0, kFrontBytes, payload.numel()).copy_(payload);
+  std::vector<at::Tensor> frames(partners);
+  std::vector<Links::Send> sends;
+  std::vector<Links::Recv> recvs;
+  for (int j = 0; j < partners; ++j) {
+    if (j == self) continue;
+    frames[j] = at::empty({kFrontBytes + kOneRoundMaxBytes}, at::kByte);
+    sends.push_back({j, sent.data_ptr(), sent.numel()});
+    recvs.push_back({j, frames[j].data_ptr(), frames[j].numel()});
+    recvs.back().minimum = kCheckBytes;
+    recvs.back().drain = true;  // a partner's steps with their check in front: its words tell
+  }
   on_hosts(h_, OnFailure::kKeepLinks, [&] {
-    across_hosts(h_, comm, [&] {
-      h_.cross->links().exchange(comm.sequence(), {{other, front_->words.data_ptr(), kFrontBytes}}, recvs);
-    });
+    across_hosts(h_, comm, [&] { h_.cross->links().exchange(comm.sequence(), std::move(sends), recvs); });
   });
-  front_->pending = true;  // conclude() completes it
-  conclude(comm, frame.data_ptr(), recvs[0].received, kFrontBytes);
+  std::vector<at::Tensor> payloads(partners);
+  bool whole = true;
+  for (const Links::Recv& recv : recvs) {
+    agree(comm, recv.peer, frames[recv.peer].data_ptr());
+    // A frame of another kind (a center's, or a step's data, drained) never agrees: its payload is
+    // never read.
+    const int64_t kept = std::min(recv.received, recv.capacity);
+    const int64_t words = std::min(kept, kFrontBytes);
+    whole = whole && recv.received <= recv.capacity && kept >= kFrontBytes;
+    payloads[recv.peer] = frames[recv.peer].narrow(0, words, kept - words);
+  }
+  conclude(comm, whole);
+  payloads[self] = payload;
+  return payloads;
+}
+
+void CrossHostCheck::cross_alone(Communicator& comm) { exchange_words(comm, at::empty({0}, at::kByte)); }
+
+at::Tensor CrossHostCheck::start_among_all(Communicator& comm, const CollectiveHeader& header, const std::string& error,
+                                           const RideAlong* ride) {
+  begin_front(comm, header, error);
+  Front& front = *front_;
+  HostCheck& check = front.check;
+  const bool host_agrees = check.host_error.empty() && check.words.data_ptr<int64_t>()[kHeaderWords] < 0;
+  at::Tensor payload = at::empty({0}, at::kByte);
+  if (host_agrees && ride != nullptr) {
+    try {
+      payload = ride->payload().contiguous();
+    } catch (const std::exception& e) {
+      // As in the round through the center: the partners still get this rank's words, naming the lost rank.
+      check.host_error = without_backtrace(e);
+      check.words.data_ptr<int64_t>()[kLostRankWord] = lost_rank(h_.host(), comm);
+      std::memcpy(front.words.data_ptr(), check.words.data_ptr(), kCheckBytes);
+      payload = at::empty({0}, at::kByte);
+    }
+  }
+  TORCH_INTERNAL_ASSERT(payload.scalar_type() == at::kByte && payload.numel() <= kOneRoundMaxBytes);
+  const std::vector<at::Tensor> payloads = exchange_words(comm, payload);  // raises unless all agree
+  return ride != nullptr ? ride->reply(payloads) : at::empty({0}, at::kByte);
 }
 
 void CrossHostCheck::reject_unchecked(std::string_view what) {
@@ -225,7 +292,8 @@ at::Tensor CrossHostCheck::start(Communicator& comm, const CollectiveHeader& hea
                                  const RideAlong* ride) {
   const Hierarchy& h = h_;
   if (front_) front_->pending = false;  // a check in front that a failure left behind
-  constexpr int center = 0;             // the same for every collective: ranks that disagree on it still meet
+  if (all_to_all()) return start_among_all(comm, header, error, ride);
+  constexpr int center = 0;  // the same for every collective: ranks that disagree on it still meet
   HostCheck check = check_host(header, error, h, comm);
   const bool host_agrees = check.host_error.empty() && check.words.data_ptr<int64_t>()[kHeaderWords] < 0;
   at::Tensor payload = at::empty({0}, at::kByte);

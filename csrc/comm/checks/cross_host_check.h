@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <vector>
 #include <string>
 #include <string_view>
 
@@ -67,23 +68,34 @@ class CrossHostCheck final : public CollectiveCheck, private CheckInFront {
   int64_t ride_along_bytes() const override { return kOneRoundMaxBytes; }
   at::Tensor start(Communicator& comm, const CollectiveHeader& header, const std::string& local_error,
                    const RideAlong* ride) override;
-  bool rides_in_front_of_swap() const override;
-  void start_in_front_of_swap(Communicator& comm, const CollectiveHeader& header,
-                              const std::string& local_error) override;
+  bool rides_in_front_of_steps() const override;
+  void start_in_front_of_steps(Communicator& comm, const CollectiveHeader& header,
+                               const std::string& local_error) override;
   CheckInFront* in_front() override;
   void settle(Communicator& comm) override;
   void reject_unchecked(std::string_view what) override;
 
  private:
-  // CheckInFront, for the swap that carries this check.
+  // CheckInFront, for the steps that carry this check.
   const at::Tensor& words() const override;
   int64_t minimum() const override;
-  bool agree(Communicator& comm, const void* frame) override;
-  void conclude(Communicator& comm, const void* frame, int64_t received, int64_t expected) override;
+  bool agree(Communicator& comm, int peer, const void* frame) override;
+  void conclude(Communicator& comm, bool whole) override;
 
-  // Raises (a c10::Error) unless the partner's words at `theirs` agree with this rank's in front.
-  void verify_front(Communicator& comm, const void* theirs) const;
-  // The words in front crossing alone, both ways (no swap carried them), then the verdict.
+  // Whether the round is among every partner rather than through a center: three partners or more
+  // on long paths (Note [A check in front of the swap]).
+  bool all_to_all() const;
+  // This rank's words for `header` (its host's step first), a check in front pending.
+  void begin_front(Communicator& comm, const CollectiveHeader& header, const std::string& local_error);
+  // The round among every partner: start() where all_to_all().
+  at::Tensor start_among_all(Communicator& comm, const CollectiveHeader& header, const std::string& error,
+                             const RideAlong* ride);
+  // Raises (a c10::Error) unless the words recorded so far agree with this rank's.
+  void verify_front(Communicator& comm) const;
+  // This rank's words in front of `payload` to every partner and theirs back, then the verdict (a
+  // CheckVerdict unless all agree); every partner's payload (this rank's own at its index).
+  std::vector<at::Tensor> exchange_words(Communicator& comm, const at::Tensor& payload);
+  // The words in front crossing alone (no step carried them), then the verdict.
   void cross_alone(Communicator& comm);
 
   struct Front;  // the check in front of a swap, from its start to its verdict

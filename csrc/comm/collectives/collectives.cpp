@@ -100,9 +100,9 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   }
   // Between two hosts of one rank each, the check rides in front of the swap's frames (Note [A check
   // in front of the swap] in checks/cross_host_check.h).
-  const bool check_in_front = route.route == Route::kHostSteps && comm.check_rides_in_front_of_swap();
+  const bool check_in_front = route.route == Route::kHostSteps && comm.check_rides_in_front_of_steps();
   if (check_in_front) {
-    comm.begin_in_front_of_swap(header, error);
+    comm.begin_in_front_of_steps(header, error);
   } else {
     // The group's own all-reduce asked for by name is the unchecked baseline (Note [Choosing an algorithm]).
     comm.begin(header, error, /*exchange_header=*/algorithm != Algorithm::kProcessGroup);
@@ -372,10 +372,10 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
     output.view(-1).copy_(whole.narrow(0, r * output.numel(), output.numel()));
     return;
   }
-  if (route.route == Route::kHostSteps && comm.check_rides_in_front_of_swap()) {
+  if (route.route == Route::kHostSteps && comm.check_rides_in_front_of_steps()) {
     // The check rides in front of the swap's frames (Note [A check in front of the swap] in
     // checks/cross_host_check.h), or crosses alone where the output is empty.
-    comm.begin_in_front_of_swap(header, error);
+    comm.begin_in_front_of_steps(header, error);
     if (output.numel() > 0) comm.hierarchy()->form->reduce_scatter(output, input, op, comm);
     comm.settle_header();
     return;

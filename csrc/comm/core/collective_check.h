@@ -27,26 +27,27 @@ struct RideAlong {
   c10::function_ref<at::Tensor(const std::vector<at::Tensor>&)> reply;
 };
 
-// The check riding in front of the frames of a swap between two hosts (Note [A check in front of the
-// swap] in checks/cross_host_check.h): what the swap (hierarchy/cross_host_steps.h) needs of it. The swap sends
-// words() at the front of its frame, receives the partner's frame with Links::Recv::drain and at
-// least minimum() bytes, uses none of its data unless agree() said so, and calls conclude() once the
-// frame is in.
+// The check riding in front of the frames of the first step across hosts (Note [A check in front of
+// the swap] in checks/cross_host_check.h): what those steps (hierarchy/cross_host_steps.h) need of it.
+// They send words() at the front of their frame to every partner, receive every partner's frame with
+// Links::Recv::drain and at least minimum() bytes, use none of its data unless agree() said so, and
+// call conclude() once every frame is in.
 class CheckInFront {
  public:
   virtual ~CheckInFront() = default;
-  // This rank's words, as bytes: the front of its frame (a multiple of 64 bytes, so that the data
+  // This rank's words, as bytes: the front of its frames (a multiple of 64 bytes, so that the data
   // after them stay aligned).
   virtual const at::Tensor& words() const = 0;
-  // The fewest bytes a frame the check may meet holds: the partner's words.
+  // The fewest bytes a frame the check may meet holds: a partner's words.
   virtual int64_t minimum() const = 0;
-  // Whether the partner's words, the first minimum() bytes of its frame at `frame`, agree with this
-  // rank's, so that the data after them may be used. Never raises.
-  virtual bool agree(Communicator& comm, const void* frame) = 0;
-  // Once the partner's frame (`received` bytes of it, drained past its capacity) is in: raises a
-  // CheckVerdict, alike on both ranks, unless the two agreed and it holds the `expected` bytes.
+  // Records the words of partner `peer` (its index among the ranks that cross hosts together), the
+  // first minimum() bytes of its frame at `frame`: true once every partner's words are in and all
+  // agree with this rank's, so that the data after them may be used. Never raises.
+  virtual bool agree(Communicator& comm, int peer, const void* frame) = 0;
+  // Once every partner's frame is in (`whole`: each held the bytes expected of it, its drained tail
+  // included): raises a CheckVerdict, alike on every rank, unless all agreed and all were whole.
   // Completes the check.
-  virtual void conclude(Communicator& comm, const void* frame, int64_t received, int64_t expected) = 0;
+  virtual void conclude(Communicator& comm, bool whole) = 0;
 };
 
 // The error of a check raised inside a collective's data steps (CheckInFront::conclude): the links
@@ -67,8 +68,9 @@ class CheckVerdict : public c10::Error {
 //  - SlotCheck (checks/slot_check.h): the header in the first step of the shared-memory direct collectives:
 //    the direct collective's own (start_in_direct_step), or one step of its own;
 //  - CrossHostCheck (checks/cross_host_check.h): a step of each host's shared memory, then one round across
-//    hosts through a center, which alone can carry data (ride_along_bytes()); between two hosts of one
-//    rank each, it may ride in front of the swap's frames instead (rides_in_front_of_swap()).
+//    hosts through a center, or among every partner on long paths, either of which can carry data
+//    (ride_along_bytes()); between hosts of one rank each, it may ride in front of the first frames
+//    of the steps across hosts instead (rides_in_front_of_steps()).
 // Communicator::begin (and run_direct) counts and names the collective, handles checks off and
 // groups of one rank, then calls start() (start_in_direct_step()); settle() completes what start()
 // left in flight. A check never moves payload.
@@ -97,21 +99,21 @@ class CollectiveCheck {
     TORCH_INTERNAL_ASSERT(false, "this collective check cannot ride in a direct step");
   }
 
-  // Capability: the check may ride in front of the frames of the swap between two hosts that follows it
-  // (Note [A check in front of the swap] in checks/cross_host_check.h).
-  virtual bool rides_in_front_of_swap() const { return false; }
-  // Starts the check (as start(), no data riding) so that the first frame of the swap that follows
-  // carries it (in_front() until then): nothing moves here unless this rank rejected its arguments,
-  // which it raises at once with its peer. Only where rides_in_front_of_swap().
-  virtual void start_in_front_of_swap(Communicator& /*comm*/, const CollectiveHeader& /*header*/,
-                                      const std::string& /*local_error*/) {
+  // Capability: the check may ride in front of the first frames of the steps across hosts that follow
+  // it (Note [A check in front of the swap] in checks/cross_host_check.h).
+  virtual bool rides_in_front_of_steps() const { return false; }
+  // Starts the check (as start(), no data riding) so that the first frames of the steps across hosts
+  // that follow carry it (in_front() until then): nothing moves here unless this rank rejected its
+  // arguments, which it raises at once with its partners. Only where rides_in_front_of_steps().
+  virtual void start_in_front_of_steps(Communicator& /*comm*/, const CollectiveHeader& /*header*/,
+                                       const std::string& /*local_error*/) {
     TORCH_INTERNAL_ASSERT(false, "this collective check cannot ride in front of a swap");
   }
-  // The check start_in_front_of_swap() started while no frame has carried it yet, else null.
+  // The check start_in_front_of_steps() started while no frame has carried it yet, else null.
   virtual CheckInFront* in_front() { return nullptr; }
 
   // Completes a check start() left in flight (a no-op where start() completed it), or one riding in
-  // front of a swap that no frame carried (its words then cross alone). Raises as start().
+  // front of steps whose frames did not carry it (its words then cross alone). Raises as start().
   virtual void settle(Communicator& /*comm*/) {}
 
   // Checks off: this rank rejected the arguments of `what`, so its peers never learn it and wait;

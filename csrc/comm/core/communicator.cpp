@@ -92,10 +92,10 @@ void Communicator::begin_in_direct_step(const CollectiveHeader& header, const st
   check_->start_in_direct_step(*this, header, local_error);
 }
 
-void Communicator::begin_in_front_of_swap(const CollectiveHeader& header, const std::string& local_error) {
-  TORCH_INTERNAL_ASSERT(check_rides_in_front_of_swap(), "a check that cannot ride in front of a swap");
+void Communicator::begin_in_front_of_steps(const CollectiveHeader& header, const std::string& local_error) {
+  TORCH_INTERNAL_ASSERT(check_rides_in_front_of_steps(), "a check that cannot ride in front of a swap");
   note_collective();
-  check_->start_in_front_of_swap(*this, header, local_error);
+  check_->start_in_front_of_steps(*this, header, local_error);
 }
 
 void Communicator::settle_header() {

@@ -265,16 +265,17 @@ class Communicator {
   Message isend(const at::Tensor& tensor, int dst, int round);
   Message irecv(const at::Tensor& tensor, int src, int round);
 
-  // Whether begin_in_front_of_swap() may serve this collective: checked, and a check that can ride
-  // in front of a swap between two hosts (CollectiveCheck::rides_in_front_of_swap).
-  bool check_rides_in_front_of_swap() const {
-    return size_ > 1 && is_checked() && check_ != nullptr && check_->rides_in_front_of_swap();
+  // Whether begin_in_front_of_steps() may serve this collective: checked, and a check that can ride
+  // in front of the steps across hosts (CollectiveCheck::rides_in_front_of_steps).
+  bool check_rides_in_front_of_steps() const {
+    return size_ > 1 && is_checked() && check_ != nullptr && check_->rides_in_front_of_steps();
   }
-  // begin() for a collective whose data cross between two hosts in a swap: the check rides in front
-  // of the swap's frames (check_in_front()), or crosses alone in settle_header() where no frame
-  // carried it. Only where check_rides_in_front_of_swap().
-  void begin_in_front_of_swap(const CollectiveHeader& header, const std::string& local_error);
-  // The check a swap's frames are to carry in front of their data (begin_in_front_of_swap), or null.
+  // begin() for a collective whose data cross hosts: the check rides in front of the first frames of
+  // the steps across hosts (check_in_front()), or crosses alone in settle_header() where no frame
+  // carried it. Only where check_rides_in_front_of_steps().
+  void begin_in_front_of_steps(const CollectiveHeader& header, const std::string& local_error);
+  // The check the steps' first frames are to carry in front of their data (begin_in_front_of_steps),
+  // or null.
   CheckInFront* check_in_front() const { return check_ != nullptr ? check_->in_front() : nullptr; }
 
   // begin() for a collective that runs on the transport's direct collectives: in checked mode the

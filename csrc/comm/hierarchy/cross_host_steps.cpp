@@ -2,11 +2,15 @@
 
 #include "comm/core/arguments.h"
 #include "comm/core/communicator.h"
+#include "comm/hierarchy/hierarchy.h"
 #include "comm/links/ring.h"
 #include "comm/reduction/reduce_kernel.h"
+#include "comm/reduction/split.h"
 #include "comm/schedules/schedules.h"
 
 #include <algorithm>
+#include <functional>
+#include <vector>
 
 namespace ddpkit::comm {
 
@@ -42,7 +46,7 @@ void SwapSteps::receive_and_combine(const at::Tensor& mine, ReduceOp op, std::ve
   int64_t reduced = 0;  // elements
   auto reduce_ready = [&](int64_t ready_bytes) {
     if (!judged) {
-      agreed = check->agree(comm, frame.data_ptr());
+      agreed = check->agree(comm, peer(), frame.data_ptr());
       judged = true;
     }
     if (!agreed) return;
@@ -54,7 +58,7 @@ void SwapSteps::receive_and_combine(const at::Tensor& mine, ReduceOp op, std::ve
       {peer(), frame.data_ptr(), front + bytes, 0, reduce_ready, kLinkPartBytes, check ? check->minimum() : bytes}};
   recvs[0].drain = check != nullptr;
   links().exchange(comm.sequence(), std::move(sends), recvs);
-  if (check != nullptr) check->conclude(comm, frame.data_ptr(), recvs[0].received, front + bytes);
+  if (check != nullptr) check->conclude(comm, recvs[0].received == front + bytes);
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }
 
@@ -83,7 +87,7 @@ void SwapSteps::swap_compressed(const at::Tensor& mine, const at::Tensor& out, R
   // this host's contribution rounded as the peer's is, then the two added in host order.
   auto reduce_ready = [&](int64_t ready_bytes) {
     if (!judged) {
-      agreed = check->agree(comm, frame.data_ptr());
+      agreed = check->agree(comm, peer(), frame.data_ptr());
       judged = true;
     }
     if (!agreed) return;
@@ -105,7 +109,7 @@ void SwapSteps::swap_compressed(const at::Tensor& mine, const at::Tensor& out, R
       {peer(), frame.data_ptr(), front + bytes, 0, reduce_ready, kLinkPartBytes, check ? check->minimum() : bytes}};
   recvs[0].drain = check != nullptr;
   links().exchange(comm.sequence(), std::move(sends), recvs);
-  if (check != nullptr) check->conclude(comm, frame.data_ptr(), recvs[0].received, front + bytes);
+  if (check != nullptr) check->conclude(comm, recvs[0].received == front + bytes);
   TORCH_INTERNAL_ASSERT(reduced == mine.numel());
 }
 
@@ -169,8 +173,99 @@ Communicator RingSteps::subgroup(const Communicator& comm) const {
   return Communicator(rank(), size(), c10::kCPU, backend_, messages_, comm.sequence(), comm.group(), comm.what());
 }
 
+bool RingSteps::takes_two_shots(const at::Tensor& tensor, ReduceOp op, Communicator& comm) const {
+  const bool two_shots = comm.hierarchy()->long_paths && !compresses(comm.wire_format(), tensor, op);
+  // The ring's frames do not carry a check in front: its words cross alone first.
+  if (!two_shots && comm.check_in_front() != nullptr) comm.settle_header();
+  return two_shots;
+}
+
+// The first shot (Note [Two shots across hosts]): this rank's block `b` of `flat` (elements
+// [start(b), start(b + 1))) to partner b, each partner's block rank() in, reduced into this rank's
+// own in one order: its own, then the partners' from the next rank round. With the check in front,
+// every frame starts with the words, and nothing is reduced before every partner's agreed.
+void RingSteps::reduce_scatter_shot(const at::Tensor& flat, const std::function<int64_t(int)>& start, ReduceOp op,
+                                    Communicator& comm) {
+  const int n = size(), r = rank();
+  const ReduceOp sum_or_op = accumulating_op(op);
+  CheckInFront* check = comm.check_in_front();
+  const int64_t front = check != nullptr ? check->words().numel() : 0;
+  const int64_t element = flat.element_size();
+  const at::Tensor mine = slice(flat, start(r), start(r + 1));
+  const int64_t bytes = mine.numel() * element;
+  const int64_t stride = (front + bytes + 63) / 64 * 64;  // each partner's frame, cache-line aligned
+  const at::Tensor frames = scratch_.get(ScratchBuffers::kFromPeer, n * stride, at::kByte);
+  auto frame = [&](int j) { return frames.narrow(0, j * stride, front + bytes); };
+  auto theirs = [&](int j) { return frame(j).narrow(0, front, bytes).view(flat.scalar_type()); };
+  std::vector<int64_t> arrived(n, 0);  // elements of each partner's block in
+  std::vector<char> judged(n, 0);
+  bool agreed = check == nullptr;
+  int64_t reduced = 0;  // elements of this rank's block reduced over every rank
+  std::vector<Links::Send> sends;
+  std::vector<Links::Recv> recvs;
+  for (int j = 0; j < n; ++j) {
+    if (j == r) continue;
+    const at::Tensor out = slice(flat, start(j), start(j + 1));
+    const auto out_bytes = static_cast<int64_t>(out.nbytes());
+    if (check != nullptr) {
+      sends.push_back({j, check->words().data_ptr(), front, out.data_ptr(), out_bytes});
+    } else {
+      sends.push_back({j, out.data_ptr(), out_bytes});
+    }
+    auto reduce_ready = [&, j](int64_t ready_bytes) {
+      if (!judged[j]) {
+        judged[j] = 1;
+        if (check != nullptr) agreed = check->agree(comm, j, frame(j).data_ptr());
+      }
+      arrived[j] = std::max<int64_t>(0, ready_bytes - front) / element;
+      if (!agreed) return;
+      int64_t ready = mine.numel();
+      for (int k = 0; k < n; ++k) {
+        if (k != r) ready = std::min(ready, arrived[k]);
+      }
+      if (ready <= reduced) return;
+      const at::Tensor result = slice(mine, reduced, ready);
+      for (int k = 1; k < n; ++k) combine_(result, slice(theirs((r + k) % n), reduced, ready), sum_or_op);
+      reduced = ready;
+    };
+    recvs.push_back({j, frame(j).data_ptr(), front + bytes, 0, reduce_ready, kLinkPartBytes,
+                     check != nullptr ? check->minimum() : bytes});
+    recvs.back().drain = check != nullptr;
+  }
+  links().exchange(comm.sequence(), std::move(sends), recvs);
+  if (check != nullptr) {
+    bool whole = true;
+    for (const Links::Recv& recv : recvs) whole = whole && recv.received == front + bytes;
+    check->conclude(comm, whole);
+  }
+  TORCH_INTERNAL_ASSERT(reduced == mine.numel());
+}
+
+// The second shot (Note [Two shots across hosts]): this rank's block of `bytes` to every partner,
+// each partner's straight into place.
+void RingSteps::all_gather_shot(const at::Tensor& bytes, const std::function<int64_t(int)>& start, Communicator& comm) {
+  const int n = size(), r = rank();
+  const at::Tensor mine = slice(bytes, start(r), start(r + 1));
+  std::vector<Links::Send> sends;
+  std::vector<Links::Recv> recvs;
+  for (int j = 0; j < n; ++j) {
+    if (j == r) continue;
+    sends.push_back({j, mine.data_ptr(), mine.numel()});
+    const at::Tensor in = slice(bytes, start(j), start(j + 1));
+    recvs.push_back({j, in.data_ptr(), in.numel(), 0, nullptr, 0, in.numel()});
+  }
+  links().exchange(comm.sequence(), std::move(sends), recvs);
+}
+
 void RingSteps::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
-  ring_all_reduce(links(), comm.sequence(), block, op, comm.wire_format(), scratch_);
+  if (!takes_two_shots(block, op, comm)) {
+    return ring_all_reduce(links(), comm.sequence(), block, op, comm.wire_format(), scratch_);
+  }
+  if (block.numel() == 0) return;
+  const BalancedSplit split{block.numel(), size()};
+  reduce_scatter_shot(block, [&](int b) { return split.start(b); }, op, comm);
+  const int64_t element = block.element_size();
+  all_gather_shot(block.view(at::kByte), [&](int b) { return split.start(b) * element; }, comm);
 }
 
 void RingSteps::broadcast(const at::Tensor& flat, int root, Communicator& comm) {
@@ -188,11 +283,18 @@ void RingSteps::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicat
 }
 
 void RingSteps::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
-  ring_all_gather(links(), comm.sequence(), flat, m);
+  if (!comm.hierarchy()->long_paths) return ring_all_gather(links(), comm.sequence(), flat, m);
+  if (m == 0) return;
+  const int64_t element = flat.element_size();
+  all_gather_shot(flat.view(at::kByte), [&](int b) { return b * m * element; }, comm);
 }
 
 void RingSteps::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
-  ring_reduce_scatter(links(), comm.sequence(), run, m, op, comm.wire_format(), scratch_);
+  if (!takes_two_shots(run, op, comm)) {
+    return ring_reduce_scatter(links(), comm.sequence(), run, m, op, comm.wire_format(), scratch_);
+  }
+  if (m == 0) return;
+  reduce_scatter_shot(run, [&](int b) { return b * m; }, op, comm);
 }
 
 }  // namespace ddpkit::comm

@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -27,8 +28,9 @@ class Communicator;
 //  - SwapSteps, between two hosts: every step over the two ranks' socket link (Note [Socket
 //    links]), the receiver reducing parts as they arrive, in host order;
 //  - RingSteps, among three hosts or more: the all-reduce, all-gather and reduce-scatter on a ring
-//    over the socket links (Note [A ring across hosts] in links/ring.h), the broadcast and the reduce
-//    through ddpkit's schedules over the gloo subgroup's messages.
+//    over the socket links (Note [A ring across hosts] in links/ring.h), or in two shots where the
+//    paths are long (Note [Two shots across hosts]), the broadcast and the reduce through ddpkit's
+//    schedules over the gloo subgroup's messages.
 // Every step is part of the caller's collective (its sequence number names its frames and tags),
 // takes contiguous tensors, and moves nothing when they are empty. A kMean is summed; the caller
 // divides once. Every rank ends with the same bits: each element is reduced in one place, or in the
@@ -97,6 +99,20 @@ class SwapSteps final : public CrossHostSteps {
   ScratchBuffers& scratch_;
 };
 
+// Note [Two shots across hosts]
+// A ring's step waits out the path's delay once, and an all-reduce takes 2(n-1) of them in a row: on a
+// long path (Hierarchy::long_paths, learnt at the set-up) they are most of a mid-sized collective's
+// time. There the all-reduce takes two shots, each one exchange with every partner at once: the
+// reduce-scatter sends each partner its block and reduces the n - 1 blocks it receives into this
+// rank's own, in one order (its own, then the partners' from the next rank round: each element is
+// reduced in one place, Note [Reductions]); the all-gather sends the finished block to every partner
+// and receives theirs into place. Each rank sends and receives 2(n-1)/n of the tensor, as on the ring,
+// in two crossings of the path instead of 2(n-1), and the check rides in front of the first shot's
+// frames (Note [A check in front of the swap] in checks/cross_host_check.h). The reduce-scatter and
+// the all-gather take one shot each. On short paths the ring stays: there nothing waits on the path,
+// and a rank's n - 1 frames at once would contend for its CPUs and caches (bench_multihost.py's
+// unshaped points against its delayed ones). The compressed crossing keeps the ring.
+
 // Among three hosts or more (Note [Steps across hosts]): `backend` is the gloo subgroup of the ranks
 // the steps span, split from the group's; `scratch` receives the ring's frames and outlives the
 // steps.
@@ -114,6 +130,13 @@ class RingSteps final : public CrossHostSteps {
   // A communicator for ddpkit's schedules on the subgroup, as part of `comm`'s collective (its
   // sequence number, so its tags, and its call's name for errors).
   Communicator subgroup(const Communicator& comm) const;
+  // Whether a reduction of `tensor` takes two shots rather than the ring (Note [Two shots across
+  // hosts]); where it takes the ring, a check in front crosses alone first.
+  bool takes_two_shots(const at::Tensor& tensor, ReduceOp op, Communicator& comm) const;
+  // The two shots, over blocks [start(b), start(b + 1)) of `flat` (elements) and `bytes` (bytes).
+  void reduce_scatter_shot(const at::Tensor& flat, const std::function<int64_t(int)>& start, ReduceOp op,
+                           Communicator& comm);
+  void all_gather_shot(const at::Tensor& bytes, const std::function<int64_t(int)>& start, Communicator& comm);
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::shared_ptr<Transport> messages_;  // point-to-point messages on `backend_`

@@ -55,7 +55,7 @@ class Links {
   // `on_data`, exchange() calls it with a count of bytes each time another `step` of them (or the
   // rest of the frame) is ready, so that the caller works on the first part while the rest is on
   // its way: ready means received, and, where the exchange also sends this peer a frame, sent as
-  // far (frame data bytes), so that the caller may overwrite what it sent up to there.
+  // far (frame data bytes) or sent whole, so that the caller may overwrite what it sent up to there.
   // With a `window` (Note [Receiving windows]), `data` holds only `window` bytes, used round and
   // round, and `capacity` bounds the frame: frame byte k lands at data[k % window]. The exchange
   // receives at most `window` bytes past the largest multiple of `step` at or below the last count
@@ -107,6 +107,9 @@ class Links {
 
   // The peer of the exchange that broke the links, or -1.
   virtual int failed_peer() const = 0;
+
+  // Whether a link of this rank crosses a long path (Note [Send buffers] in links/send_buffers.h).
+  virtual bool crosses_long_paths() const { return false; }
 };
 
 }  // namespace ddpkit::comm

@@ -108,7 +108,9 @@ class SocketLinks::Exchange {
 void SocketLinks::Exchange::report(size_t i) {
   int64_t sent = std::numeric_limits<int64_t>::max();
   for (size_t j = 0; j < outgoing_.size(); ++j) {
-    if (outgoing_.peer(j) == incoming_.peer(i)) sent = std::min(sent, outgoing_.data_sent(j));
+    // Past the end of a frame sent whole, nothing received can overwrite what it sent (the two
+    // frames may differ in length: blocks of a balanced split).
+    if (outgoing_.peer(j) == incoming_.peer(i) && !outgoing_.sent(j)) sent = std::min(sent, outgoing_.data_sent(j));
   }
   bool reported = false;
   try {

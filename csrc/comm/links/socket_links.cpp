@@ -68,4 +68,14 @@ void SocketLinks::send_last_words(uint64_t sequence, int peer, const void* data,
   }
 }
 
+bool SocketLinks::crosses_long_paths() const {
+  // By the measurement, whatever DDPKIT_LINK_SEND_BUFFER set the buffers to.
+  for (const LinkPath& path : send_buffers_.paths()) {
+    if (path.peer_rank >= 0 && choose_send_buffer(path.round_trip_us, path.bits_per_s) == SendBufferChoice::kLongPath) {
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace ddpkit::comm

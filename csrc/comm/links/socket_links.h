@@ -155,6 +155,7 @@ class SocketLinks final : public Links {
   void break_off(const std::string& why) noexcept override;
   void send_last_words(uint64_t sequence, int peer, const void* data, int64_t bytes) noexcept override;
   int failed_peer() const override { return failed_peer_; }
+  bool crosses_long_paths() const override;
 
   // How many connections the set-up closed unanswered: strays that named no token of this rank's,
   // or no rank it still expected.
