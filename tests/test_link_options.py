@@ -273,14 +273,17 @@ def test_a_short_path_keeps_the_small_buffer_and_grows_it_once_the_path_is_long(
         delayed.set_round_trip(ROUND_TRIP_MS)
 
 
+RING_NUMEL = 4_500_000  # past kTwoShotsMaxBytes: the ring, its check crossing alone first
+
 # Rank 1's call against the others', each disagreeing: in front of the first of two shots against
 # in front of its own (another size), against the check's round among every partner (a small call, a
-# broadcast), and crossing alone (an empty one).
+# broadcast), and crossing alone (an empty one, one that takes the ring).
 DISAGREEING_ON_LONG_PATHS = {
     "sizes": lambda t: ddpkit.all_reduce(torch.ones(NUMEL + 1)),
     "small": lambda t: ddpkit.all_reduce(torch.ones(1000)),
     "broadcast": lambda t: ddpkit.broadcast(t, src=1),
     "empty": lambda t: ddpkit.all_reduce(torch.ones(0)),
+    "ring": lambda t: ddpkit.all_reduce(torch.ones(RING_NUMEL)),
 }
 
 
@@ -290,6 +293,10 @@ def case_long_paths(numels, kinds):
     the group's next all-reduce."""
     rank = dist.get_rank()
     out = {"every": case_every_collective(numels)}
+    ring = {"crossed": torch.full((NUMEL,), float(rank + 1)), "large": torch.full((RING_NUMEL,), float(rank + 1))}
+    ddpkit.all_reduce(ring["crossed"], cross_host_dtype=torch.bfloat16)  # the compressed crossing keeps the ring
+    ddpkit.all_reduce(ring["large"])
+    out["on_the_ring"] = [tensor.unique().tolist() for tensor in ring.values()]
     for kind in kinds:
         tensor = torch.full((NUMEL,), float(rank + 1))
         try:
@@ -312,6 +319,7 @@ def test_collectives_across_long_paths_take_two_shots_exactly_and_raise_alike(de
     per_rank = delayed.run(case_long_paths, [0, 1, 1001, 300_003], sorted(DISAGREEING_ON_LONG_PATHS), timeout=300)
     check_every_collective([out.pop("every") for out in per_rank], [1, 1, 1])
     for rank, out in enumerate(per_rank):
+        assert out.pop("on_the_ring") == [[6.0], [6.0]], f"rank {rank}"
         for kind, (error, untouched, after) in out.items():
             assert error is not None and "mismatched collectives" in error, f"rank {rank}, {kind}: {error}"
             assert untouched, f"rank {rank}, {kind}: the tensor changed"

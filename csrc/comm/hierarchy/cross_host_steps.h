@@ -109,9 +109,16 @@ class SwapSteps final : public CrossHostSteps {
 // and receives theirs into place. Each rank sends and receives 2(n-1)/n of the tensor, as on the ring,
 // in two crossings of the path instead of 2(n-1), and the check rides in front of the first shot's
 // frames (Note [A check in front of the swap] in checks/cross_host_check.h). The reduce-scatter and
-// the all-gather take one shot each. On short paths the ring stays: there nothing waits on the path,
-// and a rank's n - 1 frames at once would contend for its CPUs and caches (bench_multihost.py's
-// unshaped points against its delayed ones). The compressed crossing keeps the ring.
+// the all-gather take one shot each. But n - 1 flows into each host share its link less evenly than
+// the ring's one (their ends straggle, and a flow left alone takes round trips to claim the whole
+// link), a cost that grows with the tensor while the delays saved stay the same: above
+// kTwoShotsMaxBytes the ring stays (bench_multihost.py's delayed 4x1 points, two shots against the
+// ring at 2M to 16M floats, put the crossing near 8M). On short paths the ring stays too: there
+// nothing waits on the path, and a rank's n - 1 frames at once would contend for its CPUs and caches.
+// The compressed crossing keeps the ring.
+
+// The largest reduction that takes two shots (Note [Two shots across hosts]).
+inline constexpr int64_t kTwoShotsMaxBytes = 16 << 20;
 
 // Among three hosts or more (Note [Steps across hosts]): `backend` is the gloo subgroup of the ranks
 // the steps span, split from the group's; `scratch` receives the ring's frames and outlives the
