@@ -147,7 +147,7 @@ struct CrossHostCheck::Front {
 CrossHostCheck::CrossHostCheck(const Hierarchy& h) : h_(h) {}
 CrossHostCheck::~CrossHostCheck() = default;
 
-bool CrossHostCheck::all_to_all() const { return h_.cross->size() > 2 && h_.long_paths; }
+bool CrossHostCheck::all_to_all() const { return h_.cross->size() > 2 && h_.cross->long_paths(); }
 
 bool CrossHostCheck::rides_in_front_of_steps() const {
   return h_.cross != nullptr && h_.host() == nullptr && (h_.cross->size() == 2 || all_to_all());

@@ -32,21 +32,27 @@ namespace ddpkit::comm {
 // the largest size a message may have (words plus kOneRoundMaxBytes, or a reply's partners·(words plus
 // kOneRoundMaxBytes)), so calls that disagree (another size, another collective, one on each side of the threshold)
 // still meet in this round, and raise, instead of overflowing a receive. A center that loses a partner tells the
-// others which rank failed.
+// others which rank failed. Among three hosts or more whose paths are long (CrossHostSteps::long_paths) the round
+// goes among every partner instead: each sends every other its words and data at once and computes the
+// center's answer itself from all of them, in host order (the same bits everywhere), one crossing of the
+// path instead of two; a failed partner is then named by the links' own news (Note [News of a failure]).
 
 // Note [A check in front of the swap]
-// Between two hosts of one rank each, a collective whose data cross in a swap (the all-reduce and the
-// reduce-scatter, Note [Steps across hosts] in hierarchy/cross_host_steps.h) does not wait a round trip
-// for its check: each rank sends its words at the front of the swap's frame, its data right behind
-// them, and judges its partner's words as soon as they are in, before it uses any of the data after
-// them. Both ranks hold both words, so both reach the same verdict without an answer, and the data
-// cross hosts once, check included, on a path of any length. Every other collective takes the round
-// through the center (the small ones riding in it). Every frame of a check (a swap's front, a message
-// to the center, the center's answer) starts with its sender's words and is received drained
-// (Links::Recv::drain), so that a rank in front of a swap and one in the center's round, or two calls
-// of different sizes, still read each other's words, raise alike and leave the stream in step: the
-// group stays usable. The center's answer carries a mark after its words, so that a partner in the
-// round tells it from a swap's frame. What a one-way check gives up: a rank that refuses its partner's
+// Between hosts of one rank each, a collective whose data cross in one exchange with every partner
+// (the swap between two hosts, the first of two shots among more on long paths: the all-reduce and
+// the reduce-scatter, Note [Steps across hosts] in hierarchy/cross_host_steps.h) does not wait for its
+// check: each rank sends its words at the front of that exchange's frames, its data right behind
+// them, and judges its partners' words as soon as they are in, before it uses any of the data after
+// them. Every rank holds every rank's words, so all reach the same verdict without an answer, and the
+// data cross hosts once, check included, on a path of any length. Where the steps' frames cannot carry
+// them (the ring, a compressed crossing, an empty tensor), the words cross alone first, to every
+// partner. Every other collective takes the check's round (the small ones riding in it), which meets
+// the same partners: between two hosts through the center, among more every partner. Every frame of
+// a check (a step's front, a message to the center, the center's answer) starts with its sender's
+// words and is received drained (Links::Recv::drain), so that a rank in front of the steps and one in
+// the round, or two calls of different sizes, still read each other's words, raise alike and leave
+// the stream in step: the group stays usable. The center's answer carries a mark after its words, so
+// that a partner in the round tells it from a swap's frame. What a one-way check gives up: a rank that refuses its partner's
 // frame itself (not of this collective, or cut short) breaks the links, and its partner, which may
 // have had this rank's frame whole, finishes its collective and learns of it at the next one, which
 // raises at once. bench_multihost.py's delayed two-host points time it;

@@ -112,7 +112,7 @@ GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Back
   // cross no hosts (the leaders' form) set up none: the whole group learns whether all did, so that
   // every rank raises, and the next collective sets up again on every rank, instead of some ranks
   // going on to wait for the others' steps.
-  // With it, whether any link crosses a long path (Hierarchy::long_paths), so that every rank
+  // With it, whether any link crosses a long path (CrossHostSteps::long_paths), so that every rank
   // takes the same steps across hosts.
   at::Tensor flags_of_ranks = at::zeros({2, setup.size()}, at::kLong);
   at::Tensor failed = flags_of_ranks[0];
@@ -137,7 +137,7 @@ GroupSetUp set_up_group(Communicator& setup, const c10::intrusive_ptr<c10d::Back
   // Note [Check seam]: across equal hosts every collective of the group takes the round across
   // hosts, whatever path its data take; across unequal ones the root's verdict over the process
   // group, which stops the host's shared memory where a rank rejects its arguments unchecked.
-  hierarchy->long_paths = flags_of_ranks[1].sum().item<int64_t>() > 0;
+  if (hierarchy->cross) hierarchy->cross->set_long_paths(flags_of_ranks[1].sum().item<int64_t>() > 0);
   if (equal_hosts) {
     group.hierarchy_check = std::make_unique<CrossHostCheck>(*hierarchy);
   } else {

@@ -2,7 +2,6 @@
 
 #include "comm/core/arguments.h"
 #include "comm/core/communicator.h"
-#include "comm/hierarchy/hierarchy.h"
 #include "comm/links/ring.h"
 #include "comm/reduction/reduce_kernel.h"
 #include "comm/reduction/split.h"
@@ -174,7 +173,7 @@ Communicator RingSteps::subgroup(const Communicator& comm) const {
 }
 
 bool RingSteps::takes_two_shots(const at::Tensor& tensor, ReduceOp op, Communicator& comm) const {
-  const bool two_shots = comm.hierarchy()->long_paths && !compresses(comm.wire_format(), tensor, op) &&
+  const bool two_shots = long_paths() && !compresses(comm.wire_format(), tensor, op) &&
                          static_cast<int64_t>(tensor.nbytes()) <= kTwoShotsMaxBytes;
   // The ring's frames do not carry a check in front: its words cross alone first.
   if (!two_shots && comm.check_in_front() != nullptr) comm.settle_header();
@@ -284,7 +283,7 @@ void RingSteps::reduce(const at::Tensor& flat, int root, ReduceOp op, Communicat
 }
 
 void RingSteps::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm) {
-  if (!comm.hierarchy()->long_paths || static_cast<int64_t>(flat.nbytes()) > kTwoShotsMaxBytes) {
+  if (!long_paths() || static_cast<int64_t>(flat.nbytes()) > kTwoShotsMaxBytes) {
     return ring_all_gather(links(), comm.sequence(), flat, m);
   }
   if (m == 0) return;

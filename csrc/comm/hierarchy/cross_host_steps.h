@@ -46,6 +46,12 @@ class CrossHostSteps {
 
   int rank() const { return rank_; }
   int size() const { return static_cast<int>(group_ranks_.size()); }
+  // Some link of the group crosses a long path (Note [Send buffers] in links/send_buffers.h): the same
+  // on every rank, set once the group's set-up learnt it. Among three hosts or more the check and the
+  // steps then cross in fewer, larger exchanges (Note [A check in front of the swap] in
+  // checks/cross_host_check.h, Note [Two shots across hosts]).
+  bool long_paths() const { return long_paths_; }
+  void set_long_paths(bool long_paths) { long_paths_ = long_paths; }
   const std::vector<int>& group_ranks() const { return group_ranks_; }
   Links& links() const { return *links_; }
 
@@ -70,6 +76,7 @@ class CrossHostSteps {
   int rank_;
   std::vector<int> group_ranks_;
   std::shared_ptr<Links> links_;
+  bool long_paths_ = false;
 };
 
 // Between two hosts (Note [Steps across hosts]). `scratch`'s kFromPeer buffer receives the other
@@ -101,7 +108,7 @@ class SwapSteps final : public CrossHostSteps {
 
 // Note [Two shots across hosts]
 // A ring's step waits out the path's delay once, and an all-reduce takes 2(n-1) of them in a row: on a
-// long path (Hierarchy::long_paths, learnt at the set-up) they are most of a mid-sized collective's
+// long path (CrossHostSteps::long_paths, learnt at the set-up) they are most of a mid-sized collective's
 // time. There the all-reduce takes two shots, each one exchange with every partner at once: the
 // reduce-scatter sends each partner its block and reduces the n - 1 blocks it receives into this
 // rank's own, in one order (its own, then the partners' from the next rank round: each element is

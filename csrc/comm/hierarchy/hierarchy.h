@@ -55,10 +55,6 @@ struct Hierarchy {
   std::unique_ptr<CrossHostSteps> cross;
   // The data steps, in the form the set-up chose for the hosts' shape.
   std::unique_ptr<HierarchicalForm> form;
-  // Some link of the group crosses a long path (Note [Send buffers] in links/send_buffers.h): the same
-  // on every rank, learnt at the set-up. Among three hosts or more the check and the steps then cross
-  // in fewer, larger exchanges (Note [A check in front of the swap], Note [Two shots across hosts]).
-  bool long_paths = false;
 
   // This host's direct collectives, or null when this rank is alone on its host.
   DirectCollectives* host() const { return local ? local->direct() : nullptr; }

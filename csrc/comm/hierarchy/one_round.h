@@ -24,9 +24,11 @@ namespace ddpkit::comm {
 // collectives of shm/direct.h). The collective check runs first and the data steps unchecked: with
 // equal hosts, one step of each host's shared memory and one round of messages among the ranks of
 // each local rank (Note [One round across hosts]: one round trip across hosts, where the process
-// group's check takes two); with unequal hosts, the process group's check through rank 0. Either way
+// group's check takes two; one crossing where the check rides in front of the data, Note [A check in
+// front of the swap]); with unequal hosts, the process group's check through rank 0. Either way
 // a mismatched call raises on every rank of every host. Among more than two hosts every op's
-// all-reduce crosses on the ring over the socket links (Note [A ring across hosts] in links/ring.h);
+// all-reduce crosses on the ring over the socket links (Note [A ring across hosts] in links/ring.h), or
+// in two shots on long paths (Note [Two shots across hosts] in hierarchy/cross_host_steps.h);
 // between two, every op takes the swap; both reduce by Note [Reductions]'s rules. Every slice is reduced in one place,
 // or in the same order in both, so every rank ends with the same bits.
 // Between two hosts every step across hosts moves over the socket links: the all-reduce's swap, the
