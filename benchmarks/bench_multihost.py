@@ -9,7 +9,9 @@ Each host is a network and a mount namespace of this machine (ddpkit.testing.Hos
 /dev/shm and hostname, a veth link to a bridge, a launcher of its own), so it needs root. Links run
 unshaped ("unshaped"), shaped with tc's tbf ("1gbit"), or shaped and delayed ("1gbit-10ms": a rate
 and a round trip; the hosts then sit behind a router that holds each packet half the round trip,
-since this kernel has no netem; "unshaped-10ms" delays only):
+since this kernel has no netem; "unshaped-10ms" delays only). A last part names the hosts' TCP
+congestion control where it is not this machine's default ("1gbit-10ms-reno"; a network namespace
+takes only those net.ipv4.tcp_allowed_congestion_control lists):
 
     sudo .venv/bin/python benchmarks/bench_multihost.py --topologies 2x1 4x1 2x2 --links 1gbit-10ms 10gbit-1ms \
         --collectives all_reduce --candidates ddpkit ddpkit_kernel_buffers ddpkit_backend ddpkit_bf16 gloo \
@@ -328,7 +330,12 @@ def main() -> None:
     parser.add_argument(
         "--topologies", nargs="+", default=["2x2", "2x1"], help="HOSTSxRANKS each, such as 3x1, 4x2, 8x1"
     )
-    parser.add_argument("--links", nargs="+", default=["unshaped", "10gbit", "1gbit"])
+    parser.add_argument(
+        "--links",
+        nargs="+",
+        default=["unshaped", "10gbit", "1gbit"],
+        help="RATE[-ROUNDTRIPms][-CONGESTION_CONTROL] each",
+    )
     parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=list(COLLECTIVES))
     parser.add_argument(
         "--candidates",

@@ -108,9 +108,14 @@ def test_any_topology_and_its_link_figures():
 
 
 def test_a_delayed_link_is_a_rate_and_a_round_trip():
-    assert parse_link("1gbit-10ms") == {"rate": "1gbit", "round_trip_ms": 10.0}
-    assert parse_link("unshaped-2.5ms") == {"rate": None, "round_trip_ms": 2.5}
-    assert parse_link("10gbit") == {"rate": "10gbit", "round_trip_ms": None}
-    assert parse_link("unshaped") == {"rate": None, "round_trip_ms": None}
+    plain = {"congestion_control": None}
+    assert parse_link("1gbit-10ms") == {"rate": "1gbit", "round_trip_ms": 10.0, **plain}
+    assert parse_link("unshaped-2.5ms") == {"rate": None, "round_trip_ms": 2.5, **plain}
+    assert parse_link("10gbit") == {"rate": "10gbit", "round_trip_ms": None, **plain}
+    assert parse_link("unshaped") == {"rate": None, "round_trip_ms": None, **plain}
+    assert parse_link("1gbit-10ms-reno") == {"rate": "1gbit", "round_trip_ms": 10.0, "congestion_control": "reno"}
+    assert parse_link("1gbit-bbr") == {"rate": "1gbit", "round_trip_ms": None, "congestion_control": "bbr"}
     with pytest.raises(ValueError, match="round trip is in ms"):
         parse_link("1gbit-10s")
+    with pytest.raises(ValueError, match="CONGESTION_CONTROL"):
+        parse_link("1gbit-10ms-reno-bbr")

@@ -101,6 +101,7 @@ class HostPool(WorkerPool):
         env: dict | None = None,
         rate: str | None = None,
         round_trip_ms: float | None = None,
+        congestion_control: str | None = None,
     ):
         super().__init__(
             sum(ranks_per_host), backend=backend, timeout=timeout, group_timeout=group_timeout, threads=threads, env=env
@@ -108,6 +109,7 @@ class HostPool(WorkerPool):
         self.ranks_per_host = list(ranks_per_host)
         self.rate = rate
         self.round_trip_ms = round_trip_ms
+        self.congestion_control = congestion_control
         self.leftovers: dict = {}
         self._prefix = f"dk{os.getpid() % 100000}{secrets.token_hex(2)}"
         self._namespaces: list = []
@@ -158,6 +160,22 @@ class HostPool(WorkerPool):
         if done.returncode != 0:
             raise RuntimeError(f"ddpkit.testing.HostPool: {shlex.join(command)} failed: {done.stderr.strip()}")
 
+    def _set_congestion_control(self, namespace: str) -> None:
+        # Before any socket of the host exists: TCP's congestion control is chosen as a socket is made.
+        if self.congestion_control is None:
+            return
+        setting = f"net.ipv4.tcp_congestion_control={self.congestion_control}"
+        done = subprocess.run(
+            ["ip", "netns", "exec", namespace, "sysctl", "-qw", setting], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
+                allowed = f.read().strip()
+            raise RuntimeError(
+                f"ddpkit.testing.HostPool: congestion control {self.congestion_control!r} refused in a host's "
+                f"namespace (net.ipv4.tcp_allowed_congestion_control: {allowed}): {done.stderr.strip()}"
+            )
+
     def _tc(self, namespace: str, device: str, rate: str) -> None:
         # tbf's queue holds 50 ms at the rate, and a round trip more where the path is delayed.
         latency = 50 + (self.round_trip_ms or 0)
@@ -180,6 +198,7 @@ class HostPool(WorkerPool):
             namespace = self._host_namespace(host)
             subprocess.run(["ip", "netns", "add", namespace], check=True, capture_output=True)
             self._namespaces.append(namespace)
+            self._set_congestion_control(namespace)
             outer, inner = f"{self._prefix}o{host}", f"{self._prefix}i{host}"
             self._ip("link", "add", inner, "type", "veth", "peer", "name", outer)
             self._ip("link", "set", inner, "netns", namespace)
@@ -229,6 +248,7 @@ class HostPool(WorkerPool):
             namespace = self._host_namespace(host)
             subprocess.run(["ip", "netns", "add", namespace], check=True, capture_output=True)
             self._namespaces.append(namespace)
+            self._set_congestion_control(namespace)
             outer, inner, port = f"{self._prefix}o{host}", f"{self._prefix}i{host}", f"dkr{host}"
             # Both ends at the routed MTU: a veth drops an arriving packet longer than its own MTU
             # unless it is a segmentation-offload burst, so a lone segment between the two MTUs (a
@@ -405,13 +425,14 @@ def torchft_hosts(
     heartbeat_ms: int = 700,
     join_ms: int = 400,
     round_trip_ms: float | None = None,
+    congestion_control: str | None = None,
 ):
     """`hosts` simulated hosts (HostPool's network and namespaces, links shaped to `rate` and delayed
-    by `round_trip_ms` where given) for torchft replica groups, a lighthouse on host 0 (heartbeat and
+    by `round_trip_ms` where given, the hosts' TCP taking `congestion_control`) for torchft replica groups, a lighthouse on host 0 (heartbeat and
     join timeouts in ms: the tests' settings by default). Yields the `launch` of
     benchmarks/ft_replica.py's ReplicaGroups that runs replica r on host `host_of(r)`, with a private
     /dev/shm and hostname there, its store at that host's address and TORCHFT_LIGHTHOUSE set."""
-    pool = HostPool([1] * hosts, rate=rate, round_trip_ms=round_trip_ms)
+    pool = HostPool([1] * hosts, rate=rate, round_trip_ms=round_trip_ms, congestion_control=congestion_control)
     lighthouse = None
     try:
         pool._make_network()
@@ -476,13 +497,20 @@ def delayer_path() -> Path:
 
 def parse_link(link: str) -> dict:
     """HostPool's link settings for a link named as the benchmarks take them: "unshaped", a tc rate
-    such as "1gbit", or a rate and a round trip such as "1gbit-10ms" ("unshaped-10ms": delayed only)."""
-    rate, _, delay = link.partition("-")
-    settings = {"rate": None if rate == "unshaped" else rate, "round_trip_ms": None}
-    if delay:
+    such as "1gbit", or a rate and a round trip such as "1gbit-10ms" ("unshaped-10ms": delayed only),
+    either followed by the hosts' TCP congestion control where it is not this machine's default, such
+    as "1gbit-10ms-reno"."""
+    rate, *rest = link.split("-")
+    settings = {"rate": None if rate == "unshaped" else rate, "round_trip_ms": None, "congestion_control": None}
+    if rest and rest[0][:1].isdigit():
+        delay = rest.pop(0)
         if not delay.endswith("ms"):
             raise ValueError(f"a link's round trip is in ms, such as 1gbit-10ms, got {link!r}")
         settings["round_trip_ms"] = float(delay[:-2])
+    if len(rest) > 1:
+        raise ValueError(f"a link is RATE, RATE-ROUNDTRIPms or either with -CONGESTION_CONTROL, got {link!r}")
+    if rest:
+        settings["congestion_control"] = rest[0]
     return settings
 
 
