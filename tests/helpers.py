@@ -266,6 +266,19 @@ def call_each_then_all_reduce(calls, kinds):
     return out
 
 
+def error_and_untouched(call, numel):
+    """``call(tensor)`` on a tensor of ``numel`` elements of this rank + 1: its error, or None, and
+    whether the tensor still holds its values (a call that raised must have moved nothing into it)."""
+    rank = dist.get_rank()
+    tensor = torch.full((numel,), float(rank + 1))
+    try:
+        call(tensor)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return error, bool((tensor == rank + 1).all())
+
+
 # --- every collective across hosts, and a mismatch of one (test_multihost*.py) ------------------------
 
 

@@ -33,6 +33,7 @@ CLASSES = {
     "multihost_link_threads_2core": {records.MultihostRecord},
     "multihost_unshaped": {records.MultihostRecord},  # a release build (compare_builds.sh's venv of 10bd288)
     "multihost_delayed": {records.MultihostRecord},  # --links 1gbit-10ms (issue 65)
+    "multihost_delayed_4x1_16M": {records.MultihostRecord},  # 4x1, 16M floats, BBR and reno (issue 65)
     "multihost_16core_link_threads": {records.MultihostRecord},  # scripts/gpu_checks.sh multihost, from 2026-11-28 on
     "latency": {records.LatencyRecord},
     "fault_tolerance": {records.FaultToleranceRecord},

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit.testing import HostPool, WorkerFailure, WorkerPool
 
-from helpers import HOSTS_GROUP_TIMEOUT_S, case_every_collective, check_every_collective
+from helpers import HOSTS_GROUP_TIMEOUT_S, case_every_collective, check_every_collective, error_and_untouched
 
 HOSTS = "a,b,c"
 NUMEL = 300_000  # past the check's round: the ring's frames cross the links
@@ -298,13 +298,9 @@ def case_long_paths(numels, kinds):
     ddpkit.all_reduce(ring["large"])
     out["on_the_ring"] = [tensor.unique().tolist() for tensor in ring.values()]
     for kind in kinds:
-        tensor = torch.full((NUMEL,), float(rank + 1))
-        try:
-            DISAGREEING_ON_LONG_PATHS[kind](tensor) if rank == 1 else ddpkit.all_reduce(tensor)
-            error = None
-        except RuntimeError as exc:
-            error = str(exc)
-        untouched = bool((tensor == rank + 1).all())
+        error, untouched = error_and_untouched(
+            DISAGREEING_ON_LONG_PATHS[kind] if rank == 1 else ddpkit.all_reduce, NUMEL
+        )
         after = torch.full((NUMEL,), float(rank + 1))
         ddpkit.all_reduce(after)
         out[kind] = (error, untouched, after.unique().tolist())

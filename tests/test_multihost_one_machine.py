@@ -20,6 +20,7 @@ from helpers import (
     case_every_collective,
     case_mismatch,
     check_every_collective,
+    error_and_untouched,
     rank_input,
 )
 from helpers import HOSTS_GROUP_TIMEOUT_S as GROUP_TIMEOUT_S
@@ -360,13 +361,7 @@ def case_check_in_front(kinds):
     rank = dist.get_rank()
     out = {"topology": ddpkit.comm.topology()}
     for kind in kinds:
-        tensor = torch.full((IN_FRONT,), float(rank + 1))
-        try:
-            DISAGREEING_CALLS[kind][rank](tensor)
-            error = None
-        except RuntimeError as exc:
-            error = str(exc)
-        untouched = bool((tensor == rank + 1).all())
+        error, untouched = error_and_untouched(DISAGREEING_CALLS[kind][rank], IN_FRONT)
         total = torch.full((IN_FRONT,), float(rank + 1))
         ddpkit.all_reduce(total)
         crossed = torch.full((IN_FRONT,), float(rank + 1))
