@@ -98,8 +98,8 @@ void all_reduce_(at::Tensor& tensor, ReduceOp op, Algorithm algorithm, Communica
   if (route.route == Route::kOneRound) {
     return hierarchical_all_reduce_in_one_round(tensor, op, header, *comm.hierarchy(), comm);
   }
-  // Between two hosts of one rank each, the check rides in front of the swap's frames (Note [A check
-  // in front of the swap] in checks/cross_host_check.h).
+  // Across hosts of one rank each (two, or more on long paths), the check rides in front of the first
+  // frames of the steps across hosts (Note [A check in front of the swap] in checks/cross_host_check.h).
   const bool check_in_front = route.route == Route::kHostSteps && comm.check_rides_in_front_of_steps();
   if (check_in_front) {
     comm.begin_in_front_of_steps(header, error);
@@ -373,8 +373,8 @@ void reduce_scatter_tensor_(at::Tensor& output, const at::Tensor& input, ReduceO
     return;
   }
   if (route.route == Route::kHostSteps && comm.check_rides_in_front_of_steps()) {
-    // The check rides in front of the swap's frames (Note [A check in front of the swap] in
-    // checks/cross_host_check.h), or crosses alone where the output is empty.
+    // The check rides in front of the first frames of the steps across hosts (Note [A check in front
+    // of the swap] in checks/cross_host_check.h), or crosses alone where they cannot carry it.
     comm.begin_in_front_of_steps(header, error);
     if (output.numel() > 0) comm.hierarchy()->form->reduce_scatter(output, input, op, comm);
     comm.settle_header();
