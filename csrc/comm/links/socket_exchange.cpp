@@ -17,6 +17,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <poll.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
@@ -91,7 +92,11 @@ class SocketLinks::Exchange {
   void stop_threads() noexcept;
   // Gives up this exchange over `failure`, cutting off the peers whose frame from this rank stopped
   // halfway and telling every other peer which rank failed, where it names one.
-  [[noreturn]] void give_up(const Failure& failure);
+  [[noreturn]] void give_up(const Failure& reported);
+  // `failure`, or, where its peer gave up first and left news of the rank that failed on a stream this
+  // exchange does not read (Note [News of a failure]), that news: a send to a peer that hung up after
+  // telling this rank names the rank that failed, not the messenger.
+  Failure news_behind(const Failure& failure) const;
   [[noreturn]] void give_up(int peer, const std::string& why) { give_up(Failure{peer, why, -1}); }
   // The first peer whose frame this rank still waits to send or receive, or -1.
   int waiting_peer() const;
@@ -191,8 +196,9 @@ void SocketLinks::Exchange::stop_threads() noexcept {
   }
 }
 
-void SocketLinks::Exchange::give_up(const Failure& failure) {
+void SocketLinks::Exchange::give_up(const Failure& reported) {
   stop_threads();
+  const Failure failure = news_behind(reported);
   const int peer = failure.peer;
   std::vector<int> cut_off;
   const Clock::time_point until = std::min(deadline_, Clock::now() + kNewsWithin);
@@ -214,6 +220,23 @@ void SocketLinks::Exchange::give_up(const Failure& failure) {
     }
   }
   links_.fail(peer, failure.why, cut_off);
+}
+
+Failure SocketLinks::Exchange::news_behind(const Failure& failure) const {
+  // Only a stream this exchange does not read from: elsewhere the next bytes are a frame's.
+  const int peer = failure.peer;
+  if (peer < 0 || peer == links_.rank_ || links_.fds_[peer].get() < 0) return failure;
+  for (size_t i = 0; i < incoming_.size(); ++i) {
+    if (incoming_.peer(i) == peer) return failure;
+  }
+  FrameHeader news{};
+  const ssize_t got = ::recv(links_.fds_[peer].get(), &news, sizeof(news), MSG_PEEK | MSG_DONTWAIT);
+  if (got != static_cast<ssize_t>(sizeof(news)) || news.magic != kNewsMagic) return failure;
+  const auto failed = static_cast<int64_t>(news.bytes);
+  const auto known = std::find(links_.group_ranks_.begin(), links_.group_ranks_.end(), failed);
+  const int about = known == links_.group_ranks_.end() ? peer : static_cast<int>(known - links_.group_ranks_.begin());
+  return {about, c10::str("rank ", failed, " failed or died (rank ", links_.group_ranks_[peer], " reported it)"),
+          failed};
 }
 
 int SocketLinks::Exchange::waiting_peer() const {

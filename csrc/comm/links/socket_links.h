@@ -59,8 +59,10 @@ class LinkThread;
 // never depends on the step's incoming frame, so it is the true frame) and then sends every other
 // peer a news frame naming the failed rank, each within a second, before it shuts the failed link.
 // A rank that reads news where it expected a frame gives up naming that rank ("rank 1 failed or died
-// (rank 2 reported it)") and passes the news on. A frame it could not finish in time is cut off as
-// before, and that peer names the messenger. tests/test_multihost.py's ring-step kill checks that
+// (rank 2 reported it)") and passes the news on; so does a rank whose send to the messenger breaks
+// because the messenger hung up, where the news waits unread on that stream (a ring step receives
+// from another peer). A frame it could not finish in time is cut off as before, and that peer names
+// the messenger. tests/test_multihost.py's ring-step kill checks that
 // every host names the killed rank.
 
 // Note [Threads of the links]
