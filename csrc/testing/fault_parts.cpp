@@ -165,13 +165,19 @@ class DyingInRingLinks final : public Links {
   explicit DyingInRingLinks(std::shared_ptr<Links> inner) : inner_(std::move(inner)) {}
   int rank() const override { return inner_->rank(); }
   int size() const override { return inner_->size(); }
+  // The ring's steps are one exchange's frames (Note [A streaming ring]): the first step ends as the
+  // first frame from the left is reported whole.
   void exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs) override {
     const bool data = std::any_of(sends.begin(), sends.end(), [](const Send& send) {
       return send.first_bytes + send.second_bytes > kRingFrameBytes;
     });
-    if (data && (data_sequence_ == 0 || data_sequence_ == sequence)) {
-      data_sequence_ = sequence;
-      if (++data_steps_ == 2) die();
+    if (data && !armed_ && recvs.size() > 1 && recvs.front().on_data) {
+      armed_ = true;
+      Recv& first = recvs.front();
+      first.on_data = [report = std::move(first.on_data), whole = first.capacity](int64_t bytes) {
+        report(bytes);
+        if (bytes == whole) die();
+      };
     }
     inner_->exchange(sequence, std::move(sends), recvs);
   }
@@ -184,8 +190,7 @@ class DyingInRingLinks final : public Links {
 
  private:
   std::shared_ptr<Links> inner_;
-  uint64_t data_sequence_ = 0;  // the first collective with a ring's data, once seen
-  int data_steps_ = 0;
+  bool armed_ = false;  // the first collective with a ring's data was seen
 };
 
 // A connection to `listener`'s address: what stray_links queues before any rank can connect.

@@ -23,7 +23,8 @@
 //  stale_link_frame: the rank's first frame over the socket links carries the previous collective's
 //    sequence number, as a frame of an abandoned collective would.
 //  die_in_ring_step: the rank SIGKILLs itself as it starts the second step of the ring across hosts
-//    (Note [A ring across hosts]) in its first collective that runs one.
+//    (Note [A ring across hosts]) in its first collective that runs one: once the first frame from
+//    its left neighbour is reported whole.
 //  no_liveness_poll: the rank's shared-memory waits never run their periodic check (of the peers'
 //    liveness and of the timeout): only the peer watch (Note [Prompt death notice]) or a peer's
 //    progress ends them.

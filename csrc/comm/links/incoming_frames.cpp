@@ -15,8 +15,23 @@ using namespace socket_io;
 
 IncomingFrames::IncomingFrames(std::vector<Links::Recv>& recvs, uint64_t sequence, const std::vector<Fd>& fds,
                                const std::vector<int>& ranks)
-    : recvs_(recvs), sequence_(sequence), fds_(fds), ranks_(ranks), progress_(new Progress[recvs.size()]) {
-  for (Links::Recv& recv : recvs_) recv.received = 0;
+    : recvs_(recvs),
+      sequence_(sequence),
+      fds_(fds),
+      ranks_(ranks),
+      progress_(new Progress[recvs.size()]),
+      earlier_(recvs.size(), -1),
+      later_(recvs.size(), 0) {
+  for (size_t i = 0; i < recvs_.size(); ++i) {
+    recvs_[i].received = 0;
+    for (size_t j = i; j-- > 0;) {
+      if (recvs_[j].peer == recvs_[i].peer) {
+        earlier_[i] = static_cast<int>(j);
+        later_[j] = 1;
+        break;
+      }
+    }
+  }
 }
 
 Moved IncomingFrames::receive_some(size_t i, LinkThread* thread, Failure& failure, bool& news) {
@@ -24,6 +39,12 @@ Moved IncomingFrames::receive_some(size_t i, LinkThread* thread, Failure& failur
   const Links::Recv& recv = recvs_[i];
   const int peer = recv.peer;
   int64_t done = in.done.load(std::memory_order_relaxed);  // this thread is its one writer
+  if (done == 0 && earlier_[i] >= 0) {
+    const auto earlier = static_cast<size_t>(earlier_[i]);
+    if (!received(earlier)) return Moved::kQueued;
+    // Its data may still be in the buffer this frame would receive into.
+    if (recvs_[earlier].on_data && reported(earlier) < whole(earlier)) return Moved::kFull;
+  }
   Moved result = Moved::kDone;
   while (done < total(i, done)) {
     if (thread != nullptr && thread->stop_requested()) return Moved::kBlocked;
@@ -107,6 +128,13 @@ bool IncomingFrames::report(size_t i, int64_t sent) {
   recv.on_data(ready);
   in.reported.store(ready, std::memory_order_release);
   return true;
+}
+
+int64_t IncomingFrames::done_with(size_t i) const {
+  const int64_t passed = reported(i);  // after the header: a report needs data
+  if (passed > 0 && passed == whole(i)) return passed;
+  const int64_t step = recvs_[i].step;
+  return step > 0 ? passed / step * step : passed;
 }
 
 void IncomingFrames::set_received() const {

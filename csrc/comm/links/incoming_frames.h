@@ -5,6 +5,7 @@
 #include "comm/links/links.h"
 #include "comm/links/socket_io.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -28,6 +29,12 @@ class IncomingFrames {
   int peer(size_t i) const { return recvs_[i].peer; }
   int fd(size_t i) const { return fds_[recvs_[i].peer].get(); }
   bool windowed(size_t i) const { return recvs_[i].window > 0; }
+  // Whether a later frame from the same peer waits for frame `i`'s reports (Links::exchange).
+  bool queues_behind(size_t i) const { return later_[i]; }
+  // The data bytes of frame `i` its on_data is done with (a send that follows it may forward them):
+  // what the reports passed, to the last multiple of Recv::step before the frame's end (a report may
+  // end inside an element, which its on_data leaves for the next).
+  int64_t done_with(size_t i) const;
   // Frame `i` has come whole.
   bool received(size_t i) const {
     const int64_t done = progress_[i].done.load(std::memory_order_acquire);
@@ -37,7 +44,8 @@ class IncomingFrames {
   // Receives as much of frame `i` as its socket holds now (kFull once its window is), checking its
   // header, or, on `thread` (null: the caller's), until the caller asks it to stop; on failure says
   // why in `failure`. `news`: set when another step of data (Recv::step) or the frame's end is in
-  // for the caller to report (a thread has told the caller already).
+  // for the caller to report (a thread has told the caller already). kQueued while an earlier frame
+  // from the same peer is still coming, kFull while it is not reported whole.
   socket_io::Moved receive_some(size_t i, LinkThread* thread, socket_io::Failure& failure, bool& news);
   // On the caller's thread: passes what is ready of frame `i`, no further than `sent` data bytes (the
   // frame sent to the same peer, where there is one, so that the caller may overwrite what it sent),
@@ -58,6 +66,11 @@ class IncomingFrames {
     std::atomic<int64_t> reported{0};
     int64_t told = 0;  // data bytes the receiving thread woke the caller for (its own)
   };
+  int64_t reported(size_t i) const { return progress_[i].reported.load(std::memory_order_acquire); }
+  // Frame `i`'s data bytes, once its header is in (and checked), as far as `data` holds them.
+  int64_t whole(size_t i) const {
+    return std::min(static_cast<int64_t>(progress_[i].header.bytes), recvs_[i].capacity);
+  }
   // Frame `i`'s bytes with its header once `done` bytes of it are in (a byte more while the header
   // is not).
   int64_t total(size_t i, int64_t done) const {
@@ -70,6 +83,8 @@ class IncomingFrames {
   const std::vector<socket_io::Fd>& fds_;
   const std::vector<int>& ranks_;
   std::unique_ptr<Progress[]> progress_;
+  std::vector<int> earlier_;  // by frame: the frame before it from the same peer, or -1
+  std::vector<char> later_;   // by frame: whether a frame after it comes from the same peer
 };
 
 }  // namespace ddpkit::comm

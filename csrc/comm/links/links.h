@@ -50,6 +50,12 @@ class Links {
     int64_t second_bytes = 0;
     std::function<void(int64_t)> prepare = nullptr;
     int64_t prepare_step = 0;
+    // With `follows` (an index into the exchange's recvs), the frame forwards what that received
+    // frame's reports passed: its data byte k goes out once on_data was called with a count past k
+    // (Note [A streaming ring] in links/ring.h), to the last multiple of its `step` before its end.
+    // That frame needs on_data and a step, and is at least as long; `second` and `prepare` must be
+    // empty.
+    int follows = -1;
   };
   // One frame to receive into `data`, at most `capacity` bytes; exchange() sets `received`. With
   // `on_data`, exchange() calls it with a count of bytes each time another `step` of them (or the
@@ -89,7 +95,11 @@ class Links {
   // Sends every frame of `sends` and receives every frame of `recvs`, all at once, as part of the
   // collective numbered `sequence`; returns once all are done. Raises (and breaks the links) when a
   // peer closed its connection, the timeout expired, or a frame was not the one expected; then
-  // failed_peer() names the peer. At most one frame per peer and direction.
+  // failed_peer() names the peer. Frames to one peer go in the order given, each once the one before
+  // it went whole; frames from one peer come in the order given, each received once the one before
+  // it came whole and was reported whole, so that they may share a buffer. Where a report waits for
+  // a send (a peer both sent to and received from with on_data), that peer has one frame each way and
+  // no frame follows another.
   virtual void exchange(uint64_t sequence, std::vector<Send> sends, std::vector<Recv>& recvs) = 0;
 
   // Shuts every link down, so that no peer waits for this rank (after a failure).

@@ -24,8 +24,15 @@ OutgoingFrames::OutgoingFrames(std::vector<Links::Send>&& sends, uint64_t sequen
       fds_(fds),
       ranks_(ranks),
       reports_wait_(reports_wait),
-      progress_(new Progress[sends_.size()]) {
+      progress_(new Progress[sends_.size()]),
+      earlier_(sends_.size(), -1) {
   for (size_t i = 0; i < sends_.size(); ++i) {
+    for (size_t j = i; j-- > 0;) {
+      if (sends_[j].peer == sends_[i].peer) {
+        earlier_[i] = static_cast<int>(j);
+        break;
+      }
+    }
     const Links::Send& send = sends_[i];
     progress_[i].header = {kFrameMagic, sequence, static_cast<uint64_t>(send.first_bytes + send.second_bytes)};
     progress_[i].prepared = send.prepare ? 0 : send.first_bytes + send.second_bytes;
@@ -33,13 +40,18 @@ OutgoingFrames::OutgoingFrames(std::vector<Links::Send>&& sends, uint64_t sequen
   }
 }
 
-Moved OutgoingFrames::send_some(size_t i, const LinkThread* thread, Failure& failure, bool& news) {
+Moved OutgoingFrames::send_some(size_t i, int64_t sendable, const LinkThread* thread, Failure& failure,
+                                bool& news) {
   Progress& out = progress_[i];
   const Links::Send& send = sends_[i];
   const int fd = fds_[send.peer].get();
+  if (earlier_[i] >= 0 && !sent(earlier_[i])) return Moved::kQueued;
+  // The frame's bytes with its header that may go now.
+  const int64_t until = std::min(total(i), kHeaderBytes + sendable);
   int64_t done = out.done.load(std::memory_order_relaxed);  // this thread is its one writer
   while (done < total(i)) {
     if (thread != nullptr && thread->stop_requested()) return Moved::kBlocked;
+    if (done >= until) return Moved::kFull;
     const int64_t data_sent = std::max<int64_t>(0, done - kHeaderBytes);
     if (send.prepare && out.prepared <= data_sent && out.prepared < send.first_bytes) {
       out.prepared = std::min(send.first_bytes, out.prepared + send.prepare_step);
@@ -56,12 +68,15 @@ Moved OutgoingFrames::send_some(size_t i, const LinkThread* thread, Failure& fai
     iovec parts[3];
     int count = 0;
     int64_t skip = done;
+    int64_t left = until - done;
     auto add = [&](const void* data, int64_t bytes) {
       if (skip >= bytes) {
         skip -= bytes;
         return;
       }
-      parts[count++] = {const_cast<char*>(static_cast<const char*>(data)) + skip, static_cast<size_t>(bytes - skip)};
+      const int64_t taken = std::min(bytes - skip, left);
+      if (taken > 0) parts[count++] = {const_cast<char*>(static_cast<const char*>(data)) + skip, static_cast<size_t>(taken)};
+      left -= taken;
       skip = 0;
     };
     add(&out.header, kHeaderBytes);

@@ -35,15 +35,27 @@ class OutgoingFrames {
     const int64_t done = progress_[i].done.load(std::memory_order_acquire);
     return done > 0 && done < total(i);
   }
+  // Frame `i` waits for its peer to take more: not gone whole, not queued behind an earlier frame to
+  // the same peer, and short of the `sendable` data bytes (send_some's) that may go.
+  bool waits_for_peer(size_t i, int64_t sendable) const {
+    const int64_t done = progress_[i].done.load(std::memory_order_acquire);
+    return done < std::min(total(i), socket_io::kHeaderBytes + sendable) && (earlier_[i] < 0 || sent(earlier_[i]));
+  }
   // The data bytes (its header left out) of frame `i` sent so far.
   int64_t data_sent(size_t i) const {
     return std::max<int64_t>(0, progress_[i].done.load(std::memory_order_acquire) - socket_io::kHeaderBytes);
   }
 
-  // Sends as much of frame `i` as its socket takes now (prepare()-ing it as it goes), or, on
-  // `thread` (null: the caller's), until the caller asks it to stop; on failure says why in
-  // `failure`. `news`: set when the caller should look (a report waits for this send).
-  socket_io::Moved send_some(size_t i, const LinkThread* thread, socket_io::Failure& failure, bool& news);
+  // The received frame whose reports frame `i` forwards (Links::Send::follows), or -1.
+  int follows(size_t i) const { return sends_[i].follows; }
+
+  // Sends as much of frame `i` as its socket takes now, no further than `sendable` data bytes (what
+  // its followed frame's reports passed; anything past the frame's end for one that follows none),
+  // prepare()-ing it as it goes, or, on `thread` (null: the caller's), until the caller asks it to
+  // stop; on failure says why in `failure`. `news`: set when the caller should look (a report waits
+  // for this send). kQueued while an earlier frame to the same peer has not gone whole.
+  socket_io::Moved send_some(size_t i, int64_t sendable, const LinkThread* thread, socket_io::Failure& failure,
+                             bool& news);
   // Sends the rest of frame `i`, cut halfway, by `until`, blocking; false when it cannot.
   bool finish(size_t i, socket_io::Clock::time_point until) noexcept;
 
@@ -62,6 +74,7 @@ class OutgoingFrames {
   const std::vector<int>& ranks_;
   const bool reports_wait_;
   std::unique_ptr<Progress[]> progress_;
+  std::vector<int> earlier_;  // by frame: the frame before it to the same peer, or -1
 };
 
 }  // namespace ddpkit::comm

@@ -19,7 +19,8 @@ namespace ddpkit::comm {
 //  - a block is one of the N parts a ring splits a tensor into (BalancedSplit's: sizes differing
 //    by at most one element, the first numel % N one longer), or one of a reduce-scatter's N
 //    blocks of m elements;
-//  - a step is one exchange: a block out to the right, a block in from the left;
+//  - a step is one frame each way: a block out to the right, a block in from the left; a
+//    collective's steps all go in one exchange (Note [A streaming ring]);
 //  - a part is what the receiver reduces at a time while the rest of its block arrives
 //    (kLinkPartBytes in links/links.h), so that receiving, reducing and the right neighbour's sending overlap.
 // The reduce-scatter takes N - 1 steps: at step s rank r sends block r - 1 - s and receives block
@@ -35,6 +36,20 @@ namespace ddpkit::comm {
 // scratch and reduces it from there; the all-gather forwards the frames' bytes as they came, and
 // the owner of a block replaces its own copy by the decoded one, so that every rank ends with the
 // same bits.
+
+// Note [A streaming ring]
+// A ring's step sends what the step before it received (reduced, in the reduce-scatter; as it came,
+// in the all-gather). Run as one exchange per step, each step waited for the last part of the
+// block before it, and across a path of some milliseconds every step paid the path's delay again
+// with its link idle meanwhile: 2(N - 1) delays per all-reduce. So a collective's steps are the
+// frames of one exchange: frames to the right neighbour go in order, and each after the first
+// follows the frame before it from the left (Links::Send::follows), going out part by part as that
+// frame's parts are reduced. The link stays busy from the first frame to the last and a path's
+// delay is paid about once. Each part is still reduced once, in the order the ring gives it, so
+// the results are the bits the steps gave one at a time. The frames from the left share one
+// receiving buffer (or window), each received once the one before it was reduced whole. The 4x1
+// points of bench_multihost.py --links 1gbit-10ms time it against gloo; compare_builds.sh --hosts
+// against the build before it on undelayed links.
 
 // In place: op over every rank's `flat` (contiguous; any dtype the reduction family takes; `wire`
 // only for float32 sums and means, Note [Compressed crossing]).

@@ -38,23 +38,34 @@ namespace {
 // (Note [News of a failure]), within the exchange's deadline.
 constexpr std::chrono::seconds kNewsWithin{1};
 
-// Whether an on_data waits for the frame sent to its peer; checks one frame per peer and direction
-// (two would interleave on the one stream) and a window's conditions (Note [Receiving windows]).
+// Whether an on_data waits for a frame sent to its peer; checks the rules of Links::exchange: where
+// a report waits for a send, one frame per peer each way and none that follows another (each could
+// wait for the other), a followed frame's conditions, and a window's (Note [Receiving windows]).
 bool reports_wait_for_sends(const std::vector<Links::Send>& sends, const std::vector<Links::Recv>& recvs,
                             const std::vector<Fd>& fds, int rank) {
-  std::vector<char> sending(fds.size(), 0), receiving(fds.size(), 0);
+  std::vector<int> sending(fds.size(), 0), receiving(fds.size(), 0);
+  bool following = false;
   for (const Links::Send& send : sends) {
-    TORCH_INTERNAL_ASSERT(send.peer != rank && fds.at(send.peer).get() >= 0 && !sending[send.peer]++);
+    TORCH_INTERNAL_ASSERT(send.peer != rank && fds.at(send.peer).get() >= 0);
+    ++sending[send.peer];
     TORCH_INTERNAL_ASSERT(!send.prepare || (send.second_bytes == 0 && send.prepare_step > 0));
+    if (send.follows >= 0) {
+      following = true;
+      const Links::Recv& followed = recvs.at(send.follows);
+      TORCH_INTERNAL_ASSERT(followed.on_data && followed.step > 0 && !followed.drain && !send.prepare && send.second_bytes == 0 &&
+                            send.first_bytes <= followed.minimum);
+    }
   }
-  bool wait = false;
+  bool wait = false, several = following;
   for (const Links::Recv& recv : recvs) {
-    TORCH_INTERNAL_ASSERT(recv.peer != rank && fds.at(recv.peer).get() >= 0 && !receiving[recv.peer]++);
+    TORCH_INTERNAL_ASSERT(recv.peer != rank && fds.at(recv.peer).get() >= 0);
+    several = several || ++receiving[recv.peer] > 1 || sending[recv.peer] > 1;
     wait = wait || (recv.on_data && sending[recv.peer]);
     // A window is emptied by reports alone: a report that waited for a send could wait forever.
     TORCH_INTERNAL_ASSERT(recv.window == 0 || (recv.on_data && recv.step > 0 && recv.window % recv.step == 0 &&
                                                !sending[recv.peer] && !recv.drain));
   }
+  TORCH_INTERNAL_ASSERT(!(wait && several));
   return wait;
 }
 
@@ -82,8 +93,14 @@ class SocketLinks::Exchange {
     Failure failure;  // written before `failed`
   };
 
-  // Passes what is ready of received frame `i` to its on_data (the caller's thread).
-  void report(size_t i);
+  // Passes what is ready of received frame `i` to its on_data (the caller's thread); true when it
+  // passed more.
+  bool report(size_t i);
+  // The data bytes of sent frame `i` that may go now (Links::Send::follows).
+  int64_t sendable(size_t i) const {
+    const int followed = outgoing_.follows(i);
+    return followed < 0 ? std::numeric_limits<int64_t>::max() : incoming_.done_with(followed);
+  }
   // A thread's job: every frame of its direction, until done, failed or stopped.
   void move_on_thread(Direction& direction, bool sending, const at::ThreadLocalState& caller) noexcept;
   // Hands `direction` to `thread`; false, leaving it to the caller, when the thread cannot start.
@@ -98,7 +115,8 @@ class SocketLinks::Exchange {
   // telling this rank names the rank that failed, not the messenger.
   Failure news_behind(const Failure& failure) const;
   [[noreturn]] void give_up(int peer, const std::string& why) { give_up(Failure{peer, why, -1}); }
-  // The first peer whose frame this rank still waits to send or receive, or -1.
+  // The first peer whose frame this rank still waits to send or receive, or -1: a send that waits
+  // for what this rank has yet to receive waits for that receive's peer.
   int waiting_peer() const;
 
   SocketLinks& links_;
@@ -110,7 +128,7 @@ class SocketLinks::Exchange {
   Direction receiving_;
 };
 
-void SocketLinks::Exchange::report(size_t i) {
+bool SocketLinks::Exchange::report(size_t i) {
   int64_t sent = std::numeric_limits<int64_t>::max();
   for (size_t j = 0; j < outgoing_.size(); ++j) {
     // Past the end of a frame sent whole, nothing received can overwrite what it sent (the two
@@ -123,8 +141,19 @@ void SocketLinks::Exchange::report(size_t i) {
   } catch (const std::exception& e) {
     give_up(incoming_.peer(i), e.what());  // the frame is only partly read: the stream cannot go on
   }
-  // Room in the window: a receiving thread that found it full waits for this.
-  if (reported && incoming_.windowed(i) && receiving_.thread != nullptr) receiving_.thread->tell_job();
+  if (!reported) return false;
+  // Room in the window, or a later frame's turn: a receiving thread that found either waits for this.
+  if ((incoming_.windowed(i) || incoming_.queues_behind(i)) && receiving_.thread != nullptr) {
+    receiving_.thread->tell_job();
+  }
+  // More to forward: a sending thread that found nothing left to send waits for this.
+  for (size_t j = 0; j < outgoing_.size() && sending_.thread != nullptr; ++j) {
+    if (outgoing_.follows(j) == static_cast<int>(i)) {
+      sending_.thread->tell_job();
+      break;
+    }
+  }
+  return true;
 }
 
 void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
@@ -137,8 +166,9 @@ void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
     const at::ThreadLocalStateGuard state(caller);  // prepare() runs tensor ops in the caller's modes
     const size_t count = sending ? outgoing_.size() : incoming_.size();
     std::vector<pollfd> waiting;
-    // A full window waits for the caller's reports to make room (Note [Receiving windows]): their
-    // news is emptied before the room is read again, so that none after that read is lost.
+    // A frame that waits for the caller's reports (a full window, Note [Receiving windows], a frame
+    // behind one not reported whole, a send that forwards reported data): their news is emptied
+    // before the reports are read again, so that none after that read is lost.
     bool full = false;
     while (!direction.thread->stop_requested()) {
       if (full) direction.thread->clear_job_news();
@@ -147,7 +177,7 @@ void SocketLinks::Exchange::move_on_thread(Direction& direction, bool sending,
       full = false;
       for (size_t i = 0; i < count; ++i) {
         if (sending ? outgoing_.sent(i) : incoming_.received(i)) continue;
-        const Moved result = sending ? outgoing_.send_some(i, direction.thread, direction.failure, news)
+        const Moved result = sending ? outgoing_.send_some(i, sendable(i), direction.thread, direction.failure, news)
                                      : incoming_.receive_some(i, direction.thread, direction.failure, news);
         if (result == Moved::kFailed) {
           direction.failed.store(true, std::memory_order_release);
@@ -241,10 +271,13 @@ Failure SocketLinks::Exchange::news_behind(const Failure& failure) const {
 
 int SocketLinks::Exchange::waiting_peer() const {
   for (size_t i = 0; i < outgoing_.size(); ++i) {
-    if (!outgoing_.sent(i)) return outgoing_.peer(i);
+    if (outgoing_.waits_for_peer(i, sendable(i))) return outgoing_.peer(i);
   }
   for (size_t i = 0; i < incoming_.size(); ++i) {
     if (!incoming_.received(i)) return incoming_.peer(i);
+  }
+  for (size_t i = 0; i < outgoing_.size(); ++i) {
+    if (!outgoing_.sent(i)) return outgoing_.peer(i);  // its data is in, the last report to come
   }
   return -1;
 }
@@ -276,11 +309,12 @@ void SocketLinks::Exchange::run(LinkThread* sender, LinkThread* receiver) {
     }
     waiting.clear();
     Failure failure;
-    bool news = false, full = false;
+    bool news = false, full = false, forwarding = false;
     for (size_t i = 0; i < outgoing_.size() && !threaded_sends; ++i) {
-      const Moved result = outgoing_.send_some(i, nullptr, failure, news);
+      const Moved result = outgoing_.send_some(i, sendable(i), nullptr, failure, news);
       if (result == Moved::kFailed) give_up(failure);
       if (result == Moved::kBlocked) waiting.push_back({outgoing_.fd(i), POLLOUT, 0});
+      forwarding = forwarding || result == Moved::kFull;
     }
     for (size_t i = 0; i < incoming_.size() && !threaded_receives; ++i) {
       if (incoming_.received(i)) continue;
@@ -289,9 +323,15 @@ void SocketLinks::Exchange::run(LinkThread* sender, LinkThread* receiver) {
       if (result == Moved::kBlocked) waiting.push_back({incoming_.fd(i), POLLIN, 0});
       full = full || result == Moved::kFull;
     }
-    for (size_t i = 0; i < incoming_.size(); ++i) report(i);
-    if (full) continue;  // the reports just made room: receive again before waiting
-    if (waiting.empty() && !sending && !receiving) break;
+    bool reported = false;
+    for (size_t i = 0; i < incoming_.size(); ++i) reported = report(i) || reported;
+    // The reports just made room, or gave a send waiting for them more to forward: move again before
+    // waiting (where they gave nothing, a receive's socket is what the send waits for).
+    if (full || (forwarding && reported)) continue;
+    if (waiting.empty() && !sending && !receiving) {
+      TORCH_INTERNAL_ASSERT(waiting_peer() < 0, "an exchange stopped with frames left to move");
+      break;
+    }
     const size_t own = waiting.size();
     waking.clear();
     for (Direction* direction : {&sending_, &receiving_}) {

@@ -63,9 +63,11 @@ struct Failure {
   int64_t failed_rank = -1;
 };
 
-// How a move of one frame ended for now. kFull: the frame's window is full (Note [Receiving
-// windows]) until the caller reports more of it.
-enum class Moved { kDone, kBlocked, kFailed, kFull };
+// How a move of one frame ended for now. kFull: it waits for the caller's reports: its window is
+// full (Note [Receiving windows]), the frame before it from the same peer is not reported whole, or
+// it forwards data not reported yet (Links::Send::follows). kQueued: an earlier frame with the same
+// peer goes first, which does the waiting.
+enum class Moved { kDone, kBlocked, kFailed, kFull, kQueued };
 
 // Whether data growing from `from` to `to` bytes passed a multiple of `step` (any growth, for no
 // step): receiving thread and caller count steps alike, so that the thread's news is a report's.
