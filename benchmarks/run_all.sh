@@ -68,6 +68,9 @@ if [ "$(id -u)" -eq 0 ] && command -v ip >/dev/null && command -v unshare >/dev/
   run $PY benchmarks/bench_multihost.py "${QUICK[@]}" --topologies 2x1 4x1 --links 1gbit-10ms \
     --collectives all_reduce --candidates ddpkit ddpkit_backend ddpkit_bf16 ddpkit_send_buffer_256 ddpkit_kernel_buffers gloo \
     --sizes 1000000 16000000 --no-ddp --output multihost_delayed
+  run $PY benchmarks/bench_multihost.py "${QUICK[@]}" --topologies 4x1 --links 1gbit-10ms 1gbit-10ms-reno \
+    --collectives all_reduce --candidates ddpkit ddpkit_backend gloo --sizes 16000000 --reps 40 --no-ddp \
+    --output multihost_delayed_4x1_16M
   run $PY benchmarks/bench_fault_tolerance.py "${QUICK[@]}" --hosts 2 --link 1gbit-10ms --steady-wrappers torchft-ddp \
     --name fault_tolerance_hosts_delayed
 else

@@ -182,10 +182,11 @@ connections chooses its send buffer from the path it measures at its set-up: the
 unshaped links above only where it holds the path's bandwidth times its round trip, the kernel's own sizing elsewhere
 ([docs/multihost.md](../docs/multihost.md#wide-area-links)). `ddpkit_send_buffer_256` is the same build with every
 connection's buffer fixed at 256 KiB, as before this choice; `ddpkit_kernel_buffers` with every buffer left to the
-kernel. The collective check rides in front of the data between two hosts, and among more hosts an all-reduce of up
-to 16 MiB takes two shots (one exchange with every partner each) instead of a ring's 2(n-1) steps, each of which
-waits out the path's delay (docs/multihost.md's wide-area section). Then torchft's
-steady step with one replica group on each of 2 hosts across such links.
+kernel. The collective check rides in front of the data between two hosts; among more hosts an all-reduce of up
+to 16 MiB takes two shots (one exchange with every partner each), and a larger one a ring whose steps stream, each
+forwarding the one before it part by part, so that the path's delay is paid about once (docs/multihost.md's wide-area
+section). Then the ring at four hosts and 16M floats with more calls, under the hosts' default congestion control
+(BBR) and under reno, and torchft's steady step with one replica group on each of 2 hosts across such links.
 """
 
 TORCH_STACK = r"""
@@ -306,6 +307,7 @@ def build() -> nbformat.NotebookNode:
         call(analysis.fault_tolerance_hosts),
         markdown(DELAYED),
         call(analysis.multihost_delayed),
+        call(analysis.multihost_delayed_4x1),
         call(analysis.fault_tolerance_hosts_delayed),
         markdown(TORCH_STACK),
         call(analysis.torch_stack),

@@ -274,6 +274,7 @@ def test_allreduce_memory_draws_one_line_per_candidate_at_the_largest_size(shown
         (analysis.compression, "No `compression.json` in this results folder"),
         (analysis.fault_tolerance_hosts, "No `fault_tolerance_hosts.json` in this results folder"),
         (analysis.multihost_delayed, "No `multihost_delayed.json` in this results folder"),
+        (analysis.multihost_delayed_4x1, "No `multihost_delayed_4x1_16M.json` in this results folder"),
         (analysis.fault_tolerance_hosts_delayed, "No `fault_tolerance_hosts_delayed.json` in this results folder"),
     ],
 )
@@ -286,6 +287,7 @@ def test_a_delayed_link_is_named_in_words():
     assert analysis.hosts.link_label("1gbit-10ms") == "1 Gbit/s, 10 ms round trip"
     assert analysis.hosts.link_label("unshaped-2.5ms") == "unshaped link, 2.5 ms round trip"
     assert analysis.hosts.link_label("10gbit") == "10 Gbit/s"
+    assert analysis.hosts.link_label("1gbit-10ms-reno") == "1 Gbit/s, 10 ms round trip, reno in the hosts"
 
 
 def test_the_multihost_targets_show_nothing_without_the_result(shown):

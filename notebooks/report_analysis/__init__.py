@@ -28,6 +28,7 @@ from .crossing import (
     fault_tolerance_hosts,
     fault_tolerance_hosts_delayed,
     multihost_delayed,
+    multihost_delayed_4x1,
     multihost_hosts,
     multihost_unshaped,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "fault_tolerance_hosts",
     "fault_tolerance_hosts_delayed",
     "multihost_delayed",
+    "multihost_delayed_4x1",
     "torch_stack",
     "torch_suite",
     "sharding",

@@ -1,6 +1,6 @@
 """7b. The compressed crossing: training with gradients that cross hosts in bfloat16 (compression.json), and
 torchft's replica groups across hosts (fault_tolerance_hosts.json). 7c. Long, fat links: the same across delayed
-links (multihost_delayed.json, fault_tolerance_hosts_delayed.json)."""
+links (multihost_delayed.json, multihost_delayed_4x1_16M.json, fault_tolerance_hosts_delayed.json)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ def multihost_delayed(R: dict) -> None:
     """The all-reduce across delayed links (multihost_delayed.json): each link's send buffer chosen from its path
     against the small fixed buffer and the kernel's sizing, gloo beside."""
     multihost(R, "multihost_delayed")
+
+
+def multihost_delayed_4x1(R: dict) -> None:
+    """The ring's all-reduce at four hosts and 16M floats across delayed links, more calls than
+    multihost_delayed.json's, with the hosts' default congestion control (BBR) and with reno
+    (multihost_delayed_4x1_16M.json)."""
+    multihost(R, "multihost_delayed_4x1_16M")
 
 
 def compression(R: dict) -> None:

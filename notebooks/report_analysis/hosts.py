@@ -24,10 +24,14 @@ MULTIHOST_LINKS = {"unshaped": "unshaped link", "10gbit": "10 Gbit/s", "1gbit": 
 
 
 def link_label(link: str) -> str:
-    """A link as bench_multihost.py names it, in words: "1gbit-10ms" is "1 Gbit/s, 10 ms round trip"."""
-    rate, _, round_trip = link.partition("-")
+    """A link as bench_multihost.py names it, in words: "1gbit-10ms" is "1 Gbit/s, 10 ms round trip", and
+    "1gbit-10ms-reno" adds the hosts' congestion control."""
+    rate, _, rest = link.partition("-")
+    round_trip, _, congestion_control = rest.partition("-")
     label = MULTIHOST_LINKS.get(rate, rate)
-    return f"{label}, {round_trip.removesuffix('ms')} ms round trip" if round_trip else label
+    if round_trip:
+        label += f", {round_trip.removesuffix('ms')} ms round trip"
+    return f"{label}, {congestion_control} in the hosts" if congestion_control else label
 
 
 # The issue's targets for ddpkit's time over gloo's, by (hosts x ranks, link) and size (None: no target there);

@@ -19,7 +19,8 @@ EXPECTED = ["allreduce", "allreduce_checks", "syncbn", "ddp", "training", "backe
 # torch_stack (bench_torch_stack.py); multihost (bench_multihost.py, which needs root); latency (bench_latency.py);
 # fault_tolerance (bench_fault_tolerance.py, which needs torchft); across three hosts or more, the compressed
 # crossing's training and torchft across hosts, also across delayed links (multihost_hosts, multihost_unshaped,
-# compression, fault_tolerance_hosts, multihost_delayed, fault_tolerance_hosts_delayed: root); sharding and
+# compression, fault_tolerance_hosts, multihost_delayed, multihost_delayed_4x1_16M, fault_tolerance_hosts_delayed:
+# root); sharding and
 # sharding_zero3 (bench_sharding.py: ZeRO-1/2 and ZeRO-3, whose 2x2 hosts need root), and sharding_memory
 # (ZeRO-3's peak memory at the 100M model).
 OPTIONAL = [
@@ -38,6 +39,7 @@ OPTIONAL = [
     "sharding_zero3",
     "sharding_memory",
     "multihost_delayed",
+    "multihost_delayed_4x1_16M",
     "fault_tolerance_hosts_delayed",
 ]
 # Read from the repository, not from the results folder: torch's own distributed test suite on gloo and on

@@ -172,12 +172,13 @@ Communicator RingSteps::subgroup(const Communicator& comm) const {
   return Communicator(rank(), size(), c10::kCPU, backend_, messages_, comm.sequence(), comm.group(), comm.what());
 }
 
-bool RingSteps::takes_two_shots(const at::Tensor& tensor, ReduceOp op, Communicator& comm) const {
-  const bool two_shots = long_paths() && !compresses(comm.wire_format(), tensor, op) &&
-                         static_cast<int64_t>(tensor.nbytes()) <= kTwoShotsMaxBytes;
-  // The ring's frames do not carry a check in front: its words cross alone first.
-  if (!two_shots && comm.check_in_front() != nullptr) comm.settle_header();
-  return two_shots;
+bool RingSteps::takes_two_shots(const at::Tensor& tensor, ReduceOp op, const Communicator& comm) const {
+  return long_paths() && !compresses(comm.wire_format(), tensor, op) &&
+         static_cast<int64_t>(tensor.nbytes()) <= kTwoShotsMaxBytes;
+}
+
+void RingSteps::settle_check_alone(Communicator& comm) {
+  if (comm.check_in_front() != nullptr) comm.settle_header();
 }
 
 // The first shot (Note [Two shots across hosts]): this rank's block `b` of `flat` (elements
@@ -259,6 +260,7 @@ void RingSteps::all_gather_shot(const at::Tensor& bytes, const std::function<int
 
 void RingSteps::all_reduce(const at::Tensor& block, ReduceOp op, Communicator& comm) {
   if (!takes_two_shots(block, op, comm)) {
+    settle_check_alone(comm);
     return ring_all_reduce(links(), comm.sequence(), block, op, comm.wire_format(), scratch_);
   }
   if (block.numel() == 0) return;
@@ -293,6 +295,7 @@ void RingSteps::all_gather(const at::Tensor& flat, int64_t m, Communicator& comm
 
 void RingSteps::reduce_scatter(const at::Tensor& run, int64_t m, ReduceOp op, Communicator& comm) {
   if (!takes_two_shots(run, op, comm)) {
+    settle_check_alone(comm);
     return ring_reduce_scatter(links(), comm.sequence(), run, m, op, comm.wire_format(), scratch_);
   }
   if (m == 0) return;

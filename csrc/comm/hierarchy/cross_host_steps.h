@@ -145,8 +145,10 @@ class RingSteps final : public CrossHostSteps {
   // sequence number, so its tags, and its call's name for errors).
   Communicator subgroup(const Communicator& comm) const;
   // Whether a reduction of `tensor` takes two shots rather than the ring (Note [Two shots across
-  // hosts]); where it takes the ring, a check in front crosses alone first.
-  bool takes_two_shots(const at::Tensor& tensor, ReduceOp op, Communicator& comm) const;
+  // hosts]).
+  bool takes_two_shots(const at::Tensor& tensor, ReduceOp op, const Communicator& comm) const;
+  // Before the ring: its frames do not carry a check in front, whose words cross alone first.
+  static void settle_check_alone(Communicator& comm);
   // The two shots, over blocks [start(b), start(b + 1)) of `flat` (elements) and `bytes` (bytes).
   void reduce_scatter_shot(const at::Tensor& flat, const std::function<int64_t(int)>& start, ReduceOp op,
                            Communicator& comm);

@@ -46,8 +46,7 @@ Moved OutgoingFrames::send_some(size_t i, int64_t sendable, const LinkThread* th
   const Links::Send& send = sends_[i];
   const int fd = fds_[send.peer].get();
   if (earlier_[i] >= 0 && !sent(earlier_[i])) return Moved::kQueued;
-  // The frame's bytes with its header that may go now.
-  const int64_t until = std::min(total(i), kHeaderBytes + sendable);
+  const int64_t until = may_go(i, sendable);
   int64_t done = out.done.load(std::memory_order_relaxed);  // this thread is its one writer
   while (done < total(i)) {
     if (thread != nullptr && thread->stop_requested()) return Moved::kBlocked;

@@ -39,7 +39,7 @@ class OutgoingFrames {
   // the same peer, and short of the `sendable` data bytes (send_some's) that may go.
   bool waits_for_peer(size_t i, int64_t sendable) const {
     const int64_t done = progress_[i].done.load(std::memory_order_acquire);
-    return done < std::min(total(i), socket_io::kHeaderBytes + sendable) && (earlier_[i] < 0 || sent(earlier_[i]));
+    return done < may_go(i, sendable) && (earlier_[i] < 0 || sent(earlier_[i]));
   }
   // The data bytes (its header left out) of frame `i` sent so far.
   int64_t data_sent(size_t i) const {
@@ -68,6 +68,12 @@ class OutgoingFrames {
     int64_t prepared = 0;  // data bytes prepare() has made (all of them without prepare)
   };
   int64_t total(size_t i) const { return socket_io::kHeaderBytes + static_cast<int64_t>(progress_[i].header.bytes); }
+  // Frame `i`'s bytes with its header that may go once `sendable` data bytes may: the header waits for
+  // data to go with it (alone, it would cost a segment and a wake-up of its own).
+  int64_t may_go(size_t i, int64_t sendable) const {
+    if (sendable == 0 && total(i) > socket_io::kHeaderBytes) return 0;
+    return std::min(total(i), socket_io::kHeaderBytes + sendable);
+  }
 
   const std::vector<Links::Send> sends_;
   const std::vector<socket_io::Fd>& fds_;
