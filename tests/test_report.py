@@ -92,8 +92,8 @@ def execute_checked(kernel_folder, results):
     ]
     assert not [c.id for c in notebook.cells if "execution" in c.metadata], "executing recorded timestamps"
     # every plot rendered: one per section, two in the all-reduce's, one more each for multihost.json,
-    # fault_tolerance.json, multihost_hosts.json, multihost_unshaped.json, compression.json (its loss curves) and
-    # multihost_delayed.json where they exist
+    # fault_tolerance.json, multihost_hosts.json, multihost_unshaped.json, compression.json (its loss curves),
+    # multihost_delayed.json and multihost_delayed_4x1_16M.json where they exist
     optional_plots = (
         "multihost",
         "fault_tolerance",
@@ -101,6 +101,7 @@ def execute_checked(kernel_folder, results):
         "multihost_unshaped",
         "compression",
         "multihost_delayed",
+        "multihost_delayed_4x1_16M",
     )
     assert sum(1 for o in outputs if "image/png" in o.get("data", {})) == 6 + sum(
         (RESULTS / f"{name}.json").exists() for name in optional_plots
@@ -180,7 +181,8 @@ def test_the_report_reads_only_what_run_all_produces():
         "compression": 'bench_compression.py "${QUICK[@]}"',
         "fault_tolerance_hosts": "--hosts 4 --link 1gbit",
         "sharding": 'bench_sharding.py "${QUICK[@]}"',
-        "multihost_delayed": "--output multihost_delayed",
+        "multihost_delayed": "--output multihost_delayed\n",
+        "multihost_delayed_4x1_16M": "--output multihost_delayed_4x1_16M",
         "fault_tolerance_hosts_delayed": "--name fault_tolerance_hosts_delayed",
         "sharding_zero3": "--output sharding_zero3",
         "sharding_memory": "--output sharding_memory",

@@ -40,8 +40,7 @@ OutgoingFrames::OutgoingFrames(std::vector<Links::Send>&& sends, uint64_t sequen
   }
 }
 
-Moved OutgoingFrames::send_some(size_t i, int64_t sendable, const LinkThread* thread, Failure& failure,
-                                bool& news) {
+Moved OutgoingFrames::send_some(size_t i, int64_t sendable, const LinkThread* thread, Failure& failure, bool& news) {
   Progress& out = progress_[i];
   const Links::Send& send = sends_[i];
   const int fd = fds_[send.peer].get();
@@ -74,7 +73,8 @@ Moved OutgoingFrames::send_some(size_t i, int64_t sendable, const LinkThread* th
         return;
       }
       const int64_t taken = std::min(bytes - skip, left);
-      if (taken > 0) parts[count++] = {const_cast<char*>(static_cast<const char*>(data)) + skip, static_cast<size_t>(taken)};
+      if (taken > 0)
+        parts[count++] = {const_cast<char*>(static_cast<const char*>(data)) + skip, static_cast<size_t>(taken)};
       left -= taken;
       skip = 0;
     };

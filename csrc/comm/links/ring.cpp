@@ -98,9 +98,9 @@ void forwarded(int64_t) {}
 // frame, so that the rounding overlaps the transfer. `round_own`: this rank's finished block too,
 // encoded and taken back rounded (the all-reduce's, whose all-gather sends it so: Note [Compressed
 // crossing]). `reduced`: the elements each step reduced, for the caller to check.
-void add_reduce_scatter(RingFrames& frames, const Links& links, const at::Tensor& flat,
-                        const std::vector<Span>& blocks, ReduceOp op, bool compressed, const at::Tensor& wired,
-                        bool round_own, std::vector<int64_t>& reduced, ScratchBuffers& scratch) {
+void add_reduce_scatter(RingFrames& frames, const Links& links, const at::Tensor& flat, const std::vector<Span>& blocks,
+                        ReduceOp op, bool compressed, const at::Tensor& wired, bool round_own,
+                        std::vector<int64_t>& reduced, ScratchBuffers& scratch) {
   const int n = links.size(), r = links.rank();
   const ReduceOp sum_or_op = accumulating_op(op);
   const int64_t most = largest(blocks);

@@ -52,8 +52,8 @@ bool reports_wait_for_sends(const std::vector<Links::Send>& sends, const std::ve
     if (send.follows >= 0) {
       following = true;
       const Links::Recv& followed = recvs.at(send.follows);
-      TORCH_INTERNAL_ASSERT(followed.on_data && followed.step > 0 && !followed.drain && !send.prepare && send.second_bytes == 0 &&
-                            send.first_bytes <= followed.minimum);
+      TORCH_INTERNAL_ASSERT(followed.on_data && followed.step > 0 && !followed.drain && !send.prepare &&
+                            send.second_bytes == 0 && send.first_bytes <= followed.minimum);
     }
   }
   bool wait = false, several = following;
