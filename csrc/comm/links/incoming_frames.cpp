@@ -88,10 +88,7 @@ Moved IncomingFrames::receive_some(size_t i, LinkThread* thread, Failure& failur
       const FrameHeader& header = in.header;
       if (header.magic == kNewsMagic) {
         // Another rank failed; the messenger gave up over it (Note [News of a failure]).
-        const auto failed = static_cast<int64_t>(header.bytes);
-        const auto known = std::find(ranks_.begin(), ranks_.end(), failed);
-        const int about = known == ranks_.end() ? peer : static_cast<int>(known - ranks_.begin());
-        failure = {about, c10::str("rank ", failed, " failed or died (rank ", ranks_[peer], " reported it)"), failed};
+        failure = failure_in_news(header, peer, ranks_);
         return Moved::kFailed;
       }
       if (header.magic != kFrameMagic || header.sequence != sequence_ ||

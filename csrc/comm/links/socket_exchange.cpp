@@ -262,11 +262,7 @@ Failure SocketLinks::Exchange::news_behind(const Failure& failure) const {
   FrameHeader news{};
   const ssize_t got = ::recv(links_.fds_[peer].get(), &news, sizeof(news), MSG_PEEK | MSG_DONTWAIT);
   if (got != static_cast<ssize_t>(sizeof(news)) || news.magic != kNewsMagic) return failure;
-  const auto failed = static_cast<int64_t>(news.bytes);
-  const auto known = std::find(links_.group_ranks_.begin(), links_.group_ranks_.end(), failed);
-  const int about = known == links_.group_ranks_.end() ? peer : static_cast<int>(known - links_.group_ranks_.begin());
-  return {about, c10::str("rank ", failed, " failed or died (rank ", links_.group_ranks_[peer], " reported it)"),
-          failed};
+  return failure_in_news(news, peer, links_.group_ranks_);
 }
 
 int SocketLinks::Exchange::waiting_peer() const {

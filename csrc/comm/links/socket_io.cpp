@@ -1,6 +1,7 @@
 #include "comm/links/socket_io.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -10,6 +11,13 @@
 #include <cstring>
 
 namespace ddpkit::comm::socket_io {
+
+Failure failure_in_news(const FrameHeader& news, int peer, const std::vector<int>& ranks) {
+  const auto failed = static_cast<int64_t>(news.bytes);
+  const auto known = std::find(ranks.begin(), ranks.end(), failed);
+  const int about = known == ranks.end() ? peer : static_cast<int>(known - ranks.begin());
+  return {about, c10::str("rank ", failed, " failed or died (rank ", ranks[peer], " reported it)"), failed};
+}
 
 std::string errno_text() { return std::strerror(errno); }
 

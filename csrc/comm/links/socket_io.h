@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace ddpkit::comm::socket_io {
 
@@ -62,6 +63,10 @@ struct Failure {
   std::string why;
   int64_t failed_rank = -1;
 };
+
+// What a news frame from `peer` tells (Note [News of a failure]): the rank it names failed, as the
+// peer it is among `ranks` (every peer's group rank), else `peer`.
+Failure failure_in_news(const FrameHeader& news, int peer, const std::vector<int>& ranks);
 
 // How a move of one frame ended for now. kFull: it waits for the caller's reports: its window is
 // full (Note [Receiving windows]), the frame before it from the same peer is not reported whole, or
